@@ -1,0 +1,30 @@
+"""Validation of tensor names: 1-256 characters of ``[A-Za-z0-9_.:/-]``."""
+
+from __future__ import annotations
+
+import re
+
+from collectives.errors import InvalidArgument
+
+__all__ = ["validate_name", "MAX_NAME_LENGTH"]
+
+MAX_NAME_LENGTH = 256
+_NAME_RE = re.compile(r"[A-Za-z0-9_.:/-]{1,256}")
+
+
+def validate_name(name: object, what: str = "tensor name") -> str:
+    """Returns ``name`` if valid, else raises :class:`InvalidArgument` saying why."""
+    if not isinstance(name, str):
+        raise InvalidArgument(f"{what} must be a str, got {type(name).__name__}")
+    if not name:
+        raise InvalidArgument(f"{what} must not be empty")
+    if len(name) > MAX_NAME_LENGTH:
+        raise InvalidArgument(
+            f"{what} is {len(name)} characters long; the limit is {MAX_NAME_LENGTH}"
+        )
+    if not _NAME_RE.fullmatch(name):
+        bad = sorted({c for c in name if not re.fullmatch(r"[A-Za-z0-9_.:/-]", c)})
+        raise InvalidArgument(
+            f"{what} {name[:64]!r} contains {''.join(bad)!r}; allowed are A-Z a-z 0-9 _ . : / -"
+        )
+    return name

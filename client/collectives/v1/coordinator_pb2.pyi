@@ -1,0 +1,145 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_STATE_UNSPECIFIED: _ClassVar[WorkerState]
+    WORKER_STATE_JOINING: _ClassVar[WorkerState]
+    WORKER_STATE_READY: _ClassVar[WorkerState]
+    WORKER_STATE_BUSY: _ClassVar[WorkerState]
+    WORKER_STATE_DRAINING: _ClassVar[WorkerState]
+    WORKER_STATE_LOST: _ClassVar[WorkerState]
+WORKER_STATE_UNSPECIFIED: WorkerState
+WORKER_STATE_JOINING: WorkerState
+WORKER_STATE_READY: WorkerState
+WORKER_STATE_BUSY: WorkerState
+WORKER_STATE_DRAINING: WorkerState
+WORKER_STATE_LOST: WorkerState
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("worker_id", "rank", "address", "hostname", "pid", "state", "devices", "joined_generation", "last_heartbeat_age_s", "backend", "uptime_s", "version")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    JOINED_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    rank: int
+    address: str
+    hostname: str
+    pid: int
+    state: WorkerState
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    joined_generation: int
+    last_heartbeat_age_s: float
+    backend: str
+    uptime_s: float
+    version: str
+    def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., address: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., devices: _Optional[_Iterable[str]] = ..., joined_generation: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., backend: _Optional[str] = ..., uptime_s: _Optional[float] = ..., version: _Optional[str] = ...) -> None: ...
+
+class Cluster(_message.Message):
+    __slots__ = ("generation", "formed", "world_size", "workers", "store_address", "version", "min_workers", "max_workers", "status", "op_timeout_s", "ready")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    FORMED_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MIN_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    OP_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    formed: bool
+    world_size: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    store_address: str
+    version: int
+    min_workers: int
+    max_workers: int
+    status: str
+    op_timeout_s: float
+    ready: bool
+    def __init__(self, generation: _Optional[int] = ..., formed: _Optional[bool] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., store_address: _Optional[str] = ..., version: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., status: _Optional[str] = ..., op_timeout_s: _Optional[float] = ..., ready: _Optional[bool] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("address", "hostname", "pid", "devices", "backend", "version")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    hostname: str
+    pid: int
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    backend: str
+    version: str
+    def __init__(self, address: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("worker_id", "heartbeat_interval_s", "lease_s", "store_address", "op_timeout_s")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    OP_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    heartbeat_interval_s: float
+    lease_s: float
+    store_address: str
+    op_timeout_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_s: _Optional[float] = ..., store_address: _Optional[str] = ..., op_timeout_s: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("worker_id", "joined_generation", "busy")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    JOINED_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    joined_generation: int
+    busy: bool
+    def __init__(self, worker_id: _Optional[str] = ..., joined_generation: _Optional[int] = ..., busy: _Optional[bool] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("generation", "version")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    version: int
+    def __init__(self, generation: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetClusterRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WatchClusterRequest(_message.Message):
+    __slots__ = ("after_version",)
+    AFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    after_version: int
+    def __init__(self, after_version: _Optional[int] = ...) -> None: ...

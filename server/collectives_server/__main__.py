@@ -1,0 +1,3 @@
+from collectives_server.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,78 @@
+"""gRPC server construction shared by the coordinator and the workers.
+
+Every server also serves ``grpc.health.v1`` (so load balancers and
+``grpc_health_probe`` work) and server reflection (so ``grpcurl`` can list and
+call it without the protos), and allows messages of one data chunk plus framing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from collectives.codec import MAX_MESSAGE_BYTES
+
+__all__ = ["GRPC_OPTIONS", "ServerHandle", "start_server"]
+
+GRPC_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+]
+
+
+class ServerHandle:
+    """A started server: its bound port, health servicer, and a way to stop it."""
+
+    def __init__(self, server: grpc.Server, port: int, health_servicer: health.HealthServicer):
+        self.server = server
+        self.port = port
+        self.health = health_servicer
+
+    def set_serving(self, service: str, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        self.health.set(service, status)
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace_s).wait(grace_s + 1.0)
+
+
+def start_server(
+    host: str,
+    port: int,
+    register: Sequence[Callable[[grpc.Server], None]],
+    service_names: Sequence[str],
+    max_workers: int = 32,
+) -> ServerHandle:
+    """Starts a server on ``host:port`` (port 0 picks a free one) and returns its handle.
+
+    ``register`` adds the servicers; ``service_names`` are their full names
+    (``collectives.v1.Worker``) for health and reflection.
+    """
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        options=GRPC_OPTIONS,
+    )
+    for add in register:
+        add(server)
+    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(names, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind gRPC server to {host}:{port}")
+    server.start()
+    for name in service_names:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    return ServerHandle(server, bound, health_servicer)

@@ -1,0 +1,22 @@
+"""Worker configuration: one frozen dataclass, units in the names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    # host:port of the coordinator's gRPC server.
+    coordinator: str
+    # Interface and port this worker's gRPC server binds; port 0 picks a free one.
+    host: str = "127.0.0.1"
+    port: int = 0
+    # "cpu" or CUDA devices ("cuda:0", "cuda:1"); empty: all visible CUDA devices, else cpu.
+    devices: tuple[str, ...] = field(default_factory=tuple)
+    # Collective timeout; None: use the coordinator's --op-timeout-s.
+    op_timeout_s: float | None = None
+    # Bound of the leader's op queue; a full queue answers RESOURCE_EXHAUSTED.
+    queue_size: int = 1024
+    # How long a worker keeps trying to reach the coordinator at start-up.
+    connect_timeout_s: float = 60.0

@@ -1,0 +1,282 @@
+"""The worker daemon: registration, heartbeats, following generations, serving.
+
+A worker registers with the coordinator, renews its lease with heartbeats, and
+follows the coordinator's WatchCluster stream. Each sealed generation that
+includes it gets a fresh :class:`GenerationRuntime` (its own process group);
+the previous one is retired. The tensor store belongs to the daemon, not the
+generation, so named tensors survive every membership change. A worker that
+was declared lost (it missed its lease, e.g. while stopped) registers again
+and joins a later generation with its tensors intact.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+import torch.distributed as dist
+
+import collectives_server
+from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2
+from collectives_server.rpc import GRPC_OPTIONS, start_server
+from collectives_server.worker.config import WorkerConfig
+from collectives_server.worker.runtime import GenerationRuntime
+from collectives_server.worker.service import SERVICE_NAME, WorkerService, add_worker_service
+from collectives_server.worker.store import TensorStore
+
+__all__ = ["WorkerDaemon", "run_worker", "resolve_devices"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerStats:
+    bytes_in: int = 0
+    bytes_out: int = 0
+    ops_completed: Counter = field(default_factory=Counter)
+    ops_failed: Counter = field(default_factory=Counter)
+    last_op_latency_s: float = 0.0
+
+
+def resolve_devices(requested: tuple[str, ...]) -> list[torch.device]:
+    if requested:
+        devices = [torch.device(d) for d in requested]
+        for d in devices:
+            if d.type == "cuda" and not torch.cuda.is_available():
+                raise ValueError(f"device {d} requested but CUDA is not available on this host")
+            if d.type not in ("cpu", "cuda"):
+                raise ValueError(f"device {d} is not supported; use cpu or cuda:N")
+        return devices
+    if torch.cuda.is_available():
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    return [torch.device("cpu")]
+
+
+class WorkerDaemon:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.devices = resolve_devices(config.devices)
+        self.device = self.devices[0]
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.store = TensorStore(self.device)
+        self.stats = WorkerStats()
+        self.runtime: GenerationRuntime | None = None
+        self.cluster_status = "not registered yet"
+        self.leader_address = ""
+        self.op_timeout_s = config.op_timeout_s or 30.0
+        self.worker_id = ""
+        self.joined_generation = 0
+        self._store_address = ""
+        self._heartbeat_s = 1.0
+        self._lease_s = 5.0
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._started = time.monotonic()
+        self._watch_call = None
+        self._server = None
+        self.address = ""
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        servicer = WorkerService(self)
+        self._server = start_server(
+            self.config.host,
+            self.config.port,
+            [lambda server: add_worker_service(servicer, server)],
+            [SERVICE_NAME],
+        )
+        host = self.config.host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.gethostname()
+        self.address = f"{host}:{self._server.port}"
+        self._channel = grpc.insecure_channel(self.config.coordinator, options=GRPC_OPTIONS)
+        self._coordinator = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        self._register(self.config.connect_timeout_s)
+        threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
+        threading.Thread(target=self._watch_loop, name="watch", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._watch_call is not None:
+            self._watch_call.cancel()
+        try:
+            if self.worker_id:
+                self._coordinator.Leave(
+                    coordinator_pb2.LeaveRequest(worker_id=self.worker_id), timeout=2.0
+                )
+        except grpc.RpcError:
+            pass
+        with self._lock:
+            if self.runtime is not None:
+                self.runtime.stop()
+                self.runtime = None
+        if self._server is not None:
+            self._server.stop(1.0)
+        self._channel.close()
+
+    # --------------------------------------------------------- coordinator
+    def _register(self, timeout_s: float) -> None:
+        request = coordinator_pb2.RegisterRequest(
+            address=self.address,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            devices=[str(d) for d in self.devices],
+            backend=self.backend,
+            version=collectives_server.__version__,
+        )
+        response = self._coordinator.Register(request, timeout=timeout_s, wait_for_ready=True)
+        with self._lock:
+            self.worker_id = response.worker_id
+            self._heartbeat_s = response.heartbeat_interval_s or 1.0
+            self._lease_s = response.lease_s or 5.0
+            self._store_address = response.store_address
+            if self.config.op_timeout_s is None and response.op_timeout_s:
+                self.op_timeout_s = response.op_timeout_s
+        log.info("registered as %s at %s", self.worker_id, self.address)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self._heartbeat_s):
+            runtime = self.runtime
+            request = coordinator_pb2.HeartbeatRequest(
+                worker_id=self.worker_id,
+                joined_generation=self.joined_generation,
+                busy=bool(runtime and runtime.busy),
+            )
+            try:
+                self._coordinator.Heartbeat(request, timeout=max(self._heartbeat_s * 2, 1.0))
+            except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.NOT_FOUND:
+                    log.warning("coordinator no longer knows this worker; registering again")
+                    self._retire_runtime()
+                    try:
+                        self._register(timeout_s=max(self._heartbeat_s * 5, 5.0))
+                    except grpc.RpcError as again:
+                        log.warning("re-registration failed: %s", again.details())
+                elif not self._stop.is_set():
+                    log.debug("heartbeat failed: %s", err.details())
+
+    def _watch_loop(self) -> None:
+        version = 0
+        while not self._stop.is_set():
+            try:
+                call = self._coordinator.WatchCluster(
+                    coordinator_pb2.WatchClusterRequest(after_version=version)
+                )
+                self._watch_call = call
+                for cluster in call:
+                    version = cluster.version
+                    self._on_cluster(cluster)
+            except grpc.RpcError as err:
+                if self._stop.is_set():
+                    return
+                log.debug("cluster watch interrupted: %s", err.details())
+            self._stop.wait(0.5)  # back off before re-opening the watch
+
+    def _retire_runtime(self) -> None:
+        with self._lock:
+            if self.runtime is not None:
+                self.runtime.stop()
+                self.runtime = None
+            self.joined_generation = 0
+
+    def _on_cluster(self, cluster: coordinator_pb2.Cluster) -> None:
+        with self._lock:
+            self.cluster_status = cluster.status or ("formed" if cluster.formed else "forming")
+            members = [w for w in cluster.workers if w.rank >= 0]
+            self.leader_address = next((w.address for w in members if w.rank == 0), "")
+            me = next((w for w in members if w.worker_id == self.worker_id), None)
+            if cluster.store_address:
+                self._store_address = cluster.store_address
+            current = self.runtime
+            if cluster.formed and me is not None:
+                if current is not None and current.generation == cluster.generation:
+                    return
+                self._retire_runtime()
+                self.runtime = self._new_runtime(cluster.generation, me.rank, cluster.world_size)
+            elif current is not None:
+                self._retire_runtime()
+
+    def _new_runtime(self, generation: int, rank: int, world_size: int) -> GenerationRuntime:
+        host, port = self._store_address.rsplit(":", 1)
+        tcp_store = dist.TCPStore(
+            host,
+            int(port),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=self.op_timeout_s),
+        )
+        return GenerationRuntime(
+            generation=generation,
+            rank=rank,
+            world_size=world_size,
+            tcp_store=tcp_store,
+            store=self.store,
+            op_timeout_s=self.op_timeout_s,
+            device=self.device,
+            host=self.config.host,
+            queue_size=self.config.queue_size,
+            on_joined=self._joined,
+            on_op_done=self._op_done,
+            rebuild_after_s=self._lease_s + 2 * self._heartbeat_s,
+        ).start()
+
+    def _joined(self, generation: int) -> None:
+        with self._lock:
+            if self.runtime is not None and self.runtime.generation == generation:
+                self.joined_generation = generation
+
+    def _op_done(self, kind: str, ok: bool, latency_s: float) -> None:
+        (self.stats.ops_completed if ok else self.stats.ops_failed)[kind] += 1
+        self.stats.last_op_latency_s = latency_s
+
+    # ---------------------------------------------------------------- state
+    def state(self) -> worker_pb2.GetStateResponse:
+        runtime = self.runtime
+        count, nbytes = self.store.stats()
+        return worker_pb2.GetStateResponse(
+            worker_id=self.worker_id,
+            rank=runtime.rank if runtime else -1,
+            generation=runtime.generation if runtime else 0,
+            is_leader=bool(runtime and runtime.is_leader),
+            queue_depth=runtime.queue_depth if runtime else 0,
+            tensors_held=count,
+            bytes_held=nbytes,
+            ops_completed=sum(self.stats.ops_completed.values()),
+            ops_failed=sum(self.stats.ops_failed.values()),
+            devices=[str(d) for d in self.devices],
+            backend=self.backend,
+        )
+
+
+def run_worker(config: WorkerConfig) -> int:
+    """Runs a worker until SIGTERM/SIGINT; prints its address as the first stdout line."""
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        daemon = WorkerDaemon(config)
+        daemon.start()
+    except (ValueError, grpc.RpcError) as exc:
+        detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+        log.error("worker failed to start: %s", detail)
+        return 1
+    sys.stdout.write(f"{daemon.address}\n")
+    sys.stdout.flush()
+    while not stop.wait(1.0):
+        pass
+    log.info("stopping worker %s", daemon.worker_id)
+    daemon.stop()
+    return 0

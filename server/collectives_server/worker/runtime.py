@@ -1,0 +1,479 @@
+"""One generation's execution engine on one worker.
+
+The leader (rank 0) owns a bounded FIFO of ops. One thread per rank runs the
+generation: on the leader it takes the next op (or, when idle, a no-op tick
+that keeps followers inside their receive timeout and proves the group alive),
+announces it through the control group, and executes it; on followers it
+receives descriptors and executes them. Every rank executes the same op in
+the same order, which is what torch.distributed requires and what concurrent
+clients could never guarantee by themselves.
+
+Executing one op on every rank:
+  1. all-gather operand descriptions (present?, dtype, shape);
+  2. :func:`validation.decide`, identical everywhere: fail together, or go on;
+  3. prepare private buffers; agree that every rank could;
+  4. the data collective;
+  5. agree on the outcome; commit results to the store only if all succeeded.
+
+A generation that is superseded never commits again; its thread is left to
+finish or time out (gloo cannot interrupt a pending op) while the next
+generation runs beside it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+import torch.distributed as dist
+
+from collectives.errors import CollectiveError, ResourceExhausted, Unavailable, error_for_code
+from collectives.reduce_ops import ReduceOp
+from collectives.v1 import worker_pb2
+from collectives_server.worker import agreement, collective_ops, descriptor, validation
+from collectives_server.worker.process_groups import GroupHandles, build_groups
+from collectives_server.worker.store import TensorStore
+
+__all__ = ["GenerationRuntime", "PendingOp", "OpResult", "GroupEntry"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OpResult:
+    op_id: int
+    generation: int
+    result_name: str
+    result_ranks: list[int]
+    dtype: torch.dtype | None
+    shape: tuple[int, ...]
+    latency_s: float
+
+
+@dataclass
+class PendingOp:
+    desc: worker_pb2.OpDescriptor
+    future: Future = field(default_factory=Future)
+    started: bool = False
+    cancelled: bool = False
+
+
+@dataclass
+class GroupEntry:
+    group_id: int
+    ranks: list[int]
+    handles: GroupHandles | None  # None on non-members
+
+    def index(self, rank: int) -> int:
+        return self.ranks.index(rank)
+
+
+class _GroupBroken(Exception):
+    """The process group failed (peer lost, timeout): the generation cannot go on."""
+
+
+class GenerationRuntime:
+    def __init__(
+        self,
+        *,
+        generation: int,
+        rank: int,
+        world_size: int,
+        tcp_store: dist.Store,
+        store: TensorStore,
+        op_timeout_s: float,
+        device: torch.device,
+        host: str | None,
+        queue_size: int,
+        on_joined: Callable[[int], None],
+        on_op_done: Callable[[str, bool, float], None],
+        rebuild_after_s: float = 10.0,
+    ) -> None:
+        self.generation = generation
+        self.rank = rank
+        self.world_size = world_size
+        self.is_leader = rank == 0
+        self._tcp_store = tcp_store
+        self._store = store
+        self._timeout_s = op_timeout_s
+        self._device = device
+        self._host = host
+        self._queue_size = queue_size
+        self._on_joined = on_joined
+        self._on_op_done = on_op_done
+        self._tick_s = min(1.0, op_timeout_s / 4)
+        self._rebuild_after_s = rebuild_after_s
+        self._prefix = f"g{generation}"
+        self._queue: collections.deque[PendingOp] = collections.deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._superseded = False
+        self._next_op_id = 1
+        self._next_group_id = 1
+        self.groups: dict[int, GroupEntry] = {}
+        self.ready = threading.Event()
+        self.finished = threading.Event()
+        self.failure: str | None = None
+        self.busy = False
+        self._thread = threading.Thread(
+            target=self._run, name=f"generation-{generation}", daemon=True
+        )
+
+    # ----------------------------------------------------------- lifecycle
+    def start(self) -> GenerationRuntime:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Retires this generation: no more commits; the leader tells followers to stop."""
+        with self._cond:
+            self._stopping = True
+            self._superseded = True
+            self._cond.notify_all()
+        self._fail_queued(f"generation {self.generation} ended")
+
+    @property
+    def queue_depth(self) -> int:
+        with self._cond:
+            return len(self._queue)
+
+    # ------------------------------------------------------------- leader API
+    def allocate_group_id(self) -> int:
+        with self._cond:
+            gid = self._next_group_id
+            self._next_group_id += 1
+            return gid
+
+    def submit(self, desc: worker_pb2.OpDescriptor) -> PendingOp:
+        pending = PendingOp(desc)
+        with self._cond:
+            if self._stopping:
+                raise Unavailable(
+                    f"generation {self.generation} is over ({self.failure or 'superseded'}); "
+                    "refresh the cluster and retry",
+                    executed=False,
+                )
+            if len(self._queue) >= self._queue_size:
+                raise ResourceExhausted(
+                    f"the leader's op queue is full ({self._queue_size} ops); retry later"
+                )
+            desc.op_id = self._next_op_id
+            desc.generation = self.generation
+            self._next_op_id += 1
+            self._queue.append(pending)
+            self._cond.notify_all()
+        return pending
+
+    def cancel(self, pending: PendingOp) -> bool:
+        """Removes a queued op; False if it already started."""
+        with self._cond:
+            if pending.started:
+                return False
+            pending.cancelled = True
+            try:
+                self._queue.remove(pending)
+            except ValueError:
+                pass
+            return True
+
+    def _take(self) -> PendingOp | None:
+        deadline = time.monotonic() + self._tick_s
+        with self._cond:
+            while not self._queue and not self._stopping:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._cond.wait(remaining)
+            if self._stopping:
+                return None
+            pending = self._queue.popleft()
+            pending.started = True
+            return pending
+
+    def _fail_queued(self, reason: str) -> None:
+        with self._cond:
+            queued = list(self._queue)
+            self._queue.clear()
+        for pending in queued:
+            if not pending.future.done():
+                pending.future.set_exception(
+                    Unavailable(f"{reason}; the op never started: retry it", executed=False)
+                )
+
+    # -------------------------------------------------------------- the loop
+    def _run(self) -> None:
+        """Runs the generation; rebuilds its group if it breaks without being superseded.
+
+        A group can break without a membership change (a peer stopped longer
+        than the op timeout, then resumed). If the coordinator does not seal a
+        new generation within ``rebuild_after_s``, every member rebuilds the same
+        generation's group under a new store prefix (an epoch), so the cluster
+        never stays wedged. Ranks that fail at different times converge because
+        each waits the same timeout for the others at each epoch.
+        """
+        epoch = 0
+        try:
+            while True:
+                failure = self._run_epoch(epoch)
+                if failure is None:
+                    return
+                with self._cond:
+                    if self._stopping:
+                        return
+                    self._cond.wait(self._rebuild_after_s)
+                    if self._stopping:
+                        return
+                    self.failure = None
+                epoch += 1
+                log.warning(
+                    "generation %d: rebuilding the process group (epoch %d) after: %s",
+                    self.generation,
+                    epoch,
+                    failure,
+                )
+        finally:
+            self.finished.set()
+            self._fail_queued(f"generation {self.generation} ended")
+
+    def _run_epoch(self, epoch: int) -> str | None:
+        """Returns None when retired cleanly, else why the group broke."""
+        prefix = f"g{self.generation}" if epoch == 0 else f"g{self.generation}e{epoch}"
+        current: PendingOp | None = None
+        try:
+            try:
+                handles = build_groups(
+                    self._tcp_store,
+                    prefix,
+                    self.rank,
+                    self.world_size,
+                    self._timeout_s,
+                    self._device,
+                    self._host,
+                )
+            except Exception as exc:
+                raise _GroupBroken(f"could not form the process group: {exc}") from exc
+            self._prefix = prefix
+            self.groups = {0: GroupEntry(0, list(range(self.world_size)), handles)}
+            self._control = handles.control
+            self.ready.set()
+            self._on_joined(self.generation)
+            log.info(
+                "joined generation %d as rank %d of %d", self.generation, self.rank, self.world_size
+            )
+            while True:
+                if self.is_leader:
+                    current = self._take()
+                    if current is None:
+                        desc = worker_pb2.OpDescriptor(
+                            kind="stop" if self._stopping else "noop", generation=self.generation
+                        )
+                    else:
+                        desc = current.desc
+                    self._call(descriptor.announce, self._control, desc)
+                else:
+                    desc = self._call(descriptor.receive, self._control)
+                if desc.kind == "stop":
+                    return None
+                if desc.kind == "noop":
+                    continue
+                outcome = self._execute(desc)
+                if current is not None:
+                    if isinstance(outcome, CollectiveError):
+                        current.future.set_exception(outcome)
+                    else:
+                        current.future.set_result(outcome)
+                    current = None
+        except _GroupBroken as exc:
+            self.ready.clear()
+            with self._cond:
+                superseded = self._superseded
+                self.failure = str(exc)
+            if not superseded:
+                log.warning("generation %d: %s", self.generation, exc)
+            if current is not None and not current.future.done():
+                current.future.set_exception(
+                    Unavailable(
+                        f"op {current.desc.op_id} ({current.desc.kind}) failed in generation "
+                        f"{self.generation}: {exc}. A worker was probably lost; the cluster "
+                        "re-forms without it. The op did not complete; nothing was committed "
+                        "unless every rank agreed it succeeded.",
+                    )
+                )
+            self._fail_queued(f"the process group of generation {self.generation} broke")
+            return None if superseded else str(exc)
+        except Exception as exc:  # a bug: never take the daemon down with it
+            log.exception("generation %d: unexpected error", self.generation)
+            if current is not None and not current.future.done():
+                current.future.set_exception(
+                    error_for_code(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
+                )
+            self._fail_queued(f"generation {self.generation} hit an internal error")
+            return f"internal error: {exc}"
+
+    def _call(self, fn, *args):
+        try:
+            return fn(*args)
+        except (RuntimeError, dist.DistError) as exc:
+            raise _GroupBroken(str(exc).splitlines()[0][:300]) from exc
+
+    # ------------------------------------------------------------ execution
+    def _execute(self, desc: worker_pb2.OpDescriptor) -> OpResult | CollectiveError:
+        started = time.perf_counter()
+        self.busy = True
+        try:
+            if desc.kind == "new_group":
+                result = self._new_group(desc, started)
+            else:
+                result = self._collective(desc, started)
+        finally:
+            self.busy = False
+        ok = not isinstance(result, CollectiveError)
+        self._on_op_done(desc.kind, ok, time.perf_counter() - started)
+        if not ok:
+            log.log(
+                logging.INFO if self.is_leader else logging.DEBUG,
+                "op %d (%s %r) failed: %s",
+                desc.op_id,
+                desc.kind,
+                desc.name,
+                result,
+            )
+        return result
+
+    def _fail_all(self, failures: list[agreement.RankOutcome]) -> CollectiveError:
+        first = failures[0]
+        ranks = ", ".join(str(f.rank) for f in failures)
+        return error_for_code(first.code, f"failed on rank(s) {ranks}: {first.message}")
+
+    def _new_group(self, desc: worker_pb2.OpDescriptor, started: float) -> OpResult | CollectiveError:
+        ranks = sorted(desc.group_ranks)
+        handles = None
+        code, message = grpc.StatusCode.OK, ""
+        if self.rank in ranks:
+            try:
+                handles = build_groups(
+                    self._tcp_store,
+                    f"{self._prefix}/grp{desc.group_id}",
+                    ranks.index(self.rank),
+                    len(ranks),
+                    self._timeout_s,
+                    self._device,
+                    self._host,
+                )
+            except Exception as exc:
+                code, message = grpc.StatusCode.UNAVAILABLE, f"could not build group: {exc}"
+        failures = self._call(agreement.agree, self._control, self.world_size, code, message)
+        if failures:
+            return self._fail_all(failures)
+        self.groups[desc.group_id] = GroupEntry(desc.group_id, ranks, handles)
+        return OpResult(
+            desc.op_id, self.generation, "", ranks, None, (), time.perf_counter() - started
+        )
+
+    def _collective(self, desc: worker_pb2.OpDescriptor, started: float) -> OpResult | CollectiveError:
+        group = self.groups[desc.group_id]
+        member = self.rank in group.ranks
+        kind = desc.kind
+        operand = self._store.peek(desc.name) if member and kind != "barrier" else None
+        infos = self._call(
+            agreement.exchange_infos,
+            self._control,
+            validation.encode_info(operand, member),
+            self.world_size,
+        )
+        op = ReduceOp.from_wire(desc.op)
+        plan = validation.decide(kind, desc.name, group.ranks, infos, desc.root, op)
+        if isinstance(plan, validation.OpError):
+            return error_for_code(plan.code, plan.message)
+
+        result: torch.Tensor | None = None
+        code, message = grpc.StatusCode.OK, ""
+        if member:
+            try:
+                result = self._run_member(kind, desc, group, operand, plan, op)
+            except _GroupBroken:
+                raise
+            except Exception as exc:
+                code, message = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+                log.exception("op %d (%s) failed locally", desc.op_id, kind)
+        failures = self._call(agreement.agree, self._control, self.world_size, code, message)
+        if failures:
+            return self._fail_all(failures)
+        target = desc.out or desc.name
+        # Every rank agreed the op succeeded: commit, even if this generation is
+        # being retired right now, so that a reported success is true everywhere.
+        if result is not None:
+            self._store.put_many({target: result})
+        # The leader answers the client only once every rank has committed, so a
+        # client reading the result from any rank right after the call sees it.
+        self._call(self._committed_barrier)
+        return self._describe(desc, group, plan, target, started)
+
+    def _committed_barrier(self) -> None:
+        self._control.barrier(dist.BarrierOptions()).wait()
+
+    def _run_member(self, kind, desc, group: GroupEntry, operand, plan, op) -> torch.Tensor | None:
+        assert group.handles is not None
+        pg = group.handles.data
+        size = len(group.ranks)
+        index = group.index(self.rank)
+        if operand is not None and operand.device != self._device:
+            operand = operand.to(self._device)
+        try:
+            if kind == "broadcast":
+                return collective_ops.broadcast(
+                    pg, operand, group.index(desc.root), index, plan.dtype, plan.shape, self._device
+                )
+            if kind == "all_reduce":
+                return collective_ops.all_reduce(pg, operand, op, size)
+            if kind == "reduce":
+                reduced = collective_ops.reduce(pg, operand, op, size)
+                return reduced if self.rank == desc.root else None
+            if kind == "all_gather":
+                return collective_ops.all_gather(pg, operand, size)
+            if kind == "gather":
+                return collective_ops.gather(pg, operand, size, group.index(desc.root), index)
+            if kind == "reduce_scatter":
+                return collective_ops.reduce_scatter(pg, operand, op, size, index)
+            if kind == "all_to_all":
+                return collective_ops.all_to_all(pg, operand)
+            if kind == "barrier":
+                collective_ops.barrier(pg, self._device)
+                return None
+        except (RuntimeError, dist.DistError) as exc:
+            text = str(exc)
+            if any(s in text for s in ("Connection", "Timed out", "timed out", "closed", "reset")):
+                raise _GroupBroken(text.splitlines()[0][:300]) from exc
+            raise
+        raise ValueError(f"unknown op kind {kind!r}")
+
+    def _describe(self, desc, group: GroupEntry, plan, target: str, started: float) -> OpResult:
+        kind = desc.kind
+        shape = tuple(plan.shape)
+        size = len(group.ranks)
+        if kind in ("all_gather", "gather"):
+            shape = (size, *shape)
+        elif kind == "reduce_scatter":
+            shape = (shape[0] // size, *shape[1:])
+        if kind in ("reduce", "gather"):
+            ranks = [desc.root]
+        elif kind == "barrier":
+            ranks, target = [], ""
+        else:
+            ranks = list(group.ranks)
+        return OpResult(
+            desc.op_id,
+            self.generation,
+            target if kind != "broadcast" else desc.name,
+            ranks,
+            plan.dtype,
+            shape,
+            time.perf_counter() - started,
+        )

@@ -1,0 +1,312 @@
+"""The ``collectives.v1.Worker`` servicer: protobuf in, domain calls, protobuf out.
+
+PutTensor and GetTensor are registered with identity (de)serializers: their
+messages arrive and leave as raw bytes framed by :mod:`collectives.codec`, so
+payloads are never copied through protobuf. Everything else uses the
+generated message classes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING
+
+import grpc
+from google.protobuf import message_factory
+
+from collectives import codec
+from collectives.dtypes import to_wire
+from collectives.errors import (
+    EXECUTED_METADATA_KEY,
+    CollectiveError,
+    DeadlineExceeded,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
+from collectives.names import validate_name
+from collectives.reduce_ops import ReduceOp
+from collectives.v1 import worker_pb2
+
+if TYPE_CHECKING:
+    from collectives_server.worker.daemon import WorkerDaemon
+    from collectives_server.worker.runtime import GenerationRuntime
+
+__all__ = ["WorkerService", "add_worker_service", "SERVICE_NAME"]
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "collectives.v1.Worker"
+
+
+def _abort(context: grpc.ServicerContext, err: CollectiveError) -> None:
+    if err.executed is False:
+        context.set_trailing_metadata(((EXECUTED_METADATA_KEY, "no"),))
+    context.abort(err.code, err.message)
+
+
+def _guard(method):
+    """Turns SDK-style errors into gRPC statuses; unexpected ones into INTERNAL."""
+
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except CollectiveError as err:
+            _abort(context, err)
+        except Exception as exc:
+            if isinstance(exc, grpc.RpcError) or type(exc).__name__ == "_AbortError":
+                raise
+            log.exception("%s failed", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
+
+    wrapper.__name__ = method.__name__
+    return wrapper
+
+
+def _guard_stream(method):
+    def wrapper(self, request, context):
+        try:
+            yield from method(self, request, context)
+        except CollectiveError as err:
+            _abort(context, err)
+
+    wrapper.__name__ = method.__name__
+    return wrapper
+
+
+class WorkerService:
+    def __init__(self, daemon: WorkerDaemon) -> None:
+        self._daemon = daemon
+
+    # ------------------------------------------------------------ data plane
+    @_guard
+    def PutTensor(self, request_iterator: Iterator[bytes], context) -> worker_pb2.PutTensorResponse:
+        assembler: codec.TensorAssembler | None = None
+        for raw in request_iterator:
+            kind, value = codec.decode_part(raw)
+            if kind == "header":
+                if assembler is not None:
+                    raise InvalidArgument("PutTensor stream carries a second header")
+                validate_name(value.name)
+                assembler = codec.TensorAssembler(value)
+                self._daemon.store.check_quota(value.name, assembler.meta.nbytes)
+            elif kind == "chunk":
+                if assembler is None:
+                    raise InvalidArgument("PutTensor stream must start with a header")
+                assembler.add(value)
+        if assembler is None:
+            raise InvalidArgument("PutTensor stream was empty: send a header, then chunks")
+        tensor = assembler.finish()
+        self._daemon.store.put(assembler.name, tensor)
+        self._daemon.stats.bytes_in += assembler.meta.nbytes
+        return worker_pb2.PutTensorResponse(name=assembler.name, nbytes=assembler.meta.nbytes)
+
+    @_guard_stream
+    def GetTensor(self, request: worker_pb2.GetTensorRequest, context) -> Iterator[bytes]:
+        validate_name(request.name)
+        tensor = self._daemon.store.get(request.name)
+        nbytes = tensor.numel() * tensor.element_size()
+        self._daemon.stats.bytes_out += nbytes
+        yield from codec.encode_tensor_stream(request.name, tensor)
+
+    @_guard
+    def DeleteTensor(self, request, context) -> worker_pb2.DeleteTensorResponse:
+        validate_name(request.name)
+        deleted = self._daemon.store.delete(request.name)
+        if not deleted and not request.missing_ok:
+            raise NotFound(f"tensor {request.name!r} is not stored on this worker")
+        return worker_pb2.DeleteTensorResponse(deleted=deleted)
+
+    @_guard
+    def ListTensors(self, request, context) -> worker_pb2.ListTensorsResponse:
+        return worker_pb2.ListTensorsResponse(
+            tensors=[
+                worker_pb2.TensorInfo(
+                    name=i.name,
+                    dtype=to_wire(i.dtype),
+                    shape=list(i.shape),
+                    nbytes=i.nbytes,
+                    device=i.device,
+                )
+                for i in self._daemon.store.infos()
+            ]
+        )
+
+    @_guard
+    def GetState(self, request, context) -> worker_pb2.GetStateResponse:
+        return self._daemon.state()
+
+    # ----------------------------------------------------------- collectives
+    def _leader(self, options: worker_pb2.OpOptions) -> GenerationRuntime:
+        runtime = self._daemon.runtime
+        if runtime is None:
+            raise Unavailable(
+                f"the cluster is not formed ({self._daemon.cluster_status}); retry once it is",
+                executed=False,
+            )
+        if options.generation and options.generation != runtime.generation:
+            raise Unavailable(
+                f"generation changed: the request was for generation {options.generation}, "
+                f"the cluster is at {runtime.generation}; refresh the cluster and retry",
+                executed=False,
+            )
+        if not runtime.is_leader:
+            raise Unavailable(
+                f"this worker is rank {runtime.rank} of generation {runtime.generation}, not the "
+                f"leader (rank 0 at {self._daemon.leader_address or 'unknown'}); "
+                "send collectives to the leader",
+                executed=False,
+            )
+        return runtime
+
+    def _run(
+        self,
+        context: grpc.ServicerContext,
+        kind: str,
+        options: worker_pb2.OpOptions,
+        *,
+        name: str = "",
+        out: str = "",
+        op: int = 0,
+        root: int = 0,
+        group_ranks: list[int] | None = None,
+    ) -> worker_pb2.CollectiveResponse | worker_pb2.NewGroupResponse:
+        if kind not in ("barrier", "new_group"):
+            validate_name(name)
+        if out:
+            validate_name(out, "out name")
+        ReduceOp.from_wire(op)
+        runtime = self._leader(options)
+        desc = worker_pb2.OpDescriptor(
+            kind=kind, name=name, out=out, op=op, root=root, timeout_s=options.timeout_s
+        )
+        if kind == "new_group":
+            ranks = list(group_ranks or [])
+            if not ranks:
+                raise InvalidArgument("new_group needs at least one rank")
+            if len(set(ranks)) != len(ranks):
+                raise InvalidArgument(f"new_group ranks {ranks} contain duplicates")
+            bad = [r for r in ranks if not 0 <= r < runtime.world_size]
+            if bad:
+                raise InvalidArgument(
+                    f"new_group ranks {bad} are out of range: world size is {runtime.world_size} "
+                    f"(valid ranks 0..{runtime.world_size - 1})"
+                )
+            desc.group_id = runtime.allocate_group_id()
+            desc.group_ranks.extend(sorted(ranks))
+        else:
+            group = runtime.groups.get(options.group_id)
+            if group is None:
+                raise NotFound(
+                    f"group {options.group_id} does not exist in generation {runtime.generation}; "
+                    "groups last as long as the generation they were made in: create it again"
+                )
+            desc.group_id = group.group_id
+            if kind in ("broadcast", "reduce", "gather"):
+                role = "src" if kind == "broadcast" else "dst"
+                if not 0 <= root < runtime.world_size:
+                    raise InvalidArgument(
+                        f"{role} rank {root} is out of range: world size is {runtime.world_size} "
+                        f"(valid ranks 0..{runtime.world_size - 1})"
+                    )
+                if root not in group.ranks:
+                    raise InvalidArgument(
+                        f"{role} rank {root} is not a member of group {group.group_id} "
+                        f"(ranks {group.ranks}); {role} is a global rank"
+                    )
+        pending = runtime.submit(desc)
+        budget = self._daemon.op_timeout_s * 2
+        for limit in (context.time_remaining(), options.timeout_s or None):
+            if limit is not None:
+                budget = min(budget, limit)
+        try:
+            result = pending.future.result(timeout=max(budget, 0.0))
+        except FutureTimeout:
+            if runtime.cancel(pending):
+                raise DeadlineExceeded(
+                    f"op {desc.op_id} ({kind}) did not start within {budget:.1f}s "
+                    f"(queue depth {runtime.queue_depth}); it was dropped",
+                    executed=False,
+                ) from None
+            raise DeadlineExceeded(
+                f"op {desc.op_id} ({kind}) still running after {budget:.1f}s; it may still complete"
+            ) from None
+        if kind == "new_group":
+            return worker_pb2.NewGroupResponse(
+                group_id=desc.group_id, generation=result.generation, ranks=result.result_ranks
+            )
+        return worker_pb2.CollectiveResponse(
+            op_id=result.op_id,
+            generation=result.generation,
+            result_name=result.result_name,
+            result_ranks=result.result_ranks,
+            dtype=to_wire(result.dtype) if result.dtype is not None else 0,
+            shape=list(result.shape),
+            latency_s=result.latency_s,
+        )
+
+    @_guard
+    def Broadcast(self, r, context):
+        return self._run(context, "broadcast", r.options, name=r.name, root=r.src)
+
+    @_guard
+    def AllReduce(self, r, context):
+        return self._run(context, "all_reduce", r.options, name=r.name, out=r.out, op=r.op)
+
+    @_guard
+    def Reduce(self, r, context):
+        return self._run(context, "reduce", r.options, name=r.name, out=r.out, op=r.op, root=r.dst)
+
+    @_guard
+    def AllGather(self, r, context):
+        return self._run(context, "all_gather", r.options, name=r.name, out=r.out)
+
+    @_guard
+    def Gather(self, r, context):
+        return self._run(context, "gather", r.options, name=r.name, out=r.out, root=r.dst)
+
+    @_guard
+    def ReduceScatter(self, r, context):
+        return self._run(context, "reduce_scatter", r.options, name=r.name, out=r.out, op=r.op)
+
+    @_guard
+    def AllToAll(self, r, context):
+        return self._run(context, "all_to_all", r.options, name=r.name, out=r.out)
+
+    @_guard
+    def Barrier(self, r, context):
+        return self._run(context, "barrier", r.options)
+
+    @_guard
+    def NewGroup(self, r, context):
+        return self._run(context, "new_group", r.options, group_ranks=list(r.ranks))
+
+
+_RAW_REQUEST = {"PutTensor"}
+_RAW_RESPONSE = {"GetTensor"}
+
+
+def add_worker_service(servicer: WorkerService, server: grpc.Server) -> None:
+    """Registers every Worker method; the data-plane ones with identity serializers."""
+    service = worker_pb2.DESCRIPTOR.services_by_name["Worker"]
+    handlers = {}
+    for method in service.methods:
+        request_cls = message_factory.GetMessageClass(method.input_type)
+        response_cls = message_factory.GetMessageClass(method.output_type)
+        deserializer = None if method.name in _RAW_REQUEST else request_cls.FromString
+        serializer = None if method.name in _RAW_RESPONSE else response_cls.SerializeToString
+        behaviour = getattr(servicer, method.name)
+        if method.client_streaming and not method.server_streaming:
+            make = grpc.stream_unary_rpc_method_handler
+        elif method.server_streaming and not method.client_streaming:
+            make = grpc.unary_stream_rpc_method_handler
+        elif method.client_streaming:
+            make = grpc.stream_stream_rpc_method_handler
+        else:
+            make = grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(
+            behaviour, request_deserializer=deserializer, response_serializer=serializer
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
