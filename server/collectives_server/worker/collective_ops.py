@@ -107,7 +107,11 @@ def reduce_scatter(
     pg: dist.ProcessGroup, t: torch.Tensor, op: ReduceOp, size: int, index: int
 ) -> torch.Tensor:
     reduced = all_reduce(pg, t, op, size)
-    return reduced.chunk(size, dim=0)[index].clone() if reduced.numel() else reduced[: t.shape[0] // size]
+    return (
+        reduced.chunk(size, dim=0)[index].clone()
+        if reduced.numel()
+        else reduced[: t.shape[0] // size]
+    )
 
 
 def broadcast(

@@ -14,7 +14,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import signal
 import socket
 import sys
 import threading
@@ -29,6 +28,7 @@ import torch.distributed as dist
 import collectives_server
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2
 from collectives_server.rpc import GRPC_OPTIONS, start_server
+from collectives_server.signals import StopSignal
 from collectives_server.worker.config import WorkerConfig
 from collectives_server.worker.runtime import GenerationRuntime
 from collectives_server.worker.service import SERVICE_NAME, WorkerService, add_worker_service
@@ -258,25 +258,29 @@ class WorkerDaemon:
 
 
 def run_worker(config: WorkerConfig) -> int:
-    """Runs a worker until SIGTERM/SIGINT; prints its address as the first stdout line."""
-    stop = threading.Event()
+    """Runs a worker until SIGTERM/SIGINT; prints its address as the first stdout line.
 
-    def on_signal(signum, frame):
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    try:
-        daemon = WorkerDaemon(config)
-        daemon.start()
-    except (ValueError, grpc.RpcError) as exc:
-        detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
-        log.error("worker failed to start: %s", detail)
-        return 1
-    sys.stdout.write(f"{daemon.address}\n")
-    sys.stdout.flush()
-    while not stop.wait(1.0):
-        pass
+    Returns 1 if the worker cannot start; after a signal it exits the process
+    with status 0 itself (see the comment at the end).
+    """
+    with StopSignal() as stop:
+        try:
+            daemon = WorkerDaemon(config)
+            daemon.start()
+        except (ValueError, grpc.RpcError) as exc:
+            detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+            log.error("worker failed to start: %s", detail)
+            return 1
+        sys.stdout.write(f"{daemon.address}\n")
+        sys.stdout.flush()
+        while not stop.wait(None):
+            pass
     log.info("stopping worker %s", daemon.worker_id)
     daemon.stop()
-    return 0
+    # A retired generation's thread may still be blocked inside gloo (which
+    # cannot be interrupted); letting the interpreter finalize around it makes
+    # C++ abort the process. Everything is flushed and closed: leave directly.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -23,7 +23,9 @@ generation runs beside it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -73,6 +75,15 @@ class GroupEntry:
 
     def index(self, rank: int) -> int:
         return self.ranks.index(rank)
+
+
+_SOURCE_PREFIX = re.compile(r"\[/[^\]]*\]\s*")
+
+
+def _backend_message(exc: BaseException) -> str:
+    """gloo's first line without its source path and boilerplate advice."""
+    text = _SOURCE_PREFIX.sub("", str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+    return text.split(" This is typically")[0][:300] or type(exc).__name__
 
 
 class _GroupBroken(Exception):
@@ -177,10 +188,8 @@ class GenerationRuntime:
             if pending.started:
                 return False
             pending.cancelled = True
-            try:
+            with contextlib.suppress(ValueError):  # already taken off the queue
                 self._queue.remove(pending)
-            except ValueError:
-                pass
             return True
 
     def _take(self) -> PendingOp | None:
@@ -321,7 +330,7 @@ class GenerationRuntime:
         try:
             return fn(*args)
         except (RuntimeError, dist.DistError) as exc:
-            raise _GroupBroken(str(exc).splitlines()[0][:300]) from exc
+            raise _GroupBroken(_backend_message(exc)) from exc
 
     # ------------------------------------------------------------ execution
     def _execute(self, desc: worker_pb2.OpDescriptor) -> OpResult | CollectiveError:
@@ -352,7 +361,9 @@ class GenerationRuntime:
         ranks = ", ".join(str(f.rank) for f in failures)
         return error_for_code(first.code, f"failed on rank(s) {ranks}: {first.message}")
 
-    def _new_group(self, desc: worker_pb2.OpDescriptor, started: float) -> OpResult | CollectiveError:
+    def _new_group(
+        self, desc: worker_pb2.OpDescriptor, started: float
+    ) -> OpResult | CollectiveError:
         ranks = sorted(desc.group_ranks)
         handles = None
         code, message = grpc.StatusCode.OK, ""
@@ -377,7 +388,9 @@ class GenerationRuntime:
             desc.op_id, self.generation, "", ranks, None, (), time.perf_counter() - started
         )
 
-    def _collective(self, desc: worker_pb2.OpDescriptor, started: float) -> OpResult | CollectiveError:
+    def _collective(
+        self, desc: worker_pb2.OpDescriptor, started: float
+    ) -> OpResult | CollectiveError:
         group = self.groups[desc.group_id]
         member = self.rank in group.ranks
         kind = desc.kind
@@ -450,7 +463,7 @@ class GenerationRuntime:
         except (RuntimeError, dist.DistError) as exc:
             text = str(exc)
             if any(s in text for s in ("Connection", "Timed out", "timed out", "closed", "reset")):
-                raise _GroupBroken(text.splitlines()[0][:300]) from exc
+                raise _GroupBroken(_backend_message(exc)) from exc
             raise
         raise ValueError(f"unknown op kind {kind!r}")
 

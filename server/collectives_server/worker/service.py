@@ -309,4 +309,3 @@ def add_worker_service(servicer: WorkerService, server: grpc.Server) -> None:
             behaviour, request_deserializer=deserializer, response_serializer=serializer
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-

@@ -41,7 +41,7 @@ class TensorStore:
         self._lock = threading.Lock()
 
     def check_quota(self, name: str, incoming: int) -> None:
-        """Raises ResourceExhausted if storing ``incoming`` bytes under ``name`` would exceed the limit."""
+        """Raises ResourceExhausted if ``incoming`` bytes under ``name`` would exceed the limit."""
         if self.limit_bytes is None:
             return
         current = self._tensors.get(name)

@@ -97,7 +97,9 @@ def decode_info(v: torch.Tensor) -> OperandInfo:
     if state != PRESENT:
         return OperandInfo(state)
     ndim = int(values[2])
-    return OperandInfo(PRESENT, from_wire(int(values[1])), tuple(int(d) for d in values[3 : 3 + ndim]))
+    return OperandInfo(
+        PRESENT, from_wire(int(values[1])), tuple(int(d) for d in values[3 : 3 + ndim])
+    )
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -1,0 +1,129 @@
+"""``collectives-server local``: a coordinator and N workers as child processes on loopback."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from collectives_server.cli_common import (
+    add_log_level,
+    non_negative_float,
+    port_number,
+    positive_float,
+    positive_int,
+    setup_logging,
+)
+from collectives_server.local import LocalCluster
+from collectives_server.signals import StopSignal
+
+__all__ = ["add_parser", "run"]
+
+HELP = "run a coordinator and N workers as child processes (the local default)"
+
+log = logging.getLogger(__name__)
+
+# The launcher wakes at least this often to re-check its children (a safety net:
+# child exits and signals wake it at once).
+_SUPERVISE_WAKE_S = 30.0
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "local",
+        help=HELP,
+        description=(
+            f"{HELP.capitalize()}. Prints the coordinator address HOST:PORT as the first "
+            "line of standard output as soon as it listens; children's logs go to standard "
+            "error. On SIGTERM/SIGINT stops every child and exits 0."
+        ),
+    )
+    p.add_argument(
+        "--workers", type=positive_int, required=True, metavar="N", help="number of workers"
+    )
+    p.add_argument(
+        "--min-workers",
+        type=positive_int,
+        default=None,
+        metavar="M",
+        help="keep serving while at least M workers live (default: N)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1)")
+    p.add_argument(
+        "--port", type=port_number, default=0, help="coordinator port (default: 0, any free port)"
+    )
+    p.add_argument(
+        "--heartbeat", "--heartbeat-s", dest="heartbeat_s", type=positive_float, default=1.0,
+        metavar="S", help="heartbeat interval, seconds (default: 1.0)",
+    )  # fmt: skip
+    p.add_argument(
+        "--lease", "--lease-s", dest="lease_s", type=positive_float, default=5.0,
+        metavar="S", help="a worker silent this long is lost, seconds (default: 5.0)",
+    )  # fmt: skip
+    p.add_argument(
+        "--join-window", "--join-window-s", dest="join_window_s", type=non_negative_float,
+        default=0.5, metavar="S", help="join window before sealing, seconds (default: 0.5)",
+    )  # fmt: skip
+    p.add_argument(
+        "--op-timeout-s", type=positive_float, default=30.0, metavar="S",
+        help="collective timeout, seconds (default: 30)",
+    )  # fmt: skip
+    p.add_argument(
+        "--devices",
+        default="auto",
+        metavar="SPEC",
+        help="'auto' (split the visible GPUs across workers if there is one per worker, "
+        "else cpu), 'cpu', or a comma list split across workers (default: auto)",
+    )
+    add_log_level(p)
+    p.set_defaults(run=run, parser=p)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    parser: argparse.ArgumentParser = args.parser
+    if args.min_workers is not None and args.min_workers > args.workers:
+        parser.error(f"--min-workers ({args.min_workers}) must be <= --workers ({args.workers})")
+    if args.lease_s <= args.heartbeat_s:
+        parser.error(
+            f"--lease ({args.lease_s}) must be longer than --heartbeat ({args.heartbeat_s})"
+        )
+    setup_logging(args.log_level, "local")
+    with StopSignal() as stop:
+        cluster = LocalCluster(
+            args.workers,
+            min_workers=args.min_workers,
+            host=args.host,
+            port=args.port,
+            heartbeat_s=args.heartbeat_s,
+            lease_s=args.lease_s,
+            join_window_s=args.join_window_s,
+            op_timeout_s=args.op_timeout_s,
+            devices=args.devices,
+            log_level=args.log_level,
+            die_with_parent=True,
+            on_exit=lambda child: stop.wake(),
+        )
+        try:
+            cluster.start()
+        except (RuntimeError, ValueError, OSError) as exc:
+            log.error("could not start the local cluster: %s", exc)
+            return 1
+        code = 0
+        try:
+            sys.stdout.write(f"{cluster.address}\n")
+            sys.stdout.flush()
+            while not stop.wait(_SUPERVISE_WAKE_S):
+                coordinator = cluster.coordinator
+                if coordinator is not None and coordinator.exited.is_set():
+                    log.error(
+                        "the coordinator %s; stopping the workers", coordinator.describe_exit()
+                    )
+                    code = 1
+                    break
+            if stop.stopping:
+                log.info("signal %d: stopping the local cluster", stop.received or 0)
+        finally:
+            cluster.stop()
+    return code

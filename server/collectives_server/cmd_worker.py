@@ -1,0 +1,102 @@
+"""``collectives-server worker``: one worker daemon, registered with a coordinator."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from collectives_server.cli_common import (
+    add_log_level,
+    die_with_parent_if_asked,
+    host_port,
+    port_number,
+    positive_float,
+    positive_int,
+    setup_logging,
+)
+from collectives_server.worker.config import WorkerConfig
+
+__all__ = ["add_parser", "config_from_args", "parse_devices", "run"]
+
+HELP = "run a worker (joins the coordinator's process group, executes collectives)"
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "worker",
+        help=HELP,
+        description=(
+            f"{HELP.capitalize()}. Prints its address HOST:PORT as the first line of "
+            "standard output; stops on SIGTERM/SIGINT."
+        ),
+    )
+    p.add_argument(
+        "--coordinator", required=True, type=host_port, metavar="H:P", help="coordinator address"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1)")
+    p.add_argument(
+        "--port", type=port_number, default=0, help="gRPC port (default: 0, any free port)"
+    )
+    p.add_argument(
+        "--devices",
+        type=parse_devices,
+        default=(),
+        metavar="LIST",
+        help="comma-separated devices, e.g. cuda:0,cuda:1 or cpu "
+        "(default: every visible CUDA device, else cpu)",
+    )
+    p.add_argument(
+        "--op-timeout-s",
+        type=positive_float,
+        default=None,
+        metavar="S",
+        help="collective timeout, seconds (default: the coordinator's --op-timeout-s)",
+    )
+    p.add_argument(
+        "--queue-size",
+        type=positive_int,
+        default=1024,
+        metavar="N",
+        help="bound of the leader's op queue; beyond it RESOURCE_EXHAUSTED (default: 1024)",
+    )
+    p.add_argument(
+        "--connect-timeout-s",
+        type=positive_float,
+        default=60.0,
+        metavar="S",
+        help="how long to keep trying to reach the coordinator at start-up (default: 60)",
+    )
+    add_log_level(p)
+    p.set_defaults(run=run)
+    return p
+
+
+def parse_devices(text: str) -> tuple[str, ...]:
+    devices = tuple(d.strip() for d in text.split(",") if d.strip())
+    for d in devices:
+        kind, _, index = d.partition(":")
+        if kind not in ("cpu", "cuda") or (index and not index.isdigit()):
+            raise argparse.ArgumentTypeError(f"unknown device {d!r}; use cpu or cuda:N")
+    return devices
+
+
+def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    return WorkerConfig(
+        coordinator=args.coordinator,
+        host=args.host,
+        port=args.port,
+        devices=args.devices,
+        op_timeout_s=args.op_timeout_s,
+        queue_size=args.queue_size,
+        connect_timeout_s=args.connect_timeout_s,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    die_with_parent_if_asked()
+    setup_logging(args.log_level, "worker")
+    # Imported here: the worker daemon pulls in torch and is only needed by this command.
+    from collectives_server.worker.daemon import run_worker
+
+    return int(run_worker(config))

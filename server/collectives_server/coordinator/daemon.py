@@ -1,0 +1,275 @@
+"""The coordinator daemon: gRPC server, rendezvous TCPStore and lease ticker in one object.
+
+:class:`Coordinator` owns the three moving parts: the ``collectives.v1.Coordinator``
+gRPC server (with health and reflection, via :func:`collectives_server.rpc.start_server`),
+a ``torch.distributed.TCPStore`` that workers use to build each generation's process
+group (under the key prefix ``g<generation>/``, their choice), and a ticker thread
+that applies lease expiry and the join window even when no RPC arrives. Tests and
+the local launcher start it in-process on port 0 and read :attr:`Coordinator.address`;
+:func:`run_coordinator` is the ``collectives-server coordinator`` entry point.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import secrets
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
+from collectives_server.coordinator.membership import Membership
+from collectives_server.coordinator.service import SERVICE_NAME, CoordinatorServicer
+from collectives_server.rpc import ServerHandle, start_server
+from collectives_server.signals import StopSignal
+
+__all__ = ["Coordinator", "CoordinatorConfig", "format_address", "run_coordinator"]
+
+log = logging.getLogger(__name__)
+
+_WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]"}
+# gRPC threads: WatchCluster streams may hold up to _MAX_WATCHERS of them; the rest
+# stay free for Register/Heartbeat.
+_GRPC_THREADS = 96
+_MAX_WATCHERS = 64
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoordinatorConfig:
+    """Everything ``collectives-server coordinator`` takes; units in the names."""
+
+    min_workers: int
+    max_workers: int
+    # Interface and port of the gRPC server; port 0 picks a free one.
+    host: str = "127.0.0.1"
+    port: int = 0
+    # Heartbeat interval told to workers; a worker silent for lease_s is LOST.
+    heartbeat_s: float = 1.0
+    lease_s: float = 5.0
+    # Seal once this long passed since the last registration (and min_workers are live).
+    join_window_s: float = 0.5
+    # Collective timeout told to workers (and through Cluster, to clients).
+    op_timeout_s: float = 30.0
+    # Port of the rendezvous TCPStore (which listens on every interface); 0 picks one.
+    store_port: int = 0
+    # Host name put in the addresses handed out; None: ``host``, or this machine's
+    # name when ``host`` is a wildcard (0.0.0.0, ::).
+    advertise_host: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.min_workers < 1:
+            raise ValueError(f"min_workers must be >= 1, got {self.min_workers}")
+        if self.max_workers < self.min_workers:
+            raise ValueError(
+                f"max_workers ({self.max_workers}) must be >= min_workers ({self.min_workers})"
+            )
+        for name in ("heartbeat_s", "lease_s", "op_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.join_window_s < 0:
+            raise ValueError(f"join_window_s must be >= 0, got {self.join_window_s}")
+        if self.lease_s <= self.heartbeat_s:
+            raise ValueError(
+                f"lease_s ({self.lease_s}) must be longer than heartbeat_s ({self.heartbeat_s}), "
+                "or every worker would be declared lost between two heartbeats"
+            )
+        for name in ("port", "store_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"{name} must be in 0..65535, got {getattr(self, name)}")
+
+    @property
+    def advertised_host(self) -> str:
+        if self.advertise_host:
+            return self.advertise_host
+        return socket.gethostname() if self.host in _WILDCARD_HOSTS else self.host
+
+
+def format_address(host: str, port: int) -> str:
+    """``host:port``, with brackets around a bare IPv6 host."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+class Coordinator:
+    """A running coordinator. ``start()`` binds; ``stop()`` is idempotent.
+
+    ``clock`` (monotonic seconds) is injectable for tests that control time.
+    """
+
+    def __init__(
+        self, config: CoordinatorConfig, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.config = config
+        self._clock = clock
+        self._store: Any = None  # torch.distributed.TCPStore; imported lazily (slow import)
+        self._store_port = 0
+        self._server: ServerHandle | None = None
+        self._servicer: CoordinatorServicer | None = None
+        self._stop_ticker = threading.Event()
+        self._ticker: threading.Thread | None = None
+
+    # ---- lifecycle -------------------------------------------------------------
+
+    def start(self) -> Coordinator:
+        if self._server is not None:
+            raise RuntimeError("coordinator already started")
+        cfg = self.config
+        self._store, self._store_port = _start_store(cfg.store_port, cfg.op_timeout_s)
+        membership = Membership(
+            cfg.min_workers,
+            cfg.max_workers,
+            lease_s=cfg.lease_s,
+            join_window_s=cfg.join_window_s,
+            id_prefix=f"w{secrets.token_hex(3)}",
+            # Microseconds since the epoch: above every version a previous coordinator
+            # at this address handed out, so watchers re-opening with their last one
+            # still receive the new state (see Membership).
+            initial_version=time.time_ns() // 1000,
+        )
+        self._servicer = CoordinatorServicer(
+            membership,
+            store_address=self.store_address,
+            heartbeat_s=cfg.heartbeat_s,
+            op_timeout_s=cfg.op_timeout_s,
+            clock=self._clock,
+            max_watchers=_MAX_WATCHERS,
+        )
+        servicer = self._servicer
+        try:
+            self._server = start_server(
+                cfg.host,
+                cfg.port,
+                register=[
+                    lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s)
+                ],
+                service_names=[SERVICE_NAME],
+                max_workers=_GRPC_THREADS,
+            )
+        except BaseException:
+            self._store = None
+            raise
+        interval = max(0.01, min(cfg.heartbeat_s / 2, 0.25, cfg.join_window_s / 2 or 0.25))
+        self._ticker = threading.Thread(
+            target=self._tick_loop, args=(interval,), name="coordinator-ticker", daemon=True
+        )
+        self._ticker.start()
+        log.info(
+            "coordinator listening on %s (store %s, min %d, max %d, heartbeat %gs, lease %gs)",
+            self.address,
+            self.store_address,
+            cfg.min_workers,
+            cfg.max_workers,
+            cfg.heartbeat_s,
+            cfg.lease_s,
+        )
+        return self
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        """Ends watch streams, stops the server, the ticker and the store."""
+        if self._servicer is not None:
+            self._servicer.close()
+        if self._server is not None:
+            self._server.stop(grace_s)
+            self._server = None
+        self._stop_ticker.set()
+        if self._ticker is not None:
+            self._ticker.join(timeout=5.0)
+            self._ticker = None
+        self._store = None  # the TCPStore server stops when its last reference goes
+
+    def __enter__(self) -> Coordinator:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def _tick_loop(self, interval_s: float) -> None:
+        while not self._stop_ticker.wait(interval_s):
+            if self._servicer is None:
+                continue
+            try:
+                self._servicer.tick()
+            except Exception:  # a bug here must not silently stop lease expiry
+                log.exception("coordinator tick failed")
+
+    # ---- addresses and state ---------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        if self._server is None:
+            raise RuntimeError("coordinator not started")
+        return self._server.port
+
+    @property
+    def address(self) -> str:
+        """``host:port`` of the gRPC server, as clients and workers should dial it."""
+        return format_address(self.config.advertised_host, self.port)
+
+    @property
+    def store_address(self) -> str:
+        """``host:port`` of the rendezvous TCPStore (the same host as :attr:`address`)."""
+        return format_address(self.config.advertised_host, self._store_port)
+
+    def cluster(self) -> coordinator_pb2.Cluster:
+        """The current Cluster message, as GetCluster would answer."""
+        if self._servicer is None:
+            raise RuntimeError("coordinator not started")
+        return self._servicer.snapshot()
+
+
+def _start_store(port: int, timeout_s: float) -> tuple[Any, int]:
+    """Starts the master TCPStore; returns it and its real port (port 0 picks one)."""
+    from torch.distributed import TCPStore  # slow import; only daemons need it
+
+    # The master binds every interface whatever host is given; host matters for its
+    # own client connection only.
+    store = TCPStore(
+        "127.0.0.1",
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        use_libuv=True,
+    )
+    return store, int(store.port)
+
+
+def run_coordinator(config: CoordinatorConfig) -> int:
+    """Runs a coordinator until SIGTERM/SIGINT; returns the exit code (0 on a signal).
+
+    The first line of standard output is the address ``HOST:PORT``; logs go to stderr.
+    """
+    with StopSignal() as stop:
+        coordinator = Coordinator(config)
+        try:
+            coordinator.start()
+        except (OSError, RuntimeError) as exc:
+            log.error(
+                "could not start the coordinator on %s:%d (store port %d): %s",
+                config.host,
+                config.port,
+                config.store_port,
+                exc,
+            )
+            return 1
+        try:
+            sys.stdout.write(f"{coordinator.address}\n")
+            sys.stdout.flush()
+            while not stop.wait(timeout_s=60.0):
+                pass
+            log.info("signal %d: stopping the coordinator", stop.received or 0)
+        finally:
+            coordinator.stop()
+    return 0

@@ -1,0 +1,446 @@
+"""Membership and generations of a cluster, as pure decisions.
+
+The coordinator's only hard job is deciding who is in the cluster and when a new
+*generation* (one fixed membership: rank -> worker) is sealed. That decision lives
+here, apart from gRPC and from the clock, in the style of torchft's
+``quorum_compute(now, state, opt)``: every event method takes ``now`` (seconds on
+a monotonic clock, supplied by the caller), updates the state and returns an
+:class:`Outcome` whose ``reason`` says what happened and why, so tests can drive
+the state machine with an injected clock and assert on the reasons.
+
+Rules (docs: ARCHITECTURE.md, "Membership, failure, time"):
+
+* The first generation is sealed once ``min_workers`` live workers registered and
+  ``join_window_s`` passed since the last registration, or at once when
+  ``max_workers`` registered. Ranks follow registration order.
+* A worker silent for more than ``lease_s`` is LOST; ``leave`` removes one at once.
+  When a member is gone and survivors plus waiting newcomers still number at least
+  ``min_workers``, generation g+1 is sealed at once: survivors in their old rank
+  order, then newcomers in registration order, capped at ``max_workers``.
+  Otherwise the cluster is *not formed* (nobody holds a rank) until enough workers
+  are live again; the generation number stays until the next seal.
+* A formed cluster below ``max_workers`` takes live newcomers in after the join
+  window, sealing g+1.
+* The generation changes on membership changes only; ``version`` increases on every
+  change visible in the Cluster message except heartbeat ages and uptimes.
+* LOST workers stay listed (rank -1) for dashboards: the newest
+  :data:`LOST_KEEP_COUNT`, for at most :data:`LOST_KEEP_S` seconds. A LOST worker
+  never comes back under its id: it must register again and joins as a newcomer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from collectives_server.coordinator.model import (
+    ClusterView,
+    InvalidRequestError,
+    Outcome,
+    UnknownWorkerError,
+    WorkerState,
+    WorkerView,
+)
+
+__all__ = [
+    "LOST_KEEP_COUNT",
+    "LOST_KEEP_S",
+    "ClusterView",
+    "InvalidRequestError",
+    "Membership",
+    "Outcome",
+    "UnknownWorkerError",
+    "WorkerState",
+    "WorkerView",
+]
+
+# How many LOST workers stay listed, and for how long, so dashboards can show them.
+LOST_KEEP_COUNT = 16
+LOST_KEEP_S = 600.0
+
+
+@dataclass
+class _Worker:
+    worker_id: str
+    address: str
+    hostname: str
+    pid: int
+    devices: tuple[str, ...]
+    backend: str
+    version: str
+    order: int
+    registered_at: float
+    last_heartbeat: float
+    joined_generation: int = 0
+    busy: bool = False
+    lost_at: float | None = None
+
+    @property
+    def lost(self) -> bool:
+        return self.lost_at is not None
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+class Membership:
+    """The registry of workers and the generation they form. Not thread-safe.
+
+    ``id_prefix`` makes worker ids unique across coordinator restarts, so that a
+    worker still holding an id from a previous coordinator is told NOT_FOUND
+    instead of being mistaken for a newer worker. ``initial_version`` likewise lets
+    the daemon start versions above any a previous coordinator handed out, so a
+    client re-opening WatchCluster with its last version still gets the new state.
+    """
+
+    def __init__(
+        self,
+        min_workers: int,
+        max_workers: int,
+        *,
+        lease_s: float = 5.0,
+        join_window_s: float = 0.5,
+        id_prefix: str = "w",
+        initial_version: int = 1,
+    ) -> None:
+        if min_workers < 1:
+            raise ValueError(f"min_workers must be >= 1, got {min_workers}")
+        if max_workers < min_workers:
+            raise ValueError(f"max_workers ({max_workers}) must be >= min_workers ({min_workers})")
+        if lease_s <= 0 or join_window_s < 0:
+            raise ValueError("lease_s must be > 0 and join_window_s >= 0")
+        self.min_workers = min_workers
+        self.max_workers = max_workers
+        self.lease_s = lease_s
+        self.join_window_s = join_window_s
+        self._id_prefix = id_prefix
+        self._workers: dict[str, _Worker] = {}
+        self._next_order = 0
+        self._last_registration: float | None = None
+        self._generation = 0
+        self._members: list[str] = []  # current generation's ranks; survivors when not formed
+        self._formed = False
+        # >= 1 so that WatchCluster(after_version=0) gets the first state at once.
+        self._version = max(1, initial_version)
+        self._status = self._waiting_status(0)
+        self._reason = "no workers registered"
+        self._newly_lost: list[str] = []  # since the last _finish
+
+    # ---- read side -------------------------------------------------------------
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def formed(self) -> bool:
+        return self._formed
+
+    @property
+    def status(self) -> str:
+        return self._status
+
+    @property
+    def last_reason(self) -> str:
+        """Why ``version`` last changed."""
+        return self._reason
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """Worker ids by rank; empty while the cluster is not formed."""
+        return tuple(self._members) if self._formed else ()
+
+    @property
+    def ready(self) -> bool:
+        return self._formed and all(
+            self._workers[m].joined_generation == self._generation for m in self._members
+        )
+
+    def view(self, now: float) -> ClusterView:
+        members = self.members
+        rows = [self._row(self._workers[wid], rank, now) for rank, wid in enumerate(members)]
+        others = [w for w in self._workers.values() if w.worker_id not in members]
+        others.sort(key=lambda w: (w.lost, w.lost_at or 0.0, w.order))
+        rows += [self._row(w, -1, now) for w in others]
+        return ClusterView(
+            generation=self._generation,
+            formed=self._formed,
+            world_size=len(members),
+            workers=tuple(rows),
+            version=self._version,
+            min_workers=self.min_workers,
+            max_workers=self.max_workers,
+            status=self._status,
+            ready=self.ready,
+        )
+
+    def _row(self, w: _Worker, rank: int, now: float) -> WorkerView:
+        return WorkerView(
+            worker_id=w.worker_id,
+            rank=rank,
+            address=w.address,
+            hostname=w.hostname,
+            pid=w.pid,
+            state=self._state_of(w, rank),
+            devices=w.devices,
+            joined_generation=w.joined_generation,
+            last_heartbeat_age_s=max(0.0, now - w.last_heartbeat),
+            backend=w.backend,
+            uptime_s=max(0.0, now - w.registered_at),
+            version=w.version,
+        )
+
+    def _state_of(self, w: _Worker, rank: int) -> WorkerState:
+        if w.lost:
+            return WorkerState.LOST
+        if rank < 0 or w.joined_generation != self._generation:
+            return WorkerState.JOINING
+        return WorkerState.BUSY if w.busy else WorkerState.READY
+
+    # ---- events ----------------------------------------------------------------
+
+    def register(
+        self,
+        now: float,
+        *,
+        address: str,
+        hostname: str = "",
+        pid: int = 0,
+        devices: tuple[str, ...] | list[str] = (),
+        backend: str = "",
+        version: str = "",
+    ) -> tuple[str, Outcome]:
+        """Adds a worker; returns its id. Raises :class:`InvalidRequestError`.
+
+        A retried registration (same address, hostname and pid, still live) gets
+        the same id back. A new process at a live worker's address replaces it:
+        the old one cannot be serving there any more, so it is declared LOST.
+        """
+        devices = tuple(devices)
+        _validate_registration(address, devices)
+        if not backend:
+            backend = "nccl" if any(d.startswith("cuda") for d in devices) else "gloo"
+        self._expire(now)
+        notes: list[str] = []
+        for w in self._workers.values():
+            if w.lost or w.address != address or w.hostname != hostname:
+                continue
+            if w.pid == pid:
+                w.last_heartbeat = now
+                outcome = self._finish(now, False, f"{w.worker_id} registered again (retry)")
+                return w.worker_id, outcome
+            w.lost_at = now
+            self._newly_lost.append(w.worker_id)
+            notes.append(f"{w.worker_id} at {address} replaced by pid {pid}")
+        self._next_order += 1
+        worker_id = f"{self._id_prefix}-{self._next_order}"
+        self._workers[worker_id] = _Worker(
+            worker_id=worker_id,
+            address=address,
+            hostname=hostname,
+            pid=pid,
+            devices=devices,
+            backend=backend,
+            version=version,
+            order=self._next_order,
+            registered_at=now,
+            last_heartbeat=now,
+        )
+        self._last_registration = now
+        live = _plural(self._live_count(), "live worker")
+        notes.insert(0, f"registered {worker_id} at {address} ({live})")
+        return worker_id, self._finish(now, True, "; ".join(notes))
+
+    def heartbeat(
+        self, now: float, worker_id: str, *, joined_generation: int = 0, busy: bool = False
+    ) -> Outcome:
+        """Renews a lease. Raises :class:`UnknownWorkerError` for unknown or LOST ids.
+
+        A ``joined_generation`` that is not a generation of this coordinator (a worker
+        still counting from before a coordinator restart) counts as 0, "not joined":
+        the lease is renewed all the same, so a confused worker is never declared lost
+        for it, and the reason says so.
+        """
+        expired = self._expire(now)
+        w = self._live(worker_id)
+        if w is None:  # unknown, or its own lease ran out before this call arrived
+            if expired:
+                self._finish(now, True, "; ".join(expired))
+            raise UnknownWorkerError(self._unknown_message(worker_id))
+        w.last_heartbeat = now
+        beat = f"heartbeat from {worker_id} (joined {joined_generation}, busy {busy})"
+        if not 0 <= joined_generation <= self._generation:
+            beat += f": generation {joined_generation} is unknown here, counted as 0"
+            joined_generation = 0
+        changed = bool(expired)
+        if w.joined_generation != joined_generation or w.busy != busy:
+            w.joined_generation = joined_generation
+            w.busy = busy
+            changed = True
+        return self._finish(now, changed, "; ".join([*expired, beat]))
+
+    def leave(self, now: float, worker_id: str) -> Outcome:
+        """Removes a worker at once. Raises :class:`UnknownWorkerError`."""
+        expired = self._expire(now)
+        w = self._live(worker_id)
+        if w is None:
+            if expired:
+                self._finish(now, True, "; ".join(expired))
+            raise UnknownWorkerError(self._unknown_message(worker_id))
+        del self._workers[worker_id]
+        return self._finish(now, True, "; ".join([*expired, f"{worker_id} at {w.address} left"]))
+
+    def tick(self, now: float) -> Outcome:
+        """Applies the passage of time: lease expiry, the join window, pruning."""
+        expired = self._expire(now)
+        return self._finish(now, bool(expired), "; ".join(expired) or "tick")
+
+    # ---- decisions -------------------------------------------------------------
+
+    def _live(self, worker_id: str) -> _Worker | None:
+        w = self._workers.get(worker_id)
+        return None if w is None or w.lost else w
+
+    def _live_count(self) -> int:
+        return sum(1 for w in self._workers.values() if not w.lost)
+
+    def _unknown_message(self, worker_id: str) -> str:
+        w = self._workers.get(worker_id)
+        if w is not None and w.lost:
+            return (
+                f"worker {worker_id!r} was declared lost (no heartbeat within the "
+                f"{self.lease_s:g} s lease); register again"
+            )
+        return (
+            f"unknown worker_id {worker_id!r} (the coordinator restarted, or the worker "
+            "expired long ago); register again"
+        )
+
+    def _expire(self, now: float) -> list[str]:
+        """Marks workers whose lease ran out (strictly more than lease_s ago) as LOST."""
+        reasons = []
+        for w in self._workers.values():
+            if not w.lost and now - w.last_heartbeat > self.lease_s:
+                w.lost_at = now
+                self._newly_lost.append(w.worker_id)
+                reasons.append(
+                    f"{w.worker_id} at {w.address} lost: no heartbeat for "
+                    f"{now - w.last_heartbeat:.2f} s (lease {self.lease_s:g} s)"
+                )
+        return reasons
+
+    def _prune_lost(self, now: float) -> bool:
+        lost = sorted((w for w in self._workers.values() if w.lost), key=lambda w: w.lost_at or 0.0)
+        drop = [w for w in lost if now - (w.lost_at or now) > LOST_KEEP_S]
+        keep = [w for w in lost if w not in drop]
+        drop += keep[: max(0, len(keep) - LOST_KEEP_COUNT)]
+        for w in drop:
+            del self._workers[w.worker_id]
+        return bool(drop)
+
+    def _finish(self, now: float, changed: bool, reason: str) -> Outcome:
+        """Runs the generation decision after an event and bumps ``version`` if visible."""
+        sealed, decision = self._decide(now)
+        changed = self._prune_lost(now) or changed or sealed
+        status = self._compute_status()
+        if status != self._status:
+            self._status = status
+            changed = True
+        if decision:
+            reason = f"{reason}; {decision}"
+        if changed:
+            self._version += 1
+            self._reason = reason
+        lost, self._newly_lost = tuple(self._newly_lost), []
+        return Outcome(changed=changed, reason=reason, sealed=sealed, lost=lost)
+
+    def _decide(self, now: float) -> tuple[bool, str]:
+        live_members = [m for m in self._members if self._live(m) is not None]
+        member_set = set(live_members)
+        newcomers = sorted(
+            (w for w in self._workers.values() if not w.lost and w.worker_id not in member_set),
+            key=lambda w: w.order,
+        )
+        candidates = live_members + [w.worker_id for w in newcomers]
+        window_passed = (
+            self._last_registration is None or now - self._last_registration >= self.join_window_s
+        )
+        if self._formed:
+            gone = len(self._members) - len(live_members)
+            if gone:
+                if len(candidates) >= self.min_workers:
+                    return True, self._seal(
+                        candidates, f"{_plural(gone, 'member')} gone, {len(live_members)} survive"
+                    )
+                self._formed = False
+                self._members = live_members
+                return False, (
+                    f"generation {self._generation} broken: {_plural(gone, 'member')} gone, "
+                    f"{len(candidates)} live < min {self.min_workers}"
+                )
+            if newcomers and len(self._members) < self.max_workers and window_passed:
+                return True, self._seal(candidates, f"{_plural(len(newcomers), 'newcomer')} joined")
+            return False, ""
+        self._members = live_members
+        if len(candidates) >= self.max_workers or (
+            len(candidates) >= self.min_workers and window_passed
+        ):
+            at_max = len(candidates) >= self.max_workers
+            why = "max_workers reached" if at_max else "join window passed"
+            return True, self._seal(candidates, why)
+        return False, ""
+
+    def _seal(self, candidates: list[str], why: str) -> str:
+        self._generation += 1
+        self._members = candidates[: self.max_workers]
+        self._formed = True
+        ranks = ", ".join(f"{r}={wid}" for r, wid in enumerate(self._members))
+        return f"sealed generation {self._generation} ({why}): {ranks}"
+
+    def _compute_status(self) -> str:
+        live = self._live_count()
+        if not self._formed:
+            if live < self.min_workers:
+                return self._waiting_status(live)
+            return (
+                f"sealing generation {self._generation + 1} after the join window "
+                f"({live} live, min {self.min_workers}, max {self.max_workers})"
+            )
+        n = len(self._members)
+        joining = sum(
+            1 for m in self._members if self._workers[m].joined_generation != self._generation
+        )
+        if joining:
+            text = (
+                f"generation {self._generation} sealed with {_plural(n, 'worker')}; "
+                f"{joining} joining its process group"
+            )
+        else:
+            text = f"generation {self._generation} ready with {_plural(n, 'worker')}"
+        waiting = live - n
+        if waiting:
+            text += f"; {waiting} waiting to join (max {self.max_workers})"
+        return text
+
+    def _waiting_status(self, live: int) -> str:
+        missing = self.min_workers - live
+        more = _plural(missing, "more worker")
+        return f"waiting for {more} ({live} live, min {self.min_workers})"
+
+
+def _validate_registration(address: str, devices: tuple[str, ...]) -> None:
+    host, sep, port = address.rpartition(":")
+    if not address or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidRequestError(
+            f"address {address!r} is not HOST:PORT; send the host:port your gRPC server "
+            "listens on, e.g. '10.0.0.5:50052'"
+        )
+    if not devices or any(not d.strip() for d in devices):
+        raise InvalidRequestError(
+            f"devices {list(devices)!r} must be a non-empty list of device names "
+            "such as 'cpu' or 'cuda:0'"
+        )

@@ -1,0 +1,85 @@
+"""The coordinator's domain types: worker states, snapshots, outcomes and errors.
+
+Kept apart from :mod:`.membership` (the rules) so the servicer and tests can
+import the vocabulary without the state machine; none of it knows protobuf.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+__all__ = [
+    "ClusterView",
+    "InvalidRequestError",
+    "Outcome",
+    "UnknownWorkerError",
+    "WorkerState",
+    "WorkerView",
+]
+
+
+class WorkerState(enum.StrEnum):
+    """A worker's state as the Cluster message reports it."""
+
+    JOINING = "joining"
+    READY = "ready"
+    BUSY = "busy"
+    DRAINING = "draining"
+    LOST = "lost"
+
+
+class UnknownWorkerError(KeyError):
+    """The worker id is unknown or was declared LOST: the worker must register again."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else "unknown worker"
+
+
+class InvalidRequestError(ValueError):
+    """A malformed request (no address, no devices, impossible generation)."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What an event did: ``changed`` is True when ``version`` increased."""
+
+    changed: bool
+    reason: str
+    # A new generation was sealed.
+    sealed: bool = False
+    # Worker ids declared LOST by this event.
+    lost: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """One row of the Cluster message, with ages computed at ``now``."""
+
+    worker_id: str
+    rank: int
+    address: str
+    hostname: str
+    pid: int
+    state: WorkerState
+    devices: tuple[str, ...]
+    joined_generation: int
+    last_heartbeat_age_s: float
+    backend: str
+    uptime_s: float
+    version: str
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """A snapshot of the membership, in the shape of the Cluster message."""
+
+    generation: int
+    formed: bool
+    world_size: int
+    workers: tuple[WorkerView, ...]
+    version: int
+    min_workers: int
+    max_workers: int
+    status: str
+    ready: bool

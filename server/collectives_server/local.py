@@ -1,0 +1,332 @@
+"""A coordinator and N workers as child processes on one machine: the embedded default.
+
+``collectives-server local`` (and tests, in-process) use :class:`LocalCluster` to run
+the very binaries that production runs one per host, as children of one supervisor:
+
+* the coordinator starts first; its first stdout line is its address, which the
+  workers are pointed at. :meth:`LocalCluster.start` returns once the coordinator
+  listens; the workers register in the background (:meth:`LocalCluster.wait_ready`
+  waits for a sealed, joined generation);
+* each child's later stdout is drained by a thread into the log (a full pipe must
+  never block a daemon), and its stderr is inherited;
+* a worker dying is logged, not fatal: the coordinator re-forms the cluster, which
+  is exactly what failure tests exercise by SIGKILLing workers;
+* :meth:`LocalCluster.stop` sends SIGTERM to the workers, then the coordinator,
+  waits within one deadline and SIGKILLs what is left.
+
+Every wait here is an ``Event``/process wait with a deadline; nothing sleeps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+from collectives_server.cli_common import PARENT_PID_ENV
+
+__all__ = ["Child", "LocalCluster", "assign_devices"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Child:
+    """One supervised child process and what it printed first (its address)."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    address: str | None = None
+    returncode: int | None = None
+    first_line: threading.Event = field(default_factory=threading.Event)
+    exited: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def describe_exit(self) -> str:
+        code = self.returncode
+        if code is not None and code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exited with code {code}"
+
+
+def assign_devices(workers: int, spec: str, cuda_count: Callable[[], int]) -> list[tuple[str, ...]]:
+    """Which devices each local worker gets, from ``--devices``.
+
+    ``cpu``: every worker on CPU. A comma list (``cuda:0,cuda:1,...``): split into
+    ``workers`` contiguous, non-empty parts. ``auto``: split the visible CUDA devices
+    the same way if there are at least ``workers`` of them (NCCL needs one GPU per
+    rank), else CPU. Raises ``ValueError`` for an impossible list.
+    """
+    spec = spec.strip()
+    if spec == "cpu":
+        return [("cpu",)] * workers
+    if spec == "auto":
+        count = cuda_count()
+        if count < workers:
+            if count:
+                log.warning(
+                    "%d CUDA devices for %d workers: NCCL needs one GPU per rank, using cpu",
+                    count,
+                    workers,
+                )
+            return [("cpu",)] * workers
+        devices = [f"cuda:{i}" for i in range(count)]
+    else:
+        devices = [d.strip() for d in spec.split(",") if d.strip()]
+        if len(devices) < workers:
+            raise ValueError(
+                f"--devices lists {len(devices)} devices for {workers} workers; "
+                "give at least one per worker, or 'cpu', or 'auto'"
+            )
+    return [
+        tuple(devices[i * len(devices) // workers : (i + 1) * len(devices) // workers])
+        for i in range(workers)
+    ]
+
+
+def _cuda_count() -> int:
+    # Skip the slow torch import on machines without an NVIDIA driver.
+    if not os.path.exists("/dev/nvidiactl") or os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
+class LocalCluster:
+    """Supervises ``python -m collectives_server coordinator`` and N ``worker`` children.
+
+    ``on_exit(child)`` is called (from a watcher thread) when a child exits on its own.
+    ``die_with_parent`` makes children SIGTERM themselves if this process dies (Linux;
+    only for a process that stays alive on the main thread, as the CLI does: the
+    kernel ties it to the thread that started the child).
+    """
+
+    def __init__(
+        self,
+        workers: int,
+        *,
+        min_workers: int | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        heartbeat_s: float = 1.0,
+        lease_s: float = 5.0,
+        join_window_s: float = 0.5,
+        op_timeout_s: float = 30.0,
+        devices: str = "auto",
+        log_level: str = "INFO",
+        start_timeout_s: float = 60.0,
+        die_with_parent: bool = False,
+        on_exit: Callable[[Child], None] | None = None,
+        python: str = sys.executable,
+    ) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        min_workers = workers if min_workers is None else min_workers
+        if not 1 <= min_workers <= workers:
+            raise ValueError(f"min_workers must be in 1..{workers}, got {min_workers}")
+        self.workers = workers
+        self.min_workers = min_workers
+        self._host = host
+        self._port = port
+        self._common = ["--op-timeout-s", str(op_timeout_s), "--log-level", log_level]
+        self._coordinator_args = [
+            f"--heartbeat={heartbeat_s}",
+            f"--lease={lease_s}",
+            f"--join-window={join_window_s}",
+        ]
+        self._devices_spec = devices
+        self._start_timeout_s = start_timeout_s
+        self._die_with_parent = die_with_parent
+        self._on_exit = on_exit
+        self._python = python
+        self._stopping = False
+        self.coordinator: Child | None = None
+        self.worker_children: list[Child] = []
+
+    # ---- lifecycle -------------------------------------------------------------
+
+    def start(self) -> LocalCluster:
+        """Starts the coordinator, waits for its address, then starts the workers.
+
+        Raises ``RuntimeError`` (after stopping whatever started) if the coordinator
+        does not print its address within ``start_timeout_s``.
+        """
+        if self.coordinator is not None:
+            raise RuntimeError("local cluster already started")
+        devices = assign_devices(self.workers, self._devices_spec, _cuda_count)
+        self.coordinator = self._spawn(
+            "coordinator",
+            [
+                "coordinator",
+                f"--host={self._host}",
+                f"--port={self._port}",
+                f"--min-workers={self.min_workers}",
+                f"--max-workers={self.workers}",
+                *self._coordinator_args,
+                *self._common,
+            ],
+        )
+        child = self.coordinator
+        if not child.first_line.wait(self._start_timeout_s) or not child.address:
+            state = child.describe_exit() if child.exited.is_set() else "still running"
+            self.stop()
+            raise RuntimeError(
+                f"the coordinator printed no address within {self._start_timeout_s:g} s "
+                f"({state}); see its log above"
+            )
+        log.info("coordinator %s (pid %d)", child.address, child.pid)
+        try:
+            for i in range(self.workers):
+                args = ["worker", f"--coordinator={child.address}", f"--host={self._host}"]
+                args += ["--port=0", f"--devices={','.join(devices[i])}", *self._common]
+                self.worker_children.append(self._spawn(f"worker {i}", args))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM the workers, then the coordinator; SIGKILL what outlives ``timeout_s``."""
+        self._stopping = True
+        deadline = time.monotonic() + timeout_s
+        for group in (self.worker_children, [self.coordinator] if self.coordinator else []):
+            for child in group:
+                if not child.exited.is_set():
+                    _signal(child, signal.SIGTERM)
+            for child in group:
+                child.exited.wait(max(0.0, deadline - time.monotonic()))
+        for child in self._children():
+            if not child.exited.is_set():
+                log.warning("%s (pid %d) ignored SIGTERM; killing it", child.name, child.pid)
+                _signal(child, signal.SIGKILL)
+                child.exited.wait(5.0)
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # ---- state -----------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        """The coordinator's ``host:port``."""
+        if self.coordinator is None or not self.coordinator.address:
+            raise RuntimeError("local cluster not started")
+        return self.coordinator.address
+
+    @property
+    def coordinator_process(self) -> subprocess.Popen[bytes] | None:
+        return self.coordinator.process if self.coordinator else None
+
+    @property
+    def worker_processes(self) -> list[subprocess.Popen[bytes]]:
+        return [c.process for c in self.worker_children]
+
+    def worker_addresses(self, timeout_s: float = 60.0) -> list[str]:
+        """Each worker's address (in start order), waiting for it to be printed."""
+        deadline = time.monotonic() + timeout_s
+        for child in self.worker_children:
+            if not child.first_line.wait(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"{child.name} printed no address within {timeout_s:g} s")
+        return [c.address or "" for c in self.worker_children]
+
+    def wait_ready(self, timeout_s: float = 60.0, world_size: int | None = None) -> Any:
+        """Waits for a formed, fully joined generation of ``world_size`` (default: all).
+
+        Returns the ``collectives.v1.Cluster`` message. Raises ``TimeoutError``.
+        """
+        import grpc
+
+        from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+        want = self.workers if world_size is None else world_size
+        last = None
+        with grpc.insecure_channel(self.address) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            stream = stub.WatchCluster(coordinator_pb2.WatchClusterRequest(), timeout=timeout_s)
+            try:
+                for last in stream:
+                    if last.formed and last.ready and last.world_size == want:
+                        return last
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise
+            finally:
+                stream.cancel()
+        status = last.status if last is not None else "no answer from the coordinator"
+        raise TimeoutError(f"cluster of {want} not ready within {timeout_s:g} s: {status}")
+
+    # ---- children --------------------------------------------------------------
+
+    def _children(self) -> list[Child]:
+        return [*self.worker_children, *([self.coordinator] if self.coordinator else [])]
+
+    def _spawn(self, name: str, args: list[str]) -> Child:
+        env = dict(os.environ)
+        if self._die_with_parent:
+            env[PARENT_PID_ENV] = str(os.getpid())
+        process = subprocess.Popen(
+            [self._python, "-m", "collectives_server", *args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=None,  # passes through to ours
+            env=env,
+        )
+        child = Child(name=name, process=process)
+        tag = name.replace(" ", "-")
+        threading.Thread(target=self._read, args=(child,), name=f"{tag}-out", daemon=True).start()
+        threading.Thread(target=self._reap, args=(child,), name=f"{tag}-wait", daemon=True).start()
+        log.debug("started %s (pid %d): %s", name, process.pid, " ".join(args))
+        return child
+
+    def _read(self, child: Child) -> None:
+        stream = child.process.stdout
+        assert stream is not None
+        with stream:
+            for raw in stream:
+                line = raw.decode(errors="replace").rstrip()
+                if not child.first_line.is_set():
+                    child.address = line or None
+                    child.first_line.set()
+                elif line:
+                    log.info("%s stdout: %s", child.name, line)
+        child.first_line.set()  # EOF before any line: wake whoever waits for it
+
+    def _reap(self, child: Child) -> None:
+        child.returncode = child.process.wait()
+        child.exited.set()
+        if self._stopping:
+            log.debug("%s (pid %d) %s", child.name, child.pid, child.describe_exit())
+            return
+        level = logging.ERROR if child is self.coordinator else logging.WARNING
+        log.log(level, "%s (pid %d) %s", child.name, child.pid, child.describe_exit())
+        if self._on_exit is not None:
+            self._on_exit(child)
+
+
+def _signal(child: Child, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        child.process.send_signal(sig)
