@@ -43,9 +43,11 @@ __all__ = [
 if sys.byteorder != "little":  # pragma: no cover - no big-endian torch builds in use
     raise ImportError("collectives' wire format is little-endian; this host is big-endian")
 
-CHUNK_BYTES = 4 * 1024 * 1024
-# Room for one chunk plus its framing and a header.
-MAX_MESSAGE_BYTES = CHUNK_BYTES + 64 * 1024
+# A chunk plus its framing stays under gRPC's default 4 MiB message limit, so
+# clients with default settings (grpcurl, other languages) can stream too.
+CHUNK_BYTES = 4 * 1024 * 1024 - 4096
+# What our own channels and servers accept: one chunk, framing, and a header.
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024 + 64 * 1024
 # A sanity bound for declared sizes (1 TiB): larger headers are rejected before allocating.
 MAX_TENSOR_BYTES = 1 << 40
 MAX_DIMS = 64

@@ -135,7 +135,9 @@ def from_rpc_error(err: grpc.RpcError, what: str = "") -> CollectiveError:
     if code == grpc.StatusCode.DEADLINE_EXCEEDED and what and what not in message:
         message = f"{what}: {message}"
     executed: bool | None = None
-    trailers = err.trailing_metadata() if callable(getattr(err, "trailing_metadata", None)) else None
+    trailers = (
+        err.trailing_metadata() if callable(getattr(err, "trailing_metadata", None)) else None
+    )
     for key, value in trailers or ():
         if key == EXECUTED_METADATA_KEY:
             executed = value != "no"

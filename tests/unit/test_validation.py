@@ -9,8 +9,8 @@ import torch
 from collectives.reduce_ops import ReduceOp
 from collectives_server.worker.validation import (
     NOT_MEMBER,
-    OpError,
     OperandInfo,
+    OpError,
     Plan,
     decide,
     decode_info,
@@ -68,6 +68,10 @@ def test_broadcast_needs_only_src() -> None:
     infos = [ABSENT, present(torch.int64, (5,)), ABSENT]
     assert decide("broadcast", "x", [0, 1, 2], infos, root=1) == Plan(torch.int64, (5,))
     verdict = decide("broadcast", "x", [0, 1, 2], infos, root=0)
+    assert isinstance(verdict, OpError)
+    assert verdict.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "src rank 0" in verdict.message
+    verdict = decide("broadcast", "x", [0, 1, 2], [ABSENT] * 3, root=0)
     assert isinstance(verdict, OpError) and verdict.code == grpc.StatusCode.NOT_FOUND
 
 

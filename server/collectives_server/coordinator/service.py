@@ -128,7 +128,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     # ---- RPCs ------------------------------------------------------------------
 
-    def Register(  # noqa: N802 - gRPC method name
+    def Register(
         self, request: coordinator_pb2.RegisterRequest, context: grpc.ServicerContext
     ) -> coordinator_pb2.RegisterResponse:
         with self._cond:
@@ -154,7 +154,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             op_timeout_s=self._op_timeout_s,
         )
 
-    def Heartbeat(  # noqa: N802 - gRPC method name
+    def Heartbeat(
         self, request: coordinator_pb2.HeartbeatRequest, context: grpc.ServicerContext
     ) -> coordinator_pb2.HeartbeatResponse:
         with self._cond:
@@ -174,7 +174,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 generation=self._membership.generation, version=self._membership.version
             )
 
-    def Leave(  # noqa: N802 - gRPC method name
+    def Leave(
         self, request: coordinator_pb2.LeaveRequest, context: grpc.ServicerContext
     ) -> coordinator_pb2.LeaveResponse:
         with self._cond:
@@ -187,12 +187,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             self._apply(outcome)
         return coordinator_pb2.LeaveResponse()
 
-    def GetCluster(  # noqa: N802 - gRPC method name
+    def GetCluster(
         self, request: coordinator_pb2.GetClusterRequest, context: grpc.ServicerContext
     ) -> coordinator_pb2.Cluster:
         return self.snapshot()
 
-    def WatchCluster(  # noqa: N802 - gRPC method name
+    def WatchCluster(
         self, request: coordinator_pb2.WatchClusterRequest, context: grpc.ServicerContext
     ) -> Iterator[coordinator_pb2.Cluster]:
         with self._cond:

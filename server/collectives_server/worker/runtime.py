@@ -128,7 +128,9 @@ class GenerationRuntime:
         self._superseded = False
         self._next_op_id = 1
         self._next_group_id = 1
-        self.groups: dict[int, GroupEntry] = {}
+        # The world group exists from the start so that ops can queue while the
+        # process group forms; its handles arrive when it is built.
+        self.groups: dict[int, GroupEntry] = {0: GroupEntry(0, list(range(world_size)), None)}
         self.ready = threading.Event()
         self.finished = threading.Event()
         self.failure: str | None = None

@@ -125,9 +125,17 @@ def decide(
     missing = [r for r in required if infos[r].state != PRESENT]
     if missing:
         if kind == "broadcast":
+            holders = [r for r in members if infos[r].state == PRESENT]
+            if not holders:
+                return OpError(
+                    grpc.StatusCode.NOT_FOUND,
+                    f"tensor {name!r} not found on any rank of the group (ranks "
+                    f"{_ranks(members)}); put it on src rank {root} before broadcasting",
+                )
             return OpError(
-                grpc.StatusCode.NOT_FOUND,
-                f"tensor {name!r} not found on src rank {root}: put it there before broadcasting",
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"tensor {name!r} is missing on src rank {root} (present on rank(s) "
+                f"{_ranks(holders)}); broadcast needs it on the src rank",
             )
         if len(missing) == len(required):
             return OpError(

@@ -1,0 +1,396 @@
+"""Collectives on named tensors: every one is a single RPC to the leader.
+
+The leader (rank 0 of the current generation) queues the op, announces it to
+every rank through the process group, validates operands across ranks, runs
+it, and answers with where the result is stored. Ops returning data
+(``reduce``, ``all_gather``, ``gather``) then download the result directly from
+a rank that holds it.
+
+Each request carries ``OpOptions``: the group id (0: every rank), the
+generation the SDK believes is current (the leader refuses a mismatch as
+``UNAVAILABLE`` without running anything) and the op timeout. A failed op is
+retried only when the server marked it ``collectives-executed: no``; a
+reduction that may have run is never repeated behind the caller's back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import torch
+
+from collectives._core import annotate, is_not_executed, server_timeout_s
+from collectives._data_plane import _DataPlane
+from collectives._transport import call_unary
+from collectives._validation import (
+    check_group,
+    check_name,
+    check_new_group_ranks,
+    check_op,
+    check_out,
+    check_root,
+)
+from collectives.errors import CollectiveError, Unavailable
+from collectives.groups import Group
+from collectives.reduce_ops import ReduceOp
+from collectives.v1 import worker_pb2
+from collectives.work import Work
+
+__all__: list[str] = []
+
+R = TypeVar("R")
+Request = Callable[[worker_pb2.OpOptions], Any]
+Finish = Callable[[worker_pb2.CollectiveResponse, float], R]
+
+
+class _Collectives(_DataPlane):
+    """The collectives half of :class:`~collectives.Cluster`.
+
+    Every method raises, besides what it lists:
+        InvalidArgument: bad name, rank, op or group (at the call, also with async_op).
+        Unavailable: the cluster is not formed, the leader or a peer was lost, or
+            the generation changed while the op may have run.
+        DeadlineExceeded: not done within ``timeout`` seconds.
+        ResourceExhausted: the leader's op queue is full.
+    """
+
+    def broadcast(
+        self,
+        name: str,
+        src: int = 0,
+        group: Group | None = None,
+        async_op: bool = False,
+        timeout: float | None = None,
+    ) -> Work[None] | None:
+        """Copies ``name`` from global rank ``src`` to every rank of ``group``.
+
+        Only ``src`` needs the tensor; the others' copies are created or replaced.
+
+        Raises:
+            NotFound: ``src`` holds no tensor under ``name``.
+        """
+        check_name(name)
+        group = check_group(group)
+        deadline = self._deadline(timeout)
+        src = check_root(src, self._world(deadline), group, "src")
+        return self._collective(
+            f"broadcast {name!r}",
+            "Broadcast",
+            lambda o: worker_pb2.BroadcastRequest(options=o, name=name, src=src),
+            deadline,
+            group,
+            async_op,
+        )
+
+    def all_reduce(
+        self,
+        name: str,
+        op: str | ReduceOp = "sum",
+        group: Group | None = None,
+        out: str | None = None,
+        async_op: bool = False,
+        timeout: float | None = None,
+    ) -> Work[None] | None:
+        """Reduces ``name`` across ranks; every rank stores the result under ``out`` or ``name``.
+
+        Raises:
+            NotFound: no rank holds ``name``.
+            FailedPrecondition: some ranks lack ``name`` or disagree on dtype/shape.
+        """
+        check_name(name)
+        reduce_op = check_op(op)
+        out_name = check_out(out)
+        group = check_group(group)
+        deadline = self._deadline(timeout)
+        self._world(deadline)
+        return self._collective(
+            f"all_reduce {name!r}",
+            "AllReduce",
+            lambda o: worker_pb2.AllReduceRequest(
+                options=o, name=name, op=reduce_op.wire, out=out_name
+            ),
+            deadline,
+            group,
+            async_op,
+        )
+
+    def reduce(
+        self,
+        name: str,
+        dst: int = 0,
+        op: str | ReduceOp = "sum",
+        group: Group | None = None,
+        out: str | None = None,
+        async_op: bool = False,
+        timeout: float | None = None,
+    ) -> torch.Tensor | Work[torch.Tensor]:
+        """Reduces ``name`` onto global rank ``dst`` and returns the result (a CPU tensor).
+
+        ``dst`` stores it under ``out`` or ``name``; other ranks keep their input.
+
+        Raises:
+            NotFound: no rank holds ``name``.
+            FailedPrecondition: some ranks lack ``name`` or disagree on dtype/shape.
+        """
+        check_name(name)
+        reduce_op = check_op(op)
+        out_name = check_out(out)
+        group = check_group(group)
+        deadline = self._deadline(timeout)
+        dst = check_root(dst, self._world(deadline), group, "dst")
+        return self._collective(
+            f"reduce {name!r}",
+            "Reduce",
+            lambda o: worker_pb2.ReduceRequest(
+                options=o, name=name, dst=dst, op=reduce_op.wire, out=out_name
+            ),
+            deadline,
+            group,
+            async_op,
+            lambda resp, dl: self._get_rank(resp.result_name or out_name or name, dst, dl),
+        )
+
+    def all_gather(
+        self,
+        name: str,
+        out: str | None = None,
+        group: Group | None = None,
+        async_op: bool = False,
+        timeout: float | None = None,
+    ) -> list[torch.Tensor] | Work[list[torch.Tensor]]:
+        """Gathers ``name`` from every rank of ``group``; returns the parts in rank order.
+
+        Every member stores ``torch.stack(parts)`` under ``out`` or ``name``.
+
+        Raises:
+            NotFound: no rank holds ``name``.
+            FailedPrecondition: some ranks lack ``name`` or disagree on dtype/shape.
+        """
+        check_name(name)
+        out_name = check_out(out)
+        group = check_group(group)
+        deadline = self._deadline(timeout)
+        self._world(deadline)
+
+        def fetch(resp: worker_pb2.CollectiveResponse, dl: float) -> list[torch.Tensor]:
+            holder = resp.result_ranks[0] if resp.result_ranks else _first_rank(group)
+            return list(self._get_rank(resp.result_name or out_name or name, holder, dl).unbind(0))
+
+        return self._collective(
+            f"all_gather {name!r}",
+            "AllGather",
+            lambda o: worker_pb2.AllGatherRequest(options=o, name=name, out=out_name),
+            deadline,
+            group,
+            async_op,
+            fetch,
+        )
+
+    def gather(
+        self,
+        name: str,
+        dst: int = 0,
+        out: str | None = None,
+        group: Group | None = None,
+        async_op: bool = False,
+        timeout: float | None = None,
+    ) -> list[torch.Tensor] | Work[list[torch.Tensor]]:
+        """Gathers ``name`` onto global rank ``dst``; returns the parts in rank order.
+
+        ``dst`` stores ``torch.stack(parts)`` under ``out`` or ``name``; other
+        ranks keep their input.
+
+        Raises:
+            NotFound: no rank holds ``name``.
+            FailedPrecondition: some ranks lack ``name`` or disagree on dtype/shape.
+        """
+        check_name(name)
+        out_name = check_out(out)
+        group = check_group(group)
+        deadline = self._deadline(timeout)
+        dst = check_root(dst, self._world(deadline), group, "dst")
+
+        def fetch(resp: worker_pb2.CollectiveResponse, dl: float) -> list[torch.Tensor]:
+            return list(self._get_rank(resp.result_name or out_name or name, dst, dl).unbind(0))
+
+        return self._collective(
+            f"gather {name!r}",
+            "Gather",
+            lambda o: worker_pb2.GatherRequest(options=o, name=name, dst=dst, out=out_name),
+            deadline,
+            group,
+            async_op,
+            fetch,
+        )
+
+    def reduce_scatter(
+        self,
+        name: str,
+        op: str | ReduceOp = "sum",
+        out: str | None = None,
+        group: Group | None = None,
+        async_op: bool = False,
+        timeout: float | None = None,
+    ) -> Work[None] | None:
+        """Reduces ``name`` across ranks; the i-th member stores reduced chunk i of dim 0.
+
+        Raises:
+            InvalidArgument: dim 0 is not divisible by the group size (from the server).
+            NotFound: no rank holds ``name``.
+            FailedPrecondition: some ranks lack ``name`` or disagree on dtype/shape.
+        """
+        check_name(name)
+        reduce_op = check_op(op)
+        out_name = check_out(out)
+        group = check_group(group)
+        deadline = self._deadline(timeout)
+        self._world(deadline)
+        return self._collective(
+            f"reduce_scatter {name!r}",
+            "ReduceScatter",
+            lambda o: worker_pb2.ReduceScatterRequest(
+                options=o, name=name, op=reduce_op.wire, out=out_name
+            ),
+            deadline,
+            group,
+            async_op,
+        )
+
+    def all_to_all(
+        self,
+        name: str,
+        out: str | None = None,
+        group: Group | None = None,
+        async_op: bool = False,
+        timeout: float | None = None,
+    ) -> Work[None] | None:
+        """Chunk j (of dim 0) of member i lands as chunk i of member j.
+
+        Raises:
+            InvalidArgument: dim 0 is not divisible by the group size (from the server).
+            NotFound: no rank holds ``name``.
+            FailedPrecondition: some ranks lack ``name`` or disagree on dtype/shape.
+        """
+        check_name(name)
+        out_name = check_out(out)
+        group = check_group(group)
+        deadline = self._deadline(timeout)
+        self._world(deadline)
+        return self._collective(
+            f"all_to_all {name!r}",
+            "AllToAll",
+            lambda o: worker_pb2.AllToAllRequest(options=o, name=name, out=out_name),
+            deadline,
+            group,
+            async_op,
+        )
+
+    def barrier(
+        self, group: Group | None = None, async_op: bool = False, timeout: float | None = None
+    ) -> Work[None] | None:
+        """Returns once every rank of ``group`` reached the barrier (ops before it are done).
+
+        Raises:
+            Unavailable: a rank was lost.
+        """
+        group = check_group(group)
+        deadline = self._deadline(timeout)
+        self._world(deadline)
+        return self._collective(
+            "barrier",
+            "Barrier",
+            lambda o: worker_pb2.BarrierRequest(options=o),
+            deadline,
+            group,
+            async_op,
+        )
+
+    def new_group(self, ranks: list[int], timeout: float | None = None) -> Group:
+        """Creates a sub-group of the current generation from global ``ranks``.
+
+        The group is valid until the generation changes; create it again then.
+
+        Raises:
+            InvalidArgument: empty, repeated or out-of-range ranks.
+            Unavailable: the cluster is not formed or the leader was lost.
+            DeadlineExceeded: not done within ``timeout`` seconds.
+        """
+        deadline = self._deadline(timeout)
+        checked = check_new_group_ranks(ranks, self._world(deadline))
+
+        def run() -> Group:
+            def attempt(remaining: float) -> Group:
+                snapshot = self._leader_snapshot(time.monotonic() + remaining)
+                leader = snapshot.leader_address or ""
+                options = worker_pb2.OpOptions(
+                    generation=snapshot.generation, timeout_s=server_timeout_s(remaining)
+                )
+                resp = call_unary(
+                    self._endpoint(leader).stub.NewGroup,
+                    worker_pb2.NewGroupRequest(options=options, ranks=checked),
+                    remaining,
+                    f"new_group {checked} on leader {leader}",
+                )
+                return Group(
+                    id=int(resp.group_id),
+                    ranks=tuple(sorted(int(r) for r in resp.ranks)) or tuple(checked),
+                    generation=int(resp.generation) or snapshot.generation,
+                )
+
+            return self._retry(f"new_group {checked}", deadline, attempt, is_not_executed)
+
+        # async_op=False: _ordered returns run()'s value, not a Work.
+        return cast(Group, self._ordered(f"new_group {checked}", run, deadline, async_op=False))
+
+    # --- helpers -------------------------------------------------------------
+
+    def _world(self, deadline: float) -> int:
+        """World size of the formed cluster (validation needs it before any op RPC)."""
+        return self._formed_snapshot(deadline).world_size
+
+    def _collective(
+        self,
+        what: str,
+        method: str,
+        request: Request,
+        deadline: float,
+        group: Group | None,
+        async_op: bool,
+        finish: Finish[R] | None = None,
+    ) -> Any:
+        """Sends the op to the leader (retrying only never-started ops), then ``finish``es it."""
+
+        def attempt(remaining: float) -> worker_pb2.CollectiveResponse:
+            snapshot = self._leader_snapshot(time.monotonic() + remaining)
+            generation, group_id = snapshot.generation, 0
+            if group is not None:
+                if group.generation < snapshot.generation:
+                    raise Unavailable(
+                        f"{what}: group {list(group.ranks)} (id {group.id}) belongs to "
+                        f"generation {group.generation} but the cluster is at generation "
+                        f"{snapshot.generation}; create it again with new_group"
+                    )
+                generation, group_id = group.generation, group.id
+            leader = snapshot.leader_address or ""
+            options = worker_pb2.OpOptions(
+                group_id=group_id, generation=generation, timeout_s=server_timeout_s(remaining)
+            )
+            stub_method = getattr(self._endpoint(leader).stub, method)
+            return call_unary(stub_method, request(options), remaining, f"{what} on {leader}")
+
+        def run() -> Any:
+            response = self._retry(what, deadline, attempt, is_not_executed)
+            if finish is None:
+                return None
+            try:
+                return finish(response, deadline)
+            except CollectiveError as err:
+                raise annotate(err, f"{what} succeeded but fetching its result failed") from None
+
+        return self._ordered(what, run, deadline, async_op)
+
+
+def _first_rank(group: Group | None) -> int:
+    return group.ranks[0] if group is not None else 0

@@ -1,0 +1,394 @@
+"""The connection behind a :class:`~collectives.Cluster`: membership, deadlines, retries.
+
+``Cluster`` is split by concern into a chain of classes, one module each:
+``_ClusterCore`` (this module: connecting, the membership view, deadlines, the
+retry loop, the ordered op executor), ``_DataPlane`` (put/get/delete/scatter)
+and ``_Collectives`` (broadcast ... new_group), with ``cluster.Cluster`` the
+public end of the chain.
+
+Retries follow one rule: retry only what is safe. Reads, ``put`` and ``delete``
+are idempotent and are retried on ``UNAVAILABLE``; a collective is retried only
+when the server marked it as never started (``executed is False``). Before each
+retry the SDK asks the coordinator for the current cluster (a lost worker or a
+new generation moves ranks and the leader), then waits for a membership change
+or a short backoff, whichever comes first. Every retry stays inside the call's
+one deadline.
+
+Collectives of one ``Cluster`` run on a single executor thread, so they reach
+the leader in the order they were called, also with ``async_op=True`` (as
+ops on one torch process group run in issue order).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable
+from types import TracebackType
+from typing import TypeVar
+
+from collectives._membership import Membership
+from collectives._transport import (
+    ChannelPool,
+    WorkerEndpoint,
+    open_channel,
+    wait_channel_ready,
+)
+from collectives._validation import check_timeout
+from collectives.errors import (
+    CollectiveError,
+    DeadlineExceeded,
+    InvalidArgument,
+    Unavailable,
+)
+from collectives.work import Work
+from collectives.workers import ClusterNotFormed, ClusterSnapshot, WorkerInfo
+
+__all__ = ["DEFAULT_CONNECT_TIMEOUT_S", "OP_TIMEOUT_MARGIN_S"]
+
+log = logging.getLogger("collectives")
+
+R = TypeVar("R")
+
+DEFAULT_CONNECT_TIMEOUT_S = 30.0
+# Default per-call timeout = the cluster's --op-timeout-s plus this margin, so the
+# server's own timeout fires first and its message reaches the caller.
+OP_TIMEOUT_MARGIN_S = 5.0
+# Retry pacing: backoff doubles from MIN to MAX; at most MAX_ATTEMPTS tries per call.
+RETRY_BACKOFF_MIN_S = 0.05
+RETRY_BACKOFF_MAX_S = 1.0
+MAX_ATTEMPTS = 10
+# Bound on one GetCluster made to refresh the view between retries.
+REFRESH_TIMEOUT_S = 5.0
+# Share of a call's time it may spend waiting for a new generation's members to be ready.
+READY_WAIT_FRACTION = 0.5
+# Threads uploading/downloading to different workers in parallel.
+IO_THREADS = 16
+
+
+class _ClusterCore:
+    """Connection state shared by every Cluster method; see the module docstring."""
+
+    def __init__(self, address: str, timeout: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
+        """Connects to the coordinator at ``address`` and waits for a formed generation.
+
+        Raises:
+            InvalidArgument: ``address`` or ``timeout`` is malformed.
+            Unavailable: nothing answers at ``address`` within ``timeout``.
+            DeadlineExceeded: no generation was formed within ``timeout`` (the
+                message quotes the coordinator's status).
+        """
+        if not isinstance(address, str) or not address.strip():
+            raise InvalidArgument(f"address must be a 'host:port' string, got {address!r}")
+        timeout = check_timeout(timeout, DEFAULT_CONNECT_TIMEOUT_S)
+        deadline = time.monotonic() + timeout
+        self._address = address.strip()
+        self._closed = False
+        self._channel = open_channel(self._address)
+        self._membership = Membership(self._channel, self._address)
+        self._pool = ChannelPool()
+        self._op_executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="collectives-op"
+        )
+        self._io_executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=IO_THREADS, thread_name_prefix="collectives-io"
+        )
+        try:
+            wait_channel_ready(self._channel, self._address, timeout)
+            self._membership.refresh(deadline - time.monotonic())
+            self._membership.start()
+            if self._membership.wait_until(lambda s: s.formed, _left(deadline)) is None:
+                snapshot = self._membership.snapshot
+                raise DeadlineExceeded(
+                    f"the cluster at {self._address} did not form within {timeout:.3g} s "
+                    f"(generation {snapshot.generation}, {snapshot.world_size} members): "
+                    f"{snapshot.status or 'no status from the coordinator'}"
+                )
+        except BaseException:
+            self.close()
+            raise
+        log.info("connected to %s: %s", self._address, self._describe())
+
+    # --- public state ----------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        """The coordinator's ``host:port``."""
+        return self._address
+
+    @property
+    def generation(self) -> int:
+        """The latest generation the coordinator announced."""
+        return self._membership.snapshot.generation
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks in the latest generation."""
+        return self._membership.snapshot.world_size
+
+    @property
+    def formed(self) -> bool:
+        """True while a generation is sealed and enough members are alive."""
+        return self._membership.snapshot.formed
+
+    @property
+    def ready(self) -> bool:
+        """True once every member joined the latest generation's process group."""
+        return self._membership.snapshot.ready
+
+    @property
+    def status(self) -> str:
+        """The coordinator's human-readable status line."""
+        return self._membership.snapshot.status
+
+    @property
+    def leader(self) -> str | None:
+        """Address of rank 0, which sequences every collective (None when not formed)."""
+        return self._membership.snapshot.leader_address
+
+    @property
+    def op_timeout_s(self) -> float:
+        """The cluster's collective timeout (the servers' ``--op-timeout-s``)."""
+        return self._membership.snapshot.op_timeout_s
+
+    @property
+    def default_timeout_s(self) -> float:
+        """Timeout of a call made without ``timeout=``: ``op_timeout_s`` plus a margin."""
+        return self.op_timeout_s + OP_TIMEOUT_MARGIN_S
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def workers(self) -> list[WorkerInfo]:
+        """Every registered worker: members in rank order, then joining/lost ones (rank -1).
+
+        Reads the view the SDK keeps current by watching the coordinator; no RPC.
+        """
+        return list(self._membership.snapshot.workers)
+
+    def snapshot(self) -> ClusterSnapshot:
+        """The whole latest cluster view (generation, status, workers, ...); no RPC."""
+        return self._membership.snapshot
+
+    def refresh(self, timeout: float | None = None) -> ClusterSnapshot:
+        """Asks the coordinator for the cluster now instead of waiting for the watch.
+
+        Raises:
+            Unavailable: the coordinator does not answer.
+            DeadlineExceeded: no answer within ``timeout`` seconds.
+        """
+        self._check_open()
+        return self._membership.refresh(check_timeout(timeout, REFRESH_TIMEOUT_S))
+
+    # --- lifecycle -------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stops watching the coordinator and closes every channel; idempotent.
+
+        Pending ``async_op`` calls that have not started are cancelled.
+        """
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self._membership.close()
+        self._op_executor.shutdown(wait=False, cancel_futures=True)
+        self._io_executor.shutdown(wait=False, cancel_futures=True)
+        self._pool.close()
+        self._channel.close()
+
+    def __enter__(self) -> _ClusterCore:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        if self._closed:
+            return f"<Cluster {self._address} closed>"
+        return f"<Cluster {self._address} {self._describe()}>"
+
+    # --- helpers for the op modules ------------------------------------------
+
+    def _describe(self) -> str:
+        s = self._membership.snapshot
+        return f"generation {s.generation}, world size {s.world_size}, formed={s.formed}"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Unavailable(f"the connection to {self._address} is closed")
+
+    def _deadline(self, timeout: float | None) -> float:
+        """Absolute (monotonic) deadline of a call; validates ``timeout``."""
+        return time.monotonic() + check_timeout(timeout, self.default_timeout_s)
+
+    def _formed_snapshot(self, deadline: float) -> ClusterSnapshot:
+        """The latest snapshot, refreshed once if it says "not formed".
+
+        Raises:
+            ClusterNotFormed: the coordinator confirms the cluster is not formed.
+        """
+        self._check_open()
+        snapshot = self._membership.snapshot
+        if not snapshot.formed:
+            try:
+                snapshot = self._membership.refresh(min(_left(deadline), REFRESH_TIMEOUT_S))
+            except CollectiveError as err:
+                log.debug("refreshing the cluster of %s failed: %s", self._address, err)
+            snapshot.require_formed()
+        return snapshot
+
+    def _leader_snapshot(self, deadline: float) -> ClusterSnapshot:
+        """A formed snapshot for sending a collective, preferably one whose members are ready.
+
+        Right after a generation is sealed its members are still building their
+        process groups; ops sent then fail or are refused. So wait (for at most
+        half the time left) until the coordinator reports every member joined,
+        then send whatever the view is.
+
+        Raises:
+            ClusterNotFormed: the coordinator confirms the cluster is not formed.
+        """
+        snapshot = self._formed_snapshot(deadline)
+        if not snapshot.ready:
+            self._membership.wait_until(lambda s: s.ready, READY_WAIT_FRACTION * _left(deadline))
+            snapshot = self._formed_snapshot(deadline)
+        return snapshot
+
+    def _endpoint(self, address: str) -> WorkerEndpoint:
+        return self._pool.endpoint(address)
+
+    def _retry(
+        self,
+        what: str,
+        deadline: float,
+        attempt: Callable[[float], R],
+        retryable: Callable[[CollectiveError], bool],
+    ) -> R:
+        """Runs ``attempt(remaining_s)`` until it succeeds, fails for good, or time is up.
+
+        Raises:
+            CollectiveError: the last attempt's error (DeadlineExceeded when the
+                deadline passed before an attempt could be made).
+        """
+        backoff = RETRY_BACKOFF_MIN_S
+        for number in range(1, MAX_ATTEMPTS + 1):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DeadlineExceeded(f"{what}: the deadline passed before attempt {number}")
+            version = self._membership.snapshot.version
+            try:
+                return attempt(remaining)
+            except ClusterNotFormed:
+                raise
+            except CollectiveError as err:
+                if number == MAX_ATTEMPTS or not retryable(err) or self._closed:
+                    raise
+                remaining = deadline - time.monotonic()
+                if remaining <= backoff:
+                    raise
+                log.info("%s failed (%s); refreshing the cluster and retrying", what, err)
+                try:
+                    self._membership.refresh(min(remaining, REFRESH_TIMEOUT_S))
+                except CollectiveError as refresh_err:
+                    log.debug("refresh before retrying %s failed: %s", what, refresh_err)
+                # Retry as soon as the membership changes, else after the backoff.
+                self._membership.wait_for_change(version, min(backoff, _left(deadline)))
+                backoff = min(backoff * 2, RETRY_BACKOFF_MAX_S)
+                if deadline - time.monotonic() <= 0:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover - the loop always returns/raises
+
+    def _ordered(
+        self, what: str, fn: Callable[[], R], deadline: float, async_op: bool
+    ) -> R | Work[R]:
+        """Runs ``fn`` on the single op thread: ``Work`` if ``async_op``, else its result.
+
+        Raises:
+            DeadlineExceeded: (sync) the op was still queued behind earlier ops at the deadline.
+            CollectiveError: (sync) what ``fn`` raised.
+        """
+        self._check_open()
+        try:
+            future = self._op_executor.submit(fn)
+        except RuntimeError:  # shut down concurrently by close()
+            raise Unavailable(f"the connection to {self._address} is closed") from None
+        if async_op:
+            return Work(future, what)
+        try:
+            return future.result(timeout=_left(deadline))
+        except TimeoutError as exc:
+            if future.done() and future.exception() is exc:
+                raise
+            if future.cancel():
+                raise DeadlineExceeded(
+                    f"{what}: still queued behind earlier async ops when the deadline passed"
+                ) from None
+            # Running: it is bounded by its own gRPC deadlines.
+            return future.result()
+        except concurrent.futures.CancelledError:
+            raise Unavailable(f"{what} never ran: the cluster was closed first") from None
+
+    def _fan_out(self, what: str, fns: dict[int, Callable[[], R]]) -> dict[int, R]:
+        """Runs one call per rank in parallel; waits for all, then raises the lowest rank's error.
+
+        Raises:
+            CollectiveError: some rank failed (the message names the rank).
+        """
+        self._check_open()
+        if len(fns) == 1:
+            ((rank, fn),) = fns.items()
+            return {rank: _on_rank(what, rank, fn)}
+        try:
+            futures = {
+                rank: self._io_executor.submit(_on_rank, what, rank, fn) for rank, fn in fns.items()
+            }
+        except RuntimeError:
+            raise Unavailable(f"the connection to {self._address} is closed") from None
+        concurrent.futures.wait(futures.values())
+        for rank in sorted(futures):
+            if futures[rank].exception() is not None:
+                raise futures[rank].exception()  # type: ignore[misc]
+        return {rank: f.result() for rank, f in futures.items()}
+
+
+def _on_rank(what: str, rank: int, fn: Callable[[], R]) -> R:
+    """Calls ``fn``, prefixing a failure's message with the rank it concerns."""
+    try:
+        return fn()
+    except CollectiveError as err:
+        raise annotate(err, f"{what} on rank {rank}") from None
+
+
+def annotate(err: CollectiveError, prefix: str) -> CollectiveError:
+    """The same error (class, code, ``executed``) with ``prefix: `` before its message."""
+    if err.message.startswith(prefix):
+        return err
+    try:
+        return type(err)(f"{prefix}: {err.message}", err.code, executed=err.executed)
+    except TypeError:  # a subclass with another constructor: keep the original
+        return err
+
+
+def server_timeout_s(remaining_s: float) -> float:
+    """The op timeout to ask the server for: a little less than the client's deadline."""
+    return max(remaining_s - min(1.0, 0.1 * remaining_s), 0.001)
+
+
+def _left(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 0.0)
+
+
+def is_not_executed(err: CollectiveError) -> bool:
+    """Collectives are retried only on ``UNAVAILABLE`` that the server marks never started.
+
+    Other codes marked not executed (operands missing, queue full) would fail the
+    same way again, so they are the caller's to handle.
+    """
+    return err.executed is False and isinstance(err, Unavailable)

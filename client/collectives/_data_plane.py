@@ -1,0 +1,187 @@
+"""Data placement: ``put``, ``get``, ``delete`` and ``scatter`` of named tensors.
+
+Bulk data goes straight to the worker holding each rank, over that worker's own
+channel, in parallel across ranks; nothing passes through the leader or the
+coordinator. All four calls are idempotent, so each rank's call is retried on
+``UNAVAILABLE`` after refreshing the cluster (which re-resolves rank to
+address), within the call's deadline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+from collectives._core import _ClusterCore, annotate
+from collectives._transport import (
+    WorkerEndpoint,
+    call_unary,
+    get_tensor,
+    is_retryable_read,
+    put_tensor,
+)
+from collectives._validation import check_name, check_rank, check_tensor, scatter_parts
+from collectives.errors import CollectiveError, NotFound
+from collectives.v1 import worker_pb2
+
+__all__: list[str] = []
+
+R = TypeVar("R")
+
+
+class _DataPlane(_ClusterCore):
+    """The data-placement half of :class:`~collectives.Cluster`."""
+
+    def put(
+        self, name: str, t: torch.Tensor, rank: int | None = None, timeout: float | None = None
+    ) -> None:
+        """Stores ``t`` under ``name`` on ``rank``, or on every rank when ``rank`` is None.
+
+        A tensor already stored under the name is replaced. Uploads to several
+        ranks run in parallel; the tensor is sent as-is (dtype, shape), in 4 MiB chunks.
+
+        Raises:
+            InvalidArgument: bad name, rank, tensor type or dtype (before any RPC).
+            ResourceExhausted: a worker's tensor store is over its quota.
+            Unavailable: a worker stayed unreachable (retried until the deadline).
+            DeadlineExceeded: not done within ``timeout`` seconds.
+        """
+        check_name(name)
+        check_tensor(t)
+        deadline = self._deadline(timeout)
+        ranks = self._target_ranks(rank, deadline)
+        wire = _wire_layout(t) if len(ranks) > 1 else t  # one CPU copy shared by all uploads
+        self._fan_out(
+            f"put {name!r}",
+            {r: self._rank_call(r, deadline, f"put {name!r}", _put(name, wire)) for r in ranks},
+        )
+
+    def get(self, name: str, rank: int = 0, timeout: float | None = None) -> torch.Tensor:
+        """Downloads the tensor stored under ``name`` on ``rank``: a CPU tensor, same dtype/shape.
+
+        Raises:
+            InvalidArgument: bad name or rank (before any RPC).
+            NotFound: ``rank`` holds no tensor under ``name``.
+            Unavailable: the worker stayed unreachable (retried until the deadline).
+            DeadlineExceeded: not done within ``timeout`` seconds.
+        """
+        check_name(name)
+        deadline = self._deadline(timeout)
+        rank = check_rank(rank, self._formed_snapshot(deadline).world_size)
+        return self._get_rank(name, rank, deadline)
+
+    def delete(
+        self,
+        name: str,
+        rank: int | None = None,
+        missing_ok: bool = False,
+        timeout: float | None = None,
+    ) -> None:
+        """Deletes ``name`` on ``rank``, or wherever it exists when ``rank`` is None.
+
+        Raises:
+            InvalidArgument: bad name or rank (before any RPC).
+            NotFound: the name exists on none of the targeted ranks (unless ``missing_ok``).
+            Unavailable: a worker stayed unreachable (retried until the deadline).
+            DeadlineExceeded: not done within ``timeout`` seconds.
+        """
+        check_name(name)
+        deadline = self._deadline(timeout)
+        ranks = self._target_ranks(rank, deadline)
+        what = f"delete {name!r}"
+
+        def delete_on(endpoint: WorkerEndpoint, remaining: float) -> bool:
+            request = worker_pb2.DeleteTensorRequest(name=name, missing_ok=True)
+            response = call_unary(endpoint.stub.DeleteTensor, request, remaining, what)
+            return bool(response.deleted)
+
+        deleted = self._fan_out(
+            what, {r: self._rank_call(r, deadline, what, delete_on) for r in ranks}
+        )
+        if not missing_ok and not any(deleted.values()):
+            where = f"rank {ranks[0]}" if rank is not None else f"any of ranks {ranks}"
+            raise NotFound(
+                f"tensor {name!r} does not exist on {where}; pass missing_ok=True to ignore"
+            )
+
+    def scatter(
+        self,
+        name: str,
+        t: torch.Tensor,
+        dim: int = 0,
+        chunk_sizes: list[int] | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """Stores part i of ``t`` under ``name`` on rank i; uploads run in parallel.
+
+        Part i is ``torch.tensor_split(t, world_size, dim)[i]``, or
+        ``torch.split(t, chunk_sizes, dim)[i]`` when ``chunk_sizes`` is given.
+
+        Raises:
+            InvalidArgument: bad name, tensor, ``dim``, or ``chunk_sizes`` whose
+                length is not the world size or whose sum is not ``t.shape[dim]``.
+            ResourceExhausted: a worker's tensor store is over its quota.
+            Unavailable: a worker stayed unreachable (retried until the deadline).
+            DeadlineExceeded: not done within ``timeout`` seconds.
+        """
+        check_name(name)
+        check_tensor(t)
+        deadline = self._deadline(timeout)
+        world_size = self._formed_snapshot(deadline).world_size
+        parts = scatter_parts(_wire_layout(t), world_size, dim, chunk_sizes)
+        what = f"scatter {name!r}"
+        self._fan_out(
+            what,
+            {r: self._rank_call(r, deadline, what, _put(name, p)) for r, p in enumerate(parts)},
+        )
+
+    # --- helpers -------------------------------------------------------------
+
+    def _target_ranks(self, rank: int | None, deadline: float) -> list[int]:
+        world_size = self._formed_snapshot(deadline).world_size
+        if rank is None:
+            return list(range(world_size))
+        return [check_rank(rank, world_size)]
+
+    def _get_rank(self, name: str, rank: int, deadline: float) -> torch.Tensor:
+        what = f"get {name!r}"
+        return self._rank_call(rank, deadline, what, lambda e, s: get_tensor(e, name, s))()
+
+    def _rank_call(
+        self,
+        rank: int,
+        deadline: float,
+        what: str,
+        fn: Callable[[WorkerEndpoint, float], R],
+    ) -> Callable[[], R]:
+        """A retrying call of ``fn(endpoint_of_rank, remaining_s)``, re-resolving the rank."""
+
+        def attempt(remaining: float) -> R:
+            address = self._formed_snapshot(time.monotonic() + remaining).address_of(rank)
+            return fn(self._endpoint(address), remaining)
+
+        def call() -> R:
+            try:
+                return self._retry(f"{what} on rank {rank}", deadline, attempt, is_retryable_read)
+            except CollectiveError as err:
+                raise annotate(err, f"{what} on rank {rank}") from None
+
+        return call
+
+
+def _put(name: str, t: torch.Tensor) -> Callable[[WorkerEndpoint, float], None]:
+    def put_on(endpoint: WorkerEndpoint, remaining: float) -> None:
+        put_tensor(endpoint, name, t, remaining)
+
+    return put_on
+
+
+def _wire_layout(t: torch.Tensor) -> torch.Tensor:
+    """CPU, C-contiguous, conjugation/negation resolved: what the codec sends (no copy if so)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.resolve_conj().resolve_neg().contiguous()

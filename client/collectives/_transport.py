@@ -1,0 +1,214 @@
+"""Channels and raw calls: the only module that touches ``grpc`` call objects.
+
+Every call made here has a deadline, and every ``grpc.RpcError`` leaves this
+module converted by :func:`collectives.errors.from_rpc_error`, so the rest of
+the SDK deals in :class:`~collectives.errors.CollectiveError` only.
+
+The data plane bypasses the generated protobuf classes: ``PutTensor`` is fed
+the hand-framed bytes of :func:`collectives.codec.encode_tensor_stream` (a
+multi-callable with ``request_serializer=None`` passes bytes through), and
+``GetTensor`` responses arrive as bytes that :func:`collectives.codec.decode_part`
+splits into a header and memoryview chunks. The messages on the wire are still
+the ``PutTensorRequest``/``GetTensorResponse`` protobufs of ``worker.proto``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import torch
+
+from collectives import codec
+from collectives.errors import CollectiveError, InvalidArgument, Unavailable, error_for_code
+from collectives.errors import from_rpc_error as _from_rpc_error
+from collectives.v1 import tensor_pb2, worker_pb2, worker_pb2_grpc
+
+__all__ = [
+    "CHANNEL_OPTIONS",
+    "ChannelPool",
+    "WorkerEndpoint",
+    "call_unary",
+    "get_tensor",
+    "is_retryable_read",
+    "open_channel",
+    "put_tensor",
+    "wait_channel_ready",
+]
+
+R = TypeVar("R")
+
+CHANNEL_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_send_message_length", codec.MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", codec.MAX_MESSAGE_BYTES),
+]
+
+_PUT_TENSOR = "/collectives.v1.Worker/PutTensor"
+_GET_TENSOR = "/collectives.v1.Worker/GetTensor"
+
+
+def open_channel(address: str) -> grpc.Channel:
+    """An insecure channel to ``address`` with the SDK's message size limits."""
+    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def wait_channel_ready(channel: grpc.Channel, address: str, timeout: float) -> None:
+    """Blocks until ``channel`` is connected.
+
+    Raises:
+        Unavailable: nothing answered at ``address`` within ``timeout`` seconds.
+    """
+    try:
+        grpc.channel_ready_future(channel).result(timeout=max(timeout, 0.0))
+    except grpc.FutureTimeoutError:
+        raise Unavailable(
+            f"nothing answers at {address}: could not connect within {timeout:.3g} s "
+            "(is the coordinator running, and is the address host:port?)"
+        ) from None
+
+
+@dataclass(frozen=True)
+class WorkerEndpoint:
+    """A worker's channel and the callables the SDK uses on it."""
+
+    address: str
+    channel: grpc.Channel
+    stub: worker_pb2_grpc.WorkerStub
+    # Raw-bytes data-plane callables (no protobuf on the client side).
+    put_raw: grpc.StreamUnaryMultiCallable
+    get_raw: grpc.UnaryStreamMultiCallable
+
+    @classmethod
+    def open(cls, address: str) -> WorkerEndpoint:
+        channel = open_channel(address)
+        return cls(
+            address=address,
+            channel=channel,
+            stub=worker_pb2_grpc.WorkerStub(channel),
+            put_raw=channel.stream_unary(
+                _PUT_TENSOR,
+                request_serializer=None,
+                response_deserializer=worker_pb2.PutTensorResponse.FromString,
+            ),
+            get_raw=channel.unary_stream(
+                _GET_TENSOR,
+                request_serializer=worker_pb2.GetTensorRequest.SerializeToString,
+                response_deserializer=None,
+            ),
+        )
+
+
+class ChannelPool:
+    """One channel per worker address, created on first use, closed together."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._endpoints: dict[str, WorkerEndpoint] = {}
+        self._closed = False
+
+    def endpoint(self, address: str) -> WorkerEndpoint:
+        """The cached endpoint for ``address``.
+
+        Raises:
+            Unavailable: the pool is closed (the cluster was closed).
+        """
+        with self._lock:
+            if self._closed:
+                raise Unavailable("the cluster connection is closed")
+            endpoint = self._endpoints.get(address)
+            if endpoint is None:
+                endpoint = WorkerEndpoint.open(address)
+                self._endpoints[address] = endpoint
+            return endpoint
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            endpoints, self._endpoints = list(self._endpoints.values()), {}
+        for endpoint in endpoints:
+            endpoint.channel.close()
+
+
+def call_unary(
+    method: Callable[..., R], request: Any, timeout: float, what: str, **kwargs: Any
+) -> R:
+    """Calls a unary-unary multi-callable with a deadline, converting errors.
+
+    Raises:
+        CollectiveError: the call failed (subclass by status code).
+    """
+    try:
+        return method(request, timeout=_deadline_s(timeout, what), **kwargs)
+    except grpc.RpcError as err:
+        raise _from_rpc_error(err, what) from None
+
+
+def put_tensor(
+    endpoint: WorkerEndpoint, name: str, t: torch.Tensor, timeout: float
+) -> worker_pb2.PutTensorResponse:
+    """Streams ``t`` to ``endpoint`` under ``name`` in chunks of at most 4 MiB.
+
+    Raises:
+        CollectiveError: the worker refused the tensor or the call failed.
+    """
+    what = f"PutTensor {name!r} to {endpoint.address}"
+    try:
+        return endpoint.put_raw(
+            codec.encode_tensor_stream(name, t), timeout=_deadline_s(timeout, what)
+        )
+    except grpc.RpcError as err:
+        raise _from_rpc_error(err, what) from None
+
+
+def get_tensor(endpoint: WorkerEndpoint, name: str, timeout: float) -> torch.Tensor:
+    """Downloads the tensor stored under ``name`` into one preallocated CPU buffer.
+
+    Raises:
+        NotFound: the worker holds no tensor under ``name``.
+        CollectiveError: the call failed, or the worker sent a malformed stream.
+    """
+    what = f"GetTensor {name!r} from {endpoint.address}"
+    call = endpoint.get_raw(
+        worker_pb2.GetTensorRequest(name=name), timeout=_deadline_s(timeout, what)
+    )
+    assembler: codec.TensorAssembler | None = None
+    try:
+        for message in call:
+            kind, value = codec.decode_part(message)
+            if isinstance(value, tensor_pb2.TensorHeader):
+                if assembler is not None:
+                    raise InvalidArgument("a second header arrived mid-stream")
+                assembler = codec.TensorAssembler(value)
+            elif kind == "chunk" and value is not None:
+                if assembler is None:
+                    raise InvalidArgument("a chunk arrived before the header")
+                assembler.add(value)
+        if assembler is None:
+            raise InvalidArgument("the stream ended without a header")
+        return assembler.finish()
+    except grpc.RpcError as err:
+        raise _from_rpc_error(err, what) from None
+    except InvalidArgument as err:
+        # Our request was fine; the worker's answer was not. Not the caller's fault.
+        call.cancel()
+        raise error_for_code(
+            grpc.StatusCode.INTERNAL, f"{what}: malformed response stream: {err.message}"
+        ) from None
+
+
+def _deadline_s(timeout: float, what: str) -> float:
+    """The remaining seconds as a gRPC timeout; no time left is DEADLINE_EXCEEDED."""
+    if timeout <= 0:
+        raise error_for_code(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"{what}: the call's deadline passed before it could be sent",
+        )
+    return timeout
+
+
+def is_retryable_read(err: CollectiveError) -> bool:
+    """Idempotent calls (reads, put, delete) are retried on UNAVAILABLE only."""
+    return err.code == grpc.StatusCode.UNAVAILABLE

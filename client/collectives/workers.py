@@ -1,0 +1,223 @@
+"""What the SDK knows about the cluster: workers and a snapshot of the membership.
+
+The coordinator describes the cluster with one protobuf message
+(``collectives.v1.Cluster``); the SDK turns it into immutable Python values once,
+here, so the rest of the SDK (and dashboards built on it) never touch protobuf
+enums or repeated fields. A :class:`ClusterSnapshot` is replaced wholesale when
+the coordinator announces a new version, so readers never see half an update.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from collectives.errors import InvalidArgument, Unavailable
+from collectives.v1 import coordinator_pb2
+
+__all__ = [
+    "DEFAULT_OP_TIMEOUT_S",
+    "ClusterNotFormed",
+    "ClusterSnapshot",
+    "WorkerInfo",
+    "WorkerState",
+    "check_rank",
+]
+
+# The coordinator's --op-timeout-s default, used when it reports none.
+DEFAULT_OP_TIMEOUT_S = 30.0
+
+
+class ClusterNotFormed(Unavailable):
+    """No sealed generation with enough live members (``UNAVAILABLE``); not retried."""
+
+
+class WorkerState(enum.StrEnum):
+    """Lifecycle of a worker as the coordinator sees it; a ``str`` equal to its value."""
+
+    JOINING = "joining"
+    READY = "ready"
+    BUSY = "busy"
+    DRAINING = "draining"
+    LOST = "lost"
+
+    @classmethod
+    def from_wire(cls, value: int) -> WorkerState:
+        # UNSPECIFIED (or a value from a newer server) reads as "joining": the
+        # worker is registered but the SDK cannot claim it is a usable member.
+        return _STATE_FROM_WIRE.get(value, cls.JOINING)
+
+
+_STATE_FROM_WIRE: dict[int, WorkerState] = {
+    coordinator_pb2.WORKER_STATE_JOINING: WorkerState.JOINING,
+    coordinator_pb2.WORKER_STATE_READY: WorkerState.READY,
+    coordinator_pb2.WORKER_STATE_BUSY: WorkerState.BUSY,
+    coordinator_pb2.WORKER_STATE_DRAINING: WorkerState.DRAINING,
+    coordinator_pb2.WORKER_STATE_LOST: WorkerState.LOST,
+}
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """One worker daemon as last reported by the coordinator."""
+
+    # Rank in the current generation; -1 when not a member (joining or lost).
+    rank: int
+    # host:port the worker's gRPC server listens on.
+    address: str
+    state: WorkerState
+    # "cpu", "cuda:0", ...; never empty for a registered worker.
+    devices: list[str]
+    hostname: str
+    pid: int
+    worker_id: str
+    # The generation whose process group this worker has joined (0: none yet).
+    generation: int
+    last_heartbeat_age_s: float
+    # "gloo" or "nccl".
+    backend: str
+    uptime_s: float
+    version: str
+
+    @property
+    def is_member(self) -> bool:
+        """True when the worker holds a rank in the current generation."""
+        return self.rank >= 0
+
+    @classmethod
+    def from_proto(cls, msg: coordinator_pb2.WorkerInfo) -> WorkerInfo:
+        return cls(
+            rank=int(msg.rank),
+            address=msg.address,
+            state=WorkerState.from_wire(msg.state),
+            devices=list(msg.devices),
+            hostname=msg.hostname,
+            pid=int(msg.pid),
+            worker_id=msg.worker_id,
+            generation=int(msg.joined_generation),
+            last_heartbeat_age_s=float(msg.last_heartbeat_age_s),
+            backend=msg.backend,
+            uptime_s=float(msg.uptime_s),
+            version=msg.version,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (the state as its string value)."""
+        return {
+            "rank": self.rank,
+            "address": self.address,
+            "state": self.state.value,
+            "devices": list(self.devices),
+            "hostname": self.hostname,
+            "pid": self.pid,
+            "worker_id": self.worker_id,
+            "generation": self.generation,
+            "last_heartbeat_age_s": self.last_heartbeat_age_s,
+            "backend": self.backend,
+            "uptime_s": self.uptime_s,
+            "version": self.version,
+        }
+
+
+@dataclass(frozen=True)
+class ClusterSnapshot:
+    """One version of the coordinator's ``Cluster`` message, as plain values."""
+
+    generation: int
+    formed: bool
+    ready: bool
+    world_size: int
+    # Members in rank order, then non-members (rank -1), as the coordinator sends them.
+    workers: tuple[WorkerInfo, ...]
+    version: int
+    status: str
+    op_timeout_s: float
+    min_workers: int = 0
+    max_workers: int = 0
+    store_address: str = ""
+    # Members indexed by rank, derived from ``workers``.
+    _by_rank: dict[int, WorkerInfo] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._by_rank.update({w.rank: w for w in self.workers if w.rank >= 0})
+
+    @classmethod
+    def from_proto(cls, msg: coordinator_pb2.Cluster) -> ClusterSnapshot:
+        return cls(
+            generation=int(msg.generation),
+            formed=bool(msg.formed),
+            ready=bool(msg.ready),
+            world_size=int(msg.world_size),
+            workers=tuple(WorkerInfo.from_proto(w) for w in msg.workers),
+            version=int(msg.version),
+            status=msg.status,
+            op_timeout_s=float(msg.op_timeout_s) or DEFAULT_OP_TIMEOUT_S,
+            min_workers=int(msg.min_workers),
+            max_workers=int(msg.max_workers),
+            store_address=msg.store_address,
+        )
+
+    @property
+    def members(self) -> list[WorkerInfo]:
+        """Workers holding a rank in the current generation, in rank order."""
+        return [self._by_rank[r] for r in sorted(self._by_rank)]
+
+    @property
+    def leader_address(self) -> str | None:
+        """Address of rank 0, which sequences every collective; None when not formed."""
+        leader = self._by_rank.get(0)
+        return leader.address if self.formed and leader is not None else None
+
+    def address_of(self, rank: int) -> str:
+        """The address serving ``rank``.
+
+        Raises:
+            Unavailable: the cluster is not formed or no member holds ``rank``.
+            InvalidArgument: ``rank`` is outside ``[0, world_size)``.
+        """
+        self.require_formed()
+        check_rank(rank, self.world_size)
+        worker = self._by_rank.get(rank)
+        if worker is None:
+            raise Unavailable(
+                f"no worker holds rank {rank} in generation {self.generation} "
+                f"(coordinator status: {self.status or 'none'})"
+            )
+        return worker.address
+
+    def require_formed(self) -> None:
+        """Raises :class:`ClusterNotFormed` quoting the coordinator's status when not formed."""
+        if not self.formed or self.world_size <= 0:
+            raise ClusterNotFormed(
+                f"the cluster is not formed (generation {self.generation}, "
+                f"{self.world_size} members): {self.status or 'no status'}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict, as ``collectives status --json`` prints it."""
+        return {
+            "generation": self.generation,
+            "formed": self.formed,
+            "ready": self.ready,
+            "world_size": self.world_size,
+            "version": self.version,
+            "status": self.status,
+            "op_timeout_s": self.op_timeout_s,
+            "min_workers": self.min_workers,
+            "max_workers": self.max_workers,
+            "store_address": self.store_address,
+            "workers": [w.to_dict() for w in self.workers],
+        }
+
+
+def check_rank(rank: object, world_size: int, what: str = "rank") -> int:
+    """Returns ``rank`` if it is an int in ``[0, world_size)``, else raises InvalidArgument."""
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise InvalidArgument(f"{what} must be an int, got {type(rank).__name__}")
+    if not 0 <= rank < world_size:
+        valid = f"0..{world_size - 1}" if world_size > 0 else "none"
+        raise InvalidArgument(
+            f"{what} {rank} is out of range; valid ranks are {valid} (world size {world_size})"
+        )
+    return rank
