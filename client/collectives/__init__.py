@@ -8,7 +8,11 @@ run collectives on them (``broadcast``, ``all_reduce``, ``reduce``,
 gRPC status code and the server's message.
 """
 
-from collectives.cluster import Cluster, connect
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from collectives.errors import (
     CollectiveError,
     DeadlineExceeded,
@@ -19,10 +23,40 @@ from collectives.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from collectives.groups import Group
-from collectives.reduce_ops import ReduceOp
-from collectives.work import Work
-from collectives.workers import WorkerInfo, WorkerState
+
+if TYPE_CHECKING:
+    from collectives.cluster import Cluster, connect
+    from collectives.groups import Group
+    from collectives.reduce_ops import ReduceOp
+    from collectives.work import Work
+    from collectives.workers import WorkerInfo, WorkerState
+
+# Imported on first use (PEP 562): they need torch, and importing torch costs
+# ~1.5 s, which tools that only need the generated stubs (the daemons' --help,
+# `collectives status`) should not pay.
+_LAZY = {
+    "Cluster": "collectives.cluster",
+    "connect": "collectives.cluster",
+    "Group": "collectives.groups",
+    "ReduceOp": "collectives.reduce_ops",
+    "Work": "collectives.work",
+    "WorkerInfo": "collectives.workers",
+    "WorkerState": "collectives.workers",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'collectives' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __version__ = "0.1.0"
 
