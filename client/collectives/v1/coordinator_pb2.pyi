@@ -1,3 +1,4 @@
+from collectives.v1 import status_pb2 as _status_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -23,7 +24,7 @@ WORKER_STATE_DRAINING: WorkerState
 WORKER_STATE_LOST: WorkerState
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "rank", "address", "hostname", "pid", "state", "devices", "joined_generation", "last_heartbeat_age_s", "backend", "uptime_s", "version")
+    __slots__ = ("worker_id", "rank", "address", "hostname", "pid", "state", "devices", "joined_generation", "last_heartbeat_age_s", "backend", "uptime_s", "version", "status")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +37,7 @@ class WorkerInfo(_message.Message):
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     rank: int
     address: str
@@ -48,10 +50,25 @@ class WorkerInfo(_message.Message):
     backend: str
     uptime_s: float
     version: str
-    def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., address: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., devices: _Optional[_Iterable[str]] = ..., joined_generation: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., backend: _Optional[str] = ..., uptime_s: _Optional[float] = ..., version: _Optional[str] = ...) -> None: ...
+    status: _status_pb2.WorkerStatus
+    def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., address: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., devices: _Optional[_Iterable[str]] = ..., joined_generation: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., backend: _Optional[str] = ..., uptime_s: _Optional[float] = ..., version: _Optional[str] = ..., status: _Optional[_Union[_status_pb2.WorkerStatus, _Mapping]] = ...) -> None: ...
+
+class GenerationRecord(_message.Message):
+    __slots__ = ("generation", "sealed_unix_time_s", "world_size", "members", "reason")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SEALED_UNIX_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    sealed_unix_time_s: float
+    world_size: int
+    members: _containers.RepeatedScalarFieldContainer[str]
+    reason: str
+    def __init__(self, generation: _Optional[int] = ..., sealed_unix_time_s: _Optional[float] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Cluster(_message.Message):
-    __slots__ = ("generation", "formed", "world_size", "workers", "store_address", "version", "min_workers", "max_workers", "status", "op_timeout_s", "ready")
+    __slots__ = ("generation", "formed", "world_size", "workers", "store_address", "version", "min_workers", "max_workers", "status", "op_timeout_s", "ready", "history")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     FORMED_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +80,7 @@ class Cluster(_message.Message):
     STATUS_FIELD_NUMBER: _ClassVar[int]
     OP_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
     generation: int
     formed: bool
     world_size: int
@@ -74,7 +92,8 @@ class Cluster(_message.Message):
     status: str
     op_timeout_s: float
     ready: bool
-    def __init__(self, generation: _Optional[int] = ..., formed: _Optional[bool] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., store_address: _Optional[str] = ..., version: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., status: _Optional[str] = ..., op_timeout_s: _Optional[float] = ..., ready: _Optional[bool] = ...) -> None: ...
+    history: _containers.RepeatedCompositeFieldContainer[GenerationRecord]
+    def __init__(self, generation: _Optional[int] = ..., formed: _Optional[bool] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., store_address: _Optional[str] = ..., version: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., status: _Optional[str] = ..., op_timeout_s: _Optional[float] = ..., ready: _Optional[bool] = ..., history: _Optional[_Iterable[_Union[GenerationRecord, _Mapping]]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("address", "hostname", "pid", "devices", "backend", "version")
@@ -107,14 +126,16 @@ class RegisterResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_s: _Optional[float] = ..., store_address: _Optional[str] = ..., op_timeout_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "joined_generation", "busy")
+    __slots__ = ("worker_id", "joined_generation", "busy", "status")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     JOINED_GENERATION_FIELD_NUMBER: _ClassVar[int]
     BUSY_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     joined_generation: int
     busy: bool
-    def __init__(self, worker_id: _Optional[str] = ..., joined_generation: _Optional[int] = ..., busy: _Optional[bool] = ...) -> None: ...
+    status: _status_pb2.WorkerStatus
+    def __init__(self, worker_id: _Optional[str] = ..., joined_generation: _Optional[int] = ..., busy: _Optional[bool] = ..., status: _Optional[_Union[_status_pb2.WorkerStatus, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("generation", "version")

@@ -1,3 +1,4 @@
+from collectives.v1 import status_pb2 as _status_pb2
 from collectives.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -212,7 +213,7 @@ class GetStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStateResponse(_message.Message):
-    __slots__ = ("worker_id", "rank", "generation", "is_leader", "queue_depth", "tensors_held", "bytes_held", "ops_completed", "ops_failed", "devices", "backend")
+    __slots__ = ("worker_id", "rank", "generation", "is_leader", "queue_depth", "tensors_held", "bytes_held", "ops_completed", "ops_failed", "devices", "backend", "status", "address", "hostname", "pid", "uptime_s")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +225,11 @@ class GetStateResponse(_message.Message):
     OPS_FAILED_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     rank: int
     generation: int
@@ -235,10 +241,293 @@ class GetStateResponse(_message.Message):
     ops_failed: int
     devices: _containers.RepeatedScalarFieldContainer[str]
     backend: str
-    def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., generation: _Optional[int] = ..., is_leader: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., tensors_held: _Optional[int] = ..., bytes_held: _Optional[int] = ..., ops_completed: _Optional[int] = ..., ops_failed: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ...) -> None: ...
+    status: _status_pb2.WorkerStatus
+    address: str
+    hostname: str
+    pid: int
+    uptime_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., generation: _Optional[int] = ..., is_leader: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., tensors_held: _Optional[int] = ..., bytes_held: _Optional[int] = ..., ops_completed: _Optional[int] = ..., ops_failed: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., status: _Optional[_Union[_status_pb2.WorkerStatus, _Mapping]] = ..., address: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+
+class ModelSpec(_message.Message):
+    __slots__ = ("name", "factory", "factory_kwargs_json", "archive_nbytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FACTORY_FIELD_NUMBER: _ClassVar[int]
+    FACTORY_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    ARCHIVE_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    factory: str
+    factory_kwargs_json: str
+    archive_nbytes: int
+    def __init__(self, name: _Optional[str] = ..., factory: _Optional[str] = ..., factory_kwargs_json: _Optional[str] = ..., archive_nbytes: _Optional[int] = ...) -> None: ...
+
+class LoadModelRequest(_message.Message):
+    __slots__ = ("spec", "archive_chunk")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    ARCHIVE_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    spec: ModelSpec
+    archive_chunk: bytes
+    def __init__(self, spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., archive_chunk: _Optional[bytes] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("name", "parameters", "parameter_bytes", "devices", "source", "optimizer", "graphs_retained", "steps")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    PARAMETER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    GRAPHS_RETAINED_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    parameters: int
+    parameter_bytes: int
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    source: str
+    optimizer: str
+    graphs_retained: int
+    steps: int
+    def __init__(self, name: _Optional[str] = ..., parameters: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., source: _Optional[str] = ..., optimizer: _Optional[str] = ..., graphs_retained: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
+
+class LoadModelResponse(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: ModelInfo
+    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ...) -> None: ...
+
+class UnloadModelRequest(_message.Message):
+    __slots__ = ("name", "missing_ok")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MISSING_OK_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    missing_ok: bool
+    def __init__(self, name: _Optional[str] = ..., missing_ok: _Optional[bool] = ...) -> None: ...
+
+class UnloadModelResponse(_message.Message):
+    __slots__ = ("unloaded",)
+    UNLOADED_FIELD_NUMBER: _ClassVar[int]
+    unloaded: bool
+    def __init__(self, unloaded: _Optional[bool] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+
+class Value(_message.Message):
+    __slots__ = ("tensor", "int_value", "float_value", "str_value", "bool_value", "none", "list", "tuple", "dict", "named_tuple")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    INT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    FLOAT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    STR_VALUE_FIELD_NUMBER: _ClassVar[int]
+    BOOL_VALUE_FIELD_NUMBER: _ClassVar[int]
+    NONE_FIELD_NUMBER: _ClassVar[int]
+    LIST_FIELD_NUMBER: _ClassVar[int]
+    TUPLE_FIELD_NUMBER: _ClassVar[int]
+    DICT_FIELD_NUMBER: _ClassVar[int]
+    NAMED_TUPLE_FIELD_NUMBER: _ClassVar[int]
+    tensor: str
+    int_value: int
+    float_value: float
+    str_value: str
+    bool_value: bool
+    none: bool
+    list: ValueList
+    tuple: ValueList
+    dict: ValueDict
+    named_tuple: NamedTupleValue
+    def __init__(self, tensor: _Optional[str] = ..., int_value: _Optional[int] = ..., float_value: _Optional[float] = ..., str_value: _Optional[str] = ..., bool_value: _Optional[bool] = ..., none: _Optional[bool] = ..., list: _Optional[_Union[ValueList, _Mapping]] = ..., tuple: _Optional[_Union[ValueList, _Mapping]] = ..., dict: _Optional[_Union[ValueDict, _Mapping]] = ..., named_tuple: _Optional[_Union[NamedTupleValue, _Mapping]] = ...) -> None: ...
+
+class ValueList(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[Value]
+    def __init__(self, items: _Optional[_Iterable[_Union[Value, _Mapping]]] = ...) -> None: ...
+
+class ValueDict(_message.Message):
+    __slots__ = ("keys", "values")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    values: _containers.RepeatedCompositeFieldContainer[Value]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., values: _Optional[_Iterable[_Union[Value, _Mapping]]] = ...) -> None: ...
+
+class NamedTupleValue(_message.Message):
+    __slots__ = ("type_name", "fields", "values")
+    TYPE_NAME_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    type_name: str
+    fields: _containers.RepeatedScalarFieldContainer[str]
+    values: _containers.RepeatedCompositeFieldContainer[Value]
+    def __init__(self, type_name: _Optional[str] = ..., fields: _Optional[_Iterable[str]] = ..., values: _Optional[_Iterable[_Union[Value, _Mapping]]] = ...) -> None: ...
+
+class ForwardRequest(_message.Message):
+    __slots__ = ("model", "call_id", "args", "kwargs", "grad_enabled", "input_grad_names")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    ARGS_FIELD_NUMBER: _ClassVar[int]
+    KWARGS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_ENABLED_FIELD_NUMBER: _ClassVar[int]
+    INPUT_GRAD_NAMES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    call_id: str
+    args: Value
+    kwargs: Value
+    grad_enabled: bool
+    input_grad_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., call_id: _Optional[str] = ..., args: _Optional[_Union[Value, _Mapping]] = ..., kwargs: _Optional[_Union[Value, _Mapping]] = ..., grad_enabled: _Optional[bool] = ..., input_grad_names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ForwardResponse(_message.Message):
+    __slots__ = ("output", "latency_s")
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    output: Value
+    latency_s: float
+    def __init__(self, output: _Optional[_Union[Value, _Mapping]] = ..., latency_s: _Optional[float] = ...) -> None: ...
+
+class BackwardRequest(_message.Message):
+    __slots__ = ("model", "call_id", "output_names", "grad_names")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_NAMES_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NAMES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    call_id: str
+    output_names: _containers.RepeatedScalarFieldContainer[str]
+    grad_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., call_id: _Optional[str] = ..., output_names: _Optional[_Iterable[str]] = ..., grad_names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class BackwardResponse(_message.Message):
+    __slots__ = ("input_grad_names", "latency_s")
+    INPUT_GRAD_NAMES_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    input_grad_names: _containers.RepeatedScalarFieldContainer[str]
+    latency_s: float
+    def __init__(self, input_grad_names: _Optional[_Iterable[str]] = ..., latency_s: _Optional[float] = ...) -> None: ...
+
+class ReleaseGraphRequest(_message.Message):
+    __slots__ = ("model", "call_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    call_id: str
+    def __init__(self, model: _Optional[str] = ..., call_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseGraphResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class ZeroGradRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class ZeroGradResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("model", "optimizer", "hyper_json")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    HYPER_JSON_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    optimizer: str
+    hyper_json: str
+    def __init__(self, model: _Optional[str] = ..., optimizer: _Optional[str] = ..., hyper_json: _Optional[str] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    def __init__(self, steps: _Optional[int] = ...) -> None: ...
+
+class ModelTensorsRequest(_message.Message):
+    __slots__ = ("model", "which")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    WHICH_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    which: str
+    def __init__(self, model: _Optional[str] = ..., which: _Optional[str] = ...) -> None: ...
+
+class LoadStateDictResponse(_message.Message):
+    __slots__ = ("tensors",)
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    tensors: int
+    def __init__(self, tensors: _Optional[int] = ...) -> None: ...
+
+class AllReduceGradientsRequest(_message.Message):
+    __slots__ = ("options", "model", "op", "bucket_bytes")
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    options: OpOptions
+    model: str
+    op: _tensor_pb2.ReduceOp
+    bucket_bytes: int
+    def __init__(self, options: _Optional[_Union[OpOptions, _Mapping]] = ..., model: _Optional[str] = ..., op: _Optional[_Union[_tensor_pb2.ReduceOp, str]] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+
+class AllReduceGradientsResponse(_message.Message):
+    __slots__ = ("op_id", "generation", "buckets", "bytes", "latency_s")
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    op_id: int
+    generation: int
+    buckets: int
+    bytes: int
+    latency_s: float
+    def __init__(self, op_id: _Optional[int] = ..., generation: _Optional[int] = ..., buckets: _Optional[int] = ..., bytes: _Optional[int] = ..., latency_s: _Optional[float] = ...) -> None: ...
+
+class TrainStepRequest(_message.Message):
+    __slots__ = ("options", "model", "inputs", "targets", "loss", "optimizer", "hyper_json", "bucket_bytes")
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    HYPER_JSON_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    options: OpOptions
+    model: str
+    inputs: str
+    targets: str
+    loss: str
+    optimizer: str
+    hyper_json: str
+    bucket_bytes: int
+    def __init__(self, options: _Optional[_Union[OpOptions, _Mapping]] = ..., model: _Optional[str] = ..., inputs: _Optional[str] = ..., targets: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[str] = ..., hyper_json: _Optional[str] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+
+class TrainStepResponse(_message.Message):
+    __slots__ = ("op_id", "generation", "loss", "rank_losses", "buckets", "latency_s")
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    RANK_LOSSES_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    op_id: int
+    generation: int
+    loss: float
+    rank_losses: _containers.RepeatedScalarFieldContainer[float]
+    buckets: int
+    latency_s: float
+    def __init__(self, op_id: _Optional[int] = ..., generation: _Optional[int] = ..., loss: _Optional[float] = ..., rank_losses: _Optional[_Iterable[float]] = ..., buckets: _Optional[int] = ..., latency_s: _Optional[float] = ...) -> None: ...
 
 class OpDescriptor(_message.Message):
-    __slots__ = ("op_id", "generation", "kind", "name", "out", "op", "root", "group_id", "group_ranks", "timeout_s")
+    __slots__ = ("op_id", "generation", "kind", "name", "out", "op", "root", "group_id", "group_ranks", "timeout_s", "bucket_bytes", "targets", "loss", "optimizer", "hyper_json")
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -249,6 +538,11 @@ class OpDescriptor(_message.Message):
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_RANKS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    HYPER_JSON_FIELD_NUMBER: _ClassVar[int]
     op_id: int
     generation: int
     kind: str
@@ -259,4 +553,9 @@ class OpDescriptor(_message.Message):
     group_id: int
     group_ranks: _containers.RepeatedScalarFieldContainer[int]
     timeout_s: float
-    def __init__(self, op_id: _Optional[int] = ..., generation: _Optional[int] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., out: _Optional[str] = ..., op: _Optional[_Union[_tensor_pb2.ReduceOp, str]] = ..., root: _Optional[int] = ..., group_id: _Optional[int] = ..., group_ranks: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    bucket_bytes: int
+    targets: str
+    loss: str
+    optimizer: str
+    hyper_json: str
+    def __init__(self, op_id: _Optional[int] = ..., generation: _Optional[int] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., out: _Optional[str] = ..., op: _Optional[_Union[_tensor_pb2.ReduceOp, str]] = ..., root: _Optional[int] = ..., group_id: _Optional[int] = ..., group_ranks: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ..., bucket_bytes: _Optional[int] = ..., targets: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[str] = ..., hyper_json: _Optional[str] = ...) -> None: ...

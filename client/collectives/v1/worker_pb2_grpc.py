@@ -104,6 +104,66 @@ class WorkerStub:
                 request_serializer=collectives_dot_v1_dot_worker__pb2.GetStateRequest.SerializeToString,
                 response_deserializer=collectives_dot_v1_dot_worker__pb2.GetStateResponse.FromString,
                 _registered_method=True)
+        self.LoadModel = channel.stream_unary(
+                '/collectives.v1.Worker/LoadModel',
+                request_serializer=collectives_dot_v1_dot_worker__pb2.LoadModelRequest.SerializeToString,
+                response_deserializer=collectives_dot_v1_dot_worker__pb2.LoadModelResponse.FromString,
+                _registered_method=True)
+        self.UnloadModel = channel.unary_unary(
+                '/collectives.v1.Worker/UnloadModel',
+                request_serializer=collectives_dot_v1_dot_worker__pb2.UnloadModelRequest.SerializeToString,
+                response_deserializer=collectives_dot_v1_dot_worker__pb2.UnloadModelResponse.FromString,
+                _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/collectives.v1.Worker/ListModels',
+                request_serializer=collectives_dot_v1_dot_worker__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=collectives_dot_v1_dot_worker__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
+        self.Forward = channel.unary_unary(
+                '/collectives.v1.Worker/Forward',
+                request_serializer=collectives_dot_v1_dot_worker__pb2.ForwardRequest.SerializeToString,
+                response_deserializer=collectives_dot_v1_dot_worker__pb2.ForwardResponse.FromString,
+                _registered_method=True)
+        self.Backward = channel.unary_unary(
+                '/collectives.v1.Worker/Backward',
+                request_serializer=collectives_dot_v1_dot_worker__pb2.BackwardRequest.SerializeToString,
+                response_deserializer=collectives_dot_v1_dot_worker__pb2.BackwardResponse.FromString,
+                _registered_method=True)
+        self.ReleaseGraph = channel.unary_unary(
+                '/collectives.v1.Worker/ReleaseGraph',
+                request_serializer=collectives_dot_v1_dot_worker__pb2.ReleaseGraphRequest.SerializeToString,
+                response_deserializer=collectives_dot_v1_dot_worker__pb2.ReleaseGraphResponse.FromString,
+                _registered_method=True)
+        self.ZeroGrad = channel.unary_unary(
+                '/collectives.v1.Worker/ZeroGrad',
+                request_serializer=collectives_dot_v1_dot_worker__pb2.ZeroGradRequest.SerializeToString,
+                response_deserializer=collectives_dot_v1_dot_worker__pb2.ZeroGradResponse.FromString,
+                _registered_method=True)
+        self.Step = channel.unary_unary(
+                '/collectives.v1.Worker/Step',
+                request_serializer=collectives_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
+                response_deserializer=collectives_dot_v1_dot_worker__pb2.StepResponse.FromString,
+                _registered_method=True)
+        self.GetModelTensors = channel.unary_stream(
+                '/collectives.v1.Worker/GetModelTensors',
+                request_serializer=collectives_dot_v1_dot_worker__pb2.ModelTensorsRequest.SerializeToString,
+                response_deserializer=collectives_dot_v1_dot_worker__pb2.GetTensorResponse.FromString,
+                _registered_method=True)
+        self.LoadStateDict = channel.stream_unary(
+                '/collectives.v1.Worker/LoadStateDict',
+                request_serializer=collectives_dot_v1_dot_worker__pb2.PutTensorRequest.SerializeToString,
+                response_deserializer=collectives_dot_v1_dot_worker__pb2.LoadStateDictResponse.FromString,
+                _registered_method=True)
+        self.AllReduceGradients = channel.unary_unary(
+                '/collectives.v1.Worker/AllReduceGradients',
+                request_serializer=collectives_dot_v1_dot_worker__pb2.AllReduceGradientsRequest.SerializeToString,
+                response_deserializer=collectives_dot_v1_dot_worker__pb2.AllReduceGradientsResponse.FromString,
+                _registered_method=True)
+        self.TrainStep = channel.unary_unary(
+                '/collectives.v1.Worker/TrainStep',
+                request_serializer=collectives_dot_v1_dot_worker__pb2.TrainStepRequest.SerializeToString,
+                response_deserializer=collectives_dot_v1_dot_worker__pb2.TrainStepResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -202,6 +262,93 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadModel(self, request_iterator, context):
+        """Models (cluster-wide: the SDK sends each call to every worker).
+        LoadModel errors: INVALID_ARGUMENT (bad name, corrupt or pickle-bearing
+        archive, kwargs not a JSON object), PERMISSION_DENIED (factory module not
+        allowed with --allow-factory). Replaces a model of the same name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadModel(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListModels(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Forward(self, request, context):
+        """Runs the model on tensors already stored (the SDK uploads the shard first).
+        Errors: NOT_FOUND (model or input tensor), INVALID_ARGUMENT (the model
+        rejected the inputs; the message carries its error).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Backward(self, request, context):
+        """Backpropagates through a retained graph; parameter .grad accumulates.
+        Errors: NOT_FOUND (graph released or expired).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseGraph(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ZeroGrad(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Step(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetModelTensors(self, request, context):
+        """Streams raw-framed tensors: header (name = parameter key), chunks, header, ...
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadStateDict(self, request_iterator, context):
+        """Raw-framed tensors keyed like state_dict(); the model name travels in the
+        request metadata "collectives-model". Errors: INVALID_ARGUMENT (unknown or
+        missing keys, shape mismatch).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AllReduceGradients(self, request, context):
+        """Leader only: bucketed all-reduce of every parameter's gradient.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TrainStep(self, request, context):
+        """Leader only: DDP-style step on data already on the workers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -274,6 +421,66 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetState,
                     request_deserializer=collectives_dot_v1_dot_worker__pb2.GetStateRequest.FromString,
                     response_serializer=collectives_dot_v1_dot_worker__pb2.GetStateResponse.SerializeToString,
+            ),
+            'LoadModel': grpc.stream_unary_rpc_method_handler(
+                    servicer.LoadModel,
+                    request_deserializer=collectives_dot_v1_dot_worker__pb2.LoadModelRequest.FromString,
+                    response_serializer=collectives_dot_v1_dot_worker__pb2.LoadModelResponse.SerializeToString,
+            ),
+            'UnloadModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadModel,
+                    request_deserializer=collectives_dot_v1_dot_worker__pb2.UnloadModelRequest.FromString,
+                    response_serializer=collectives_dot_v1_dot_worker__pb2.UnloadModelResponse.SerializeToString,
+            ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=collectives_dot_v1_dot_worker__pb2.ListModelsRequest.FromString,
+                    response_serializer=collectives_dot_v1_dot_worker__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Forward': grpc.unary_unary_rpc_method_handler(
+                    servicer.Forward,
+                    request_deserializer=collectives_dot_v1_dot_worker__pb2.ForwardRequest.FromString,
+                    response_serializer=collectives_dot_v1_dot_worker__pb2.ForwardResponse.SerializeToString,
+            ),
+            'Backward': grpc.unary_unary_rpc_method_handler(
+                    servicer.Backward,
+                    request_deserializer=collectives_dot_v1_dot_worker__pb2.BackwardRequest.FromString,
+                    response_serializer=collectives_dot_v1_dot_worker__pb2.BackwardResponse.SerializeToString,
+            ),
+            'ReleaseGraph': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseGraph,
+                    request_deserializer=collectives_dot_v1_dot_worker__pb2.ReleaseGraphRequest.FromString,
+                    response_serializer=collectives_dot_v1_dot_worker__pb2.ReleaseGraphResponse.SerializeToString,
+            ),
+            'ZeroGrad': grpc.unary_unary_rpc_method_handler(
+                    servicer.ZeroGrad,
+                    request_deserializer=collectives_dot_v1_dot_worker__pb2.ZeroGradRequest.FromString,
+                    response_serializer=collectives_dot_v1_dot_worker__pb2.ZeroGradResponse.SerializeToString,
+            ),
+            'Step': grpc.unary_unary_rpc_method_handler(
+                    servicer.Step,
+                    request_deserializer=collectives_dot_v1_dot_worker__pb2.StepRequest.FromString,
+                    response_serializer=collectives_dot_v1_dot_worker__pb2.StepResponse.SerializeToString,
+            ),
+            'GetModelTensors': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetModelTensors,
+                    request_deserializer=collectives_dot_v1_dot_worker__pb2.ModelTensorsRequest.FromString,
+                    response_serializer=collectives_dot_v1_dot_worker__pb2.GetTensorResponse.SerializeToString,
+            ),
+            'LoadStateDict': grpc.stream_unary_rpc_method_handler(
+                    servicer.LoadStateDict,
+                    request_deserializer=collectives_dot_v1_dot_worker__pb2.PutTensorRequest.FromString,
+                    response_serializer=collectives_dot_v1_dot_worker__pb2.LoadStateDictResponse.SerializeToString,
+            ),
+            'AllReduceGradients': grpc.unary_unary_rpc_method_handler(
+                    servicer.AllReduceGradients,
+                    request_deserializer=collectives_dot_v1_dot_worker__pb2.AllReduceGradientsRequest.FromString,
+                    response_serializer=collectives_dot_v1_dot_worker__pb2.AllReduceGradientsResponse.SerializeToString,
+            ),
+            'TrainStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.TrainStep,
+                    request_deserializer=collectives_dot_v1_dot_worker__pb2.TrainStepRequest.FromString,
+                    response_serializer=collectives_dot_v1_dot_worker__pb2.TrainStepResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -654,6 +861,330 @@ class Worker:
             '/collectives.v1.Worker/GetState',
             collectives_dot_v1_dot_worker__pb2.GetStateRequest.SerializeToString,
             collectives_dot_v1_dot_worker__pb2.GetStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadModel(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/collectives.v1.Worker/LoadModel',
+            collectives_dot_v1_dot_worker__pb2.LoadModelRequest.SerializeToString,
+            collectives_dot_v1_dot_worker__pb2.LoadModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/collectives.v1.Worker/UnloadModel',
+            collectives_dot_v1_dot_worker__pb2.UnloadModelRequest.SerializeToString,
+            collectives_dot_v1_dot_worker__pb2.UnloadModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/collectives.v1.Worker/ListModels',
+            collectives_dot_v1_dot_worker__pb2.ListModelsRequest.SerializeToString,
+            collectives_dot_v1_dot_worker__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Forward(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/collectives.v1.Worker/Forward',
+            collectives_dot_v1_dot_worker__pb2.ForwardRequest.SerializeToString,
+            collectives_dot_v1_dot_worker__pb2.ForwardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Backward(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/collectives.v1.Worker/Backward',
+            collectives_dot_v1_dot_worker__pb2.BackwardRequest.SerializeToString,
+            collectives_dot_v1_dot_worker__pb2.BackwardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseGraph(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/collectives.v1.Worker/ReleaseGraph',
+            collectives_dot_v1_dot_worker__pb2.ReleaseGraphRequest.SerializeToString,
+            collectives_dot_v1_dot_worker__pb2.ReleaseGraphResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ZeroGrad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/collectives.v1.Worker/ZeroGrad',
+            collectives_dot_v1_dot_worker__pb2.ZeroGradRequest.SerializeToString,
+            collectives_dot_v1_dot_worker__pb2.ZeroGradResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Step(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/collectives.v1.Worker/Step',
+            collectives_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
+            collectives_dot_v1_dot_worker__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelTensors(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/collectives.v1.Worker/GetModelTensors',
+            collectives_dot_v1_dot_worker__pb2.ModelTensorsRequest.SerializeToString,
+            collectives_dot_v1_dot_worker__pb2.GetTensorResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadStateDict(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/collectives.v1.Worker/LoadStateDict',
+            collectives_dot_v1_dot_worker__pb2.PutTensorRequest.SerializeToString,
+            collectives_dot_v1_dot_worker__pb2.LoadStateDictResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AllReduceGradients(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/collectives.v1.Worker/AllReduceGradients',
+            collectives_dot_v1_dot_worker__pb2.AllReduceGradientsRequest.SerializeToString,
+            collectives_dot_v1_dot_worker__pb2.AllReduceGradientsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TrainStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/collectives.v1.Worker/TrainStep',
+            collectives_dot_v1_dot_worker__pb2.TrainStepRequest.SerializeToString,
+            collectives_dot_v1_dot_worker__pb2.TrainStepResponse.FromString,
             options,
             channel_credentials,
             insecure,

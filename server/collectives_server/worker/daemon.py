@@ -26,11 +26,12 @@ import torch
 import torch.distributed as dist
 
 import collectives_server
+from collectives.errors import CollectiveError
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2
 from collectives_server.rpc import GRPC_OPTIONS, start_server
 from collectives_server.signals import StopSignal
 from collectives_server.worker.config import WorkerConfig
-from collectives_server.worker.runtime import GenerationRuntime
+from collectives_server.worker.runtime import GenerationRuntime, OpResult
 from collectives_server.worker.service import SERVICE_NAME, WorkerService, add_worker_service
 from collectives_server.worker.store import TensorStore
 
@@ -234,8 +235,15 @@ class WorkerDaemon:
             if self.runtime is not None and self.runtime.generation == generation:
                 self.joined_generation = generation
 
-    def _op_done(self, kind: str, ok: bool, latency_s: float) -> None:
-        (self.stats.ops_completed if ok else self.stats.ops_failed)[kind] += 1
+    def _op_done(
+        self,
+        desc: worker_pb2.OpDescriptor,
+        outcome: OpResult | CollectiveError,
+        latency_s: float,
+    ) -> None:
+        """Called on every rank after each op (every rank runs every op)."""
+        ok = not isinstance(outcome, CollectiveError)
+        (self.stats.ops_completed if ok else self.stats.ops_failed)[desc.kind] += 1
         self.stats.last_op_latency_s = latency_s
 
     # ---------------------------------------------------------------- state

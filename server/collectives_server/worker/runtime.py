@@ -104,7 +104,7 @@ class GenerationRuntime:
         host: str | None,
         queue_size: int,
         on_joined: Callable[[int], None],
-        on_op_done: Callable[[str, bool, float], None],
+        on_op_done: Callable[[worker_pb2.OpDescriptor, OpResult | CollectiveError, float], None],
         rebuild_after_s: float = 10.0,
     ) -> None:
         self.generation = generation
@@ -346,7 +346,7 @@ class GenerationRuntime:
         finally:
             self.busy = False
         ok = not isinstance(result, CollectiveError)
-        self._on_op_done(desc.kind, ok, time.perf_counter() - started)
+        self._on_op_done(desc, result, time.perf_counter() - started)
         if not ok:
             log.log(
                 logging.INFO if self.is_leader else logging.DEBUG,

@@ -296,7 +296,9 @@ def add_worker_service(servicer: WorkerService, server: grpc.Server) -> None:
         response_cls = message_factory.GetMessageClass(method.output_type)
         deserializer = None if method.name in _RAW_REQUEST else request_cls.FromString
         serializer = None if method.name in _RAW_RESPONSE else response_cls.SerializeToString
-        behaviour = getattr(servicer, method.name)
+        behaviour = getattr(servicer, method.name, None)
+        if behaviour is None:  # not implemented by this server version: UNIMPLEMENTED
+            continue
         if method.client_streaming and not method.server_streaming:
             make = grpc.stream_unary_rpc_method_handler
         elif method.server_streaming and not method.client_streaming:

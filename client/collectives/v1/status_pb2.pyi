@@ -1,0 +1,87 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DeviceStatus(_message.Message):
+    __slots__ = ("device", "memory_used_bytes", "memory_total_bytes")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    memory_used_bytes: int
+    memory_total_bytes: int
+    def __init__(self, device: _Optional[str] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ...) -> None: ...
+
+class OpCount(_message.Message):
+    __slots__ = ("kind", "completed", "failed")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    completed: int
+    failed: int
+    def __init__(self, kind: _Optional[str] = ..., completed: _Optional[int] = ..., failed: _Optional[int] = ...) -> None: ...
+
+class RecentError(_message.Message):
+    __slots__ = ("unix_time_s", "op_id", "generation", "kind", "code", "message")
+    UNIX_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    unix_time_s: float
+    op_id: int
+    generation: int
+    kind: str
+    code: str
+    message: str
+    def __init__(self, unix_time_s: _Optional[float] = ..., op_id: _Optional[int] = ..., generation: _Optional[int] = ..., kind: _Optional[str] = ..., code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("tensors_held", "bytes_held", "models", "ops", "last_op", "last_op_latency_s", "queue_depth", "devices", "package_version", "torch_version", "backend_version", "bytes_received", "bytes_sent", "process_rss_bytes", "host_memory_total_bytes", "host_memory_available_bytes", "recent_errors", "data_collectives", "gradient_buckets_reduced", "graphs_retained")
+    TENSORS_HELD_FIELD_NUMBER: _ClassVar[int]
+    BYTES_HELD_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    LAST_OP_FIELD_NUMBER: _ClassVar[int]
+    LAST_OP_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    PACKAGE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TORCH_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_MEMORY_AVAILABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RECENT_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    DATA_COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_BUCKETS_REDUCED_FIELD_NUMBER: _ClassVar[int]
+    GRAPHS_RETAINED_FIELD_NUMBER: _ClassVar[int]
+    tensors_held: int
+    bytes_held: int
+    models: _containers.RepeatedScalarFieldContainer[str]
+    ops: _containers.RepeatedCompositeFieldContainer[OpCount]
+    last_op: str
+    last_op_latency_s: float
+    queue_depth: int
+    devices: _containers.RepeatedCompositeFieldContainer[DeviceStatus]
+    package_version: str
+    torch_version: str
+    backend_version: str
+    bytes_received: int
+    bytes_sent: int
+    process_rss_bytes: int
+    host_memory_total_bytes: int
+    host_memory_available_bytes: int
+    recent_errors: _containers.RepeatedCompositeFieldContainer[RecentError]
+    data_collectives: int
+    gradient_buckets_reduced: int
+    graphs_retained: int
+    def __init__(self, tensors_held: _Optional[int] = ..., bytes_held: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., ops: _Optional[_Iterable[_Union[OpCount, _Mapping]]] = ..., last_op: _Optional[str] = ..., last_op_latency_s: _Optional[float] = ..., queue_depth: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceStatus, _Mapping]]] = ..., package_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., backend_version: _Optional[str] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., process_rss_bytes: _Optional[int] = ..., host_memory_total_bytes: _Optional[int] = ..., host_memory_available_bytes: _Optional[int] = ..., recent_errors: _Optional[_Iterable[_Union[RecentError, _Mapping]]] = ..., data_collectives: _Optional[int] = ..., gradient_buckets_reduced: _Optional[int] = ..., graphs_retained: _Optional[int] = ...) -> None: ...
