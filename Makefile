@@ -14,14 +14,14 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/collectives/v1/*.proto)
 STUB_DIR := client/collectives/v1
 # Directories git may not carry when they hold no file yet.
-TEST_DIRS := $(wildcard tests/unit tests/integration)
+TEST_DIRS := $(wildcard tests/unit tests/integration tests/browser)
 
 .DEFAULT_GOAL := help
 .PHONY: help install demo test lint format proto proto-check clean distclean
 
 help:
 	@echo "make demo         start a local cluster of 2 workers, run examples/demo.py, stop it"
-	@echo "make test         lint + proto-check + unit and integration tests"
+	@echo "make test         lint + proto-check + unit, integration and browser tests"
 	@echo "make install      create $(VENV) with the pinned dependencies (done by every target)"
 	@echo "make lint         ruff check + ruff format --check"
 	@echo "make format       ruff format + ruff check --fix (rewrites files)"
@@ -36,7 +36,8 @@ $(STAMP): constraints.txt client/pyproject.toml server/pyproject.toml
 		"collectives needs Python >= 3.11; run make PYTHON=python3.11 ...")'
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_ARGS) -c constraints.txt torch==2.13.0 \
-		-e client -e server pytest pytest-timeout ruff grpcio-tools numpy
+		-e client -e server pytest pytest-timeout ruff grpcio-tools numpy \
+		selenium pyyaml
 	@$(VPY) -c 'import sys, torch; sys.exit(0 if torch.version.cuda is None else \
 		"pip installed a CUDA build of torch " + torch.__version__ + "; install the CPU wheel " \
 		"(point PIP_ARGS=\"--index-url URL\" at a CPU-only wheel index)")'

@@ -103,14 +103,18 @@ def _connect(address: str, workers: int, wait_ready: bool = True):
     return client
 
 
+# The shared clusters let load_model(factory=...) use the factories shipped with the server.
+MODEL_ZOO = ("--allow-factory", "collectives_server.model_zoo")
+
+
 @pytest.fixture(scope="session")
 def cluster2_address(local_cluster) -> str:
-    return local_cluster(2)
+    return local_cluster(2, *MODEL_ZOO)
 
 
 @pytest.fixture(scope="session")
 def cluster3_address(local_cluster) -> str:
-    return local_cluster(3)
+    return local_cluster(3, *MODEL_ZOO)
 
 
 @pytest.fixture(scope="session")

@@ -43,7 +43,7 @@ from collectives.errors import (
     Unavailable,
 )
 from collectives.work import Work
-from collectives.workers import ClusterNotFormed, ClusterSnapshot, WorkerInfo
+from collectives.workers import ClusterNotFormed, ClusterSnapshot, GenerationRecord, WorkerInfo
 
 __all__ = ["DEFAULT_CONNECT_TIMEOUT_S", "OP_TIMEOUT_MARGIN_S"]
 
@@ -171,6 +171,10 @@ class _ClusterCore:
     def snapshot(self) -> ClusterSnapshot:
         """The whole latest cluster view (generation, status, workers, ...); no RPC."""
         return self._membership.snapshot
+
+    def history(self) -> list[GenerationRecord]:
+        """Recent sealed generations, oldest first (time, size, members, reason); no RPC."""
+        return list(self._membership.snapshot.history)
 
     def refresh(self, timeout: float | None = None) -> ClusterSnapshot:
         """Asks the coordinator for the cluster now instead of waiting for the watch.

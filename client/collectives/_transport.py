@@ -163,7 +163,9 @@ def put_tensor(
         raise _from_rpc_error(err, what) from None
 
 
-def get_tensor(endpoint: WorkerEndpoint, name: str, timeout: float) -> torch.Tensor:
+def get_tensor(
+    endpoint: WorkerEndpoint, name: str, timeout: float, consume: bool = False
+) -> torch.Tensor:
     """Downloads the tensor stored under ``name`` into one preallocated CPU buffer.
 
     Raises:
@@ -172,7 +174,8 @@ def get_tensor(endpoint: WorkerEndpoint, name: str, timeout: float) -> torch.Ten
     """
     what = f"GetTensor {name!r} from {endpoint.address}"
     call = endpoint.get_raw(
-        worker_pb2.GetTensorRequest(name=name), timeout=_deadline_s(timeout, what)
+        worker_pb2.GetTensorRequest(name=name, consume=consume),
+        timeout=_deadline_s(timeout, what),
     )
     assembler: codec.TensorAssembler | None = None
     try:

@@ -6,26 +6,51 @@ table, or as one JSON object with ``--json`` for scripts and dashboards. It
 does not wait for the cluster to form: a cluster that is still gathering
 workers is shown as it is. Exit codes: 0 shown, 2 the coordinator could not be
 reached (or a usage error), so scripts can tell "down" from "not formed".
+
+``--watch`` keeps going: it follows ``WatchCluster`` and redraws the table on
+every change (with ``--json``: prints one JSON object per line per change)
+until Ctrl-C or SIGTERM, then exits 0. A lost coordinator is retried.
+
+``collectives top`` is a live view: every ``--interval`` seconds one row per
+worker with its state, ops per second (from consecutive snapshots), queue
+depth, memory and tensors held.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from types import FrameType
+
+import grpc
 
 from collectives._transport import call_unary, open_channel
 from collectives.errors import CollectiveError
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
 from collectives.workers import ClusterSnapshot, WorkerInfo
 
-__all__ = ["fetch_status", "format_table", "main"]
+__all__ = ["fetch_status", "format_table", "format_top", "main"]
 
 EXIT_OK = 0
 EXIT_UNREACHABLE = 2
 
-_COLUMNS = ("RANK", "STATE", "ADDRESS", "HOSTNAME", "PID", "DEVICES", "JOINED_GEN", "HEARTBEAT")
+_COLUMNS = (
+    "RANK", "STATE", "ADDRESS", "HOSTNAME", "PID", "DEVICES", "JOINED_GEN", "HEARTBEAT",
+    "TENSORS", "OPS_OK", "OPS_FAILED", "QUEUE", "MEMORY", "LAST_OP",
+)  # fmt: skip
+_TOP_COLUMNS = (
+    "RANK", "STATE", "ADDRESS", "OPS/S", "OPS_OK", "OPS_FAILED", "QUEUE", "MEMORY", "TENSORS",
+    "LAST_OP", "LATENCY",
+)  # fmt: skip
+# Clear the screen and move the cursor home (ANSI), before each redraw.
+CLEAR = "\x1b[H\x1b[2J"
+# Re-opening a broken watch: first wait, and the longest.
+_RETRY_MIN_S = 0.5
+_RETRY_MAX_S = 5.0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,9 +64,32 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--coordinator", required=True, metavar="HOST:PORT")
     status.add_argument("--json", action="store_true", help="print one JSON object instead")
     status.add_argument(
-        "--timeout", type=float, default=5.0, metavar="SECONDS", help="deadline (default 5)"
+        "--watch",
+        action="store_true",
+        help="redraw on every change until Ctrl-C/SIGTERM (with --json: one object per line)",
+    )
+    status.add_argument(
+        "--timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="deadline for reaching the coordinator (default 5)",
+    )
+    top = commands.add_parser("top", help="live per-worker view: ops/s, queue, memory, tensors")
+    top.add_argument("--coordinator", required=True, metavar="HOST:PORT")
+    top.add_argument(
+        "--interval", type=float, default=1.0, metavar="SECONDS", help="refresh (default 1)"
+    )
+    top.add_argument(
+        "--iterations", type=int, default=0, metavar="N", help="stop after N frames (default: run)"
+    )
+    top.add_argument(
+        "--timeout", type=float, default=5.0, metavar="SECONDS", help="deadline per call"
     )
     return parser
+
+
+# ------------------------------------------------------------------ formatting
 
 
 def fetch_status(address: str, timeout: float) -> ClusterSnapshot:
@@ -53,19 +101,45 @@ def fetch_status(address: str, timeout: float) -> ClusterSnapshot:
     """
     channel = open_channel(address)
     try:
-        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-        # wait_for_ready: keep trying to connect until the deadline rather than
-        # failing on the first refused connection (the coordinator may be starting).
-        msg = call_unary(
-            stub.GetCluster,
-            coordinator_pb2.GetClusterRequest(),
-            timeout,
-            f"GetCluster from {address}",
-            wait_for_ready=True,
-        )
+        return _get_cluster(channel, address, timeout)
     finally:
         channel.close()
+
+
+def _get_cluster(channel: grpc.Channel, address: str, timeout: float) -> ClusterSnapshot:
+    stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+    # wait_for_ready: keep trying to connect until the deadline rather than
+    # failing on the first refused connection (the coordinator may be starting).
+    msg = call_unary(
+        stub.GetCluster,
+        coordinator_pb2.GetClusterRequest(),
+        timeout,
+        f"GetCluster from {address}",
+        wait_for_ready=True,
+    )
     return ClusterSnapshot.from_proto(msg)
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` → ``1.5KiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return f"{n:.1f}TiB"  # pragma: no cover - the loop returns
+
+
+def _memory(w: WorkerInfo) -> str:
+    if not w.device_memory:
+        return "-"
+    return " ".join(
+        f"{d.device}:{human_bytes(d.used_bytes)}/{human_bytes(d.total_bytes)}"
+        for d in w.device_memory
+    )
+
+
+def _tensors(w: WorkerInfo) -> str:
+    return f"{w.tensors_held} ({human_bytes(w.bytes_held)})" if w.has_status else "-"
 
 
 def _row(w: WorkerInfo) -> tuple[str, ...]:
@@ -78,11 +152,26 @@ def _row(w: WorkerInfo) -> tuple[str, ...]:
         ",".join(w.devices),
         str(w.generation),
         f"{w.last_heartbeat_age_s:.1f}s",
+        _tensors(w),
+        str(w.ops_completed),
+        str(w.ops_failed),
+        str(w.queue_depth),
+        _memory(w),
+        w.last_op or "-",
     )
 
 
+def _align(columns: Sequence[str], rows: list[tuple[str, ...]]) -> list[str]:
+    table = [tuple(columns), *rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(columns))]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in table
+    ]
+
+
 def format_table(address: str, snapshot: ClusterSnapshot) -> str:
-    """The human-readable status: a header line, then one aligned row per worker."""
+    """The human-readable status: a header line, one aligned row per worker, history, errors."""
     header = (
         f"coordinator {address}  generation {snapshot.generation}  "
         f"world size {snapshot.world_size}  "
@@ -90,36 +179,213 @@ def format_table(address: str, snapshot: ClusterSnapshot) -> str:
         f"ready {'yes' if snapshot.ready else 'no'}  "
         f"status: {snapshot.status or '-'}"
     )
-    rows = [_COLUMNS, *(_row(w) for w in snapshot.workers)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
-    lines = [header]
-    for row in rows:
-        lines.append(
-            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        )
+    lines = [header, *_align(_COLUMNS, [_row(w) for w in snapshot.workers])]
     if not snapshot.workers:
         lines.append("(no workers registered)")
+    if snapshot.history:
+        last = snapshot.history[-1]
+        sealed = time.strftime("%H:%M:%S", time.localtime(last.sealed_unix_time_s))
+        lines.append(f"last generation change ({sealed}): {last.reason}")
+    errors = sorted(
+        ((e, w) for w in snapshot.workers for e in w.recent_errors),
+        key=lambda item: item[0].unix_time_s,
+    )[-5:]
+    if errors:
+        lines.append("recent errors:")
+        for e, w in errors:
+            when = time.strftime("%H:%M:%S", time.localtime(e.unix_time_s))
+            op = f"op {e.op_id} " if e.op_id else ""
+            lines.append(
+                f"  {when} {w.address} {op}({e.kind}) gen {e.generation} {e.code}: {e.message}"
+            )
     return "\n".join(lines)
 
 
+def _json_line(address: str, snapshot: ClusterSnapshot, indent: int | None = None) -> str:
+    return json.dumps({"coordinator": address, **snapshot.to_dict()}, indent=indent)
+
+
+# ----------------------------------------------------------- stopping cleanly
+
+
+class _Stopped(BaseException):
+    """SIGTERM arrived (SIGINT arrives as KeyboardInterrupt)."""
+
+
+def _raise_stopped(signum: int, frame: FrameType | None) -> None:
+    raise _Stopped
+
+
+def _until_stopped(body: Callable[[], int]) -> int:
+    """Runs ``body``; SIGTERM or Ctrl-C end it with exit code 0."""
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    try:
+        return body()
+    except (KeyboardInterrupt, _Stopped):
+        return EXIT_OK
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# ---------------------------------------------------------------- commands
+
+
+def _check_timeout(command: str, timeout: float) -> bool:
+    if timeout > 0:
+        return True
+    print(f"collectives {command}: --timeout must be positive", file=sys.stderr)
+    return False
+
+
+def _unreachable(command: str, address: str, timeout: float, err: CollectiveError) -> int:
+    print(
+        f"collectives {command}: cannot reach the coordinator at {address} "
+        f"within {timeout:g} s: {err}",
+        file=sys.stderr,
+    )
+    return EXIT_UNREACHABLE
+
+
 def _status(args: argparse.Namespace) -> int:
-    if not args.timeout > 0:
-        print("collectives status: --timeout must be positive", file=sys.stderr)
+    if not _check_timeout("status", args.timeout):
         return EXIT_UNREACHABLE
+    if args.watch:
+        return _until_stopped(lambda: _watch(args))
     try:
         snapshot = fetch_status(args.coordinator, args.timeout)
     except CollectiveError as err:
-        print(
-            f"collectives status: cannot reach the coordinator at {args.coordinator} "
-            f"within {args.timeout:g} s: {err}",
-            file=sys.stderr,
-        )
-        return EXIT_UNREACHABLE
+        return _unreachable("status", args.coordinator, args.timeout, err)
     if args.json:
-        print(json.dumps({"coordinator": args.coordinator, **snapshot.to_dict()}, indent=2))
+        print(_json_line(args.coordinator, snapshot, indent=2))
     else:
         print(format_table(args.coordinator, snapshot))
     return EXIT_OK
+
+
+def _changes(
+    stub: coordinator_pb2_grpc.CoordinatorStub, address: str, after_version: int
+) -> Iterator[ClusterSnapshot]:
+    """Every Cluster version after ``after_version``; re-opens a broken stream forever."""
+    version, retry_s = after_version, _RETRY_MIN_S
+    while True:
+        call = stub.WatchCluster(
+            coordinator_pb2.WatchClusterRequest(after_version=version), wait_for_ready=True
+        )
+        try:
+            for msg in call:
+                version, retry_s = msg.version, _RETRY_MIN_S
+                yield ClusterSnapshot.from_proto(msg)
+            reason = "the coordinator ended the stream"
+        except grpc.RpcError as err:
+            reason = f"{err.code().name}: {err.details()}"
+        finally:
+            call.cancel()
+        print(
+            f"collectives status: watch on {address} interrupted ({reason}); "
+            f"re-opening in {retry_s:g} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        time.sleep(retry_s)
+        retry_s = min(retry_s * 2, _RETRY_MAX_S)
+
+
+def _watch(args: argparse.Namespace) -> int:
+    channel = open_channel(args.coordinator)
+    try:
+        try:
+            first = _get_cluster(channel, args.coordinator, args.timeout)
+        except CollectiveError as err:
+            return _unreachable("status", args.coordinator, args.timeout, err)
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        snapshots = _changes(stub, args.coordinator, first.version)
+        snapshot = first
+        while True:
+            if args.json:
+                print(_json_line(args.coordinator, snapshot), flush=True)
+            else:
+                stamp = time.strftime("%H:%M:%S")
+                print(
+                    f"{CLEAR}{format_table(args.coordinator, snapshot)}\n"
+                    f"(version {snapshot.version} at {stamp}; watching, Ctrl-C to stop)",
+                    flush=True,
+                )
+            snapshot = next(snapshots)
+    finally:
+        channel.close()
+
+
+def _rates(
+    previous: ClusterSnapshot | None, current: ClusterSnapshot, elapsed_s: float
+) -> dict[str, float]:
+    """Ops per second per worker address between two snapshots."""
+    if previous is None or elapsed_s <= 0:
+        return {}
+    before = {w.address: w.ops_completed + w.ops_failed for w in previous.workers}
+    return {
+        w.address: max(0, w.ops_completed + w.ops_failed - before[w.address]) / elapsed_s
+        for w in current.workers
+        if w.address in before
+    }
+
+
+def format_top(address: str, snapshot: ClusterSnapshot, rates: dict[str, float]) -> str:
+    header = (
+        f"collectives top  {address}  generation {snapshot.generation}  "
+        f"world size {snapshot.world_size}  {time.strftime('%H:%M:%S')}  "
+        f"status: {snapshot.status or '-'}"
+    )
+    rows = []
+    for w in snapshot.workers:
+        rate = rates.get(w.address)
+        rows.append(
+            (
+                str(w.rank) if w.rank >= 0 else "-",
+                w.state.value,
+                w.address,
+                f"{rate:.1f}" if rate is not None else "-",
+                str(w.ops_completed),
+                str(w.ops_failed),
+                str(w.queue_depth),
+                _memory(w),
+                _tensors(w),
+                w.last_op or "-",
+                f"{w.last_op_latency_s * 1000:.1f}ms" if w.last_op else "-",
+            )
+        )
+    return "\n".join([header, *_align(_TOP_COLUMNS, rows)])
+
+
+def _top(args: argparse.Namespace) -> int:
+    if not _check_timeout("top", args.timeout):
+        return EXIT_UNREACHABLE
+    if not args.interval > 0:
+        print("collectives top: --interval must be positive", file=sys.stderr)
+        return EXIT_UNREACHABLE
+
+    def body() -> int:
+        channel = open_channel(args.coordinator)
+        previous: ClusterSnapshot | None = None
+        previous_at = 0.0
+        frames = 0
+        try:
+            while True:
+                try:
+                    snapshot = _get_cluster(channel, args.coordinator, args.timeout)
+                except CollectiveError as err:
+                    return _unreachable("top", args.coordinator, args.timeout, err)
+                now = time.monotonic()
+                rates = _rates(previous, snapshot, now - previous_at)
+                print(f"{CLEAR}{format_top(args.coordinator, snapshot, rates)}", flush=True)
+                previous, previous_at = snapshot, now
+                frames += 1
+                if args.iterations and frames >= args.iterations:
+                    return EXIT_OK
+                time.sleep(args.interval)
+        finally:
+            channel.close()
+
+    return _until_stopped(body)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -127,6 +393,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "status":
         return _status(args)
+    if args.command == "top":
+        return _top(args)
     return EXIT_UNREACHABLE  # pragma: no cover - argparse rejects unknown commands
 
 

@@ -17,13 +17,13 @@ tensors it works on.
 
 from __future__ import annotations
 
-from collectives._collectives import _Collectives
 from collectives._core import DEFAULT_CONNECT_TIMEOUT_S
+from collectives._models import _Models
 
 __all__ = ["Cluster", "connect"]
 
 
-class Cluster(_Collectives):
+class Cluster(_Models):
     """A connection to a collectives cluster; see :func:`connect`.
 
     ``Cluster(address, timeout)`` connects exactly like ``connect(address, timeout)``.

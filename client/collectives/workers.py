@@ -10,16 +10,21 @@ the coordinator announces a new version, so readers never see half an update.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from collectives.errors import InvalidArgument, Unavailable
-from collectives.v1 import coordinator_pb2
+from collectives.v1 import coordinator_pb2, status_pb2
 
 __all__ = [
     "DEFAULT_OP_TIMEOUT_S",
     "ClusterNotFormed",
     "ClusterSnapshot",
+    "DeviceMemory",
+    "GenerationRecord",
+    "OpCount",
+    "RecentError",
     "WorkerInfo",
     "WorkerState",
     "check_rank",
@@ -59,8 +64,66 @@ _STATE_FROM_WIRE: dict[int, WorkerState] = {
 
 
 @dataclass(frozen=True)
+class OpCount:
+    """Ops of one kind a worker finished: ``completed`` succeeded, ``failed`` did not."""
+
+    completed: int = 0
+    failed: int = 0
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Memory of one device: CUDA as ``torch.cuda.mem_get_info`` sees the whole device;
+    ``cpu`` as the worker process's resident set of the host's memory."""
+
+    device: str
+    used_bytes: int
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class RecentError:
+    """A failed op on a worker: ``op_id`` (0 for data-plane calls) as in the client's error."""
+
+    unix_time_s: float
+    op_id: int
+    generation: int
+    kind: str
+    # gRPC status code name, e.g. "NOT_FOUND".
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class GenerationRecord:
+    """One sealed generation: when, how big, who (addresses in rank order), and why."""
+
+    generation: int
+    sealed_unix_time_s: float
+    world_size: int
+    members: tuple[str, ...]
+    reason: str
+
+    @classmethod
+    def from_proto(cls, msg: coordinator_pb2.GenerationRecord) -> GenerationRecord:
+        return cls(
+            generation=int(msg.generation),
+            sealed_unix_time_s=float(msg.sealed_unix_time_s),
+            world_size=int(msg.world_size),
+            members=tuple(msg.members),
+            reason=msg.reason,
+        )
+
+
+@dataclass(frozen=True)
 class WorkerInfo:
-    """One worker daemon as last reported by the coordinator."""
+    """One worker daemon as last reported by the coordinator.
+
+    The fields after ``version`` come from the worker's status, which every
+    heartbeat carries; ``has_status`` is False until the first one arrived (the
+    fields then hold their zero values). Memory readings are refreshed on every
+    change of the worker and at least every 10 s (see docs/design.md).
+    """
 
     # Rank in the current generation; -1 when not a member (joining or lost).
     rank: int
@@ -79,15 +142,50 @@ class WorkerInfo:
     backend: str
     uptime_s: float
     version: str
+    has_status: bool = False
+    tensors_held: int = 0
+    bytes_held: int = 0
+    models: tuple[str, ...] = ()
+    # kind ("all_reduce", "put", "forward", ...) -> counts
+    ops: Mapping[str, OpCount] = field(default_factory=dict)
+    last_op: str = ""
+    last_op_latency_s: float = 0.0
+    queue_depth: int = 0
+    device_memory: tuple[DeviceMemory, ...] = ()
+    package_version: str = ""
+    torch_version: str = ""
+    backend_version: str = ""
+    # Data-plane payload bytes (puts received, gets sent).
+    bytes_received: int = 0
+    bytes_sent: int = 0
+    process_rss_bytes: int = 0
+    host_memory_total_bytes: int = 0
+    host_memory_available_bytes: int = 0
+    # The most recent failed ops, oldest first (at most 20).
+    recent_errors: tuple[RecentError, ...] = ()
+    data_collectives: int = 0
+    gradient_buckets_reduced: int = 0
+    graphs_retained: int = 0
 
     @property
     def is_member(self) -> bool:
         """True when the worker holds a rank in the current generation."""
         return self.rank >= 0
 
+    @property
+    def ops_completed(self) -> int:
+        """Ops of every kind that succeeded."""
+        return sum(c.completed for c in self.ops.values())
+
+    @property
+    def ops_failed(self) -> int:
+        """Ops of every kind that failed."""
+        return sum(c.failed for c in self.ops.values())
+
     @classmethod
     def from_proto(cls, msg: coordinator_pb2.WorkerInfo) -> WorkerInfo:
         return cls(
+            **_status_fields(msg.status, msg.HasField("status")),
             rank=int(msg.rank),
             address=msg.address,
             state=WorkerState.from_wire(msg.state),
@@ -117,7 +215,70 @@ class WorkerInfo:
             "backend": self.backend,
             "uptime_s": self.uptime_s,
             "version": self.version,
+            **self._status_dict(),
         }
+
+    def _status_dict(self) -> dict[str, Any]:
+        return {
+            "has_status": self.has_status,
+            "tensors_held": self.tensors_held,
+            "bytes_held": self.bytes_held,
+            "models": list(self.models),
+            "ops": {kind: asdict(count) for kind, count in self.ops.items()},
+            "ops_completed": self.ops_completed,
+            "ops_failed": self.ops_failed,
+            "last_op": self.last_op,
+            "last_op_latency_s": self.last_op_latency_s,
+            "queue_depth": self.queue_depth,
+            "device_memory": [asdict(d) for d in self.device_memory],
+            "package_version": self.package_version,
+            "torch_version": self.torch_version,
+            "backend_version": self.backend_version,
+            "bytes_received": self.bytes_received,
+            "bytes_sent": self.bytes_sent,
+            "process_rss_bytes": self.process_rss_bytes,
+            "host_memory_total_bytes": self.host_memory_total_bytes,
+            "host_memory_available_bytes": self.host_memory_available_bytes,
+            "recent_errors": [asdict(e) for e in self.recent_errors],
+            "data_collectives": self.data_collectives,
+            "gradient_buckets_reduced": self.gradient_buckets_reduced,
+            "graphs_retained": self.graphs_retained,
+        }
+
+
+def _status_fields(s: status_pb2.WorkerStatus, present: bool) -> dict[str, Any]:
+    """WorkerInfo's status fields from a ``WorkerStatus`` message."""
+    return {
+        "has_status": present,
+        "tensors_held": int(s.tensors_held),
+        "bytes_held": int(s.bytes_held),
+        "models": tuple(s.models),
+        "ops": {o.kind: OpCount(int(o.completed), int(o.failed)) for o in s.ops},
+        "last_op": s.last_op,
+        "last_op_latency_s": float(s.last_op_latency_s),
+        "queue_depth": int(s.queue_depth),
+        "device_memory": tuple(
+            DeviceMemory(d.device, int(d.memory_used_bytes), int(d.memory_total_bytes))
+            for d in s.devices
+        ),
+        "package_version": s.package_version,
+        "torch_version": s.torch_version,
+        "backend_version": s.backend_version,
+        "bytes_received": int(s.bytes_received),
+        "bytes_sent": int(s.bytes_sent),
+        "process_rss_bytes": int(s.process_rss_bytes),
+        "host_memory_total_bytes": int(s.host_memory_total_bytes),
+        "host_memory_available_bytes": int(s.host_memory_available_bytes),
+        "recent_errors": tuple(
+            RecentError(
+                float(e.unix_time_s), int(e.op_id), int(e.generation), e.kind, e.code, e.message
+            )
+            for e in s.recent_errors
+        ),
+        "data_collectives": int(s.data_collectives),
+        "gradient_buckets_reduced": int(s.gradient_buckets_reduced),
+        "graphs_retained": int(s.graphs_retained),
+    }
 
 
 @dataclass(frozen=True)
@@ -136,6 +297,8 @@ class ClusterSnapshot:
     min_workers: int = 0
     max_workers: int = 0
     store_address: str = ""
+    # The most recent sealed generations, oldest first (the coordinator keeps 50).
+    history: tuple[GenerationRecord, ...] = ()
     # Members indexed by rank, derived from ``workers``.
     _by_rank: dict[int, WorkerInfo] = field(default_factory=dict, repr=False, compare=False)
 
@@ -156,6 +319,7 @@ class ClusterSnapshot:
             min_workers=int(msg.min_workers),
             max_workers=int(msg.max_workers),
             store_address=msg.store_address,
+            history=tuple(GenerationRecord.from_proto(r) for r in msg.history),
         )
 
     @property
@@ -208,6 +372,7 @@ class ClusterSnapshot:
             "max_workers": self.max_workers,
             "store_address": self.store_address,
             "workers": [w.to_dict() for w in self.workers],
+            "history": [asdict(r) for r in self.history],
         }
 
 

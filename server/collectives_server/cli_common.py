@@ -10,9 +10,12 @@ import os
 import signal
 import sys
 
+from collectives_server.logfmt import LOG_FORMATS, JsonFormatter, text_formatter
+
 __all__ = [
     "PARENT_PID_ENV",
     "add_log_level",
+    "add_metrics",
     "die_with_parent_if_asked",
     "host_port",
     "non_negative_float",
@@ -75,14 +78,37 @@ def add_log_level(parser: argparse.ArgumentParser) -> None:
         choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
         help="logging threshold; logs go to stderr (default: INFO)",
     )
-
-
-def setup_logging(level: str, role: str) -> None:
-    logging.basicConfig(
-        level=level,
-        stream=sys.stderr,
-        format=f"%(asctime)s %(levelname)s {role}[%(process)d] %(name)s: %(message)s",
+    parser.add_argument(
+        "--log-format",
+        default="text",
+        choices=LOG_FORMATS,
+        help="text lines, or one JSON object per line with the op ids as fields (default: text)",
     )
+
+
+def add_metrics(parser: argparse.ArgumentParser, what: str = "") -> None:
+    """``--metrics-port`` (absent: no metrics endpoint) and ``--metrics-host``."""
+    parser.add_argument(
+        "--metrics-port",
+        type=port_number,
+        default=None,
+        metavar="P",
+        help="serve Prometheus metrics at http://HOST:P/metrics"
+        + (f" {what}" if what else "")
+        + " (0: any free port, logged; default: no metrics endpoint)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        metavar="H",
+        help="interface of the metrics endpoint (default: 127.0.0.1, this machine only)",
+    )
+
+
+def setup_logging(level: str, role: str, log_format: str = "text") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter(role) if log_format == "json" else text_formatter(role))
+    logging.basicConfig(level=level, handlers=[handler])
 
 
 def die_with_parent_if_asked() -> None:
@@ -95,3 +121,31 @@ def die_with_parent_if_asked() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
     if os.getppid() != int(expected):  # the launcher died before prctl took effect
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def add_model_hosting(parser: argparse.ArgumentParser) -> None:
+    """``--allow-factory`` and ``--graph-ttl-s``: how a worker hosts models."""
+    parser.add_argument(
+        "--allow-factory",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="Python module whose functions may build models for "
+        "load_model(factory='MODULE:fn'); repeat or comma-separate "
+        "(e.g. collectives_server.model_zoo). Default: none",
+    )
+    parser.add_argument(
+        "--graph-ttl-s",
+        type=positive_float,
+        default=60.0,
+        metavar="S",
+        help="drop a forward's autograd graph if no backward comes within S seconds (default: 60)",
+    )
+
+
+def allowed_factories(values: list[str]) -> tuple[str, ...]:
+    modules = [m.strip() for value in values for m in value.split(",") if m.strip()]
+    for module in modules:
+        if not all(part.isidentifier() for part in module.split(".")):
+            raise argparse.ArgumentTypeError(f"--allow-factory {module!r} is not a module name")
+    return tuple(modules)

@@ -7,6 +7,7 @@ from typing import Any
 
 from collectives_server.cli_common import (
     add_log_level,
+    add_metrics,
     die_with_parent_if_asked,
     non_negative_float,
     port_number,
@@ -16,7 +17,7 @@ from collectives_server.cli_common import (
 )
 from collectives_server.coordinator.daemon import CoordinatorConfig
 
-__all__ = ["add_parser", "config_from_args", "run"]
+__all__ = ["add_dashboard_options", "add_parser", "config_from_args", "run"]
 
 HELP = "run the coordinator (ranks, generations, rendezvous store)"
 
@@ -99,9 +100,29 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="host name to hand out in addresses (default: --host, or this machine's "
         "name if --host is 0.0.0.0 or ::)",
     )
+    add_dashboard_options(p)
+    add_metrics(p)
     add_log_level(p)
     p.set_defaults(run=run, parser=p)
     return p
+
+
+def add_dashboard_options(p: argparse.ArgumentParser) -> None:
+    """``--dashboard-port``/``--dashboard-host`` (also used by ``local``)."""
+    p.add_argument(
+        "--dashboard-port",
+        type=port_number,
+        default=None,
+        metavar="P",
+        help="serve the web dashboard (live workers, generation history, recent errors) "
+        "on this HTTP port; 0 picks a free one (default: no dashboard)",
+    )
+    p.add_argument(
+        "--dashboard-host",
+        default="127.0.0.1",
+        metavar="H",
+        help="interface the dashboard binds (default: 127.0.0.1, this machine only)",
+    )
 
 
 def config_from_args(
@@ -129,6 +150,10 @@ def config_from_args(
             op_timeout_s=args.op_timeout_s,
             store_port=args.store_port,
             advertise_host=args.advertise_host,
+            dashboard_port=args.dashboard_port,
+            dashboard_host=args.dashboard_host,
+            metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
         )
     except ValueError as exc:
         parser.error(str(exc))
@@ -138,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args.parser
     config = config_from_args(args, parser)
     die_with_parent_if_asked()
-    setup_logging(args.log_level, "coordinator")
+    setup_logging(args.log_level, "coordinator", args.log_format)
     from collectives_server.coordinator.daemon import run_coordinator
 
     return run_coordinator(config)

@@ -9,12 +9,16 @@ from typing import Any
 
 from collectives_server.cli_common import (
     add_log_level,
+    add_metrics,
+    add_model_hosting,
+    allowed_factories,
     non_negative_float,
     port_number,
     positive_float,
     positive_int,
     setup_logging,
 )
+from collectives_server.cmd_coordinator import add_dashboard_options
 from collectives_server.local import LocalCluster
 from collectives_server.signals import StopSignal
 
@@ -76,6 +80,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="'auto' (split the visible GPUs across workers if there is one per worker, "
         "else cpu), 'cpu', or a comma list split across workers (default: auto)",
     )
+    add_dashboard_options(p)
+    add_model_hosting(p)
+    add_metrics(p, "for the coordinator, P+1 ... P+N for the workers")
     add_log_level(p)
     p.set_defaults(run=run, parser=p)
     return p
@@ -89,7 +96,12 @@ def run(args: argparse.Namespace) -> int:
         parser.error(
             f"--lease ({args.lease_s}) must be longer than --heartbeat ({args.heartbeat_s})"
         )
-    setup_logging(args.log_level, "local")
+    if args.metrics_port and args.metrics_port + args.workers > 65535:
+        parser.error(
+            f"--metrics-port {args.metrics_port} leaves no room for {args.workers} workers "
+            "(they use the next ports)"
+        )
+    setup_logging(args.log_level, "local", args.log_format)
     with StopSignal() as stop:
         cluster = LocalCluster(
             args.workers,
@@ -101,7 +113,13 @@ def run(args: argparse.Namespace) -> int:
             join_window_s=args.join_window_s,
             op_timeout_s=args.op_timeout_s,
             devices=args.devices,
+            dashboard_port=args.dashboard_port,
+            dashboard_host=args.dashboard_host,
+            metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
             log_level=args.log_level,
+            log_format=args.log_format,
+            worker_args=_model_hosting_args(args),
             die_with_parent=True,
             on_exit=lambda child: stop.wake(),
         )
@@ -127,3 +145,12 @@ def run(args: argparse.Namespace) -> int:
         finally:
             cluster.stop()
     return code
+
+
+def _model_hosting_args(args: argparse.Namespace) -> list[str]:
+    """What every worker of the local cluster gets of --allow-factory/--graph-ttl-s."""
+    modules = allowed_factories(args.allow_factory)
+    extra = [f"--graph-ttl-s={args.graph_ttl_s}"]
+    if modules:
+        extra.append(f"--allow-factory={','.join(modules)}")
+    return extra

@@ -7,6 +7,9 @@ from typing import Any
 
 from collectives_server.cli_common import (
     add_log_level,
+    add_metrics,
+    add_model_hosting,
+    allowed_factories,
     die_with_parent_if_asked,
     host_port,
     port_number,
@@ -66,6 +69,15 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         metavar="S",
         help="how long to keep trying to reach the coordinator at start-up (default: 60)",
     )
+    p.add_argument(
+        "--advertise-host",
+        default=None,
+        metavar="H",
+        help="host name clients and peers use to reach this worker "
+        "(default: --host, or the machine's name when --host is a wildcard)",
+    )
+    add_model_hosting(p)
+    add_metrics(p)
     add_log_level(p)
     p.set_defaults(run=run)
     return p
@@ -89,13 +101,18 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         op_timeout_s=args.op_timeout_s,
         queue_size=args.queue_size,
         connect_timeout_s=args.connect_timeout_s,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        advertise_host=args.advertise_host,
+        allow_factories=allowed_factories(args.allow_factory),
+        graph_ttl_s=args.graph_ttl_s,
     )
 
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     die_with_parent_if_asked()
-    setup_logging(args.log_level, "worker")
+    setup_logging(args.log_level, "worker", args.log_format)
     # Imported here: the worker daemon pulls in torch and is only needed by this command.
     from collectives_server.worker.daemon import run_worker
 

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -129,7 +129,13 @@ class LocalCluster:
         join_window_s: float = 0.5,
         op_timeout_s: float = 30.0,
         devices: str = "auto",
+        dashboard_port: int | None = None,
+        dashboard_host: str = "127.0.0.1",
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
         log_level: str = "INFO",
+        log_format: str = "text",
+        worker_args: Sequence[str] = (),
         start_timeout_s: float = 60.0,
         die_with_parent: bool = False,
         on_exit: Callable[[Child], None] | None = None,
@@ -145,12 +151,22 @@ class LocalCluster:
         self._host = host
         self._port = port
         self._common = ["--op-timeout-s", str(op_timeout_s), "--log-level", log_level]
+        self._common += ["--log-format", log_format]
+        # --metrics-port P: the coordinator serves on P, worker i on P+1+i (0: any free port).
+        self._metrics_port = metrics_port
+        self._metrics_host = metrics_host
         self._coordinator_args = [
             f"--heartbeat={heartbeat_s}",
             f"--lease={lease_s}",
             f"--join-window={join_window_s}",
         ]
+        if dashboard_port is not None:
+            self._coordinator_args += [
+                f"--dashboard-port={dashboard_port}",
+                f"--dashboard-host={dashboard_host}",
+            ]
         self._devices_spec = devices
+        self._worker_args = list(worker_args)
         self._start_timeout_s = start_timeout_s
         self._die_with_parent = die_with_parent
         self._on_exit = on_exit
@@ -179,6 +195,7 @@ class LocalCluster:
                 f"--min-workers={self.min_workers}",
                 f"--max-workers={self.workers}",
                 *self._coordinator_args,
+                *self._metrics_args(0),
                 *self._common,
             ],
         )
@@ -195,6 +212,7 @@ class LocalCluster:
             for i in range(self.workers):
                 args = ["worker", f"--coordinator={child.address}", f"--host={self._host}"]
                 args += ["--port=0", f"--devices={','.join(devices[i])}", *self._common]
+                args += self._metrics_args(1 + i) + self._worker_args
                 self.worker_children.append(self._spawn(f"worker {i}", args))
         except BaseException:
             self.stop()
@@ -227,6 +245,12 @@ class LocalCluster:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+    def _metrics_args(self, offset: int) -> list[str]:
+        if self._metrics_port is None:
+            return []
+        port = self._metrics_port + offset if self._metrics_port else 0
+        return [f"--metrics-port={port}", f"--metrics-host={self._metrics_host}"]
 
     # ---- state -----------------------------------------------------------------
 

@@ -25,10 +25,12 @@ class PutTensorResponse(_message.Message):
     def __init__(self, name: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class GetTensorRequest(_message.Message):
-    __slots__ = ("name",)
+    __slots__ = ("name", "consume")
     NAME_FIELD_NUMBER: _ClassVar[int]
+    CONSUME_FIELD_NUMBER: _ClassVar[int]
     name: str
-    def __init__(self, name: _Optional[str] = ...) -> None: ...
+    consume: bool
+    def __init__(self, name: _Optional[str] = ..., consume: _Optional[bool] = ...) -> None: ...
 
 class GetTensorResponse(_message.Message):
     __slots__ = ("header", "chunk")
@@ -527,7 +529,7 @@ class TrainStepResponse(_message.Message):
     def __init__(self, op_id: _Optional[int] = ..., generation: _Optional[int] = ..., loss: _Optional[float] = ..., rank_losses: _Optional[_Iterable[float]] = ..., buckets: _Optional[int] = ..., latency_s: _Optional[float] = ...) -> None: ...
 
 class OpDescriptor(_message.Message):
-    __slots__ = ("op_id", "generation", "kind", "name", "out", "op", "root", "group_id", "group_ranks", "timeout_s", "bucket_bytes", "targets", "loss", "optimizer", "hyper_json")
+    __slots__ = ("op_id", "generation", "kind", "name", "out", "op", "root", "group_id", "group_ranks", "timeout_s", "bucket_bytes", "targets", "loss", "optimizer", "hyper_json", "inputs")
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -543,6 +545,7 @@ class OpDescriptor(_message.Message):
     LOSS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     HYPER_JSON_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
     op_id: int
     generation: int
     kind: str
@@ -558,4 +561,5 @@ class OpDescriptor(_message.Message):
     loss: str
     optimizer: str
     hyper_json: str
-    def __init__(self, op_id: _Optional[int] = ..., generation: _Optional[int] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., out: _Optional[str] = ..., op: _Optional[_Union[_tensor_pb2.ReduceOp, str]] = ..., root: _Optional[int] = ..., group_id: _Optional[int] = ..., group_ranks: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ..., bucket_bytes: _Optional[int] = ..., targets: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[str] = ..., hyper_json: _Optional[str] = ...) -> None: ...
+    inputs: str
+    def __init__(self, op_id: _Optional[int] = ..., generation: _Optional[int] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., out: _Optional[str] = ..., op: _Optional[_Union[_tensor_pb2.ReduceOp, str]] = ..., root: _Optional[int] = ..., group_id: _Optional[int] = ..., group_ranks: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ..., bucket_bytes: _Optional[int] = ..., targets: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[str] = ..., hyper_json: _Optional[str] = ..., inputs: _Optional[str] = ...) -> None: ...

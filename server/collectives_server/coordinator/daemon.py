@@ -24,8 +24,11 @@ from types import TracebackType
 from typing import Any
 
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
+from collectives_server.coordinator.dashboard import DashboardServer
 from collectives_server.coordinator.membership import Membership
+from collectives_server.coordinator.metrics import coordinator_registry
 from collectives_server.coordinator.service import SERVICE_NAME, CoordinatorServicer
+from collectives_server.metrics import MetricsServer
 from collectives_server.rpc import ServerHandle, start_server
 from collectives_server.signals import StopSignal
 
@@ -61,6 +64,12 @@ class CoordinatorConfig:
     # Host name put in the addresses handed out; None: ``host``, or this machine's
     # name when ``host`` is a wildcard (0.0.0.0, ::).
     advertise_host: str | None = None
+    # The web dashboard's HTTP port (see .dashboard); None: no dashboard, 0: any free port.
+    dashboard_port: int | None = None
+    dashboard_host: str = "127.0.0.1"
+    # Prometheus endpoint (/metrics); None: none, 0: any free port (logged).
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if self.min_workers < 1:
@@ -79,8 +88,8 @@ class CoordinatorConfig:
                 f"lease_s ({self.lease_s}) must be longer than heartbeat_s ({self.heartbeat_s}), "
                 "or every worker would be declared lost between two heartbeats"
             )
-        for name in ("port", "store_port"):
-            if not 0 <= getattr(self, name) < 65536:
+        for name in ("port", "store_port", "dashboard_port", "metrics_port"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in 0..65535, got {getattr(self, name)}")
 
     @property
@@ -114,6 +123,8 @@ class Coordinator:
         self._servicer: CoordinatorServicer | None = None
         self._stop_ticker = threading.Event()
         self._ticker: threading.Thread | None = None
+        self._dashboard: DashboardServer | None = None
+        self._metrics: MetricsServer | None = None
 
     # ---- lifecycle -------------------------------------------------------------
 
@@ -155,6 +166,24 @@ class Coordinator:
         except BaseException:
             self._store = None
             raise
+        if cfg.dashboard_port is not None:
+            try:
+                self._dashboard = DashboardServer(
+                    servicer, host=cfg.dashboard_host, port=cfg.dashboard_port
+                ).start()
+            except OSError as exc:
+                self.stop()
+                where = f"{cfg.dashboard_host}:{cfg.dashboard_port}"
+                raise OSError(f"dashboard on {where}: {exc}") from exc
+        if cfg.metrics_port is not None:
+            try:
+                registry = coordinator_registry(servicer)
+                self._metrics = MetricsServer(
+                    registry, cfg.metrics_host, cfg.metrics_port, "coordinator"
+                )
+            except OSError as exc:
+                self.stop()
+                raise OSError(f"metrics on {cfg.metrics_host}:{cfg.metrics_port}: {exc}") from exc
         interval = max(0.01, min(cfg.heartbeat_s / 2, 0.25, cfg.join_window_s / 2 or 0.25))
         self._ticker = threading.Thread(
             target=self._tick_loop, args=(interval,), name="coordinator-ticker", daemon=True
@@ -172,7 +201,13 @@ class Coordinator:
         return self
 
     def stop(self, grace_s: float = 1.0) -> None:
-        """Ends watch streams, stops the server, the ticker and the store."""
+        """Ends watch streams, stops the dashboard, the server, the ticker and the store."""
+        if self._dashboard is not None:
+            self._dashboard.stop()
+            self._dashboard = None
+        if self._metrics is not None:
+            self._metrics.stop()
+            self._metrics = None
         if self._servicer is not None:
             self._servicer.close()
         if self._server is not None:
@@ -216,6 +251,16 @@ class Coordinator:
     def address(self) -> str:
         """``host:port`` of the gRPC server, as clients and workers should dial it."""
         return format_address(self.config.advertised_host, self.port)
+
+    @property
+    def metrics_address(self) -> str | None:
+        """``host:port`` of the Prometheus endpoint; None when it is off."""
+        return self._metrics.address if self._metrics is not None else None
+
+    @property
+    def dashboard_address(self) -> str | None:
+        """``host:port`` of the web dashboard; None when it is off."""
+        return self._dashboard.address if self._dashboard is not None else None
 
     @property
     def store_address(self) -> str:

@@ -26,14 +26,24 @@ Rules (docs: ARCHITECTURE.md, "Membership, failure, time"):
 * LOST workers stay listed (rank -1) for dashboards: the newest
   :data:`LOST_KEEP_COUNT`, for at most :data:`LOST_KEEP_S` seconds. A LOST worker
   never comes back under its id: it must register again and joins as a newcomer.
+* Each heartbeat may carry the worker's status (opaque here) with a *key*: the
+  status without the fields that change all the time (memory). A heartbeat whose
+  key differs from the last one published bumps ``version`` at once; otherwise the
+  status is stored (GetCluster shows it) and published with the worker's next
+  change, or after ``status_refresh_s`` at the latest.
+* The last :data:`HISTORY_LEN` sealed generations are kept (time, size, members,
+  reason), and ``events`` counts workers joined, lost and left, for metrics.
 """
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
+from typing import Any
 
 from collectives_server.coordinator.model import (
     ClusterView,
+    GenerationRecord,
     InvalidRequestError,
     Outcome,
     UnknownWorkerError,
@@ -42,7 +52,9 @@ from collectives_server.coordinator.model import (
 )
 
 __all__ = [
+    "HISTORY_LEN",
     "LOST_KEEP_COUNT",
+    "STATUS_REFRESH_S",
     "LOST_KEEP_S",
     "ClusterView",
     "InvalidRequestError",
@@ -56,6 +68,10 @@ __all__ = [
 # How many LOST workers stay listed, and for how long, so dashboards can show them.
 LOST_KEEP_COUNT = 16
 LOST_KEEP_S = 600.0
+# Sealed generations kept for Cluster.history.
+HISTORY_LEN = 50
+# A worker's status whose only changes are memory readings is published this often.
+STATUS_REFRESH_S = 10.0
 
 
 @dataclass
@@ -73,6 +89,10 @@ class _Worker:
     joined_generation: int = 0
     busy: bool = False
     lost_at: float | None = None
+    status: Any = None
+    # Key of the status last published (bumped the version), and when.
+    status_key: bytes | None = None
+    status_published_at: float = float("-inf")
 
     @property
     def lost(self) -> bool:
@@ -102,6 +122,7 @@ class Membership:
         join_window_s: float = 0.5,
         id_prefix: str = "w",
         initial_version: int = 1,
+        status_refresh_s: float = STATUS_REFRESH_S,
     ) -> None:
         if min_workers < 1:
             raise ValueError(f"min_workers must be >= 1, got {min_workers}")
@@ -113,7 +134,11 @@ class Membership:
         self.max_workers = max_workers
         self.lease_s = lease_s
         self.join_window_s = join_window_s
+        self.status_refresh_s = status_refresh_s
         self._id_prefix = id_prefix
+        self._history: collections.deque[GenerationRecord] = collections.deque(maxlen=HISTORY_LEN)
+        # Workers "joined" (new registrations), "lost" (lease ran out, replaced), "left".
+        self.events: collections.Counter[str] = collections.Counter()
         self._workers: dict[str, _Worker] = {}
         self._next_order = 0
         self._last_registration: float | None = None
@@ -176,6 +201,7 @@ class Membership:
             max_workers=self.max_workers,
             status=self._status,
             ready=self.ready,
+            history=tuple(self._history),
         )
 
     def _row(self, w: _Worker, rank: int, now: float) -> WorkerView:
@@ -192,6 +218,7 @@ class Membership:
             backend=w.backend,
             uptime_s=max(0.0, now - w.registered_at),
             version=w.version,
+            status=w.status,
         )
 
     def _state_of(self, w: _Worker, rank: int) -> WorkerState:
@@ -251,14 +278,25 @@ class Membership:
             last_heartbeat=now,
         )
         self._last_registration = now
+        self.events["joined"] += 1
         live = _plural(self._live_count(), "live worker")
         notes.insert(0, f"registered {worker_id} at {address} ({live})")
         return worker_id, self._finish(now, True, "; ".join(notes))
 
     def heartbeat(
-        self, now: float, worker_id: str, *, joined_generation: int = 0, busy: bool = False
+        self,
+        now: float,
+        worker_id: str,
+        *,
+        joined_generation: int = 0,
+        busy: bool = False,
+        status: Any = None,
+        status_key: bytes | None = None,
     ) -> Outcome:
         """Renews a lease. Raises :class:`UnknownWorkerError` for unknown or LOST ids.
+
+        ``status`` (with ``status_key``, see the module doc) replaces the worker's
+        last reported status; None leaves it as it was.
 
         A ``joined_generation`` that is not a generation of this coordinator (a worker
         still counting from before a coordinator restart) counts as 0, "not joined":
@@ -281,6 +319,15 @@ class Membership:
             w.joined_generation = joined_generation
             w.busy = busy
             changed = True
+        if status is not None:
+            w.status = status
+            stale = now - w.status_published_at >= self.status_refresh_s
+            if status_key != w.status_key or stale or changed:
+                if status_key != w.status_key:
+                    beat += ", status changed"
+                w.status_key = status_key
+                w.status_published_at = now
+                changed = True
         return self._finish(now, changed, "; ".join([*expired, beat]))
 
     def leave(self, now: float, worker_id: str) -> Outcome:
@@ -292,6 +339,7 @@ class Membership:
                 self._finish(now, True, "; ".join(expired))
             raise UnknownWorkerError(self._unknown_message(worker_id))
         del self._workers[worker_id]
+        self.events["left"] += 1
         return self._finish(now, True, "; ".join([*expired, f"{worker_id} at {w.address} left"]))
 
     def tick(self, now: float) -> Outcome:
@@ -352,10 +400,22 @@ class Membership:
             changed = True
         if decision:
             reason = f"{reason}; {decision}"
+        if sealed:
+            self._history.append(
+                GenerationRecord(
+                    generation=self._generation,
+                    sealed_at=now,
+                    world_size=len(self._members),
+                    members=tuple(self._workers[m].address for m in self._members),
+                    reason=reason,
+                )
+            )
         if changed:
             self._version += 1
             self._reason = reason
         lost, self._newly_lost = tuple(self._newly_lost), []
+        if lost:
+            self.events["lost"] += len(lost)
         return Outcome(changed=changed, reason=reason, sealed=sealed, lost=lost)
 
     def _decide(self, now: float) -> tuple[bool, str]:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "ClusterView",
+    "GenerationRecord",
     "InvalidRequestError",
     "Outcome",
     "UnknownWorkerError",
@@ -68,6 +70,23 @@ class WorkerView:
     backend: str
     uptime_s: float
     version: str
+    # The worker's last reported status (a collectives.v1.WorkerStatus; opaque
+    # here), None until its first heartbeat carrying one.
+    status: Any = None
+
+
+@dataclass(frozen=True)
+class GenerationRecord:
+    """One sealed generation, for the history dashboards show."""
+
+    generation: int
+    # When it was sealed, on the membership's (monotonic) clock.
+    sealed_at: float
+    world_size: int
+    # Worker addresses in rank order.
+    members: tuple[str, ...]
+    # The event and decision that sealed it ("w-3 at h:1 lost: ...; sealed generation 4 ...").
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -83,3 +102,5 @@ class ClusterView:
     max_workers: int
     status: str
     ready: bool
+    # The most recent sealed generations, oldest first (bounded).
+    history: tuple[GenerationRecord, ...] = ()

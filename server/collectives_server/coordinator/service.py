@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
+from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc, status_pb2
 from collectives_server.coordinator.membership import (
     ClusterView,
     InvalidRequestError,
@@ -50,10 +50,28 @@ _STATE_TO_PROTO = {
 _WATCH_WAKE_S = 5.0
 
 
+def status_key(status: status_pb2.WorkerStatus) -> bytes:
+    """The status without the readings that change all the time (memory in use).
+
+    Heartbeats whose key did not change do not push a new Cluster to watchers
+    at once (see :mod:`.membership`).
+    """
+    stable = status_pb2.WorkerStatus()
+    stable.CopyFrom(status)
+    for device in stable.devices:
+        device.memory_used_bytes = 0
+    stable.process_rss_bytes = 0
+    stable.host_memory_available_bytes = 0
+    return stable.SerializeToString(deterministic=True)
+
+
 def cluster_to_proto(
-    view: ClusterView, *, store_address: str, op_timeout_s: float
+    view: ClusterView, *, store_address: str, op_timeout_s: float, unix_offset_s: float = 0.0
 ) -> coordinator_pb2.Cluster:
-    """Builds the Cluster message from a membership snapshot."""
+    """Builds the Cluster message from a membership snapshot.
+
+    ``unix_offset_s`` turns the membership's clock into Unix time (history).
+    """
     msg = coordinator_pb2.Cluster(
         generation=view.generation,
         formed=view.formed,
@@ -80,6 +98,15 @@ def cluster_to_proto(
             backend=w.backend,
             uptime_s=w.uptime_s,
             version=w.version,
+            status=w.status,
+        )
+    for record in view.history:
+        msg.history.add(
+            generation=record.generation,
+            sealed_unix_time_s=record.sealed_at + unix_offset_s,
+            world_size=record.world_size,
+            members=record.members,
+            reason=record.reason,
         )
     return msg
 
@@ -107,6 +134,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._closed = False
         self._notified_version = membership.version
         self._cond = threading.Condition(threading.Lock())
+        self._heartbeats_received = 0
 
     # ---- used by the daemon ----------------------------------------------------
 
@@ -124,6 +152,34 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def snapshot(self) -> coordinator_pb2.Cluster:
         """The current Cluster message (for in-process callers and tests)."""
         with self._cond:
+            return self._cluster()
+
+    def metrics_snapshot(self) -> tuple[ClusterView, dict[str, int], int]:
+        """(membership view, workers joined/lost/left so far, heartbeats received)."""
+        with self._cond:
+            view = self._membership.view(self._clock())
+            return view, dict(self._membership.events), self._heartbeats_received
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called (the coordinator is stopping)."""
+        return self._closed
+
+    def wait_for_change(
+        self, after_version: int, timeout_s: float
+    ) -> coordinator_pb2.Cluster | None:
+        """The Cluster once its version passes ``after_version``, else None after ``timeout_s``.
+
+        For in-process watchers (the dashboard's event stream): the same condition
+        WatchCluster streams wait on. Returns None at once when closed.
+        """
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self._closed or self._membership.version > after_version,
+                timeout=timeout_s,
+            )
+            if self._closed or self._membership.version <= after_version:
+                return None
             return self._cluster()
 
     # ---- RPCs ------------------------------------------------------------------
@@ -157,14 +213,19 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def Heartbeat(
         self, request: coordinator_pb2.HeartbeatRequest, context: grpc.ServicerContext
     ) -> coordinator_pb2.HeartbeatResponse:
+        has_status = request.HasField("status")
+        key = status_key(request.status) if has_status else None
         with self._cond:
             self._check_open(context)
+            self._heartbeats_received += 1
             try:
                 outcome = self._membership.heartbeat(
                     self._clock(),
                     request.worker_id,
                     joined_generation=request.joined_generation,
                     busy=request.busy,
+                    status=request.status if has_status else None,
+                    status_key=key,
                 )
             except UnknownWorkerError as exc:
                 self._notify_if_changed()
@@ -241,9 +302,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     # ---- helpers (call with the lock held) -------------------------------------
 
     def _cluster(self) -> coordinator_pb2.Cluster:
-        view = self._membership.view(self._clock())
+        now = self._clock()
         return cluster_to_proto(
-            view, store_address=self._store_address, op_timeout_s=self._op_timeout_s
+            self._membership.view(now),
+            store_address=self._store_address,
+            op_timeout_s=self._op_timeout_s,
+            unix_offset_s=time.time() - now,
         )
 
     def _check_open(self, context: grpc.ServicerContext) -> None:

@@ -20,3 +20,13 @@ class WorkerConfig:
     queue_size: int = 1024
     # How long a worker keeps trying to reach the coordinator at start-up.
     connect_timeout_s: float = 60.0
+    # Prometheus endpoint: None serves none; 0 picks a free port (logged).
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    # Name peers and clients use to reach this worker; None: --host (or the
+    # machine's name when binding a wildcard address).
+    advertise_host: str | None = None
+    # Python modules whose functions may build models (load_model(factory=...)).
+    allow_factories: tuple[str, ...] = field(default_factory=tuple)
+    # A forward's autograd graph is dropped if no backward comes within this time.
+    graph_ttl_s: float = 60.0

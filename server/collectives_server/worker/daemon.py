@@ -18,8 +18,6 @@ import socket
 import sys
 import threading
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -28,25 +26,24 @@ import torch.distributed as dist
 import collectives_server
 from collectives.errors import CollectiveError
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2
+from collectives_server.metrics import MetricsServer
 from collectives_server.rpc import GRPC_OPTIONS, start_server
 from collectives_server.signals import StopSignal
 from collectives_server.worker.config import WorkerConfig
+from collectives_server.worker.models import ModelRegistry
 from collectives_server.worker.runtime import GenerationRuntime, OpResult
 from collectives_server.worker.service import SERVICE_NAME, WorkerService, add_worker_service
+from collectives_server.worker.status import (
+    WorkerStats,
+    collect_status,
+    heartbeat_status,
+    op_done,
+)
 from collectives_server.worker.store import TensorStore
 
 __all__ = ["WorkerDaemon", "run_worker", "resolve_devices"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class WorkerStats:
-    bytes_in: int = 0
-    bytes_out: int = 0
-    ops_completed: Counter = field(default_factory=Counter)
-    ops_failed: Counter = field(default_factory=Counter)
-    last_op_latency_s: float = 0.0
 
 
 def resolve_devices(requested: tuple[str, ...]) -> list[torch.device]:
@@ -70,6 +67,7 @@ class WorkerDaemon:
         self.device = self.devices[0]
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.store = TensorStore(self.device)
+        self.models = ModelRegistry(self.devices, config.allow_factories, config.graph_ttl_s)
         self.stats = WorkerStats()
         self.runtime: GenerationRuntime | None = None
         self.cluster_status = "not registered yet"
@@ -85,10 +83,17 @@ class WorkerDaemon:
         self._started = time.monotonic()
         self._watch_call = None
         self._server = None
+        self._metrics: MetricsServer | None = None
         self.address = ""
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
+        if self.config.metrics_port is not None:
+            from collectives_server.worker.metrics import worker_registry
+
+            self._metrics = MetricsServer(
+                worker_registry(self), self.config.metrics_host, self.config.metrics_port, "worker"
+            )
         servicer = WorkerService(self)
         self._server = start_server(
             self.config.host,
@@ -96,7 +101,7 @@ class WorkerDaemon:
             [lambda server: add_worker_service(servicer, server)],
             [SERVICE_NAME],
         )
-        host = self.config.host
+        host = self.config.advertise_host or self.config.host
         if host in ("0.0.0.0", "::", ""):
             host = socket.gethostname()
         self.address = f"{host}:{self._server.port}"
@@ -123,6 +128,8 @@ class WorkerDaemon:
                 self.runtime = None
         if self._server is not None:
             self._server.stop(1.0)
+        if self._metrics is not None:
+            self._metrics.stop()
         self._channel.close()
 
     # --------------------------------------------------------- coordinator
@@ -147,15 +154,19 @@ class WorkerDaemon:
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self._heartbeat_s):
+            self.models.expire_graphs()
             runtime = self.runtime
             request = coordinator_pb2.HeartbeatRequest(
                 worker_id=self.worker_id,
                 joined_generation=self.joined_generation,
                 busy=bool(runtime and runtime.busy),
+                status=heartbeat_status(self),
             )
             try:
                 self._coordinator.Heartbeat(request, timeout=max(self._heartbeat_s * 2, 1.0))
+                self.stats.heartbeat(ok=True)
             except grpc.RpcError as err:
+                self.stats.heartbeat(ok=False)
                 if err.code() == grpc.StatusCode.NOT_FOUND:
                     log.warning("coordinator no longer knows this worker; registering again")
                     self._retire_runtime()
@@ -228,7 +239,14 @@ class WorkerDaemon:
             on_joined=self._joined,
             on_op_done=self._op_done,
             rebuild_after_s=self._lease_s + 2 * self._heartbeat_s,
+            models=self.models,
+            on_data_collectives=self._data_collectives_done,
         ).start()
+
+    def _data_collectives_done(self, collectives: int, gradient_buckets: int) -> None:
+        with self.stats.lock:
+            self.stats.data_collectives += collectives
+            self.stats.gradient_buckets_reduced += gradient_buckets
 
     def _joined(self, generation: int) -> None:
         with self._lock:
@@ -241,15 +259,14 @@ class WorkerDaemon:
         outcome: OpResult | CollectiveError,
         latency_s: float,
     ) -> None:
-        """Called on every rank after each op (every rank runs every op)."""
-        ok = not isinstance(outcome, CollectiveError)
-        (self.stats.ops_completed if ok else self.stats.ops_failed)[desc.kind] += 1
-        self.stats.last_op_latency_s = latency_s
+        """Called on every rank after each op (every rank runs every op): counts and logs it."""
+        op_done(self, desc, outcome, latency_s)
 
     # ---------------------------------------------------------------- state
     def state(self) -> worker_pb2.GetStateResponse:
         runtime = self.runtime
-        count, nbytes = self.store.stats()
+        status = collect_status(self)
+        count, nbytes = status.tensors_held, status.bytes_held
         return worker_pb2.GetStateResponse(
             worker_id=self.worker_id,
             rank=runtime.rank if runtime else -1,
@@ -262,6 +279,11 @@ class WorkerDaemon:
             ops_failed=sum(self.stats.ops_failed.values()),
             devices=[str(d) for d in self.devices],
             backend=self.backend,
+            status=status,
+            address=self.address,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            uptime_s=time.monotonic() - self._started,
         )
 
 
@@ -275,7 +297,7 @@ def run_worker(config: WorkerConfig) -> int:
         try:
             daemon = WorkerDaemon(config)
             daemon.start()
-        except (ValueError, grpc.RpcError) as exc:
+        except (ValueError, OSError, grpc.RpcError) as exc:
             detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
             log.error("worker failed to start: %s", detail)
             return 1

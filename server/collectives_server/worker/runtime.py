@@ -39,7 +39,14 @@ import torch.distributed as dist
 from collectives.errors import CollectiveError, ResourceExhausted, Unavailable, error_for_code
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
-from collectives_server.worker import agreement, collective_ops, descriptor, validation
+from collectives_server.worker import (
+    agreement,
+    collective_ops,
+    descriptor,
+    model_collectives,
+    validation,
+)
+from collectives_server.worker.models import ModelRegistry
 from collectives_server.worker.process_groups import GroupHandles, build_groups
 from collectives_server.worker.store import TensorStore
 
@@ -106,6 +113,8 @@ class GenerationRuntime:
         on_joined: Callable[[int], None],
         on_op_done: Callable[[worker_pb2.OpDescriptor, OpResult | CollectiveError, float], None],
         rebuild_after_s: float = 10.0,
+        models: ModelRegistry | None = None,
+        on_data_collectives: Callable[[int, int], None] | None = None,
     ) -> None:
         self.generation = generation
         self.rank = rank
@@ -113,6 +122,10 @@ class GenerationRuntime:
         self.is_leader = rank == 0
         self._tcp_store = tcp_store
         self._store = store
+        self.store = store
+        self.models = models if models is not None else ModelRegistry([device])
+        self.device = device
+        self._on_data_collectives = on_data_collectives
         self._timeout_s = op_timeout_s
         self._device = device
         self._host = host
@@ -328,6 +341,17 @@ class GenerationRuntime:
             self._fail_queued(f"generation {self.generation} hit an internal error")
             return f"internal error: {exc}"
 
+    def call(self, fn, *args):
+        """Runs a group operation; a backend failure means the group is broken."""
+        return self._call(fn, *args)
+
+    def fail_all(self, failures: list[agreement.RankOutcome]) -> CollectiveError:
+        return self._fail_all(failures)
+
+    def count_data_collectives(self, collectives: int, gradient_buckets: int = 0) -> None:
+        if self._on_data_collectives is not None:
+            self._on_data_collectives(collectives, gradient_buckets)
+
     def _call(self, fn, *args):
         try:
             return fn(*args)
@@ -341,21 +365,21 @@ class GenerationRuntime:
         try:
             if desc.kind == "new_group":
                 result = self._new_group(desc, started)
+            elif desc.kind in model_collectives.MODEL_KINDS:
+                result = model_collectives.run_model_op(self, desc, started)
             else:
                 result = self._collective(desc, started)
         finally:
             self.busy = False
-        ok = not isinstance(result, CollectiveError)
-        self._on_op_done(desc, result, time.perf_counter() - started)
-        if not ok:
-            log.log(
-                logging.INFO if self.is_leader else logging.DEBUG,
-                "op %d (%s %r) failed: %s",
-                desc.op_id,
-                desc.kind,
-                desc.name,
-                result,
+        if isinstance(result, CollectiveError):
+            # Every rank words the failure the same way, with the op id the
+            # worker logs carry, so a client's error can be found in them.
+            result = error_for_code(
+                result.code,
+                f"op {desc.op_id} ({desc.kind}, generation {self.generation}): {result.message}",
+                executed=result.executed,
             )
+        self._on_op_done(desc, result, time.perf_counter() - started)
         return result
 
     def _fail_all(self, failures: list[agreement.RankOutcome]) -> CollectiveError:
@@ -413,6 +437,7 @@ class GenerationRuntime:
         if member:
             try:
                 result = self._run_member(kind, desc, group, operand, plan, op)
+                self.count_data_collectives(1)
             except _GroupBroken:
                 raise
             except Exception as exc:

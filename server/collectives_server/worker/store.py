@@ -88,6 +88,23 @@ class TensorStore:
             self._bytes -= _nbytes(t)
             return True
 
+    def delete_if_same(self, name: str, t: torch.Tensor) -> bool:
+        """Deletes ``name`` only if it still holds ``t`` (not a newer value)."""
+        with self._lock:
+            if self._tensors.get(name) is not t:
+                return False
+            del self._tensors[name]
+            self._bytes -= _nbytes(t)
+            return True
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Deletes every tensor whose name starts with ``prefix``; returns how many."""
+        with self._lock:
+            doomed = [n for n in self._tensors if n.startswith(prefix)]
+            for n in doomed:
+                self._bytes -= _nbytes(self._tensors.pop(n))
+            return len(doomed)
+
     def infos(self) -> list[StoredInfo]:
         with self._lock:
             items = list(self._tensors.items())

@@ -1,0 +1,95 @@
+"""Model RPCs that stream: shipping archives, and tensor dicts in raw frames.
+
+State dicts and gradients travel as a sequence of raw-framed tensors (header,
+chunks, header, chunks, ...) on the same codec as PutTensor/GetTensor, keyed by
+parameter name; the model name of LoadStateDict travels in request metadata.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import torch
+
+from collectives import codec
+from collectives._transport import WorkerEndpoint
+from collectives.errors import InvalidArgument, error_for_code
+from collectives.errors import from_rpc_error as _from_rpc_error
+from collectives.v1 import tensor_pb2, worker_pb2
+
+__all__ = ["load_model_on", "get_model_tensors", "load_state_dict_on", "MODEL_METADATA_KEY"]
+
+MODEL_METADATA_KEY = "collectives-model"
+_GET_MODEL_TENSORS = "/collectives.v1.Worker/GetModelTensors"
+_LOAD_STATE_DICT = "/collectives.v1.Worker/LoadStateDict"
+
+
+def load_model_on(
+    endpoint: WorkerEndpoint, spec: worker_pb2.ModelSpec, archive: bytes, timeout: float
+) -> worker_pb2.LoadModelResponse:
+    def messages() -> Iterator[worker_pb2.LoadModelRequest]:
+        yield worker_pb2.LoadModelRequest(spec=spec)
+        view = memoryview(archive)
+        for start in range(0, len(view), codec.CHUNK_BYTES):
+            yield worker_pb2.LoadModelRequest(
+                archive_chunk=bytes(view[start : start + codec.CHUNK_BYTES])
+            )
+
+    what = f"LoadModel {spec.name!r} on {endpoint.address}"
+    try:
+        return endpoint.stub.LoadModel(messages(), timeout=timeout)
+    except grpc.RpcError as err:
+        raise _from_rpc_error(err, what) from None
+
+
+def get_model_tensors(
+    endpoint: WorkerEndpoint, model: str, which: str, timeout: float
+) -> dict[str, torch.Tensor]:
+    call = endpoint.channel.unary_stream(
+        _GET_MODEL_TENSORS,
+        request_serializer=worker_pb2.ModelTensorsRequest.SerializeToString,
+        response_deserializer=None,
+    )(worker_pb2.ModelTensorsRequest(model=model, which=which), timeout=timeout)
+    what = f"{which} of model {model!r} from {endpoint.address}"
+    result: dict[str, torch.Tensor] = {}
+    assembler: codec.TensorAssembler | None = None
+    try:
+        for message in call:
+            kind, value = codec.decode_part(message)
+            if isinstance(value, tensor_pb2.TensorHeader):
+                if assembler is not None:
+                    result[assembler.name] = assembler.finish()
+                assembler = codec.TensorAssembler(value)
+            elif kind == "chunk" and value is not None:
+                if assembler is None:
+                    raise InvalidArgument("a chunk arrived before any header")
+                assembler.add(value)
+        if assembler is not None:
+            result[assembler.name] = assembler.finish()
+        return result
+    except grpc.RpcError as err:
+        raise _from_rpc_error(err, what) from None
+    except InvalidArgument as err:
+        call.cancel()
+        raise error_for_code(
+            grpc.StatusCode.INTERNAL, f"{what}: malformed response stream: {err.message}"
+        ) from None
+
+
+def load_state_dict_on(
+    endpoint: WorkerEndpoint, model: str, state: dict[str, torch.Tensor], timeout: float
+) -> worker_pb2.LoadStateDictResponse:
+    def frames() -> Iterator[bytes]:
+        for key, tensor in state.items():
+            yield from codec.encode_tensor_stream(key, tensor)
+
+    method = endpoint.channel.stream_unary(
+        _LOAD_STATE_DICT,
+        request_serializer=None,
+        response_deserializer=worker_pb2.LoadStateDictResponse.FromString,
+    )
+    try:
+        return method(frames(), timeout=timeout, metadata=((MODEL_METADATA_KEY, model),))
+    except grpc.RpcError as err:
+        raise _from_rpc_error(err, f"LoadStateDict {model!r} on {endpoint.address}") from None

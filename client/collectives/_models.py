@@ -1,0 +1,409 @@
+"""Models on the cluster: shipping, DataParallel, gradient aggregation, optimizers.
+
+Models are cluster-wide named resources: ``load_model`` ships a
+``torch.export`` archive (batch dimension dynamic; no pickle) or names a
+server-side factory, to every worker in parallel. Per-worker calls (step,
+zero_grad, state) fan out to every rank; the calls that need the process group
+(``all_reduce_gradients``, ``train_step``) go to the leader, which sequences
+them with every other collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from collectives._collectives import _Collectives
+from collectives._core import is_not_executed, server_timeout_s
+from collectives._model_transport import get_model_tensors, load_model_on, load_state_dict_on
+from collectives._transport import WorkerEndpoint, call_unary, is_retryable_read
+from collectives.data_parallel import DataParallel
+from collectives.errors import CollectiveError, InvalidArgument, NotFound
+from collectives.names import validate_name
+from collectives.reduce_ops import ReduceOp, parse_reduce_op
+from collectives.v1 import worker_pb2
+
+__all__ = ["ModelInfo"]
+
+_LOSSES = ("mse", "cross_entropy")
+_OPTIMIZERS = ("sgd", "adam", "adamw")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A model loaded on the cluster, as rank 0 reports it."""
+
+    name: str
+    parameters: int
+    parameter_bytes: int
+    devices: list[str]
+    source: str
+    optimizer: str
+    steps: int
+
+
+def export_archive(module: nn.Module, example_inputs: tuple[Any, ...], dim: int = 0) -> bytes:
+    """A torch.export archive of ``module`` with dimension ``dim`` of every tensor input dynamic.
+
+    Raises:
+        InvalidArgument: the module cannot be exported (the message says why and
+            names the factory alternative).
+    """
+    from torch.export import Dim
+    from torch.utils._pytree import tree_map
+
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    dynamic = tree_map(
+        lambda t: {dim: Dim.DYNAMIC} if isinstance(t, torch.Tensor) and t.dim() > dim else None,
+        example_inputs,
+    )
+    try:
+        program = torch.export.export(module, example_inputs, dynamic_shapes=dynamic)
+    except Exception as exc:
+        raise InvalidArgument(
+            f"torch.export could not export {type(module).__name__}: {type(exc).__name__}: "
+            f"{str(exc).strip().splitlines()[0][:400]}. Make the model exportable, or install "
+            "it on the workers and start them with --allow-factory pkg.module, then "
+            "load_model(name, factory='pkg.module:function', kwargs={...})"
+        ) from None
+    # The archive's sample inputs are stored with torch.save; keep them trivial.
+    program.example_inputs = None
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer)
+    return buffer.getvalue()
+
+
+class _Models(_Collectives):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # In-flight fire-and-forget ReleaseGraph calls (see _release_graph).
+        self._releases: set[Any] = set()
+
+    # --------------------------------------------------------------- loading
+    def load_model(
+        self,
+        name: str,
+        module: nn.Module | None = None,
+        example_inputs: Any = None,
+        *,
+        factory: str | None = None,
+        kwargs: dict[str, Any] | None = None,
+        state_dict: dict[str, torch.Tensor] | None = None,
+        timeout: float | None = None,
+    ) -> ModelInfo:
+        """Loads a model on every worker, replacing one of the same name.
+
+        Either ``module`` with ``example_inputs`` (shipped as a torch.export
+        archive with dim 0 dynamic), or ``factory="pkg.module:fn"`` with JSON
+        ``kwargs`` (the workers must allow it with ``--allow-factory``).
+        ``state_dict`` then loads weights (tensors, never pickle).
+
+        Raises:
+            InvalidArgument: the module cannot be exported, or bad arguments.
+            PermissionDenied: the factory is not allowed on the workers.
+            CollectiveError: a worker refused the model or the call failed.
+        """
+        validate_name(name, "model name")
+        deadline = self._deadline(timeout)
+        if (module is None) == (factory is None):
+            raise InvalidArgument("load_model needs either a module or a factory (not both)")
+        if module is not None:
+            if example_inputs is None:
+                raise InvalidArgument(
+                    "load_model(name, module) needs example_inputs to export the module"
+                )
+            archive = export_archive(module, example_inputs)
+            spec = worker_pb2.ModelSpec(name=name, archive_nbytes=len(archive))
+        else:
+            try:
+                kwargs_json = json.dumps(kwargs or {})
+            except TypeError as exc:
+                raise InvalidArgument(f"factory kwargs must be JSON-serializable: {exc}") from None
+            archive = b""
+            spec = worker_pb2.ModelSpec(name=name, factory=factory, factory_kwargs_json=kwargs_json)
+        endpoints = self._member_endpoints(deadline)
+        responses = self._fan_out(
+            f"load_model {name!r}",
+            {
+                rank: (lambda e=e: load_model_on(e, spec, archive, self._remaining(deadline)))
+                for rank, e in endpoints.items()
+            },
+        )
+        if state_dict is not None:
+            self.load_state_dict(name, state_dict, timeout=self._remaining(deadline))
+        info = responses[min(responses)].model
+        return _model_info(info)
+
+    def unload_model(
+        self, name: str, missing_ok: bool = False, timeout: float | None = None
+    ) -> None:
+        """Unloads a model from every worker.
+
+        Raises:
+            NotFound: no worker had it (unless ``missing_ok``).
+        """
+        validate_name(name, "model name")
+        deadline = self._deadline(timeout)
+        results = self._per_rank(
+            "unload_model",
+            deadline,
+            lambda e, t: call_unary(
+                e.stub.UnloadModel,
+                worker_pb2.UnloadModelRequest(name=name, missing_ok=True),
+                t,
+                f"unload_model {name!r}",
+            ),
+        )
+        if not missing_ok and not any(r.unloaded for r in results.values()):
+            raise NotFound(f"model {name!r} is not loaded on any worker")
+
+    def models(self, timeout: float | None = None) -> list[ModelInfo]:
+        """Models loaded on the cluster (as rank 0 holds them)."""
+        deadline = self._deadline(timeout)
+        endpoint = self._member_endpoints(deadline)[0]
+        response = call_unary(
+            endpoint.stub.ListModels,
+            worker_pb2.ListModelsRequest(),
+            self._remaining(deadline),
+            "models",
+        )
+        return [_model_info(m) for m in response.models]
+
+    def data_parallel(self, name: str, dim: int = 0, timeout: float | None = None) -> DataParallel:
+        """A callable that runs model ``name`` data-parallel over the workers (see DataParallel)."""
+        return DataParallel(self, name, dim=dim, timeout=timeout)
+
+    # ------------------------------------------------------- gradients, steps
+    def all_reduce_gradients(
+        self,
+        name: str,
+        op: str | ReduceOp = "sum",
+        bucket_bytes: int | None = None,
+        timeout: float | None = None,
+        async_op: bool = False,
+    ) -> Any:
+        """All-reduces every parameter's gradient in coalesced buckets (default 25 MiB).
+
+        One collective per bucket; afterwards every replica holds bit-identical
+        gradients. A worker that got no shard contributes zeros.
+
+        Raises:
+            InvalidArgument: ``op`` is not sum/avg, or a bad bucket size.
+            NotFound / FailedPrecondition: the model is missing on all / some ranks.
+        """
+        validate_name(name, "model name")
+        reduce_op = parse_reduce_op(op)
+        if reduce_op not in (ReduceOp.SUM, ReduceOp.AVG):
+            raise InvalidArgument(f"all_reduce_gradients takes op 'sum' or 'avg', not {op!r}")
+        if bucket_bytes is not None and bucket_bytes <= 0:
+            raise InvalidArgument(f"bucket_bytes must be positive, got {bucket_bytes}")
+        deadline = self._deadline(timeout)
+        return self._leader_op(
+            f"all_reduce_gradients {name!r}",
+            "AllReduceGradients",
+            lambda options: worker_pb2.AllReduceGradientsRequest(
+                options=options, model=name, op=reduce_op.wire, bucket_bytes=bucket_bytes or 0
+            ),
+            deadline,
+            async_op,
+            lambda response: None,
+        )
+
+    def train_step(
+        self,
+        name: str,
+        inputs: str,
+        targets: str,
+        loss: str = "mse",
+        optimizer: str | None = None,
+        bucket_bytes: int | None = None,
+        timeout: float | None = None,
+        async_op: bool = False,
+        **hyper: Any,
+    ) -> Any:
+        """A DDP-style step on data already on the workers; returns the global loss.
+
+        Every worker computes ``loss`` (mean over its shard) of the model on the
+        tensors named ``inputs``/``targets`` in its store, backpropagates, and
+        the gradients are averaged across workers (bucketed). With
+        ``optimizer`` (sgd/adam/adamw and ``**hyper``) each worker then steps.
+        """
+        validate_name(name, "model name")
+        validate_name(inputs, "inputs tensor name")
+        validate_name(targets, "targets tensor name")
+        if loss not in _LOSSES:
+            raise InvalidArgument(f"loss {loss!r} is not supported; use one of {_LOSSES}")
+        if optimizer is not None and optimizer not in _OPTIMIZERS:
+            raise InvalidArgument(f"optimizer {optimizer!r} is not one of {_OPTIMIZERS}")
+        hyper_json = _hyper_json(hyper)
+        deadline = self._deadline(timeout)
+        return self._leader_op(
+            f"train_step {name!r}",
+            "TrainStep",
+            lambda options: worker_pb2.TrainStepRequest(
+                options=options,
+                model=name,
+                inputs=inputs,
+                targets=targets,
+                loss=loss,
+                optimizer=optimizer or "",
+                hyper_json=hyper_json,
+                bucket_bytes=bucket_bytes or 0,
+            ),
+            deadline,
+            async_op,
+            lambda response: response.loss,
+        )
+
+    def step(
+        self, name: str, optimizer: str = "sgd", timeout: float | None = None, **hyper: Any
+    ) -> None:
+        """Steps the optimizer of model ``name`` on every worker (state kept per worker).
+
+        A different optimizer kind than before starts fresh state.
+
+        Raises:
+            InvalidArgument: unknown optimizer or hyperparameter.
+        """
+        validate_name(name, "model name")
+        if optimizer not in _OPTIMIZERS:
+            raise InvalidArgument(f"optimizer {optimizer!r} is not one of {_OPTIMIZERS}")
+        request = worker_pb2.StepRequest(
+            model=name, optimizer=optimizer, hyper_json=_hyper_json(hyper)
+        )
+        self._per_rank(
+            f"step {name!r}",
+            self._deadline(timeout),
+            lambda e, t: call_unary(e.stub.Step, request, t, f"step {name!r}"),
+        )
+
+    def zero_grad(self, name: str, timeout: float | None = None) -> None:
+        """Clears every parameter's gradient (sets it to None) on every worker."""
+        validate_name(name, "model name")
+        request = worker_pb2.ZeroGradRequest(model=name)
+        self._per_rank(
+            f"zero_grad {name!r}",
+            self._deadline(timeout),
+            lambda e, t: call_unary(e.stub.ZeroGrad, request, t, f"zero_grad {name!r}"),
+        )
+
+    def gradients(
+        self, name: str, rank: int = 0, timeout: float | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Parameters with a gradient on ``rank``, keyed like ``named_parameters()``."""
+        return self._model_tensors(name, "gradients", rank, timeout)
+
+    def state_dict(
+        self, name: str, rank: int = 0, timeout: float | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The model's ``state_dict()`` on ``rank`` (CPU tensors)."""
+        return self._model_tensors(name, "state_dict", rank, timeout)
+
+    def load_state_dict(
+        self, name: str, state_dict: dict[str, torch.Tensor], timeout: float | None = None
+    ) -> None:
+        """Loads ``state_dict`` into the model on every worker (keys must match exactly).
+
+        Raises:
+            InvalidArgument: unknown or missing keys, or a shape mismatch.
+        """
+        validate_name(name, "model name")
+        if not isinstance(state_dict, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state_dict.items()
+        ):
+            raise InvalidArgument("state_dict must map str keys to tensors")
+        for key in state_dict:
+            validate_name(key, "state dict key")
+        self._per_rank(
+            f"load_state_dict {name!r}",
+            self._deadline(timeout),
+            lambda e, t: load_state_dict_on(e, name, state_dict, t),
+        )
+
+    # -------------------------------------------------------------- helpers
+    def _remaining(self, deadline: float) -> float:
+        return deadline - time.monotonic()
+
+    def _member_endpoints(self, deadline: float) -> dict[int, WorkerEndpoint]:
+        snapshot = self._formed_snapshot(deadline)
+        return {w.rank: self._endpoint(w.address) for w in snapshot.workers if w.rank >= 0}
+
+    def _per_rank(self, what: str, deadline: float, fn) -> dict[int, Any]:
+        endpoints = self._member_endpoints(deadline)
+        return self._fan_out(
+            what,
+            {rank: (lambda e=e: fn(e, self._remaining(deadline))) for rank, e in endpoints.items()},
+        )
+
+    def _model_tensors(
+        self, name: str, which: str, rank: int, timeout: float | None
+    ) -> dict[str, torch.Tensor]:
+        validate_name(name, "model name")
+        deadline = self._deadline(timeout)
+        endpoints = self._member_endpoints(deadline)
+        if rank not in endpoints:
+            raise InvalidArgument(
+                f"rank {rank} is out of range: world size is {len(endpoints)} "
+                f"(valid ranks 0..{len(endpoints) - 1})"
+            )
+
+        def attempt(remaining: float) -> dict[str, torch.Tensor]:
+            endpoint = self._member_endpoints(time.monotonic() + remaining)[rank]
+            return get_model_tensors(endpoint, name, which, remaining)
+
+        return self._retry(f"{which} of {name!r}", deadline, attempt, is_retryable_read)
+
+    def _leader_op(self, what: str, method: str, request, deadline: float, async_op: bool, finish):
+        def attempt(remaining: float):
+            snapshot = self._leader_snapshot(time.monotonic() + remaining)
+            options = worker_pb2.OpOptions(
+                generation=snapshot.generation, timeout_s=server_timeout_s(remaining)
+            )
+            leader = snapshot.leader_address or ""
+            stub_method = getattr(self._endpoint(leader).stub, method)
+            return call_unary(stub_method, request(options), remaining, f"{what} on {leader}")
+
+        def run() -> Any:
+            return finish(self._retry(what, deadline, attempt, is_not_executed))
+
+        return self._ordered(what, run, deadline, async_op)
+
+    def _release_graph(self, model: str, call_id: str, endpoints: list[WorkerEndpoint]) -> None:
+        """Fire-and-forget release of a data-parallel call's retained graphs."""
+        if self.closed:
+            return
+        request = worker_pb2.ReleaseGraphRequest(model=model, call_id=call_id)
+        for endpoint in endpoints:
+            # On failure the worker's --graph-ttl-s releases the graph anyway.
+            with contextlib.suppress(CollectiveError, ValueError, RuntimeError):
+                future = endpoint.stub.ReleaseGraph.future(request, timeout=5.0)
+                # A gRPC future that is garbage-collected cancels its call: keep it.
+                self._releases.add(future)
+                future.add_done_callback(self._releases.discard)
+
+
+def _hyper_json(hyper: dict[str, Any]) -> str:
+    try:
+        return json.dumps(hyper)
+    except TypeError as exc:
+        raise InvalidArgument(f"optimizer hyperparameters must be JSON numbers: {exc}") from None
+
+
+def _model_info(m: worker_pb2.ModelInfo) -> ModelInfo:
+    return ModelInfo(
+        name=m.name,
+        parameters=m.parameters,
+        parameter_bytes=m.parameter_bytes,
+        devices=list(m.devices),
+        source=m.source,
+        optimizer=m.optimizer,
+        steps=m.steps,
+    )

@@ -1,0 +1,209 @@
+"""The seed's scatter/gather of nested inputs and outputs, lifted from devices to workers.
+
+``scatter_kwargs`` splits every tensor along ``dim`` with ``torch.chunk`` (so a
+batch of 7 over 3 workers is 3, 3, 1 and a batch of 2 over 3 workers uses 2),
+follows tuples, lists, dicts and namedtuples, and duplicates everything else,
+exactly as ``torch.nn.parallel.scatter_gather`` does for devices. ``gather``
+concatenates per-worker outputs along ``dim`` in worker order, with the seed's
+handling of nested outputs and of 0-dim outputs (unsqueezed, with a warning).
+``to_value``/``from_value`` turn those structures into the wire's ``Value``,
+with tensor leaves travelling separately as named tensors.
+"""
+
+from __future__ import annotations
+
+import collections
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from collectives.errors import InvalidArgument
+from collectives.v1 import worker_pb2
+
+__all__ = ["scatter_kwargs", "gather", "to_value", "from_value", "is_namedtuple"]
+
+
+def is_namedtuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
+
+
+def _scatter(obj: Any, parts: int, dim: int) -> list[Any]:
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() == 0:
+            raise InvalidArgument(
+                "cannot scatter a 0-dim tensor input along a dimension; give it a batch dimension"
+            )
+        return list(torch.chunk(obj, parts, dim))
+    if is_namedtuple(obj):
+        return [
+            type(obj)(*args) for args in zip(*(_scatter(o, parts, dim) for o in obj), strict=False)
+        ]
+    if isinstance(obj, tuple) and obj:
+        return list(zip(*(_scatter(o, parts, dim) for o in obj), strict=False))
+    if isinstance(obj, list) and obj:
+        return [list(i) for i in zip(*(_scatter(o, parts, dim) for o in obj), strict=False)]
+    if isinstance(obj, dict) and obj:
+        return [
+            type(obj)(i)
+            for i in zip(*(_scatter(kv, parts, dim) for kv in obj.items()), strict=False)
+        ]
+    return [obj for _ in range(parts)]
+
+
+def scatter_kwargs(
+    inputs: tuple[Any, ...], kwargs: dict[str, Any], parts: int, dim: int = 0
+) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
+    """Per-worker (args, kwargs); fewer than ``parts`` when the batch is smaller.
+
+    The number of parts is the number of chunks the tensors split into (the
+    seed would also pad with empty calls when a kwarg is not a tensor; a
+    remote worker with nothing to compute is better left out).
+    """
+    leaves = _tensor_leaves((inputs, kwargs))
+    if leaves:
+        parts = min(len(torch.chunk(t, parts, dim)) if t.dim() else parts for t in leaves)
+    scattered_inputs = _scatter(inputs, parts, dim) if inputs else []
+    scattered_kwargs = _scatter(kwargs, parts, dim) if kwargs else []
+    if len(scattered_inputs) < len(scattered_kwargs):
+        scattered_inputs.extend(() for _ in range(len(scattered_kwargs) - len(scattered_inputs)))
+    elif len(scattered_kwargs) < len(scattered_inputs):
+        scattered_kwargs.extend({} for _ in range(len(scattered_inputs) - len(scattered_kwargs)))
+    if not scattered_inputs and not scattered_kwargs:
+        return [()], [{}]
+    return [tuple(i) for i in scattered_inputs], [dict(k) for k in scattered_kwargs]
+
+
+def _tensor_leaves(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _tensor_leaves(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensor_leaves(o)]
+    return []
+
+
+def gather(outputs: list[Any], dim: int = 0) -> Any:
+    """Combines per-worker outputs (worker order) like the seed's ``gather``."""
+    out = outputs[0]
+    if isinstance(out, torch.Tensor):
+        if all(t.dim() == 0 for t in outputs):
+            warnings.warn(
+                "Was asked to gather along dimension 0, but all input tensors were scalars; "
+                "will instead unsqueeze and return a vector.",
+                stacklevel=3,
+            )
+            return torch.stack(outputs)
+        return torch.cat(outputs, dim)
+    if out is None:
+        return None
+    if isinstance(out, dict):
+        if not all(len(out) == len(d) for d in outputs):
+            raise ValueError("All dicts must have the same number of keys")
+        return type(out)((k, gather([d[k] for d in outputs], dim)) for k in out)
+    if is_namedtuple(out):
+        return type(out)._make(
+            map(lambda parts: gather(list(parts), dim), zip(*outputs, strict=False))
+        )
+    if isinstance(out, (tuple, list)):
+        return type(out)(gather(list(parts), dim) for parts in zip(*outputs, strict=False))
+    # Numbers and strings: one value if every worker agrees, else one per worker.
+    return out if all(o == out for o in outputs) else list(outputs)
+
+
+_NAMEDTUPLES: dict[tuple[str, tuple[str, ...]], type] = {}
+
+
+def to_value(obj: Any, add_tensor: Callable[[torch.Tensor], str]) -> worker_pb2.Value:
+    """``obj`` as a wire Value; ``add_tensor`` names each tensor leaf (and uploads it)."""
+    if isinstance(obj, torch.Tensor):
+        return worker_pb2.Value(tensor=add_tensor(obj))
+    if obj is None:
+        return worker_pb2.Value(none=True)
+    if isinstance(obj, bool):
+        return worker_pb2.Value(bool_value=obj)
+    if isinstance(obj, int):
+        return worker_pb2.Value(int_value=obj)
+    if isinstance(obj, float):
+        return worker_pb2.Value(float_value=obj)
+    if isinstance(obj, str):
+        return worker_pb2.Value(str_value=obj)
+    if is_namedtuple(obj):
+        return worker_pb2.Value(
+            named_tuple=worker_pb2.NamedTupleValue(
+                type_name=type(obj).__name__,
+                fields=list(obj._fields),
+                values=[to_value(v, add_tensor) for v in obj],
+            )
+        )
+    if isinstance(obj, tuple):
+        return worker_pb2.Value(
+            tuple=worker_pb2.ValueList(items=[to_value(v, add_tensor) for v in obj])
+        )
+    if isinstance(obj, list):
+        return worker_pb2.Value(
+            list=worker_pb2.ValueList(items=[to_value(v, add_tensor) for v in obj])
+        )
+    if isinstance(obj, dict):
+        if not all(isinstance(k, str) for k in obj):
+            raise InvalidArgument("dict inputs need str keys to travel to the workers")
+        return worker_pb2.Value(
+            dict=worker_pb2.ValueDict(
+                keys=list(obj), values=[to_value(v, add_tensor) for v in obj.values()]
+            )
+        )
+    raise InvalidArgument(
+        f"cannot send a {type(obj).__name__} to the workers: inputs must be tensors, numbers, "
+        "strings, None, or tuples/lists/dicts/namedtuples of them (no pickle on the wire)"
+    )
+
+
+def from_value(
+    value: worker_pb2.Value,
+    tensor: Callable[[str], torch.Tensor],
+    namedtuple_types: dict[str, type] | None = None,
+) -> Any:
+    """Rebuilds a structure; ``namedtuple_types`` maps type names to the caller's classes."""
+    kind = value.WhichOneof("kind")
+    if kind == "tensor":
+        return tensor(value.tensor)
+    if kind in ("int_value", "float_value", "str_value", "bool_value"):
+        return getattr(value, kind)
+    if kind == "none" or kind is None:
+        return None
+    if kind == "list":
+        return [from_value(v, tensor, namedtuple_types) for v in value.list.items]
+    if kind == "tuple":
+        return tuple(from_value(v, tensor, namedtuple_types) for v in value.tuple.items)
+    if kind == "dict":
+        return {
+            k: from_value(v, tensor, namedtuple_types)
+            for k, v in zip(value.dict.keys, value.dict.values, strict=True)
+        }
+    nt = value.named_tuple
+    fields = tuple(nt.fields)
+    cls = (namedtuple_types or {}).get(nt.type_name)
+    if cls is None or tuple(getattr(cls, "_fields", ())) != fields:
+        key = (nt.type_name, fields)
+        if key not in _NAMEDTUPLES:
+            name = nt.type_name if nt.type_name.isidentifier() else "Output"
+            _NAMEDTUPLES[key] = collections.namedtuple(name, fields)  # type: ignore[misc]
+        cls = _NAMEDTUPLES[key]
+    return cls(*(from_value(v, tensor, namedtuple_types) for v in nt.values))
+
+
+def tensor_leaves(value: worker_pb2.Value) -> list[str]:
+    """Tensor names in a Value, depth first (the order gather flattens them in)."""
+    kind = value.WhichOneof("kind")
+    if kind == "tensor":
+        return [value.tensor]
+    children: list[worker_pb2.Value] = []
+    if kind in ("list", "tuple"):
+        children = list(getattr(value, kind).items)
+    elif kind == "dict":
+        children = list(value.dict.values)
+    elif kind == "named_tuple":
+        children = list(value.named_tuple.values)
+    return [name for child in children for name in tensor_leaves(child)]

@@ -1,0 +1,293 @@
+"""``cluster.data_parallel(name)``: the cluster as one big ``torch.nn.DataParallel``.
+
+A call scatters its inputs across workers exactly as the seed's
+``scatter_kwargs`` does across devices, uploads each worker's shard to it
+directly (in parallel), runs the model there, and gathers the outputs back in
+worker order. When autograd is on, the gathered outputs are the outputs of one
+autograd node — the seed's ``Gather`` lifted to workers — whose backward sends
+each worker its slice of the gradient, runs backward through the graph the
+worker retained, and returns the gradients of the client's inputs that need
+them. Parameter ``.grad`` accumulates on the workers; aggregate it with
+``cluster.all_reduce_gradients``. A graph whose backward never comes is
+released when the client drops the outputs (and, as a backstop, by the
+worker's ``--graph-ttl-s``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from collectives._pytree import from_value, gather, scatter_kwargs, tensor_leaves, to_value
+from collectives._transport import WorkerEndpoint, call_unary, get_tensor, put_tensor
+from collectives.errors import CollectiveError, InvalidArgument
+from collectives.names import validate_name
+from collectives.v1 import worker_pb2
+
+if TYPE_CHECKING:
+    from collectives._models import _Models
+
+__all__ = ["DataParallel"]
+
+
+def _leaves(obj: Any) -> list[torch.Tensor]:
+    """Tensor leaves in the order ``to_value`` visits them."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _leaves(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _leaves(o)]
+    return []
+
+
+def _replace_leaves(obj: Any, leaves: list[torch.Tensor]) -> Any:
+    """``obj`` with its tensor leaves replaced, in order, by ``leaves`` (consumed)."""
+    if isinstance(obj, torch.Tensor):
+        return leaves.pop(0)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_replace_leaves(o, leaves) for o in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_replace_leaves(o, leaves) for o in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _replace_leaves(v, leaves)) for k, v in obj.items())
+    return obj
+
+
+def _namedtuple_types(obj: Any, found: dict[str, type] | None = None) -> dict[str, type]:
+    found = {} if found is None else found
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        found[type(obj).__name__] = type(obj)
+    if isinstance(obj, (tuple, list)):
+        for o in obj:
+            _namedtuple_types(o, found)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            _namedtuple_types(o, found)
+    return found
+
+
+@dataclass
+class _Shard:
+    rank: int
+    endpoint: WorkerEndpoint
+    chunk_shapes: dict[int, torch.Size] = field(default_factory=dict)  # leaf index -> shape
+    output_names: list[str] = field(default_factory=list)
+    outputs: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class _CallState:
+    """What the release finalizer needs; holds no reference to the autograd graph."""
+
+    cluster: _Models
+    model: str
+    call_id: str
+    shards: list[_Shard]
+    finished: bool = False
+
+
+def _release(state: _CallState) -> None:
+    if state.finished:
+        return
+    state.finished = True
+    state.cluster._release_graph(state.model, state.call_id, [s.endpoint for s in state.shards])
+
+
+class _RemoteCall:
+    """One data-parallel call: scatter, remote forward, gather; and its backward."""
+
+    def __init__(self, cluster: _Models, model: str, dim: int, timeout: float | None) -> None:
+        self.cluster = cluster
+        self.model = model
+        self.dim = dim
+        self.deadline = cluster._deadline(timeout)
+        self.call_id = f"__dp/{uuid.uuid4().hex}"
+
+    def forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        snapshot = self.cluster._formed_snapshot(self.deadline)
+        members = [w for w in snapshot.workers if w.rank >= 0]
+        members.sort(key=lambda w: w.rank)
+        parts_args, parts_kwargs = scatter_kwargs(inputs, kwargs, len(members), self.dim)
+        grad_on = torch.is_grad_enabled()
+        all_leaves = _leaves(inputs) + _leaves(kwargs)
+        self.grad_leaf_ids = [
+            k
+            for k, t in enumerate(all_leaves)
+            if grad_on and t.requires_grad and (t.is_floating_point() or t.is_complex())
+        ]
+        self.grad_leaves = [all_leaves[k] for k in self.grad_leaf_ids]
+        self.shards = [
+            _Shard(members[i].rank, self.cluster._endpoint(members[i].address))
+            for i in range(len(parts_args))
+        ]
+        self.state = _CallState(self.cluster, self.model, self.call_id, self.shards)
+        types = _namedtuple_types((inputs, kwargs))
+
+        def run(i: int) -> Any:
+            shard = self.shards[i]
+            counter = iter(range(1 << 30))
+
+            def add(t: torch.Tensor) -> str:
+                k = next(counter)
+                name = f"{self.call_id}/in/{k}"
+                shard.chunk_shapes[k] = t.shape
+                put_tensor(shard.endpoint, name, t.detach(), self._left())
+                return name
+
+            request = worker_pb2.ForwardRequest(
+                model=self.model,
+                call_id=self.call_id,
+                args=to_value(tuple(parts_args[i]), add),
+                kwargs=to_value(dict(parts_kwargs[i]), add),
+                grad_enabled=grad_on,
+                input_grad_names=[f"{self.call_id}/in/{k}" for k in self.grad_leaf_ids],
+            )
+            response = call_unary(
+                shard.endpoint.stub.Forward, request, self._left(), f"forward of {self.model!r}"
+            )
+            shard.output_names = tensor_leaves(response.output)
+            fetched = {
+                n: get_tensor(shard.endpoint, n, self._left(), consume=True)
+                for n in shard.output_names
+            }
+            shard.outputs = [fetched[n] for n in shard.output_names]
+            return from_value(response.output, fetched.__getitem__, types)
+
+        try:
+            per_worker = self.cluster._fan_out(
+                f"data_parallel {self.model!r}",
+                {i: (lambda i=i: run(i)) for i in range(len(self.shards))},
+            )
+        except CollectiveError:
+            _release(self.state)
+            raise
+        gathered = gather([per_worker[i] for i in range(len(self.shards))], self.dim)
+        if not grad_on:
+            self.state.finished = True  # nothing retained on the workers
+            return gathered
+        flat = _leaves(gathered)
+        anchor = torch.empty(0, requires_grad=True)
+        weakref.finalize(self, _release, self.state)
+        outs = _GatherFromWorkers.apply(self, flat, anchor, *self.grad_leaves)
+        return _replace_leaves(gathered, list(outs))
+
+    def backward(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
+        if self.state.finished:
+            raise InvalidArgument(
+                f"the remote graph of this data_parallel call ({self.call_id}) was already "
+                "used or released; backward through it runs once"
+            )
+        self.state.finished = True
+        self.deadline = self.cluster._deadline(None)
+
+        def slices(j: int, grad: torch.Tensor) -> list[torch.Tensor]:
+            parts = [s.outputs[j] for s in self.shards]
+            if all(p.dim() == 0 for p in parts):
+                return [grad[i] for i in range(len(parts))]
+            return list(torch.split(grad, [p.shape[self.dim] for p in parts], self.dim))
+
+        per_leaf = [
+            slices(j, g) if g is not None else [None] * len(self.shards)
+            for j, g in enumerate(grads)
+        ]
+
+        def run(i: int) -> list[torch.Tensor | None]:
+            shard = self.shards[i]
+            names = []
+            for j, out_name in enumerate(shard.output_names):
+                g = per_leaf[j][i]
+                if g is None or not (g.is_floating_point() or g.is_complex()):
+                    names.append("")
+                    continue
+                name = f"{self.call_id}/grad/{j}"
+                put_tensor(shard.endpoint, name, g.contiguous(), self._left())
+                names.append(name)
+                del out_name
+            response = call_unary(
+                shard.endpoint.stub.Backward,
+                worker_pb2.BackwardRequest(
+                    model=self.model,
+                    call_id=self.call_id,
+                    output_names=shard.output_names,
+                    grad_names=names,
+                ),
+                self._left(),
+                f"backward of {self.model!r}",
+            )
+            return [
+                get_tensor(shard.endpoint, n, self._left(), consume=True) if n else None
+                for n in response.input_grad_names
+            ]
+
+        per_worker = self.cluster._fan_out(
+            f"backward of {self.model!r}",
+            {i: (lambda i=i: run(i)) for i in range(len(self.shards))},
+        )
+        result: list[torch.Tensor | None] = []
+        for position, k in enumerate(self.grad_leaf_ids):
+            leaf = self.grad_leaves[position]
+            chunks = []
+            for i, shard in enumerate(self.shards):
+                g = per_worker[i][position]
+                chunks.append(
+                    g if g is not None else torch.zeros(shard.chunk_shapes[k], dtype=leaf.dtype)
+                )
+            result.append(torch.cat(chunks, self.dim).to(leaf.dtype))
+        return result
+
+    def _left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+class _GatherFromWorkers(torch.autograd.Function):
+    """The seed's Gather with workers for devices: backward scatters grad_output back."""
+
+    @staticmethod
+    def forward(ctx, call: _RemoteCall, flat: list[torch.Tensor], anchor, *grad_inputs):
+        ctx.call = call
+        outs = tuple(flat)
+        ctx.mark_non_differentiable(
+            *(t for t in outs if not (t.is_floating_point() or t.is_complex()))
+        )
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        input_grads = ctx.call.backward(grads)
+        return (None, None, None, *input_grads)
+
+
+class DataParallel:
+    """A callable running a cluster model data-parallel, like ``torch.nn.DataParallel``.
+
+    ``dp(*inputs, **kwargs)`` splits tensors along ``dim`` across the workers
+    (a batch smaller than the world uses fewer workers), runs the model on each
+    worker over its local devices, and returns the outputs gathered along
+    ``dim`` in order. With autograd enabled, ``loss.backward()`` runs backward
+    on the workers and accumulates parameter gradients there.
+    """
+
+    def __init__(
+        self, cluster: _Models, name: str, dim: int = 0, timeout: float | None = None
+    ) -> None:
+        self.cluster = cluster
+        self.name = validate_name(name, "model name")
+        self.dim = dim
+        self.timeout = timeout
+
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Raises:
+        NotFound: the model is not loaded.
+        InvalidArgument: an input cannot be sent, or the model rejected the inputs.
+        CollectiveError: a worker failed or the call timed out.
+        """
+        return _RemoteCall(self.cluster, self.name, self.dim, self.timeout).forward(inputs, kwargs)
+
+    def __repr__(self) -> str:
+        return f"DataParallel(model={self.name!r}, dim={self.dim})"

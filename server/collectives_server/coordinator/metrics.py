@@ -1,0 +1,74 @@
+"""The coordinator's Prometheus metrics, computed at scrape time from the membership.
+
+Names are a contract with the Grafana dashboard (``docker/``); see
+``docs/design.md`` ("Observability") before renaming anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+import collectives_server
+from collectives_server.coordinator.model import WorkerState
+from collectives_server.metrics import FunctionCollector, build_info, new_registry
+
+if TYPE_CHECKING:
+    from collectives_server.coordinator.service import CoordinatorServicer
+
+__all__ = ["MEMBERSHIP_REASONS", "coordinator_registry"]
+
+MEMBERSHIP_REASONS = ("joined", "lost", "left")
+
+
+def _collect(servicer: CoordinatorServicer) -> Iterator[Metric]:
+    import torch  # already loaded by the rendezvous store
+
+    view, events, heartbeats = servicer.metrics_snapshot()
+    yield build_info(collectives_server.__version__, torch.__version__, "none")
+    yield GaugeMetricFamily(
+        "collectives_generation", "Current generation (0: none sealed yet)", value=view.generation
+    )
+    yield GaugeMetricFamily(
+        "collectives_world_size", "Members of the current generation", value=view.world_size
+    )
+    yield GaugeMetricFamily(
+        "collectives_cluster_formed",
+        "1 while a generation is sealed with enough live members",
+        value=1 if view.formed else 0,
+    )
+    workers = GaugeMetricFamily(
+        "collectives_workers", "Registered workers by state", labels=["state"]
+    )
+    for state in WorkerState:
+        workers.add_metric([state.value], sum(1 for w in view.workers if w.state is state))
+    yield workers
+    changes = CounterMetricFamily(
+        "collectives_membership_changes",
+        "Workers that joined (registered), were lost (lease ran out) or left",
+        labels=["reason"],
+    )
+    for reason in MEMBERSHIP_REASONS:
+        changes.add_metric([reason], events.get(reason, 0))
+    yield changes
+    yield CounterMetricFamily(
+        "collectives_heartbeats_received", "Heartbeat RPCs received", value=heartbeats
+    )
+    age = GaugeMetricFamily(
+        "collectives_worker_heartbeat_age_seconds",
+        "Seconds since each listed worker's last heartbeat",
+        labels=["worker"],
+    )
+    for w in view.workers:
+        age.add_metric([w.address], w.last_heartbeat_age_s)
+    yield age
+
+
+def coordinator_registry(servicer: CoordinatorServicer) -> CollectorRegistry:
+    """A registry (of its own) serving the coordinator's metrics."""
+    registry = new_registry()
+    registry.register(FunctionCollector(lambda: _collect(servicer)))
+    return registry

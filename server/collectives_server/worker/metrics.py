@@ -1,0 +1,119 @@
+"""The worker's Prometheus metrics, computed at scrape time from the daemon.
+
+Names are a contract with the Grafana dashboard (``docker/``); see
+``docs/design.md`` ("Observability") before renaming anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+import collectives_server
+from collectives_server.metrics import FunctionCollector, build_info, new_registry
+from collectives_server.worker.status import LATENCY_BUCKETS_S, collect_status
+
+if TYPE_CHECKING:
+    from collectives_server.worker.daemon import WorkerDaemon
+
+__all__ = ["worker_registry"]
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _collect(daemon: WorkerDaemon) -> Iterator[Metric]:
+    status = collect_status(daemon)
+    stats = daemon.stats
+    with stats.lock:
+        by_status = dict(stats.ops_by_status)
+        heartbeats = (stats.heartbeats_sent, stats.heartbeat_failures)
+    runtime = daemon.runtime
+
+    yield build_info(collectives_server.__version__, torch.__version__, daemon.backend)
+    ops = CounterMetricFamily(
+        "collectives_ops", "Ops finished by this worker, by kind and outcome",
+        labels=["kind", "status"],
+    )  # fmt: skip
+    for (kind, label), n in sorted(by_status.items()):
+        ops.add_metric([kind, label], n)
+    yield ops
+    latency = HistogramMetricFamily(
+        "collectives_op_latency_seconds", "Op latency on this worker, by kind", labels=["kind"]
+    )
+    bounds = [repr(b) for b in LATENCY_BUCKETS_S] + ["+Inf"]
+    for kind, (counts, total_s) in sorted(stats.latency_snapshot().items()):
+        cumulative, buckets = 0, []
+        for bound, n in zip(bounds, counts, strict=True):
+            cumulative += n
+            buckets.append((bound, cumulative))
+        latency.add_metric([kind], buckets, total_s)
+    yield latency
+    moved = CounterMetricFamily(
+        "collectives_bytes", "Data-plane payload bytes by direction", labels=["direction"]
+    )
+    moved.add_metric(["received"], status.bytes_received)
+    moved.add_metric(["sent"], status.bytes_sent)
+    yield moved
+    yield _gauge("collectives_queue_depth", "Ops waiting in the leader's queue", status.queue_depth)
+    yield _gauge("collectives_tensors_held", "Named tensors stored", status.tensors_held)
+    yield _gauge("collectives_tensors_held_bytes", "Bytes of stored tensors", status.bytes_held)
+    used = GaugeMetricFamily(
+        "collectives_device_memory_used_bytes",
+        "Memory in use (CUDA: whole device; cpu: this process's RSS)",
+        labels=["device"],
+    )
+    total = GaugeMetricFamily(
+        "collectives_device_memory_total_bytes",
+        "Memory of the device (cpu: the host's)",
+        labels=["device"],
+    )
+    for d in status.devices:
+        used.add_metric([d.device], d.memory_used_bytes)
+        total.add_metric([d.device], d.memory_total_bytes)
+    yield used
+    yield total
+    yield _gauge(
+        "collectives_worker_generation",
+        "Generation of this worker's process group (0: none)",
+        runtime.generation if runtime is not None else 0,
+    )
+    yield _gauge(
+        "collectives_worker_rank",
+        "Rank in the current generation (-1: not a member)",
+        runtime.rank if runtime is not None else -1,
+    )
+    yield _counter("collectives_heartbeats_sent", "Heartbeats answered", heartbeats[0])
+    yield _counter("collectives_heartbeat_failures", "Heartbeats that failed", heartbeats[1])
+    yield _gauge("collectives_models_loaded", "Models loaded", len(status.models))
+    yield _counter(
+        "collectives_data_collectives",
+        "Data collectives issued by model operations",
+        status.data_collectives,
+    )
+    yield _counter(
+        "collectives_gradient_buckets",
+        "Gradient buckets all-reduced",
+        status.gradient_buckets_reduced,
+    )
+
+
+def worker_registry(daemon: WorkerDaemon) -> CollectorRegistry:
+    """A registry (of its own) serving the worker's metrics."""
+    registry = new_registry()
+    registry.register(FunctionCollector(lambda: _collect(daemon)))
+    return registry
