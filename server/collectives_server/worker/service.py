@@ -8,10 +8,7 @@ generated message classes.
 
 from __future__ import annotations
 
-import inspect
-import json
 import logging
-import time
 from collections.abc import Iterator
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING
@@ -22,8 +19,6 @@ from google.protobuf import message_factory
 from collectives import codec
 from collectives.dtypes import to_wire
 from collectives.errors import (
-    EXECUTED_METADATA_KEY,
-    CollectiveError,
     DeadlineExceeded,
     InvalidArgument,
     NotFound,
@@ -32,9 +27,10 @@ from collectives.errors import (
 from collectives.names import validate_name
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
-from collectives_server.worker import model_exec
-from collectives_server.worker.models import build_from_factory, load_exported, make_optimizer
-from collectives_server.worker.status import data_op_done
+from collectives_server.worker.model_service import ModelRpcs
+from collectives_server.worker.rpc_guards import counted as _counted
+from collectives_server.worker.rpc_guards import guard as _guard
+from collectives_server.worker.rpc_guards import guard_stream as _guard_stream
 
 if TYPE_CHECKING:
     from collectives_server.worker.daemon import WorkerDaemon
@@ -46,91 +42,7 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "collectives.v1.Worker"
 
 
-def _abort(context: grpc.ServicerContext, err: CollectiveError) -> None:
-    if err.executed is False:
-        context.set_trailing_metadata(((EXECUTED_METADATA_KEY, "no"),))
-    context.abort(err.code, err.message)
-
-
-def _guard(method):
-    """Turns SDK-style errors into gRPC statuses; unexpected ones into INTERNAL."""
-
-    def wrapper(self, request, context):
-        try:
-            return method(self, request, context)
-        except CollectiveError as err:
-            _abort(context, err)
-        except Exception as exc:
-            if isinstance(exc, grpc.RpcError) or type(exc).__name__ == "_AbortError":
-                raise
-            log.exception("%s failed", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
-
-    wrapper.__name__ = method.__name__
-    return wrapper
-
-
-def _guard_stream(method):
-    def wrapper(self, request, context):
-        try:
-            yield from method(self, request, context)
-        except CollectiveError as err:
-            _abort(context, err)
-
-    wrapper.__name__ = method.__name__
-    return wrapper
-
-
-def _subject(request: object) -> str:
-    """The tensor or model a request is about, for op records and logs."""
-    return getattr(request, "name", "") or getattr(request, "model", "")
-
-
-def _counted(kind: str):
-    """Counts a data-plane call in the worker's status and metrics: outcome and latency."""
-
-    def decorate(method):
-        def unary(self, request, context):
-            started, code, message, name = time.perf_counter(), None, "", ""
-            try:
-                response = method(self, request, context)
-                name = getattr(response, "name", "")
-                return response
-            except CollectiveError as err:
-                code, message = err.code, err.message
-                raise
-            except Exception as exc:
-                code, message = grpc.StatusCode.INTERNAL, str(exc)
-                raise
-            finally:
-                name = name or _subject(request)
-                data_op_done(self._daemon, kind, name, code, message, time.perf_counter() - started)
-
-        def stream(self, request, context):
-            started, code, message = time.perf_counter(), None, ""
-            try:
-                yield from method(self, request, context)
-            except CollectiveError as err:
-                code, message = err.code, err.message
-                raise
-            except GeneratorExit:
-                code, message = grpc.StatusCode.CANCELLED, "the client cancelled the stream"
-                raise
-            except Exception as exc:
-                code, message = grpc.StatusCode.INTERNAL, str(exc)
-                raise
-            finally:
-                latency_s = time.perf_counter() - started
-                data_op_done(self._daemon, kind, _subject(request), code, message, latency_s)
-
-        wrapper = stream if inspect.isgeneratorfunction(method) else unary
-        wrapper.__name__ = method.__name__
-        return wrapper
-
-    return decorate
-
-
-class WorkerService:
+class WorkerService(ModelRpcs):
     def __init__(self, daemon: WorkerDaemon) -> None:
         self._daemon = daemon
 
@@ -145,8 +57,10 @@ class WorkerService:
                 if assembler is not None:
                     raise InvalidArgument("PutTensor stream carries a second header")
                 validate_name(value.name)
+                # Quota before the assembler preallocates the buffer.
+                meta = codec.check_header(value)
+                self._daemon.store.check_quota(meta.name, meta.nbytes)
                 assembler = codec.TensorAssembler(value)
-                self._daemon.store.check_quota(value.name, assembler.meta.nbytes)
             elif kind == "chunk":
                 if assembler is None:
                     raise InvalidArgument("PutTensor stream must start with a header")
@@ -348,261 +262,7 @@ class WorkerService:
     def NewGroup(self, r, context):
         return self._run(context, "new_group", r.options, group_ranks=list(r.ranks))
 
-    # ----------------------------------------------------------------- models
-    @_guard
-    @_counted("load_model")
-    def LoadModel(self, request_iterator, context) -> worker_pb2.LoadModelResponse:
-        spec = None
-        archive = bytearray()
-        for part in request_iterator:
-            which = part.WhichOneof("part")
-            if which == "spec":
-                if spec is not None:
-                    raise InvalidArgument("LoadModel stream carries a second spec")
-                spec = part.spec
-                validate_name(spec.name, "model name")
-                if spec.archive_nbytes > codec.MAX_TENSOR_BYTES:
-                    raise InvalidArgument(
-                        f"model archive of {spec.archive_nbytes} bytes is too large"
-                    )
-            elif which == "archive_chunk":
-                if spec is None:
-                    raise InvalidArgument("LoadModel stream must start with a spec")
-                archive += part.archive_chunk
-                if len(archive) > spec.archive_nbytes:
-                    raise InvalidArgument("model archive is longer than its declared size")
-        if spec is None:
-            raise InvalidArgument("LoadModel stream was empty: send a spec first")
-        models = self._daemon.models
-        if spec.factory:
-            if archive:
-                raise InvalidArgument("send either a factory or an archive, not both")
-            module = build_from_factory(
-                spec.factory, spec.factory_kwargs_json, models.allowed_factories
-            )
-            source = spec.factory
-        else:
-            if len(archive) != spec.archive_nbytes:
-                raise InvalidArgument(
-                    f"model archive ended after {len(archive)} of {spec.archive_nbytes} bytes"
-                )
-            module = load_exported(bytes(archive))
-            source = "export"
-        hosted = models.add(spec.name, module, source)
-        return worker_pb2.LoadModelResponse(model=_model_info(hosted))
 
-    @_guard
-    @_counted("unload_model")
-    def UnloadModel(self, request, context) -> worker_pb2.UnloadModelResponse:
-        validate_name(request.name, "model name")
-        unloaded = self._daemon.models.remove(request.name)
-        if not unloaded and not request.missing_ok:
-            raise NotFound(f"model {request.name!r} is not loaded on this worker")
-        return worker_pb2.UnloadModelResponse(unloaded=unloaded)
-
-    @_guard
-    def ListModels(self, request, context) -> worker_pb2.ListModelsResponse:
-        return worker_pb2.ListModelsResponse(
-            models=[_model_info(m) for m in self._daemon.models.all()]
-        )
-
-    @_guard
-    @_counted("forward")
-    def Forward(self, request, context) -> worker_pb2.ForwardResponse:
-        validate_name(request.model, "model name")
-        validate_name(request.call_id, "call id")
-        return model_exec.forward(self._daemon.models, self._daemon.store, request)
-
-    @_guard
-    @_counted("backward")
-    def Backward(self, request, context) -> worker_pb2.BackwardResponse:
-        validate_name(request.model, "model name")
-        return model_exec.backward(self._daemon.models, self._daemon.store, request)
-
-    @_guard
-    @_counted("release_graph")
-    def ReleaseGraph(self, request, context) -> worker_pb2.ReleaseGraphResponse:
-        validate_name(request.call_id, "call id")
-        released = model_exec.release(
-            self._daemon.models, self._daemon.store, request.model, request.call_id
-        )
-        return worker_pb2.ReleaseGraphResponse(released=released)
-
-    @_guard
-    @_counted("zero_grad")
-    def ZeroGrad(self, request, context) -> worker_pb2.ZeroGradResponse:
-        model = self._daemon.models.get(request.model)
-        with model.lock:
-            model.module.zero_grad(set_to_none=True)
-        return worker_pb2.ZeroGradResponse()
-
-    @_guard
-    @_counted("step")
-    def Step(self, request, context) -> worker_pb2.StepResponse:
-        model = self._daemon.models.get(request.model)
-        hyper = _json_object(request.hyper_json, "optimizer hyperparameters")
-        with model.lock:
-            if (
-                model.optimizer is None
-                or model.optimizer_kind != request.optimizer
-                or model.optimizer_hyper != hyper
-            ):
-                optimizer = make_optimizer(model, request.optimizer, hyper)
-                if model.optimizer is not None and model.optimizer_kind == request.optimizer:
-                    # Same optimizer, new hyperparameters: keep its state (momentum, moments).
-                    optimizer.load_state_dict(model.optimizer.state_dict())
-                    for group in optimizer.param_groups:
-                        group.update(hyper)
-                model.optimizer, model.optimizer_kind, model.optimizer_hyper = (
-                    optimizer,
-                    request.optimizer,
-                    hyper,
-                )
-            model.optimizer.step()
-            model.steps += 1
-            return worker_pb2.StepResponse(steps=model.steps)
-
-    @_guard_stream
-    @_counted("model_tensors")
-    def GetModelTensors(self, request, context) -> Iterator[bytes]:
-        model = self._daemon.models.get(request.model)
-        with model.lock:
-            if request.which == "gradients":
-                tensors = {
-                    n: p.grad.detach().clone()
-                    for n, p in model.module.named_parameters()
-                    if p.grad is not None
-                }
-            elif request.which == "state_dict":
-                tensors = {n: t.detach().clone() for n, t in model.module.state_dict().items()}
-            else:
-                raise InvalidArgument(f"which={request.which!r}; use 'gradients' or 'state_dict'")
-        for name, tensor in tensors.items():
-            yield from codec.encode_tensor_stream(name, tensor)
-
-    @_guard
-    @_counted("load_state_dict")
-    def LoadStateDict(self, request_iterator, context) -> worker_pb2.LoadStateDictResponse:
-        metadata = dict(context.invocation_metadata())
-        model = self._daemon.models.get(metadata.get(MODEL_METADATA_KEY, ""))
-        received: dict[str, object] = {}
-        assembler: codec.TensorAssembler | None = None
-        for raw in request_iterator:
-            kind, value = codec.decode_part(raw)
-            if kind == "header":
-                if assembler is not None:
-                    received[assembler.name] = assembler.finish()
-                assembler = codec.TensorAssembler(value)
-            elif kind == "chunk":
-                if assembler is None:
-                    raise InvalidArgument("LoadStateDict stream must start with a header")
-                assembler.add(value)
-        if assembler is not None:
-            received[assembler.name] = assembler.finish()
-        with model.lock:
-            current = model.module.state_dict()
-            unknown = sorted(set(received) - set(current))
-            missing = sorted(set(current) - set(received))
-            if unknown or missing:
-                raise InvalidArgument(
-                    f"state dict keys do not match model {model.name!r}: "
-                    f"unexpected {unknown[:5]}, missing {missing[:5]}"
-                )
-            for key, tensor in received.items():
-                if tuple(tensor.shape) != tuple(current[key].shape):
-                    raise InvalidArgument(
-                        f"state dict entry {key!r} has shape {list(tensor.shape)}; "
-                        f"the model has {list(current[key].shape)}"
-                    )
-            model.module.load_state_dict(received)
-        return worker_pb2.LoadStateDictResponse(tensors=len(received))
-
-    def _model_op(self, context, kind: str, options, **fields):
-        validate_name(fields["name"], "model name")
-        runtime = self._leader(options)
-        desc = worker_pb2.OpDescriptor(kind=kind, timeout_s=options.timeout_s, **fields)
-        return self._wait(context, runtime, desc, options)
-
-    @_guard
-    def AllReduceGradients(self, r, context) -> worker_pb2.AllReduceGradientsResponse:
-        op = ReduceOp.from_wire(r.op)
-        if op not in (ReduceOp.SUM, ReduceOp.AVG):
-            raise InvalidArgument(
-                f"all_reduce_gradients takes op sum or avg, not {op.name.lower()}"
-            )
-        if r.bucket_bytes < 0:
-            raise InvalidArgument("bucket_bytes must be positive (0: the 25 MiB default)")
-        result = self._model_op(
-            context,
-            "all_reduce_gradients",
-            r.options,
-            name=r.model,
-            op=r.op,
-            bucket_bytes=r.bucket_bytes,
-        )
-        return worker_pb2.AllReduceGradientsResponse(
-            op_id=result.op_id,
-            generation=result.generation,
-            buckets=result.buckets,
-            bytes=result.nbytes,
-            latency_s=result.latency_s,
-        )
-
-    @_guard
-    def TrainStep(self, r, context) -> worker_pb2.TrainStepResponse:
-        validate_name(r.inputs, "inputs tensor name")
-        validate_name(r.targets, "targets tensor name")
-        if r.loss not in ("mse", "cross_entropy"):
-            raise InvalidArgument(f"loss {r.loss!r} is not supported; use 'mse' or 'cross_entropy'")
-        if r.optimizer:
-            _json_object(r.hyper_json, "optimizer hyperparameters")
-        result = self._model_op(
-            context,
-            "train_step",
-            r.options,
-            name=r.model,
-            inputs=r.inputs,
-            targets=r.targets,
-            loss=r.loss,
-            optimizer=r.optimizer,
-            hyper_json=r.hyper_json,
-            bucket_bytes=r.bucket_bytes,
-        )
-        return worker_pb2.TrainStepResponse(
-            op_id=result.op_id,
-            generation=result.generation,
-            loss=result.loss,
-            rank_losses=result.rank_losses,
-            buckets=result.buckets,
-            latency_s=result.latency_s,
-        )
-
-
-def _json_object(text: str, what: str) -> dict:
-    try:
-        value = json.loads(text) if text else {}
-    except json.JSONDecodeError as exc:
-        raise InvalidArgument(f"{what} are not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise InvalidArgument(f"{what} must be a JSON object")
-    return value
-
-
-def _model_info(model) -> worker_pb2.ModelInfo:
-    params = [p for _, p in model.parameters]
-    return worker_pb2.ModelInfo(
-        name=model.name,
-        parameters=sum(p.numel() for p in params),
-        parameter_bytes=sum(p.numel() * p.element_size() for p in params),
-        devices=[str(d) for d in model.devices],
-        source=model.source,
-        optimizer=model.optimizer_kind,
-        graphs_retained=len(model.graphs),
-        steps=model.steps,
-    )
-
-
-MODEL_METADATA_KEY = "collectives-model"
 _RAW_REQUEST = {"PutTensor", "LoadStateDict"}
 _RAW_RESPONSE = {"GetTensor", "GetModelTensors"}
 

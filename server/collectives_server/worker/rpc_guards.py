@@ -1,0 +1,107 @@
+"""Decorators that turn domain errors into gRPC statuses and count each RPC.
+
+Every servicer method is wrapped: ``CollectiveError`` becomes its status code
+and message (with ``collectives-executed: no`` trailing metadata for ops that
+never started), anything unexpected becomes ``INTERNAL`` without taking the
+daemon down, and ``_counted`` records the outcome and latency in the worker's
+status and metrics.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+
+import grpc
+
+from collectives.errors import EXECUTED_METADATA_KEY, CollectiveError
+from collectives_server.worker.status import data_op_done
+
+__all__ = ["abort", "guard", "guard_stream", "counted"]
+
+log = logging.getLogger("collectives_server.worker.service")
+
+
+def abort(context: grpc.ServicerContext, err: CollectiveError) -> None:
+    if err.executed is False:
+        context.set_trailing_metadata(((EXECUTED_METADATA_KEY, "no"),))
+    context.abort(err.code, err.message)
+
+
+def guard(method):
+    """Turns SDK-style errors into gRPC statuses; unexpected ones into INTERNAL."""
+
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except CollectiveError as err:
+            abort(context, err)
+        except Exception as exc:
+            if isinstance(exc, grpc.RpcError) or type(exc).__name__ == "_AbortError":
+                raise
+            log.exception("%s failed", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
+
+    wrapper.__name__ = method.__name__
+    return wrapper
+
+
+def guard_stream(method):
+    def wrapper(self, request, context):
+        try:
+            yield from method(self, request, context)
+        except CollectiveError as err:
+            abort(context, err)
+
+    wrapper.__name__ = method.__name__
+    return wrapper
+
+
+def _subject(request: object) -> str:
+    """The tensor or model a request is about, for op records and logs."""
+    return getattr(request, "name", "") or getattr(request, "model", "")
+
+
+def counted(kind: str):
+    """Counts a data-plane call in the worker's status and metrics: outcome and latency."""
+
+    def decorate(method):
+        def unary(self, request, context):
+            started, code, message, name = time.perf_counter(), None, "", ""
+            try:
+                response = method(self, request, context)
+                name = getattr(response, "name", "")
+                return response
+            except CollectiveError as err:
+                code, message = err.code, err.message
+                raise
+            except Exception as exc:
+                code, message = grpc.StatusCode.INTERNAL, str(exc)
+                raise
+            finally:
+                name = name or _subject(request)
+                data_op_done(self._daemon, kind, name, code, message, time.perf_counter() - started)
+
+        def stream(self, request, context):
+            started, code, message = time.perf_counter(), None, ""
+            try:
+                yield from method(self, request, context)
+            except CollectiveError as err:
+                code, message = err.code, err.message
+                raise
+            except GeneratorExit:
+                code, message = grpc.StatusCode.CANCELLED, "the client cancelled the stream"
+                raise
+            except Exception as exc:
+                code, message = grpc.StatusCode.INTERNAL, str(exc)
+                raise
+            finally:
+                latency_s = time.perf_counter() - started
+                data_op_done(self._daemon, kind, _subject(request), code, message, latency_s)
+
+        wrapper = stream if inspect.isgeneratorfunction(method) else unary
+        wrapper.__name__ = method.__name__
+        return wrapper
+
+    return decorate
