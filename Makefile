@@ -14,14 +14,15 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/collectives/v1/*.proto)
 STUB_DIR := client/collectives/v1
 # Directories git may not carry when they hold no file yet.
-TEST_DIRS := $(wildcard tests/unit tests/integration tests/browser)
+TEST_DIRS := $(wildcard tests/unit tests/integration tests/browser tests/fault)
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test lint format proto proto-check clean distclean
+.PHONY: help install demo test fault lint format proto proto-check clean distclean
 
 help:
 	@echo "make demo         start a local cluster of 2 workers, run examples/demo.py, stop it"
-	@echo "make test         lint + proto-check + unit, integration and browser tests"
+	@echo "make test         lint + proto-check + unit, integration, browser and fault tests"
+	@echo "make fault        the fault-injection suite and the soak alone (COLLECTIVES_SOAK_S=40)"
 	@echo "make install      create $(VENV) with the pinned dependencies (done by every target)"
 	@echo "make lint         ruff check + ruff format --check"
 	@echo "make format       ruff format + ruff check --fix (rewrites files)"
@@ -37,7 +38,7 @@ $(STAMP): constraints.txt client/pyproject.toml server/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_ARGS) -c constraints.txt torch==2.13.0 \
 		-e client -e server pytest pytest-timeout ruff grpcio-tools numpy \
-		selenium pyyaml
+		selenium pyyaml cryptography
 	@$(VPY) -c 'import sys, torch; sys.exit(0 if torch.version.cuda is None else \
 		"pip installed a CUDA build of torch " + torch.__version__ + "; install the CPU wheel " \
 		"(point PIP_ARGS=\"--index-url URL\" at a CPU-only wheel index)")'
@@ -50,6 +51,11 @@ demo: $(STAMP)
 
 test: lint proto-check
 	$(VPY) -m pytest $(TEST_DIRS) $(PYTEST_ARGS)
+
+# Real signals to real processes; prints time to detect/recover per fault and
+# the soak's table. COLLECTIVES_SOAK_S sets the soak's length (seconds).
+fault: $(STAMP)
+	$(VPY) -m pytest tests/fault -s -p no:logging $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import TypeVar
 
 from collectives._membership import Membership
+from collectives._security import ChannelSecurity
 from collectives._transport import (
     ChannelPool,
     WorkerEndpoint,
@@ -70,11 +72,26 @@ IO_THREADS = 16
 class _ClusterCore:
     """Connection state shared by every Cluster method; see the module docstring."""
 
-    def __init__(self, address: str, timeout: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
+        *,
+        token: str | None = None,
+        tls: bool | None = None,
+        tls_ca: str | os.PathLike[str] | bytes | None = None,
+        tls_cert: str | os.PathLike[str] | bytes | None = None,
+        tls_key: str | os.PathLike[str] | bytes | None = None,
+    ) -> None:
         """Connects to the coordinator at ``address`` and waits for a formed generation.
 
+        The keyword arguments (and their environment fallbacks, see
+        :data:`collectives._security.SETTINGS_PRECEDENCE`) secure every channel.
+
         Raises:
-            InvalidArgument: ``address`` or ``timeout`` is malformed.
+            InvalidArgument: ``address`` or ``timeout`` is malformed, or a TLS or
+                token setting is unreadable or inconsistent.
+            PermissionDenied: the server refused the token (or its absence).
             Unavailable: nothing answers at ``address`` within ``timeout``.
             DeadlineExceeded: no generation was formed within ``timeout`` (the
                 message quotes the coordinator's status).
@@ -82,12 +99,18 @@ class _ClusterCore:
         if not isinstance(address, str) or not address.strip():
             raise InvalidArgument(f"address must be a 'host:port' string, got {address!r}")
         timeout = check_timeout(timeout, DEFAULT_CONNECT_TIMEOUT_S)
+        try:
+            security = ChannelSecurity.resolve(
+                token=token, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key
+            )
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
         deadline = time.monotonic() + timeout
         self._address = address.strip()
         self._closed = False
-        self._channel = open_channel(self._address)
+        self._channel = open_channel(self._address, security)
         self._membership = Membership(self._channel, self._address)
-        self._pool = ChannelPool()
+        self._pool = ChannelPool(security)
         self._op_executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="collectives-op"
         )

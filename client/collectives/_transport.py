@@ -23,6 +23,7 @@ import grpc
 import torch
 
 from collectives import codec
+from collectives._security import PLAINTEXT, ChannelSecurity
 from collectives.errors import CollectiveError, InvalidArgument, Unavailable, error_for_code
 from collectives.errors import from_rpc_error as _from_rpc_error
 from collectives.v1 import tensor_pb2, worker_pb2, worker_pb2_grpc
@@ -50,9 +51,12 @@ _PUT_TENSOR = "/collectives.v1.Worker/PutTensor"
 _GET_TENSOR = "/collectives.v1.Worker/GetTensor"
 
 
-def open_channel(address: str) -> grpc.Channel:
-    """An insecure channel to ``address`` with the SDK's message size limits."""
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+def open_channel(address: str, security: ChannelSecurity = PLAINTEXT) -> grpc.Channel:
+    """A channel to ``address`` with the SDK's message size limits.
+
+    ``security`` chooses TLS and the bearer token (default: plaintext, no token).
+    """
+    return security.open_channel(address, CHANNEL_OPTIONS)
 
 
 def wait_channel_ready(channel: grpc.Channel, address: str, timeout: float) -> None:
@@ -66,7 +70,8 @@ def wait_channel_ready(channel: grpc.Channel, address: str, timeout: float) -> N
     except grpc.FutureTimeoutError:
         raise Unavailable(
             f"nothing answers at {address}: could not connect within {timeout:.3g} s "
-            "(is the coordinator running, and is the address host:port?)"
+            "(is the coordinator running, is the address host:port, and do the TLS "
+            "settings match the server's: plaintext vs TLS, the CA, a client certificate?)"
         ) from None
 
 
@@ -82,8 +87,8 @@ class WorkerEndpoint:
     get_raw: grpc.UnaryStreamMultiCallable
 
     @classmethod
-    def open(cls, address: str) -> WorkerEndpoint:
-        channel = open_channel(address)
+    def open(cls, address: str, security: ChannelSecurity = PLAINTEXT) -> WorkerEndpoint:
+        channel = open_channel(address, security)
         return cls(
             address=address,
             channel=channel,
@@ -104,7 +109,8 @@ class WorkerEndpoint:
 class ChannelPool:
     """One channel per worker address, created on first use, closed together."""
 
-    def __init__(self) -> None:
+    def __init__(self, security: ChannelSecurity = PLAINTEXT) -> None:
+        self._security = security
         self._lock = threading.Lock()
         self._endpoints: dict[str, WorkerEndpoint] = {}
         self._closed = False
@@ -120,7 +126,7 @@ class ChannelPool:
                 raise Unavailable("the cluster connection is closed")
             endpoint = self._endpoints.get(address)
             if endpoint is None:
-                endpoint = WorkerEndpoint.open(address)
+                endpoint = WorkerEndpoint.open(address, self._security)
                 self._endpoints[address] = endpoint
             return endpoint
 

@@ -28,6 +28,7 @@ from types import FrameType
 
 import grpc
 
+from collectives._security import PLAINTEXT, ChannelSecurity, read_token_file
 from collectives._transport import call_unary, open_channel
 from collectives.errors import CollectiveError
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -86,20 +87,46 @@ def _parser() -> argparse.ArgumentParser:
     top.add_argument(
         "--timeout", type=float, default=5.0, metavar="SECONDS", help="deadline per call"
     )
+    for command in (status, top):
+        _add_security(command)
     return parser
+
+
+def _add_security(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("security (default: the COLLECTIVES_* variables, as the SDK)")
+    g.add_argument(
+        "--token-file", metavar="PATH", help="send the bearer token stored in PATH (stripped)"
+    )
+    g.add_argument("--tls", action="store_true", help="use TLS (implied by --tls-ca/--tls-cert)")
+    g.add_argument("--tls-ca", metavar="PATH", help="PEM CA verifying the server (default: system)")
+    g.add_argument("--tls-cert", metavar="PATH", help="PEM client certificate (mutual TLS)")
+    g.add_argument("--tls-key", metavar="PATH", help="PEM key of --tls-cert")
+
+
+def _security(args: argparse.Namespace) -> ChannelSecurity:
+    """Flags first, then COLLECTIVES_TOKEN/COLLECTIVES_TLS_* (as ``collectives.connect``)."""
+    return ChannelSecurity.resolve(
+        token=read_token_file(args.token_file) if args.token_file else None,
+        tls=True if args.tls else None,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+    )
 
 
 # ------------------------------------------------------------------ formatting
 
 
-def fetch_status(address: str, timeout: float) -> ClusterSnapshot:
+def fetch_status(
+    address: str, timeout: float, security: ChannelSecurity = PLAINTEXT
+) -> ClusterSnapshot:
     """One ``GetCluster`` call to the coordinator at ``address``.
 
     Raises:
         CollectiveError: no answer within ``timeout`` seconds (``UNAVAILABLE`` or
-            ``DEADLINE_EXCEEDED``).
+            ``DEADLINE_EXCEEDED``), or the token was refused (``UNAUTHENTICATED``).
     """
-    channel = open_channel(address)
+    channel = open_channel(address, security)
     try:
         return _get_cluster(channel, address, timeout)
     finally:
@@ -252,7 +279,7 @@ def _status(args: argparse.Namespace) -> int:
     if args.watch:
         return _until_stopped(lambda: _watch(args))
     try:
-        snapshot = fetch_status(args.coordinator, args.timeout)
+        snapshot = fetch_status(args.coordinator, args.timeout, args.security)
     except CollectiveError as err:
         return _unreachable("status", args.coordinator, args.timeout, err)
     if args.json:
@@ -291,7 +318,7 @@ def _changes(
 
 
 def _watch(args: argparse.Namespace) -> int:
-    channel = open_channel(args.coordinator)
+    channel = open_channel(args.coordinator, args.security)
     try:
         try:
             first = _get_cluster(channel, args.coordinator, args.timeout)
@@ -364,7 +391,7 @@ def _top(args: argparse.Namespace) -> int:
         return EXIT_UNREACHABLE
 
     def body() -> int:
-        channel = open_channel(args.coordinator)
+        channel = open_channel(args.coordinator, args.security)
         previous: ClusterSnapshot | None = None
         previous_at = 0.0
         frames = 0
@@ -390,7 +417,13 @@ def _top(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``collectives`` console script; returns the exit code."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        args.security = _security(args)
+    except ValueError as exc:
+        print(f"collectives {args.command}: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
     if args.command == "status":
         return _status(args)
     if args.command == "top":

@@ -17,6 +17,8 @@ tensors it works on.
 
 from __future__ import annotations
 
+import os
+
 from collectives._core import DEFAULT_CONNECT_TIMEOUT_S
 from collectives._models import _Models
 
@@ -34,7 +36,16 @@ class Cluster(_Models):
         return self
 
 
-def connect(address: str, timeout: float = DEFAULT_CONNECT_TIMEOUT_S) -> Cluster:
+def connect(
+    address: str,
+    timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
+    *,
+    token: str | None = None,
+    tls_ca: str | os.PathLike[str] | bytes | None = None,
+    tls_cert: str | os.PathLike[str] | bytes | None = None,
+    tls_key: str | os.PathLike[str] | bytes | None = None,
+    tls: bool | None = None,
+) -> Cluster:
     """Connects to the coordinator at ``host:port`` and waits until a generation is formed.
 
     Example::
@@ -43,10 +54,23 @@ def connect(address: str, timeout: float = DEFAULT_CONNECT_TIMEOUT_S) -> Cluster
             cluster.put("x", torch.ones(4))
             cluster.all_reduce("x")
 
+    Security (see ``docs/security.md``): ``token`` is sent as ``authorization:
+    Bearer <token>`` on every call; ``tls_ca`` (PEM path or bytes) verifies the
+    servers' certificates and turns TLS on (``tls=True`` alone: TLS with the
+    system roots); ``tls_cert``/``tls_key`` are a client certificate for mutual
+    TLS. Each falls back to ``COLLECTIVES_TOKEN``, ``COLLECTIVES_TLS_CA``,
+    ``COLLECTIVES_TLS_CERT``, ``COLLECTIVES_TLS_KEY`` (and ``COLLECTIVES_TLS=1``)
+    when None: argument > environment > none.
+
     Raises:
-        InvalidArgument: ``address`` or ``timeout`` is malformed.
-        Unavailable: nothing answers at ``address`` within ``timeout`` seconds.
+        InvalidArgument: ``address`` or ``timeout`` is malformed, or a TLS or
+            token setting is unreadable or inconsistent.
+        Unavailable: nothing answers at ``address`` within ``timeout`` seconds
+            (also: a plaintext client against a TLS server, an untrusted certificate).
+        PermissionDenied: the server requires a token and got none or a wrong one.
         DeadlineExceeded: the coordinator answers but no generation was formed
             within ``timeout`` seconds (the message quotes its status).
     """
-    return Cluster(address, timeout)
+    return Cluster(
+        address, timeout, token=token, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key
+    )

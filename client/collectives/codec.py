@@ -224,6 +224,8 @@ class TensorAssembler:
             raise InvalidArgument(
                 f"tensor {self.meta.name!r}: chunks exceed the declared {self.meta.nbytes} bytes"
             )
+        if end == self._filled:  # an empty chunk (the view of a 0-byte buffer is read-only)
+            return
         self._view[self._filled : end] = chunk
         self._filled = end
 

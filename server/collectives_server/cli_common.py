@@ -10,18 +10,23 @@ import os
 import signal
 import sys
 
+from collectives._security import ChannelSecurity, read_pem, read_token_file
 from collectives_server.logfmt import LOG_FORMATS, JsonFormatter, text_formatter
+from collectives_server.security import ServerSecurity
 
 __all__ = [
     "PARENT_PID_ENV",
     "add_log_level",
     "add_metrics",
+    "add_security",
+    "client_security_from_args",
     "die_with_parent_if_asked",
     "host_port",
     "non_negative_float",
     "port_number",
     "positive_float",
     "positive_int",
+    "server_security_from_args",
     "setup_logging",
 ]
 
@@ -143,9 +148,123 @@ def add_model_hosting(parser: argparse.ArgumentParser) -> None:
     )
 
 
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}  # fmt: skip
+
+
+def byte_size(text: str) -> int:
+    """``1048576``, ``64MiB``, ``2G`` ... → a positive number of bytes."""
+    stripped = text.strip().lower().replace("_", "")
+    digits = stripped.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = stripped[len(digits) :]
+    try:
+        value = float(digits) * _BYTE_UNITS[unit]
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size; use bytes or a unit (e.g. 1048576, 512MiB, 2GiB)"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 byte, got {text}")
+    return int(value)
+
+
+def add_max_tensor_bytes(parser: argparse.ArgumentParser) -> None:
+    """``--max-tensor-bytes``: the quota of each worker's tensor store."""
+    parser.add_argument(
+        "--max-tensor-bytes",
+        type=byte_size,
+        default=None,
+        metavar="N",
+        help="quota of each worker's tensor store (bytes, or e.g. 512MiB, 2GiB); puts and "
+        "collective results beyond it answer RESOURCE_EXHAUSTED (default: unbounded)",
+    )
+
+
 def allowed_factories(values: list[str]) -> tuple[str, ...]:
     modules = [m.strip() for value in values for m in value.split(",") if m.strip()]
     for module in modules:
         if not all(part.isidentifier() for part in module.split(".")):
             raise argparse.ArgumentTypeError(f"--allow-factory {module!r} is not a module name")
     return tuple(modules)
+
+
+def add_security(parser: argparse.ArgumentParser, *, client_side: bool) -> None:
+    """TLS and token flags of a server; ``client_side``: also of its channel to the coordinator.
+
+    See docs/security.md.
+    """
+    g = parser.add_argument_group("security (see docs/security.md)")
+    g.add_argument(
+        "--tls-cert",
+        metavar="PATH",
+        help="serve gRPC over TLS with this PEM certificate (chain); needs --tls-key",
+    )
+    g.add_argument("--tls-key", metavar="PATH", help="PEM private key of --tls-cert")
+    g.add_argument(
+        "--tls-client-ca",
+        metavar="PATH",
+        help="mutual TLS: require client certificates signed by this PEM CA (needs --tls-cert)",
+    )
+    g.add_argument(
+        "--token-file",
+        metavar="PATH",
+        help="require 'authorization: Bearer <token>' on every gRPC call but health checks; "
+        "the token is the file's content, stripped (keep the file mode 0600)"
+        + ("; also sent to the coordinator" if client_side else ""),
+    )
+    if not client_side:
+        return
+    g.add_argument(
+        "--tls-ca",
+        metavar="PATH",
+        help="PEM CA that verifies the coordinator's certificate (default: the system roots); "
+        "TLS to the coordinator is used when this, --tls-client-cert or --tls-cert is given",
+    )
+    g.add_argument(
+        "--tls-client-cert",
+        metavar="PATH",
+        help="PEM client certificate presented to a coordinator that requires mutual TLS",
+    )
+    g.add_argument("--tls-client-key", metavar="PATH", help="PEM private key of --tls-client-cert")
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    return read_token_file(args.token_file) if args.token_file else None
+
+
+def server_security_from_args(
+    args: argparse.Namespace, parser: argparse.ArgumentParser
+) -> ServerSecurity:
+    """The server side of :func:`add_security`; bad files exit via ``parser.error``."""
+    try:
+        return ServerSecurity(
+            tls_cert=read_pem(args.tls_cert, "--tls-cert") if args.tls_cert else None,
+            tls_key=read_pem(args.tls_key, "--tls-key") if args.tls_key else None,
+            tls_client_ca=(
+                read_pem(args.tls_client_ca, "--tls-client-ca") if args.tls_client_ca else None
+            ),
+            token=_token(args),
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def client_security_from_args(
+    args: argparse.Namespace, parser: argparse.ArgumentParser
+) -> ChannelSecurity:
+    """How a daemon reaches the coordinator: TLS if it serves TLS or has --tls-ca/client cert."""
+    try:
+        return ChannelSecurity.resolve(
+            token=_token(args),
+            tls=bool(args.tls_cert or args.tls_ca or args.tls_client_cert),
+            tls_ca=args.tls_ca,
+            tls_cert=args.tls_client_cert,
+            tls_key=args.tls_client_key,
+            environ={},  # daemons take flags only, not the SDK's COLLECTIVES_* variables
+        )
+    except ValueError as exc:
+        parser.error(str(exc))

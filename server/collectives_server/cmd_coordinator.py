@@ -8,11 +8,13 @@ from typing import Any
 from collectives_server.cli_common import (
     add_log_level,
     add_metrics,
+    add_security,
     die_with_parent_if_asked,
     non_negative_float,
     port_number,
     positive_float,
     positive_int,
+    server_security_from_args,
     setup_logging,
 )
 from collectives_server.coordinator.daemon import CoordinatorConfig
@@ -102,6 +104,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     add_dashboard_options(p)
     add_metrics(p)
+    add_security(p, client_side=False)
     add_log_level(p)
     p.set_defaults(run=run, parser=p)
     return p
@@ -154,6 +157,7 @@ def config_from_args(
             dashboard_host=args.dashboard_host,
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,
+            security=server_security_from_args(args, parser),
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Any
 
 from collectives_server.cli_common import (
     add_log_level,
+    add_max_tensor_bytes,
     add_metrics,
     add_model_hosting,
+    add_security,
     allowed_factories,
+    client_security_from_args,
     non_negative_float,
     port_number,
     positive_float,
     positive_int,
+    server_security_from_args,
     setup_logging,
 )
 from collectives_server.cmd_coordinator import add_dashboard_options
@@ -81,8 +86,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "else cpu), 'cpu', or a comma list split across workers (default: auto)",
     )
     add_dashboard_options(p)
+    p.add_argument(
+        "--queue-size", type=positive_int, default=None, metavar="N",
+        help="bound of the leader's op queue; beyond it RESOURCE_EXHAUSTED (default: 1024)",
+    )  # fmt: skip
+    add_max_tensor_bytes(p)
     add_model_hosting(p)
     add_metrics(p, "for the coordinator, P+1 ... P+N for the workers")
+    add_security(p, client_side=True)
     add_log_level(p)
     p.set_defaults(run=run, parser=p)
     return p
@@ -101,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
             f"--metrics-port {args.metrics_port} leaves no room for {args.workers} workers "
             "(they use the next ports)"
         )
+    coordinator_security, worker_security = _security_args(args, parser)
     setup_logging(args.log_level, "local", args.log_format)
     with StopSignal() as stop:
         cluster = LocalCluster(
@@ -119,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
             metrics_host=args.metrics_host,
             log_level=args.log_level,
             log_format=args.log_format,
-            worker_args=_model_hosting_args(args),
+            worker_args=_model_hosting_args(args) + worker_security,
+            coordinator_args=coordinator_security,
             die_with_parent=True,
             on_exit=lambda child: stop.wake(),
         )
@@ -148,9 +161,40 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _model_hosting_args(args: argparse.Namespace) -> list[str]:
-    """What every worker of the local cluster gets of --allow-factory/--graph-ttl-s."""
+    """What every worker of the local cluster gets of --allow-factory/--graph-ttl-s,
+    --queue-size and --max-tensor-bytes."""
     modules = allowed_factories(args.allow_factory)
     extra = [f"--graph-ttl-s={args.graph_ttl_s}"]
     if modules:
         extra.append(f"--allow-factory={','.join(modules)}")
+    if args.queue_size is not None:
+        extra.append(f"--queue-size={args.queue_size}")
+    if args.max_tensor_bytes is not None:
+        extra.append(f"--max-tensor-bytes={args.max_tensor_bytes}")
     return extra
+
+
+def _security_args(
+    args: argparse.Namespace, parser: argparse.ArgumentParser
+) -> tuple[list[str], list[str]]:
+    """The TLS/token flags of the coordinator and of each worker (paths, made absolute).
+
+    Checked here first (unreadable files exit with status 2). With
+    ``--tls-client-ca`` and no ``--tls-client-cert``, the workers present the
+    server certificate to the coordinator (it must then allow client auth).
+    """
+    server_security_from_args(args, parser)
+    if args.tls_client_ca and not args.tls_client_cert:
+        args.tls_client_cert, args.tls_client_key = args.tls_cert, args.tls_key
+    client_security_from_args(args, parser)
+
+    def flags(names: tuple[str, ...]) -> list[str]:
+        out = []
+        for name in names:
+            value = getattr(args, name)
+            if value:
+                out.append(f"--{name.replace('_', '-')}={os.path.abspath(value)}")
+        return out
+
+    server = flags(("tls_cert", "tls_key", "tls_client_ca", "token_file"))
+    return server, server + flags(("tls_ca", "tls_client_cert", "tls_client_key"))

@@ -7,14 +7,18 @@ from typing import Any
 
 from collectives_server.cli_common import (
     add_log_level,
+    add_max_tensor_bytes,
     add_metrics,
     add_model_hosting,
+    add_security,
     allowed_factories,
+    client_security_from_args,
     die_with_parent_if_asked,
     host_port,
     port_number,
     positive_float,
     positive_int,
+    server_security_from_args,
     setup_logging,
 )
 from collectives_server.worker.config import WorkerConfig
@@ -76,10 +80,20 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="host name clients and peers use to reach this worker "
         "(default: --host, or the machine's name when --host is a wildcard)",
     )
+    p.add_argument(
+        "--advertise-port",
+        type=port_number,
+        default=None,
+        metavar="P",
+        help="port clients and peers use to reach this worker, when it differs from --port "
+        "(a NAT or container port mapping; default: the bound port)",
+    )
+    add_max_tensor_bytes(p)
     add_model_hosting(p)
     add_metrics(p)
+    add_security(p, client_side=True)
     add_log_level(p)
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, parser=p)
     return p
 
 
@@ -92,7 +106,10 @@ def parse_devices(text: str) -> tuple[str, ...]:
     return devices
 
 
-def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+def config_from_args(
+    args: argparse.Namespace, parser: argparse.ArgumentParser | None = None
+) -> WorkerConfig:
+    parser = parser or getattr(args, "parser", None) or argparse.ArgumentParser()
     return WorkerConfig(
         coordinator=args.coordinator,
         host=args.host,
@@ -100,12 +117,16 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         devices=args.devices,
         op_timeout_s=args.op_timeout_s,
         queue_size=args.queue_size,
+        max_tensor_bytes=args.max_tensor_bytes,
         connect_timeout_s=args.connect_timeout_s,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         advertise_host=args.advertise_host,
+        advertise_port=args.advertise_port,
         allow_factories=allowed_factories(args.allow_factory),
         graph_ttl_s=args.graph_ttl_s,
+        security=server_security_from_args(args, parser),
+        coordinator_security=client_security_from_args(args, parser),
     )
 
 

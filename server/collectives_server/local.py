@@ -115,6 +115,8 @@ class LocalCluster:
     ``die_with_parent`` makes children SIGTERM themselves if this process dies (Linux;
     only for a process that stays alive on the main thread, as the CLI does: the
     kernel ties it to the thread that started the child).
+    ``coordinator_args``/``worker_args`` are appended to those children's command
+    lines (the CLI passes the TLS and token flags this way: paths, never secrets).
     """
 
     def __init__(
@@ -136,6 +138,8 @@ class LocalCluster:
         log_level: str = "INFO",
         log_format: str = "text",
         worker_args: Sequence[str] = (),
+        coordinator_args: Sequence[str] = (),
+        client_security: Any = None,
         start_timeout_s: float = 60.0,
         die_with_parent: bool = False,
         on_exit: Callable[[Child], None] | None = None,
@@ -165,6 +169,9 @@ class LocalCluster:
                 f"--dashboard-port={dashboard_port}",
                 f"--dashboard-host={dashboard_host}",
             ]
+        self._coordinator_args += list(coordinator_args)
+        # collectives._security.ChannelSecurity for wait_ready (None: plaintext, no token).
+        self._client_security = client_security
         self._devices_spec = devices
         self._worker_args = list(worker_args)
         self._start_timeout_s = start_timeout_s
@@ -284,11 +291,13 @@ class LocalCluster:
         """
         import grpc
 
+        from collectives._security import PLAINTEXT
         from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
 
         want = self.workers if world_size is None else world_size
         last = None
-        with grpc.insecure_channel(self.address) as channel:
+        security = self._client_security or PLAINTEXT
+        with security.open_channel(self.address, []) as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             stream = stub.WatchCluster(coordinator_pb2.WatchClusterRequest(), timeout=timeout_s)
             try:

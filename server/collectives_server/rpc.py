@@ -3,6 +3,12 @@
 Every server also serves ``grpc.health.v1`` (so load balancers and
 ``grpc_health_probe`` work) and server reflection (so ``grpcurl`` can list and
 call it without the protos), and allows messages of one data chunk plus framing.
+
+:class:`~collectives_server.security.ServerSecurity` adds TLS (``--tls-cert/--tls-key``), mutual TLS
+(``--tls-client-ca``) and a bearer token (``--token-file``): with a token,
+every call except the health service's must carry ``authorization: Bearer
+<token>`` or is refused with UNAUTHENTICATED before any servicer code runs
+(see ``docs/security.md``).
 """
 
 from __future__ import annotations
@@ -15,8 +21,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from collectives.codec import MAX_MESSAGE_BYTES
+from collectives_server.security import ServerSecurity, TokenAuthInterceptor
 
-__all__ = ["GRPC_OPTIONS", "ServerHandle", "start_server"]
+__all__ = ["GRPC_OPTIONS", "ServerHandle", "ServerSecurity", "start_server"]
 
 GRPC_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -52,15 +59,20 @@ def start_server(
     register: Sequence[Callable[[grpc.Server], None]],
     service_names: Sequence[str],
     max_workers: int = 32,
+    security: ServerSecurity | None = None,
 ) -> ServerHandle:
     """Starts a server on ``host:port`` (port 0 picks a free one) and returns its handle.
 
     ``register`` adds the servicers; ``service_names`` are their full names
-    (``collectives.v1.Worker``) for health and reflection.
+    (``collectives.v1.Worker``) for health and reflection. ``security`` (default:
+    plaintext, no token) chooses TLS, mutual TLS and the bearer token.
     """
+    security = security or ServerSecurity()
+    interceptors = [TokenAuthInterceptor(security.token)] if security.token else []
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         options=GRPC_OPTIONS,
+        interceptors=interceptors,
     )
     for add in register:
         add(server)
@@ -68,7 +80,11 @@ def start_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    credentials = security.credentials()
+    if credentials is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        bound = server.add_secure_port(f"{host}:{port}", credentials)
     if bound == 0:
         raise OSError(f"could not bind gRPC server to {host}:{port}")
     server.start()

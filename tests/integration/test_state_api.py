@@ -222,13 +222,17 @@ def test_model_fields_of_the_status(fresh_cluster):
     cluster.all_reduce_gradients("status-mlp")
 
     def reduced():
+        # Status is sampled per heartbeat, possibly mid-op (counters already
+        # moved, the op not yet counted): wait for the finished state.
         workers = _by_rank(cluster)
         return all(
-            workers[r].gradient_buckets_reduced >= 1 and workers[r].graphs_retained == 0
+            workers[r].gradient_buckets_reduced >= 1
+            and workers[r].graphs_retained == 0
+            and workers[r].ops.get("all_reduce_gradients", OpCount()).completed == 1
             for r in (0, 1)
         )
 
-    wait_until(reduced, STATUS_WAIT_S, "gradient buckets reduced and graphs released")
+    wait_until(reduced, STATUS_WAIT_S, "gradient buckets reduced, op counted, graphs released")
     for w in _by_rank(cluster).values():
         assert w.data_collectives >= w.gradient_buckets_reduced, w
         assert w.ops.get("all_reduce_gradients", OpCount()).completed == 1, w.ops

@@ -96,20 +96,22 @@ class Cluster(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., formed: _Optional[bool] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., store_address: _Optional[str] = ..., version: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., status: _Optional[str] = ..., op_timeout_s: _Optional[float] = ..., ready: _Optional[bool] = ..., history: _Optional[_Iterable[_Union[GenerationRecord, _Mapping]]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("address", "hostname", "pid", "devices", "backend", "version")
+    __slots__ = ("address", "hostname", "pid", "devices", "backend", "version", "last_generation")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAST_GENERATION_FIELD_NUMBER: _ClassVar[int]
     address: str
     hostname: str
     pid: int
     devices: _containers.RepeatedScalarFieldContainer[str]
     backend: str
     version: str
-    def __init__(self, address: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+    last_generation: int
+    def __init__(self, address: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., version: _Optional[str] = ..., last_generation: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("worker_id", "heartbeat_interval_s", "lease_s", "store_address", "op_timeout_s")

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -30,6 +30,7 @@ from collectives_server.coordinator.metrics import coordinator_registry
 from collectives_server.coordinator.service import SERVICE_NAME, CoordinatorServicer
 from collectives_server.metrics import MetricsServer
 from collectives_server.rpc import ServerHandle, start_server
+from collectives_server.security import ServerSecurity
 from collectives_server.signals import StopSignal
 
 __all__ = ["Coordinator", "CoordinatorConfig", "format_address", "run_coordinator"]
@@ -70,6 +71,8 @@ class CoordinatorConfig:
     # Prometheus endpoint (/metrics); None: none, 0: any free port (logged).
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    # TLS / mutual TLS / bearer token of the gRPC server (default: plaintext, open).
+    security: ServerSecurity = field(default_factory=ServerSecurity)
 
     def __post_init__(self) -> None:
         if self.min_workers < 1:
@@ -162,6 +165,7 @@ class Coordinator:
                 ],
                 service_names=[SERVICE_NAME],
                 max_workers=_GRPC_THREADS,
+                security=cfg.security,
             )
         except BaseException:
             self._store = None

@@ -240,6 +240,7 @@ class Membership:
         devices: tuple[str, ...] | list[str] = (),
         backend: str = "",
         version: str = "",
+        last_generation: int = 0,
     ) -> tuple[str, Outcome]:
         """Adds a worker; returns its id. Raises :class:`InvalidRequestError`.
 
@@ -249,6 +250,10 @@ class Membership:
         """
         devices = tuple(devices)
         _validate_registration(address, devices)
+        if last_generation > self._generation and not self._members:
+            # A restarted coordinator: continue numbering above what workers
+            # already joined, so generations never go backwards.
+            self._generation = last_generation
         if not backend:
             backend = "nccl" if any(d.startswith("cuda") for d in devices) else "gloo"
         self._expire(now)

@@ -198,6 +198,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     devices=tuple(request.devices),
                     backend=request.backend,
                     version=request.version,
+                    last_generation=max(request.last_generation, 0),
                 )
             except InvalidRequestError as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Register: {exc}")

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from collectives._security import PLAINTEXT, ChannelSecurity
+from collectives_server.security import ServerSecurity
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -18,6 +21,9 @@ class WorkerConfig:
     op_timeout_s: float | None = None
     # Bound of the leader's op queue; a full queue answers RESOURCE_EXHAUSTED.
     queue_size: int = 1024
+    # Quota of the worker's tensor store in bytes; None: unbounded. Puts and
+    # collective results beyond it answer RESOURCE_EXHAUSTED.
+    max_tensor_bytes: int | None = None
     # How long a worker keeps trying to reach the coordinator at start-up.
     connect_timeout_s: float = 60.0
     # Prometheus endpoint: None serves none; 0 picks a free port (logged).
@@ -26,7 +32,13 @@ class WorkerConfig:
     # Name peers and clients use to reach this worker; None: --host (or the
     # machine's name when binding a wildcard address).
     advertise_host: str | None = None
+    # Port peers and clients use (a NAT or container port mapping); None: the bound port.
+    advertise_port: int | None = None
     # Python modules whose functions may build models (load_model(factory=...)).
     allow_factories: tuple[str, ...] = field(default_factory=tuple)
     # A forward's autograd graph is dropped if no backward comes within this time.
     graph_ttl_s: float = 60.0
+    # TLS / mutual TLS / bearer token of this worker's gRPC server.
+    security: ServerSecurity = field(default_factory=ServerSecurity)
+    # How this worker reaches the coordinator (TLS, client certificate, token).
+    coordinator_security: ChannelSecurity = PLAINTEXT

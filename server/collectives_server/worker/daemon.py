@@ -66,7 +66,7 @@ class WorkerDaemon:
         self.devices = resolve_devices(config.devices)
         self.device = self.devices[0]
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
-        self.store = TensorStore(self.device)
+        self.store = TensorStore(self.device, limit_bytes=config.max_tensor_bytes)
         self.models = ModelRegistry(self.devices, config.allow_factories, config.graph_ttl_s)
         self.stats = WorkerStats()
         self.runtime: GenerationRuntime | None = None
@@ -75,6 +75,7 @@ class WorkerDaemon:
         self.op_timeout_s = config.op_timeout_s or 30.0
         self.worker_id = ""
         self.joined_generation = 0
+        self._last_generation = 0
         self._store_address = ""
         self._heartbeat_s = 1.0
         self._lease_s = 5.0
@@ -100,12 +101,15 @@ class WorkerDaemon:
             self.config.port,
             [lambda server: add_worker_service(servicer, server)],
             [SERVICE_NAME],
+            security=self.config.security,
         )
         host = self.config.advertise_host or self.config.host
         if host in ("0.0.0.0", "::", ""):
             host = socket.gethostname()
-        self.address = f"{host}:{self._server.port}"
-        self._channel = grpc.insecure_channel(self.config.coordinator, options=GRPC_OPTIONS)
+        self.address = f"{host}:{self.config.advertise_port or self._server.port}"
+        self._channel = self.config.coordinator_security.open_channel(
+            self.config.coordinator, GRPC_OPTIONS
+        )
         self._coordinator = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self._register(self.config.connect_timeout_s)
         threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
@@ -141,6 +145,7 @@ class WorkerDaemon:
             devices=[str(d) for d in self.devices],
             backend=self.backend,
             version=collectives_server.__version__,
+            last_generation=self._last_generation,
         )
         response = self._coordinator.Register(request, timeout=timeout_s, wait_for_ready=True)
         with self._lock:
@@ -250,6 +255,7 @@ class WorkerDaemon:
 
     def _joined(self, generation: int) -> None:
         with self._lock:
+            self._last_generation = max(self._last_generation, generation)
             if self.runtime is not None and self.runtime.generation == generation:
                 self.joined_generation = generation
 

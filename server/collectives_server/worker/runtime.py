@@ -438,8 +438,12 @@ class GenerationRuntime:
             try:
                 result = self._run_member(kind, desc, group, operand, plan, op)
                 self.count_data_collectives(1)
+                if result is not None:  # refuse before agreeing, so no rank commits
+                    self._store.check_quota(desc.out or desc.name, result.nbytes)
             except _GroupBroken:
                 raise
+            except CollectiveError as exc:
+                code, message = exc.code, exc.message
             except Exception as exc:
                 code, message = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
                 log.exception("op %d (%s) failed locally", desc.op_id, kind)
@@ -450,7 +454,9 @@ class GenerationRuntime:
         # Every rank agreed the op succeeded: commit, even if this generation is
         # being retired right now, so that a reported success is true everywhere.
         if result is not None:
-            self._store.put_many({target: result})
+            # Quota was checked before agreeing; a put racing in since must not
+            # make one rank skip a commit the others make.
+            self._store.put_many({target: result}, enforce_quota=False)
         # The leader answers the client only once every rank has committed, so a
         # client reading the result from any rank right after the call sees it.
         self._call(self._committed_barrier)

@@ -1,0 +1,32 @@
+"""Fault suite: real processes, real signals; prints time to detect and recover per fault."""
+
+from __future__ import annotations
+
+import pytest
+from harness import RESULTS, FaultCluster
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not RESULTS:
+        return
+    tr = terminalreporter
+    tr.section("fault injection: time to detect and to recover")
+    tr.write_line(f"{'fault':<34} {'detect s':>9} {'recover s':>10}  note")
+    for row in RESULTS:
+        tr.write_line(
+            f"{row['fault']:<34} {row['detect_s']:>9.2f} {row['recover_s']:>10.2f}  {row['note']}"
+        )
+
+
+@pytest.fixture
+def fault_cluster():
+    clusters: list[FaultCluster] = []
+
+    def start(workers: int = 3, min_workers: int = 2, max_workers: int | None = None):
+        cluster = FaultCluster(workers, min_workers, max_workers)
+        clusters.append(cluster)
+        return cluster
+
+    yield start
+    for cluster in clusters:
+        cluster.close()

@@ -1,0 +1,617 @@
+"""The bad-input matrix: malformed and hostile requests over raw gRPC.
+
+Every row is sent with the generated stubs (or, for the hand-framed data plane,
+with identity serializers and hand-made byte frames), never through the SDK,
+to a real local cluster of 2 workers. Each row names the status code it must
+get and a piece of the message that makes the error actionable (the field or
+value at fault). After every row each worker process must still be alive and
+a valid put/get round trip and an all_reduce (checked against torch) must
+still succeed.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import threading
+import uuid
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from torch import nn
+
+from collectives.v1 import (
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    tensor_pb2,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+
+OK = grpc.StatusCode.OK
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+NOT_FOUND = grpc.StatusCode.NOT_FOUND
+PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+DENIED = grpc.StatusCode.PERMISSION_DENIED
+EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
+TIMEOUT_S = 30.0
+F32 = tensor_pb2.DTYPE_FLOAT32
+I64 = tensor_pb2.DTYPE_INT64
+
+
+# ----------------------------------------------------------------- raw framing
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | 0x80 if n else byte)
+        if not n:
+            return bytes(out)
+
+
+def header_frame(name: str, dtype: int, shape: list[int], nbytes: int) -> bytes:
+    body = tensor_pb2.TensorHeader(
+        name=name, dtype=dtype, shape=shape, nbytes=nbytes
+    ).SerializeToString()
+    return b"\x0a" + _varint(len(body)) + body
+
+
+def chunk_frame(data: bytes) -> bytes:
+    return b"\x12" + _varint(len(data)) + data
+
+
+def tensor_frames(name: str, t: torch.Tensor) -> list[bytes]:
+    t = t.contiguous()
+    wire = {torch.float32: F32, torch.int64: I64, torch.complex64: tensor_pb2.DTYPE_COMPLEX64}
+    data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    step = 1 << 20
+    chunks = [chunk_frame(data[i : i + step]) for i in range(0, len(data), step)]
+    return [header_frame(name, wire[t.dtype], list(t.shape), len(data)), *chunks]
+
+
+class Env:
+    """Raw channels to the coordinator and to each worker, in rank order."""
+
+    def __init__(self, coordinator: str) -> None:
+        self.coordinator_channel = grpc.insecure_channel(coordinator)
+        self.coordinator = coordinator_pb2_grpc.CoordinatorStub(self.coordinator_channel)
+        cluster = self.coordinator.GetCluster(coordinator_pb2.GetClusterRequest(), timeout=10)
+        members = sorted((w for w in cluster.workers if w.rank >= 0), key=lambda w: w.rank)
+        self.generation = cluster.generation
+        self.world_size = len(members)
+        self.channels = [grpc.insecure_channel(w.address) for w in members]
+        self.stubs = [worker_pb2_grpc.WorkerStub(c) for c in self.channels]
+        self.pids = [s.GetState(worker_pb2.GetStateRequest(), timeout=10).pid for s in self.stubs]
+        self.leader = self.stubs[0]
+        self.prefix = f"bad{uuid.uuid4().hex[:8]}"
+        self.model = f"{self.prefix}/mlp"
+        self._lock = threading.Lock()
+        self._count = 0
+
+    def name(self, tag: str = "x") -> str:
+        with self._lock:
+            self._count += 1
+            return f"{self.prefix}/{tag}{self._count}"
+
+    def put_raw(self, frames: list[bytes], rank: int = 0, timeout: float = TIMEOUT_S):
+        call = self.channels[rank].stream_unary(
+            "/collectives.v1.Worker/PutTensor",
+            request_serializer=None,
+            response_deserializer=worker_pb2.PutTensorResponse.FromString,
+        )
+        return call(iter(frames), timeout=timeout)
+
+    def get_raw(self, name: str, rank: int = 0) -> torch.Tensor:
+        call = self.channels[rank].unary_stream(
+            "/collectives.v1.Worker/GetTensor",
+            request_serializer=worker_pb2.GetTensorRequest.SerializeToString,
+            response_deserializer=None,
+        )
+        parts = list(call(worker_pb2.GetTensorRequest(name=name), timeout=TIMEOUT_S))
+        header = tensor_pb2.TensorHeader.FromString(_payload(parts[0], 0x0A))
+        data = b"".join(_payload(p, 0x12) for p in parts[1:])
+        dtype = {F32: torch.float32, I64: torch.int64}[header.dtype]
+        out = (
+            torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
+        )
+        return out.reshape(list(header.shape))
+
+    def put(self, name: str, t: torch.Tensor, rank: int = 0) -> None:
+        self.put_raw(tensor_frames(name, t), rank)
+
+    def put_all(self, name: str, tensors: list[torch.Tensor]) -> None:
+        for rank, t in enumerate(tensors):
+            self.put(name, t, rank)
+
+    def close(self) -> None:
+        for c in (*self.channels, self.coordinator_channel):
+            c.close()
+
+
+def _payload(frame: bytes, tag: int) -> bytes:
+    assert frame[0] == tag
+    pos, length, shift = 1, 0, 0
+    while True:
+        byte = frame[pos]
+        pos += 1
+        length |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return frame[pos : pos + length]
+
+
+@pytest.fixture(scope="module")
+def env(cluster2_address: str, cluster2):  # cluster2: waits until every worker is ready
+    e = Env(cluster2_address)
+    # A model for the model rows: a factory the shared clusters allow.
+    spec = worker_pb2.ModelSpec(
+        name=e.model,
+        factory="collectives_server.model_zoo:mlp",
+        factory_kwargs_json=json.dumps({"in_features": 4, "hidden": 3, "out_features": 2}),
+    )
+    for stub in e.stubs:
+        stub.LoadModel(iter([worker_pb2.LoadModelRequest(spec=spec)]), timeout=TIMEOUT_S)
+    yield e
+    for stub in e.stubs:
+        stub.UnloadModel(worker_pb2.UnloadModelRequest(name=e.model, missing_ok=True), timeout=10)
+    e.close()
+
+
+# ------------------------------------------------------------- model archives
+class _Hostile:
+    def __reduce__(self):
+        return (os.getpid, ())  # unpickling it would call a function
+
+
+def _export_archive() -> bytes:
+    buffer = io.BytesIO()
+    torch.export.save(torch.export.export(nn.Linear(3, 2), (torch.randn(2, 3),)), buffer)
+    return buffer.getvalue()
+
+
+def _pickle_archive() -> bytes:
+    hostile = io.BytesIO()
+    with (
+        zipfile.ZipFile(io.BytesIO(_export_archive())) as src,
+        zipfile.ZipFile(hostile, "w") as dst,
+    ):
+        for info in src.infolist():
+            body = src.read(info.filename)
+            if info.filename.endswith("sample_inputs/model.pt"):
+                evil = io.BytesIO()
+                torch.save(_Hostile(), evil)
+                body = evil.getvalue()
+            dst.writestr(info, body)
+    return hostile.getvalue()
+
+
+def _load_model(e: Env, spec: worker_pb2.ModelSpec, chunks: list[bytes] = ()):
+    parts = [worker_pb2.LoadModelRequest(spec=spec)]
+    parts += [worker_pb2.LoadModelRequest(archive_chunk=c) for c in chunks]
+    return e.stubs[1].LoadModel(iter(parts), timeout=TIMEOUT_S)
+
+
+def _archive(e: Env, data: bytes, declared: int | None = None):
+    spec = worker_pb2.ModelSpec(
+        name=e.name("model"), archive_nbytes=len(data) if declared is None else declared
+    )
+    return _load_model(e, spec, [data])
+
+
+def _factory(e: Env, factory: str, kwargs: str = "{}"):
+    spec = worker_pb2.ModelSpec(name=e.name("model"), factory=factory, factory_kwargs_json=kwargs)
+    return _load_model(e, spec)
+
+
+def _state_dict(e: Env, tensors: dict[str, torch.Tensor]):
+    call = e.channels[0].stream_unary(
+        "/collectives.v1.Worker/LoadStateDict",
+        request_serializer=None,
+        response_deserializer=worker_pb2.LoadStateDictResponse.FromString,
+    )
+    frames = [f for key, t in tensors.items() for f in tensor_frames(key, t)]
+    return call(iter(frames), timeout=TIMEOUT_S, metadata=(("collectives-model", e.model),))
+
+
+def _good_state(e: Env) -> dict[str, torch.Tensor]:
+    return {
+        "0.weight": torch.zeros(3, 4),
+        "0.bias": torch.zeros(3),
+        "2.weight": torch.zeros(3, 3),
+        "2.bias": torch.zeros(3),
+        "4.weight": torch.zeros(2, 3),
+        "4.bias": torch.zeros(2),
+    }
+
+
+# ------------------------------------------------------------ collective helpers
+def _opts(**kw) -> worker_pb2.OpOptions:
+    return worker_pb2.OpOptions(timeout_s=TIMEOUT_S, **kw)
+
+
+def _stored(e: Env, t: torch.Tensor, tag: str = "x") -> str:
+    """A tensor of the same dtype and shape on every rank; returns its name."""
+    name = e.name(tag)
+    e.put_all(name, [t] * e.world_size)
+    return name
+
+
+def _all_reduce(e: Env, name: str, op: int = 0, stub=None, **options):
+    stub = stub or e.leader
+    request = worker_pb2.AllReduceRequest(options=_opts(**options), name=name, op=op)
+    return stub.AllReduce(request, timeout=TIMEOUT_S)
+
+
+# ----------------------------------------------------------------------- rows
+@dataclass(frozen=True)
+class Row:
+    id: str
+    call: Callable[[Env], Any]
+    code: grpc.StatusCode
+    message: str = ""
+    # Extra check on the RpcError (trailing metadata) or on the result of an OK row.
+    check: Callable[[Env, Any], None] | None = None
+
+
+def _not_executed(e: Env, err: grpc.RpcError) -> None:
+    trailers = dict(err.trailing_metadata() or ())
+    assert trailers.get("collectives-executed") == "no", trailers
+
+
+def _path_like_is_an_opaque_key(e: Env, name: str) -> None:
+    assert torch.equal(e.get_raw(name), torch.arange(3.0))
+    listed = [t.name for t in e.leader.ListTensors(worker_pb2.ListTensorsRequest()).tensors]
+    assert name in listed
+
+
+def _put_path_like(e: Env) -> str:
+    name = f"../etc/{e.prefix}/passwd"
+    e.put(name, torch.arange(3.0))
+    return name
+
+
+HUGE = 1 << 62
+ROWS: list[Row] = [
+    # ---------------------------------------------------------- PutTensor headers
+    Row("put-dtype-unknown", lambda e: e.put_raw([header_frame(e.name(), 99, [2], 8)]),
+        INVALID, "unknown dtype enum value 99"),
+    Row("put-dtype-unspecified", lambda e: e.put_raw([header_frame(e.name(), 0, [2], 8)]),
+        INVALID, "unknown dtype enum value 0"),
+    Row("put-dtype-negative", lambda e: e.put_raw([header_frame(e.name(), -5, [2], 8)]),
+        INVALID, "unknown dtype enum value -5"),
+    Row("put-shape-negative", lambda e: e.put_raw([header_frame(e.name(), F32, [-1, 4], 16)]),
+        INVALID, "negative dimension"),
+    Row("put-shape-over-1tib",
+        lambda e: e.put_raw([header_frame(e.name(), F32, [1 << 20, 1 << 20], 1 << 42)]),
+        INVALID, "the limit is 1099511627776"),
+    Row("put-shape-int64-overflow",
+        lambda e: e.put_raw([header_frame(e.name(), F32, [HUGE, HUGE], 0)]),
+        INVALID, "the limit is"),
+    Row("put-too-many-dims", lambda e: e.put_raw([header_frame(e.name(), F32, [1] * 65, 4)]),
+        INVALID, "65 dimensions"),
+    Row("put-nbytes-mismatch", lambda e: e.put_raw([header_frame(e.name(), F32, [4], 15)]),
+        INVALID, "header declares 15 bytes"),
+    Row("put-nbytes-negative", lambda e: e.put_raw([header_frame(e.name(), F32, [4], -16)]),
+        INVALID, "header declares -16 bytes"),
+    # ---------------------------------------------------------- PutTensor streams
+    Row("put-data-short",
+        lambda e: e.put_raw([header_frame(e.name(), F32, [4], 16), chunk_frame(b"\0" * 8)]),
+        INVALID, "ended after 8 of 16"),
+    Row("put-data-long",
+        lambda e: e.put_raw([header_frame(e.name(), F32, [4], 16), chunk_frame(b"\0" * 20)]),
+        INVALID, "exceed the declared 16 bytes"),
+    Row("put-data-long-split",
+        lambda e: e.put_raw([header_frame(e.name(), F32, [4], 16)] + [chunk_frame(b"\0" * 6)] * 3),
+        INVALID, "exceed the declared 16 bytes"),
+    Row("put-no-chunks", lambda e: e.put_raw([header_frame(e.name(), F32, [4], 16)]),
+        INVALID, "ended after 0 of 16"),
+    Row("put-chunk-before-header",
+        lambda e: e.put_raw([chunk_frame(b"\0" * 16), header_frame(e.name(), F32, [4], 16)]),
+        INVALID, "must start with a header"),
+    Row("put-two-headers",
+        lambda e: e.put_raw([header_frame(e.name(), F32, [1], 4)] * 2),
+        INVALID, "second header"),
+    Row("put-empty-stream", lambda e: e.put_raw([]), INVALID, "was empty"),
+    Row("put-empty-frame", lambda e: e.put_raw([b""]), INVALID, "was empty"),
+    Row("put-truncated-varint", lambda e: e.put_raw([b"\x12\x80"]), INVALID, "truncated varint"),
+    Row("put-length-past-end", lambda e: e.put_raw([b"\x12\x10abc"]), INVALID,
+        "runs past the end"),
+    Row("put-bad-wire-type", lambda e: e.put_raw([b"\x0f\x00"]), INVALID,
+        "unsupported wire type 7"),
+    Row("put-garbage-header", lambda e: e.put_raw([b"\x0a\x03\xff\xff\xff"]), INVALID,
+        "malformed tensor header"),
+    Row("put-random-bytes", lambda e: e.put_raw([os.urandom(64) + b"\xff"]), INVALID,
+        "malformed"),
+    Row("put-empty-tensor-empty-chunk",
+        lambda e: e.put_raw([header_frame(e.name("empty"), F32, [0, 3], 0), chunk_frame(b"")]),
+        OK),
+    # ---------------------------------------------------------------- names
+    Row("put-name-empty", lambda e: e.put(" "[:0], torch.ones(1)), INVALID, "must not be empty"),
+    Row("put-name-257", lambda e: e.put("n" * 257, torch.ones(1)), INVALID,
+        "257 characters long; the limit is 256"),
+    Row("put-name-space", lambda e: e.put("a b", torch.ones(1)), INVALID, "contains ' '"),
+    Row("put-name-nul", lambda e: e.put("x\0", torch.ones(1)), INVALID, "contains '\\x00'"),
+    Row("put-name-unicode", lambda e: e.put("t\u00e9st", torch.ones(1)), INVALID,
+        "allowed are A-Z"),
+    Row("put-name-path-like-is-opaque", _put_path_like, OK, check=_path_like_is_an_opaque_key),
+    Row("get-name-bad",
+        lambda e: e.get_raw("../etc passwd"), INVALID, "contains ' '"),
+    Row("get-unknown", lambda e: e.get_raw(e.name("missing")), NOT_FOUND, "is not stored"),
+    Row("delete-unknown",
+        lambda e: e.leader.DeleteTensor(worker_pb2.DeleteTensorRequest(name=e.name("missing"))),
+        NOT_FOUND, "is not stored"),
+    Row("delete-name-empty",
+        lambda e: e.leader.DeleteTensor(worker_pb2.DeleteTensorRequest(name="")),
+        INVALID, "must not be empty"),
+    # ------------------------------------------------------------ ranks, groups
+    Row("broadcast-src-negative",
+        lambda e: e.leader.Broadcast(worker_pb2.BroadcastRequest(
+            options=_opts(), name=_stored(e, torch.ones(2)), src=-1)),
+        INVALID, "src rank -1 is out of range"),
+    Row("broadcast-src-world-size",
+        lambda e: e.leader.Broadcast(worker_pb2.BroadcastRequest(
+            options=_opts(), name=_stored(e, torch.ones(2)), src=e.world_size)),
+        INVALID, "src rank 2 is out of range"),
+    Row("reduce-dst-out-of-range",
+        lambda e: e.leader.Reduce(worker_pb2.ReduceRequest(
+            options=_opts(), name=_stored(e, torch.ones(2)), dst=7)),
+        INVALID, "dst rank 7 is out of range"),
+    Row("gather-dst-negative",
+        lambda e: e.leader.Gather(worker_pb2.GatherRequest(
+            options=_opts(), name=_stored(e, torch.ones(2)), dst=-1)),
+        INVALID, "dst rank -1 is out of range"),
+    Row("new-group-duplicates",
+        lambda e: e.leader.NewGroup(worker_pb2.NewGroupRequest(options=_opts(), ranks=[0, 0])),
+        INVALID, "contain duplicates"),
+    Row("new-group-empty",
+        lambda e: e.leader.NewGroup(worker_pb2.NewGroupRequest(options=_opts(), ranks=[])),
+        INVALID, "at least one rank"),
+    Row("new-group-out-of-range",
+        lambda e: e.leader.NewGroup(worker_pb2.NewGroupRequest(options=_opts(), ranks=[0, 2])),
+        INVALID, "[2] are out of range"),
+    Row("new-group-negative",
+        lambda e: e.leader.NewGroup(worker_pb2.NewGroupRequest(options=_opts(), ranks=[-1])),
+        INVALID, "[-1] are out of range"),
+    Row("unknown-group",
+        lambda e: _all_reduce(e, _stored(e, torch.ones(2)), group_id=987654),
+        NOT_FOUND, "group 987654 does not exist"),
+    # -------------------------------------------------------------- reduce ops
+    Row("band-on-float", lambda e: _all_reduce(e, _stored(e, torch.ones(2)), op=6),
+        INVALID, "band is bitwise"),
+    Row("bxor-on-complex",
+        lambda e: _all_reduce(e, _stored(e, torch.ones(2, dtype=torch.complex64)), op=8),
+        INVALID, "bxor is bitwise"),
+    Row("avg-on-int", lambda e: _all_reduce(e, _stored(e, torch.ones(2, dtype=torch.int64)), op=5),
+        INVALID, "avg needs a floating"),
+    Row("max-on-complex",
+        lambda e: _all_reduce(e, _stored(e, torch.ones(2, dtype=torch.complex64)), op=4),
+        INVALID, "undefined for complex"),
+    Row("reduce-op-99", lambda e: _all_reduce(e, _stored(e, torch.ones(2)), op=99),
+        INVALID, "unknown reduce op enum value 99"),
+    Row("reduce-op-negative", lambda e: _all_reduce(e, _stored(e, torch.ones(2)), op=-3),
+        INVALID, "unknown reduce op enum value -3"),
+    Row("reduce-scatter-indivisible",
+        lambda e: e.leader.ReduceScatter(worker_pb2.ReduceScatterRequest(
+            options=_opts(), name=_stored(e, torch.ones(3)))),
+        INVALID, "divisible by the group size 2; got 3"),
+    Row("all-to-all-0-dim",
+        lambda e: e.leader.AllToAll(worker_pb2.AllToAllRequest(
+            options=_opts(), name=_stored(e, torch.tensor(1.0)))),
+        INVALID, "a 0-dim tensor"),
+    # ------------------------------------------------------- operands, routing
+    Row("collective-bad-name",
+        lambda e: _all_reduce(e, "a b"), INVALID, "contains ' '"),
+    Row("collective-bad-out",
+        lambda e: e.leader.AllReduce(worker_pb2.AllReduceRequest(
+            options=_opts(), name=_stored(e, torch.ones(2)), out="o\0")),
+        INVALID, "out name"),
+    Row("collective-missing-everywhere", lambda e: _all_reduce(e, e.name("missing")),
+        NOT_FOUND, "not found on any rank"),
+    Row("collective-missing-on-one-rank",
+        lambda e: (lambda n: (e.put(n, torch.ones(2), 0), _all_reduce(e, n)))(e.name()),
+        PRECONDITION, "missing on rank(s) 1"),
+    Row("collective-shape-disagrees",
+        lambda e: (lambda n: (e.put_all(n, [torch.ones(2), torch.ones(3)]), _all_reduce(e, n)))(
+            e.name()),
+        PRECONDITION, "disagrees across ranks"),
+    Row("collective-on-non-leader",
+        lambda e: _all_reduce(e, _stored(e, torch.ones(2)), stub=e.stubs[1]),
+        UNAVAILABLE, "not the leader", check=_not_executed),
+    Row("generation-mismatch",
+        lambda e: _all_reduce(e, _stored(e, torch.ones(2)), generation=e.generation + 1000),
+        UNAVAILABLE, "generation changed", check=_not_executed),
+    # ------------------------------------------------------------------ models
+    Row("model-archive-not-zip", lambda e: _archive(e, b"this is not a zip file" * 10),
+        INVALID, "not a zip file"),
+    Row("model-archive-pickle", lambda e: _archive(e, _pickle_archive()), INVALID, "pickled"),
+    Row("model-archive-longer", lambda e: _archive(e, b"PK" * 50, declared=60),
+        INVALID, "longer than its declared size"),
+    Row("model-archive-shorter", lambda e: _archive(e, b"PK" * 50, declared=400),
+        INVALID, "ended after 100 of 400 bytes"),
+    Row("model-archive-chunk-first",
+        lambda e: e.stubs[0].LoadModel(
+            iter([worker_pb2.LoadModelRequest(archive_chunk=b"PK")]), timeout=TIMEOUT_S),
+        INVALID, "must start with a spec"),
+    Row("model-name-bad",
+        lambda e: _load_model(e, worker_pb2.ModelSpec(name="m m", factory="os:getcwd")),
+        INVALID, "model name"),
+    Row("model-factory-not-allowed", lambda e: _factory(e, "os:system", '{"command": "true"}'),
+        DENIED, "--allow-factory"),
+    Row("model-factory-malformed", lambda e: _factory(e, "not a factory"),
+        INVALID, "'pkg.module:function'"),
+    Row("model-factory-kwargs-bad-json",
+        lambda e: _factory(e, "collectives_server.model_zoo:mlp", "{in_features: 4"),
+        INVALID, "not valid JSON"),
+    Row("model-factory-kwargs-not-object",
+        lambda e: _factory(e, "collectives_server.model_zoo:mlp", "[4, 3, 2]"),
+        INVALID, "must be a JSON object"),
+    Row("model-factory-kwargs-wrong",
+        lambda e: _factory(e, "collectives_server.model_zoo:mlp", '{"bogus": 1}'),
+        INVALID, "rejected its arguments"),
+    Row("forward-unknown-model",
+        lambda e: e.leader.Forward(worker_pb2.ForwardRequest(model=e.name("nomodel"), call_id="c")),
+        NOT_FOUND, "is not loaded"),
+    Row("forward-no-call-id",
+        lambda e: e.leader.Forward(worker_pb2.ForwardRequest(model=e.model)),
+        INVALID, "call id must not be empty"),
+    Row("forward-unknown-input",
+        lambda e: e.leader.Forward(worker_pb2.ForwardRequest(
+            model=e.model, call_id=e.name("call"),
+            args=worker_pb2.Value(tuple=worker_pb2.ValueList(items=[
+                worker_pb2.Value(tensor=e.name("nothere"))])),
+            kwargs=worker_pb2.Value(dict=worker_pb2.ValueDict()))),
+        NOT_FOUND, "is not stored"),
+    Row("backward-unknown-call",
+        lambda e: e.leader.Backward(worker_pb2.BackwardRequest(model=e.model, call_id="nocall")),
+        NOT_FOUND, "no retained graph 'nocall'"),
+    Row("load-state-dict-wrong-keys",
+        lambda e: _state_dict(e, {"bogus.weight": torch.zeros(1)}),
+        INVALID, "unexpected ['bogus.weight']"),
+    Row("load-state-dict-wrong-shape",
+        lambda e: _state_dict(e, {**_good_state(e), "0.bias": torch.zeros(5)}),
+        INVALID, "'0.bias' has shape [5]"),
+    Row("load-state-dict-unknown-model",
+        lambda e: e.channels[0].stream_unary(
+            "/collectives.v1.Worker/LoadStateDict", request_serializer=None,
+            response_deserializer=worker_pb2.LoadStateDictResponse.FromString,
+        )(iter([]), timeout=TIMEOUT_S, metadata=(("collectives-model", "nomodel"),)),
+        NOT_FOUND, "'nomodel' is not loaded"),
+    Row("step-unknown-optimizer",
+        lambda e: e.leader.Step(worker_pb2.StepRequest(model=e.model, optimizer="lbfgs2")),
+        INVALID, "unknown optimizer 'lbfgs2'"),
+    Row("step-unknown-hyperparameter",
+        lambda e: e.leader.Step(worker_pb2.StepRequest(
+            model=e.model, optimizer="sgd", hyper_json='{"lr": 0.1, "warp": 9}')),
+        INVALID, "does not take warp"),
+    Row("step-hyper-bad-json",
+        lambda e: e.leader.Step(worker_pb2.StepRequest(
+            model=e.model, optimizer="sgd", hyper_json="{lr=0.1}")),
+        INVALID, "not valid JSON"),
+    Row("step-hyper-bad-value",
+        lambda e: e.leader.Step(worker_pb2.StepRequest(
+            model=e.model, optimizer="sgd", hyper_json='{"lr": -1}')),
+        INVALID, "optimizer sgd"),
+    # ---------------------------------------------------------- message size
+    Row("oversized-put-frame",
+        lambda e: e.put_raw([header_frame(e.name(), tensor_pb2.DTYPE_UINT8, [5 << 20], 5 << 20),
+                             chunk_frame(b"\0" * (5 << 20))]),
+        EXHAUSTED, "larger than max"),
+    Row("oversized-unary",
+        lambda e: e.leader.DeleteTensor(worker_pb2.DeleteTensorRequest(name="n" * (5 << 20))),
+        EXHAUSTED, "larger than max"),
+    # ------------------------------------------------------------- coordinator
+    Row("register-no-address",
+        lambda e: e.coordinator.Register(
+            coordinator_pb2.RegisterRequest(devices=["cpu"]), timeout=10),
+        INVALID, "is not HOST:PORT"),
+    Row("register-bad-port",
+        lambda e: e.coordinator.Register(
+            coordinator_pb2.RegisterRequest(address="127.0.0.1:99999", devices=["cpu"]),
+            timeout=10),
+        INVALID, "'127.0.0.1:99999' is not HOST:PORT"),
+    Row("register-no-devices",
+        lambda e: e.coordinator.Register(
+            coordinator_pb2.RegisterRequest(address="127.0.0.1:1"), timeout=10),
+        INVALID, "must be a non-empty list of device names"),
+    Row("heartbeat-unknown-id",
+        lambda e: e.coordinator.Heartbeat(
+            coordinator_pb2.HeartbeatRequest(worker_id="w-nobody"), timeout=10),
+        NOT_FOUND, "w-nobody"),
+    Row("leave-unknown-id",
+        lambda e: e.coordinator.Leave(
+            coordinator_pb2.LeaveRequest(worker_id="w-nobody"), timeout=10),
+        NOT_FOUND, "w-nobody"),
+]  # fmt: skip
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _assert_healthy(e: Env) -> None:
+    """Every worker process lives, and a valid put/get and all_reduce succeed."""
+    dead = [pid for pid in e.pids if not _alive(pid)]
+    assert not dead, f"worker process(es) {dead} died"
+    for stub in (*e.stubs,):
+        stub.GetState(worker_pb2.GetStateRequest(), timeout=10)
+    parts = [torch.randn(4, 3) for _ in range(e.world_size)]
+    name = e.name("ok")
+    e.put_all(name, parts)
+    for rank, part in enumerate(parts):
+        assert torch.equal(e.get_raw(name, rank), part)
+    response = _all_reduce(e, name)
+    assert response.generation == e.generation
+    expected = torch.stack(parts).sum(0)
+    for rank in range(e.world_size):
+        torch.testing.assert_close(e.get_raw(name, rank), expected)
+        e.stubs[rank].DeleteTensor(worker_pb2.DeleteTensorRequest(name=name), timeout=10)
+
+
+def test_matrix_has_at_least_40_rows() -> None:
+    assert len(ROWS) >= 40
+    assert len({r.id for r in ROWS}) == len(ROWS)
+    assert sum(r.code != OK for r in ROWS) >= 40
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
+def test_bad_input(env: Env, row: Row) -> None:
+    if row.code == OK:
+        result = row.call(env)
+        if row.check is not None:
+            row.check(env, result)
+    else:
+        with pytest.raises(grpc.RpcError) as info:
+            row.call(env)
+        err = info.value
+        assert err.code() == row.code, f"{row.id}: {err.code()} {err.details()!r}"
+        assert row.message in (err.details() or ""), f"{row.id}: {err.details()!r}"
+        if row.check is not None:
+            row.check(env, err)
+    _assert_healthy(env)
+
+
+def test_delete_during_an_op_completes_or_fails_cleanly(env: Env) -> None:
+    """DeleteTensor of an all_reduce's operand while the op runs: the op works
+    on a snapshot (stored tensors are never mutated in place), so it either
+    succeeds with the sum of the values it started from or fails cleanly."""
+    parts = [torch.randn(8 << 20) for _ in range(env.world_size)]  # 32 MiB per rank
+    name, out = env.name("big"), env.name("bigout")
+    env.put_all(name, parts)
+    future = env.leader.AllReduce.future(
+        worker_pb2.AllReduceRequest(options=_opts(), name=name, out=out), timeout=TIMEOUT_S
+    )
+    deleted = []
+    for rank in range(env.world_size):
+        response = env.stubs[rank].DeleteTensor(
+            worker_pb2.DeleteTensorRequest(name=name, missing_ok=True), timeout=10
+        )
+        deleted.append(response.deleted)
+    try:
+        future.result()
+    except grpc.RpcError as err:  # clean failure: the operand vanished before the op saw it
+        assert err.code() in (NOT_FOUND, PRECONDITION), (err.code(), err.details())
+        assert name in err.details()
+    else:
+        expected = torch.stack(parts).sum(0)
+        for rank in range(env.world_size):
+            torch.testing.assert_close(env.get_raw(out, rank), expected)
+    assert all(deleted)
+    for rank in range(env.world_size):
+        with pytest.raises(grpc.RpcError) as info:
+            env.get_raw(name, rank)
+        assert info.value.code() == NOT_FOUND
+        env.stubs[rank].DeleteTensor(
+            worker_pb2.DeleteTensorRequest(name=out, missing_ok=True), timeout=10
+        )
+    _assert_healthy(env)
