@@ -178,10 +178,14 @@ def from_value(
     if kind == "tuple":
         return tuple(from_value(v, tensor, namedtuple_types) for v in value.tuple.items)
     if kind == "dict":
+        if len(value.dict.keys) != len(value.dict.values):
+            raise InvalidArgument("malformed dict value: keys and values differ in length")
         return {
             k: from_value(v, tensor, namedtuple_types)
             for k, v in zip(value.dict.keys, value.dict.values, strict=True)
         }
+    if kind != "named_tuple":
+        raise InvalidArgument(f"unsupported value kind {kind!r}")
     nt = value.named_tuple
     fields = tuple(nt.fields)
     cls = (namedtuple_types or {}).get(nt.type_name)

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import pytest
-from harness import RESULTS, FaultCluster
+from harness import RESULTS, SOAK_LINES, FaultCluster
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
+    tr = terminalreporter
+    if SOAK_LINES:
+        tr.section("soak: mixed ops from 8 clients while workers are killed and replaced")
+        for line in SOAK_LINES:
+            tr.write_line(line)
     if not RESULTS:
         return
-    tr = terminalreporter
     tr.section("fault injection: time to detect and to recover")
     tr.write_line(f"{'fault':<34} {'detect s':>9} {'recover s':>10}  note")
     for row in RESULTS:

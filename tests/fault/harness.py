@@ -26,6 +26,7 @@ HEARTBEAT_S = 0.2
 LEASE_S = 1.5
 OP_TIMEOUT_S = 4.0
 RESULTS: list[dict] = []  # one row per fault, printed by conftest at the end
+SOAK_LINES: list[str] = []  # the soak's summary, printed by conftest at the end
 
 
 def free_port() -> int:

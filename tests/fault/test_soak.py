@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch
-from harness import OP_TIMEOUT_S, wait_until
+from harness import OP_TIMEOUT_S, SOAK_LINES, wait_until
 
 import collectives
 
@@ -127,12 +127,14 @@ def test_soak_mixed_ops_while_workers_die_and_return(fault_cluster) -> None:
     hangs = sum(t.is_alive() for t in threads)
     counts = tally.counts
     ops = sum(counts[k] for k in ("ok", "churned", "wrong", "clean failure"))
-    print(
-        f"\nSOAK {SOAK_S:.0f} s, {CLIENTS} clients, {kills} workers killed and replaced\n"
-        f"  ops {ops} | correct {counts['ok']} | clean failures {counts['clean failure']} "
+    summary = [
+        f"{SOAK_S:.0f} s, {CLIENTS} clients, {kills} workers killed and replaced",
+        f"ops {ops} | correct {counts['ok']} | clean failures {counts['clean failure']} "
         f"{dict(tally.failures)} | unjudged (membership changed mid-op) {counts['churned']} "
-        f"| wrong {counts['wrong']} | hangs {hangs}"
-    )
+        f"| wrong {counts['wrong']} | hangs {hangs}",
+    ]
+    SOAK_LINES.extend(summary)
+    print("\nSOAK " + "\n  ".join(summary))
     assert kills >= 1
     assert counts["wrong"] == 0, tally.wrong[:5]
     assert hangs == 0

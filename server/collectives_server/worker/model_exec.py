@@ -10,98 +10,19 @@ graph for the client's backward.
 
 from __future__ import annotations
 
-import collections
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from collectives._pytree import from_value, to_value
 from collectives.errors import InvalidArgument, NotFound
 from collectives.v1 import worker_pb2
 from collectives_server.worker.models import HostedModel, ModelRegistry, RetainedGraph
 from collectives_server.worker.store import TensorStore
 
-__all__ = ["from_value", "to_value", "forward", "backward", "release"]
-
-_NAMEDTUPLE_TYPES: dict[tuple[str, tuple[str, ...]], type] = {}
-
-
-def _namedtuple_type(type_name: str, fields: tuple[str, ...]) -> type:
-    key = (type_name, fields)
-    if key not in _NAMEDTUPLE_TYPES:
-        safe = type_name if type_name.isidentifier() else "Output"
-        _NAMEDTUPLE_TYPES[key] = collections.namedtuple(safe, fields)  # type: ignore[misc]
-    return _NAMEDTUPLE_TYPES[key]
-
-
-def from_value(value: worker_pb2.Value, load: Callable[[str], torch.Tensor]) -> Any:
-    kind = value.WhichOneof("kind")
-    if kind == "tensor":
-        return load(value.tensor)
-    if kind in ("int_value", "float_value", "str_value", "bool_value"):
-        return getattr(value, kind)
-    if kind == "none" or kind is None:
-        return None
-    if kind == "list":
-        return [from_value(v, load) for v in value.list.items]
-    if kind == "tuple":
-        return tuple(from_value(v, load) for v in value.tuple.items)
-    if kind == "dict":
-        if len(value.dict.keys) != len(value.dict.values):
-            raise InvalidArgument("malformed dict value: keys and values differ in length")
-        return {
-            k: from_value(v, load) for k, v in zip(value.dict.keys, value.dict.values, strict=True)
-        }
-    if kind == "named_tuple":
-        nt = value.named_tuple
-        cls = _namedtuple_type(nt.type_name, tuple(nt.fields))
-        return cls(*(from_value(v, load) for v in nt.values))
-    raise InvalidArgument(f"unsupported value kind {kind!r}")
-
-
-def to_value(obj: Any, store_leaf: Callable[[torch.Tensor], str]) -> worker_pb2.Value:
-    if isinstance(obj, torch.Tensor):
-        return worker_pb2.Value(tensor=store_leaf(obj))
-    if obj is None:
-        return worker_pb2.Value(none=True)
-    if isinstance(obj, bool):
-        return worker_pb2.Value(bool_value=obj)
-    if isinstance(obj, int):
-        return worker_pb2.Value(int_value=obj)
-    if isinstance(obj, float):
-        return worker_pb2.Value(float_value=obj)
-    if isinstance(obj, str):
-        return worker_pb2.Value(str_value=obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return worker_pb2.Value(
-            named_tuple=worker_pb2.NamedTupleValue(
-                type_name=type(obj).__name__,
-                fields=list(obj._fields),
-                values=[to_value(v, store_leaf) for v in obj],
-            )
-        )
-    if isinstance(obj, tuple):
-        return worker_pb2.Value(
-            tuple=worker_pb2.ValueList(items=[to_value(v, store_leaf) for v in obj])
-        )
-    if isinstance(obj, list):
-        return worker_pb2.Value(
-            list=worker_pb2.ValueList(items=[to_value(v, store_leaf) for v in obj])
-        )
-    if isinstance(obj, dict):
-        if not all(isinstance(k, str) for k in obj):
-            raise InvalidArgument("the model returned a dict with non-str keys; use str keys")
-        return worker_pb2.Value(
-            dict=worker_pb2.ValueDict(
-                keys=list(obj), values=[to_value(v, store_leaf) for v in obj.values()]
-            )
-        )
-    raise InvalidArgument(
-        f"the model returned a {type(obj).__name__}; outputs must be tensors, numbers, "
-        "strings, None, or tuples/lists/dicts/namedtuples of them"
-    )
+__all__ = ["forward", "backward", "release"]
 
 
 def _run(model: HostedModel, args: tuple, kwargs: dict) -> Any:
@@ -157,7 +78,12 @@ def forward(
             store.put(name, t.detach())
             return name
 
-        value = to_value(output, store_leaf)
+        try:
+            value = to_value(output, store_leaf)
+        except InvalidArgument as exc:
+            raise InvalidArgument(
+                f"model {request.model!r} returned an output that cannot travel: {exc.message}"
+            ) from None
         if request.grad_enabled and any(t.requires_grad for t in stored.values()):
             with model.lock:
                 model.graphs[call_id] = RetainedGraph(
