@@ -17,12 +17,14 @@ STUB_DIR := client/collectives/v1
 TEST_DIRS := $(wildcard tests/unit tests/integration tests/browser tests/fault)
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test fault lint format proto proto-check clean distclean
+.PHONY: help install demo test fault bench bench-quick lint format proto proto-check clean distclean
 
 help:
 	@echo "make demo         start a local cluster of 2 workers, run examples/demo.py, stop it"
 	@echo "make test         lint + proto-check + unit, integration, browser and fault tests"
 	@echo "make fault        the fault-injection suite and the soak alone (COLLECTIVES_SOAK_S=40)"
+	@echo "make bench        the benchmark table: every figure beside its anchor (full sizes, minutes)"
+	@echo "make bench-quick  the same at small sizes (< 2 min; CI runs it); tables in artifacts/"
 	@echo "make install      create $(VENV) with the pinned dependencies (done by every target)"
 	@echo "make lint         ruff check + ruff format --check"
 	@echo "make format       ruff format + ruff check --fix (rewrites files)"
@@ -38,7 +40,7 @@ $(STAMP): constraints.txt client/pyproject.toml server/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_ARGS) -c constraints.txt torch==2.13.0 \
 		-e client -e server pytest pytest-timeout ruff grpcio-tools numpy \
-		selenium pyyaml cryptography
+		selenium pyyaml cryptography hypothesis
 	@$(VPY) -c 'import sys, torch; sys.exit(0 if torch.version.cuda is None else \
 		"pip installed a CUDA build of torch " + torch.__version__ + "; install the CPU wheel " \
 		"(point PIP_ARGS=\"--index-url URL\" at a CPU-only wheel index)")'
@@ -56,6 +58,16 @@ test: lint proto-check
 # the soak's table. COLLECTIVES_SOAK_S sets the soak's length (seconds).
 fault: $(STAMP)
 	$(VPY) -m pytest tests/fault -s -p no:logging $(PYTEST_ARGS)
+
+# One markdown table (service | anchor | ratio | target), also written to
+# artifacts/bench.md and artifacts/bench.json. BENCH_ARGS="--only putget,latency".
+BENCH_ARGS ?=
+
+bench: $(STAMP)
+	$(VPY) -m bench $(BENCH_ARGS)
+
+bench-quick: $(STAMP)
+	$(VPY) -m bench --quick $(BENCH_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
