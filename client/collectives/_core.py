@@ -29,6 +29,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TypeVar
 
+from collectives import shm
 from collectives._membership import Membership
 from collectives._security import ChannelSecurity
 from collectives._transport import (
@@ -67,6 +68,8 @@ REFRESH_TIMEOUT_S = 5.0
 READY_WAIT_FRACTION = 0.5
 # Threads uploading/downloading to different workers in parallel.
 IO_THREADS = 16
+# Environment fallback of connect(shared_memory=...): "1" turns the fast path on.
+SHM_ENV = "COLLECTIVES_SHM"
 
 
 class _ClusterCore:
@@ -82,6 +85,7 @@ class _ClusterCore:
         tls_ca: str | os.PathLike[str] | bytes | None = None,
         tls_cert: str | os.PathLike[str] | bytes | None = None,
         tls_key: str | os.PathLike[str] | bytes | None = None,
+        shared_memory: bool | None = None,
     ) -> None:
         """Connects to the coordinator at ``address`` and waits for a formed generation.
 
@@ -105,7 +109,15 @@ class _ClusterCore:
             )
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
+        if shared_memory is None:
+            shared_memory = os.environ.get(SHM_ENV, "").strip().lower() in ("1", "true", "yes")
         deadline = time.monotonic() + timeout
+        # Opt-in same-host fast path for put/get (see collectives.shm).
+        self._shared_memory = bool(shared_memory)
+        # Worker addresses that refused it (UNIMPLEMENTED, not loopback): stream instead.
+        self._shm_refused: set[str] = set()
+        # Reused /dev/shm segments (tmpfs pages allocated once); unlinked by close().
+        self._shm_pool = shm.SegmentPool()
         self._address = address.strip()
         self._closed = False
         self._channel = open_channel(self._address, security)
@@ -223,6 +235,7 @@ class _ClusterCore:
         self._op_executor.shutdown(wait=False, cancel_futures=True)
         self._io_executor.shutdown(wait=False, cancel_futures=True)
         self._pool.close()
+        self._shm_pool.close()
         self._channel.close()
 
     def __enter__(self) -> _ClusterCore:

@@ -9,19 +9,25 @@ address), within the call's deadline.
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
+import grpc
 import torch
 
+from collectives import shm
 from collectives._core import _ClusterCore, annotate
 from collectives._transport import (
     WorkerEndpoint,
     call_unary,
     get_tensor,
+    get_tensor_shm,
     is_retryable_read,
     put_tensor,
+    put_tensor_shm,
 )
 from collectives._validation import check_name, check_rank, check_tensor, scatter_parts
 from collectives.errors import CollectiveError, NotFound
@@ -53,11 +59,26 @@ class _DataPlane(_ClusterCore):
         check_tensor(t)
         deadline = self._deadline(timeout)
         ranks = self._target_ranks(rank, deadline)
-        wire = _wire_layout(t) if len(ranks) > 1 else t  # one CPU copy shared by all uploads
-        self._fan_out(
-            f"put {name!r}",
-            {r: self._rank_call(r, deadline, f"put {name!r}", _put(name, wire)) for r in ranks},
-        )
+        use_shm = self._shm_wanted(ranks, deadline)
+        # One CPU copy shared by all uploads (and the shared-memory segment).
+        wire = _wire_layout(t) if len(ranks) > 1 or use_shm else t
+        segment = None
+        if use_shm:
+            segment = self._shm_pool.acquire(wire.numel() * wire.element_size())
+        try:
+            if segment is not None:
+                shm.write_into(segment.fd, wire)
+            path = segment.path if segment is not None else None
+            self._fan_out(
+                f"put {name!r}",
+                {
+                    r: self._rank_call(r, deadline, f"put {name!r}", self._put(name, wire, path))
+                    for r in ranks
+                },
+            )
+        finally:
+            if segment is not None:
+                self._shm_pool.release(segment)
 
     def get(self, name: str, rank: int = 0, timeout: float | None = None) -> torch.Tensor:
         """Downloads the tensor stored under ``name`` on ``rank``: a CPU tensor, same dtype/shape.
@@ -135,7 +156,10 @@ class _DataPlane(_ClusterCore):
         what = f"scatter {name!r}"
         self._fan_out(
             what,
-            {r: self._rank_call(r, deadline, what, _put(name, p)) for r, p in enumerate(parts)},
+            {
+                r: self._rank_call(r, deadline, what, _put_stream(name, p))
+                for r, p in enumerate(parts)
+            },
         )
 
     # --- helpers -------------------------------------------------------------
@@ -148,7 +172,64 @@ class _DataPlane(_ClusterCore):
 
     def _get_rank(self, name: str, rank: int, deadline: float) -> torch.Tensor:
         what = f"get {name!r}"
-        return self._rank_call(rank, deadline, what, lambda e, s: get_tensor(e, name, s))()
+
+        def get_on(endpoint: WorkerEndpoint, remaining: float) -> torch.Tensor:
+            if self._shm_ok(endpoint.address):
+                try:
+                    return get_tensor_shm(endpoint, name, remaining, self._shm_pool)
+                except CollectiveError as err:
+                    if not self._shm_refused_by(endpoint.address, err):
+                        raise
+            return get_tensor(endpoint, name, remaining)
+
+        return self._rank_call(rank, deadline, what, get_on)()
+
+    def _put(
+        self, name: str, t: torch.Tensor, segment: str | None
+    ) -> Callable[[WorkerEndpoint, float], None]:
+        def put_on(endpoint: WorkerEndpoint, remaining: float) -> None:
+            if segment is not None and self._shm_ok(endpoint.address):
+                try:
+                    put_tensor_shm(endpoint, name, t, segment, remaining)
+                    return
+                except CollectiveError as err:
+                    if not self._shm_refused_by(endpoint.address, err):
+                        raise
+            put_tensor(endpoint, name, t, remaining)
+
+        return put_on
+
+    # --- shared-memory fast path ---------------------------------------------
+
+    def _shm_wanted(self, ranks: list[int], deadline: float) -> bool:
+        """Whether a put to ``ranks`` should write a shared-memory segment."""
+        if not self._shared_memory or not shm.available():
+            return False
+        snapshot = self._formed_snapshot(deadline)
+        try:
+            return any(self._shm_ok(snapshot.address_of(r)) for r in ranks)
+        except CollectiveError:
+            return False
+
+    def _shm_ok(self, address: str) -> bool:
+        """Same host (hostname as the coordinator reports it) and a loopback address."""
+        if not self._shared_memory or address in self._shm_refused:
+            return False
+        host = address.rpartition(":")[0].strip("[]")
+        if not _is_loopback(host):
+            return False
+        hostname = _local_hostname()
+        return any(
+            w.address == address and w.hostname == hostname
+            for w in self._membership.snapshot.workers
+        )
+
+    def _shm_refused_by(self, address: str, err: CollectiveError) -> bool:
+        """True (and remembered) when a worker cannot do shared memory: fall back to the stream."""
+        if err.code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION):
+            self._shm_refused.add(address)
+            return True
+        return False
 
     def _rank_call(
         self,
@@ -172,11 +253,25 @@ class _DataPlane(_ClusterCore):
         return call
 
 
-def _put(name: str, t: torch.Tensor) -> Callable[[WorkerEndpoint, float], None]:
+def _put_stream(name: str, t: torch.Tensor) -> Callable[[WorkerEndpoint, float], None]:
     def put_on(endpoint: WorkerEndpoint, remaining: float) -> None:
         put_tensor(endpoint, name, t, remaining)
 
     return put_on
+
+
+def _local_hostname() -> str:
+    """This host's name, compared with the hostname each worker registered with."""
+    return socket.gethostname()
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _wire_layout(t: torch.Tensor) -> torch.Tensor:

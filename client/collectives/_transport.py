@@ -14,6 +14,7 @@ the ``PutTensorRequest``/``GetTensorResponse`` protobufs of ``worker.proto``.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
-from collectives import codec
+from collectives import codec, shm
 from collectives._security import PLAINTEXT, ChannelSecurity
 from collectives.errors import CollectiveError, InvalidArgument, Unavailable, error_for_code
 from collectives.errors import from_rpc_error as _from_rpc_error
@@ -37,6 +38,8 @@ __all__ = [
     "is_retryable_read",
     "open_channel",
     "put_tensor",
+    "put_tensor_shm",
+    "get_tensor_shm",
     "wait_channel_ready",
 ]
 
@@ -206,6 +209,69 @@ def get_tensor(
         raise error_for_code(
             grpc.StatusCode.INTERNAL, f"{what}: malformed response stream: {err.message}"
         ) from None
+
+
+def put_tensor_shm(
+    endpoint: WorkerEndpoint, name: str, t: torch.Tensor, path: str, timeout: float
+) -> worker_pb2.PutTensorResponse:
+    """Stores ``t`` (already written to the segment at ``path``) through shared memory.
+
+    Raises:
+        CollectiveError: the worker refused the tensor or the segment, or the call failed.
+    """
+    what = f"PutTensorShm {name!r} to {endpoint.address}"
+    request = worker_pb2.PutTensorShmRequest(header=codec.make_header(name, t), path=path)
+    return call_unary(endpoint.stub.PutTensorShm, request, timeout, what)
+
+
+def get_tensor_shm(
+    endpoint: WorkerEndpoint,
+    name: str,
+    timeout: float,
+    pool: shm.SegmentPool,
+    consume: bool = False,
+) -> torch.Tensor:
+    """Downloads ``name`` through shared memory: the worker writes into a free
+    segment of ``pool`` when one is large enough, else into a new segment that
+    the pool takes over (or that is unlinked).
+
+    Raises:
+        NotFound: the worker holds no tensor under ``name``.
+        CollectiveError: the call failed, or the worker's segment was unusable.
+    """
+    what = f"GetTensorShm {name!r} from {endpoint.address}"
+    lease = pool.acquire()
+    try:
+        request = worker_pb2.GetTensorShmRequest(
+            name=name, consume=consume, path=lease.path if lease else ""
+        )
+        response = call_unary(endpoint.stub.GetTensorShm, request, timeout, what)
+        try:
+            meta = codec.check_header(response.header)
+            if lease is not None and response.path == lease.path:
+                if lease.size < response.offset + meta.nbytes:
+                    raise InvalidArgument("the segment is smaller than the tensor")
+                return shm.read_segment(lease.fd, response.offset, meta)
+            try:
+                fd = shm.open_checked(response.path, response.offset, meta.nbytes)
+                try:
+                    return shm.read_segment(fd, response.offset, meta)
+                finally:
+                    os.close(fd)
+            finally:
+                if shm.is_worker_segment(response.path):
+                    adopted = shm.Segment.adopt(response.path)
+                    if adopted is None:
+                        shm.unlink(response.path)
+                    else:
+                        pool.release(adopted)
+        except InvalidArgument as err:
+            raise error_for_code(
+                grpc.StatusCode.INTERNAL, f"{what}: unusable shared-memory segment: {err.message}"
+            ) from None
+    finally:
+        if lease is not None:
+            pool.release(lease)
 
 
 def _deadline_s(timeout: float, what: str) -> float:

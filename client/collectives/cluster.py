@@ -45,6 +45,7 @@ def connect(
     tls_cert: str | os.PathLike[str] | bytes | None = None,
     tls_key: str | os.PathLike[str] | bytes | None = None,
     tls: bool | None = None,
+    shared_memory: bool | None = None,
 ) -> Cluster:
     """Connects to the coordinator at ``host:port`` and waits until a generation is formed.
 
@@ -62,6 +63,12 @@ def connect(
     ``COLLECTIVES_TLS_CERT``, ``COLLECTIVES_TLS_KEY`` (and ``COLLECTIVES_TLS=1``)
     when None: argument > environment > none.
 
+    ``shared_memory=True`` (or ``COLLECTIVES_SHM=1`` when None) lets ``put`` and
+    ``get`` move payloads through ``/dev/shm`` instead of the gRPC stream, for
+    workers on this host reached over loopback (same hostname, 127.x/::1/
+    localhost address); other workers, or a worker that refuses it, get the
+    stream. Each segment is unlinked as soon as the call is done.
+
     Raises:
         InvalidArgument: ``address`` or ``timeout`` is malformed, or a TLS or
             token setting is unreadable or inconsistent.
@@ -72,5 +79,12 @@ def connect(
             within ``timeout`` seconds (the message quotes its status).
     """
     return Cluster(
-        address, timeout, token=token, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key
+        address,
+        timeout,
+        token=token,
+        tls=tls,
+        tls_ca=tls_ca,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        shared_memory=shared_memory,
     )

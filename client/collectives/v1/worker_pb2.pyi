@@ -40,6 +40,38 @@ class GetTensorResponse(_message.Message):
     chunk: bytes
     def __init__(self, header: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
 
+class PutTensorShmRequest(_message.Message):
+    __slots__ = ("header", "path", "offset")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    header: _tensor_pb2.TensorHeader
+    path: str
+    offset: int
+    def __init__(self, header: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class GetTensorShmRequest(_message.Message):
+    __slots__ = ("name", "consume", "path", "offset")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CONSUME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    consume: bool
+    path: str
+    offset: int
+    def __init__(self, name: _Optional[str] = ..., consume: _Optional[bool] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class GetTensorShmResponse(_message.Message):
+    __slots__ = ("header", "path", "offset")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    header: _tensor_pb2.TensorHeader
+    path: str
+    offset: int
+    def __init__(self, header: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
 class DeleteTensorRequest(_message.Message):
     __slots__ = ("name", "missing_ok")
     NAME_FIELD_NUMBER: _ClassVar[int]

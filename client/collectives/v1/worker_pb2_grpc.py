@@ -44,6 +44,16 @@ class WorkerStub:
                 request_serializer=collectives_dot_v1_dot_worker__pb2.GetTensorRequest.SerializeToString,
                 response_deserializer=collectives_dot_v1_dot_worker__pb2.GetTensorResponse.FromString,
                 _registered_method=True)
+        self.PutTensorShm = channel.unary_unary(
+                '/collectives.v1.Worker/PutTensorShm',
+                request_serializer=collectives_dot_v1_dot_worker__pb2.PutTensorShmRequest.SerializeToString,
+                response_deserializer=collectives_dot_v1_dot_worker__pb2.PutTensorResponse.FromString,
+                _registered_method=True)
+        self.GetTensorShm = channel.unary_unary(
+                '/collectives.v1.Worker/GetTensorShm',
+                request_serializer=collectives_dot_v1_dot_worker__pb2.GetTensorShmRequest.SerializeToString,
+                response_deserializer=collectives_dot_v1_dot_worker__pb2.GetTensorShmResponse.FromString,
+                _registered_method=True)
         self.DeleteTensor = channel.unary_unary(
                 '/collectives.v1.Worker/DeleteTensor',
                 request_serializer=collectives_dot_v1_dot_worker__pb2.DeleteTensorRequest.SerializeToString,
@@ -180,6 +190,25 @@ class WorkerServicer:
 
     def GetTensor(self, request, context):
         """Streams a stored tensor: header, then chunks. Errors: NOT_FOUND. Safe to retry.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutTensorShm(self, request, context):
+        """Same-host fast path: the payload is read from a /dev/shm file the client
+        wrote. Errors: as PutTensor; INVALID_ARGUMENT (path not a regular file
+        directly under /dev/shm, or smaller than offset + nbytes),
+        FAILED_PRECONDITION (the caller is not on a loopback connection). Safe to retry.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTensorShm(self, request, context):
+        """Same-host fast path: the worker writes the tensor into a new /dev/shm file
+        and returns its path; the client copies it out and unlinks it. Errors: as
+        GetTensor; FAILED_PRECONDITION (not loopback). Safe to retry.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -362,6 +391,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     request_deserializer=collectives_dot_v1_dot_worker__pb2.GetTensorRequest.FromString,
                     response_serializer=collectives_dot_v1_dot_worker__pb2.GetTensorResponse.SerializeToString,
             ),
+            'PutTensorShm': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutTensorShm,
+                    request_deserializer=collectives_dot_v1_dot_worker__pb2.PutTensorShmRequest.FromString,
+                    response_serializer=collectives_dot_v1_dot_worker__pb2.PutTensorResponse.SerializeToString,
+            ),
+            'GetTensorShm': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTensorShm,
+                    request_deserializer=collectives_dot_v1_dot_worker__pb2.GetTensorShmRequest.FromString,
+                    response_serializer=collectives_dot_v1_dot_worker__pb2.GetTensorShmResponse.SerializeToString,
+            ),
             'DeleteTensor': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteTensor,
                     request_deserializer=collectives_dot_v1_dot_worker__pb2.DeleteTensorRequest.FromString,
@@ -537,6 +576,60 @@ class Worker:
             '/collectives.v1.Worker/GetTensor',
             collectives_dot_v1_dot_worker__pb2.GetTensorRequest.SerializeToString,
             collectives_dot_v1_dot_worker__pb2.GetTensorResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutTensorShm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/collectives.v1.Worker/PutTensorShm',
+            collectives_dot_v1_dot_worker__pb2.PutTensorShmRequest.SerializeToString,
+            collectives_dot_v1_dot_worker__pb2.PutTensorResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTensorShm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/collectives.v1.Worker/GetTensorShm',
+            collectives_dot_v1_dot_worker__pb2.GetTensorShmRequest.SerializeToString,
+            collectives_dot_v1_dot_worker__pb2.GetTensorShmResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,1 @@
+"""Benchmarks: every figure of the service beside its anchor, measured in the same run."""

@@ -1,0 +1,199 @@
+"""What every benchmark row shares: repeated measurement, rows with anchors, clusters.
+
+A figure is never reported alone: each ``Row`` holds the service's figure and
+an *anchor* measured in the same run on the same machine (raw TCP, memcpy,
+direct torch.distributed, local torch), and their ratio. Machines are shared
+and noisy, so every figure is the median of repeated runs, with min and max.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+
+__all__ = [
+    "Stat",
+    "Row",
+    "BenchContext",
+    "measure",
+    "local_cluster",
+    "MiB",
+    "GiB",
+    "shared_cluster",
+    "close_shared_clusters",
+]
+
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+
+
+@dataclass(frozen=True)
+class Stat:
+    """A repeated measurement: median, min, max of ``samples`` (in ``unit``)."""
+
+    median: float
+    low: float
+    high: float
+    unit: str
+    samples: int
+
+    def text(self) -> str:
+        return f"{_fmt(self.median)} {self.unit} ({_fmt(self.low)}-{_fmt(self.high)})"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the table: the service beside its anchor.
+
+    The ratio is always service/anchor, in the row's unit. The target says
+    which side is good: ">= 0.6" for a throughput (GB/s), "<= 1.5" for a time.
+    """
+
+    group: str
+    what: str
+    service: Stat
+    anchor_name: str
+    anchor: Stat
+    target: str = ""
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        return self.service.median / self.anchor.median if self.anchor.median else float("nan")
+
+    def met(self) -> bool | None:
+        """Whether the target holds (None when there is no target)."""
+        if not self.target:
+            return None
+        op, _, value = self.target.partition(" ")
+        bound = float(value)
+        return self.ratio >= bound if op == ">=" else self.ratio <= bound
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["ratio"] = self.ratio
+        d["met"] = self.met()
+        return d
+
+
+@dataclass
+class BenchContext:
+    quick: bool
+    # Sizes/repeats scale down in quick mode (CI): keep a whole quick run < 2 min.
+    repeats: int = 5
+
+    def sizes(self, full: list[int], quick: list[int]) -> list[int]:
+        return quick if self.quick else full
+
+
+def measure(
+    fn: Callable[[], object],
+    repeats: int,
+    *,
+    warmup: int = 1,
+    unit: str = "s",
+    per: Callable[[float], float] | None = None,
+) -> Stat:
+    """Runs ``fn`` ``warmup + repeats`` times; ``per`` turns seconds into the reported unit
+    (e.g. ``lambda s: nbytes / s / 1e9`` for GB/s)."""
+    for _ in range(warmup):
+        fn()
+    values = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        elapsed = time.perf_counter() - started
+        values.append(per(elapsed) if per else elapsed)
+    return Stat(statistics.median(values), min(values), max(values), unit, len(values))
+
+
+def stat_of(values: list[float], unit: str) -> Stat:
+    return Stat(statistics.median(values), min(values), max(values), unit, len(values))
+
+
+@contextlib.contextmanager
+def local_cluster(workers: int, *extra: str) -> Iterator[str]:
+    """``collectives-server local`` for the duration of a block; yields the coordinator address."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "collectives_server",
+            "local",
+            "--workers",
+            str(workers),
+            "--log-level",
+            "WARNING",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        address = proc.stdout.readline().strip() if proc.stdout else ""
+        if not address:
+            raise RuntimeError("collectives-server local did not start")
+        yield address
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+_shared: dict[tuple[str, ...], str] = {}
+_shared_stack = contextlib.ExitStack()
+
+
+def shared_cluster(workers: int, *extra: str) -> str:
+    """The address of a ``local_cluster(workers, *extra)`` shared by every row that asks for
+    the same arguments (starting a cluster costs ~10-20 s on 2 cores); it lives until
+    :func:`close_shared_clusters` (called by ``python -m bench`` after the rows, after a
+    failed row, and at exit). Rows must delete what they store on it."""
+    # Every shared cluster may build the server's model-zoo factories (row 5 uses them).
+    extra = ("--allow-factory", "collectives_server.model_zoo", *extra)
+    key = (str(workers), *extra)
+    if key not in _shared:
+        _shared[key] = _shared_stack.enter_context(local_cluster(workers, *extra))
+    return _shared[key]
+
+
+def close_shared_clusters() -> None:
+    _shared.clear()
+    _shared_stack.close()
+
+
+atexit.register(close_shared_clusters)
+
+
+def machine() -> dict:
+    import grpc
+    import torch
+
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
+    return {
+        "cores": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "grpcio": grpc.__version__,
+        "loadavg_1m": round(load[0], 2),
+        "cuda": torch.cuda.is_available(),
+    }
+
+
+def _fmt(x: float) -> str:
+    if x == 0 or 0.01 <= abs(x) < 10000:
+        return f"{x:.3g}" if abs(x) < 100 else f"{x:.0f}"
+    return f"{x:.3g}"

@@ -1,0 +1,85 @@
+"""Row 1: put and get client <-> worker, against raw TCP loopback into a preallocated buffer.
+
+Rank 0 of the shared local cluster of 2 workers (``shared_cluster(2)``); the
+client is this process. Each size is put to rank 0 and read back from it,
+``repeats`` times each; the anchor sends the same bytes over
+a loopback TCP connection into a preallocated buffer in the same run. The memcpy
+figure (``dst.copy_(src)``) of the largest size is in ``extra`` of every row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+import collectives
+
+from .anchors import TcpSink, memcpy_gbps
+from .core import BenchContext, MiB, Row, measure, shared_cluster
+
+NAME = "putget"
+TARGET_SIZE = 256 * MiB  # acceptance 2: put/get 256 MiB >= 0.6x raw TCP
+
+
+def _label(nbytes: int) -> str:
+    return f"{nbytes // MiB} MiB"
+
+
+def _per_gbps(nbytes: int) -> Callable[[float], float]:
+    return lambda seconds: nbytes / seconds / 1e9
+
+
+def run(ctx: BenchContext) -> list[Row]:
+    sizes = ctx.sizes([1 * MiB, 64 * MiB, 256 * MiB], [1 * MiB, 64 * MiB])
+    largest = max(sizes)
+
+    def repeats(nbytes: int) -> int:
+        if nbytes <= 4 * MiB:
+            return 5 if ctx.quick else 20
+        return 3 if ctx.quick else ctx.repeats
+
+    memcpy = memcpy_gbps(largest, 5 if ctx.quick else 10)
+    anchors = {}
+    with TcpSink(largest) as sink:
+        for nbytes in sizes:
+            t = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+            anchors[nbytes] = sink.gbps(t, repeats(nbytes))
+
+    rows: list[Row] = []
+    with collectives.connect(shared_cluster(2), timeout=60) as cluster:
+        for nbytes in sizes:
+            t = torch.randint(0, 255, (nbytes // 4,), dtype=torch.int32).view(torch.float32)
+            name = f"bench/putget/{nbytes}"
+            n = repeats(nbytes)
+            gbps = _per_gbps(nbytes)
+            put = measure(partial(cluster.put, name, t, rank=0), n, unit="GB/s", per=gbps)
+            get = measure(partial(cluster.get, name, rank=0), n, unit="GB/s", per=gbps)
+            back = cluster.get(name, rank=0)
+            if not torch.equal(back.view(torch.int32), t.view(torch.int32)):
+                raise AssertionError(f"get returned different bytes than put ({_label(nbytes)})")
+            cluster.delete(name, missing_ok=True)
+            target = ">= 0.6" if nbytes == TARGET_SIZE else ""
+            extra = {
+                "bytes": nbytes,
+                "memcpy_GBps": memcpy.median,
+                "memcpy": memcpy.text(),
+                "memcpy_bytes": largest,
+            }
+            for what, stat in (("put", put), ("get", get)):
+                rows.append(
+                    Row(
+                        group="1 put/get",
+                        what=f"{what} {_label(nbytes)}",
+                        service=stat,
+                        anchor_name="raw TCP loopback, preallocated recv buffer",
+                        anchor=anchors[nbytes],
+                        target=target,
+                        note=f"memcpy {memcpy.text()}"
+                        if (what, nbytes) == ("put", largest)
+                        else "",
+                        extra=dict(extra),
+                    )
+                )
+    return rows

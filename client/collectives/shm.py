@@ -1,0 +1,258 @@
+"""Same-host shared-memory segments for the data plane's fast path.
+
+Like Triton's system shared memory: the payload goes through a file in
+``/dev/shm`` (tmpfs, i.e. RAM), and only a handle (path, offset, header) goes
+over gRPC. Each side copies the bytes once: the writer with ``write(2)`` from
+the tensor's memory into the file, the reader with ``pread(2)`` straight into a
+freshly allocated tensor. Plain reads and writes rather than ``mmap`` so that a
+file truncated by someone else mid-copy is a short read (an error), never a
+``SIGBUS`` that would kill the process.
+
+Lifetime: a segment belongs to whoever created it, who unlinks it: the SDK
+keeps its segments in a :class:`SegmentPool` (reused between calls, so tmpfs
+pages are allocated once, not per call; unlinked when the ``Cluster`` closes,
+and at exit), and takes over the segments a worker created for a get (the
+response hands them over). Nothing stays mapped, so a returned tensor owns
+ordinary memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import threading
+import uuid
+import weakref
+
+import torch
+
+from collectives.codec import CheckedHeader, tensor_memoryview
+from collectives.errors import InvalidArgument
+
+__all__ = [
+    "SHM_DIR",
+    "Segment",
+    "SegmentPool",
+    "available",
+    "write_into",
+    "create_segment",
+    "is_worker_segment",
+    "open_checked",
+    "read_segment",
+    "unlink",
+]
+
+SHM_DIR = "/dev/shm"
+_PREFIX = "collectives-"
+# pread/write move at most this much per system call (Linux caps one at ~2 GiB).
+_IO_BYTES = 1 << 30
+
+
+def available() -> bool:
+    """True when ``/dev/shm`` exists and is writable by this process."""
+    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK | os.X_OK)
+
+
+def _new_path(kind: str) -> str:
+    return os.path.join(SHM_DIR, f"{_PREFIX}{kind}-{os.getpid()}-{uuid.uuid4().hex}")
+
+
+def write_into(fd: int, t: torch.Tensor, offset: int = 0) -> None:
+    """Writes the bytes of a contiguous CPU tensor into an open segment at ``offset``."""
+    view = tensor_memoryview(t)
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done : done + _IO_BYTES], offset + done)
+
+
+def create_segment(t: torch.Tensor, kind: str = "put") -> str:
+    """Writes the bytes of a contiguous CPU tensor into a new file under ``/dev/shm``.
+
+    The file is created exclusively with mode 0600; the caller must :func:`unlink` it.
+    """
+    path = _new_path(kind)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        write_into(fd, t)
+    except BaseException:
+        os.close(fd)
+        unlink(path)
+        raise
+    os.close(fd)
+    return path
+
+
+def open_checked(path: str, offset: int, nbytes: int, *, write: bool = False) -> int:
+    """Opens a peer-named segment after validating it; returns the fd.
+
+    With ``write``, the file must also be named ``collectives-*`` (a worker
+    writes only into segments made for this purpose), and is opened read-write.
+
+    Raises:
+        InvalidArgument: ``path`` is not an absolute path of a regular file
+            directly under ``/dev/shm`` (no links, no subdirectories), the offset
+            is negative, or the file is smaller than ``offset + nbytes``.
+    """
+    if not isinstance(path, str) or not path:
+        raise InvalidArgument("shared-memory path is empty")
+    if offset < 0:
+        raise InvalidArgument(f"shared-memory offset {offset} is negative")
+    base = os.path.basename(path)
+    if os.path.dirname(path) != SHM_DIR or base in ("", ".", ".."):
+        raise InvalidArgument(
+            f"shared-memory path {path!r} must name a file directly under {SHM_DIR}/"
+        )
+    if write and not base.startswith(_PREFIX):
+        raise InvalidArgument(
+            f"shared-memory path {path!r}: a segment to write into must be named {_PREFIX}*"
+        )
+    mode = os.O_RDWR if write else os.O_RDONLY
+    try:
+        fd = os.open(path, mode | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        raise InvalidArgument(f"cannot open shared-memory path {path!r}: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise InvalidArgument(f"shared-memory path {path!r} is not a regular file")
+        if info.st_dev != os.stat(SHM_DIR).st_dev:
+            raise InvalidArgument(f"shared-memory path {path!r} is not on {SHM_DIR}")
+        if info.st_size < offset + nbytes:
+            raise InvalidArgument(
+                f"shared-memory file {path!r} holds {info.st_size} bytes; "
+                f"offset {offset} + {nbytes} bytes needed"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class Segment:
+    """A client-owned file under ``/dev/shm`` kept open for reuse."""
+
+    def __init__(self, path: str, fd: int) -> None:
+        self.path = path
+        self.fd = fd
+
+    @property
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size if self.fd >= 0 else 0
+
+    @classmethod
+    def create(cls, nbytes: int) -> Segment:
+        path = _new_path("seg")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+        except BaseException:
+            os.close(fd)
+            unlink(path)
+            raise
+        return cls(path, fd)
+
+    @classmethod
+    def adopt(cls, path: str) -> Segment | None:
+        """Takes over a file a worker created for us; None when we cannot write it."""
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        return cls(path, fd)
+
+    def destroy(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            unlink(self.path)
+
+
+class SegmentPool:
+    """Free segments of one client, reused so that tmpfs pages are allocated once.
+
+    ``acquire`` leases a free segment (the smallest big enough, else the largest
+    grown, else a new one), so the pool holds about one segment per concurrent call;
+    ``release`` returns it, or destroys it when more than ``keep_bytes`` would
+    sit idle. ``close`` (and process exit) unlinks every segment.
+    """
+
+    def __init__(self, keep_bytes: int = 1 << 30) -> None:
+        self._keep = keep_bytes
+        self._lock = threading.Lock()
+        self._free: list[tuple[int, Segment]] = []
+        self._closed = False
+        # Unlinks the free segments when the pool is closed, collected, or at exit.
+        self._finalizer = weakref.finalize(self, _destroy_all, self._free)
+
+    def acquire(self, nbytes: int | None = None) -> Segment | None:
+        """A segment of at least ``nbytes`` (created if none is free); with None,
+        the largest free one or None."""
+        with self._lock:
+            fits = [i for i, (size, _) in enumerate(self._free) if nbytes is None or size >= nbytes]
+            if fits:
+                key = max if nbytes is None else min
+                i = key(fits, key=lambda i: self._free[i][0])
+                return self._free.pop(i)[1]
+            grow = self._free.pop()[1] if self._free and nbytes is not None else None
+        if nbytes is None:
+            return None
+        if grow is not None:  # the largest free one is too small: grow it (pages kept)
+            try:
+                os.ftruncate(grow.fd, nbytes)
+                return grow
+            except OSError:
+                grow.destroy()
+        return Segment.create(max(nbytes, 1))
+
+    def release(self, segment: Segment) -> None:
+        size = segment.size
+        with self._lock:
+            if self._closed:
+                evicted = [segment]
+            else:
+                self._free.append((size, segment))
+                self._free.sort(key=lambda entry: entry[0])
+                evicted = []
+                while sum(s for s, _ in self._free) > self._keep:
+                    evicted.append(self._free.pop(0)[1])
+        for seg in evicted:
+            seg.destroy()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._finalizer()
+
+
+def _destroy_all(free: list[tuple[int, Segment]]) -> None:
+    while free:
+        free.pop()[1].destroy()
+
+
+def read_segment(fd: int, offset: int, meta: CheckedHeader) -> torch.Tensor:
+    """Copies ``meta.nbytes`` at ``offset`` of an open segment into a new tensor."""
+    buffer = torch.empty(meta.nbytes, dtype=torch.uint8)
+    if meta.nbytes:
+        view = tensor_memoryview(buffer)
+        done = 0
+        while done < meta.nbytes:
+            n = os.preadv(fd, [view[done : done + _IO_BYTES]], offset + done)
+            if n <= 0:
+                raise InvalidArgument(
+                    f"shared-memory segment ended after {done} of {meta.nbytes} bytes"
+                )
+            done += n
+    return buffer.view(meta.dtype).reshape(meta.shape)
+
+
+def is_worker_segment(path: str) -> bool:
+    """True for a path shaped like a segment a worker created for a get (safe to unlink)."""
+    return os.path.dirname(path) == SHM_DIR and os.path.basename(path).startswith(f"{_PREFIX}get-")
+
+
+def unlink(path: str) -> None:
+    """Removes a segment; a missing file is fine."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)

@@ -1,0 +1,128 @@
+"""bench/core.py and the entry point's table, without a cluster (fast)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench import __main__ as entry
+from bench.anchors import TcpSink, percentile
+from bench.core import Row, Stat, measure, stat_of
+
+
+def _stat(median: float, unit: str = "GB/s") -> Stat:
+    return Stat(median, median, median, unit, 1)
+
+
+def test_ratio_is_service_over_anchor() -> None:
+    row = Row("g", "w", _stat(1.5), "a", _stat(3.0))
+    assert row.ratio == pytest.approx(0.5)
+
+
+def test_ratio_is_nan_when_anchor_is_zero() -> None:
+    row = Row("g", "w", _stat(1.0), "a", _stat(0.0))
+    assert math.isnan(row.ratio)
+    assert entry._ratio(row) == "n/a"
+
+
+@pytest.mark.parametrize(
+    ("service", "anchor", "target", "met"),
+    [
+        (0.6, 1.0, ">= 0.6", True),  # the bound itself meets a >= target
+        (0.59, 1.0, ">= 0.6", False),
+        (1.0, 1.0, "<= 1.0", True),
+        (1.01, 1.0, "<= 1.0", False),
+        (1.2, 1.0, "<= 1.3", True),
+        (5.0, 1.0, "", None),  # no target
+    ],
+)
+def test_met(service: float, anchor: float, target: str, met: bool | None) -> None:
+    row = Row("g", "w", _stat(service), "a", _stat(anchor), target=target)
+    assert row.met() is met
+    d = row.as_dict()
+    assert d["met"] is met
+    assert d["ratio"] == pytest.approx(service / anchor)
+
+
+def test_measure_counts_warmup_and_repeats() -> None:
+    calls = []
+    stat = measure(lambda: calls.append(1), 7, warmup=2)
+    assert len(calls) == 9
+    assert stat.samples == 7
+    assert stat.unit == "s"
+    assert stat.low <= stat.median <= stat.high
+
+
+def test_measure_per_converts_units() -> None:
+    stat = measure(lambda: None, 3, warmup=0, unit="GB/s", per=lambda s: 1.0)
+    assert (stat.median, stat.low, stat.high, stat.samples) == (1.0, 1.0, 1.0, 3)
+
+
+def test_stat_of_and_text() -> None:
+    stat = stat_of([3.0, 1.0, 2.0], "ms")
+    assert (stat.median, stat.low, stat.high, stat.samples) == (2.0, 1.0, 3.0, 3)
+    assert stat.text() == "2 ms (1-3)"
+
+
+def test_percentile() -> None:
+    values = [float(i) for i in range(1, 101)]
+    assert percentile(values, 50) in (50.0, 51.0)
+    assert percentile(values, 99) == 99.0
+    assert percentile(values, 100) == 100.0
+    assert percentile([4.0], 99) == 4.0
+
+
+def test_markdown_table_one_line_per_row_and_escapes_pipes() -> None:
+    rows = [
+        Row("1 put/get", "put 1 MiB", _stat(0.5), "raw TCP | prealloc", _stat(1.0), ">= 0.6"),
+        Row("4 latency", "p50", _stat(1.0, "ms"), "rtt", _stat(2.0, "ms"), "<= 1.0"),
+    ]
+    table = entry.markdown_table(rows).splitlines()
+    assert len(table) == 2 + len(rows)
+    assert table[0].count("|") == len(entry.COLUMNS) + 1
+    assert "raw TCP \\| prealloc" in table[2]
+    assert table[2].endswith("| >= 0.6 | **no** |")
+    assert table[3].endswith("| <= 1.0 | yes |")
+
+
+def test_discover_orders_rows_like_the_issue() -> None:
+    names = entry.discover()
+    assert {"putget", "latency", "memory"} <= set(names)
+    assert names.index("putget") < names.index("latency") < names.index("memory")
+
+
+def test_a_failing_row_is_reported_and_the_others_run(monkeypatch, tmp_path) -> None:
+    good = Row("g", "ok", _stat(1.0), "a", _stat(1.0), "<= 1.0")
+    modules = {
+        "bench.row_good": type(sys)("bench.row_good"),
+        "bench.row_bad": type(sys)("bench.row_bad"),
+    }
+    modules["bench.row_good"].run = lambda ctx: [good]
+
+    def bad(ctx):
+        raise RuntimeError("boom")
+
+    modules["bench.row_bad"].run = bad
+    monkeypatch.setattr(entry, "discover", lambda: ["bad", "good"])
+    monkeypatch.setattr(entry.importlib, "import_module", lambda name: modules[name])
+    out_json, out_md = tmp_path / "b.json", tmp_path / "b.md"
+    rc = entry.main(["--quick", "--json", str(out_json), "--markdown", str(out_md)])
+    assert rc == 1
+    doc = json.loads(out_json.read_text())
+    assert [r["what"] for r in doc["rows"]] == ["ok"]
+    assert "bad" in doc["failures"] and "boom" in doc["failures"]["bad"]
+    assert doc["mode"] == "quick"
+    assert "| ok |" in out_md.read_text()
+
+
+def test_tcp_sink_round_trip() -> None:
+    torch = pytest.importorskip("torch")
+    with TcpSink(1 << 20) as sink:
+        stat = sink.gbps(torch.ones(1 << 18), 2)  # 1 MiB
+    assert stat.samples == 2 and stat.median > 0
