@@ -190,25 +190,29 @@ def run_model_op(rt: GenerationRuntime, desc: worker_pb2.OpDescriptor, started: 
             model.optimizer.step()
             model.steps += 1
 
-    losses = torch.tensor([loss_value, float(batch)], dtype=torch.float64)
-    gathered = torch.empty((rt.world_size, 2), dtype=torch.float64)
-    rt.call(
-        lambda: control.allgather([[gathered[i] for i in range(rt.world_size)]], [losses]).wait()
-    )
-    rank_losses = [float(v) for v in gathered[:, 0].tolist()]
-    weights = gathered[:, 1]
-    global_loss = (
-        float((gathered[:, 0] * weights).sum() / weights.sum())
-        if is_train and float(weights.sum()) > 0
-        else math.nan
-    )
+    rank_losses: list[float] = []
+    global_loss = 0.0
+    if is_train:  # every rank takes this branch or none: the kind is in the descriptor
+        losses = torch.tensor([loss_value, float(batch)], dtype=torch.float64)
+        gathered = torch.empty((rt.world_size, 2), dtype=torch.float64)
+        rt.call(
+            lambda: control.allgather(
+                [[gathered[i] for i in range(rt.world_size)]], [losses]
+            ).wait()
+        )
+        rank_losses = [float(v) for v in gathered[:, 0].tolist()]
+        weights = gathered[:, 1]
+        total_weight = float(weights.sum())
+        global_loss = (
+            float((gathered[:, 0] * weights).sum() / total_weight) if total_weight else math.nan
+        )
     return ModelOpResult(
         desc.op_id,
         rt.generation,
         buckets,
         nbytes,
-        global_loss if is_train else 0.0,
-        rank_losses if is_train else [],
+        global_loss,
+        rank_losses,
         time.perf_counter() - started,
     )
 
