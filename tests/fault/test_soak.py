@@ -109,11 +109,10 @@ def test_soak_mixed_ops_while_workers_die_and_return(fault_cluster) -> None:
     for t in threads:
         t.start()
     rng = random.Random(7)
+    schedule = threading.Event()  # never set: waiting on it is waiting for the next kill time
     next_kill = time.monotonic() + KILL_EVERY_S / 2
-    while time.monotonic() < stop_at - KILL_EVERY_S / 2:
-        if time.monotonic() < next_kill:
-            time.sleep(0.1)  # pacing of the fault schedule, not synchronisation
-            continue
+    while next_kill < stop_at - KILL_EVERY_S / 2:
+        schedule.wait(max(0.0, next_kill - time.monotonic()))
         alive = [d for d in cluster.workers if d.proc.poll() is None]
         victim = rng.choice(alive)
         victim.signal(signal.SIGKILL)
