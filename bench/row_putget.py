@@ -5,6 +5,10 @@ client is this process. Each size is put to rank 0 and read back from it,
 ``repeats`` times each; the anchor sends the same bytes over
 a loopback TCP connection into a preallocated buffer in the same run. The memcpy
 figure (``dst.copy_(src)``) of the largest size is in ``extra`` of every row.
+
+Payloads of 1 MiB and more take the workers' bulk port (raw TCP beside gRPC,
+see docs/design.md); the "gRPC stream" rows measure the largest size again on a
+cluster started with ``--no-bulk``, the path every payload takes under TLS.
 """
 
 from __future__ import annotations
@@ -82,4 +86,30 @@ def run(ctx: BenchContext) -> list[Row]:
                         extra=dict(extra),
                     )
                 )
+    rows += _stream_rows(largest, anchors[largest], repeats(largest))
     return rows
+
+
+def _stream_rows(nbytes: int, anchor, n: int) -> list[Row]:
+    """The largest size through gRPC streams only (a ``--no-bulk`` cluster): no target."""
+    t = torch.randint(0, 255, (nbytes // 4,), dtype=torch.int32).view(torch.float32)
+    name = f"bench/putget/stream/{nbytes}"
+    gbps = _per_gbps(nbytes)
+    with collectives.connect(shared_cluster(1, "--no-bulk"), timeout=60) as cluster:
+        put = measure(partial(cluster.put, name, t, rank=0), n, unit="GB/s", per=gbps)
+        get = measure(partial(cluster.get, name, rank=0), n, unit="GB/s", per=gbps)
+        if not torch.equal(cluster.get(name, rank=0).view(torch.int32), t.view(torch.int32)):
+            raise AssertionError("stream get returned different bytes than put")
+        cluster.delete(name, missing_ok=True)
+    return [
+        Row(
+            group="1 put/get",
+            what=f"{what} {_label(nbytes)}, gRPC stream (--no-bulk, as under TLS)",
+            service=stat,
+            anchor_name="raw TCP loopback, preallocated recv buffer",
+            anchor=anchor,
+            note="bound: grpcio copies each 4 MiB message twice, partly under the GIL",
+            extra={"bytes": nbytes},
+        )
+        for what, stat in (("put", put), ("get", get))
+    ]

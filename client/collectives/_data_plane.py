@@ -67,7 +67,7 @@ class _DataPlane(_ClusterCore):
             segment = self._shm_pool.acquire(wire.numel() * wire.element_size())
         try:
             if segment is not None:
-                shm.write_into(segment.fd, wire)
+                segment.write(wire)
             path = segment.path if segment is not None else None
             self._fan_out(
                 f"put {name!r}",

@@ -17,13 +17,13 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
 import torch
 
-from collectives import codec, shm
+from collectives import bulk, codec, shm
 from collectives._security import PLAINTEXT, ChannelSecurity
 from collectives.errors import CollectiveError, InvalidArgument, Unavailable, error_for_code
 from collectives.errors import from_rpc_error as _from_rpc_error
@@ -88,6 +88,8 @@ class WorkerEndpoint:
     # Raw-bytes data-plane callables (no protobuf on the client side).
     put_raw: grpc.StreamUnaryMultiCallable
     get_raw: grpc.UnaryStreamMultiCallable
+    # The worker's bulk port, asked on first use (see collectives.bulk).
+    bulk: bulk.BulkPort = field(default_factory=bulk.BulkPort)
 
     @classmethod
     def open(cls, address: str, security: ChannelSecurity = PLAINTEXT) -> WorkerEndpoint:
@@ -158,12 +160,18 @@ def call_unary(
 def put_tensor(
     endpoint: WorkerEndpoint, name: str, t: torch.Tensor, timeout: float
 ) -> worker_pb2.PutTensorResponse:
-    """Streams ``t`` to ``endpoint`` under ``name`` in chunks of at most 4 MiB.
+    """Stores ``t`` on ``endpoint`` under ``name``: over the worker's bulk port
+    when it has one and ``t`` is at least ``bulk.BULK_MIN_BYTES``, else streamed
+    in chunks of at most 4 MiB.
 
     Raises:
         CollectiveError: the worker refused the tensor or the call failed.
     """
     what = f"PutTensor {name!r} to {endpoint.address}"
+    if t.numel() * t.element_size() >= bulk.BULK_MIN_BYTES:
+        port = endpoint.bulk.port(endpoint, timeout)
+        if port:
+            return bulk.put_tensor_bulk(endpoint, port, name, codec.wire_tensor(t), timeout)
     try:
         return endpoint.put_raw(
             codec.encode_tensor_stream(name, t), timeout=_deadline_s(timeout, what)
@@ -175,12 +183,16 @@ def put_tensor(
 def get_tensor(
     endpoint: WorkerEndpoint, name: str, timeout: float, consume: bool = False
 ) -> torch.Tensor:
-    """Downloads the tensor stored under ``name`` into one preallocated CPU buffer.
+    """Downloads the tensor stored under ``name`` into one preallocated CPU buffer
+    (through the worker's bulk port when it has one, else streamed over gRPC).
 
     Raises:
         NotFound: the worker holds no tensor under ``name``.
         CollectiveError: the call failed, or the worker sent a malformed stream.
     """
+    port = endpoint.bulk.port(endpoint, timeout)
+    if port:
+        return bulk.get_tensor_bulk(endpoint, port, name, timeout, consume)
     what = f"GetTensor {name!r} from {endpoint.address}"
     call = endpoint.get_raw(
         worker_pb2.GetTensorRequest(name=name, consume=consume),
@@ -251,7 +263,7 @@ def get_tensor_shm(
             if lease is not None and response.path == lease.path:
                 if lease.size < response.offset + meta.nbytes:
                     raise InvalidArgument("the segment is smaller than the tensor")
-                return shm.read_segment(lease.fd, response.offset, meta)
+                return lease.read(response.offset, meta)
             try:
                 fd = shm.open_checked(response.path, response.offset, meta.nbytes)
                 try:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from collectives._memory import empty_bytes
 from collectives.dtypes import from_wire, to_wire
 from collectives.errors import InvalidArgument
 from collectives.v1 import tensor_pb2
@@ -38,6 +39,8 @@ __all__ = [
     "check_header",
     "tensor_to_proto",
     "tensor_from_proto",
+    "tensor_from_bytes",
+    "wire_tensor",
 ]
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian torch builds in use
@@ -154,7 +157,7 @@ def make_header(name: str, t: torch.Tensor) -> tensor_pb2.TensorHeader:
     )
 
 
-def _wire_tensor(t: torch.Tensor) -> torch.Tensor:
+def wire_tensor(t: torch.Tensor) -> torch.Tensor:
     """CPU, C-contiguous, non-conjugated, non-negated: what the bytes must describe."""
     t = t.detach()
     if t.device.type != "cpu":
@@ -166,7 +169,7 @@ def encode_tensor_stream(
     name: str, t: torch.Tensor, chunk_bytes: int = CHUNK_BYTES
 ) -> Iterator[bytes]:
     """Yields the framed messages of one tensor: header, then chunks of payload."""
-    t = _wire_tensor(t)
+    t = wire_tensor(t)
     yield frame_header(make_header(name, t))
     view = tensor_memoryview(t)
     for start in range(0, len(view), chunk_bytes):
@@ -210,7 +213,7 @@ class TensorAssembler:
 
     def __init__(self, header: tensor_pb2.TensorHeader) -> None:
         self.meta = check_header(header)
-        self._buffer = torch.empty(self.meta.nbytes, dtype=torch.uint8)
+        self._buffer = empty_bytes(self.meta.nbytes)
         self._view = tensor_memoryview(self._buffer)
         self._filled = 0
 
@@ -239,10 +242,20 @@ class TensorAssembler:
 
 
 def tensor_to_proto(t: torch.Tensor) -> tensor_pb2.Tensor:
-    t = _wire_tensor(t)
+    t = wire_tensor(t)
     return tensor_pb2.Tensor(
         dtype=to_wire(t.dtype), shape=list(t.shape), data=tensor_memoryview(t).tobytes()
     )
+
+
+def tensor_from_bytes(data: bytes | memoryview, meta: CheckedHeader) -> torch.Tensor:
+    """A new tensor of ``meta``'s dtype and shape holding a copy of ``data``."""
+    if len(data) != meta.nbytes:
+        raise InvalidArgument(f"{len(data)} bytes for a tensor of {meta.nbytes} bytes")
+    buffer = empty_bytes(meta.nbytes)
+    if meta.nbytes:
+        tensor_memoryview(buffer)[:] = data
+    return buffer.view(meta.dtype).reshape(meta.shape)
 
 
 def tensor_from_proto(msg: tensor_pb2.Tensor) -> torch.Tensor:

@@ -2,11 +2,13 @@
 
 Like Triton's system shared memory: the payload goes through a file in
 ``/dev/shm`` (tmpfs, i.e. RAM), and only a handle (path, offset, header) goes
-over gRPC. Each side copies the bytes once: the writer with ``write(2)`` from
-the tensor's memory into the file, the reader with ``pread(2)`` straight into a
-freshly allocated tensor. Plain reads and writes rather than ``mmap`` so that a
-file truncated by someone else mid-copy is a short read (an error), never a
-``SIGBUS`` that would kill the process.
+over gRPC. Each side copies the bytes once. The worker uses plain ``pread(2)``
+and ``pwrite(2)`` on segments a client names, never ``mmap``: a file truncated
+by someone else mid-copy is then a short read (an error), never a ``SIGBUS``
+that would kill the daemon. The SDK maps its *own* segments (created 0600 under
+a random name, never truncated while mapped) and copies with ``Tensor.copy_``,
+which runs at memcpy speed (~18 GB/s measured) where ``write(2)`` into tmpfs
+manages ~7 GB/s; the mapping lives as long as the segment.
 
 Lifetime: a segment belongs to whoever created it, who unlinks it: the SDK
 keeps its segments in a :class:`SegmentPool` (reused between calls, so tmpfs
@@ -19,6 +21,7 @@ ordinary memory.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import stat
 import threading
@@ -27,6 +30,7 @@ import weakref
 
 import torch
 
+from collectives._memory import empty_bytes
 from collectives.codec import CheckedHeader, tensor_memoryview
 from collectives.errors import InvalidArgument
 
@@ -130,15 +134,49 @@ def open_checked(path: str, offset: int, nbytes: int, *, write: bool = False) ->
 
 
 class Segment:
-    """A client-owned file under ``/dev/shm`` kept open for reuse."""
+    """A client-owned file under ``/dev/shm`` kept open (and mapped) for reuse."""
 
     def __init__(self, path: str, fd: int) -> None:
         self.path = path
         self.fd = fd
+        self._map: mmap.mmap | None = None
+        self._bytes: torch.Tensor | None = None  # uint8 view of the whole mapping
 
     @property
     def size(self) -> int:
         return os.fstat(self.fd).st_size if self.fd >= 0 else 0
+
+    def _mapped(self, end: int) -> torch.Tensor:
+        """A uint8 tensor over the file's first ``size`` bytes (remapped after it grew)."""
+        if self._bytes is None or self._bytes.numel() < end:
+            self._unmap()
+            size = self.size
+            if size < end:
+                raise InvalidArgument(f"segment holds {size} bytes; {end} needed")
+            self._map = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED)
+            self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        return self._bytes
+
+    def _unmap(self) -> None:
+        self._bytes = None
+        mapping, self._map = self._map, None
+        if mapping is not None:
+            with contextlib.suppress(BufferError):  # a view still alive: the GC unmaps it
+                mapping.close()
+
+    def write(self, t: torch.Tensor, offset: int = 0) -> None:
+        """Copies a contiguous CPU tensor's bytes into the segment at ``offset``."""
+        nbytes = t.numel() * t.element_size()
+        if nbytes:
+            src = torch.frombuffer(tensor_memoryview(t), dtype=torch.uint8)
+            self._mapped(offset + nbytes)[offset : offset + nbytes].copy_(src)
+
+    def read(self, offset: int, meta: CheckedHeader) -> torch.Tensor:
+        """Copies ``meta.nbytes`` at ``offset`` into a new tensor of ``meta``'s dtype and shape."""
+        buffer = empty_bytes(meta.nbytes)
+        if meta.nbytes:
+            buffer.copy_(self._mapped(offset + meta.nbytes)[offset : offset + meta.nbytes])
+        return buffer.view(meta.dtype).reshape(meta.shape)
 
     @classmethod
     def create(cls, nbytes: int) -> Segment:
@@ -162,6 +200,7 @@ class Segment:
         return cls(path, fd)
 
     def destroy(self) -> None:
+        self._unmap()
         fd, self.fd = self.fd, -1
         if fd >= 0:
             with contextlib.suppress(OSError):
@@ -200,6 +239,7 @@ class SegmentPool:
             return None
         if grow is not None:  # the largest free one is too small: grow it (pages kept)
             try:
+                grow._unmap()
                 os.ftruncate(grow.fd, nbytes)
                 return grow
             except OSError:
@@ -233,7 +273,7 @@ def _destroy_all(free: list[tuple[int, Segment]]) -> None:
 
 def read_segment(fd: int, offset: int, meta: CheckedHeader) -> torch.Tensor:
     """Copies ``meta.nbytes`` at ``offset`` of an open segment into a new tensor."""
-    buffer = torch.empty(meta.nbytes, dtype=torch.uint8)
+    buffer = empty_bytes(meta.nbytes)
     if meta.nbytes:
         view = tensor_memoryview(buffer)
         done = 0

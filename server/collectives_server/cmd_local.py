@@ -52,6 +52,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--workers", type=positive_int, required=True, metavar="N", help="number of workers"
     )
     p.add_argument(
+        "--no-bulk",
+        action="store_true",
+        help="workers open no bulk port: every payload goes through gRPC streams",
+    )
+    p.add_argument(
         "--min-workers",
         type=positive_int,
         default=None,
@@ -162,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _model_hosting_args(args: argparse.Namespace) -> list[str]:
     """What every worker of the local cluster gets of --allow-factory/--graph-ttl-s,
-    --queue-size and --max-tensor-bytes."""
+    --queue-size, --max-tensor-bytes and --no-bulk."""
     modules = allowed_factories(args.allow_factory)
     extra = [f"--graph-ttl-s={args.graph_ttl_s}"]
     if modules:
@@ -171,6 +176,8 @@ def _model_hosting_args(args: argparse.Namespace) -> list[str]:
         extra.append(f"--queue-size={args.queue_size}")
     if args.max_tensor_bytes is not None:
         extra.append(f"--max-tensor-bytes={args.max_tensor_bytes}")
+    if args.no_bulk:
+        extra.append("--no-bulk")
     return extra
 
 

@@ -88,6 +88,20 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="port clients and peers use to reach this worker, when it differs from --port "
         "(a NAT or container port mapping; default: the bound port)",
     )
+    p.add_argument(
+        "--bulk-port",
+        type=port_number,
+        default=0,
+        metavar="P",
+        help="TCP port of the bulk data plane: large put/get payloads go over raw TCP, "
+        "authorised by one-time tickets sent over gRPC; plaintext workers only "
+        "(default: 0, any free port)",
+    )
+    p.add_argument(
+        "--no-bulk",
+        action="store_true",
+        help="no bulk port: every payload goes through gRPC streams",
+    )
     add_max_tensor_bytes(p)
     add_model_hosting(p)
     add_metrics(p)
@@ -125,6 +139,7 @@ def config_from_args(
         advertise_port=args.advertise_port,
         allow_factories=allowed_factories(args.allow_factory),
         graph_ttl_s=args.graph_ttl_s,
+        bulk_port=None if args.no_bulk else args.bulk_port,
         security=server_security_from_args(args, parser),
         coordinator_security=client_security_from_args(args, parser),
     )

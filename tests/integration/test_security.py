@@ -186,6 +186,11 @@ def _round_trip(client: collectives.Cluster) -> None:
     for rank in range(WORKERS):
         assert torch.equal(client.get("sec_x", rank=rank), expected)
     client.delete("sec_x")
+    # Large enough for the bulk port where there is one (plaintext), streamed under TLS.
+    big = torch.randn(3 << 18)
+    client.put("sec_big", big, rank=WORKERS - 1)
+    assert torch.equal(client.get("sec_big", rank=WORKERS - 1), big)
+    client.delete("sec_big")
 
 
 @pytest.fixture(scope="module")
@@ -206,6 +211,14 @@ def test_tls_end_to_end_and_plaintext_client_refused(tls_cluster: str, pki: Pki)
     with _connect(tls_cluster, tls_ca=str(pki.ca)) as client:
         _round_trip(client)
         worker_addresses = [w.address for w in client.workers()]
+
+    # No bulk port under TLS: raw TCP would carry the payload unencrypted.
+    creds = grpc.ssl_channel_credentials(pki.ca.read_bytes())
+    with grpc.secure_channel(worker_addresses[0], creds) as channel:
+        plane = worker_pb2_grpc.WorkerStub(channel).GetDataPlane(
+            worker_pb2.DataPlaneRequest(), timeout=10
+        )
+        assert plane.bulk_port == 0
 
     # (b) A plaintext client fails cleanly, UNAVAILABLE within its timeout.
     for address in [tls_cluster, worker_addresses[0]]:
@@ -309,6 +322,8 @@ def test_token_on_plaintext_cluster(pki: Pki, tmp_path: Path) -> None:
                 lambda: stub.ListTensors(worker_pb2.ListTensorsRequest(), timeout=10),
                 lambda: list(stub.GetTensor(worker_pb2.GetTensorRequest(name="guarded"),
                                             timeout=10)),
+                lambda: stub.GetTensorBulk(worker_pb2.GetTensorBulkRequest(name="guarded"),
+                                           timeout=10),
             ):  # fmt: skip
                 _assert_unauthenticated(call)
             _assert_health_open(channel)

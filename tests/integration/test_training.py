@@ -116,7 +116,7 @@ def test_train_step_matches_local_full_batch(cluster3, gen, uname, loss) -> None
         local_loss = loss_fn(local(x), y)
         local_loss.backward()
         local_opt.step()
-        assert remote_loss == pytest.approx(float(local_loss), rel=RTOL)
+        assert remote_loss == pytest.approx(float(local_loss.detach()), rel=RTOL)
     _assert_replicas_equal(cluster3, name, local)
 
 

@@ -72,6 +72,46 @@ class GetTensorShmResponse(_message.Message):
     offset: int
     def __init__(self, header: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
 
+class DataPlaneRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DataPlaneResponse(_message.Message):
+    __slots__ = ("bulk_port", "bulk_min_bytes")
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
+    BULK_MIN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    bulk_port: int
+    bulk_min_bytes: int
+    def __init__(self, bulk_port: _Optional[int] = ..., bulk_min_bytes: _Optional[int] = ...) -> None: ...
+
+class PutTensorBulkRequest(_message.Message):
+    __slots__ = ("header", "ticket")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    header: _tensor_pb2.TensorHeader
+    ticket: bytes
+    def __init__(self, header: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., ticket: _Optional[bytes] = ...) -> None: ...
+
+class GetTensorBulkRequest(_message.Message):
+    __slots__ = ("name", "consume")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CONSUME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    consume: bool
+    def __init__(self, name: _Optional[str] = ..., consume: _Optional[bool] = ...) -> None: ...
+
+class GetTensorBulkResponse(_message.Message):
+    __slots__ = ("header", "inline_data", "ticket", "ticket_ttl_s")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    INLINE_DATA_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    TICKET_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    header: _tensor_pb2.TensorHeader
+    inline_data: bytes
+    ticket: bytes
+    ticket_ttl_s: float
+    def __init__(self, header: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., inline_data: _Optional[bytes] = ..., ticket: _Optional[bytes] = ..., ticket_ttl_s: _Optional[float] = ...) -> None: ...
+
 class DeleteTensorRequest(_message.Message):
     __slots__ = ("name", "missing_ok")
     NAME_FIELD_NUMBER: _ClassVar[int]

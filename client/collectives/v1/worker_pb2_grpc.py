@@ -54,6 +54,21 @@ class WorkerStub:
                 request_serializer=collectives_dot_v1_dot_worker__pb2.GetTensorShmRequest.SerializeToString,
                 response_deserializer=collectives_dot_v1_dot_worker__pb2.GetTensorShmResponse.FromString,
                 _registered_method=True)
+        self.GetDataPlane = channel.unary_unary(
+                '/collectives.v1.Worker/GetDataPlane',
+                request_serializer=collectives_dot_v1_dot_worker__pb2.DataPlaneRequest.SerializeToString,
+                response_deserializer=collectives_dot_v1_dot_worker__pb2.DataPlaneResponse.FromString,
+                _registered_method=True)
+        self.PutTensorBulk = channel.unary_unary(
+                '/collectives.v1.Worker/PutTensorBulk',
+                request_serializer=collectives_dot_v1_dot_worker__pb2.PutTensorBulkRequest.SerializeToString,
+                response_deserializer=collectives_dot_v1_dot_worker__pb2.PutTensorResponse.FromString,
+                _registered_method=True)
+        self.GetTensorBulk = channel.unary_unary(
+                '/collectives.v1.Worker/GetTensorBulk',
+                request_serializer=collectives_dot_v1_dot_worker__pb2.GetTensorBulkRequest.SerializeToString,
+                response_deserializer=collectives_dot_v1_dot_worker__pb2.GetTensorBulkResponse.FromString,
+                _registered_method=True)
         self.DeleteTensor = channel.unary_unary(
                 '/collectives.v1.Worker/DeleteTensor',
                 request_serializer=collectives_dot_v1_dot_worker__pb2.DeleteTensorRequest.SerializeToString,
@@ -209,6 +224,34 @@ class WorkerServicer:
         """Same-host fast path: the worker writes the tensor into a new /dev/shm file
         and returns its path; the client copies it out and unlinks it. Errors: as
         GetTensor; FAILED_PRECONDITION (not loopback). Safe to retry.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetDataPlane(self, request, context):
+        """Raw-TCP fast path for large tensors (see DataPlaneResponse): where this
+        worker accepts bulk connections. bulk_port 0: it does not (TLS is on, or
+        the worker runs with --no-bulk); use PutTensor/GetTensor.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutTensorBulk(self, request, context):
+        """Stores a tensor whose payload arrives on a bulk connection that presents
+        the request's ticket; answers once all bytes arrived. Errors: as PutTensor;
+        DEADLINE_EXCEEDED (no connection, or too few bytes, before the deadline);
+        FAILED_PRECONDITION (no bulk port). Safe to retry with a new ticket.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTensorBulk(self, request, context):
+        """Answers the tensor's header, and either its bytes inline (small tensors)
+        or a ticket to present on a bulk connection within ticket_ttl_s, which then
+        carries the payload. Errors: as GetTensor; FAILED_PRECONDITION (no bulk port).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -400,6 +443,21 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetTensorShm,
                     request_deserializer=collectives_dot_v1_dot_worker__pb2.GetTensorShmRequest.FromString,
                     response_serializer=collectives_dot_v1_dot_worker__pb2.GetTensorShmResponse.SerializeToString,
+            ),
+            'GetDataPlane': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDataPlane,
+                    request_deserializer=collectives_dot_v1_dot_worker__pb2.DataPlaneRequest.FromString,
+                    response_serializer=collectives_dot_v1_dot_worker__pb2.DataPlaneResponse.SerializeToString,
+            ),
+            'PutTensorBulk': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutTensorBulk,
+                    request_deserializer=collectives_dot_v1_dot_worker__pb2.PutTensorBulkRequest.FromString,
+                    response_serializer=collectives_dot_v1_dot_worker__pb2.PutTensorResponse.SerializeToString,
+            ),
+            'GetTensorBulk': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTensorBulk,
+                    request_deserializer=collectives_dot_v1_dot_worker__pb2.GetTensorBulkRequest.FromString,
+                    response_serializer=collectives_dot_v1_dot_worker__pb2.GetTensorBulkResponse.SerializeToString,
             ),
             'DeleteTensor': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteTensor,
@@ -630,6 +688,87 @@ class Worker:
             '/collectives.v1.Worker/GetTensorShm',
             collectives_dot_v1_dot_worker__pb2.GetTensorShmRequest.SerializeToString,
             collectives_dot_v1_dot_worker__pb2.GetTensorShmResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDataPlane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/collectives.v1.Worker/GetDataPlane',
+            collectives_dot_v1_dot_worker__pb2.DataPlaneRequest.SerializeToString,
+            collectives_dot_v1_dot_worker__pb2.DataPlaneResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutTensorBulk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/collectives.v1.Worker/PutTensorBulk',
+            collectives_dot_v1_dot_worker__pb2.PutTensorBulkRequest.SerializeToString,
+            collectives_dot_v1_dot_worker__pb2.PutTensorResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTensorBulk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/collectives.v1.Worker/GetTensorBulk',
+            collectives_dot_v1_dot_worker__pb2.GetTensorBulkRequest.SerializeToString,
+            collectives_dot_v1_dot_worker__pb2.GetTensorBulkResponse.FromString,
             options,
             channel_credentials,
             insecure,

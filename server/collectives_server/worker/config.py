@@ -38,6 +38,9 @@ class WorkerConfig:
     allow_factories: tuple[str, ...] = field(default_factory=tuple)
     # A forward's autograd graph is dropped if no backward comes within this time.
     graph_ttl_s: float = 60.0
+    # TCP port of the bulk data plane (raw bytes of large put/get next to gRPC);
+    # 0 picks a free one; None: no bulk port. Never opened when TLS is on.
+    bulk_port: int | None = 0
     # TLS / mutual TLS / bearer token of this worker's gRPC server.
     security: ServerSecurity = field(default_factory=ServerSecurity)
     # How this worker reaches the coordinator (TLS, client certificate, token).

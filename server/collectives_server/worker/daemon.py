@@ -29,6 +29,7 @@ from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2
 from collectives_server.metrics import MetricsServer
 from collectives_server.rpc import GRPC_OPTIONS, start_server
 from collectives_server.signals import StopSignal
+from collectives_server.worker.bulk import BulkListener
 from collectives_server.worker.config import WorkerConfig
 from collectives_server.worker.models import ModelRegistry
 from collectives_server.worker.runtime import GenerationRuntime, OpResult
@@ -84,6 +85,7 @@ class WorkerDaemon:
         self._started = time.monotonic()
         self._watch_call = None
         self._server = None
+        self.bulk: BulkListener | None = None
         self._metrics: MetricsServer | None = None
         self.address = ""
 
@@ -107,6 +109,10 @@ class WorkerDaemon:
         if host in ("0.0.0.0", "::", ""):
             host = socket.gethostname()
         self.address = f"{host}:{self.config.advertise_port or self._server.port}"
+        if self.config.bulk_port is not None and not self.config.security.tls:
+            self.bulk = BulkListener(
+                self.config.host, self.config.bulk_port, io_timeout_s=max(self.op_timeout_s, 60.0)
+            )
         self._channel = self.config.coordinator_security.open_channel(
             self.config.coordinator, GRPC_OPTIONS
         )
@@ -132,6 +138,8 @@ class WorkerDaemon:
                 self.runtime = None
         if self._server is not None:
             self._server.stop(1.0)
+        if self.bulk is not None:
+            self.bulk.close()
         if self._metrics is not None:
             self._metrics.stop()
         self._channel.close()

@@ -18,6 +18,8 @@ import grpc
 from google.protobuf import message_factory
 
 from collectives import codec, shm
+from collectives._memory import empty_bytes
+from collectives.bulk import BULK_MIN_BYTES, new_ticket
 from collectives.dtypes import to_wire
 from collectives.errors import (
     DeadlineExceeded,
@@ -29,6 +31,7 @@ from collectives.errors import (
 from collectives.names import validate_name
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
+from collectives_server.worker.bulk import BulkListener
 from collectives_server.worker.model_service import ModelRpcs
 from collectives_server.worker.rpc_guards import counted as _counted
 from collectives_server.worker.rpc_guards import guard as _guard
@@ -84,6 +87,66 @@ class WorkerService(ModelRpcs):
         self._daemon.stats.add_bytes(sent=nbytes)
         if request.consume:
             self._daemon.store.delete_if_same(request.name, tensor)
+
+    # ------------------------------------------------------ bulk data plane
+    @_guard
+    def GetDataPlane(self, request, context) -> worker_pb2.DataPlaneResponse:
+        bulk = self._daemon.bulk
+        return worker_pb2.DataPlaneResponse(
+            bulk_port=bulk.port if bulk is not None else 0, bulk_min_bytes=BULK_MIN_BYTES
+        )
+
+    @_guard
+    @_counted("put")
+    def PutTensorBulk(
+        self, request: worker_pb2.PutTensorBulkRequest, context
+    ) -> worker_pb2.PutTensorResponse:
+        bulk = self._bulk()
+        try:
+            validate_name(request.header.name)
+            meta = codec.check_header(request.header)
+            self._daemon.store.check_quota(meta.name, meta.nbytes)
+            buffer = empty_bytes(meta.nbytes)
+        except BaseException:
+            bulk.refuse(request.ticket)
+            raise
+        bulk.receive(request.ticket, buffer, _remaining_s(context, self._daemon.op_timeout_s))
+        self._daemon.store.put(meta.name, buffer.view(meta.dtype).reshape(meta.shape))
+        self._daemon.stats.add_bytes(received=meta.nbytes)
+        return worker_pb2.PutTensorResponse(name=meta.name, nbytes=meta.nbytes)
+
+    @_guard
+    @_counted("get")
+    def GetTensorBulk(
+        self, request: worker_pb2.GetTensorBulkRequest, context
+    ) -> worker_pb2.GetTensorBulkResponse:
+        bulk = self._bulk()
+        validate_name(request.name)
+        tensor = self._daemon.store.get(request.name)
+        wire = codec.wire_tensor(tensor)
+        header = codec.make_header(request.name, wire)
+        response = worker_pb2.GetTensorBulkResponse(header=header)
+        if header.nbytes < BULK_MIN_BYTES:
+            response.inline_data = codec.tensor_memoryview(wire).tobytes()
+        else:
+            ticket = new_ticket()
+            ttl = _remaining_s(context, self._daemon.op_timeout_s)
+            bulk.offer(ticket, wire, ttl)
+            response.ticket = ticket
+            response.ticket_ttl_s = ttl
+        self._daemon.stats.add_bytes(sent=header.nbytes)
+        if request.consume:
+            self._daemon.store.delete_if_same(request.name, tensor)
+        return response
+
+    def _bulk(self) -> BulkListener:
+        bulk = self._daemon.bulk
+        if bulk is None:
+            raise FailedPrecondition(
+                "this worker has no bulk port (TLS is on, or it runs with --no-bulk): "
+                "use PutTensor/GetTensor"
+            )
+        return bulk
 
     # ------------------------------------------------ same-host shared memory
     @_guard
@@ -304,6 +367,12 @@ class WorkerService(ModelRpcs):
     @_guard
     def NewGroup(self, r, context):
         return self._run(context, "new_group", r.options, group_ranks=list(r.ranks))
+
+
+def _remaining_s(context, default_s: float) -> float:
+    """The call's time left (its deadline), or ``default_s`` when it has none."""
+    remaining = context.time_remaining()
+    return default_s if remaining is None else max(min(remaining, 24 * 3600.0), 0.0)
 
 
 def _write_into(request: worker_pb2.GetTensorShmRequest, wire) -> bool:

@@ -1,0 +1,221 @@
+"""The bulk data plane, client side: large payloads over raw TCP beside gRPC.
+
+gRPC carries the control (header, validation, quota, errors, deadlines, the
+bearer token); a plain TCP connection to the worker's bulk port carries only
+the bytes, between the socket and the tensor's memory with no copy in user
+space. The connection opens with ``MAGIC`` and a one-time 16-byte random
+ticket that travelled in the gRPC call, so only that call's caller can feed or
+read it. A put sends the call and the bytes at the same time; a get asks first
+(small tensors come back inline) and then pulls the bytes with its ticket.
+
+Workers offer a bulk port only in plaintext (``DataPlaneResponse.bulk_port``
+is 0 with TLS on, or with ``--no-bulk``); the SDK then streams over gRPC.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING
+
+import grpc
+import torch
+
+from collectives import codec
+from collectives._memory import empty_bytes
+from collectives.errors import DeadlineExceeded, InvalidArgument, Unavailable, error_for_code
+from collectives.errors import from_rpc_error as _from_rpc_error
+from collectives.v1 import worker_pb2
+
+if TYPE_CHECKING:
+    from collectives._transport import WorkerEndpoint
+
+__all__ = [
+    "MAGIC",
+    "TICKET_BYTES",
+    "BULK_MIN_BYTES",
+    "BulkPort",
+    "new_ticket",
+    "put_tensor_bulk",
+    "get_tensor_bulk",
+]
+
+MAGIC = b"CBK1"
+TICKET_BYTES = 16
+# Below this a payload goes through gRPC (one chunk): a connection costs more than it saves.
+BULK_MIN_BYTES = 1 << 20
+# A put checks between pieces whether its call was already refused.
+_SEND_PIECE = 16 << 20
+
+
+def new_ticket() -> bytes:
+    return os.urandom(TICKET_BYTES)
+
+
+class BulkPort:
+    """What one worker said about its bulk port, asked once per channel.
+
+    ``port`` is None until asked, 0 when the worker has none (TLS, ``--no-bulk``,
+    or a worker that predates it). Forgotten after a refused connection, so a
+    restarted worker's new port is asked for again.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._port: int | None = None
+
+    def port(self, endpoint: WorkerEndpoint, timeout: float) -> int:
+        with self._lock:
+            if self._port is not None:
+                return self._port
+        try:
+            response = endpoint.stub.GetDataPlane(
+                worker_pb2.DataPlaneRequest(), timeout=max(min(timeout, 5.0), 0.001)
+            )
+            port = int(response.bulk_port)
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise _from_rpc_error(err, f"GetDataPlane on {endpoint.address}") from None
+            port = 0
+        with self._lock:
+            self._port = port
+        return port
+
+    def forget(self) -> None:
+        with self._lock:
+            self._port = None
+
+
+def _left(deadline: float, what: str, done: int, total: int) -> float:
+    """Seconds left before ``deadline``; raises DeadlineExceeded once it passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceeded(f"{what}: deadline exceeded after {done} of {total} bytes")
+    return left
+
+
+def _host_of(address: str) -> str:
+    return address.rpartition(":")[0].strip("[]")
+
+
+def _connect(endpoint: WorkerEndpoint, port: int, ticket: bytes, timeout: float) -> socket.socket:
+    try:
+        sock = socket.create_connection((_host_of(endpoint.address), port), timeout=timeout)
+    except OSError as exc:
+        endpoint.bulk.forget()
+        raise Unavailable(
+            f"bulk port {port} of {endpoint.address} refused the connection: {exc}"
+        ) from None
+    sock.sendall(MAGIC + ticket)
+    return sock
+
+
+def put_tensor_bulk(
+    endpoint: WorkerEndpoint, port: int, name: str, t: torch.Tensor, timeout: float
+) -> worker_pb2.PutTensorResponse:
+    """Stores ``t`` (CPU, contiguous, wire layout) through the bulk port.
+
+    The call and the connection run at once; the call answers after the bytes
+    arrived, or at once when it refuses the tensor (quota, bad header), which
+    also stops the sending.
+
+    Raises:
+        CollectiveError: the worker refused the tensor or the call failed;
+            Unavailable when the connection broke (safe to retry).
+    """
+    what = f"PutTensorBulk {name!r} to {endpoint.address}"
+    ticket = new_ticket()
+    deadline = time.monotonic() + timeout
+    request = worker_pb2.PutTensorBulkRequest(header=codec.make_header(name, t), ticket=ticket)
+    call = endpoint.stub.PutTensorBulk.future(request, timeout=max(timeout, 0.001))
+    try:
+        sock = _connect(endpoint, port, ticket, timeout)
+    except Unavailable:
+        call.cancel()
+        raise
+    with sock:
+        view = codec.tensor_memoryview(t)
+        try:
+            for start in range(0, len(view), _SEND_PIECE):
+                if call.done():  # refused (or failed): stop sending
+                    break
+                sock.settimeout(_left(deadline, what, start, len(view)))
+                sock.sendall(view[start : start + _SEND_PIECE])
+        except DeadlineExceeded:
+            call.cancel()
+            raise
+        except TimeoutError:
+            call.cancel()
+            raise DeadlineExceeded(f"{what}: timed out sending the payload") from None
+        except OSError as exc:
+            if not call.done():
+                call.cancel()
+                raise Unavailable(f"{what}: the bulk connection failed: {exc}") from None
+    try:
+        return call.result(timeout=max(deadline - time.monotonic(), 0.0) + 1.0)
+    except grpc.RpcError as err:
+        raise _from_rpc_error(err, what) from None
+    except FutureTimeout:
+        call.cancel()
+        raise error_for_code(grpc.StatusCode.DEADLINE_EXCEEDED, f"{what}: no answer") from None
+
+
+def get_tensor_bulk(
+    endpoint: WorkerEndpoint, port: int, name: str, timeout: float, consume: bool = False
+) -> torch.Tensor:
+    """Downloads ``name``: inline when small, else over the bulk port into one buffer.
+
+    Raises:
+        NotFound: the worker holds no tensor under ``name``.
+        CollectiveError: the call failed, or the connection broke (Unavailable).
+    """
+    what = f"GetTensorBulk {name!r} from {endpoint.address}"
+    deadline = time.monotonic() + timeout
+    try:
+        response = endpoint.stub.GetTensorBulk(
+            worker_pb2.GetTensorBulkRequest(name=name, consume=consume),
+            timeout=max(timeout, 0.001),
+        )
+    except grpc.RpcError as err:
+        raise _from_rpc_error(err, what) from None
+    try:
+        meta = codec.check_header(response.header)
+    except InvalidArgument as err:
+        raise error_for_code(
+            grpc.StatusCode.INTERNAL, f"{what}: malformed header: {err.message}"
+        ) from None
+    if not response.ticket:
+        if len(response.inline_data) != meta.nbytes:
+            raise error_for_code(
+                grpc.StatusCode.INTERNAL,
+                f"{what}: {len(response.inline_data)} inline bytes for a {meta.nbytes}-byte tensor",
+            )
+        return codec.tensor_from_bytes(response.inline_data, meta)
+    buffer = empty_bytes(meta.nbytes)
+    view = codec.tensor_memoryview(buffer)
+    got = 0
+    with _connect(endpoint, port, response.ticket, max(deadline - time.monotonic(), 0.001)) as sock:
+        try:
+            while got < meta.nbytes:
+                sock.settimeout(_left(deadline, what, got, meta.nbytes))
+                n = sock.recv_into(view[got:])
+                if n == 0:
+                    break
+                got += n
+        except DeadlineExceeded:
+            raise
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"{what}: timed out after {got} of {meta.nbytes} bytes"
+            ) from None
+        except OSError as exc:
+            raise Unavailable(f"{what}: bulk connection failed after {got} bytes: {exc}") from None
+    if got != meta.nbytes:
+        raise Unavailable(
+            f"{what}: the bulk connection closed after {got} of {meta.nbytes} bytes "
+            "(the ticket expired, or the worker stopped)"
+        )
+    return buffer.view(meta.dtype).reshape(meta.shape)
