@@ -245,7 +245,8 @@ def get_tensor_shm(
 ) -> torch.Tensor:
     """Downloads ``name`` through shared memory: the worker writes into a free
     segment of ``pool`` when one is large enough, else into a new segment that
-    the pool takes over (or that is unlinked).
+    the pool takes over. The tensor returned lies in that segment (no copy),
+    which goes back to the pool when the tensor is freed.
 
     Raises:
         NotFound: the worker holds no tensor under ``name``.
@@ -263,21 +264,27 @@ def get_tensor_shm(
             if lease is not None and response.path == lease.path:
                 if lease.size < response.offset + meta.nbytes:
                     raise InvalidArgument("the segment is smaller than the tensor")
-                return lease.read(response.offset, meta)
-            try:
+                lent, lease = lease, None  # the tensor holds it now
+                return lent.lend(pool, response.offset, meta)
+            if not shm.is_worker_segment(response.path):  # not ours to keep: copy out
                 fd = shm.open_checked(response.path, response.offset, meta.nbytes)
                 try:
                     return shm.read_segment(fd, response.offset, meta)
                 finally:
                     os.close(fd)
-            finally:
-                if shm.is_worker_segment(response.path):
-                    adopted = shm.Segment.adopt(response.path)
-                    if adopted is None:
-                        shm.unlink(response.path)
-                    else:
-                        pool.release(adopted)
+            shm.open_checked(response.path, response.offset, meta.nbytes)  # validate it
+            adopted = shm.Segment.adopt(response.path)
+            if adopted is None:
+                fd = shm.open_checked(response.path, response.offset, meta.nbytes)
+                try:
+                    return shm.read_segment(fd, response.offset, meta)
+                finally:
+                    os.close(fd)
+                    shm.unlink(response.path)
+            return adopted.lend(pool, response.offset, meta)
         except InvalidArgument as err:
+            if shm.is_worker_segment(response.path) and response.path != request.path:
+                shm.unlink(response.path)
             raise error_for_code(
                 grpc.StatusCode.INTERNAL, f"{what}: unusable shared-memory segment: {err.message}"
             ) from None

@@ -14,13 +14,15 @@ Lifetime: a segment belongs to whoever created it, who unlinks it: the SDK
 keeps its segments in a :class:`SegmentPool` (reused between calls, so tmpfs
 pages are allocated once, not per call; unlinked when the ``Cluster`` closes,
 and at exit), and takes over the segments a worker created for a get (the
-response hands them over). Nothing stays mapped, so a returned tensor owns
-ordinary memory.
+response hands them over). A get returns a tensor *over* the segment the
+worker wrote (zero copies on the client, like Triton's output regions); the
+segment returns to the pool when that tensor and every view of it are freed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
 import stat
@@ -170,6 +172,24 @@ class Segment:
         if nbytes:
             src = torch.frombuffer(tensor_memoryview(t), dtype=torch.uint8)
             self._mapped(offset + nbytes)[offset : offset + nbytes].copy_(src)
+
+    def lend(self, pool: SegmentPool, offset: int, meta: CheckedHeader) -> torch.Tensor:
+        """A tensor over the segment's bytes at ``offset`` (no copy); the segment
+        goes back to ``pool`` when the last tensor or view over it is freed.
+
+        Until then nothing else writes into it: the pool lends out only free
+        segments, and a worker writes only into the segment a get lends it.
+        """
+        if meta.nbytes == 0:
+            pool.release(self)
+            return torch.empty(meta.shape, dtype=meta.dtype)
+        self._mapped(offset + meta.nbytes)
+        assert self._map is not None
+        # A ctypes array over the mapping: it keeps the mapping alive, the tensor's
+        # storage keeps it alive, and its finalizer returns the segment.
+        window = (ctypes.c_ubyte * meta.nbytes).from_buffer(self._map, offset)
+        weakref.finalize(window, pool.release, self)
+        return torch.frombuffer(window, dtype=torch.uint8).view(meta.dtype).reshape(meta.shape)
 
     def read(self, offset: int, meta: CheckedHeader) -> torch.Tensor:
         """Copies ``meta.nbytes`` at ``offset`` into a new tensor of ``meta``'s dtype and shape."""

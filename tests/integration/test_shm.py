@@ -115,6 +115,26 @@ def test_segments_are_reused_and_unlinked_on_close(cluster2_address, gen):
     assert _our_segments() <= before, "a shared-memory segment was left behind"
 
 
+def test_a_returned_tensor_keeps_its_segment_until_freed(cluster2_address, gen):
+    """A get returns a tensor over the segment the worker wrote (no copy). While
+    it or any view of it lives, later puts and gets use other segments; once
+    freed, its segment is reused."""
+    with collectives.connect(cluster2_address, timeout=TIMEOUT_S, shared_memory=True) as client:
+        first, second = torch.randn(4096, generator=gen), torch.randn(4096, generator=gen)
+        client.put("shm-lend", first, rank=0)
+        held = client.get("shm-lend", rank=0)[10:20]  # only a view survives
+        for _ in range(3):
+            client.put("shm-lend", second, rank=0)
+            assert torch.equal(client.get("shm-lend", rank=0), second)
+        assert torch.equal(held, first[10:20]), "a lent segment was written while in use"
+        segments = _our_segments()
+        del held
+        for _ in range(3):
+            assert torch.equal(client.get("shm-lend", rank=0), second)
+        assert _our_segments() <= segments, "freed segments were not reused"
+        client.delete("shm-lend")
+
+
 def test_environment_turns_it_on(cluster2_address, monkeypatch):
     monkeypatch.setenv("COLLECTIVES_SHM", "1")
     spy = _Spy(monkeypatch)
