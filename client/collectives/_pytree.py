@@ -22,7 +22,16 @@ import torch
 from collectives.errors import InvalidArgument
 from collectives.v1 import worker_pb2
 
-__all__ = ["scatter_kwargs", "gather", "to_value", "from_value", "is_namedtuple"]
+__all__ = [
+    "scatter_kwargs",
+    "gather",
+    "to_value",
+    "from_value",
+    "is_namedtuple",
+    "tensor_leaves",
+    "inline_leaves",
+    "leaf_values",
+]
 
 
 def is_namedtuple(obj: Any) -> bool:
@@ -116,10 +125,16 @@ def gather(outputs: list[Any], dim: int = 0) -> Any:
 _NAMEDTUPLES: dict[tuple[str, tuple[str, ...]], type] = {}
 
 
-def to_value(obj: Any, add_tensor: Callable[[torch.Tensor], str]) -> worker_pb2.Value:
-    """``obj`` as a wire Value; ``add_tensor`` names each tensor leaf (and uploads it)."""
+def to_value(
+    obj: Any, add_tensor: Callable[[torch.Tensor], str | worker_pb2.InlineTensor]
+) -> worker_pb2.Value:
+    """``obj`` as a wire Value; ``add_tensor`` names each tensor leaf (and uploads
+    it), or returns it as an ``InlineTensor`` to carry in the message."""
     if isinstance(obj, torch.Tensor):
-        return worker_pb2.Value(tensor=add_tensor(obj))
+        leaf = add_tensor(obj)
+        if isinstance(leaf, worker_pb2.InlineTensor):
+            return worker_pb2.Value(inline_tensor=leaf)
+        return worker_pb2.Value(tensor=leaf)
     if obj is None:
         return worker_pb2.Value(none=True)
     if isinstance(obj, bool):
@@ -169,6 +184,8 @@ def from_value(
     kind = value.WhichOneof("kind")
     if kind == "tensor":
         return tensor(value.tensor)
+    if kind == "inline_tensor":  # the receiver resolves it by name like a stored one
+        return tensor(value.inline_tensor.name)
     if kind in ("int_value", "float_value", "str_value", "bool_value"):
         return getattr(value, kind)
     if kind == "none" or kind is None:
@@ -199,10 +216,24 @@ def from_value(
 
 
 def tensor_leaves(value: worker_pb2.Value) -> list[str]:
-    """Tensor names in a Value, depth first (the order gather flattens them in)."""
+    """Tensor names in a Value (stored or inline), depth first (the order gather
+    flattens them in)."""
+    return [
+        leaf.tensor if leaf.HasField("tensor") else leaf.inline_tensor.name
+        for leaf in leaf_values(value)
+    ]
+
+
+def inline_leaves(value: worker_pb2.Value) -> list[worker_pb2.InlineTensor]:
+    """The inline tensors in a Value, depth first."""
+    return [leaf.inline_tensor for leaf in leaf_values(value) if leaf.HasField("inline_tensor")]
+
+
+def leaf_values(value: worker_pb2.Value) -> list[worker_pb2.Value]:
+    """The tensor leaves (``tensor`` or ``inline_tensor``) of a Value, depth first."""
     kind = value.WhichOneof("kind")
-    if kind == "tensor":
-        return [value.tensor]
+    if kind in ("tensor", "inline_tensor"):
+        return [value]
     children: list[worker_pb2.Value] = []
     if kind in ("list", "tuple"):
         children = list(getattr(value, kind).items)
@@ -210,4 +241,4 @@ def tensor_leaves(value: worker_pb2.Value) -> list[str]:
         children = list(value.dict.values)
     elif kind == "named_tuple":
         children = list(value.named_tuple.values)
-    return [name for child in children for name in tensor_leaves(child)]
+    return [leaf for child in children for leaf in leaf_values(child)]

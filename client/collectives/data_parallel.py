@@ -23,8 +23,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from collectives._pytree import from_value, gather, scatter_kwargs, tensor_leaves, to_value
+from collectives._pytree import (
+    from_value,
+    gather,
+    inline_leaves,
+    scatter_kwargs,
+    tensor_leaves,
+    to_value,
+)
 from collectives._transport import WorkerEndpoint, call_unary, get_tensor, put_tensor
+from collectives.codec import tensor_from_proto, tensor_to_proto
 from collectives.errors import CollectiveError, InvalidArgument
 from collectives.names import validate_name
 from collectives.v1 import worker_pb2
@@ -70,6 +78,37 @@ def _namedtuple_types(obj: Any, found: dict[str, type] | None = None) -> dict[st
         for o in obj.values():
             _namedtuple_types(o, found)
     return found
+
+
+# Per call and direction, tensors up to this many bytes in total travel inside
+# the Forward/Backward messages instead of a put before and a get after: one
+# RPC per worker instead of three (gRPC's 4 MiB message limit leaves room).
+INLINE_BYTES = 1 << 20
+
+
+class _Budget:
+    """Bytes left for inline tensors in one message."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.left = nbytes
+
+    def take(self, t: torch.Tensor) -> bool:
+        nbytes = t.numel() * t.element_size()
+        if nbytes > self.left:
+            return False
+        self.left -= nbytes
+        return True
+
+
+def _inline(name: str, t: torch.Tensor) -> worker_pb2.InlineTensor:
+    return worker_pb2.InlineTensor(name=name, tensor=tensor_to_proto(t))
+
+
+def _decode_inline(leaves: Any) -> dict[str, torch.Tensor]:
+    try:
+        return {leaf.name: tensor_from_proto(leaf.tensor) for leaf in leaves}
+    except InvalidArgument as err:
+        raise InvalidArgument(f"a worker sent a malformed inline tensor: {err.message}") from None
 
 
 @dataclass
@@ -133,10 +172,14 @@ class _RemoteCall:
             shard = self.shards[i]
             counter = iter(range(1 << 30))
 
-            def add(t: torch.Tensor) -> str:
+            budget = _Budget(INLINE_BYTES)
+
+            def add(t: torch.Tensor) -> str | worker_pb2.InlineTensor:
                 k = next(counter)
                 name = f"{self.call_id}/in/{k}"
                 shard.chunk_shapes[k] = t.shape
+                if budget.take(t):
+                    return _inline(name, t)
                 put_tensor(shard.endpoint, name, t.detach(), self._left())
                 return name
 
@@ -147,15 +190,16 @@ class _RemoteCall:
                 kwargs=to_value(dict(parts_kwargs[i]), add),
                 grad_enabled=grad_on,
                 input_grad_names=[f"{self.call_id}/in/{k}" for k in self.grad_leaf_ids],
+                inline_output_bytes=INLINE_BYTES,
             )
             response = call_unary(
                 shard.endpoint.stub.Forward, request, self._left(), f"forward of {self.model!r}"
             )
             shard.output_names = tensor_leaves(response.output)
-            fetched = {
-                n: get_tensor(shard.endpoint, n, self._left(), consume=True)
-                for n in shard.output_names
-            }
+            fetched = _decode_inline(inline_leaves(response.output))
+            for n in shard.output_names:
+                if n not in fetched:
+                    fetched[n] = get_tensor(shard.endpoint, n, self._left(), consume=True)
             shard.outputs = [fetched[n] for n in shard.output_names]
             return from_value(response.output, fetched.__getitem__, types)
 
@@ -200,15 +244,19 @@ class _RemoteCall:
         def run(i: int) -> list[torch.Tensor | None]:
             shard = self.shards[i]
             names = []
-            for j, out_name in enumerate(shard.output_names):
+            inline = []
+            budget = _Budget(INLINE_BYTES)
+            for j in range(len(shard.output_names)):
                 g = per_leaf[j][i]
                 if g is None or not (g.is_floating_point() or g.is_complex()):
                     names.append("")
                     continue
                 name = f"{self.call_id}/grad/{j}"
-                put_tensor(shard.endpoint, name, g.contiguous(), self._left())
+                if budget.take(g):
+                    inline.append(_inline(name, g))
+                else:
+                    put_tensor(shard.endpoint, name, g.contiguous(), self._left())
                 names.append(name)
-                del out_name
             response = call_unary(
                 shard.endpoint.stub.Backward,
                 worker_pb2.BackwardRequest(
@@ -216,14 +264,17 @@ class _RemoteCall:
                     call_id=self.call_id,
                     output_names=shard.output_names,
                     grad_names=names,
+                    inline_grads=inline,
+                    inline_output_bytes=INLINE_BYTES,
                 ),
                 self._left(),
                 f"backward of {self.model!r}",
             )
-            return [
-                get_tensor(shard.endpoint, n, self._left(), consume=True) if n else None
-                for n in response.input_grad_names
-            ]
+            came = _decode_inline(response.inline_input_grads)
+            for n in response.input_grad_names:
+                if n and n not in came:
+                    came[n] = get_tensor(shard.endpoint, n, self._left(), consume=True)
+            return [came[n] if n else None for n in response.input_grad_names]
 
         per_worker = self.cluster._fan_out(
             f"backward of {self.model!r}",

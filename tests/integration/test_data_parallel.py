@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import collectives
-from collectives.v1 import worker_pb2, worker_pb2_grpc
+from collectives.v1 import tensor_pb2, worker_pb2, worker_pb2_grpc
 
 
 class DictModel(nn.Module):
@@ -126,6 +126,92 @@ def test_input_gradients_flow_back(cluster3, gen, uname) -> None:
     torch.testing.assert_close(x.grad, x_local.grad)
     grads = cluster3.gradients(name, rank=0)
     assert set(grads) == {n for n, _ in model.named_parameters()}
+
+
+class Wide(nn.Module):
+    """A big and a small input, a big and a small output: beyond the inline budget."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(512, 512)
+
+    def forward(self, big: torch.Tensor, small: torch.Tensor) -> tuple:
+        h = self.lin(big)
+        return h, (h[:, :4] * small).sum(1)
+
+
+def test_tensors_beyond_the_inline_budget_take_the_data_plane(cluster2, gen, uname) -> None:
+    """Per worker, a 2 MiB input and output and their gradients exceed the
+    1 MiB inline budget: they are put and got, the small ones travel inline."""
+    model = Wide()
+    name = uname("wide")
+    cluster2.load_model(name, model, example_inputs=(torch.randn(4, 512), torch.randn(4, 4)))
+    big = torch.randn(2048, 512, generator=gen, requires_grad=True)
+    small = torch.randn(2048, 4, generator=gen, requires_grad=True)
+    h, s = cluster2.data_parallel(name)(big, small)
+    local_big = big.detach().clone().requires_grad_(True)
+    local_small = small.detach().clone().requires_grad_(True)
+    want_h, want_s = model(local_big, local_small)
+    torch.testing.assert_close(h, want_h)
+    torch.testing.assert_close(s, want_s)
+    (h.square().mean() + s.sum()).backward()
+    (want_h.square().mean() + want_s.sum()).backward()
+    torch.testing.assert_close(big.grad, local_big.grad)
+    torch.testing.assert_close(small.grad, local_small.grad)
+    cluster2.unload_model(name)
+
+
+def test_inline_tensors_are_validated(cluster2, cluster2_address, gen, uname) -> None:
+    name = uname("inl")
+    cluster2.load_model(name, _mlp(gen), example_inputs=(torch.randn(4, 6),))
+    address = next(w.address for w in cluster2.workers() if w.rank == 0)
+    x = torch.randn(3, 6, generator=gen)
+    good = collectives.codec.tensor_to_proto(x)
+    bad = tensor_pb2.Tensor(dtype=good.dtype, shape=[3, 6], data=good.data[:-4])
+    cases = [
+        ("other/in/0", good, "must be named under its call"),
+        ("call1/in/0", bad, "inline tensor 'call1/in/0'"),
+    ]
+    with grpc.insecure_channel(address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        for tensor_name, tensor, needle in cases:
+            value = worker_pb2.Value(
+                tuple=worker_pb2.ValueList(
+                    items=[
+                        worker_pb2.Value(
+                            inline_tensor=worker_pb2.InlineTensor(name=tensor_name, tensor=tensor)
+                        )
+                    ]
+                )
+            )
+            request = worker_pb2.ForwardRequest(model=name, call_id="call1", args=value)
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Forward(request, timeout=30)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert needle in info.value.details()
+        # A well-formed one answers inline.
+        value = worker_pb2.Value(
+            tuple=worker_pb2.ValueList(
+                items=[
+                    worker_pb2.Value(
+                        inline_tensor=worker_pb2.InlineTensor(name="call2/in/0", tensor=good)
+                    )
+                ]
+            )
+        )
+        response = stub.Forward(
+            worker_pb2.ForwardRequest(
+                model=name, call_id="call2", args=value, inline_output_bytes=1 << 20
+            ),
+            timeout=30,
+        )
+        assert response.output.WhichOneof("kind") == "inline_tensor"
+        assert not [
+            t.name
+            for t in stub.ListTensors(worker_pb2.ListTensorsRequest(), timeout=10).tensors
+            if t.name.startswith(("call1/", "call2/"))
+        ], "inline inputs or outputs were left in the store"
+    cluster2.unload_model(name)
 
 
 def test_backward_runs_once(cluster2, gen, uname) -> None:

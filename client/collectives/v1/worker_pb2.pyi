@@ -393,7 +393,7 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class Value(_message.Message):
-    __slots__ = ("tensor", "int_value", "float_value", "str_value", "bool_value", "none", "list", "tuple", "dict", "named_tuple")
+    __slots__ = ("tensor", "int_value", "float_value", "str_value", "bool_value", "none", "list", "tuple", "dict", "named_tuple", "inline_tensor")
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     INT_VALUE_FIELD_NUMBER: _ClassVar[int]
     FLOAT_VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -404,6 +404,7 @@ class Value(_message.Message):
     TUPLE_FIELD_NUMBER: _ClassVar[int]
     DICT_FIELD_NUMBER: _ClassVar[int]
     NAMED_TUPLE_FIELD_NUMBER: _ClassVar[int]
+    INLINE_TENSOR_FIELD_NUMBER: _ClassVar[int]
     tensor: str
     int_value: int
     float_value: float
@@ -414,7 +415,16 @@ class Value(_message.Message):
     tuple: ValueList
     dict: ValueDict
     named_tuple: NamedTupleValue
-    def __init__(self, tensor: _Optional[str] = ..., int_value: _Optional[int] = ..., float_value: _Optional[float] = ..., str_value: _Optional[str] = ..., bool_value: _Optional[bool] = ..., none: _Optional[bool] = ..., list: _Optional[_Union[ValueList, _Mapping]] = ..., tuple: _Optional[_Union[ValueList, _Mapping]] = ..., dict: _Optional[_Union[ValueDict, _Mapping]] = ..., named_tuple: _Optional[_Union[NamedTupleValue, _Mapping]] = ...) -> None: ...
+    inline_tensor: InlineTensor
+    def __init__(self, tensor: _Optional[str] = ..., int_value: _Optional[int] = ..., float_value: _Optional[float] = ..., str_value: _Optional[str] = ..., bool_value: _Optional[bool] = ..., none: _Optional[bool] = ..., list: _Optional[_Union[ValueList, _Mapping]] = ..., tuple: _Optional[_Union[ValueList, _Mapping]] = ..., dict: _Optional[_Union[ValueDict, _Mapping]] = ..., named_tuple: _Optional[_Union[NamedTupleValue, _Mapping]] = ..., inline_tensor: _Optional[_Union[InlineTensor, _Mapping]] = ...) -> None: ...
+
+class InlineTensor(_message.Message):
+    __slots__ = ("name", "tensor")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tensor: _tensor_pb2.Tensor
+    def __init__(self, name: _Optional[str] = ..., tensor: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class ValueList(_message.Message):
     __slots__ = ("items",)
@@ -441,20 +451,22 @@ class NamedTupleValue(_message.Message):
     def __init__(self, type_name: _Optional[str] = ..., fields: _Optional[_Iterable[str]] = ..., values: _Optional[_Iterable[_Union[Value, _Mapping]]] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("model", "call_id", "args", "kwargs", "grad_enabled", "input_grad_names")
+    __slots__ = ("model", "call_id", "args", "kwargs", "grad_enabled", "input_grad_names", "inline_output_bytes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     ARGS_FIELD_NUMBER: _ClassVar[int]
     KWARGS_FIELD_NUMBER: _ClassVar[int]
     GRAD_ENABLED_FIELD_NUMBER: _ClassVar[int]
     INPUT_GRAD_NAMES_FIELD_NUMBER: _ClassVar[int]
+    INLINE_OUTPUT_BYTES_FIELD_NUMBER: _ClassVar[int]
     model: str
     call_id: str
     args: Value
     kwargs: Value
     grad_enabled: bool
     input_grad_names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., call_id: _Optional[str] = ..., args: _Optional[_Union[Value, _Mapping]] = ..., kwargs: _Optional[_Union[Value, _Mapping]] = ..., grad_enabled: _Optional[bool] = ..., input_grad_names: _Optional[_Iterable[str]] = ...) -> None: ...
+    inline_output_bytes: int
+    def __init__(self, model: _Optional[str] = ..., call_id: _Optional[str] = ..., args: _Optional[_Union[Value, _Mapping]] = ..., kwargs: _Optional[_Union[Value, _Mapping]] = ..., grad_enabled: _Optional[bool] = ..., input_grad_names: _Optional[_Iterable[str]] = ..., inline_output_bytes: _Optional[int] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
     __slots__ = ("output", "latency_s")
@@ -465,24 +477,30 @@ class ForwardResponse(_message.Message):
     def __init__(self, output: _Optional[_Union[Value, _Mapping]] = ..., latency_s: _Optional[float] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
-    __slots__ = ("model", "call_id", "output_names", "grad_names")
+    __slots__ = ("model", "call_id", "output_names", "grad_names", "inline_grads", "inline_output_bytes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_NAMES_FIELD_NUMBER: _ClassVar[int]
     GRAD_NAMES_FIELD_NUMBER: _ClassVar[int]
+    INLINE_GRADS_FIELD_NUMBER: _ClassVar[int]
+    INLINE_OUTPUT_BYTES_FIELD_NUMBER: _ClassVar[int]
     model: str
     call_id: str
     output_names: _containers.RepeatedScalarFieldContainer[str]
     grad_names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., call_id: _Optional[str] = ..., output_names: _Optional[_Iterable[str]] = ..., grad_names: _Optional[_Iterable[str]] = ...) -> None: ...
+    inline_grads: _containers.RepeatedCompositeFieldContainer[InlineTensor]
+    inline_output_bytes: int
+    def __init__(self, model: _Optional[str] = ..., call_id: _Optional[str] = ..., output_names: _Optional[_Iterable[str]] = ..., grad_names: _Optional[_Iterable[str]] = ..., inline_grads: _Optional[_Iterable[_Union[InlineTensor, _Mapping]]] = ..., inline_output_bytes: _Optional[int] = ...) -> None: ...
 
 class BackwardResponse(_message.Message):
-    __slots__ = ("input_grad_names", "latency_s")
+    __slots__ = ("input_grad_names", "inline_input_grads", "latency_s")
     INPUT_GRAD_NAMES_FIELD_NUMBER: _ClassVar[int]
+    INLINE_INPUT_GRADS_FIELD_NUMBER: _ClassVar[int]
     LATENCY_S_FIELD_NUMBER: _ClassVar[int]
     input_grad_names: _containers.RepeatedScalarFieldContainer[str]
+    inline_input_grads: _containers.RepeatedCompositeFieldContainer[InlineTensor]
     latency_s: float
-    def __init__(self, input_grad_names: _Optional[_Iterable[str]] = ..., latency_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, input_grad_names: _Optional[_Iterable[str]] = ..., inline_input_grads: _Optional[_Iterable[_Union[InlineTensor, _Mapping]]] = ..., latency_s: _Optional[float] = ...) -> None: ...
 
 class ReleaseGraphRequest(_message.Message):
     __slots__ = ("model", "call_id")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
-from collectives import codec
+from collectives import _pytree, codec
 from collectives.errors import InvalidArgument, NotFound
 from collectives.names import validate_name
 from collectives.reduce_ops import ReduceOp
@@ -92,13 +92,33 @@ class ModelRpcs:
     def Forward(self, request, context) -> worker_pb2.ForwardResponse:
         validate_name(request.model, "model name")
         validate_name(request.call_id, "call id")
-        return model_exec.forward(self._daemon.models, self._daemon.store, request)
+        store = self._daemon.store
+        _store_inline(store, request.call_id, _pytree.inline_leaves(request.args))
+        _store_inline(store, request.call_id, _pytree.inline_leaves(request.kwargs))
+        response = model_exec.forward(self._daemon.models, store, request)
+        if request.inline_output_bytes:
+            _inline_outputs(store, response.output, request.inline_output_bytes)
+        return response
 
     @_guard
     @_counted("backward")
     def Backward(self, request, context) -> worker_pb2.BackwardResponse:
         validate_name(request.model, "model name")
-        return model_exec.backward(self._daemon.models, self._daemon.store, request)
+        store = self._daemon.store
+        _store_inline(store, request.call_id, list(request.inline_grads))
+        response = model_exec.backward(self._daemon.models, store, request)
+        budget = request.inline_output_bytes
+        for name in response.input_grad_names:
+            if not name:
+                continue
+            t = store.get(name)
+            nbytes = t.numel() * t.element_size()
+            if nbytes > budget:
+                break
+            budget -= nbytes
+            response.inline_input_grads.add(name=name, tensor=codec.tensor_to_proto(t))
+            store.delete_if_same(name, t)
+        return response
 
     @_guard
     @_counted("release_graph")
@@ -281,3 +301,35 @@ def _model_info(model) -> worker_pb2.ModelInfo:
         graphs_retained=len(model.graphs),
         steps=model.steps,
     )
+
+
+def _store_inline(store, call_id: str, tensors: list[worker_pb2.InlineTensor]) -> None:
+    """Stores a call's inline tensors under their names, which must lie under the call."""
+    for inline in tensors:
+        validate_name(inline.name)
+        if not inline.name.startswith(f"{call_id}/"):
+            raise InvalidArgument(
+                f"inline tensor {inline.name!r} must be named under its call {call_id!r}/"
+            )
+        try:
+            t = codec.tensor_from_proto(inline.tensor)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"inline tensor {inline.name!r}: {exc.message}") from None
+        store.put(inline.name, t)
+
+
+def _inline_outputs(store, output: worker_pb2.Value, budget: int) -> None:
+    """Moves output leaves from the store into the response, depth first, while
+    they fit in ``budget`` bytes (a retained graph holds its outputs itself)."""
+    for leaf in _pytree.leaf_values(output):
+        if not leaf.HasField("tensor"):
+            continue
+        name = leaf.tensor
+        t = store.get(name)
+        nbytes = t.numel() * t.element_size()
+        if nbytes > budget:
+            return
+        budget -= nbytes
+        leaf.inline_tensor.name = name  # replaces the oneof's tensor name
+        leaf.inline_tensor.tensor.CopyFrom(codec.tensor_to_proto(t))
+        store.delete_if_same(name, t)
