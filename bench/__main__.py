@@ -17,7 +17,7 @@ import time
 import traceback
 from pathlib import Path
 
-from .core import BenchContext, Row, close_shared_clusters, machine
+from .core import BenchContext, Row, Skip, close_shared_clusters, machine
 
 # The row order; row modules not listed here come after, by name.
 ORDER = [
@@ -29,6 +29,7 @@ ORDER = [
     "training",
     "coordinator",
     "memory",
+    "gpu",
 ]
 
 COLUMNS = [
@@ -41,6 +42,10 @@ COLUMNS = [
     "target",
     "met",
 ]
+
+
+# Row modules that raised Skip in this run, with the reason (shown under the table).
+skipped: dict[str, str] = {}
 
 
 def discover() -> list[str]:
@@ -94,6 +99,8 @@ def render_markdown(
     parts = [f"Machine: {desc}; mode: {mode}", "", markdown_table(rows)]
     if notes(rows):
         parts += ["", "Notes:", *notes(rows)]
+    if skipped:
+        parts += ["", "Skipped rows:", *(f"- {n}: {why}" for n, why in skipped.items())]
     if failures:
         parts += ["", "Failed row modules:", *(f"- {n}: {e}" for n, e in failures.items())]
     timing = ", ".join(f"{n} {s:.1f} s" for n, s in timings.items())
@@ -107,6 +114,7 @@ def run_rows(
     rows: list[Row] = []
     failures: dict[str, str] = {}
     timings: dict[str, float] = {}
+    skipped.clear()
     for name in names:
         started = time.perf_counter()
         print(f"bench: running {name} ...", file=sys.stderr, flush=True)
@@ -117,6 +125,9 @@ def run_rows(
                 if not isinstance(row, Row):
                     raise TypeError(f"run() returned {type(row).__name__}, not Row")
             rows.extend(got)
+        except Skip as skip:
+            skipped[name] = str(skip)
+            print(f"bench: row {name!r} skipped: {skip}", file=sys.stderr)
         except BaseException as exc:  # one broken row (even a sys.exit) must not hide the others
             if isinstance(exc, KeyboardInterrupt):
                 raise
@@ -173,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             "mode": "quick" if args.quick else "full",
             "rows": [row.as_dict() for row in rows],
             "failures": failures,
+            "skipped": dict(skipped),
             "timings_s": timings,
             "total_s": total,
         }

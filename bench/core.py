@@ -49,6 +49,10 @@ class Stat:
         return f"{_fmt(self.median)} {self.unit} ({_fmt(self.low)}-{_fmt(self.high)})"
 
 
+class Skip(Exception):
+    """Raised by a row module that cannot run on this machine; the reason is printed."""
+
+
 @dataclass(frozen=True)
 class Row:
     """One line of the table: the service beside its anchor.

@@ -15,6 +15,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING
 
 import grpc
+import torch
 from google.protobuf import message_factory
 
 from collectives import codec, shm
@@ -106,7 +107,7 @@ class WorkerService(ModelRpcs):
             validate_name(request.header.name)
             meta = codec.check_header(request.header)
             self._daemon.store.check_quota(meta.name, meta.nbytes)
-            buffer = empty_bytes(meta.nbytes)
+            buffer = _receive_buffer(meta.nbytes, self._daemon.store.device)
         except BaseException:
             bulk.refuse(request.ticket)
             raise
@@ -123,7 +124,7 @@ class WorkerService(ModelRpcs):
         bulk = self._bulk()
         validate_name(request.name)
         tensor = self._daemon.store.get(request.name)
-        wire = codec.wire_tensor(tensor)
+        wire = _host_copy(tensor)
         header = codec.make_header(request.name, wire)
         response = worker_pb2.GetTensorBulkResponse(header=header)
         if header.nbytes < BULK_MIN_BYTES:
@@ -367,6 +368,23 @@ class WorkerService(ModelRpcs):
     @_guard
     def NewGroup(self, r, context):
         return self._run(context, "new_group", r.options, group_ranks=list(r.ranks))
+
+
+def _receive_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """Where a bulk put lands: pinned host memory for a CUDA store (its copy to
+    the device is then a DMA at full bus speed), huge-page memory otherwise."""
+    if device.type == "cuda":
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    return empty_bytes(nbytes)
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """The wire layout of a stored tensor on the host; via pinned memory from a GPU."""
+    if tensor.device.type == "cuda":
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor.resolve_conj().resolve_neg())
+        return host
+    return codec.wire_tensor(tensor)
 
 
 def _remaining_s(context, default_s: float) -> float:
