@@ -1,7 +1,7 @@
 """Row 9: put and get to a CUDA worker, against pinned host <-> device ``copy_``.
 
-Runs only where torch sees a CUDA device (skipped, with the reason on standard
-the table, elsewhere: CI and the development VM have none). A local cluster of one
+Runs only where torch sees a CUDA device (elsewhere it is listed as skipped,
+with the reason, under the table: CI and the development VM have none). A local cluster of one
 worker with ``--devices cuda:0``; the client puts a tensor (it lands in pinned
 host memory through the bulk port, then goes to the GPU) and gets it back (GPU
 -> pinned host -> bulk port). Anchors in the same run: a pinned host tensor
