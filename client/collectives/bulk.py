@@ -14,6 +14,7 @@ is 0 with TLS on, or with ``--no-bulk``); the SDK then streams over gRPC.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -47,6 +48,10 @@ MAGIC = b"CBK1"
 TICKET_BYTES = 16
 # Below this a payload goes through gRPC (one chunk): a connection costs more than it saves.
 BULK_MIN_BYTES = 1 << 20
+# Connections are kept for reuse at most this long idle (workers wait 60 s),
+# and at most this many per worker.
+_IDLE_KEEP_S = 20.0
+_MAX_IDLE = 4
 # A put checks between pieces whether its call was already refused.
 _SEND_PIECE = 16 << 20
 
@@ -66,6 +71,7 @@ class BulkPort:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._port: int | None = None
+        self._idle: list[tuple[float, socket.socket]] = []  # (since, connection)
 
     def port(self, endpoint: WorkerEndpoint, timeout: float) -> int:
         with self._lock:
@@ -87,6 +93,50 @@ class BulkPort:
     def forget(self) -> None:
         with self._lock:
             self._port = None
+            idle, self._idle = self._idle, []
+        for _, sock in idle:
+            sock.close()
+
+    def connection(self, host: str, port: int, timeout: float) -> socket.socket:
+        """A kept connection to ``host:port`` that still looks open, else a new one.
+
+        Raises:
+            OSError: a new connection failed.
+        """
+        now = time.monotonic()
+        while True:
+            with self._lock:
+                if not self._idle:
+                    break
+                since, sock = self._idle.pop()
+            if now - since < _IDLE_KEEP_S and _looks_open(sock):
+                return sock
+            sock.close()
+        return socket.create_connection((host, port), timeout=timeout)
+
+    def keep(self, sock: socket.socket) -> None:
+        """Keeps a connection whose last transfer completed, for the next one."""
+        with self._lock:
+            if self._port and len(self._idle) < _MAX_IDLE:
+                self._idle.append((time.monotonic(), sock))
+                return
+        sock.close()
+
+
+def _looks_open(sock: socket.socket) -> bool:
+    """False when the peer closed (EOF), reset, or sent bytes we did not ask for."""
+    try:
+        sock.setblocking(False)
+        try:
+            sock.recv(1, socket.MSG_PEEK)  # b"" (EOF) or stray bytes: not reusable
+        except BlockingIOError:
+            return True  # nothing to read: open and idle
+        return False
+    except OSError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            sock.setblocking(True)
 
 
 def _left(deadline: float, what: str, done: int, total: int) -> float:
@@ -102,14 +152,20 @@ def _host_of(address: str) -> str:
 
 
 def _connect(endpoint: WorkerEndpoint, port: int, ticket: bytes, timeout: float) -> socket.socket:
+    """A connection (kept or new) to the worker's bulk port, its prelude sent."""
     try:
-        sock = socket.create_connection((_host_of(endpoint.address), port), timeout=timeout)
+        sock = endpoint.bulk.connection(_host_of(endpoint.address), port, timeout)
     except OSError as exc:
         endpoint.bulk.forget()
         raise Unavailable(
             f"bulk port {port} of {endpoint.address} refused the connection: {exc}"
         ) from None
-    sock.sendall(MAGIC + ticket)
+    try:
+        sock.settimeout(timeout)
+        sock.sendall(MAGIC + ticket)
+    except OSError as exc:
+        sock.close()
+        raise Unavailable(f"bulk port {port} of {endpoint.address}: {exc}") from None
     return sock
 
 
@@ -136,7 +192,8 @@ def put_tensor_bulk(
     except Unavailable:
         call.cancel()
         raise
-    with sock:
+    kept = False
+    try:
         view = codec.tensor_memoryview(t)
         try:
             for start in range(0, len(view), _SEND_PIECE):
@@ -154,13 +211,23 @@ def put_tensor_bulk(
             if not call.done():
                 call.cancel()
                 raise Unavailable(f"{what}: the bulk connection failed: {exc}") from None
-    try:
-        return call.result(timeout=max(deadline - time.monotonic(), 0.0) + 1.0)
-    except grpc.RpcError as err:
-        raise _from_rpc_error(err, what) from None
-    except FutureTimeout:
-        call.cancel()
-        raise error_for_code(grpc.StatusCode.DEADLINE_EXCEEDED, f"{what}: no answer") from None
+            sent_all = False  # the call's answer tells; this connection is done for
+        else:
+            sent_all = True
+        try:
+            response = call.result(timeout=max(deadline - time.monotonic(), 0.0) + 1.0)
+        except grpc.RpcError as err:
+            raise _from_rpc_error(err, what) from None
+        except FutureTimeout:
+            call.cancel()
+            raise error_for_code(grpc.StatusCode.DEADLINE_EXCEEDED, f"{what}: no answer") from None
+        if sent_all:
+            endpoint.bulk.keep(sock)
+            kept = True
+        return response
+    finally:
+        if not kept:
+            sock.close()
 
 
 def get_tensor_bulk(
@@ -197,7 +264,9 @@ def get_tensor_bulk(
     buffer = empty_bytes(meta.nbytes)
     view = codec.tensor_memoryview(buffer)
     got = 0
-    with _connect(endpoint, port, response.ticket, max(deadline - time.monotonic(), 0.001)) as sock:
+    sock = _connect(endpoint, port, response.ticket, max(deadline - time.monotonic(), 0.001))
+    with contextlib.ExitStack() as unless_kept:
+        unless_kept.callback(sock.close)
         try:
             while got < meta.nbytes:
                 sock.settimeout(_left(deadline, what, got, meta.nbytes))
@@ -213,6 +282,9 @@ def get_tensor_bulk(
             ) from None
         except OSError as exc:
             raise Unavailable(f"{what}: bulk connection failed after {got} bytes: {exc}") from None
+        if got == meta.nbytes:
+            unless_kept.pop_all()
+            endpoint.bulk.keep(sock)
     if got != meta.nbytes:
         raise Unavailable(
             f"{what}: the bulk connection closed after {got} of {meta.nbytes} bytes "

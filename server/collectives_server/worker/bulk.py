@@ -40,8 +40,11 @@ PRELUDE_BYTES = len(MAGIC) + TICKET_BYTES
 # How long a connection may take to present its ticket, and how long it then
 # waits for the matching gRPC call to register it.
 _PRELUDE_TIMEOUT_S = 10.0
+# A kept connection is closed after this long without a transfer (the SDK
+# drops its idle connections sooner, so it never sends on one being closed).
+_IDLE_TIMEOUT_S = 60.0
 # At most this many bulk connections are served at once; more are refused.
-_MAX_CONNECTIONS = 64
+_MAX_CONNECTIONS = 256
 
 
 @dataclass
@@ -174,32 +177,45 @@ class BulkListener:
             ).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        """Serves transfers on one connection until it closes, idles out, or errs.
+
+        Clients keep connections for reuse, so each transfer starts with its own
+        prelude; the first must come within the prelude timeout, later ones
+        within the idle timeout (longer than the SDK keeps an idle connection).
+        """
         try:
             with conn:
-                conn.settimeout(_PRELUDE_TIMEOUT_S)
-                prelude = _recv_exactly(conn, memoryview(bytearray(PRELUDE_BYTES)))
-                if prelude is None or bytes(prelude[: len(MAGIC)]) != MAGIC:
-                    return
-                transfer = self._claim(bytes(prelude[len(MAGIC) :]))
-                if transfer is None:
-                    return
-                conn.settimeout(self._io_timeout_s)
-                try:
-                    if transfer.kind == "put":
-                        self._receive_into(conn, transfer)
-                    else:
-                        conn.sendall(transfer.view)
-                        transfer.moved = transfer.view.nbytes
-                except OSError as exc:
-                    transfer.error = transfer.error or f"bulk connection failed: {exc}"
-                finally:
-                    transfer.done.set()
-                    if transfer.kind == "get":
-                        transfer.keep = torch.empty(0)  # drop the tensor now
+                wait_s = _PRELUDE_TIMEOUT_S
+                while self._serve_one(conn, wait_s):
+                    wait_s = _IDLE_TIMEOUT_S
         except OSError:
             pass
         finally:
             self._slots.release()
+
+    def _serve_one(self, conn: socket.socket, wait_s: float) -> bool:
+        """One transfer; True when the connection may carry another."""
+        conn.settimeout(wait_s)
+        prelude = _recv_exactly(conn, memoryview(bytearray(PRELUDE_BYTES)))
+        if prelude is None or bytes(prelude[: len(MAGIC)]) != MAGIC:
+            return False
+        transfer = self._claim(bytes(prelude[len(MAGIC) :]))
+        if transfer is None:
+            return False
+        conn.settimeout(self._io_timeout_s)
+        try:
+            if transfer.kind == "put":
+                self._receive_into(conn, transfer)
+            else:
+                conn.sendall(transfer.view)
+                transfer.moved = transfer.view.nbytes
+        except OSError as exc:
+            transfer.error = transfer.error or f"bulk connection failed: {exc}"
+        finally:
+            transfer.done.set()
+            if transfer.kind == "get":
+                transfer.keep = torch.empty(0)  # drop the tensor now
+        return not transfer.error
 
     def _claim(self, ticket: bytes) -> _Transfer | None:
         """The transfer registered under ``ticket`` (waiting for its call), or None."""
