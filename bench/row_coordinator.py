@@ -2,11 +2,13 @@
 
 A real coordinator process (``python -m collectives_server coordinator
 --min-workers N --max-workers N --heartbeat 1 --lease 5``) is sent N
-``Register`` calls, then one ``Heartbeat`` per worker per second (each with a
-typical ``WorkerStatus``: ops counters, a device, versions, memory readings
-that change every beat), issued as gRPC futures from one scheduler thread and
-spread evenly over each second. Over measured windows the coordinator's CPU
-time is read from ``/proc/<pid>/stat`` (utime + stime) before and after.
+``Register`` calls; then every simulated worker opens its own connection and
+``HeartbeatStream``, as the worker daemon does, and sends one heartbeat per
+second on it (each with a typical ``WorkerStatus``: ops counters, a device,
+versions, memory readings, all changing every beat), spread evenly over each
+second, asking for an answer as the daemon does (first beat, then one in 30).
+Over measured windows the coordinator's CPU time is read from
+``/proc/<pid>/stat`` (utime + stime) before and after.
 
 - CPU: fraction of one core vs the budget of acceptance 2 (1,000 workers
   < 20 % of a core), scaled linearly to N (200 us of CPU per heartbeat);
@@ -14,17 +16,25 @@ time is read from ``/proc/<pid>/stat`` (utime + stime) before and after.
 - the ``Cluster`` message size vs a budget of 400 B per worker (the unit test
   ``tests/unit/test_cluster_size_budget.py`` holds 10,000 workers to 4 MB).
 
-What bounds the CPU (measured, 2-core VM): ~700 us per heartbeat remain with
-no status at all (grpcio's Python unary path: completion queue, thread pool
-hand-off, GIL), ~250 us more for a changing status (parse, ``status_key``'s
-deterministic re-serialisation); and ``Membership.heartbeat`` does O(N) work
-per beat (``_finish`` -> ``_decide`` and ``_compute_status`` scan every
-worker; cProfile: 2,000 registrations + heartbeats take 14 s), which dominates
-from ~1,000 workers on.
+What bounds the CPU (measured on the 2-core VM, medians; the machine was shared,
+so +-20 %): the coordinator's own work per heartbeat is ~8 us (parse,
+``status_key``, an O(log N) ``Membership.heartbeat``); all the rest is waking
+threads. Each heartbeat on a stream costs ~7.5 context switches in grpcio
+(its event-engine threads, the server's polling thread, the stream's handler
+thread), ~230 us per heartbeat at N=1,000 and ~400-450 us at N=100-300, where
+beats arrive far enough apart for every thread to fall asleep in between (a
+plain asyncio socket server that only reads the bytes costs 35, 75 and 150 us
+per message at N=1,000, 300 and 100 on the same VM). Unary ``Heartbeat`` calls
+cost ~700 us (~25 switches), and used to add O(N) membership work per beat
+(~200 us at N=300). Disabling grpc's event-engine endpoints before grpc is
+imported (``GRPC_EXPERIMENTS=-event_engine_listener,-event_engine_for_all_other_endpoints``)
+cuts the switches to ~3 and the cost to ~160 us at N=1,000 (~430 us at N=100).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -34,6 +44,8 @@ import time
 import grpc
 
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc, status_pb2
+from collectives_server.coordinator.heartbeats import ReplySchedule, reply_interval_s
+from collectives_server.rpc import GRPC_OPTIONS
 
 from .anchors import grpc_empty_rtt, percentile
 from .core import BenchContext, Row, Stat, stat_of
@@ -41,6 +53,8 @@ from .core import BenchContext, Row, Stat, stat_of
 NAME = "coordinator"
 CORE_BUDGET_1000 = 0.20  # acceptance 2: 1,000 workers < 20 % of one core
 BYTES_PER_WORKER_BUDGET = 400
+HEARTBEAT_S = 1.0
+LEASE_S = 5.0
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -95,9 +109,9 @@ class _Coordinator:
                 "--max-workers",
                 str(n),
                 "--heartbeat",
-                "1",
+                str(HEARTBEAT_S),
                 "--lease",
-                "5",
+                str(LEASE_S),
                 "--log-level",
                 "WARNING",
             ],
@@ -120,48 +134,99 @@ class _Coordinator:
 
 
 class _Heartbeats:
-    """Sends one heartbeat per worker per second, spread over the second, as futures."""
+    """N simulated workers, each beating once a second on its own HeartbeatStream.
 
-    def __init__(self, stub, ids: list[str]) -> None:
-        self._stub = stub
+    What the coordinator sees is what real worker daemons send: one connection and
+    one HeartbeatStream per worker, a ``typical_status`` that changes every beat,
+    and ``want_reply`` on the beats the daemon's :class:`ReplySchedule` picks (the
+    first, then one in ``REPLY_EVERY_BEATS``), beats spread evenly over each second.
+    They are driven by one asyncio loop in a thread rather than by N copies of the
+    daemon's threaded client, which on a 2-core machine would take the cores from
+    the coordinator being measured (grpcio wakes each thread blocked on a response
+    stream every 0.1 s: 10,000 wake-ups a second for 1,000 workers).
+    """
+
+    def __init__(self, address: str, ids: list[str], heartbeat_s: float) -> None:
+        self._address = address
         self._ids = ids
-        self._stop = threading.Event()
+        self._heartbeat_s = heartbeat_s
         self.sent = 0
         self.failed = 0
-        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._stopping: asyncio.Event | None = None
+        self._started = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeats", daemon=True)
         self._thread.start()
-
-    def _done(self, future) -> None:
-        with self._lock:
-            if future.exception() is None:
-                self.sent += 1
-            else:
-                self.failed += 1
+        self._started.wait()
 
     def _run(self) -> None:
-        n = len(self._ids)
-        start = time.perf_counter()
-        beat = 0
-        while not self._stop.is_set():
-            for i, worker_id in enumerate(self._ids):
-                due = start + beat + i / n
-                delay = due - time.perf_counter()
-                if delay > 0 and self._stop.wait(delay):
-                    return
-                request = coordinator_pb2.HeartbeatRequest(
-                    worker_id=worker_id, status=typical_status(i, beat)
-                )
-                self._stub.Heartbeat.future(request, timeout=5).add_done_callback(self._done)
-            beat += 1
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._main())
+
+    async def _main(self) -> None:
+        self._stopping = asyncio.Event()
+        self._started.set()
+        start, n, period = self._loop.time() + 0.1, len(self._ids), self._heartbeat_s
+        await asyncio.gather(*(self._worker(i, start + i / n * period) for i in range(n)))
+
+    async def _worker(self, i: int, first_beat: float) -> None:
+        options = [*GRPC_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]  # its own connection
+        async with grpc.aio.insecure_channel(self._address, options=options) as channel:
+            call = coordinator_pb2_grpc.CoordinatorStub(channel).HeartbeatStream()
+            schedule = ReplySchedule(
+                reply_interval_s(self._heartbeat_s),
+                max(self._heartbeat_s * 2, 1.0),  # the worker daemon's heartbeat timeout
+            )
+            replies = asyncio.ensure_future(self._read(call, schedule))
+            beat = 0
+            assert self._stopping is not None
+            while not self._stopping.is_set():
+                delay = first_beat + beat * self._heartbeat_s - self._loop.time()
+                if delay > 0:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._stopping.wait(), delay)
+                    continue
+                await self._beat(call, schedule, replies, i, beat)
+                beat += 1
+            await call.done_writing()
+            replies.cancel()
+
+    async def _beat(
+        self,
+        call: grpc.aio.StreamStreamCall,
+        schedule: ReplySchedule,
+        replies: asyncio.Future[None],
+        i: int,
+        beat: int,
+    ) -> None:
+        now = self._loop.time()
+        if replies.done() or schedule.overdue(now):
+            self.failed += 1  # the stream ended or stopped answering
+            return
+        request = coordinator_pb2.HeartbeatRequest(
+            worker_id=self._ids[i],
+            joined_generation=1,
+            status=typical_status(i, beat),
+            want_reply=schedule.ask(now),
+        )
+        try:
+            await call.write(request)
+            self.sent += 1
+        except grpc.RpcError:
+            self.failed += 1
+
+    async def _read(self, call: grpc.aio.StreamStreamCall, schedule: ReplySchedule) -> None:
+        with contextlib.suppress(grpc.RpcError):
+            async for _ in call:
+                schedule.replied(self._loop.time())
 
     def count(self) -> int:
-        with self._lock:
-            return self.sent
+        return self.sent  # an int read from another thread: atomic under the GIL
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
+        if self._stopping is not None:
+            self._loop.call_soon_threadsafe(self._stopping.set)
+        self._thread.join(timeout=30)
 
 
 def _measure(n: int, windows: int, window_s: float) -> dict:
@@ -183,7 +248,7 @@ def _measure(n: int, windows: int, window_s: float) -> dict:
                 ).worker_id
                 for i in range(n)
             ]
-            beats = _Heartbeats(stub, ids)
+            beats = _Heartbeats(coordinator.address, ids, HEARTBEAT_S)
             try:
                 time.sleep(2.0)  # settle: sealing, the first round of statuses
                 fractions, per_beat = [], []
@@ -219,7 +284,8 @@ def _const(value: float, unit: str) -> Stat:
 
 
 def run(ctx: BenchContext) -> list[Row]:
-    sizes = ctx.sizes([100, 1000], [100, 300])
+    # Acceptance 2 is stated at 1,000 workers, so quick mode measures that too.
+    sizes = ctx.sizes([100, 1000], [100, 1000])
     windows = 3 if ctx.quick else ctx.repeats
     window_s = 2.0 if ctx.quick else 5.0
     rows: list[Row] = []
@@ -234,9 +300,11 @@ def run(ctx: BenchContext) -> list[Row]:
                 service=stat_of(m["fractions"], "core"),
                 anchor_name=f"budget: 20 % of a core per 1,000 workers, x {n}/1000",
                 anchor=_const(budget, "core"),
-                target="<= 1.0",
+                # The target is the acceptance's, at 1,000 workers. Fewer workers beat
+                # less often, so each heartbeat also pays waking an idle vCPU (docstring).
+                target="<= 1.0" if n >= 1000 else "",
                 note=f"CPU per heartbeat {per_beat.text()}; failed heartbeats {m['failed']}; "
-                "bound: grpcio unary overhead + O(N) membership work per heartbeat",
+                "bound: grpcio's thread wake-ups per stream message (see the row's docstring)",
                 extra={"workers": n, "cpu_per_heartbeat_us": per_beat.median},
             )
         )

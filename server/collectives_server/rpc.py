@@ -23,13 +23,26 @@ from grpc_reflection.v1alpha import reflection
 from collectives.codec import MAX_MESSAGE_BYTES
 from collectives_server.security import ServerSecurity, TokenAuthInterceptor
 
-__all__ = ["GRPC_OPTIONS", "ServerHandle", "ServerSecurity", "start_server"]
+__all__ = [
+    "GRPC_OPTIONS",
+    "SMALL_MESSAGE_OPTIONS",
+    "ServerHandle",
+    "ServerSecurity",
+    "start_server",
+]
 
 GRPC_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
 ]
+
+# For a server that receives small messages only (the coordinator). HTTP/2 BDP
+# probing grows flow-control windows for bulk transfers by sending a PING when data
+# arrives; on many mostly idle connections that is one PING (and its ACK) per
+# heartbeat, doubling the coordinator's wakeups per message (measured: 14 -> 7
+# context switches, ~390 -> ~290 us of CPU per heartbeat on a 2-core VM).
+SMALL_MESSAGE_OPTIONS: list[tuple[str, int]] = [("grpc.http2.bdp_probe", 0)]
 
 
 class ServerHandle:
@@ -60,18 +73,21 @@ def start_server(
     service_names: Sequence[str],
     max_workers: int = 32,
     security: ServerSecurity | None = None,
+    options: Sequence[tuple[str, int]] = (),
 ) -> ServerHandle:
     """Starts a server on ``host:port`` (port 0 picks a free one) and returns its handle.
 
     ``register`` adds the servicers; ``service_names`` are their full names
     (``collectives.v1.Worker``) for health and reflection. ``security`` (default:
-    plaintext, no token) chooses TLS, mutual TLS and the bearer token.
+    plaintext, no token) chooses TLS, mutual TLS and the bearer token. ``options``
+    are channel arguments added to :data:`GRPC_OPTIONS` (e.g. the coordinator's
+    :data:`SMALL_MESSAGE_OPTIONS`).
     """
     security = security or ServerSecurity()
     interceptors = [TokenAuthInterceptor(security.token)] if security.token else []
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        options=GRPC_OPTIONS,
+        options=[*GRPC_OPTIONS, *options],
         interceptors=interceptors,
     )
     for add in register:

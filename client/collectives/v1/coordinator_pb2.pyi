@@ -128,16 +128,18 @@ class RegisterResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_s: _Optional[float] = ..., store_address: _Optional[str] = ..., op_timeout_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "joined_generation", "busy", "status")
+    __slots__ = ("worker_id", "joined_generation", "busy", "status", "want_reply")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     JOINED_GENERATION_FIELD_NUMBER: _ClassVar[int]
     BUSY_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    WANT_REPLY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     joined_generation: int
     busy: bool
     status: _status_pb2.WorkerStatus
-    def __init__(self, worker_id: _Optional[str] = ..., joined_generation: _Optional[int] = ..., busy: _Optional[bool] = ..., status: _Optional[_Union[_status_pb2.WorkerStatus, _Mapping]] = ...) -> None: ...
+    want_reply: bool
+    def __init__(self, worker_id: _Optional[str] = ..., joined_generation: _Optional[int] = ..., busy: _Optional[bool] = ..., status: _Optional[_Union[_status_pb2.WorkerStatus, _Mapping]] = ..., want_reply: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("generation", "version")

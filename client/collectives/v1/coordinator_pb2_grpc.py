@@ -44,6 +44,11 @@ class CoordinatorStub:
                 request_serializer=collectives_dot_v1_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=collectives_dot_v1_dot_coordinator__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.HeartbeatStream = channel.stream_stream(
+                '/collectives.v1.Coordinator/HeartbeatStream',
+                request_serializer=collectives_dot_v1_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=collectives_dot_v1_dot_coordinator__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
         self.Leave = channel.unary_unary(
                 '/collectives.v1.Coordinator/Leave',
                 request_serializer=collectives_dot_v1_dot_coordinator__pb2.LeaveRequest.SerializeToString,
@@ -75,6 +80,22 @@ class CoordinatorServicer:
     def Heartbeat(self, request, context):
         """Renews the worker's lease. Errors: NOT_FOUND when the worker is unknown or
         was declared lost: register again. Safe to retry.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HeartbeatStream(self, request_iterator, context):
+        """Heartbeat as a stream, for as long as the worker lives: one HeartbeatRequest
+        per heartbeat interval, each handled like a Heartbeat call, at a fraction of
+        a unary call's cost to the coordinator. The coordinator answers the requests
+        that set want_reply, and no others. The stream ends with NOT_FOUND when a
+        request names an unknown or lost worker (register again, then open a new
+        stream), with CANCELLED when the coordinator declared the worker lost while
+        it was silent, UNAVAILABLE when the coordinator is shutting down, and
+        RESOURCE_EXHAUSTED at once when too many streams are open: use Heartbeat then.
+        A worker that gets no answer to a want_reply request within its heartbeat
+        timeout cancels the stream and opens a new one.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -113,6 +134,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
+                    request_deserializer=collectives_dot_v1_dot_coordinator__pb2.HeartbeatRequest.FromString,
+                    response_serializer=collectives_dot_v1_dot_coordinator__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'HeartbeatStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.HeartbeatStream,
                     request_deserializer=collectives_dot_v1_dot_coordinator__pb2.HeartbeatRequest.FromString,
                     response_serializer=collectives_dot_v1_dot_coordinator__pb2.HeartbeatResponse.SerializeToString,
             ),
@@ -184,6 +210,33 @@ class Coordinator:
             request,
             target,
             '/collectives.v1.Coordinator/Heartbeat',
+            collectives_dot_v1_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
+            collectives_dot_v1_dot_coordinator__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HeartbeatStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/collectives.v1.Coordinator/HeartbeatStream',
             collectives_dot_v1_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
             collectives_dot_v1_dot_coordinator__pb2.HeartbeatResponse.FromString,
             options,

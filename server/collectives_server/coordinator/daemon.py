@@ -29,7 +29,7 @@ from collectives_server.coordinator.membership import Membership
 from collectives_server.coordinator.metrics import coordinator_registry
 from collectives_server.coordinator.service import SERVICE_NAME, CoordinatorServicer
 from collectives_server.metrics import MetricsServer
-from collectives_server.rpc import ServerHandle, start_server
+from collectives_server.rpc import SMALL_MESSAGE_OPTIONS, ServerHandle, start_server
 from collectives_server.security import ServerSecurity
 from collectives_server.signals import StopSignal
 
@@ -39,9 +39,18 @@ log = logging.getLogger(__name__)
 
 _WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]"}
 # gRPC threads: WatchCluster streams may hold up to _MAX_WATCHERS of them; the rest
-# stay free for Register/Heartbeat.
+# stay free for Register/Heartbeat. Each HeartbeatStream holds one more (see
+# heartbeat_stream_limit); the pool starts its threads only as calls need them.
 _GRPC_THREADS = 96
 _MAX_WATCHERS = 64
+# Heartbeat streams beyond one per worker: a worker re-registering opens its new
+# stream while the coordinator may not have seen the old one end yet.
+_HEARTBEAT_STREAM_HEADROOM = 32
+
+
+def heartbeat_stream_limit(max_workers: int) -> int:
+    """How many HeartbeatStream calls may be open (beyond: unary Heartbeat)."""
+    return max_workers + _HEARTBEAT_STREAM_HEADROOM
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,6 +163,7 @@ class Coordinator:
             op_timeout_s=cfg.op_timeout_s,
             clock=self._clock,
             max_watchers=_MAX_WATCHERS,
+            max_heartbeat_streams=heartbeat_stream_limit(cfg.max_workers),
         )
         servicer = self._servicer
         try:
@@ -164,8 +174,9 @@ class Coordinator:
                     lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s)
                 ],
                 service_names=[SERVICE_NAME],
-                max_workers=_GRPC_THREADS,
+                max_workers=_GRPC_THREADS + heartbeat_stream_limit(cfg.max_workers),
                 security=cfg.security,
+                options=SMALL_MESSAGE_OPTIONS,
             )
         except BaseException:
             self._store = None

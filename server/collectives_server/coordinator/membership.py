@@ -33,11 +33,22 @@ Rules (docs: ARCHITECTURE.md, "Membership, failure, time"):
   change, or after ``status_refresh_s`` at the latest.
 * The last :data:`HISTORY_LEN` sealed generations are kept (time, size, members,
   reason), and ``events`` counts workers joined, lost and left, for metrics.
+
+Cost: a heartbeat is O(log N) (N workers), because at 1 Hz from every worker it is
+by far the most frequent event. Leases sit in a heap ordered by last heartbeat, so
+expiry looks at the workers that are due only; the generation decision, which
+scans every worker, runs only after an event that can change it (a registration,
+a loss, a departure) or when the passage of time can (the join window ending, a
+LOST worker ageing out of the listing); and the status text is computed from
+counts kept up to date (live workers, members that joined the generation's
+process group). Every other heartbeat renews a lease, updates those counts and,
+at most, bumps ``version``.
 """
 
 from __future__ import annotations
 
 import collections
+import heapq
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +83,9 @@ LOST_KEEP_S = 600.0
 HISTORY_LEN = 50
 # A worker's status whose only changes are memory readings is published this often.
 STATUS_REFRESH_S = 10.0
+# The lease heap keeps one entry per heartbeat until it is due; it is rebuilt when it
+# holds more than this many entries per worker (a worker beating far faster than usual).
+_LEASE_ENTRIES_PER_WORKER = 16
 
 
 @dataclass
@@ -150,6 +164,19 @@ class Membership:
         self._status = self._waiting_status(0)
         self._reason = "no workers registered"
         self._newly_lost: list[str] = []  # since the last _finish
+        # (last heartbeat, order, worker id), one entry per renewal; an entry whose
+        # time is no longer its worker's last heartbeat is stale and skipped.
+        self._leases: list[tuple[float, int, str]] = []
+        # What the passage of time alone can change, as of the last full decision
+        # (see _time_changes_decision): the join window still running, and the
+        # oldest LOST worker, which ages out of the listing.
+        self._window_running = False
+        self._oldest_lost_at: float | None = None
+        # Counts the status text and `ready` need, kept up to date so neither scans:
+        # workers not LOST, and members of the generation that joined its process group.
+        self._live_n = 0
+        self._member_set: frozenset[str] = frozenset()
+        self._joined_n = 0
 
     # ---- read side -------------------------------------------------------------
 
@@ -174,6 +201,10 @@ class Membership:
         """Why ``version`` last changed."""
         return self._reason
 
+    def is_live(self, worker_id: str) -> bool:
+        """Whether ``worker_id`` is registered and not LOST (its heartbeats are accepted)."""
+        return self._live(worker_id) is not None
+
     @property
     def members(self) -> tuple[str, ...]:
         """Worker ids by rank; empty while the cluster is not formed."""
@@ -181,9 +212,7 @@ class Membership:
 
     @property
     def ready(self) -> bool:
-        return self._formed and all(
-            self._workers[m].joined_generation == self._generation for m in self._members
-        )
+        return self._formed and self._joining() == 0
 
     def view(self, now: float) -> ClusterView:
         members = self.members
@@ -262,11 +291,10 @@ class Membership:
             if w.lost or w.address != address or w.hostname != hostname:
                 continue
             if w.pid == pid:
-                w.last_heartbeat = now
+                self._renew(w, now)
                 outcome = self._finish(now, False, f"{w.worker_id} registered again (retry)")
                 return w.worker_id, outcome
-            w.lost_at = now
-            self._newly_lost.append(w.worker_id)
+            self._mark_lost(w, now)
             notes.append(f"{w.worker_id} at {address} replaced by pid {pid}")
         self._next_order += 1
         worker_id = f"{self._id_prefix}-{self._next_order}"
@@ -282,6 +310,8 @@ class Membership:
             registered_at=now,
             last_heartbeat=now,
         )
+        self._renew(self._workers[worker_id], now)
+        self._live_n += 1
         self._last_registration = now
         self.events["joined"] += 1
         live = _plural(self._live_count(), "live worker")
@@ -314,16 +344,20 @@ class Membership:
             if expired:
                 self._finish(now, True, "; ".join(expired))
             raise UnknownWorkerError(self._unknown_message(worker_id))
-        w.last_heartbeat = now
+        self._renew(w, now)
         beat = f"heartbeat from {worker_id} (joined {joined_generation}, busy {busy})"
         if not 0 <= joined_generation <= self._generation:
             beat += f": generation {joined_generation} is unknown here, counted as 0"
             joined_generation = 0
-        changed = bool(expired)
-        if w.joined_generation != joined_generation or w.busy != busy:
-            w.joined_generation = joined_generation
-            w.busy = busy
-            changed = True
+        # Joining a generation's process group changes the status text and `ready`;
+        # busy only changes this worker's row.
+        rejoined = w.joined_generation != joined_generation
+        changed = bool(expired) or rejoined or w.busy != busy
+        if rejoined and worker_id in self._member_set:
+            joined_before = w.joined_generation == self._generation
+            self._joined_n += (joined_generation == self._generation) - joined_before
+        w.joined_generation = joined_generation
+        w.busy = busy
         if status is not None:
             w.status = status
             stale = now - w.status_published_at >= self.status_refresh_s
@@ -333,7 +367,12 @@ class Membership:
                 w.status_key = status_key
                 w.status_published_at = now
                 changed = True
-        return self._finish(now, changed, "; ".join([*expired, beat]))
+        reason = "; ".join([*expired, beat])
+        if expired or self._time_changes_decision(now):
+            return self._finish(now, changed, reason)
+        if rejoined:
+            changed = self._update_status() or changed
+        return self._bump(changed, reason)
 
     def leave(self, now: float, worker_id: str) -> Outcome:
         """Removes a worker at once. Raises :class:`UnknownWorkerError`."""
@@ -344,12 +383,15 @@ class Membership:
                 self._finish(now, True, "; ".join(expired))
             raise UnknownWorkerError(self._unknown_message(worker_id))
         del self._workers[worker_id]
+        self._live_n -= 1
         self.events["left"] += 1
         return self._finish(now, True, "; ".join([*expired, f"{worker_id} at {w.address} left"]))
 
     def tick(self, now: float) -> Outcome:
         """Applies the passage of time: lease expiry, the join window, pruning."""
         expired = self._expire(now)
+        if not expired and not self._time_changes_decision(now):
+            return Outcome(changed=False, reason="tick")
         return self._finish(now, bool(expired), "; ".join(expired) or "tick")
 
     # ---- decisions -------------------------------------------------------------
@@ -359,7 +401,16 @@ class Membership:
         return None if w is None or w.lost else w
 
     def _live_count(self) -> int:
-        return sum(1 for w in self._workers.values() if not w.lost)
+        return self._live_n
+
+    def _joining(self) -> int:
+        """Members of the generation that have not joined its process group yet."""
+        return len(self._members) - self._joined_n
+
+    def _mark_lost(self, w: _Worker, now: float) -> None:
+        w.lost_at = now
+        self._newly_lost.append(w.worker_id)
+        self._live_n -= 1
 
     def _unknown_message(self, worker_id: str) -> str:
         w = self._workers.get(worker_id)
@@ -373,18 +424,63 @@ class Membership:
             "expired long ago); register again"
         )
 
+    def _renew(self, w: _Worker, now: float) -> None:
+        """Sets the worker's last heartbeat and files its lease in the heap."""
+        w.last_heartbeat = now
+        heapq.heappush(self._leases, (now, w.order, w.worker_id))
+        if len(self._leases) > _LEASE_ENTRIES_PER_WORKER * len(self._workers) + 1024:
+            workers = self._workers.values()
+            self._leases = [(x.last_heartbeat, x.order, x.worker_id) for x in workers]
+            heapq.heapify(self._leases)
+
     def _expire(self, now: float) -> list[str]:
-        """Marks workers whose lease ran out (strictly more than lease_s ago) as LOST."""
+        """Marks workers whose lease ran out (strictly more than lease_s ago) as LOST.
+
+        Pops only the heap entries that are due, so a call that expires nobody is O(1).
+        """
+        due: dict[str, _Worker] = {}  # a renewal at the same time can have two entries
+        while self._leases and now - self._leases[0][0] > self.lease_s:
+            beat, _, worker_id = heapq.heappop(self._leases)
+            w = self._workers.get(worker_id)
+            if w is not None and not w.lost and w.last_heartbeat == beat:
+                due[worker_id] = w
         reasons = []
-        for w in self._workers.values():
-            if not w.lost and now - w.last_heartbeat > self.lease_s:
-                w.lost_at = now
-                self._newly_lost.append(w.worker_id)
-                reasons.append(
-                    f"{w.worker_id} at {w.address} lost: no heartbeat for "
-                    f"{now - w.last_heartbeat:.2f} s (lease {self.lease_s:g} s)"
-                )
+        for w in sorted(due.values(), key=lambda w: w.order):  # registration order, as listed
+            self._mark_lost(w, now)
+            reasons.append(
+                f"{w.worker_id} at {w.address} lost: no heartbeat for "
+                f"{now - w.last_heartbeat:.2f} s (lease {self.lease_s:g} s)"
+            )
         return reasons
+
+    def _time_changes_decision(self, now: float) -> bool:
+        """Whether time alone, since the last full decision, can change its result.
+
+        Only two rules depend on the clock without an event: the join window
+        ending (a seal), and a LOST worker ageing out of the listing (pruning).
+        Everything else changes through register, leave, expiry or a worker
+        joining a generation, which always run the full decision.
+        """
+        last = self._last_registration
+        if self._window_running and last is not None and now - last >= self.join_window_s:
+            return True
+        oldest = self._oldest_lost_at
+        return oldest is not None and now - oldest > LOST_KEEP_S
+
+    def _update_status(self) -> bool:
+        """Recomputes the status text (O(1)); True if it changed."""
+        status = self._compute_status()
+        if status == self._status:
+            return False
+        self._status = status
+        return True
+
+    def _bump(self, changed: bool, reason: str) -> Outcome:
+        """The outcome of an event that cannot change the generation decision or status text."""
+        if changed:
+            self._version += 1
+            self._reason = reason
+        return Outcome(changed=changed, reason=reason)
 
     def _prune_lost(self, now: float) -> bool:
         lost = sorted((w for w in self._workers.values() if w.lost), key=lambda w: w.lost_at or 0.0)
@@ -399,10 +495,11 @@ class Membership:
         """Runs the generation decision after an event and bumps ``version`` if visible."""
         sealed, decision = self._decide(now)
         changed = self._prune_lost(now) or changed or sealed
-        status = self._compute_status()
-        if status != self._status:
-            self._status = status
-            changed = True
+        self._member_set = frozenset(self._members)
+        self._joined_n = sum(
+            1 for m in self._members if self._workers[m].joined_generation == self._generation
+        )
+        changed = self._update_status() or changed
         if decision:
             reason = f"{reason}; {decision}"
         if sealed:
@@ -421,6 +518,12 @@ class Membership:
         lost, self._newly_lost = tuple(self._newly_lost), []
         if lost:
             self.events["lost"] += len(lost)
+        self._window_running = (
+            self._last_registration is not None
+            and now - self._last_registration < self.join_window_s
+        )
+        lost_times = [w.lost_at for w in self._workers.values() if w.lost_at is not None]
+        self._oldest_lost_at = min(lost_times, default=None)
         return Outcome(changed=changed, reason=reason, sealed=sealed, lost=lost)
 
     def _decide(self, now: float) -> tuple[bool, str]:
@@ -476,9 +579,7 @@ class Membership:
                 f"({live} live, min {self.min_workers}, max {self.max_workers})"
             )
         n = len(self._members)
-        joining = sum(
-            1 for m in self._members if self._workers[m].joined_generation != self._generation
-        )
+        joining = self._joining()
         if joining:
             text = (
                 f"generation {self._generation} sealed with {_plural(n, 'worker')}; "

@@ -55,7 +55,14 @@ def _collect(servicer: CoordinatorServicer) -> Iterator[Metric]:
         changes.add_metric([reason], events.get(reason, 0))
     yield changes
     yield CounterMetricFamily(
-        "collectives_heartbeats_received", "Heartbeat RPCs received", value=heartbeats
+        "collectives_heartbeats_received",
+        "Heartbeats received (unary calls and messages on heartbeat streams)",
+        value=heartbeats,
+    )
+    yield GaugeMetricFamily(
+        "collectives_heartbeat_streams",
+        "Open HeartbeatStream calls (workers heartbeating on a stream, not unary calls)",
+        value=servicer.heartbeat_streams,
     )
     age = GaugeMetricFamily(
         "collectives_worker_heartbeat_age_seconds",

@@ -11,6 +11,17 @@ once; the wait's timeout is only a safety net.
 A watch stream holds a server thread for its lifetime, so their number is capped
 (``max_watchers``): beyond it, WatchCluster answers RESOURCE_EXHAUSTED and the
 threads stay available for Register and Heartbeat.
+
+Heartbeats come once a second from every worker, so their cost bounds how many
+workers one coordinator serves. A unary call costs the coordinator ~2.5x what one
+message on an open stream does (grpcio's per-call work: a new call, thread pool
+hand-offs, metadata and status; ~700 vs ~290 us of CPU on a 2-core VM), so workers
+send them on ``HeartbeatStream``, which is answered only when a request asks
+(``want_reply``: an answer costs about as much again). Such a stream also
+holds a server thread for its lifetime; the daemon sizes the pool for one per
+worker, and beyond ``max_heartbeat_streams`` the call answers RESOURCE_EXHAUSTED
+and workers fall back to unary Heartbeat. A stream whose worker was declared
+LOST is cancelled, so a connection that died silently does not keep its thread.
 """
 
 from __future__ import annotations
@@ -123,6 +134,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         op_timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
         max_watchers: int = 64,
+        max_heartbeat_streams: int = 1024,
     ) -> None:
         self._membership = membership
         self._store_address = store_address
@@ -131,6 +143,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._clock = clock
         self._max_watchers = max_watchers
         self._watchers = 0
+        self._max_heartbeat_streams = max_heartbeat_streams
+        # Open HeartbeatStream calls -> the worker id of their last request ("" before one).
+        self._heartbeat_streams: dict[grpc.ServicerContext, str] = {}
+        self._lost_seen = 0  # membership.events["lost"] when streams were last reaped
         self._closed = False
         self._notified_version = membership.version
         self._cond = threading.Condition(threading.Lock())
@@ -139,15 +155,26 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     # ---- used by the daemon ----------------------------------------------------
 
     def tick(self) -> None:
-        """Applies lease expiry and the join window; called periodically."""
+        """Applies lease expiry and the join window; called periodically.
+
+        Also cancels the heartbeat streams of workers declared LOST since the last
+        tick: a stream whose connection died without a reset would otherwise hold
+        its server thread until TCP gives up.
+        """
         with self._cond:
             self._apply(self._membership.tick(self._clock()))
+            stale = self._streams_of_lost_workers()
+        for context in stale:
+            context.cancel()
 
     def close(self) -> None:
-        """Ends every WatchCluster stream; later calls answer UNAVAILABLE."""
+        """Ends every WatchCluster and HeartbeatStream stream; later calls answer UNAVAILABLE."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+            streams = list(self._heartbeat_streams)
+        for context in streams:
+            context.cancel()
 
     def snapshot(self) -> coordinator_pb2.Cluster:
         """The current Cluster message (for in-process callers and tests)."""
@@ -159,6 +186,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         with self._cond:
             view = self._membership.view(self._clock())
             return view, dict(self._membership.events), self._heartbeats_received
+
+    @property
+    def heartbeat_streams(self) -> int:
+        """HeartbeatStream calls open now (workers heartbeating on a stream)."""
+        with self._cond:
+            return len(self._heartbeat_streams)
 
     @property
     def closed(self) -> bool:
@@ -214,27 +247,30 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def Heartbeat(
         self, request: coordinator_pb2.HeartbeatRequest, context: grpc.ServicerContext
     ) -> coordinator_pb2.HeartbeatResponse:
-        has_status = request.HasField("status")
-        key = status_key(request.status) if has_status else None
+        return self._heartbeat(request, context, "Heartbeat")
+
+    def HeartbeatStream(
+        self,
+        request_iterator: Iterator[coordinator_pb2.HeartbeatRequest],
+        context: grpc.ServicerContext,
+    ) -> Iterator[coordinator_pb2.HeartbeatResponse]:
         with self._cond:
             self._check_open(context)
-            self._heartbeats_received += 1
-            try:
-                outcome = self._membership.heartbeat(
-                    self._clock(),
-                    request.worker_id,
-                    joined_generation=request.joined_generation,
-                    busy=request.busy,
-                    status=request.status if has_status else None,
-                    status_key=key,
+            if len(self._heartbeat_streams) >= self._max_heartbeat_streams:
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"HeartbeatStream: {len(self._heartbeat_streams)} streams already open "
+                    "(the limit); send unary Heartbeat calls instead",
                 )
-            except UnknownWorkerError as exc:
-                self._notify_if_changed()
-                context.abort(grpc.StatusCode.NOT_FOUND, f"Heartbeat: {exc}")
-            self._apply(outcome, quiet=True)
-            return coordinator_pb2.HeartbeatResponse(
-                generation=self._membership.generation, version=self._membership.version
-            )
+            self._heartbeat_streams[context] = ""
+        try:
+            for request in request_iterator:
+                response = self._heartbeat(request, context, "HeartbeatStream", stream=True)
+                if request.want_reply:
+                    yield response
+        finally:
+            with self._cond:
+                del self._heartbeat_streams[context]
 
     def Leave(
         self, request: coordinator_pb2.LeaveRequest, context: grpc.ServicerContext
@@ -300,7 +336,52 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 if self._membership.version > after_version:
                     return self._cluster()
 
+    def _heartbeat(
+        self,
+        request: coordinator_pb2.HeartbeatRequest,
+        context: grpc.ServicerContext,
+        rpc: str,
+        *,
+        stream: bool = False,
+    ) -> coordinator_pb2.HeartbeatResponse:
+        """One heartbeat, from a unary call or a stream; aborts the call on NOT_FOUND."""
+        has_status = request.HasField("status")
+        key = status_key(request.status) if has_status else None
+        with self._cond:
+            self._check_open(context)
+            self._heartbeats_received += 1
+            try:
+                outcome = self._membership.heartbeat(
+                    self._clock(),
+                    request.worker_id,
+                    joined_generation=request.joined_generation,
+                    busy=request.busy,
+                    status=request.status if has_status else None,
+                    status_key=key,
+                )
+            except UnknownWorkerError as exc:
+                self._notify_if_changed()
+                context.abort(grpc.StatusCode.NOT_FOUND, f"{rpc}: {exc}")
+            if stream:
+                self._heartbeat_streams[context] = request.worker_id
+            self._apply(outcome, quiet=True)
+            return coordinator_pb2.HeartbeatResponse(
+                generation=self._membership.generation, version=self._membership.version
+            )
+
     # ---- helpers (call with the lock held) -------------------------------------
+
+    def _streams_of_lost_workers(self) -> list[grpc.ServicerContext]:
+        """Heartbeat streams whose worker is no longer live; scans only after a loss."""
+        lost = self._membership.events["lost"]
+        if lost == self._lost_seen:
+            return []
+        self._lost_seen = lost
+        return [
+            context
+            for context, worker_id in self._heartbeat_streams.items()
+            if worker_id and not self._membership.is_live(worker_id)
+        ]
 
     def _cluster(self) -> coordinator_pb2.Cluster:
         now = self._clock()

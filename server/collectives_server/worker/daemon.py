@@ -1,7 +1,8 @@
 """The worker daemon: registration, heartbeats, following generations, serving.
 
-A worker registers with the coordinator, renews its lease with heartbeats, and
-follows the coordinator's WatchCluster stream. Each sealed generation that
+A worker registers with the coordinator, renews its lease with heartbeats (on a
+HeartbeatStream, with unary Heartbeat calls while no stream is up), and follows
+the coordinator's WatchCluster stream. Each sealed generation that
 includes it gets a fresh :class:`GenerationRuntime` (its own process group);
 the previous one is retired. The tensor store belongs to the daemon, not the
 generation, so named tensors survive every membership change. A worker that
@@ -26,6 +27,7 @@ import torch.distributed as dist
 import collectives_server
 from collectives.errors import CollectiveError
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2
+from collectives_server.coordinator.heartbeats import HeartbeatStream, reply_interval_s
 from collectives_server.metrics import MetricsServer
 from collectives_server.rpc import GRPC_OPTIONS, start_server
 from collectives_server.signals import StopSignal
@@ -45,6 +47,11 @@ from collectives_server.worker.store import TensorStore
 __all__ = ["WorkerDaemon", "run_worker", "resolve_devices"]
 
 log = logging.getLogger(__name__)
+
+# After a heartbeat stream failed (other than NOT_FOUND), heartbeats go by unary calls
+# for this many intervals before a new stream is tried (a coordinator at its stream
+# limit answers each attempt with RESOURCE_EXHAUSTED).
+_STREAM_RETRY_BEATS = 10
 
 
 def resolve_devices(requested: tuple[str, ...]) -> list[torch.device]:
@@ -82,6 +89,10 @@ class WorkerDaemon:
         self._lease_s = 5.0
         self._lock = threading.RLock()
         self._stop = threading.Event()
+        # Set by stop() and by a heartbeat stream that ended: the heartbeat loop acts at once.
+        self._beat_wake = threading.Event()
+        self._stream: HeartbeatStream | None = None  # owned by the heartbeat thread
+        self._stream_retry_at = 0.0
         self._started = time.monotonic()
         self._watch_call = None
         self._server = None
@@ -123,6 +134,7 @@ class WorkerDaemon:
 
     def stop(self) -> None:
         self._stop.set()
+        self._beat_wake.set()
         if self._watch_call is not None:
             self._watch_call.cancel()
         try:
@@ -166,7 +178,11 @@ class WorkerDaemon:
         log.info("registered as %s at %s", self.worker_id, self.address)
 
     def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self._heartbeat_s):
+        while True:
+            self._beat_wake.wait(self._heartbeat_s)  # the interval, or less if the stream ended
+            self._beat_wake.clear()
+            if self._stop.is_set():
+                break
             self.models.expire_graphs()
             runtime = self.runtime
             request = coordinator_pb2.HeartbeatRequest(
@@ -176,19 +192,66 @@ class WorkerDaemon:
                 status=heartbeat_status(self),
             )
             try:
-                self._coordinator.Heartbeat(request, timeout=max(self._heartbeat_s * 2, 1.0))
+                self._send_heartbeat(request)
                 self.stats.heartbeat(ok=True)
             except grpc.RpcError as err:
                 self.stats.heartbeat(ok=False)
                 if err.code() == grpc.StatusCode.NOT_FOUND:
                     log.warning("coordinator no longer knows this worker; registering again")
                     self._retire_runtime()
+                    self._stream_retry_at = 0.0  # the new id gets a new stream at once
                     try:
                         self._register(timeout_s=max(self._heartbeat_s * 5, 5.0))
                     except grpc.RpcError as again:
                         log.warning("re-registration failed: %s", again.details())
                 elif not self._stop.is_set():
                     log.debug("heartbeat failed: %s", err.details())
+        if self._stream is not None:
+            self._stream.close()
+
+    def _heartbeat_timeout_s(self) -> float:
+        return max(self._heartbeat_s * 2, 1.0)
+
+    def _send_heartbeat(self, request: coordinator_pb2.HeartbeatRequest) -> None:
+        """Sends one heartbeat on the stream, or as a unary call while no stream is up.
+
+        A stream that failed for any reason but NOT_FOUND is dropped, this beat goes
+        as a unary call, and a new stream is tried after _STREAM_RETRY_BEATS
+        intervals (never again on a coordinator without HeartbeatStream).
+        NOT_FOUND, from either path, is raised: the caller registers again.
+        """
+        stream = self._heartbeat_stream()
+        if stream is not None:
+            try:
+                stream.send(request)
+                return
+            except grpc.RpcError as err:
+                self._stream = None
+                if err.code() == grpc.StatusCode.NOT_FOUND:
+                    raise
+                retry_s = _STREAM_RETRY_BEATS * self._heartbeat_s
+                if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    retry_s = float("inf")
+                self._stream_retry_at = time.monotonic() + retry_s
+                log.info(
+                    "heartbeat stream failed (%s: %s); unary heartbeats for %g s",
+                    err.code().name,
+                    err.details(),
+                    retry_s,
+                )
+                request.want_reply = False
+        self._coordinator.Heartbeat(request, timeout=self._heartbeat_timeout_s())
+
+    def _heartbeat_stream(self) -> HeartbeatStream | None:
+        """The open heartbeat stream; opens one when none is and it is time to try."""
+        if self._stream is None and time.monotonic() >= self._stream_retry_at:
+            self._stream = HeartbeatStream(
+                self._coordinator,
+                reply_every_s=reply_interval_s(self._heartbeat_s),
+                reply_timeout_s=self._heartbeat_timeout_s(),
+                on_end=self._beat_wake.set,
+            )
+        return self._stream
 
     def _watch_loop(self) -> None:
         version = 0
