@@ -1,12 +1,14 @@
 """Small control collectives that keep every rank's view of an op identical.
 
-``exchange_infos`` all-gathers each rank's operand description;
-``agree`` all-gathers each rank's local outcome (a status code and a short
-message) so that a failure on one rank is reported, with its reason, on all.
+``exchange`` all-gathers each rank's operand description (and, for small
+operands, the operand's bytes: see ``runtime``); ``agree`` all-gathers each
+rank's local outcome (a status code and a short message) so that a failure on
+one rank is reported, with its reason, on all.
 """
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import grpc
@@ -14,12 +16,21 @@ import torch
 import torch.distributed as dist
 
 from collectives.codec import tensor_memoryview
-from collectives_server.worker.validation import INFO_LEN, OperandInfo, decode_info
+from collectives_server.worker.validation import INFO_BYTES, INFO_LEN, OperandInfo, decode_info
 
-__all__ = ["exchange_infos", "agree", "RankOutcome"]
+__all__ = [
+    "exchange",
+    "Exchanged",
+    "exchange_infos",
+    "agree",
+    "agree_with",
+    "RankOutcome",
+    "all_gather_rows",
+]
 
 _STATUS_BYTES = 512
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+_INFO = struct.Struct(f"<{INFO_LEN}q")
 
 
 @dataclass(frozen=True)
@@ -29,31 +40,108 @@ class RankOutcome:
     message: str
 
 
+def all_gather_rows(
+    pg: dist.ProcessGroup, row: torch.Tensor, size: int, before=None
+) -> torch.Tensor:
+    """``torch.stack`` of every rank's ``row`` (a contiguous 1-D tensor), in rank order.
+
+    ``before`` (something with ``wait()``, e.g. the leader's pending announcement)
+    is waited on after this all-gather was issued and before it is waited on."""
+    out = torch.empty((size, row.numel()), dtype=row.dtype)
+    work = pg._allgather_base(out.view(-1), row)
+    if before is not None:
+        before.wait()
+    work.wait()
+    return out
+
+
+@dataclass(frozen=True)
+class Exchanged:
+    """What one exchange gave every rank: each rank's operand info and its row."""
+
+    infos: list[OperandInfo]
+    rows: torch.Tensor  # uint8 [size, INFO_BYTES + capacity]
+
+    def payload(self, rank: int, info: OperandInfo) -> torch.Tensor:
+        """``rank``'s inline operand (its bytes must have fit), as ``info`` describes it."""
+        assert info.dtype is not None
+        raw = self.rows[rank, INFO_BYTES : INFO_BYTES + info.nbytes]
+        return raw.view(info.dtype).reshape(info.shape)
+
+
+def exchange(
+    pg: dist.ProcessGroup,
+    size: int,
+    values: list[int],
+    operand: torch.Tensor | None = None,
+    capacity: int = 0,
+    before=None,
+) -> Exchanged:
+    """All-gathers every rank's info ``values`` followed by ``capacity`` bytes in which
+    ``operand`` travels when it fits (otherwise only its info). ``before``: see
+    :func:`all_gather_rows`."""
+    row = torch.empty(INFO_BYTES + capacity, dtype=torch.uint8)
+    view = tensor_memoryview(row)
+    _INFO.pack_into(view, 0, *values)
+    if capacity:
+        n = 0
+        if operand is not None:
+            n = operand.numel() * operand.element_size()
+            if n <= capacity:
+                flat = operand.reshape(-1) if operand.device.type == "cpu" else operand.cpu()
+                row[INFO_BYTES : INFO_BYTES + n] = flat.reshape(-1).view(torch.uint8)
+            else:
+                n = 0
+        view[INFO_BYTES + n :] = bytes(capacity - n)  # no stray memory on the wire
+    rows = all_gather_rows(pg, row, size, before)
+    raw = tensor_memoryview(rows)
+    stride = row.numel()
+    infos = [decode_info(list(_INFO.unpack_from(raw, r * stride))) for r in range(size)]
+    return Exchanged(infos, rows)
+
+
 def exchange_infos(pg: dist.ProcessGroup, info: torch.Tensor, size: int) -> list[OperandInfo]:
-    out = torch.empty((size, INFO_LEN), dtype=torch.int64)
-    pg.allgather([[out[i] for i in range(size)]], [info]).wait()
-    return [decode_info(out[i]) for i in range(size)]
+    """All-gathers each rank's encoded operand info (``validation.encode_info``)."""
+    return exchange(pg, size, [int(v) for v in info.tolist()]).infos
 
 
 def agree(
     pg: dist.ProcessGroup, size: int, code: grpc.StatusCode, message: str = ""
 ) -> list[RankOutcome]:
     """Returns the outcomes of the ranks that failed (empty: all succeeded)."""
-    mine = torch.zeros(_STATUS_BYTES, dtype=torch.uint8)
+    return agree_with(pg, size, code, message)[0]
+
+
+def agree_with(
+    pg: dist.ProcessGroup,
+    size: int,
+    code: grpc.StatusCode,
+    message: str = "",
+    extra: list[float] | None = None,
+) -> tuple[list[RankOutcome], list[list[float]]]:
+    """:func:`agree`, with ``extra`` float64 values from every rank in the same exchange
+    (every rank passes as many); returns (the failed ranks' outcomes, the values by rank)."""
+    values = extra or []
+    row_bytes = _STATUS_BYTES + 8 * len(values)
+    mine = torch.zeros(row_bytes, dtype=torch.uint8)
     encoded = message.encode("utf-8", "replace")[: _STATUS_BYTES - 3]
-    mine[0] = code.value[0]
-    mine[1] = len(encoded) & 0xFF
-    mine[2] = len(encoded) >> 8
-    if encoded:
-        mine[3 : 3 + len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
-    out = torch.empty((size, _STATUS_BYTES), dtype=torch.uint8)
-    pg.allgather([[out[i] for i in range(size)]], [mine]).wait()
+    view = tensor_memoryview(mine)
+    view[0] = code.value[0]
+    view[1] = len(encoded) & 0xFF
+    view[2] = len(encoded) >> 8
+    view[3 : 3 + len(encoded)] = encoded
+    extras_format = struct.Struct(f"<{len(values)}d")
+    extras_format.pack_into(view, _STATUS_BYTES, *values)
+    out = all_gather_rows(pg, mine, size)
+    raw = tensor_memoryview(out)
     failures = []
+    extras = []
     for rank in range(size):
-        raw = tensor_memoryview(out[rank].contiguous()).tobytes()
-        status = _CODES.get(raw[0], grpc.StatusCode.UNKNOWN)
+        base = rank * row_bytes
+        status = _CODES.get(raw[base], grpc.StatusCode.UNKNOWN)
         if status != grpc.StatusCode.OK:
-            length = raw[1] | (raw[2] << 8)
-            text = raw[3 : 3 + length].decode("utf-8", "replace")
+            length = raw[base + 1] | (raw[base + 2] << 8)
+            text = bytes(raw[base + 3 : base + 3 + length]).decode("utf-8", "replace")
             failures.append(RankOutcome(rank, status, text))
-    return failures
+        extras.append(list(extras_format.unpack_from(raw, base + _STATUS_BYTES)))
+    return failures, extras

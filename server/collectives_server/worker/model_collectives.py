@@ -1,17 +1,24 @@
 """Cluster-wide model ops the leader sequences: gradient aggregation and train steps.
 
-``all_reduce_gradients`` flattens every parameter's gradient into buckets
-(≤ ``bucket_bytes``, one dtype each, parameters in reverse registration order
-as DDP does, since that is roughly the order backward produces them), issues
-one all-reduce per bucket and copies the result back: the number of data
-collectives equals the number of buckets, not of parameters. A rank that has
-no gradient for a parameter (it got no shard) contributes zeros; a parameter
-with no gradient on any rank keeps none. Every rank ends with bit-identical
+``all_reduce_gradients`` reduces every parameter's gradient in buckets
+(<= ``bucket_bytes``, one dtype each, parameters in reverse registration order
+as DDP does, since that is roughly the order backward produces them), one
+all-reduce per bucket: the number of data collectives equals the number of
+buckets, not of parameters. Gradients live in the model's gradient arena
+(``models.GradArena``, DDP's gradient-as-bucket-view), so a bucket is reduced
+in place, without a flattening copy or a copy back. A rank that has no
+gradient for a parameter (it got no shard) contributes zeros; a parameter with
+no gradient on any rank keeps none. Every rank ends with bit-identical
 gradients because all-reduce gives every rank the same bytes.
+
+Like DDP's, the reduction is in place: an all_reduce_gradients that fails
+part-way (a worker lost) leaves this rank's gradients undefined; compute them
+again (zero_grad, forward, backward) before the next step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -23,10 +30,11 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional
 
-from collectives.errors import CollectiveError, InvalidArgument, error_for_code
+from collectives.errors import CollectiveError, InvalidArgument, NotFound, error_for_code
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
 from collectives_server.worker import agreement
+from collectives_server.worker.collective_ops import copy_into
 from collectives_server.worker.models import HostedModel, make_optimizer
 
 if TYPE_CHECKING:
@@ -37,7 +45,7 @@ __all__ = ["ModelOpResult", "run_model_op", "DEFAULT_BUCKET_BYTES", "MODEL_KINDS
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 MODEL_KINDS = ("all_reduce_gradients", "train_step")
 _LOSSES = {"mse": functional.mse_loss, "cross_entropy": functional.cross_entropy}
-_INFO = 6  # present, signature, has inputs, has targets, batch, reserved
+_INFO = 6  # present, signature, has inputs, has targets, all parameters have a gradient, 0
 
 
 @dataclass(frozen=True)
@@ -51,13 +59,14 @@ class ModelOpResult:
     latency_s: float
 
 
-def _buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[list[int]]:
-    """Parameter indices per bucket: reverse order, one dtype per bucket, ≤ bucket_bytes."""
+def _buckets(params: list[torch.nn.Parameter], active: list[int], bucket_bytes: int):
+    """Indices (into ``params``) per bucket: the ``active`` parameters in reverse order,
+    one dtype per bucket, <= bucket_bytes (a larger parameter gets a bucket alone)."""
     buckets: list[list[int]] = []
     current: list[int] = []
     size = 0
     dtype = None
-    for i in reversed(range(len(params))):
+    for i in reversed(active):
         p = params[i]
         nbytes = p.numel() * p.element_size()
         if current and (p.dtype != dtype or size + nbytes > bucket_bytes):
@@ -72,30 +81,43 @@ def _buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[list[i
 
 
 def reduce_gradients(
-    rt: GenerationRuntime, model: HostedModel, op: ReduceOp, bucket_bytes: int
+    rt: GenerationRuntime, model: HostedModel, op: ReduceOp, bucket_bytes: int, mask: list[bool]
 ) -> tuple[int, int]:
-    """Bucketed all-reduce of the model's gradients on this rank; returns (buckets, bytes)."""
+    """Bucketed all-reduce of the gradients of the parameters ``mask`` marks (those with a
+    gradient on some rank) on this rank; returns (buckets, bytes). The caller holds the
+    model's lock.
+
+    Gradients live in the model's arena (``models.GradArena``): a bucket of
+    consecutive parameters is reduced in place in its slice; only a bucket whose
+    parameters are not consecutive there (a parameter between them has no
+    gradient anywhere) goes through a flat copy."""
     pg = rt.groups[0].handles.data  # type: ignore[union-attr]
-    params = [p for _, p in model.parameters]
-    mask = _any_rank_has_grad(rt, [p.grad is not None for p in params])
-    active = [p for p, m in zip(params, mask, strict=True) if m]
-    total = 0
-    buckets = _buckets(active, bucket_bytes)
+    arena = model.grad_arena()
+    params = arena.params
+    active = [i for i, m in enumerate(mask) if m]
+    for i in active:
+        arena.adopt(i)  # no gradient here: zeros, as the other ranks expect
+    buckets = _buckets(params, active, bucket_bytes)
     native = dist.ReduceOp.AVG if op is ReduceOp.AVG else dist.ReduceOp.SUM
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = native
+    total = 0
     for bucket in buckets:
-        grads = [
-            active[i].grad if active[i].grad is not None else torch.zeros_like(active[i])
-            for i in bucket
-        ]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = native
-        rt.call(lambda flat=flat, opts=opts: pg.allreduce([flat], opts).wait())
-        offset = 0
-        for i, g in zip(bucket, grads, strict=True):
-            n = g.numel()
-            active[i].grad = flat[offset : offset + n].view_as(g).clone()
-            offset += n
+        flat = arena.flat(bucket)
+        if flat is not None:
+            rt.call(lambda flat=flat: pg.allreduce([flat], opts).wait())
+        else:
+            views = [arena.view(i) for i in bucket]
+            flat = torch.empty(sum(v.numel() for v in views), dtype=views[0].dtype)
+            offset = 0
+            for v in views:
+                copy_into(flat.narrow(0, offset, v.numel()), v.reshape(-1))
+                offset += v.numel()
+            rt.call(lambda flat=flat: pg.allreduce([flat], opts).wait())
+            offset = 0
+            for v in views:
+                copy_into(v, flat.narrow(0, offset, v.numel()).view(v.shape))
+                offset += v.numel()
         total += flat.numel() * flat.element_size()
     rt.count_data_collectives(len(buckets), len(buckets))
     return len(buckets), total
@@ -106,48 +128,85 @@ def _any_rank_has_grad(rt: GenerationRuntime, flags: list[bool]) -> list[bool]:
     if not flags:
         return []
     mine = torch.tensor(flags, dtype=torch.uint8)
-    every = torch.empty((rt.world_size, len(flags)), dtype=torch.uint8)
     control = rt.groups[0].handles.control  # type: ignore[union-attr]
-    rt.call(lambda: control.allgather([[every[i] for i in range(rt.world_size)]], [mine]).wait())
+    every = rt.call(agreement.all_gather_rows, control, mine, rt.world_size)
     return [bool(v) for v in every.amax(0).tolist()]
+
+
+def _mask(rt: GenerationRuntime, flags: list[bool], everywhere: bool) -> list[bool]:
+    """The parameters to reduce. ``everywhere``: every rank said all its parameters have
+    a gradient (told in an exchange the op needed anyway), so no extra round."""
+    return [True] * len(flags) if everywhere else _any_rank_has_grad(rt, flags)
 
 
 def _local_train(
     rt: GenerationRuntime, model: HostedModel, desc: worker_pb2.OpDescriptor
 ) -> tuple[float, int]:
-    inputs = rt.store.get(desc.inputs)
-    targets = rt.store.get(desc.targets)
+    # peek, not get: the executor never waits on a commit fence (every rank
+    # checked these names are present before this point).
+    inputs = rt.store.peek(desc.inputs)
+    targets = rt.store.peek(desc.targets)
+    if inputs is None or targets is None:
+        raise NotFound(f"tensor {desc.inputs if inputs is None else desc.targets!r} vanished")
     loss_fn = _LOSSES[desc.loss]
     for p in model.module.parameters():
         p.grad = None
-    with torch.enable_grad():
-        out = model.module(inputs)
-        loss = loss_fn(out, targets)
-        loss.backward()
+    arena = model.grad_arena()
+    seeded = arena.seed()
+    try:
+        with torch.enable_grad():
+            out = model.module(inputs)
+            loss = loss_fn(out, targets)
+            loss.backward()
+    finally:
+        arena.settle(seeded)
     return float(loss.detach()), int(inputs.shape[0]) if inputs.dim() else 1
 
 
 def run_model_op(rt: GenerationRuntime, desc: worker_pb2.OpDescriptor, started: float):
-    """Runs one model op on this rank; returns ModelOpResult or CollectiveError (same on all)."""
-    kind = desc.kind
+    """Runs one model op on this rank; returns ModelOpResult or CollectiveError (same on all).
+
+    Control rounds (besides the announcement): all_reduce_gradients exchanges one
+    info row (model present, signature, "every parameter has a gradient") and then
+    reduces; train_step exchanges the info row, trains locally, and agrees on the
+    outcome with each rank's loss, batch and gradient flag in the same row. A rank
+    holds the model's lock from before its first exchange until the op is done, so
+    no backward slips in between deciding what to reduce and reducing it, and a
+    read of its gradients waits until they are final."""
     model = rt.models.peek(desc.name)
+    lock = model.lock if model is not None else contextlib.nullcontext()
+    with lock:
+        return _run_model_op(rt, model, desc, started)
+
+
+def _run_model_op(
+    rt: GenerationRuntime,
+    model: HostedModel | None,
+    desc: worker_pb2.OpDescriptor,
+    started: float,
+):
+    kind = desc.kind
     is_train = kind == "train_step"
     info = torch.zeros(_INFO, dtype=torch.int64)
+    flags: list[bool] = []
     if model is not None:
         info[0] = 1
         info[1] = model.signature()
+        if not is_train:
+            flags = [p.grad is not None for _, p in model.parameters]
+            info[4] = int(all(flags))
     if is_train:
         info[2] = int(rt.store.peek(desc.inputs) is not None)
         info[3] = int(rt.store.peek(desc.targets) is not None)
-    out = torch.empty((rt.world_size, _INFO), dtype=torch.int64)
     control = rt.groups[0].handles.control  # type: ignore[union-attr]
-    rt.call(lambda: control.allgather([[out[i] for i in range(rt.world_size)]], [info]).wait())
-    rows = out.tolist()
+    rows = rt.call(agreement.all_gather_rows, control, info, rt.world_size).tolist()
     verdict = _decide(desc, rows)
     if verdict is not None:
         return verdict
+    assert model is not None
 
-    # Local phase; every rank agrees on its outcome before gradients move.
+    # Local phase (only a train_step or an optimizer can fail here); every rank
+    # agrees on its outcome before gradients move.
     code, message = grpc.StatusCode.OK, ""
     loss_value, batch = 0.0, 0
     optimizer_hyper = None
@@ -166,46 +225,48 @@ def run_model_op(rt: GenerationRuntime, desc: worker_pb2.OpDescriptor, started: 
             else:
                 candidate = model.optimizer
         if is_train:
-            with model.lock:
-                loss_value, batch = _local_train(rt, model, desc)
+            loss_value, batch = _local_train(rt, model, desc)
+            flags = [p.grad is not None for _, p in model.parameters]
     except CollectiveError as exc:
         code, message = exc.code, exc.message
     except (RuntimeError, ValueError, TypeError, IndexError) as exc:
         code, message = grpc.StatusCode.INVALID_ARGUMENT, f"{type(exc).__name__}: {exc}"
-    failures = rt.call(lambda: agreement.agree(control, rt.world_size, code, message))
-    if failures:
-        return rt.fail_all(failures)
+
+    rank_losses: list[float] = []
+    global_loss = 0.0
+    if is_train or desc.optimizer:
+        extra = [loss_value, float(batch), float(all(flags))]
+        failures, extras = rt.call(
+            agreement.agree_with, control, rt.world_size, code, message, extra
+        )
+        if failures:
+            return rt.fail_all(failures)
+        everywhere = all(e[2] for e in extras)
+        if is_train:
+            rank_losses = [e[0] for e in extras]
+            weights = [e[1] for e in extras]
+            total_weight = sum(weights)
+            global_loss = (
+                sum(loss * w for loss, w in zip(rank_losses, weights, strict=True)) / total_weight
+                if total_weight
+                else math.nan
+            )
+    else:
+        everywhere = all(row[4] for row in rows)
 
     op = ReduceOp.from_wire(desc.op)
     if is_train:
         op = ReduceOp.AVG
     bucket_bytes = desc.bucket_bytes or DEFAULT_BUCKET_BYTES
-    with model.lock:
-        buckets, nbytes = reduce_gradients(rt, model, op, bucket_bytes)
-        if desc.optimizer:
-            if candidate is not model.optimizer:
-                model.optimizer = candidate
-                model.optimizer_kind = desc.optimizer
-                model.optimizer_hyper = optimizer_hyper or {}
-            model.optimizer.step()
-            model.steps += 1
-
-    rank_losses: list[float] = []
-    global_loss = 0.0
-    if is_train:  # every rank takes this branch or none: the kind is in the descriptor
-        losses = torch.tensor([loss_value, float(batch)], dtype=torch.float64)
-        gathered = torch.empty((rt.world_size, 2), dtype=torch.float64)
-        rt.call(
-            lambda: control.allgather(
-                [[gathered[i] for i in range(rt.world_size)]], [losses]
-            ).wait()
-        )
-        rank_losses = [float(v) for v in gathered[:, 0].tolist()]
-        weights = gathered[:, 1]
-        total_weight = float(weights.sum())
-        global_loss = (
-            float((gathered[:, 0] * weights).sum() / total_weight) if total_weight else math.nan
-        )
+    mask = _mask(rt, flags, everywhere)
+    buckets, nbytes = reduce_gradients(rt, model, op, bucket_bytes, mask)
+    if desc.optimizer:
+        if candidate is not model.optimizer:
+            model.optimizer = candidate
+            model.optimizer_kind = desc.optimizer
+            model.optimizer_hyper = optimizer_hyper or {}
+        model.optimizer.step()
+        model.steps += 1
     return ModelOpResult(
         desc.op_id,
         rt.generation,

@@ -129,7 +129,14 @@ def backward(
             grads.append(grad.to(out.device, out.dtype))
         with model.lock:
             if tensors:
-                torch.autograd.backward(tensors, grads)
+                # Gradients accumulate straight into the model's gradient arena, so
+                # all_reduce_gradients reduces them in place (models.GradArena).
+                arena = model.grad_arena()
+                seeded = arena.seed()
+                try:
+                    torch.autograd.backward(tensors, grads)
+                finally:
+                    arena.settle(seeded)
         names = []
         for i, (name, leaf) in enumerate(graph.inputs.items()):
             if leaf.grad is None:

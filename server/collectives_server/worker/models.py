@@ -10,6 +10,8 @@ client that never calls backward cannot leak a worker's memory.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
 import importlib
 import inspect
@@ -27,7 +29,7 @@ from torch import nn
 from collectives.errors import InvalidArgument, NotFound, PermissionDenied
 from collectives.names import validate_name
 
-__all__ = ["ModelRegistry", "HostedModel", "RetainedGraph", "OPTIMIZERS"]
+__all__ = ["ModelRegistry", "HostedModel", "RetainedGraph", "GradArena", "OPTIMIZERS"]
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
@@ -45,6 +47,125 @@ class RetainedGraph:
     expires_at: float
 
 
+def _zero(t: torch.Tensor) -> None:
+    """Zeroes ``t`` (one plain memset on contiguous CPU memory: no OpenMP threads)."""
+    if t.device.type == "cpu" and t.is_contiguous():
+        nbytes = t.numel() * t.element_size()
+        if nbytes:
+            ctypes.memset(t.data_ptr(), 0, nbytes)
+    else:
+        t.zero_()
+
+
+class GradArena:
+    """One model's gradients in flat buffers, one per (dtype, device), parameters in
+    reverse registration order (DDP's bucket order), ``.grad`` being views into them.
+
+    This is DDP's ``gradient_as_bucket_view``: backward accumulates straight into
+    the buffers (:meth:`seed` gives parameters without a gradient a zeroed view
+    before backward; :meth:`settle` takes it away again from those backward did
+    not reach, so "has a gradient" keeps its meaning), and a bucket of
+    consecutive parameters is a slice of a buffer that the all-reduce reduces in
+    place: no flattening copy, no copy back. A gradient that is not a view (set
+    some other way) is copied into its slot by :meth:`adopt`.
+
+    Callers hold the model's lock.
+    """
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+        self._slots: list[tuple[tuple[torch.dtype, torch.device], int, int]] = [
+            ((p.dtype, p.device), 0, 0) for p in params
+        ]
+        self.position = [0] * len(params)  # place in arena order
+        for pos, i in enumerate(reversed(range(len(params)))):
+            p = params[i]
+            key = (p.dtype, p.device)
+            offset = sizes.get(key, 0)
+            self._slots[i] = (key, offset, p.numel())
+            sizes[key] = offset + p.numel()
+            self.position[i] = pos
+        self.buffers = {
+            key: torch.zeros(n, dtype=key[0], device=key[1]) for key, n in sizes.items()
+        }
+        self._touched: set[int] = set()
+        for i, p in enumerate(params):
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(functools.partial(self._reached, i))
+
+    def _reached(self, i: int, _param: torch.Tensor) -> None:
+        self._touched.add(i)
+
+    def view(self, i: int) -> torch.Tensor:
+        key, offset, n = self._slots[i]
+        return self.buffers[key].narrow(0, offset, n).view(self.params[i].shape)
+
+    def holds(self, i: int) -> bool:
+        """Whether parameter ``i``'s gradient is its slot in the arena."""
+        g = self.params[i].grad
+        if g is None:
+            return False
+        key, offset, _ = self._slots[i]
+        buf = self.buffers[key]
+        return (
+            g.device == buf.device
+            and g.dtype == buf.dtype
+            and g.shape == self.params[i].shape
+            and g.is_contiguous()
+            and g.data_ptr() == buf.data_ptr() + offset * buf.element_size()
+        )
+
+    def adopt(self, i: int) -> None:
+        """Makes parameter ``i``'s gradient its slot, keeping its value (None: zeros)."""
+        if self.holds(i):
+            return
+        p = self.params[i]
+        slot = self.view(i)
+        if p.grad is None:
+            _zero(slot)
+        else:
+            from collectives_server.worker.collective_ops import copy_into
+
+            copy_into(slot, p.grad.detach())
+        p.grad = slot
+
+    def seed(self) -> list[int]:
+        """Before a backward: a zeroed slot as the gradient of every parameter without one."""
+        seeded = []
+        for i, p in enumerate(self.params):
+            if p.requires_grad and p.grad is None:
+                slot = self.view(i)
+                _zero(slot)
+                p.grad = slot
+                seeded.append(i)
+        self._touched.clear()
+        return seeded
+
+    def settle(self, seeded: list[int]) -> None:
+        """After the backward: parameters it did not reach have no gradient again."""
+        for i in seeded:
+            if i not in self._touched and self.holds(i):
+                self.params[i].grad = None
+        self._touched.clear()
+
+    def flat(self, indices: list[int]) -> torch.Tensor | None:
+        """The buffer slice holding these parameters' slots, if they are consecutive in
+        arena order (as a bucket of consecutive parameters is); else None."""
+        if not indices:
+            return None
+        key = self._slots[indices[0]][0]
+        positions = [self.position[i] for i in indices]
+        first = min(positions)
+        if sorted(positions) != list(range(first, first + len(indices))):
+            return None
+        if any(self._slots[i][0] != key for i in indices):
+            return None
+        start = min(self._slots[i][1] for i in indices)
+        total = sum(self._slots[i][2] for i in indices)
+        return self.buffers[key].narrow(0, start, total)
+
+
 @dataclass
 class HostedModel:
     name: str
@@ -57,10 +178,23 @@ class HostedModel:
     optimizer_kind: str = ""
     optimizer_hyper: dict[str, Any] = field(default_factory=dict)
     steps: int = 0
+    _arena: GradArena | None = None
 
     @property
     def parameters(self) -> list[tuple[str, nn.Parameter]]:
         return list(self.module.named_parameters())
+
+    def grad_arena(self) -> GradArena:
+        """The model's gradient arena (built on first use; the caller holds ``lock``)."""
+        params = [p for _, p in self.parameters]
+        arena = self._arena
+        if (
+            arena is None
+            or len(arena.params) != len(params)
+            or any(a is not b for a, b in zip(arena.params, params, strict=True))
+        ):
+            arena = self._arena = GradArena(params)
+        return arena
 
     def signature(self) -> int:
         """A hash of parameter names, dtypes and shapes: equal on every rank that loaded it."""

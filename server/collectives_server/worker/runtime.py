@@ -8,12 +8,21 @@ receives descriptors and executes them. Every rank executes the same op in
 the same order, which is what torch.distributed requires and what concurrent
 clients could never guarantee by themselves.
 
-Executing one op on every rank:
-  1. all-gather operand descriptions (present?, dtype, shape);
-  2. :func:`validation.decide`, identical everywhere: fail together, or go on;
-  3. prepare private buffers; agree that every rank could;
-  4. the data collective;
-  5. agree on the outcome; commit results to the store only if all succeeded.
+Executing one op on every rank (the leader answers once it has committed):
+  1. the leader announces the op (descriptor broadcast);
+  2. every rank all-gathers its operand description and store quota state,
+     and, when the leader saw a small operand (<= ``INLINE_MAX_BYTES``), the
+     operand's bytes with it;
+  3. :func:`validation.decide`, identical everywhere: fail together (missing,
+     mismatched or over-quota anywhere), or go on;
+  4. small operands: every rank computes its result from the exchanged bytes
+     (:func:`collective_ops.inline_result`) and commits: two control rounds
+     per op in all;
+     otherwise: the data collective on private buffers, an agreement on every
+     rank's outcome, and a commit only if every rank succeeded.
+A follower fences the name its result goes to before its last exchange of the
+op and lifts the fence once committed (``store.Fence``), so a client reading
+any rank right after the leader answered sees the result; no barrier per op.
 
 A generation that is superseded never commits again; its thread is left to
 finish or time out (gloo cannot interrupt a pending op) while the next
@@ -48,11 +57,17 @@ from collectives_server.worker import (
 )
 from collectives_server.worker.models import ModelRegistry
 from collectives_server.worker.process_groups import GroupHandles, build_groups
-from collectives_server.worker.store import TensorStore
+from collectives_server.worker.store import Fence, TensorStore
 
-__all__ = ["GenerationRuntime", "PendingOp", "OpResult", "GroupEntry"]
+__all__ = ["GenerationRuntime", "PendingOp", "OpResult", "GroupEntry", "INLINE_MAX_BYTES"]
 
 log = logging.getLogger(__name__)
+
+# Operands up to this size (per rank, and world x this in all) travel inside the
+# operand exchange instead of a data collective of their own.
+INLINE_MAX_BYTES = 64 * 1024
+INLINE_MAX_TOTAL_BYTES = 1024 * 1024
+_INLINE_KINDS = frozenset(validation.KINDS) - {"barrier"}
 
 
 @dataclass(frozen=True)
@@ -115,6 +130,7 @@ class GenerationRuntime:
         rebuild_after_s: float = 10.0,
         models: ModelRegistry | None = None,
         on_data_collectives: Callable[[int, int], None] | None = None,
+        before_commit: Callable[[worker_pb2.OpDescriptor], None] | None = None,
     ) -> None:
         self.generation = generation
         self.rank = rank
@@ -126,6 +142,14 @@ class GenerationRuntime:
         self.models = models if models is not None else ModelRegistry([device])
         self.device = device
         self._on_data_collectives = on_data_collectives
+        # Called on this rank once an op's outcome is settled, right before its
+        # result is committed (tests use it to hold a rank at that point).
+        self._before_commit = before_commit
+        # Replaced results kept for reuse stay well inside a store limit, if any.
+        limit = store.limit_bytes
+        self._spares = collective_ops.Spares(
+            max_bytes=min(512 << 20, limit // 4) if limit else 512 << 20
+        )
         self._timeout_s = op_timeout_s
         self._device = device
         self._host = host
@@ -263,6 +287,7 @@ class GenerationRuntime:
                     failure,
                 )
         finally:
+            self._spares.clear()
             self.finished.set()
             self._fail_queued(f"generation {self.generation} ended")
 
@@ -292,22 +317,31 @@ class GenerationRuntime:
                 "joined generation %d as rank %d of %d", self.generation, self.rank, self.world_size
             )
             while True:
+                inline = None
+                announced = None
                 if self.is_leader:
                     current = self._take()
                     if current is None:
                         desc = worker_pb2.OpDescriptor(
                             kind="stop" if self._stopping else "noop", generation=self.generation
                         )
+                        self._call(descriptor.announce, self._control, desc)
                     else:
                         desc = current.desc
-                    self._call(descriptor.announce, self._control, desc)
+                        inline = self._inline_capacity(desc)
+                        # Not waited for here: the op's first exchange is issued before
+                        # the leader waits for its own send (see _collective).
+                        announced = self._call(
+                            descriptor.announce, self._control, desc, inline, False
+                        )
                 else:
-                    desc = self._call(descriptor.receive, self._control)
+                    desc, inline = self._call(descriptor.receive, self._control)
                 if desc.kind == "stop":
                     return None
                 if desc.kind == "noop":
+                    self._spares.clear()  # idle: give kept memory back
                     continue
-                outcome = self._execute(desc)
+                outcome = self._execute(desc, inline, announced)
                 if current is not None:
                     if isinstance(outcome, CollectiveError):
                         current.future.set_exception(outcome)
@@ -359,16 +393,47 @@ class GenerationRuntime:
             raise _GroupBroken(_backend_message(exc)) from exc
 
     # ------------------------------------------------------------ execution
-    def _execute(self, desc: worker_pb2.OpDescriptor) -> OpResult | CollectiveError:
+    def _inline_capacity(self, desc: worker_pb2.OpDescriptor) -> int | None:
+        """Leader: the bytes of operand every rank appends to its info (None: no inline data).
+
+        Sized from the leader's own operand, so it is only a guess for the others;
+        every rank checks that each contributor's operand fitted (from the infos)
+        and otherwise runs the data collective, all taking the same branch."""
+        if self._device.type != "cpu":
+            return None
+        if desc.kind == "barrier":
+            return 0  # the exchange itself is the barrier
+        if desc.kind not in _INLINE_KINDS:
+            return None
+        group = self.groups.get(desc.group_id)
+        if group is None or self.rank not in group.ranks:
+            return None
+        t = self._store.peek(desc.name)
+        if t is None:
+            return None
+        nbytes = t.numel() * t.element_size()
+        if nbytes > INLINE_MAX_BYTES or nbytes * self.world_size > INLINE_MAX_TOTAL_BYTES:
+            return None
+        return -(-nbytes // 16) * 16  # rows stay 16-byte aligned for every dtype
+
+    def _execute(
+        self,
+        desc: worker_pb2.OpDescriptor,
+        inline: int | None = None,
+        announced: descriptor.Announced | None = None,
+    ) -> OpResult | CollectiveError:
         started = time.perf_counter()
         self.busy = True
         try:
-            if desc.kind == "new_group":
-                result = self._new_group(desc, started)
-            elif desc.kind in model_collectives.MODEL_KINDS:
-                result = model_collectives.run_model_op(self, desc, started)
+            if desc.kind == "new_group" or desc.kind in model_collectives.MODEL_KINDS:
+                if announced is not None:
+                    self._call(announced.wait)
+                if desc.kind == "new_group":
+                    result = self._new_group(desc, started)
+                else:
+                    result = model_collectives.run_model_op(self, desc, started)
             else:
-                result = self._collective(desc, started)
+                result = self._collective(desc, started, inline, announced)
         finally:
             self.busy = False
         if isinstance(result, CollectiveError):
@@ -415,55 +480,117 @@ class GenerationRuntime:
         )
 
     def _collective(
-        self, desc: worker_pb2.OpDescriptor, started: float
+        self,
+        desc: worker_pb2.OpDescriptor,
+        started: float,
+        inline: int | None = None,
+        announced: descriptor.Announced | None = None,
     ) -> OpResult | CollectiveError:
         group = self.groups[desc.group_id]
         member = self.rank in group.ranks
         kind = desc.kind
-        operand = self._store.peek(desc.name) if member and kind != "barrier" else None
-        infos = self._call(
-            agreement.exchange_infos,
-            self._control,
-            validation.encode_info(operand, member),
-            self.world_size,
-        )
-        op = ReduceOp.from_wire(desc.op)
-        plan = validation.decide(kind, desc.name, group.ranks, infos, desc.root, op)
-        if isinstance(plan, validation.OpError):
-            return error_for_code(plan.code, plan.message)
-
-        result: torch.Tensor | None = None
-        code, message = grpc.StatusCode.OK, ""
-        if member:
-            try:
-                result = self._run_member(kind, desc, group, operand, plan, op)
-                self.count_data_collectives(1)
-                if result is not None:  # refuse before agreeing, so no rank commits
-                    self._store.check_quota(desc.out or desc.name, result.nbytes)
-            except _GroupBroken:
-                raise
-            except CollectiveError as exc:
-                code, message = exc.code, exc.message
-            except Exception as exc:
-                code, message = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
-                log.exception("op %d (%s) failed locally", desc.op_id, kind)
-        failures = self._call(agreement.agree, self._control, self.world_size, code, message)
-        if failures:
-            return self._fail_all(failures)
         target = desc.out or desc.name
-        # Every rank agreed the op succeeded: commit, even if this generation is
-        # being retired right now, so that a reported success is true everywhere.
-        if result is not None:
-            # Quota was checked before agreeing; a put racing in since must not
-            # make one rank skip a commit the others make.
-            self._store.put_many({target: result}, enforce_quota=False)
-        # The leader answers the client only once every rank has committed, so a
-        # client reading the result from any rank right after the call sees it.
-        self._call(self._committed_barrier)
-        return self._describe(desc, group, plan, target, started)
+        operand = self._store.peek(desc.name) if member and kind != "barrier" else None
+        if operand is not None and (operand.is_conj() or operand.is_neg()):
+            operand = operand.resolve_conj().resolve_neg()
+        values = validation.info_values(
+            operand, member, self._store.quota_state(target) if member else (0, -1)
+        )
+        fence: Fence | None = None
+        try:
+            if inline is not None and member and kind != "barrier" and not self.is_leader:
+                # The inline exchange is this rank's last one with the leader.
+                fence = self._store.fence(target, 2 * self._timeout_s)
+            exchanged = self._call(
+                agreement.exchange,
+                self._control,
+                self.world_size,
+                values,
+                operand,
+                inline or 0,
+                announced,
+            )
+            infos = exchanged.infos
+            op = ReduceOp.from_wire(desc.op)
+            plan = validation.decide(kind, desc.name, group.ranks, infos, desc.root, op, target)
+            if isinstance(plan, validation.OpError):
+                return error_for_code(plan.code, plan.message)
+            if kind == "barrier" and inline is not None:
+                # Every rank of the world has entered this exchange: that is the barrier.
+                return self._describe(desc, group, plan, target, started)
+            contributors = [desc.root] if kind == "broadcast" else group.ranks
+            if inline is not None and all(infos[r].nbytes <= inline for r in contributors):
+                if member:
+                    result = self._inline_member(kind, desc, group, exchanged, contributors, op)
+                    self.count_data_collectives(1)
+                    self._commit(desc, target, result)
+                return self._describe(desc, group, plan, target, started)
 
-    def _committed_barrier(self) -> None:
-        self._control.barrier(dist.BarrierOptions()).wait()
+            result: torch.Tensor | None = None
+            code, message = grpc.StatusCode.OK, ""
+            if member:
+                try:
+                    result = self._run_member(kind, desc, group, operand, plan, op)
+                    self.count_data_collectives(1)
+                except _GroupBroken:
+                    raise
+                except CollectiveError as exc:
+                    code, message = exc.code, exc.message
+                except Exception as exc:
+                    code, message = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+                    log.exception("op %d (%s) failed locally", desc.op_id, kind)
+            if fence is None and member and kind != "barrier" and not self.is_leader:
+                # The agreement is this rank's last exchange with the leader.
+                fence = self._store.fence(target, 2 * self._timeout_s)
+            failures = self._call(agreement.agree, self._control, self.world_size, code, message)
+            if failures:
+                return self._fail_all(failures)
+            # Every rank agreed the op succeeded: commit, even if this generation is
+            # being retired right now, so that a reported success is true everywhere.
+            self._commit(desc, target, result)
+            return self._describe(desc, group, plan, target, started)
+        finally:
+            if fence is not None:
+                fence.release()
+
+    def _commit(self, desc, target: str, result: torch.Tensor | None) -> None:
+        if self._before_commit is not None:
+            self._before_commit(desc)
+        if result is not None:
+            # Quota was judged for every rank before the data moved: a put racing
+            # in since must not make one rank skip a commit the others make.
+            old = self._store.replace(target, result)
+            if old is not None:
+                self._spares.offer(old)
+
+    def _inline_member(
+        self,
+        kind: str,
+        desc: worker_pb2.OpDescriptor,
+        group: GroupEntry,
+        exchanged: agreement.Exchanged,
+        contributors: list[int],
+        op: ReduceOp,
+    ) -> torch.Tensor | None:
+        """This member's result from the operands that travelled inline.
+
+        Pure arithmetic on bytes every member received identically (validation
+        already passed everywhere), so it cannot fail on one rank only; if it
+        ever raised, this rank leaves the group rather than diverge silently."""
+        parts: list[torch.Tensor | None] = [None] * len(group.ranks)
+        for r in contributors:
+            parts[group.index(r)] = exchanged.payload(r, exchanged.infos[r])
+        root_index = group.index(desc.root) if desc.root in group.ranks else 0
+        try:
+            result = collective_ops.inline_result(
+                kind, parts, op, group.index(self.rank), root_index
+            )
+        except Exception as exc:
+            log.exception("op %d (%s): computing the inline result failed", desc.op_id, kind)
+            raise _GroupBroken(f"computing the result of op {desc.op_id} failed: {exc}") from exc
+        if result is not None and result.device != self._device:
+            result = result.to(self._device)
+        return result
 
     def _run_member(self, kind, desc, group: GroupEntry, operand, plan, op) -> torch.Tensor | None:
         assert group.handles is not None
@@ -472,24 +599,33 @@ class GenerationRuntime:
         index = group.index(self.rank)
         if operand is not None and operand.device != self._device:
             operand = operand.to(self._device)
+        alloc = self._spares.empty
         try:
             if kind == "broadcast":
                 return collective_ops.broadcast(
-                    pg, operand, group.index(desc.root), index, plan.dtype, plan.shape, self._device
+                    pg,
+                    operand,
+                    group.index(desc.root),
+                    index,
+                    plan.dtype,
+                    plan.shape,
+                    self._device,
+                    alloc,
                 )
             if kind == "all_reduce":
-                return collective_ops.all_reduce(pg, operand, op, size)
+                return collective_ops.all_reduce(pg, operand, op, size, alloc)
             if kind == "reduce":
-                reduced = collective_ops.reduce(pg, operand, op, size)
+                reduced = collective_ops.reduce(pg, operand, op, size, alloc)
                 return reduced if self.rank == desc.root else None
             if kind == "all_gather":
-                return collective_ops.all_gather(pg, operand, size)
+                return collective_ops.all_gather(pg, operand, size, alloc)
             if kind == "gather":
-                return collective_ops.gather(pg, operand, size, group.index(desc.root), index)
+                root = group.index(desc.root)
+                return collective_ops.gather(pg, operand, size, root, index, alloc)
             if kind == "reduce_scatter":
-                return collective_ops.reduce_scatter(pg, operand, op, size, index)
+                return collective_ops.reduce_scatter(pg, operand, op, size, index, alloc)
             if kind == "all_to_all":
-                return collective_ops.all_to_all(pg, operand)
+                return collective_ops.all_to_all(pg, operand, alloc)
             if kind == "barrier":
                 collective_ops.barrier(pg, self._device)
                 return None

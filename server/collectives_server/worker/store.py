@@ -5,18 +5,29 @@ changes. Stored tensors are never mutated in place: every write (put, or a
 collective's commit) swaps in a new tensor object, so a reader streaming a
 tensor out, or a collective working on a snapshot, never sees a half-written
 value, and a failed collective leaves the old value untouched.
+
+**Commit fences.** A collective's result is committed on every rank a moment
+apart, and the leader answers the client as soon as *it* has committed. A
+rank therefore fences the name its result goes to before its last exchange
+with the other ranks (which the leader cannot complete before every rank has
+entered it) and lifts the fence after committing or giving up; a read
+(:meth:`TensorStore.get`, :meth:`TensorStore.infos`) of a fenced name waits for
+that. So a client that reads any rank right after the leader answered sees the
+result, never the value before it, without a cluster-wide barrier per op.
+:meth:`TensorStore.peek` is the executor's own unfenced look-up.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
 
 from collectives.errors import NotFound, ResourceExhausted
 
-__all__ = ["TensorStore", "StoredInfo"]
+__all__ = ["TensorStore", "StoredInfo", "Fence", "quota_message"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +43,37 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def quota_message(name: str, incoming: int, after: int, limit: int) -> str:
+    """The words of a quota refusal (a put's, or a collective's on any rank)."""
+    return (
+        f"storing {name!r} ({incoming} bytes) would put {after} bytes in this worker's "
+        f"store; its limit is {limit}. Delete tensors or raise the limit."
+    )
+
+
+class Fence:
+    """A pending write to one name (see the module docstring); lift it with :meth:`release`."""
+
+    __slots__ = ("_released", "_store", "deadline", "name")
+
+    def __init__(self, store: TensorStore, name: str, deadline: float) -> None:
+        self._store = store
+        self.name = name
+        self.deadline = deadline
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._store._lift(self)
+
+    def __enter__(self) -> Fence:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 class TensorStore:
     def __init__(self, device: torch.device, limit_bytes: int | None = None) -> None:
         self.device = device
@@ -39,6 +81,9 @@ class TensorStore:
         self._tensors: dict[str, torch.Tensor] = {}
         self._bytes = 0
         self._lock = threading.Lock()
+        self._fenced = threading.Condition(self._lock)
+        self._fences: dict[str, list[Fence]] = {}
+        self._waiting = 0
 
     def check_quota(self, name: str, incoming: int) -> None:
         """Raises ResourceExhausted if ``incoming`` bytes under ``name`` would exceed the limit."""
@@ -47,10 +92,61 @@ class TensorStore:
         current = self._tensors.get(name)
         after = self._bytes - (_nbytes(current) if current is not None else 0) + incoming
         if after > self.limit_bytes:
-            raise ResourceExhausted(
-                f"storing {name!r} ({incoming} bytes) would put {after} bytes in this worker's "
-                f"store; its limit is {self.limit_bytes}. Delete tensors or raise the limit."
-            )
+            raise ResourceExhausted(quota_message(name, incoming, after, self.limit_bytes))
+
+    def quota_state(self, name: str) -> tuple[int, int]:
+        """(bytes held apart from ``name``'s current value, the limit; -1: none): what
+        another rank needs to judge whether a result stored under ``name`` here fits."""
+        with self._lock:
+            current = self._tensors.get(name)
+            others = self._bytes - (_nbytes(current) if current is not None else 0)
+        return others, -1 if self.limit_bytes is None else self.limit_bytes
+
+    # ------------------------------------------------------------- fences
+    def fence(self, name: str, timeout_s: float) -> Fence:
+        """Makes reads of ``name`` wait until the returned fence is released (at most
+        ``timeout_s``: a fence outliving it is a stuck op, whose commit never comes)."""
+        f = Fence(self, name, time.monotonic() + timeout_s)
+        with self._lock:
+            self._fences.setdefault(name, []).append(f)
+        return f
+
+    def _lift(self, f: Fence) -> None:
+        with self._lock:
+            held = self._fences.get(f.name)
+            if held is not None:
+                held.remove(f)
+                if not held:
+                    del self._fences[f.name]
+            self._fenced.notify_all()
+
+    def _wait_unfenced(self, name: str | None) -> None:
+        """With the lock held: waits while ``name`` (None: any name) is fenced."""
+        while True:
+            if name is None:
+                pending = [f for held in self._fences.values() for f in held]
+            else:
+                pending = self._fences.get(name, ())
+            if not pending:
+                return
+            remaining = max(f.deadline for f in pending) - time.monotonic()
+            if remaining <= 0:
+                return
+            self._waiting += 1
+            try:
+                self._fenced.wait(remaining)
+            finally:
+                self._waiting -= 1
+
+    def fenced(self) -> list[str]:
+        """Names with a pending write (for status and tests)."""
+        with self._lock:
+            return sorted(self._fences)
+
+    def readers_waiting(self) -> int:
+        """Reads waiting for a fence right now (for status and tests)."""
+        with self._lock:
+            return self._waiting
 
     def put(self, name: str, t: torch.Tensor) -> None:
         """Stores ``t`` (moved to the store's device) under ``name``, replacing any."""
@@ -70,14 +166,29 @@ class TensorStore:
                 self._tensors[name] = t
                 self._bytes += _nbytes(t)
 
-    def get(self, name: str) -> torch.Tensor:
+    def replace(self, name: str, t: torch.Tensor) -> torch.Tensor | None:
+        """Commits ``t`` under ``name`` without a quota check (a collective's commit: its
+        quota was judged on every rank before the op); returns the value replaced."""
         with self._lock:
+            old = self._tensors.get(name)
+            if old is not None:
+                self._bytes -= _nbytes(old)
+            self._tensors[name] = t
+            self._bytes += _nbytes(t)
+        return old
+
+    def get(self, name: str) -> torch.Tensor:
+        """The committed value of ``name``; waits for a pending write to it (a fence)."""
+        with self._lock:
+            if self._fences:
+                self._wait_unfenced(name)
             t = self._tensors.get(name)
         if t is None:
             raise NotFound(f"tensor {name!r} is not stored on this worker")
         return t
 
     def peek(self, name: str) -> torch.Tensor | None:
+        """The value of ``name`` or None, without waiting for fences (the executor's look-up)."""
         with self._lock:
             return self._tensors.get(name)
 
@@ -108,6 +219,8 @@ class TensorStore:
 
     def infos(self) -> list[StoredInfo]:
         with self._lock:
+            if self._fences:
+                self._wait_unfenced(None)
             items = list(self._tensors.items())
         return [
             StoredInfo(n, t.dtype, tuple(t.shape), _nbytes(t), str(t.device))

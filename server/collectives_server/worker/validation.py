@@ -1,10 +1,15 @@
 """Cross-rank operand validation: pure decisions, no I/O.
 
-Before any data moves, every rank contributes a small int64 vector describing
-its operand (present?, dtype, shape); the vectors are all-gathered and every
-rank calls :func:`decide` on the same inputs, so every rank reaches the same
-verdict and fails (or proceeds) together with one message. torch.distributed
+Before any data is used, every rank contributes a small int64 vector describing
+its operand (present?, dtype, shape) and its store's quota state (bytes held
+apart from the op's target, and the limit); the vectors are all-gathered and
+every rank calls :func:`decide` on the same inputs, so every rank reaches the
+same verdict and fails (or proceeds) together with one message. torch.distributed
 does not check shapes across ranks and silently returns garbage; we refuse.
+
+Because every rank's quota state is in the exchange, a result that would not
+fit in some rank's store is refused by every rank *before* the data
+collective, with no extra round, and the commit after it never fails for quota.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 from collectives.dtypes import from_wire, to_wire
 from collectives.errors import InvalidArgument
 from collectives.reduce_ops import ReduceOp, check_op_for_dtype
+from collectives_server.worker.store import quota_message
 
 __all__ = [
     "ABSENT",
@@ -29,13 +35,19 @@ __all__ = [
     "encode_info",
     "decode_info",
     "decide",
+    "result_nbytes",
     "REDUCING_KINDS",
     "KINDS",
 ]
 
 ABSENT, PRESENT, NOT_MEMBER = 0, 1, 2
 MAX_DIMS = 64
-INFO_LEN = 3 + MAX_DIMS
+# state, dtype, ndim, bytes held apart from the target, store limit (-1: none),
+# reserved, then the dims. 70 int64 = 560 bytes, a multiple of 16, so payload
+# bytes that follow an info vector stay aligned for every dtype.
+_HEADER = 6
+INFO_LEN = _HEADER + MAX_DIMS
+INFO_BYTES = INFO_LEN * 8
 
 KINDS = (
     "broadcast",
@@ -55,6 +67,17 @@ class OperandInfo:
     state: int
     dtype: torch.dtype | None = None
     shape: tuple[int, ...] = ()
+    held: int = 0  # bytes in the rank's store apart from the op's target
+    limit: int = -1  # the rank's store limit; -1: none
+
+    @property
+    def nbytes(self) -> int:
+        if self.state != PRESENT or self.dtype is None:
+            return 0
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
 
     def describe(self) -> str:
         if self.state != PRESENT or self.dtype is None:
@@ -76,8 +99,12 @@ class Plan:
     shape: tuple[int, ...]
 
 
-def encode_info(t: torch.Tensor | None, member: bool) -> torch.Tensor:
-    v = torch.zeros(INFO_LEN, dtype=torch.int64)
+def info_values(
+    t: torch.Tensor | None, member: bool, quota: tuple[int, int] = (0, -1)
+) -> list[int]:
+    """The INFO_LEN integers describing this rank's operand and quota state."""
+    v = [0] * INFO_LEN
+    v[3], v[4] = quota
     if not member:
         v[0] = NOT_MEMBER
     elif t is not None:
@@ -86,19 +113,29 @@ def encode_info(t: torch.Tensor | None, member: bool) -> torch.Tensor:
         v[0] = PRESENT
         v[1] = to_wire(t.dtype)
         v[2] = t.dim()
-        if t.dim():
-            v[3 : 3 + t.dim()] = torch.tensor(list(t.shape), dtype=torch.int64)
+        v[_HEADER : _HEADER + t.dim()] = t.shape
     return v
 
 
-def decode_info(v: torch.Tensor) -> OperandInfo:
-    values = v.tolist()
+def encode_info(
+    t: torch.Tensor | None, member: bool, quota: tuple[int, int] = (0, -1)
+) -> torch.Tensor:
+    return torch.tensor(info_values(t, member, quota), dtype=torch.int64)
+
+
+def decode_info(v: torch.Tensor | list[int]) -> OperandInfo:
+    values = v if isinstance(v, list) else v.tolist()
     state = int(values[0])
+    held, limit = int(values[3]), int(values[4])
     if state != PRESENT:
-        return OperandInfo(state)
+        return OperandInfo(state, held=held, limit=limit)
     ndim = int(values[2])
     return OperandInfo(
-        PRESENT, from_wire(int(values[1])), tuple(int(d) for d in values[3 : 3 + ndim])
+        PRESENT,
+        from_wire(int(values[1])),
+        tuple(int(d) for d in values[_HEADER : _HEADER + ndim]),
+        held,
+        limit,
     )
 
 
@@ -113,11 +150,13 @@ def decide(
     infos: list[OperandInfo],
     root: int = 0,
     op: ReduceOp = ReduceOp.SUM,
+    target: str = "",
 ) -> Plan | OpError:
     """The verdict every rank reaches for one op.
 
     ``members`` are the group's global ranks in ascending order; ``infos`` is
-    indexed by global rank (non-members included, ignored).
+    indexed by global rank (non-members included, ignored). ``target`` is the
+    name the result is stored under (default: ``name``), for quota messages.
     """
     if kind == "barrier":
         return Plan(None, ())
@@ -177,4 +216,46 @@ def decide(
                 f"{kind} of {name!r} needs dim 0 divisible by the group size {size}; "
                 f"got {dim0} (shape {list(reference.shape)})",
             )
-    return Plan(reference.dtype, reference.shape)
+    plan = Plan(reference.dtype, reference.shape)
+    return _check_quota(kind, target or name, members, infos, root, plan) or plan
+
+
+def result_nbytes(kind: str, plan: Plan, size: int, is_root: bool) -> int:
+    """Bytes a member stores for this op (0: it stores nothing)."""
+    if plan.dtype is None:
+        return 0
+    n = plan.dtype.itemsize
+    for d in plan.shape:
+        n *= d
+    if kind in ("all_gather", "gather"):
+        n *= size
+    elif kind == "reduce_scatter":
+        n //= size
+    if kind in ("reduce", "gather") and not is_root:
+        return 0
+    if kind == "broadcast" and is_root:
+        return 0
+    return n
+
+
+def _check_quota(
+    kind: str,
+    target: str,
+    members: list[int],
+    infos: list[OperandInfo],
+    root: int,
+    plan: Plan,
+) -> OpError | None:
+    """Every rank judges every member's quota from the exchanged states, identically."""
+    over = []
+    for r in members:
+        info = infos[r]
+        if info.limit < 0:
+            continue
+        incoming = result_nbytes(kind, plan, len(members), r == root)
+        if incoming and info.held + incoming > info.limit:
+            over.append((r, quota_message(target, incoming, info.held + incoming, info.limit)))
+    if not over:
+        return None
+    ranks = ", ".join(str(r) for r, _ in over)
+    return OpError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"failed on rank(s) {ranks}: {over[0][1]}")
