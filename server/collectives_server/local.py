@@ -220,7 +220,9 @@ class LocalCluster:
                 args = ["worker", f"--coordinator={child.address}", f"--host={self._host}"]
                 args += ["--port=0", f"--devices={','.join(devices[i])}", *self._common]
                 args += self._metrics_args(1 + i) + self._worker_args
-                self.worker_children.append(self._spawn(f"worker {i}", args))
+                self.worker_children.append(
+                    self._spawn(f"worker {i}", args, threads=_threads_per_worker(self.workers))
+                )
         except BaseException:
             self.stop()
             raise
@@ -317,8 +319,13 @@ class LocalCluster:
     def _children(self) -> list[Child]:
         return [*self.worker_children, *([self.coordinator] if self.coordinator else [])]
 
-    def _spawn(self, name: str, args: list[str]) -> Child:
+    def _spawn(self, name: str, args: list[str], threads: int | None = None) -> Child:
         env = dict(os.environ)
+        if threads is not None:
+            # Like torchrun: workers sharing a host share its cores, unless the user
+            # chose (OMP_NUM_THREADS set). Oversubscribed OpenMP threads spin-wait
+            # against each other and against gloo's threads.
+            env.setdefault("OMP_NUM_THREADS", str(threads))
         if self._die_with_parent:
             env[PARENT_PID_ENV] = str(os.getpid())
         process = subprocess.Popen(
@@ -363,3 +370,12 @@ class LocalCluster:
 def _signal(child: Child, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError):
         child.process.send_signal(sig)
+
+
+def _threads_per_worker(workers: int) -> int:
+    """Intra-op threads for each of ``workers`` workers on this host: an equal share."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, workers))
