@@ -106,7 +106,7 @@ def run(ctx: BenchContext) -> list[Row]:
                 service=latency,
                 anchor_name="local model(x) in this process",
                 anchor=anchor_latency,
-                note="bound: 3 RPC round trips per rank (put, Forward, get) vs a matmul chain",
+                note="bound: one Forward RPC per rank (tensors inline) vs a matmul chain",
             )
         )
         for n in (1, 8):
