@@ -319,3 +319,44 @@ def get_each(cluster: Any, name: str, ranks: Sequence[int] | None = None) -> lis
     if ranks is None:
         ranks = range(cluster.world_size)
     return [cluster.get(name, rank=r) for r in ranks]
+
+
+class AddressedDaemon:
+    """A daemon child process whose first stdout line is its address.
+
+    ``log``: where its standard error goes (default: inherited).
+    """
+
+    def __init__(
+        self, argv: Sequence[str], log: Path | None = None, start_timeout_s: float = 60.0
+    ) -> None:
+        self._log = open(log, "a") if log is not None else None  # noqa: SIM115 - closed in kill()
+        self.proc = subprocess.Popen(
+            list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._log,
+            text=True,
+        )  # fmt: skip
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._drain, args=(lines,), daemon=True).start()
+        try:
+            self.address = lines.get(timeout=start_timeout_s).strip()
+        except queue.Empty:
+            self.kill()
+            raise AssertionError(f"{argv} printed no address in {start_timeout_s} s") from None
+        assert self.address, f"{argv} exited ({self.proc.poll()}) without printing its address"
+
+    def _drain(self, lines: queue.Queue[str]) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            lines.put(line)
+        lines.put("")
+
+    def terminate(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int:
+        self.proc.send_signal(sig)
+        return self.proc.wait(timeout=timeout_s)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        if self._log is not None:
+            self._log.close()

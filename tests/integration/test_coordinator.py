@@ -8,13 +8,12 @@ stream (the coordinator pushes every change) under a deadline; nothing sleeps.
 
 from __future__ import annotations
 
-import queue
 import shutil
 import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -23,46 +22,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
+from helpers import AddressedDaemon as Daemon
 
 from collectives.v1 import coordinator_pb2 as pb
 from collectives.v1 import coordinator_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(60)
 
-START_TIMEOUT_S = 30.0
 FAST = ["--heartbeat", "0.2", "--lease", "1", "--join-window", "0.1"]
-
-
-class Daemon:
-    """A daemon child process whose first stdout line is its address."""
-
-    def __init__(self, argv: Sequence[str]) -> None:
-        self.proc = subprocess.Popen(
-            list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True
-        )
-        lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._drain, args=(lines,), daemon=True).start()
-        try:
-            self.address = lines.get(timeout=START_TIMEOUT_S).strip()
-        except queue.Empty:
-            self.kill()
-            raise AssertionError(f"{argv} printed no address in {START_TIMEOUT_S} s") from None
-        assert self.address, f"{argv} exited ({self.proc.poll()}) without printing its address"
-
-    def _drain(self, lines: queue.Queue[str]) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            lines.put(line)
-        lines.put("")
-
-    def terminate(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int:
-        self.proc.send_signal(sig)
-        return self.proc.wait(timeout=timeout_s)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
 
 
 def coordinator_argv(*args: str) -> list[str]:

@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import queue
 import socket
-import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+from helpers import AddressedDaemon as Daemon
 from helpers import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -37,41 +37,6 @@ pytestmark = pytest.mark.timeout(120)
 HEARTBEAT_S = 0.2
 LEASE_S = 1.0
 FAST = ["--heartbeat", str(HEARTBEAT_S), "--lease", str(LEASE_S), "--join-window", "0.1"]
-START_TIMEOUT_S = 60.0
-
-
-class Daemon:
-    """A daemon child process whose first stdout line is its address."""
-
-    def __init__(self, argv: Sequence[str], log: Path) -> None:
-        self._log = open(log, "a")  # noqa: SIM115 - closed in kill()
-        self.proc = subprocess.Popen(
-            list(argv),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-        )
-        lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._drain, args=(lines,), daemon=True).start()
-        try:
-            self.address = lines.get(timeout=START_TIMEOUT_S).strip()
-        except queue.Empty:
-            self.kill()
-            raise AssertionError(f"{argv} printed no address in {START_TIMEOUT_S} s") from None
-        assert self.address, f"{argv} exited ({self.proc.poll()}) without printing its address"
-
-    def _drain(self, lines: queue.Queue[str]) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            lines.put(line)
-        lines.put("")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self._log.close()
 
 
 def _free_port() -> int:
