@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Any
 
+from collectives_server.cli_archive import add_archive_flags, archive_worker_args
 from collectives_server.cli_common import (
     add_log_level,
     add_max_tensor_bytes,
@@ -97,6 +98,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )  # fmt: skip
     add_max_tensor_bytes(p)
     add_model_hosting(p)
+    add_archive_flags(p, local=True)
     add_metrics(p, "for the coordinator, P+1 ... P+N for the workers")
     add_security(p, client_side=True)
     add_log_level(p)
@@ -136,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
             metrics_host=args.metrics_host,
             log_level=args.log_level,
             log_format=args.log_format,
-            worker_args=_model_hosting_args(args) + worker_security,
+            worker_args=_model_hosting_args(args) + archive_worker_args(args) + worker_security,
             coordinator_args=coordinator_security,
             die_with_parent=True,
             on_exit=lambda child: stop.wake(),

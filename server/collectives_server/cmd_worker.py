@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from collectives_server.cli_archive import add_archive_flags, archive_from_args
 from collectives_server.cli_common import (
     add_log_level,
     add_max_tensor_bytes,
@@ -104,6 +105,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     add_max_tensor_bytes(p)
     add_model_hosting(p)
+    add_archive_flags(p)
     add_metrics(p)
     add_security(p, client_side=True)
     add_log_level(p)
@@ -142,6 +144,7 @@ def config_from_args(
         bulk_port=None if args.no_bulk else args.bulk_port,
         security=server_security_from_args(args, parser),
         coordinator_security=client_security_from_args(args, parser),
+        model_upload=archive_from_args(args),
     )
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from collectives._security import PLAINTEXT, ChannelSecurity
 from collectives_server.security import ServerSecurity
+from collectives_server.worker.archive_config import ModelUploadConfig
 
 
 @dataclass(frozen=True)
@@ -45,3 +46,5 @@ class WorkerConfig:
     security: ServerSecurity = field(default_factory=ServerSecurity)
     # How this worker reaches the coordinator (TLS, client certificate, token).
     coordinator_security: ChannelSecurity = PLAINTEXT
+    # Model archive uploads: allowed?, bounds, upload dir, load sandbox (archive_upload.py).
+    model_upload: ModelUploadConfig = field(default_factory=ModelUploadConfig)

@@ -31,6 +31,7 @@ from collectives_server.coordinator.heartbeats import HeartbeatStream, reply_int
 from collectives_server.metrics import MetricsServer
 from collectives_server.rpc import GRPC_OPTIONS, start_server
 from collectives_server.signals import StopSignal
+from collectives_server.worker.archive_upload import ModelUploads
 from collectives_server.worker.bulk import BulkListener
 from collectives_server.worker.config import WorkerConfig
 from collectives_server.worker.models import ModelRegistry
@@ -76,6 +77,7 @@ class WorkerDaemon:
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.store = TensorStore(self.device, limit_bytes=config.max_tensor_bytes)
         self.models = ModelRegistry(self.devices, config.allow_factories, config.graph_ttl_s)
+        self.uploads = ModelUploads(config.model_upload)
         self.stats = WorkerStats()
         self.runtime: GenerationRuntime | None = None
         self.cluster_status = "not registered yet"
@@ -154,6 +156,7 @@ class WorkerDaemon:
             self.bulk.close()
         if self._metrics is not None:
             self._metrics.stop()
+        self.uploads.close()
         self._channel.close()
 
     # --------------------------------------------------------- coordinator

@@ -17,7 +17,7 @@ from collectives.names import validate_name
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
 from collectives_server.worker import model_exec
-from collectives_server.worker.models import build_from_factory, load_exported, make_optimizer
+from collectives_server.worker.models import build_from_factory, make_optimizer
 from collectives_server.worker.rpc_guards import counted as _counted
 from collectives_server.worker.rpc_guards import guard as _guard
 from collectives_server.worker.rpc_guards import guard_stream as _guard_stream
@@ -33,42 +33,19 @@ class ModelRpcs:
     @_guard
     @_counted("load_model")
     def LoadModel(self, request_iterator, context) -> worker_pb2.LoadModelResponse:
-        spec = None
-        archive = bytearray()
-        for part in request_iterator:
-            which = part.WhichOneof("part")
-            if which == "spec":
-                if spec is not None:
-                    raise InvalidArgument("LoadModel stream carries a second spec")
-                spec = part.spec
-                validate_name(spec.name, "model name")
-                if spec.archive_nbytes > codec.MAX_TENSOR_BYTES:
-                    raise InvalidArgument(
-                        f"model archive of {spec.archive_nbytes} bytes is too large"
-                    )
-            elif which == "archive_chunk":
-                if spec is None:
-                    raise InvalidArgument("LoadModel stream must start with a spec")
-                archive += part.archive_chunk
-                if len(archive) > spec.archive_nbytes:
-                    raise InvalidArgument("model archive is longer than its declared size")
-        if spec is None:
-            raise InvalidArgument("LoadModel stream was empty: send a spec first")
-        models = self._daemon.models
-        if spec.factory:
-            if archive:
-                raise InvalidArgument("send either a factory or an archive, not both")
-            module = build_from_factory(
-                spec.factory, spec.factory_kwargs_json, models.allowed_factories
-            )
-            source = spec.factory
-        else:
-            if len(archive) != spec.archive_nbytes:
-                raise InvalidArgument(
-                    f"model archive ended after {len(archive)} of {spec.archive_nbytes} bytes"
+        models, uploads = self._daemon.models, self._daemon.uploads
+        with uploads.receive(request_iterator) as received:
+            spec = received.spec
+            if spec.factory:
+                module = build_from_factory(
+                    spec.factory, spec.factory_kwargs_json, models.allowed_factories
                 )
-            module = load_exported(bytes(archive))
-            source = "export"
+                source = spec.factory
+            else:
+                if received.archive is None:
+                    raise InvalidArgument("LoadModel carried neither a factory nor an archive")
+                module = uploads.load(received.archive)
+                source = "export"
         hosted = models.add(spec.name, module, source)
         return worker_pb2.LoadModelResponse(model=_model_info(hosted))
 

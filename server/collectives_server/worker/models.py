@@ -1,7 +1,8 @@
 """Models hosted by a worker: loading, retained autograd graphs, optimizer state.
 
-Models arrive as ``torch.export`` archives (JSON graph + raw weight bytes; an
-archive that carries pickled data is refused, since unpickling executes code)
+Models arrive as ``torch.export`` archives (JSON graph + raw weight bytes,
+checked against an allowlist in :mod:`archive` and loaded by
+:mod:`archive_upload`; nothing in them is ever unpickled)
 or are built by a server-side factory that the operator allowed with
 ``--allow-factory pkg.module``. A forward run with autograd keeps its graph
 until the client's backward, an explicit release, or ``graph_ttl_s`` — so a
@@ -15,11 +16,9 @@ import functools
 import hashlib
 import importlib
 import inspect
-import io
 import json
 import threading
 import time
-import zipfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,8 +35,6 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adam": torch.optim.Adam,
     "adamw": torch.optim.AdamW,
 }
-# Entries torch.export.save writes with torch.save (zip/pickle format).
-_PICKLED_ENTRY_SUFFIXES = (".pt", ".pkl", ".pickle")
 
 
 @dataclass
@@ -200,69 +197,6 @@ class HostedModel:
         """A hash of parameter names, dtypes and shapes: equal on every rank that loaded it."""
         text = ";".join(f"{n}:{p.dtype}:{tuple(p.shape)}" for n, p in self.parameters)
         return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
-
-
-def check_archive(data: bytes) -> None:
-    """Refuses archives that could make ``torch.export.load`` execute code.
-
-    ``torch.export.load`` unpickles weights whose config says ``use_pickle``,
-    and when its restricted (``weights_only=True``) load of the sample inputs
-    fails it *falls back to a full unpickle*. So: every config must say
-    ``use_pickle: false``, and every pickle-format entry (the sample inputs)
-    must load with ``weights_only=True`` here first; then torch never reaches
-    its fallback.
-    """
-    try:
-        archive = zipfile.ZipFile(io.BytesIO(data))
-        infos = archive.infolist()
-    except (zipfile.BadZipFile, OSError, ValueError):
-        raise InvalidArgument(
-            "the model archive is not a torch.export archive (not a zip file); "
-            "create it with torch.export.save, or load the model with a factory"
-        ) from None
-    if not any(i.filename.endswith(".json") and "/models/" in i.filename for i in infos):
-        raise InvalidArgument("the model archive has no models/*.json: not a torch.export archive")
-    for info in infos:
-        try:
-            body = archive.read(info)
-        except (zipfile.BadZipFile, OSError, ValueError) as exc:
-            raise InvalidArgument(
-                f"model archive entry {info.filename!r} is corrupt: {exc}"
-            ) from None
-        if info.filename.endswith("_config.json"):
-            try:
-                config = json.loads(body or b"{}")
-            except json.JSONDecodeError:
-                raise InvalidArgument(
-                    f"model archive entry {info.filename!r} is not JSON"
-                ) from None
-            entries = config.get("config", {}) if isinstance(config, dict) else {}
-            if any(isinstance(v, dict) and v.get("use_pickle") for v in entries.values()):
-                raise InvalidArgument(
-                    f"the model archive stores pickled objects ({info.filename}); this "
-                    "service never unpickles. Export a model whose weights are plain tensors, "
-                    "or use a factory"
-                )
-        elif body and info.filename.endswith(_PICKLED_ENTRY_SUFFIXES):
-            # torch.export.load unpickles these (the sample inputs); raw weight
-            # entries are governed by the configs' use_pickle checked above.
-            try:
-                torch.load(io.BytesIO(body), weights_only=True)
-            except Exception:
-                raise InvalidArgument(
-                    f"the model archive entry {info.filename!r} holds pickled data that is "
-                    "not plain tensors; this service never unpickles arbitrary objects"
-                ) from None
-
-
-def load_exported(data: bytes) -> nn.Module:
-    check_archive(data)
-    try:
-        return torch.export.load(io.BytesIO(data)).module()
-    except Exception as exc:
-        raise InvalidArgument(
-            f"could not load the torch.export archive: {type(exc).__name__}: {exc}"
-        ) from None
 
 
 def build_from_factory(factory: str, kwargs_json: str, allowed: tuple[str, ...]) -> nn.Module:

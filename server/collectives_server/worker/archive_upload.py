@@ -1,0 +1,132 @@
+"""LoadModel's upload: the archive streamed to a private temp file, counted as it arrives.
+
+Nothing is buffered in memory but one gRPC message: each chunk is written to a
+file (mode 0600) in ``--model-upload-dir`` (default: a private 0700 temp dir),
+and the running count is checked against the declared size and
+``--max-model-bytes`` before it is written. The file is then checked and
+rewritten by :mod:`archive`, tried by :mod:`archive_canary` and loaded from disk.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from collectives.errors import InvalidArgument, PermissionDenied, ResourceExhausted
+from collectives.names import validate_name
+from collectives_server.worker.archive import check_archive
+from collectives_server.worker.archive_canary import trial_load
+from collectives_server.worker.archive_config import ModelUploadConfig
+
+__all__ = ["ModelUploadConfig", "ModelUploads", "ReceivedModel"]
+
+
+@dataclass
+class ReceivedModel:
+    spec: object  # worker_pb2.ModelSpec
+    archive: Path | None  # the upload on disk (None: a factory)
+
+
+class ModelUploads:
+    """A worker's model uploads: receiving, checking, loading; one directory."""
+
+    def __init__(self, config: ModelUploadConfig) -> None:
+        self.config = config
+        self._lock = threading.Lock()
+        self._owned = config.upload_dir is None
+        if config.upload_dir is None:
+            self.dir = Path(tempfile.mkdtemp(prefix="collectives-models-"))
+        else:
+            self.dir = Path(config.upload_dir)
+            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.dir, 0o700)
+
+    def close(self) -> None:
+        if self._owned:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _refuse_if_off(self) -> None:
+        if not self.config.allow:
+            raise PermissionDenied(
+                "this worker does not accept model archives: start it with "
+                "--allow-model-upload (or configure --token-file), or load a model "
+                "with a factory (--allow-factory)"
+            )
+
+    @contextmanager
+    def receive(self, request_iterator) -> Iterator[ReceivedModel]:
+        """Reads LoadModel's stream; the archive (if any) lives on disk until the block ends."""
+        spec = None
+        path: Path | None = None
+        out = None
+        written = 0
+        try:
+            for part in request_iterator:
+                which = part.WhichOneof("part")
+                if which == "spec":
+                    if spec is not None:
+                        raise InvalidArgument("LoadModel stream carries a second spec")
+                    spec = part.spec
+                    validate_name(spec.name, "model name")
+                    if not spec.factory:
+                        self._refuse_if_off()
+                    if spec.archive_nbytes > self.config.max_bytes:
+                        raise ResourceExhausted(
+                            f"model archive of {spec.archive_nbytes} bytes is larger than "
+                            f"this worker's --max-model-bytes {self.config.max_bytes}"
+                        )
+                elif which == "archive_chunk":
+                    if spec is None:
+                        raise InvalidArgument("LoadModel stream must start with a spec")
+                    if spec.factory:
+                        raise InvalidArgument("send either a factory or an archive, not both")
+                    chunk = part.archive_chunk
+                    written += len(chunk)
+                    if written > spec.archive_nbytes:
+                        raise InvalidArgument("model archive is longer than its declared size")
+                    if out is None:
+                        fd, name = tempfile.mkstemp(suffix=".upload", dir=self.dir)
+                        path, out = Path(name), os.fdopen(fd, "wb")
+                    out.write(chunk)
+            if spec is None:
+                raise InvalidArgument("LoadModel stream was empty: send a spec first")
+            if out is not None:
+                out.close()
+                out = None
+            if not spec.factory and written != spec.archive_nbytes:
+                raise InvalidArgument(
+                    f"model archive ended after {written} of {spec.archive_nbytes} bytes"
+                )
+            yield ReceivedModel(spec, path)
+        finally:
+            if out is not None:
+                out.close()
+            if path is not None:
+                path.unlink(missing_ok=True)
+
+    def load(self, upload: Path) -> nn.Module:
+        """Checks, rewrites, (sandbox-)loads the uploaded archive; the module."""
+        checked = upload.with_suffix(".pt2")
+        try:
+            check_archive(upload, checked, self.config.limits)
+            upload.unlink(missing_ok=True)  # free the disk: torch reads only the checked copy
+            if self.config.load_sandbox:
+                trial_load(checked, self.config.load_timeout_s)
+            try:
+                return torch.export.load(str(checked)).module()
+            except Exception as exc:
+                raise InvalidArgument(
+                    f"could not load the torch.export archive: {type(exc).__name__}: "
+                    f"{str(exc)[:300]}"
+                ) from None
+        finally:
+            checked.unlink(missing_ok=True)
