@@ -99,6 +99,8 @@ def _check_name(name: str, root: str | None) -> tuple[str, str]:
     ):
         raise _refuse(f"entry name {name[:80]!r} is not a plain relative path")
     head, _, rest = name.partition("/")
+    if not rest and (head == "version" or head.startswith("serialized_")):
+        raise _refuse(f"{head!r} belongs to the legacy (pre-2.7) layout, which is pickled")
     if not rest or not _ROOT_RE.match(head):
         raise _refuse(f"entry {name[:80]!r} is not under the archive's one top-level folder")
     if root is not None and head != root:
@@ -157,14 +159,41 @@ def _parse_json(rel: str, body: bytes) -> Any:
     return value
 
 
-def _check_payload_config(rel: str, config: Any) -> set[str]:
-    """The payload files a weights/constants config names; refuses pickled or object ones."""
+def _int_field(value: Any) -> int:
+    if isinstance(value, dict) and isinstance(value.get("as_int"), int):
+        return value["as_int"]
+    raise _refuse("a tensor's size, stride or offset is not a plain integer")
+
+
+def _storage_bytes(meta: dict[str, Any]) -> int:
+    """The most bytes a payload for this tensor_meta may hold (its strided extent)."""
+    from torch._export.serde.serialize import _SERIALIZE_TO_TORCH_DTYPE
+
+    dtype = _SERIALIZE_TO_TORCH_DTYPE.get(meta.get("dtype"))  # type: ignore[call-overload]
+    sizes, strides = meta.get("sizes"), meta.get("strides")
+    if dtype is None or not isinstance(sizes, list) or not isinstance(strides, list):
+        raise _refuse("a tensor_meta has no known dtype, sizes or strides")
+    if len(sizes) != len(strides):
+        raise _refuse("a tensor_meta has sizes and strides of different lengths")
+    dims = [(_int_field(n), _int_field(st)) for n, st in zip(sizes, strides, strict=True)]
+    if any(n < 0 or st < 0 for n, st in dims):
+        raise _refuse("a tensor_meta has a negative size or stride")
+    if any(n == 0 for n, _ in dims):
+        return 0
+    extent = _int_field(meta.get("storage_offset", {"as_int": 0}))
+    extent += 1 + sum((n - 1) * st for n, st in dims)
+    return extent * dtype.itemsize
+
+
+def _check_payload_config(rel: str, config: Any) -> dict[str, int]:
+    """The payload files a weights/constants config names, each with the most bytes it
+    may hold; refuses pickled or object entries."""
     kind = "weight_" if rel.startswith("data/weights/") else "tensor_"
     if not isinstance(config, dict) or not isinstance(config.get("config"), dict):
         raise _refuse(f"{rel!r} is not a payload config")
     if set(config) - {"config"}:
         raise _refuse(f"{rel!r} has unknown fields {sorted(config)[:5]}")
-    paths = set()
+    paths: dict[str, int] = {}
     for fqn, meta in config["config"].items():
         if not isinstance(meta, dict) or not isinstance(meta.get("path_name"), str):
             raise _refuse(f"{rel!r}: entry {str(fqn)[:80]!r} is not a payload entry")
@@ -178,7 +207,8 @@ def _check_payload_config(rel: str, config: Any) -> set[str]:
             )
         if not isinstance(meta.get("tensor_meta"), dict):
             raise _refuse(f"{rel!r}: {str(fqn)[:80]!r} has no tensor_meta")
-        paths.add(("data/weights/" if kind == "weight_" else "data/constants/") + path)
+        full = ("data/weights/" if kind == "weight_" else "data/constants/") + path
+        paths[full] = max(paths.get(full, 0), _storage_bytes(meta["tensor_meta"]))
     return paths
 
 
@@ -284,7 +314,7 @@ def _check_and_copy(
                 raise _refuse(f"model {name!r} has no {cfg}")
 
     budget = _Budget(limits)
-    named_payloads: set[str] = set()
+    named_payloads: dict[str, int] = {}
     payloads: list[tuple[zipfile.ZipInfo, str]] = []
     tmp = dst_path.with_name(dst_path.name + ".part")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -306,13 +336,15 @@ def _check_and_copy(
                     body = _copy_entry(src, info, rel, out, budget, limits.max_json_bytes, True)
                     value = _parse_json(rel, body or b"")
                     if kind == "config":
-                        named_payloads |= _check_payload_config(rel, value)
+                        for path, n in _check_payload_config(rel, value).items():
+                            named_payloads[path] = max(named_payloads.get(path, 0), n)
                     else:
                         check_graph(rel, value)
             for info, rel in payloads:
                 if rel not in named_payloads:
                     raise _refuse(f"{rel!r} is named by no weights/constants config")
-                _copy_entry(src, info, rel, out, budget, limits.max_bytes, False)
+                limit = min(named_payloads[rel], limits.max_bytes)
+                _copy_entry(src, info, rel, out, budget, limit, False)
         os.replace(tmp, dst_path)
     finally:
         if tmp.exists():
