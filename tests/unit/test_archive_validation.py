@@ -143,3 +143,11 @@ def test_symbolic_expressions_torch_writes_pass(expr):
 def test_symbolic_expressions_beyond_arithmetic_refused(expr):
     with pytest.raises(InvalidArgument):
         check_expr(expr)
+
+
+def test_dtype_sizes_match_torch():
+    from torch._export.serde.serialize import _SERIALIZE_TO_TORCH_DTYPE
+
+    from collectives_server.worker.archive import _DTYPE_BYTES
+
+    assert {int(k): v.itemsize for k, v in _SERIALIZE_TO_TORCH_DTYPE.items()} == _DTYPE_BYTES

@@ -60,6 +60,12 @@ _SMALL = {
     ".data/version": re.compile(r"^\d{1,8}$"),
     ".data/serialization_id": re.compile(r"^[0-9A-Za-z]{0,128}$"),
 }
+# torch.export's serialized ScalarType -> element size (torch 2.13's schema), so
+# this module needs no torch import.
+_DTYPE_BYTES = {
+    1: 1, 2: 1, 28: 2, 3: 2, 4: 4, 5: 8, 6: 2, 7: 4, 8: 8, 9: 4, 10: 8, 11: 16, 12: 1,
+    13: 2, 29: 1, 30: 1, 31: 1, 32: 1, 33: 1, 34: 4, 35: 8,
+}  # fmt: skip
 _AOTI_SUFFIXES = (".so", ".dylib", ".dll", ".cpp", ".wrapper", ".cubin", ".o")
 _HINT = "save the model with torch.export.save (torch 2.13), or load it with a factory"
 
@@ -167,11 +173,9 @@ def _int_field(value: Any) -> int:
 
 def _storage_bytes(meta: dict[str, Any]) -> int:
     """The most bytes a payload for this tensor_meta may hold (its strided extent)."""
-    from torch._export.serde.serialize import _SERIALIZE_TO_TORCH_DTYPE
-
-    dtype = _SERIALIZE_TO_TORCH_DTYPE.get(meta.get("dtype"))  # type: ignore[call-overload]
+    itemsize = _DTYPE_BYTES.get(meta.get("dtype"))  # type: ignore[arg-type]
     sizes, strides = meta.get("sizes"), meta.get("strides")
-    if dtype is None or not isinstance(sizes, list) or not isinstance(strides, list):
+    if itemsize is None or not isinstance(sizes, list) or not isinstance(strides, list):
         raise _refuse("a tensor_meta has no known dtype, sizes or strides")
     if len(sizes) != len(strides):
         raise _refuse("a tensor_meta has sizes and strides of different lengths")
@@ -182,7 +186,7 @@ def _storage_bytes(meta: dict[str, Any]) -> int:
         return 0
     extent = _int_field(meta.get("storage_offset", {"as_int": 0}))
     extent += 1 + sum((n - 1) * st for n, st in dims)
-    return extent * dtype.itemsize
+    return extent * itemsize
 
 
 def _check_payload_config(rel: str, config: Any) -> dict[str, int]:

@@ -12,13 +12,17 @@ What the child gets:
   other descriptors, its own session;
 - resource limits set before it executes: ``RLIMIT_AS`` (2 GiB plus twice
   the archive), ``RLIMIT_CPU`` (the timeout), ``RLIMIT_NOFILE`` (64),
-  ``RLIMIT_FSIZE`` 0 (it cannot write files), ``RLIMIT_CORE`` 0, and, when it
+  ``RLIMIT_FSIZE`` 16 MiB (its own TMPDIR, removed after), ``RLIMIT_CORE`` 0, and, when it
   is dropped to ``nobody``, ``RLIMIT_NPROC`` (64);
 - a wall-clock timeout (``--model-load-timeout-s``): killed past it, the load
   answers DEADLINE_EXCEEDED;
-- when the worker runs as root: the uid/gid of ``nobody`` and no
+- when the worker runs as root and ``nobody`` can reach this Python and torch
+  (every folder above them world-searchable): the uid/gid of ``nobody`` and no
   supplementary groups, so the archive is opened by the parent and code run by
   a payload cannot read root-only files or write anywhere ``nobody`` cannot.
+  If ``nobody`` cannot run this interpreter (e.g. a pyenv under ``/root``),
+  the child keeps root's uid and a warning is logged: limits and timeout still
+  apply, the privilege drop does not.
 
 What it does NOT guarantee: run as a non-root user, the child keeps the
 worker's uid (it could read what the worker can read and signal the worker's
@@ -30,16 +34,22 @@ exhaust memory or fail; the allowlist in :mod:`archive` is what keeps code out.
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import pwd
 import resource
+import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-from collectives.errors import DeadlineExceeded, InvalidArgument
+from collectives.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 
 __all__ = ["trial_load"]
+
+log = logging.getLogger(__name__)
 
 _CHILD = (
     "import sys, torch\n"
@@ -48,6 +58,7 @@ _CHILD = (
 )
 _NOFILE = 64
 _NPROC = 64
+_FSIZE = 16 << 20  # no file it writes (in its own TMPDIR) grows past 16 MiB
 
 
 def _limits(as_bytes: int, cpu_s: int, drop_to: tuple[int, int] | None):
@@ -55,7 +66,7 @@ def _limits(as_bytes: int, cpu_s: int, drop_to: tuple[int, int] | None):
         resource.setrlimit(resource.RLIMIT_AS, (as_bytes, as_bytes))
         resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
         resource.setrlimit(resource.RLIMIT_NOFILE, (_NOFILE, _NOFILE))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (_FSIZE, _FSIZE))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         if drop_to is not None:
             uid, gid = drop_to
@@ -67,8 +78,38 @@ def _limits(as_bytes: int, cpu_s: int, drop_to: tuple[int, int] | None):
     return apply
 
 
+def _world_can_reach(path: str) -> bool:
+    """Whether any user can read ``path`` and search every folder above it."""
+    path = os.path.realpath(path)
+    try:
+        if not os.stat(path).st_mode & stat.S_IROTH:
+            return False
+        parent = os.path.dirname(path)
+        while True:
+            if not os.stat(parent).st_mode & stat.S_IXOTH:
+                return False
+            if parent == os.path.dirname(parent):
+                return True
+            parent = os.path.dirname(parent)
+    except OSError:
+        return False
+
+
+@functools.cache
 def _nobody() -> tuple[int, int] | None:
+    """nobody's (uid, gid) when running as root and nobody can run this Python and
+    torch; else None (the child keeps the worker's user, logged once)."""
     if os.geteuid() != 0:
+        return None
+    import torch
+
+    needed = (sys.executable, os.__file__, torch.__file__)
+    if not all(_world_can_reach(p) for p in needed):
+        log.warning(
+            "load sandbox: running as root, but user nobody cannot reach this Python or "
+            "torch (%s); the sandbox keeps root's uid (limits and timeout still apply)",
+            ", ".join(os.path.realpath(p) for p in needed),
+        )
         return None
     try:
         entry = pwd.getpwnam("nobody")
@@ -85,7 +126,21 @@ def trial_load(path: Path, timeout_s: float) -> None:
         DeadlineExceeded: it did not finish within ``timeout_s``.
     """
     size = path.stat().st_size
-    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "LC_ALL": "C"}
+    drop_to = _nobody()
+    with tempfile.TemporaryDirectory(prefix="collectives-sandbox-") as tmp:
+        if drop_to is not None:
+            os.chown(tmp, *drop_to)
+        env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "LC_ALL": "C", "TMPDIR": tmp}
+        done = _run_child(path, size, env, drop_to, timeout_s)
+    if done.returncode != 0 or done.stdout.strip() != b"loaded":
+        lines = done.stderr.decode("utf-8", "replace").strip().splitlines()
+        last = lines[-1][:300] if lines else f"exit status {done.returncode}"
+        raise InvalidArgument(f"the model archive failed to load in the load sandbox: {last}")
+
+
+def _run_child(
+    path: Path, size: int, env: dict[str, str], drop_to: tuple[int, int] | None, timeout_s: float
+) -> subprocess.CompletedProcess:
     with open(path, "rb") as archive:
         try:
             done = subprocess.run(
@@ -97,14 +152,16 @@ def trial_load(path: Path, timeout_s: float) -> None:
                 cwd="/",
                 close_fds=True,
                 start_new_session=True,
-                preexec_fn=_limits((2 << 30) + 2 * size, max(1, int(timeout_s)), _nobody()),
+                preexec_fn=_limits((2 << 30) + 2 * size, max(1, int(timeout_s)), drop_to),
             )
+        except OSError as exc:
+            raise FailedPrecondition(
+                f"the load sandbox could not start ({exc.strerror}); fix it or start the "
+                "worker with --no-load-sandbox"
+            ) from None
         except subprocess.TimeoutExpired:
             raise DeadlineExceeded(
                 f"the model archive did not load within {timeout_s:g} s in the load "
                 "sandbox (--model-load-timeout-s)"
             ) from None
-    if done.returncode != 0 or done.stdout.strip() != b"loaded":
-        lines = done.stderr.decode("utf-8", "replace").strip().splitlines()
-        last = lines[-1][:300] if lines else f"exit status {done.returncode}"
-        raise InvalidArgument(f"the model archive failed to load in the load sandbox: {last}")
+    return done
