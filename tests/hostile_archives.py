@@ -24,6 +24,7 @@ __all__ = [
     "aoti_package",
     "zip_bomb",
     "rewrite",
+    "guards_code",
     "encrypted_flag",
     "marker_pickle",
     "HOSTILE",
@@ -209,8 +210,14 @@ def _custom_op(program: dict) -> None:
     program["graph_module"]["graph"]["nodes"][0]["target"] = "torch.ops.evil_ns.run.default"
 
 
-def _guards(program: dict) -> None:
-    program["guards_code"] = ["__import__('os').getpid() > 0"]
+def guards_code(base: bytes, marker: str) -> bytes:
+    """Python source in ``guards_code``: torch execs it into the guard function of
+    ``.module()`` when the archive has sample inputs, and runs it on every forward."""
+
+    def change(program: dict) -> None:
+        program["guards_code"] = [f"open({marker!r}, 'w') is not None"]
+
+    return _graph_with(base, change)
 
 
 def _use_pickle_weight(base: bytes, marker: str) -> bytes:
@@ -240,7 +247,6 @@ HOSTILE: dict[str, Callable[[bytes, str, torch.Generator], bytes]] = {
     "pickle_entry": lambda b, m, g: rewrite(b, add={"data/weights/extra.pkl": marker_pickle(m)}),
     "sympy_eval_expr": lambda b, m, g: _graph_with(b, _eval_expr(m)),
     "custom_namespace_op": lambda b, m, g: _graph_with(b, _custom_op),
-    "guards_code": lambda b, m, g: _graph_with(b, _guards),
     "traversal_name": lambda b, m, g: rewrite(
         b, add={"archive/../../../tmp/evil": b"x"}, raw_names=True
     ),

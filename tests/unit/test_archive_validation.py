@@ -18,6 +18,7 @@ from hostile_archives import (
     HOSTILE,
     SmallModel,
     encrypted_flag,
+    guards_code,
     legit_archive,
     rewrite,
     zip_bomb,
@@ -151,3 +152,18 @@ def test_dtype_sizes_match_torch():
     from collectives_server.worker.archive import _DTYPE_BYTES
 
     assert {int(k): v.itemsize for k, v in _SERIALIZE_TO_TORCH_DTYPE.items()} == _DTYPE_BYTES
+
+
+def test_guards_code_is_dropped_so_never_executed(tmp_path, gen):
+    model = SmallModel(gen)
+    example = torch.randn(3, 6, generator=gen)
+    marker = tmp_path / "marker"
+    hostile = guards_code(legit_archive(model, example), str(marker))
+    with contextlib.suppress(Exception):  # unchecked, torch runs the guard on forward
+        torch.export.load(io.BytesIO(hostile)).module()(example)
+    assert marker.exists()
+    marker.unlink()
+    checked = _check(tmp_path, hostile)
+    loaded = torch.export.load(str(checked)).module()
+    assert torch.equal(loaded(example), model(example))
+    assert not marker.exists()

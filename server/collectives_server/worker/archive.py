@@ -28,6 +28,7 @@ were checked, and memory holds one chunk (plus the bounded JSON entries).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -155,9 +156,9 @@ def _json_depth_ok(value: Any) -> bool:
     return True
 
 
-def _parse_json(rel: str, body: bytes) -> Any:
+def _parse_json(rel: str, body: bytes | None) -> Any:
     try:
-        value = json.loads(body)
+        value = json.loads(body or b"")
     except (ValueError, RecursionError):
         raise _refuse(f"{rel!r} is not valid JSON (or nests too deeply)") from None
     if not _json_depth_ok(value):
@@ -236,24 +237,30 @@ def _copy_entry(
     src: zipfile.ZipFile,
     info: zipfile.ZipInfo,
     rel: str,
-    out: zipfile.ZipFile,
+    out: zipfile.ZipFile | None,
     budget: _Budget,
     limit: int,
     keep: bool,
 ) -> bytes | None:
-    """Streams one entry into ``out`` (under the same name), counting as it goes.
-    Returns the body when ``keep`` (small and JSON entries, bounded by ``limit``)."""
+    """Streams one entry into ``out`` (under the same name; ``out`` None: nowhere),
+    counting as it goes. Returns the body when ``keep`` (small and JSON entries,
+    bounded by ``limit``)."""
     kept = bytearray() if keep else None
     seen = 0
     try:
-        with src.open(info) as reader, out.open(info.filename, "w", force_zip64=True) as writer:
+        with contextlib.ExitStack() as stack:
+            reader = stack.enter_context(src.open(info))
+            writer = None
+            if out is not None:
+                writer = stack.enter_context(out.open(info.filename, "w", force_zip64=True))
             while True:
                 chunk = reader.read(_CHUNK)
                 if not chunk:
                     break
                 seen += len(chunk)
                 budget.add(rel, len(chunk), seen, limit)
-                writer.write(chunk)
+                if writer is not None:
+                    writer.write(chunk)
                 if kept is not None:
                     kept += chunk
     except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as exc:
@@ -336,14 +343,19 @@ def _check_and_copy(
                     body = _copy_entry(src, info, rel, out, budget, _MAX_SMALL_ENTRY, True)
                     if not _SMALL[rel].match((body or b"").decode("ascii", "replace").strip()):
                         raise _refuse(f"{rel!r} holds an unexpected value")
-                else:
+                elif kind == "config":
                     body = _copy_entry(src, info, rel, out, budget, limits.max_json_bytes, True)
-                    value = _parse_json(rel, body or b"")
-                    if kind == "config":
-                        for path, n in _check_payload_config(rel, value).items():
-                            named_payloads[path] = max(named_payloads.get(path, 0), n)
-                    else:
-                        check_graph(rel, value)
+                    for path, n in _check_payload_config(rel, _parse_json(rel, body)).items():
+                        named_payloads[path] = max(named_payloads.get(path, 0), n)
+                else:
+                    body = _copy_entry(src, info, rel, None, budget, limits.max_json_bytes, True)
+                    program = _parse_json(rel, body)
+                    check_graph(rel, program)
+                    # Guards are Python source torch would exec (only with sample
+                    # inputs, which are dropped); written back without them.
+                    program["guards_code"] = []
+                    del body
+                    out.writestr(info.filename, json.dumps(program).encode())
             for info, rel in payloads:
                 if rel not in named_payloads:
                     raise _refuse(f"{rel!r} is named by no weights/constants config")
