@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from collectives_server.cli_common import byte_size, positive_float
+from collectives_server.cli_common import byte_size, positive_float, positive_int
 from collectives_server.worker.archive_config import ModelUploadConfig
 
 __all__ = ["add_archive_flags", "archive_from_args", "archive_worker_args"]
@@ -37,7 +37,7 @@ def add_archive_flags(parser: argparse.ArgumentParser, *, local: bool = False) -
     )
     g.add_argument(
         "--max-model-entries",
-        type=int,
+        type=positive_int,
         default=65536,
         metavar="N",
         help="most entries in a model archive (default: 65536)",
@@ -74,8 +74,6 @@ def add_archive_flags(parser: argparse.ArgumentParser, *, local: bool = False) -
 
 def archive_from_args(args: argparse.Namespace) -> ModelUploadConfig:
     """A ``worker``'s settings (defaults: uploads only with a token, sandbox on)."""
-    if args.max_model_entries < 1:
-        raise argparse.ArgumentTypeError("--max-model-entries must be >= 1")
     allow = args.allow_model_upload
     if allow is None:
         allow = bool(getattr(args, "token_file", None))

@@ -273,3 +273,11 @@ def test_dashboard_queries_exactly_the_contract_metrics() -> None:
     assert CONTRACT - used == set(), "contract metrics that no panel shows"
     for query in dashboard_queries():
         assert query.metrics, f"{query.where}: no metric in {query.expr!r}"
+
+
+def test_workers_accept_model_uploads(compose: dict) -> None:
+    """The examples ship models as archives; the compose workers have no token, so
+    uploads (off by default without one) are enabled explicitly."""
+    for name, config in _workers(compose).items():
+        assert config.model_upload.allow, f"{name}: add --allow-model-upload"
+        assert config.model_upload.load_sandbox, f"{name}: the load sandbox should stay on"
