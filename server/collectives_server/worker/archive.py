@@ -84,13 +84,13 @@ def _refuse(message: str) -> InvalidArgument:
     return InvalidArgument(f"model archive refused: {message}; {_HINT}")
 
 
-def _entry_count(fp: IO[bytes]) -> int:
-    """The entry count the end-of-central-directory record declares (zip64 aware),
-    read before zipfile parses (and holds) every central-directory entry."""
+def _central_directory(fp: IO[bytes]) -> tuple[int, int]:
+    """(entries, bytes) of the central directory as the end record declares them
+    (zip64 aware), read before zipfile parses (and holds) every entry of it."""
     end = zipfile._EndRecData(fp)  # type: ignore[attr-defined]  # stdlib, stable since 2.x
     if end is None:
         raise _refuse("not a zip file (no end of central directory)")
-    return int(end[zipfile._ECD_ENTRIES_TOTAL])  # type: ignore[attr-defined]
+    return int(end[zipfile._ECD_ENTRIES_TOTAL]), int(end[zipfile._ECD_SIZE])  # type: ignore[attr-defined]
 
 
 def _check_name(name: str, root: str | None) -> tuple[str, str]:
@@ -276,11 +276,15 @@ def check_archive(src_path: Path, dst_path: Path, limits: ArchiveLimits) -> None
     """
     with open(src_path, "rb") as fp:
         try:
-            declared = _entry_count(fp)
+            declared, cd_bytes = _central_directory(fp)
         except (OSError, EOFError, zipfile.BadZipFile):
             raise _refuse("not a zip file") from None
-        if declared > limits.max_entries:
-            raise _refuse(f"{declared} entries; at most {limits.max_entries} (--max-model-entries)")
+        # An entry's central record is 46 bytes + name (<= 512 here) + extra/comment.
+        if declared > limits.max_entries or cd_bytes > limits.max_entries * 1024:
+            raise _refuse(
+                f"{declared} entries ({cd_bytes} bytes of central directory); at most "
+                f"{limits.max_entries} entries (--max-model-entries)"
+            )
         try:
             src = zipfile.ZipFile(fp)
         except (zipfile.BadZipFile, OSError, EOFError, ValueError):
