@@ -490,6 +490,37 @@ def test_groups_and_async_ops(deployment: FakeDeployment, cluster: collectives.C
         cluster.barrier(group=group)
 
 
+def test_a_never_started_collective_is_not_retried_on_a_new_generation(
+    deployment: FakeDeployment, cluster: collectives.Cluster
+) -> None:
+    """Issue 10: "never started" is not enough when the membership changed."""
+    fake = deployment.fake
+    cluster.put("r", torch.ones(2))
+    gate = threading.Event()
+    fake.block["AllReduce"] = gate
+    fake.fail_next("AllReduce", grpc.StatusCode.UNAVAILABLE, executed="no")
+    work = cluster.all_reduce("r", async_op=True)
+    wait_until(lambda: len(fake.requests["AllReduce"]) == 1, 10, "the op to reach the leader")
+    assert work.generation == 1
+    # While the leader holds the op, the cluster moves to generation 2.
+    fake.generation = 2
+    deployment.coordinator.publish(deployment.formed_cluster(generation=2))
+    wait_until(lambda: cluster.generation == 2, 10, "the watch to deliver generation 2")
+    del fake.block["AllReduce"]
+    gate.set()
+    with pytest.raises(collectives.Unavailable) as info:
+        work.wait(10)
+    err = info.value
+    assert err.executed is False and err.generation == 1
+    assert "generation 1" in err.message and "generation 2" in err.message
+    assert "Nothing was committed" in err.message
+    assert len(fake.requests["AllReduce"]) == 1  # not sent again
+    # A new call binds to the new generation and runs.
+    work = cluster.all_reduce("r", async_op=True)
+    assert work.wait(10) is None and work.generation == 2
+    assert fake.requests["AllReduce"][-1].options.generation == 2
+
+
 def test_only_never_started_collectives_are_retried(
     deployment: FakeDeployment, cluster: collectives.Cluster
 ) -> None:
