@@ -39,6 +39,7 @@ from collectives._transport import (
     wait_channel_ready,
 )
 from collectives._validation import check_timeout
+from collectives.addresses import REFUSED_GRACE_S, parse_address, refused_within
 from collectives.errors import (
     CollectiveError,
     DeadlineExceeded,
@@ -100,8 +101,7 @@ class _ClusterCore:
             DeadlineExceeded: no generation was formed within ``timeout`` (the
                 message quotes the coordinator's status).
         """
-        if not isinstance(address, str) or not address.strip():
-            raise InvalidArgument(f"address must be a 'host:port' string, got {address!r}")
+        parse_address(address)
         timeout = check_timeout(timeout, DEFAULT_CONNECT_TIMEOUT_S)
         try:
             security = ChannelSecurity.resolve(
@@ -130,6 +130,12 @@ class _ClusterCore:
             max_workers=IO_THREADS, thread_name_prefix="collectives-io"
         )
         try:
+            reason = refused_within(self._address, min(REFUSED_GRACE_S, timeout))
+            if reason is not None:
+                raise Unavailable(
+                    f"nothing answers at {self._address}: {reason}. Is the coordinator "
+                    "running? `collectives-server local` prints the address it listens on."
+                )
             wait_channel_ready(self._channel, self._address, timeout)
             self._membership.refresh(deadline - time.monotonic())
             self._membership.start()

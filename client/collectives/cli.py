@@ -28,8 +28,9 @@ from types import FrameType
 
 import grpc
 
+from collectives._channels import call_unary, open_channel
 from collectives._security import PLAINTEXT, ChannelSecurity, read_token_file
-from collectives._transport import call_unary, open_channel
+from collectives.addresses import REFUSED_GRACE_S, parse_address, refused_within
 from collectives.errors import CollectiveError
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
 from collectives.workers import ClusterSnapshot, WorkerInfo
@@ -38,6 +39,7 @@ __all__ = ["fetch_status", "format_table", "format_top", "main"]
 
 EXIT_OK = 0
 EXIT_UNREACHABLE = 2
+EXIT_INTERRUPTED = 130  # the shell's convention for SIGINT
 
 _COLUMNS = (
     "RANK", "STATE", "ADDRESS", "HOSTNAME", "PID", "DEVICES", "JOINED_GEN", "HEARTBEAT",
@@ -420,9 +422,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
+        return _run(args)
+    except KeyboardInterrupt:  # Ctrl-C before the command's own handler is installed
+        print(file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
         args.security = _security(args)
+        parse_address(args.coordinator)
     except ValueError as exc:
-        print(f"collectives {args.command}: {exc}", file=sys.stderr)
+        print(f"collectives {args.command}: {getattr(exc, 'message', exc)}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    reason = refused_within(args.coordinator, min(REFUSED_GRACE_S, args.timeout))
+    if reason is not None:
+        print(
+            f"collectives {args.command}: cannot reach the coordinator at {args.coordinator}: "
+            f"{reason}. Is it running? `collectives-server local` prints the address it "
+            "listens on.",
+            file=sys.stderr,
+        )
         return EXIT_UNREACHABLE
     if args.command == "status":
         return _status(args)
