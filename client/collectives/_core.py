@@ -90,6 +90,11 @@ class _ClusterCore:
     ) -> None:
         """Connects to the coordinator at ``address`` and waits for a formed generation.
 
+        It returns once the generation is sealed and every member reports
+        ``ready`` (joined its process group); if the members are still joining
+        when ``timeout`` runs out it returns anyway with the formed cluster, and
+        the first op waits for them.
+
         The keyword arguments (and their environment fallbacks, see
         :data:`collectives._security.SETTINGS_PRECEDENCE`) secure every channel.
 
@@ -146,6 +151,10 @@ class _ClusterCore:
                     f"(generation {snapshot.generation}, {snapshot.world_size} members): "
                     f"{snapshot.status or 'no status from the coordinator'}"
                 )
+            # Formed means sealed; wait (within the same deadline) until every
+            # member also joined the generation's process group, so what the
+            # caller sees next (workers(), metrics, a first op) is "ready".
+            self._membership.wait_until(lambda s: s.ready, _left(deadline))
         except BaseException:
             self.close()
             raise

@@ -22,6 +22,7 @@ import argparse
 import json
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
@@ -54,6 +55,9 @@ CLEAR = "\x1b[H\x1b[2J"
 # Re-opening a broken watch: first wait, and the longest.
 _RETRY_MIN_S = 0.5
 _RETRY_MAX_S = 5.0
+# How often the main thread looks at its stop flag, and how long it waits for the body.
+_SIGNAL_POLL_S = 0.1
+_STOP_JOIN_S = 2.0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -237,23 +241,69 @@ def _json_line(address: str, snapshot: ClusterSnapshot, indent: int | None = Non
 # ----------------------------------------------------------- stopping cleanly
 
 
-class _Stopped(BaseException):
-    """SIGTERM arrived (SIGINT arrives as KeyboardInterrupt)."""
+class _Session:
+    """A long-running command's stop flag and the channels to close when it is set.
+
+    The command's body runs on a worker thread; the main thread only waits on
+    :attr:`stop`, so Ctrl-C and SIGTERM are handled at once wherever the body
+    is blocked (a gRPC stream, a sleep), and closing the channels ends it.
+    """
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self._lock = threading.Lock()
+        self._channels: list[grpc.Channel] = []
+
+    def open_channel(self, address: str, security: ChannelSecurity) -> grpc.Channel:
+        channel = open_channel(address, security)
+        with self._lock:
+            self._channels.append(channel)
+        return channel
+
+    def close(self) -> None:
+        self.stop.set()
+        with self._lock:
+            channels, self._channels = self._channels, []
+        for channel in channels:
+            channel.close()
 
 
-def _raise_stopped(signum: int, frame: FrameType | None) -> None:
-    raise _Stopped
-
-
-def _until_stopped(body: Callable[[], int]) -> int:
+def _until_stopped(body: Callable[[_Session], int]) -> int:
     """Runs ``body``; SIGTERM or Ctrl-C end it with exit code 0."""
-    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    session = _Session()
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            outcome["code"] = body(session)
+        except BaseException as exc:  # handed to the main thread below
+            outcome["error"] = exc
+        finally:
+            session.stop.set()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        session.stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    worker = threading.Thread(target=run, name="collectives-cli", daemon=True)
     try:
-        return body()
-    except (KeyboardInterrupt, _Stopped):
-        return EXIT_OK
+        worker.start()
+        # A wait with a timeout, so the signal handlers run promptly.
+        while not session.stop.wait(_SIGNAL_POLL_S):
+            pass
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        session.close()
+    worker.join(_STOP_JOIN_S)
+    if worker.is_alive() or ("code" not in outcome and "error" not in outcome):
+        return EXIT_OK  # stopped by a signal
+    error = outcome.get("error")
+    if isinstance(error, BaseException):
+        if session.stop.is_set() and isinstance(error, (grpc.RpcError, CollectiveError)):
+            return EXIT_OK  # the channel was closed under it by the stop
+        raise error
+    return int(outcome["code"])  # type: ignore[call-overload]
 
 
 # ---------------------------------------------------------------- commands
@@ -279,7 +329,7 @@ def _status(args: argparse.Namespace) -> int:
     if not _check_timeout("status", args.timeout):
         return EXIT_UNREACHABLE
     if args.watch:
-        return _until_stopped(lambda: _watch(args))
+        return _until_stopped(lambda session: _watch(args, session))
     try:
         snapshot = fetch_status(args.coordinator, args.timeout, args.security)
     except CollectiveError as err:
@@ -292,11 +342,14 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _changes(
-    stub: coordinator_pb2_grpc.CoordinatorStub, address: str, after_version: int
+    stub: coordinator_pb2_grpc.CoordinatorStub,
+    address: str,
+    after_version: int,
+    stop: threading.Event,
 ) -> Iterator[ClusterSnapshot]:
-    """Every Cluster version after ``after_version``; re-opens a broken stream forever."""
+    """Every Cluster version after ``after_version``; re-opens a broken stream until stopped."""
     version, retry_s = after_version, _RETRY_MIN_S
-    while True:
+    while not stop.is_set():
         call = stub.WatchCluster(
             coordinator_pb2.WatchClusterRequest(after_version=version), wait_for_ready=True
         )
@@ -309,27 +362,29 @@ def _changes(
             reason = f"{err.code().name}: {err.details()}"
         finally:
             call.cancel()
+        if stop.is_set():
+            return
         print(
             f"collectives status: watch on {address} interrupted ({reason}); "
             f"re-opening in {retry_s:g} s",
             file=sys.stderr,
             flush=True,
         )
-        time.sleep(retry_s)
+        stop.wait(retry_s)
         retry_s = min(retry_s * 2, _RETRY_MAX_S)
 
 
-def _watch(args: argparse.Namespace) -> int:
-    channel = open_channel(args.coordinator, args.security)
+def _watch(args: argparse.Namespace, session: _Session) -> int:
+    channel = session.open_channel(args.coordinator, args.security)
     try:
         try:
             first = _get_cluster(channel, args.coordinator, args.timeout)
         except CollectiveError as err:
             return _unreachable("status", args.coordinator, args.timeout, err)
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-        snapshots = _changes(stub, args.coordinator, first.version)
-        snapshot = first
-        while True:
+        snapshots = _changes(stub, args.coordinator, first.version, session.stop)
+        snapshot: ClusterSnapshot | None = first
+        while snapshot is not None:
             if args.json:
                 print(_json_line(args.coordinator, snapshot), flush=True)
             else:
@@ -339,7 +394,8 @@ def _watch(args: argparse.Namespace) -> int:
                     f"(version {snapshot.version} at {stamp}; watching, Ctrl-C to stop)",
                     flush=True,
                 )
-            snapshot = next(snapshots)
+            snapshot = next(snapshots, None)
+        return EXIT_OK
     finally:
         channel.close()
 
@@ -392,13 +448,13 @@ def _top(args: argparse.Namespace) -> int:
         print("collectives top: --interval must be positive", file=sys.stderr)
         return EXIT_UNREACHABLE
 
-    def body() -> int:
-        channel = open_channel(args.coordinator, args.security)
+    def body(session: _Session) -> int:
+        channel = session.open_channel(args.coordinator, args.security)
         previous: ClusterSnapshot | None = None
         previous_at = 0.0
         frames = 0
         try:
-            while True:
+            while not session.stop.is_set():
                 try:
                     snapshot = _get_cluster(channel, args.coordinator, args.timeout)
                 except CollectiveError as err:
@@ -410,7 +466,8 @@ def _top(args: argparse.Namespace) -> int:
                 frames += 1
                 if args.iterations and frames >= args.iterations:
                     return EXIT_OK
-                time.sleep(args.interval)
+                session.stop.wait(args.interval)
+            return EXIT_OK
         finally:
             channel.close()
 
