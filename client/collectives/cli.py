@@ -31,10 +31,17 @@ import grpc
 
 from collectives._channels import call_unary, open_channel
 from collectives._security import PLAINTEXT, ChannelSecurity, read_token_file
+from collectives._status_tables import (
+    WIDE,
+    format_table,
+    format_top,
+    rates_between,
+    terminal_width,
+)
 from collectives.addresses import REFUSED_GRACE_S, parse_address, refused_within
 from collectives.errors import CollectiveError
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
-from collectives.workers import ClusterSnapshot, WorkerInfo
+from collectives.workers import ClusterSnapshot
 
 __all__ = ["fetch_status", "format_table", "format_top", "main"]
 
@@ -42,14 +49,6 @@ EXIT_OK = 0
 EXIT_UNREACHABLE = 2
 EXIT_INTERRUPTED = 130  # the shell's convention for SIGINT
 
-_COLUMNS = (
-    "RANK", "STATE", "ADDRESS", "HOSTNAME", "PID", "DEVICES", "JOINED_GEN", "HEARTBEAT",
-    "TENSORS", "OPS_OK", "OPS_FAILED", "QUEUE", "MEMORY", "LAST_OP",
-)  # fmt: skip
-_TOP_COLUMNS = (
-    "RANK", "STATE", "ADDRESS", "OPS/S", "OPS_OK", "OPS_FAILED", "QUEUE", "MEMORY", "TENSORS",
-    "LAST_OP", "LATENCY",
-)  # fmt: skip
 # Clear the screen and move the cursor home (ANSI), before each redraw.
 CLEAR = "\x1b[H\x1b[2J"
 # Re-opening a broken watch: first wait, and the longest.
@@ -70,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--coordinator", required=True, metavar="HOST:PORT")
     status.add_argument("--json", action="store_true", help="print one JSON object instead")
+    status.add_argument(
+        "--wide", action="store_true", help="every column, however wide the terminal"
+    )
     status.add_argument(
         "--watch",
         action="store_true",
@@ -93,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     top.add_argument(
         "--timeout", type=float, default=5.0, metavar="SECONDS", help="deadline per call"
     )
+    top.add_argument("--wide", action="store_true", help="every column, however wide the terminal")
     for command in (status, top):
         _add_security(command)
     return parser
@@ -151,87 +154,6 @@ def _get_cluster(channel: grpc.Channel, address: str, timeout: float) -> Cluster
         wait_for_ready=True,
     )
     return ClusterSnapshot.from_proto(msg)
-
-
-def human_bytes(n: float) -> str:
-    """``1536`` → ``1.5KiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    return f"{n:.1f}TiB"  # pragma: no cover - the loop returns
-
-
-def _memory(w: WorkerInfo) -> str:
-    if not w.device_memory:
-        return "-"
-    return " ".join(
-        f"{d.device}:{human_bytes(d.used_bytes)}/{human_bytes(d.total_bytes)}"
-        for d in w.device_memory
-    )
-
-
-def _tensors(w: WorkerInfo) -> str:
-    return f"{w.tensors_held} ({human_bytes(w.bytes_held)})" if w.has_status else "-"
-
-
-def _row(w: WorkerInfo) -> tuple[str, ...]:
-    return (
-        str(w.rank) if w.rank >= 0 else "-",
-        w.state.value,
-        w.address,
-        w.hostname,
-        str(w.pid),
-        ",".join(w.devices),
-        str(w.generation),
-        f"{w.last_heartbeat_age_s:.1f}s",
-        _tensors(w),
-        str(w.ops_completed),
-        str(w.ops_failed),
-        str(w.queue_depth),
-        _memory(w),
-        w.last_op or "-",
-    )
-
-
-def _align(columns: Sequence[str], rows: list[tuple[str, ...]]) -> list[str]:
-    table = [tuple(columns), *rows]
-    widths = [max(len(row[i]) for row in table) for i in range(len(columns))]
-    return [
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        for row in table
-    ]
-
-
-def format_table(address: str, snapshot: ClusterSnapshot) -> str:
-    """The human-readable status: a header line, one aligned row per worker, history, errors."""
-    header = (
-        f"coordinator {address}  generation {snapshot.generation}  "
-        f"world size {snapshot.world_size}  "
-        f"formed {'yes' if snapshot.formed else 'no'}  "
-        f"ready {'yes' if snapshot.ready else 'no'}  "
-        f"status: {snapshot.status or '-'}"
-    )
-    lines = [header, *_align(_COLUMNS, [_row(w) for w in snapshot.workers])]
-    if not snapshot.workers:
-        lines.append("(no workers registered)")
-    if snapshot.history:
-        last = snapshot.history[-1]
-        sealed = time.strftime("%H:%M:%S", time.localtime(last.sealed_unix_time_s))
-        lines.append(f"last generation change ({sealed}): {last.reason}")
-    errors = sorted(
-        ((e, w) for w in snapshot.workers for e in w.recent_errors),
-        key=lambda item: item[0].unix_time_s,
-    )[-5:]
-    if errors:
-        lines.append("recent errors:")
-        for e, w in errors:
-            when = time.strftime("%H:%M:%S", time.localtime(e.unix_time_s))
-            op = f"op {e.op_id} " if e.op_id else ""
-            lines.append(
-                f"  {when} {w.address} {op}({e.kind}) gen {e.generation} {e.code}: {e.message}"
-            )
-    return "\n".join(lines)
 
 
 def _json_line(address: str, snapshot: ClusterSnapshot, indent: int | None = None) -> str:
@@ -309,6 +231,10 @@ def _until_stopped(body: Callable[[_Session], int]) -> int:
 # ---------------------------------------------------------------- commands
 
 
+def _width(args: argparse.Namespace) -> int:
+    return WIDE if args.wide else terminal_width()
+
+
 def _check_timeout(command: str, timeout: float) -> bool:
     if timeout > 0:
         return True
@@ -337,7 +263,7 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(_json_line(args.coordinator, snapshot, indent=2))
     else:
-        print(format_table(args.coordinator, snapshot))
+        print(format_table(args.coordinator, snapshot, _width(args)))
     return EXIT_OK
 
 
@@ -390,7 +316,7 @@ def _watch(args: argparse.Namespace, session: _Session) -> int:
             else:
                 stamp = time.strftime("%H:%M:%S")
                 print(
-                    f"{CLEAR}{format_table(args.coordinator, snapshot)}\n"
+                    f"{CLEAR}{format_table(args.coordinator, snapshot, _width(args))}\n"
                     f"(version {snapshot.version} at {stamp}; watching, Ctrl-C to stop)",
                     flush=True,
                 )
@@ -398,47 +324,6 @@ def _watch(args: argparse.Namespace, session: _Session) -> int:
         return EXIT_OK
     finally:
         channel.close()
-
-
-def _rates(
-    previous: ClusterSnapshot | None, current: ClusterSnapshot, elapsed_s: float
-) -> dict[str, float]:
-    """Ops per second per worker address between two snapshots."""
-    if previous is None or elapsed_s <= 0:
-        return {}
-    before = {w.address: w.ops_completed + w.ops_failed for w in previous.workers}
-    return {
-        w.address: max(0, w.ops_completed + w.ops_failed - before[w.address]) / elapsed_s
-        for w in current.workers
-        if w.address in before
-    }
-
-
-def format_top(address: str, snapshot: ClusterSnapshot, rates: dict[str, float]) -> str:
-    header = (
-        f"collectives top  {address}  generation {snapshot.generation}  "
-        f"world size {snapshot.world_size}  {time.strftime('%H:%M:%S')}  "
-        f"status: {snapshot.status or '-'}"
-    )
-    rows = []
-    for w in snapshot.workers:
-        rate = rates.get(w.address)
-        rows.append(
-            (
-                str(w.rank) if w.rank >= 0 else "-",
-                w.state.value,
-                w.address,
-                f"{rate:.1f}" if rate is not None else "-",
-                str(w.ops_completed),
-                str(w.ops_failed),
-                str(w.queue_depth),
-                _memory(w),
-                _tensors(w),
-                w.last_op or "-",
-                f"{w.last_op_latency_s * 1000:.1f}ms" if w.last_op else "-",
-            )
-        )
-    return "\n".join([header, *_align(_TOP_COLUMNS, rows)])
 
 
 def _top(args: argparse.Namespace) -> int:
@@ -460,8 +345,11 @@ def _top(args: argparse.Namespace) -> int:
                 except CollectiveError as err:
                     return _unreachable("top", args.coordinator, args.timeout, err)
                 now = time.monotonic()
-                rates = _rates(previous, snapshot, now - previous_at)
-                print(f"{CLEAR}{format_top(args.coordinator, snapshot, rates)}", flush=True)
+                rates = rates_between(previous, snapshot, now - previous_at)
+                print(
+                    f"{CLEAR}{format_top(args.coordinator, snapshot, rates, _width(args))}",
+                    flush=True,
+                )
                 previous, previous_at = snapshot, now
                 frames += 1
                 if args.iterations and frames >= args.iterations:

@@ -564,12 +564,16 @@ def test_deadline_expiry_is_deadline_exceeded(
 
 
 def test_status_cli_table_and_json(
-    deployment: FakeDeployment, capsys: pytest.CaptureFixture[str]
+    deployment: FakeDeployment,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     address = deployment.coordinator_address
-    assert cli_main(["status", "--coordinator", address]) == 0
+    assert cli_main(["status", "--coordinator", address, "--wide"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "generation 1" in lines[0] and "world size 2" in lines[0] and "formed yes" in lines[0]
+    assert lines[1].startswith("status: ")
+    lines = lines[1:]
     assert lines[1].split() == [
         "RANK", "STATE", "ADDRESS", "HOSTNAME", "PID", "DEVICES", "JOINED_GEN", "HEARTBEAT",
         "TENSORS", "OPS_OK", "OPS_FAILED", "QUEUE", "MEMORY", "LAST_OP",
@@ -578,6 +582,13 @@ def test_status_cli_table_and_json(
     assert lines[4].split()[:2] == ["-", "lost"] and "cuda:0,cuda:1" in lines[4]
     assert len({line.index("STATE") for line in lines[1:2]}) == 1
     assert lines[2].index("ready") == lines[1].index("STATE")  # aligned
+    # Without --wide the table fits 80 columns, keeping the columns that matter most.
+    monkeypatch.setenv("COLUMNS", "80")
+    assert cli_main(["status", "--coordinator", address]) == 0
+    narrow = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in narrow) <= 80, narrow
+    assert narrow[2].split()[:3] == ["RANK", "STATE", "ADDRESS"] and "TENSORS" in narrow[2]
+    assert any("--wide shows all" in line for line in narrow)
     assert cli_main(["status", "--coordinator", address, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["generation"] == 1 and doc["world_size"] == 2 and doc["formed"] is True
