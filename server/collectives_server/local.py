@@ -41,6 +41,9 @@ __all__ = ["Child", "LocalCluster", "assign_devices"]
 
 log = logging.getLogger(__name__)
 
+# How long a child whose stdout closed is given to exit before it is described.
+_EXIT_REPORT_S = 5.0
+
 
 @dataclass
 class Child:
@@ -221,13 +224,19 @@ class LocalCluster:
             ],
         )
         child = self.coordinator
-        if not child.first_line.wait(self._start_timeout_s) or not child.address:
+        printed = child.first_line.wait(self._start_timeout_s)
+        if not printed or not child.address:
+            if printed:
+                # Its stdout closed without an address: it is exiting; say how.
+                child.exited.wait(_EXIT_REPORT_S)
             state = child.describe_exit() if child.exited.is_set() else "still running"
             self.stop()
-            raise RuntimeError(
-                f"the coordinator printed no address within {self._start_timeout_s:g} s "
-                f"({state}); see its log above"
+            when = (
+                "before printing its address"
+                if printed
+                else (f"without printing its address within {self._start_timeout_s:g} s")
             )
+            raise RuntimeError(f"the coordinator {state} {when}; see its log above")
         log.info("coordinator %s (pid %d)", child.address, child.pid)
         try:
             for i in range(self.workers):
