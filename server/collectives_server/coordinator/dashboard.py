@@ -9,9 +9,9 @@ built, and nothing is fetched from the network at run time.
 Endpoints (all GET):
 
 * ``/`` — the page; ``/app.js`` and ``/style.css`` its assets.
-* ``/api/cluster`` — the current ``collectives.v1.Cluster`` as JSON (the proto3
-  JSON mapping with the proto's field names: 64-bit integers are strings, enums
-  their names, every field present).
+* ``/api/cluster`` — the current ``collectives.v1.Cluster`` as JSON, in the schema
+  of ``collectives status --json`` (see :mod:`.dashboard_json`): integers as
+  numbers, worker states as ``"ready"``, ``"lost"``...
 * ``/api/events`` — Server-Sent Events: a ``cluster`` event with the same JSON at
   once, on every version change (the servicer's condition, which also wakes the
   ``WatchCluster`` streams), and every ``refresh_s`` seconds without a change, so
@@ -26,7 +26,6 @@ network you trust.
 
 from __future__ import annotations
 
-import json
 import logging
 import socket
 import threading
@@ -35,9 +34,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Any, Protocol
 
-from google.protobuf import json_format
-
 from collectives.v1 import coordinator_pb2
+from collectives_server.coordinator.dashboard_json import cluster_to_json
 
 __all__ = ["ClusterSource", "DashboardServer", "cluster_to_json"]
 
@@ -76,16 +74,6 @@ class ClusterSource(Protocol):
     def wait_for_change(
         self, after_version: int, timeout_s: float
     ) -> coordinator_pb2.Cluster | None: ...
-
-
-def cluster_to_json(cluster: coordinator_pb2.Cluster) -> str:
-    """The Cluster as compact JSON (proto field names, defaults included)."""
-    data = json_format.MessageToDict(
-        cluster,
-        preserving_proto_field_name=True,
-        always_print_fields_with_no_presence=True,
-    )
-    return json.dumps(data, separators=(",", ":"))
 
 
 def _load_assets() -> dict[str, bytes]:
