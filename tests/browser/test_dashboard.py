@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import tempfile
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -212,15 +214,130 @@ def test_dashboard_shows_workers_live_and_a_killed_worker_lost(browser, fresh_cl
     if cluster.get("history"):
         wait_until(
             lambda: browser.find_elements(
-                "css selector", f'#history-rows tr[data-generation="{new_generation}"]'
+                "css selector", f'#timeline-rows tr[data-generation="{new_generation}"]'
             ),
             10,
-            f"a history row for generation {new_generation}",
+            f"a timeline row for generation {new_generation} sealed",
         )
+    # The loss is an event of its own, and the lost worker's numbers are marked stale.
+    wait_until(
+        lambda: browser.find_elements("css selector", '#timeline-rows tr[data-kind="lost"]'),
+        10,
+        "a 'lost' event in the timeline",
+    )
     lost_row = browser.find_element("css selector", f'tr[data-worker-id="{victim.worker_id}"]')
     assert "lost" in lost_row.text
+    assert re.search(r"stale since \d\d:\d\d:\d\d", lost_row.text), lost_row.text
     after = _screenshot(browser, "after")
     print(f"screenshots: {before} {after}")
+
+
+_FITS_JS = """
+const wraps = Array.from(document.querySelectorAll('.table-wrap'));
+return [document.documentElement.scrollWidth, window.innerWidth, window.innerHeight,
+        wraps.filter(w => w.scrollWidth > w.clientWidth).map(w => w.querySelector('table').id)];
+"""
+_RATES_JS = """
+return Array.from(document.querySelectorAll('#worker-rows tr[data-worker-id][data-state="ready"]'))
+  .map(r => [r.dataset.workerId, r.dataset.opsRate, r.querySelector('td.rate').textContent,
+             r.querySelectorAll('td.rate polyline').length]);
+"""
+
+
+def _fits(driver) -> None:
+    """No horizontal scroll: not the page, and no table scrolled inside its box."""
+    scroll_width, inner_width, inner_height, scrolled = driver.execute_script(_FITS_JS)
+    assert (inner_width, inner_height) == (1280, 800), "the viewport is not 1280x800"
+    assert scroll_width <= inner_width, f"page is {scroll_width} px wide in {inner_width}"
+    assert scrolled == [], f"tables that scroll sideways: {scrolled}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_dashboard_fits_1280x800_and_shows_rates_under_load(browser, fresh_cluster, uname, gen):
+    """Acceptance 4: at 1280x800 no horizontal scroll, ops/s moving under load, the timeline."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    port = _free_port()
+    _, client = fresh_cluster(2, "--dashboard-port", str(port))
+    # The viewport, not the outer window, must be 1280x800 (headless has no chrome
+    # around the page, but say it exactly).
+    browser.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": 1280, "height": 800, "deviceScaleFactor": 1, "mobile": False},
+    )
+    browser.get(f"http://127.0.0.1:{port}/")
+    WebDriverWait(browser, 30, poll_frequency=0.1).until(
+        lambda d: len(d.execute_script(_RATES_JS)) == 2, "2 ready worker rows"
+    )
+    _fits(browser)
+    # The timeline was rebuilt from the history on load: the first generation sealed.
+    assert browser.find_elements("css selector", '#timeline-rows tr[data-kind="sealed"]')
+    assert browser.find_elements("css selector", '#timeline-rows tr[data-kind="joined"]')
+    # One time format: HH:MM:SS, the zone once in the header.
+    zone = _text(browser, "zone")
+    assert re.fullmatch(r"· times in UTC[+-]\d\d:\d\d", zone), zone
+    times = browser.execute_script(
+        "return Array.from(document.querySelectorAll('#timeline-rows td:first-child'))"
+        ".map(td => td.textContent);"
+    )
+    assert times and all(re.fullmatch(r"\d\d:\d\d:\d\d", t) for t in times), times
+
+    # Load: small all_reduces of fresh random data, from a thread, until told to stop.
+    name = uname("load")
+    client.put(name, torch.randn(256, generator=gen))
+    stop = threading.Event()
+    done: list[int] = []
+    failures: list[BaseException] = []
+
+    def load() -> None:
+        count = 0
+        deadline = time.monotonic() + 120.0
+        try:
+            while not stop.is_set() and time.monotonic() < deadline:
+                client.all_reduce(name, op="max", timeout=10.0)
+                count += 1
+        except BaseException as e:  # reported by the test thread
+            failures.append(e)
+        done.append(count)
+
+    loader = threading.Thread(target=load, name="dashboard-load", daemon=True)
+    loader.start()
+    try:
+
+        def rates_up(driver) -> bool:
+            rows = driver.execute_script(_RATES_JS)
+            return len(rows) == 2 and all(r and float(r) > 0 and n == 1 for _, r, _, n in rows)
+
+        WebDriverWait(browser, 30, poll_frequency=0.2).until(
+            rates_up, "ops/s > 0 with a sparkline for both workers under load"
+        )
+        first = {w: text for w, _, text, _ in browser.execute_script(_RATES_JS)}
+        WebDriverWait(browser, 15, poll_frequency=0.2).until(
+            lambda d: any(first[w] != t for w, _, t, _ in d.execute_script(_RATES_JS)),
+            "the ops/s cells to change as the load goes on",
+        )
+        assert not failures, failures
+        assert float(_text(browser, "cluster-rate")) > 0
+        # A collective that fails on every rank is one entry (its op id), reported by both.
+        with pytest.raises(collectives.NotFound):
+            client.all_reduce(uname("missing"), timeout=10.0)
+        WebDriverWait(browser, 15, poll_frequency=0.2).until(
+            lambda d: d.find_elements(
+                "css selector", '#error-rows tr[data-reporters="2"]:not([data-op-id="0"])'
+            ),
+            "the failed all_reduce as one row reported by 2 ranks",
+        )
+        _fits(browser)
+        ARTIFACTS.mkdir(exist_ok=True)
+        path = ARTIFACTS / "dashboard-1280x800.png"
+        assert browser.save_screenshot(str(path)), f"could not save {path}"
+        print(f"screenshot: {path}")
+    finally:
+        stop.set()
+        loader.join(timeout=15.0)
+    assert not loader.is_alive(), "the load thread did not stop"
+    assert done and done[0] > 0 and not failures, (done, failures)
 
 
 # ------------------------------------------------------------ escaping (no cluster)
@@ -278,8 +395,14 @@ def test_dashboard_shows_markup_as_text(browser):
         )
         assert _text(browser, "generation") == "7"
         assert _text(browser, "status-text") == _HOSTILE
+        browser.find_element("css selector", "#worker-rows tr[data-worker-id]").click()
+        WebDriverWait(browser, 5, poll_frequency=0.1).until(
+            lambda d: d.find_elements("css selector", "#worker-rows tr.details"), "the details row"
+        )
         page = browser.find_element("tag name", "main").text
-        assert page.count(_HOSTILE) >= 5, page  # status, host, model, last op, error, history
+        # status, host (row and details), model, last op, error (failed ops and details),
+        # timeline (members, reason)
+        assert page.count(_HOSTILE) >= 5, page
         assert browser.find_elements("css selector", "main img") == []
         assert browser.execute_script("return window.__pwned === undefined")
         _screenshot(browser, "escaping")

@@ -8,7 +8,7 @@ built, and nothing is fetched from the network at run time.
 
 Endpoints (all GET):
 
-* ``/`` — the page; ``/app.js`` and ``/style.css`` its assets.
+* ``/`` — the page; ``/app.js``, ``/model.js`` and ``/style.css`` its assets.
 * ``/api/cluster`` — the current ``collectives.v1.Cluster`` as JSON, in the schema
   of ``collectives status --json`` (see :mod:`.dashboard_json`): integers as
   numbers, worker states as ``"ready"``, ``"lost"``...
@@ -45,12 +45,14 @@ log = logging.getLogger(__name__)
 _ASSETS = {
     "index.html": "text/html; charset=utf-8",
     "app.js": "text/javascript; charset=utf-8",
+    "model.js": "text/javascript; charset=utf-8",
     "style.css": "text/css; charset=utf-8",
 }
 _ROUTES = {
     "/": "index.html",
     "/index.html": "index.html",
     "/app.js": "app.js",
+    "/model.js": "model.js",
     "/style.css": "style.css",
 }
 # The page loads only its own assets and talks only to this server.
