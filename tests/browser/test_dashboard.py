@@ -408,3 +408,65 @@ def test_dashboard_shows_markup_as_text(browser):
         _screenshot(browser, "escaping")
     finally:
         dashboard.stop()
+
+
+# ------------------------------------------------- the timeline from the history
+
+
+class _HistorySource(_FakeSource):
+    """A cluster whose history shows a loss, a leader change and a restart."""
+
+    def __init__(self) -> None:
+        from collectives.v1 import coordinator_pb2
+
+        super().__init__()
+        a, b = "127.0.0.1:7001", "127.0.0.1:7002"
+        cluster = coordinator_pb2.Cluster(
+            generation=3, formed=True, ready=True, world_size=2, version=9, status="ok"
+        )
+        t0 = time.time() - 600
+        for gen, members, reason in (
+            (1, [a, b], "formed"),
+            (2, [b], f"{a} lost"),
+            (3, [b, a], f"{a} joined again"),
+        ):
+            cluster.history.add(
+                generation=gen, sealed_unix_time_s=t0 + 60 * gen, world_size=len(members),
+                members=members, reason=reason,
+            )  # fmt: skip
+        for rank, address in enumerate((b, a)):
+            cluster.workers.add(
+                worker_id=f"w{rank}", rank=rank, address=address, hostname="h", pid=rank + 1,
+                state=coordinator_pb2.WORKER_STATE_READY, devices=["cpu"],
+            )  # fmt: skip
+        self._cluster = cluster
+
+
+def test_dashboard_timeline_from_the_history(browser):
+    """On load the timeline is rebuilt from the history: joins, a loss, a leader change,
+    a restart, every generation sealed, newest first, in one time format."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from collectives_server.coordinator.dashboard import DashboardServer
+
+    dashboard = DashboardServer(_HistorySource(), port=0, refresh_s=0.5).start()
+    try:
+        browser.get(f"http://{dashboard.address}/")
+        js = (
+            "return Array.from(document.querySelectorAll('#timeline-rows tr[data-kind]'))"
+            ".map(r => [r.dataset.kind, r.cells[0].textContent, r.cells[2].textContent]);"
+        )
+        rows = WebDriverWait(browser, 15, poll_frequency=0.1).until(
+            lambda d: d.execute_script(js) if len(d.execute_script(js)) >= 8 else None,
+            "the timeline rebuilt from 3 generations",
+        )
+        kinds = [kind for kind, _, _ in rows]
+        assert kinds.count("sealed") == 3
+        assert kinds.count("joined") == 2
+        assert {"lost", "leader", "restarted"} <= set(kinds), kinds
+        assert kinds[0] in ("sealed", "restarted"), "newest first"
+        assert all(re.fullmatch(r"\d\d:\d\d:\d\d", t) for _, t, _ in rows), rows
+        leader = next(detail for kind, _, detail in rows if kind == "leader")
+        assert "now 127.0.0.1:7002, was 127.0.0.1:7001" in leader
+    finally:
+        dashboard.stop()

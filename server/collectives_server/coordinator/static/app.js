@@ -199,7 +199,7 @@
       .filter(([, o]) => num(o.completed) || num(o.failed))
       .map(([kind, o]) => `${kind} ${num(o.completed)}${num(o.failed) ? " / " + num(o.failed) + " failed" : ""}`);
     const versions = [
-      `collectives ${w.package_version || w.version}`,
+      w.package_version || w.version ? `collectives ${w.package_version || w.version}` : "",
       w.torch_version ? `torch ${w.torch_version}` : "",
       [w.backend, w.backend_version].filter(Boolean).join(" "),
     ].filter(Boolean);
@@ -214,7 +214,7 @@
         item("Devices", (devices.length ? devices : w.devices || []).join(", ") || "–",
           el("div", { className: "small" }, `RSS ${bytes(w.process_rss_bytes)} · host ${bytes(w.host_memory_available_bytes)} free of ${bytes(w.host_memory_total_bytes)}`)),
         item("Uptime", duration(w.uptime_s), el("div", { className: "small" }, `joined generation ${num(w.generation)}`)),
-        item("Versions", versions.join(" · ")),
+        item("Versions", versions.join(" · ") || "–"),
         item("Ops by kind", ops.length ? ops.join(", ") : "–"),
         item("Last op", w.last_op || "–", w.last_op ? el("div", { className: "small" }, latency(w.last_op_latency_s)) : null),
         item("Data in / out", `↓ ${bytes(w.bytes_received)} · ↑ ${bytes(w.bytes_sent)}`),

@@ -139,7 +139,7 @@
         const t = num(g.sealed_unix_time_s);
         const members = g.members || [];
         this._event(`sealed:${gen}`, t, "sealed", `generation ${gen} sealed`,
-          `${num(g.world_size)} members${g.reason ? " · " + g.reason : ""}`, { generation: gen });
+          `${num(g.world_size)} member${num(g.world_size) === 1 ? "" : "s"}${g.reason ? " · " + g.reason : ""}`, { generation: gen });
         const before = this.lastMembers;
         if (before !== null && before[0] !== undefined && members[0] !== before[0]) {
           this._event(`leader:${gen}`, t, "leader", "leader changed",
@@ -159,7 +159,10 @@
           });
           for (const address of before || []) {
             if (members.includes(address)) continue;
-            const kind = lost.has(address) ? "lost" : "left";
+            // Lost (not left): listed as lost, or the seal's reason says so.
+            const reason = g.reason || "";
+            const kind = lost.has(address) || (reason.includes(address) && /\blost\b/.test(reason))
+              ? "lost" : "left";
             this._event(`gone:${gen}:${address}`, t, kind, kind,
               `${address} is not in generation ${gen}`);
             this.lostAddresses.set(address, t);
