@@ -328,6 +328,17 @@ def test_dashboard_fits_1280x800_and_shows_rates_under_load(browser, fresh_clust
             ),
             "the failed all_reduce as one row reported by 2 ranks",
         )
+        # Details open on a click, below the row, and still fit.
+        # (Rows are replaced on every update: act and read in one script each.)
+        browser.execute_script("document.querySelector('#worker-rows tr[data-worker-id]').click();")
+        details = WebDriverWait(browser, 10, poll_frequency=0.1).until(
+            lambda d: d.execute_script(
+                "const r = document.querySelector('#worker-rows tr.details');"
+                "return r ? r.textContent : null;"
+            ),
+            "the details row",
+        )
+        assert "torch" in details and "all_reduce" in details, details
         _fits(browser)
         ARTIFACTS.mkdir(exist_ok=True)
         path = ARTIFACTS / "dashboard-1280x800.png"
@@ -417,7 +428,7 @@ class _HistorySource(_FakeSource):
     """A cluster whose history shows a loss, a leader change and a restart."""
 
     def __init__(self) -> None:
-        from collectives.v1 import coordinator_pb2
+        from collectives.v1 import coordinator_pb2, status_pb2
 
         super().__init__()
         a, b = "127.0.0.1:7001", "127.0.0.1:7002"
@@ -439,6 +450,17 @@ class _HistorySource(_FakeSource):
                 worker_id=f"w{rank}", rank=rank, address=address, hostname="h", pid=rank + 1,
                 state=coordinator_pb2.WORKER_STATE_READY, devices=["cpu"],
             )  # fmt: skip
+        # Long words anywhere must wrap or be cut, never widen the page.
+        status = status_pb2.WorkerStatus(models=["m" * 300], last_op="x" * 200)
+        status.recent_errors.add(
+            unix_time_s=t0, op_id=5, generation=1, kind="all_reduce", code="INTERNAL",
+            message="e" * 500,
+        )  # fmt: skip
+        cluster.workers.add(
+            worker_id="w" * 80, rank=-1, address="[fd00:1234:5678:9abc:def0:1234:5678:9abc]:65535",
+            hostname="h" * 200, pid=99, state=coordinator_pb2.WORKER_STATE_LOST,
+            devices=[f"cuda:{i}" for i in range(8)], status=status,
+        )  # fmt: skip
         self._cluster = cluster
 
 
@@ -451,6 +473,10 @@ def test_dashboard_timeline_from_the_history(browser):
 
     dashboard = DashboardServer(_HistorySource(), port=0, refresh_s=0.5).start()
     try:
+        browser.execute_cdp_cmd(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": 1280, "height": 800, "deviceScaleFactor": 1, "mobile": False},
+        )
         browser.get(f"http://{dashboard.address}/")
         js = (
             "return Array.from(document.querySelectorAll('#timeline-rows tr[data-kind]'))"
@@ -464,9 +490,22 @@ def test_dashboard_timeline_from_the_history(browser):
         assert kinds.count("sealed") == 3
         assert kinds.count("joined") == 2
         assert {"lost", "leader", "restarted"} <= set(kinds), kinds
-        assert kinds[0] in ("sealed", "restarted"), "newest first"
+        sealed = browser.execute_script(
+            "return Array.from(document.querySelectorAll('#timeline-rows tr[data-generation]'))"
+            ".map(r => r.dataset.generation);"
+        )
+        assert sealed == ["3", "2", "1"], "newest first"
         assert all(re.fullmatch(r"\d\d:\d\d:\d\d", t) for _, t, _ in rows), rows
         leader = next(detail for kind, _, detail in rows if kind == "leader")
         assert "now 127.0.0.1:7002, was 127.0.0.1:7001" in leader
+        _fits(browser)
+        browser.execute_script(
+            "document.querySelector('#worker-rows tr[data-state=lost]').click();"
+        )
+        WebDriverWait(browser, 5, poll_frequency=0.1).until(
+            lambda d: d.find_elements("css selector", "#worker-rows tr.details"), "the details row"
+        )
+        _fits(browser)
+        _screenshot(browser, "long-names")
     finally:
         dashboard.stop()

@@ -175,7 +175,7 @@
       },
       el("td", { className: "num" }, el("span", { className: "caret" }, open ? "▾" : "▸"), " ", rank >= 0 ? rank : "–"),
       el("td", {}, el("span", { className: `state state-${w.state}` }, w.state)),
-      el("td", { className: "worker" }, el("div", { className: "mono ellipsis" }, w.address),
+      el("td", { className: "worker", title: `${w.address}\n${w.hostname} · pid ${num(w.pid)}` }, el("div", { className: "mono ellipsis" }, w.address),
         el("div", { className: "small ellipsis" }, `${w.hostname} · pid ${num(w.pid)}`)),
       rateCell,
       el("td", { className: "num" }, num(w.ops_completed), " / ",
@@ -185,16 +185,12 @@
       memoryCell(w),
       el("td", { className: "num small" }, `${num(w.last_heartbeat_age_s).toFixed(1)} s`),
     );
-    row.addEventListener("click", () => {
-      if (expanded.has(w.worker_id)) expanded.delete(w.worker_id);
-      else expanded.add(w.worker_id);
-      render(lastCluster);
-    });
     return open ? [row, detailsRow(w, colspan)] : [row];
   }
 
   function detailsRow(w, colspan) {
     const item = (label, ...value) => el("div", { className: "item" }, el("div", { className: "label" }, label), el("div", {}, ...value));
+    const wide = (label, ...value) => el("div", { className: "item wide" }, el("div", { className: "label" }, label), el("div", {}, ...value));
     const ops = Object.entries(w.ops || {})
       .filter(([, o]) => num(o.completed) || num(o.failed))
       .map(([kind, o]) => `${kind} ${num(o.completed)}${num(o.failed) ? " / " + num(o.failed) + " failed" : ""}`);
@@ -219,7 +215,7 @@
         item("Last op", w.last_op || "–", w.last_op ? el("div", { className: "small" }, latency(w.last_op_latency_s)) : null),
         item("Data in / out", `↓ ${bytes(w.bytes_received)} · ↑ ${bytes(w.bytes_sent)}`),
         item("Models", (w.models || []).length ? w.models.join(", ") : "–"),
-        item("Recent errors", errors.length ? errors : "–"),
+        wide("Recent errors", errors.length ? errors : "–"),
       )),
     );
   }
@@ -246,7 +242,9 @@
 
   function renderFailures(c) {
     const rows = groupFailures(c).map((g) => {
-      const who = g.reporters.map((r) => (r.rank >= 0 ? `rank ${r.rank}` : r.address));
+      const ranks = g.reporters.filter((r) => r.rank >= 0).map((r) => r.rank).sort((a, b) => a - b);
+      const others = g.reporters.filter((r) => r.rank < 0).map((r) => r.address);
+      const who = [ranks.length ? `rank${ranks.length > 1 ? "s" : ""} ${ranks.join(", ")}` : "", ...others].filter(Boolean);
       return el(
         "tr",
         { "data-worker-id": g.reporters[0].worker_id, "data-op-id": g.opId, "data-reporters": g.reporters.length },
@@ -263,6 +261,17 @@
 
   let lastUpdate = 0;
   let lastCluster = null;
+
+  // One listener on the table body, which stays while its rows are replaced on
+  // every update: a click across a re-render still lands.
+  document.getElementById("worker-rows").addEventListener("click", (event) => {
+    const row = event.target.closest("tr[data-worker-id]");
+    if (!row) return;
+    const id = row.dataset.workerId;
+    if (expanded.has(id)) expanded.delete(id);
+    else expanded.add(id);
+    render(lastCluster);
+  });
 
   function render(c) {
     if (!c) return;

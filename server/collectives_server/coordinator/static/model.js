@@ -12,6 +12,7 @@
   const LATENCY_WINDOW = 50; // last-op latencies the percentiles are over
   const MAX_EVENTS = 200;
   const MAX_FAILED = 50;
+  const MAX_LOST_ADDRESSES = 256; // remembered to tell a restart from a join
 
   function num(value) {
     const n = Number(value);
@@ -118,6 +119,10 @@
       this._workers(c, now);
       this._rates(c, now);
       this.loaded = true;
+      for (const address of this.lostAddresses.keys()) {
+        if (this.lostAddresses.size <= MAX_LOST_ADDRESSES) break;
+        this.lostAddresses.delete(address); // the oldest first (insertion order)
+      }
     }
 
     _event(key, t, kind, title, detail, extra = {}) {
