@@ -23,7 +23,8 @@ from dashboard_page import ARTIFACTS, FixedSource, fits, free_port, screenshot, 
 import collectives
 
 _RATES_JS = """
-return Array.from(document.querySelectorAll('#worker-rows tr[data-worker-id][data-state="ready"]'))
+const live = '#worker-rows tr[data-worker-id]:not([data-state="lost"])';
+return Array.from(document.querySelectorAll(live))
   .map(r => [r.dataset.workerId, r.dataset.opsRate, r.querySelector('td.rate').textContent,
              r.querySelectorAll('td.rate polyline').length]);
 """
@@ -42,7 +43,7 @@ def test_dashboard_fits_1280x800_and_shows_rates_under_load(browser, fresh_clust
     set_viewport(browser)
     browser.get(f"http://127.0.0.1:{port}/")
     WebDriverWait(browser, 30, poll_frequency=0.1).until(
-        lambda d: len(d.execute_script(_RATES_JS)) == 2, "2 ready worker rows"
+        lambda d: len(d.execute_script(_RATES_JS)) == 2, "2 live worker rows"
     )
     fits(browser)
     # The timeline was rebuilt from the history on load: the first generation sealed.
@@ -62,6 +63,7 @@ def test_dashboard_fits_1280x800_and_shows_rates_under_load(browser, fresh_clust
     client.put(name, torch.randn(256, generator=gen))
     stop = threading.Event()
     done: list[int] = []
+    progress = [0]  # all_reduces finished so far
     failures: list[BaseException] = []
 
     def load() -> None:
@@ -71,6 +73,7 @@ def test_dashboard_fits_1280x800_and_shows_rates_under_load(browser, fresh_clust
             while not stop.is_set() and time.monotonic() < deadline:
                 client.all_reduce(name, op="max", timeout=10.0)
                 count += 1
+                progress[0] = count
         except BaseException as e:  # reported by the test thread
             failures.append(e)
         done.append(count)
@@ -86,11 +89,22 @@ def test_dashboard_fits_1280x800_and_shows_rates_under_load(browser, fresh_clust
         WebDriverWait(browser, 30, poll_frequency=0.2).until(
             rates_up, "ops/s > 0 with a sparkline for both workers under load"
         )
-        first = {w: text for w, _, text, _ in browser.execute_script(_RATES_JS)}
-        WebDriverWait(browser, 15, poll_frequency=0.2).until(
-            lambda d: any(first[w] != t for w, _, t, _ in d.execute_script(_RATES_JS)),
+        first = {w: cell for w, _, cell, _ in browser.execute_script(_RATES_JS)}
+        start, start_count = time.monotonic(), progress[0]
+        # Over 5 s of load (a condition with a deadline, not a sleep), the cells
+        # move, and the page's ops/s agrees with what the client measures: each
+        # all_reduce is one op on every worker.
+        WebDriverWait(browser, 20, poll_frequency=0.2).until(
+            lambda d: (
+                time.monotonic() - start >= 5.0
+                and any(first[w] != cell for w, _, cell, _ in d.execute_script(_RATES_JS))
+            ),
             "the ops/s cells to change as the load goes on",
         )
+        client_rate = (progress[0] - start_count) / (time.monotonic() - start)
+        shown = [float(r) for _, r, _, _ in browser.execute_script(_RATES_JS)]
+        print(f"client all_reduce/s {client_rate:.1f}, page ops/s per worker {shown}")
+        assert all(client_rate / 3 <= r <= client_rate * 3 for r in shown), (client_rate, shown)
         assert not failures, failures
         assert float(text(browser, "cluster-rate")) > 0
         # A collective that fails on every rank is one entry (its op id), reported by both.
