@@ -81,6 +81,7 @@
     svg.setAttribute("width", width);
     svg.setAttribute("height", height);
     svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
+    svg.setAttribute("preserveAspectRatio", "none"); // stretches to the width CSS gives it
     svg.setAttribute("aria-hidden", "true");
     if (values.length >= 2) {
       const max = Math.max(...values, 1e-9);
