@@ -191,6 +191,7 @@ def small() -> Iterator[Coordinator]:
         join_window_s=30.0,  # nobody is sealed into a generation during the test
         lease_s=30.0,
         dashboard_port=0,
+        metrics_port=0,
         dashboard_idle_s=1.0,
         dashboard_max_connections=4,
         limits=ControlLimits(
@@ -220,6 +221,20 @@ def test_registrations_stop_at_the_cluster_budget(small: Coordinator) -> None:
         cluster = stub.GetCluster(pb.GetClusterRequest(), timeout=10)
         assert len(cluster.workers) == accepted >= 10
         assert cluster.ByteSize() <= 12_000
+    metrics = _scrape(small.metrics_address)
+    assert 'collectives_coordinator_refused_total{reason="resource_exhausted"} 1.0' in metrics
+    assert "collectives_cluster_message_bytes " in metrics
+
+
+def _scrape(address: str | None) -> str:
+    assert address is not None
+    host, port = address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        conn.request("GET", "/metrics")
+        return conn.getresponse().read().decode()
+    finally:
+        conn.close()
 
 
 def test_a_status_over_the_budget_is_dropped_but_the_lease_renewed(small: Coordinator) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -81,7 +82,8 @@ class ControlGuard:
         self.budget = ClusterBudget(self.limits.cluster_budget_bytes)
         self._watch_total = 0
         self._watch_by_peer: collections.Counter[str] = collections.Counter()
-        self.refused: collections.Counter[str] = collections.Counter()
+        self._refused: collections.Counter[str] = collections.Counter()
+        self._refused_lock = threading.Lock()  # check_worker refuses outside the servicer's lock
 
     # ---- roles ---------------------------------------------------------------
 
@@ -183,7 +185,7 @@ class ControlGuard:
     def admit_status(self, worker_id: str, size: int) -> bool:
         """Whether a status of ``size`` bytes fits the budget (and counts it if so)."""
         if not self.budget.fits(self.budget.status_delta(worker_id, size)):
-            self.refused["status_over_budget"] += 1
+            self._count("status_over_budget")
             log.warning(
                 "status of %s (%d bytes) dropped: the Cluster message would outgrow "
                 "its %d byte budget",
@@ -232,9 +234,18 @@ class ControlGuard:
     def watch_streams(self) -> int:
         return self._watch_total
 
+    def refused(self) -> dict[str, int]:
+        """Refusals so far by reason (the status code's name, or "status_over_budget")."""
+        with self._refused_lock:
+            return dict(self._refused)
+
+    def _count(self, reason: str) -> None:
+        with self._refused_lock:
+            self._refused[reason] += 1
+
     def _refuse(
         self, context: grpc.ServicerContext, code: grpc.StatusCode, rpc: str, message: str
     ) -> NoReturn:
-        self.refused[code.name.lower()] += 1
+        self._count(code.name.lower())
         log.warning("refused %s from %s: %s", rpc, context.peer(), message)
         _abort(context, code, f"{rpc}: {message}")
