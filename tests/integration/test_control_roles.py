@@ -12,12 +12,17 @@ healthy, and computes collectives on fresh random data.
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
+from helpers import AddressedDaemon as Daemon
 from helpers import LocalCluster, wait_until
 from hostile import Aftermath, assert_serving
 
@@ -210,3 +215,77 @@ def test_legitimate_workers_form_the_cluster_and_compute(secured, gen) -> None:
     expected = torch.stack(tensors).sum(dim=0)
     for rank in range(WORKERS):
         torch.testing.assert_close(client.get("roles/x", rank=rank), expected)
+
+
+# ------------------------------------------------------------------ the worker daemon
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker_argv(coordinator: str, port: int, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "collectives_server", "worker", f"--coordinator={coordinator}",
+        "--host=127.0.0.1", f"--port={port}", "--devices=cpu", *extra,
+    ]  # fmt: skip
+
+
+def _live_ids(stub: pb_grpc.CoordinatorStub) -> list[str]:
+    cluster = stub.GetCluster(pb.GetClusterRequest(), timeout=5)
+    return [w.worker_id for w in cluster.workers if w.state == pb.WORKER_STATE_READY]
+
+
+def test_worker_daemon_needs_the_worker_token_and_waits_out_a_dead_predecessor(
+    tmp_path: Path,
+) -> None:
+    worker_file = tmp_path / "worker-token"
+    worker_file.write_text(WORKER_TOKEN)
+    worker_file.chmod(0o600)
+    token_flag = f"--worker-token-file={worker_file}"
+    coordinator = Daemon(
+        [
+            sys.executable, "-m", "collectives_server", "coordinator", "--world-size=1",
+            "--heartbeat=0.5", "--lease=6", "--join-window=0.1", token_flag,
+        ],
+        tmp_path / "coordinator.log",
+    )  # fmt: skip
+    worker = None
+    try:
+        # Without the worker token, the worker is refused at once and exits 1.
+        refused = subprocess.run(
+            _worker_argv(coordinator.address, 0),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert refused.returncode == 1
+        assert "PERMISSION_DENIED" in refused.stderr.upper() or "workers only" in refused.stderr
+
+        port = _free_port()
+        worker = Daemon(_worker_argv(coordinator.address, port, token_flag), tmp_path / "w1.log")
+        with grpc.insecure_channel(coordinator.address) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            wait_until(lambda: len(_live_ids(stub)) == 1, 60, "the worker READY")
+            first = _live_ids(stub)[0]
+            # Killed without leaving, restarted at once on the same address: refused
+            # (ALREADY_EXISTS) while the dead one's lease runs, then registered.
+            worker.kill()
+            started = time.monotonic()
+            worker = Daemon(
+                _worker_argv(coordinator.address, port, token_flag), tmp_path / "w2.log"
+            )
+            wait_until(
+                lambda: _live_ids(stub) not in ([], [first]), 60, "the restarted worker READY"
+            )
+            assert time.monotonic() - started < 30
+        # The restarted worker was refused while its predecessor's lease ran (its
+        # start-up takes well under the 6 s lease), and retried.
+        log = (tmp_path / "coordinator.log").read_text()
+        assert f"address '127.0.0.1:{port}' is held by live worker {first}" in log
+    finally:
+        if worker is not None:
+            worker.kill()
+        coordinator.kill()
