@@ -145,6 +145,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._op_timeout_s = op_timeout_s
         self._clock = clock
         self.guard = guard or ControlGuard()
+        self._measured_version = -1  # version of the last Cluster message measured
         self._max_heartbeat_streams = max_heartbeat_streams
         # Open HeartbeatStream calls -> the worker id of their last request ("" before one).
         self._heartbeat_streams: dict[grpc.ServicerContext, str] = {}
@@ -407,7 +408,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             op_timeout_s=self._op_timeout_s,
             unix_offset_s=time.time() - now,
         )
-        self.guard.budget.measured(msg.ByteSize())
+        if msg.version != self._measured_version:  # once per version, not per watcher
+            self._measured_version = msg.version
+            self.guard.budget.measured(msg.ByteSize())
         return msg
 
     def _check_open(self, context: grpc.ServicerContext) -> None:
