@@ -295,3 +295,16 @@ def test_dashboard_connections_are_capped_and_idle_ones_closed(small: Coordinato
     finally:
         for sock in idle:
             sock.close()
+
+
+def test_a_huge_hostname_is_refused_without_any_token_configured(small: Coordinator) -> None:
+    """H6 as reported: the default coordinator (no tokens) refuses it before storing it."""
+    with grpc.insecure_channel(small.address) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        huge = pb.RegisterRequest(address="127.0.0.1:5", devices=["cpu"], hostname="h" * (3 << 20))
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Register(huge, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "hostname is 3145728 bytes; the limit is 255 bytes" in refused.value.details()
+        cluster = stub.GetCluster(pb.GetClusterRequest(), timeout=10)
+        assert len(cluster.workers) == 0 and cluster.ByteSize() < 1024
