@@ -119,6 +119,9 @@ class LocalCluster:
     kernel ties it to the thread that started the child).
     ``coordinator_args``/``worker_args`` are appended to those children's command
     lines (the CLI passes the TLS and token flags this way: paths, never secrets).
+    ``worker_token_file`` is the worker token of the coordinator's worker-only RPCs
+    (``--worker-token-file``); None writes a fresh random one (mode 0600) at start,
+    given to the coordinator and every worker, and removed at stop.
     """
 
     def __init__(

@@ -36,6 +36,7 @@ from collectives_server.coordinator.registration import (
     check_status,
 )
 from collectives_server.coordinator.store_socket import listen_socket
+from collectives_server.worker.enrolment import bounded_status
 
 # ---------------------------------------------------------------- field caps
 
@@ -308,3 +309,11 @@ def test_a_huge_hostname_is_refused_without_any_token_configured(small: Coordina
         assert "hostname is 3145728 bytes; the limit is 255 bytes" in refused.value.details()
         cluster = stub.GetCluster(pb.GetClusterRequest(), timeout=10)
         assert len(cluster.workers) == 0 and cluster.ByteSize() < 1024
+
+
+def test_the_worker_drops_a_status_over_the_limit_rather_than_its_lease() -> None:
+    small_status = status_pb2.WorkerStatus(last_op="all_reduce", models=["mlp"])
+    assert bounded_status(small_status) is small_status
+    assert bounded_status(None) is None
+    names = [f"model-{i:05d}-" + "n" * 60 for i in range(1200)]  # ~84 kB of model names
+    assert bounded_status(status_pb2.WorkerStatus(models=names)) is None

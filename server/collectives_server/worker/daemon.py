@@ -34,7 +34,7 @@ from collectives_server.rpc import GRPC_OPTIONS, start_server
 from collectives_server.signals import StopSignal
 from collectives_server.worker.bulk import BulkListener
 from collectives_server.worker.config import WorkerConfig
-from collectives_server.worker.enrolment import register
+from collectives_server.worker.enrolment import bounded_status, register
 from collectives_server.worker.models import ModelRegistry
 from collectives_server.worker.runtime import GenerationRuntime, OpResult
 from collectives_server.worker.service import SERVICE_NAME, WorkerService, add_worker_service
@@ -204,7 +204,7 @@ class WorkerDaemon:
                 lease_secret=self._lease_secret,
                 joined_generation=self.joined_generation,
                 busy=bool(runtime and runtime.busy),
-                status=heartbeat_status(self),
+                status=bounded_status(heartbeat_status(self)),
             )
             try:
                 self._send_heartbeat(request)

@@ -11,16 +11,20 @@ died without leaving still holds its lease) until that lease runs out.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
 
 import grpc
 
-from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
+from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc, status_pb2
 from collectives_server.coordinator.admission import worker_metadata
+from collectives_server.coordinator.registration import FIELD_LIMITS
 
-__all__ = ["RETRY_KEY", "register"]
+__all__ = ["RETRY_KEY", "bounded_status", "register"]
+
+log = logging.getLogger(__name__)
 
 # One per worker process: a Register retried by this process carries it.
 RETRY_KEY = secrets.token_hex(16)
@@ -53,3 +57,20 @@ def register(
             if err.code() != grpc.StatusCode.ALREADY_EXISTS or left <= 0 or stop.is_set():
                 raise
         stop.wait(min(_ALREADY_EXISTS_BACKOFF_S, max(deadline - time.monotonic(), 0.0)))
+
+
+def bounded_status(status: status_pb2.WorkerStatus | None) -> status_pb2.WorkerStatus | None:
+    """The status, or None when it is over the coordinator's limit (64 KiB encoded).
+
+    The coordinator refuses a heartbeat whose status is over the limit; sending the
+    heartbeat without it keeps the lease (the listing keeps the last status).
+    """
+    if status is not None and status.ByteSize() > FIELD_LIMITS["status"]:
+        log.warning(
+            "worker status is %d bytes, over the coordinator's %d byte limit; heartbeat "
+            "sent without it",
+            status.ByteSize(),
+            FIELD_LIMITS["status"],
+        )
+        return None
+    return status
