@@ -292,6 +292,8 @@ class Membership:
         A retried registration (same address, hostname and pid, still live) gets
         the same id back. A new process at a live worker's address replaces it:
         the old one cannot be serving there any more, so it is declared LOST.
+        (Over gRPC, :class:`~.control.ControlGuard` refuses that case with
+        ALREADY_EXISTS before it gets here, unless the caller proves it is a retry.)
         """
         devices = tuple(devices)
         _validate_registration(address, devices)
