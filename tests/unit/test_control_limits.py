@@ -12,6 +12,7 @@ import secrets
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -317,3 +318,22 @@ def test_the_worker_drops_a_status_over_the_limit_rather_than_its_lease() -> Non
     assert bounded_status(None) is None
     names = [f"model-{i:05d}-" + "n" * 60 for i in range(1200)]  # ~84 kB of model names
     assert bounded_status(status_pb2.WorkerStatus(models=names)) is None
+
+
+def _listen_addresses(port: int) -> set[str]:
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            address, port_hex = fields[1].split(":")
+            if fields[3] == "0A" and int(port_hex, 16) == port:
+                found.add(address)
+    return found
+
+
+@pytest.mark.parametrize(("store_host", "expected"), [(None, "0100007F"), ("0.0.0.0", "00000000")])
+def test_store_host_chooses_the_stores_interface(store_host: str | None, expected: str) -> None:
+    config = CoordinatorConfig(min_workers=1, max_workers=1, store_host=store_host)
+    with Coordinator(config) as coordinator:
+        port = int(coordinator.store_address.rsplit(":", 1)[1])
+        assert _listen_addresses(port) == {expected}
