@@ -64,6 +64,10 @@ CLUSTER_FLAGS = (
     str(LEASE_S),
     "--op-timeout-s",
     str(OP_TIMEOUT_S),
+    # Tests that kill a worker expect the cluster to shrink; restarts are tested
+    # on their own (tests/integration/test_local_restarts.py).
+    "--max-restarts",
+    "0",
 )
 
 # --------------------------------------------------------------------------- time

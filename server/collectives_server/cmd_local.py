@@ -69,6 +69,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         metavar="M",
         help="keep serving while at least M workers live (default: N)",
     )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        metavar="K",
+        help="restart a worker that dies, at most K times per worker, as torchrun does; it "
+        "rejoins and the cluster re-forms at full size (default: 3; 0: never)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1)")
     p.add_argument(
         "--port", type=port_number, default=0, help="coordinator port (default: 0, any free port)"
@@ -115,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args.parser
     if args.min_workers is not None and args.min_workers > args.workers:
         parser.error(f"--min-workers ({args.min_workers}) must be <= --workers ({args.workers})")
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if args.lease_s <= args.heartbeat_s:
         parser.error(
             f"--lease ({args.lease_s}) must be longer than --heartbeat ({args.heartbeat_s})"
@@ -149,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
             worker_token_file=worker_token_path(args),
             die_with_parent=True,
             on_exit=lambda child: stop.wake(),
+            max_restarts=args.max_restarts,
         )
         try:
             cluster.start()

@@ -9,8 +9,11 @@ the very binaries that production runs one per host, as children of one supervis
   waits for a sealed, joined generation);
 * each child's later stdout is drained by a thread into the log (a full pipe must
   never block a daemon), and its stderr is inherited;
-* a worker dying is logged, not fatal: the coordinator re-forms the cluster, which
-  is exactly what failure tests exercise by SIGKILLing workers;
+* a worker dying is logged (with its address and rank), not fatal: the coordinator
+  re-forms the cluster without it, and with ``max_restarts`` the worker's slot is
+  started again (same flags, same metrics port), as torchrun restarts a failed
+  worker; the new process rejoins as a newcomer and the cluster re-forms at full
+  size. Each slot is restarted at most ``max_restarts`` times;
 * :meth:`LocalCluster.stop` sends SIGTERM to the workers, then the coordinator,
   waits within one deadline and SIGKILLs what is left.
 
@@ -40,6 +43,9 @@ __all__ = ["Child", "LocalCluster", "assign_devices"]
 
 log = logging.getLogger(__name__)
 
+# How long a child whose stdout closed is given to exit before it is described.
+_EXIT_REPORT_S = 5.0
+
 
 @dataclass
 class Child:
@@ -51,6 +57,8 @@ class Child:
     returncode: int | None = None
     first_line: threading.Event = field(default_factory=threading.Event)
     exited: threading.Event = field(default_factory=threading.Event)
+    # The worker's launch slot (its --metrics-port offset); None for the coordinator.
+    slot: int | None = None
 
     @property
     def pid(self) -> int:
@@ -150,12 +158,15 @@ class LocalCluster:
         die_with_parent: bool = False,
         on_exit: Callable[[Child], None] | None = None,
         python: str = sys.executable,
+        max_restarts: int = 0,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         min_workers = workers if min_workers is None else min_workers
         if not 1 <= min_workers <= workers:
             raise ValueError(f"min_workers must be in 1..{workers}, got {min_workers}")
+        if max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
         self.workers = workers
         self.min_workers = min_workers
         self._host = host
@@ -189,6 +200,12 @@ class LocalCluster:
         self._on_exit = on_exit
         self._python = python
         self._stopping = False
+        # Serialises restarts against stop(): no worker is started once stopping.
+        self._lock = threading.Lock()
+        self.max_restarts = max_restarts
+        # Per launch slot: the worker's command line and how often it was restarted.
+        self._slot_args: list[list[str]] = []
+        self.restarts: list[int] = []
         self.coordinator: Child | None = None
         self.worker_children: list[Child] = []
 
@@ -220,22 +237,28 @@ class LocalCluster:
             ],
         )
         child = self.coordinator
-        if not child.first_line.wait(self._start_timeout_s) or not child.address:
+        printed = child.first_line.wait(self._start_timeout_s)
+        if not printed or not child.address:
+            if printed:
+                # Its stdout closed without an address: it is exiting; say how.
+                child.exited.wait(_EXIT_REPORT_S)
             state = child.describe_exit() if child.exited.is_set() else "still running"
             self.stop()
-            raise RuntimeError(
-                f"the coordinator printed no address within {self._start_timeout_s:g} s "
-                f"({state}); see its log above"
+            when = (
+                "before printing its address"
+                if printed
+                else (f"without printing its address within {self._start_timeout_s:g} s")
             )
+            raise RuntimeError(f"the coordinator {state} {when}; see its log above")
         log.info("coordinator %s (pid %d)", child.address, child.pid)
         try:
             for i in range(self.workers):
                 args = ["worker", f"--coordinator={child.address}", f"--host={self._host}"]
                 args += ["--port=0", f"--devices={','.join(devices[i])}", *self._common]
                 args += self._metrics_args(1 + i) + self._worker_args + [token_flag]
-                self.worker_children.append(
-                    self._spawn(f"worker {i}", args, threads=_threads_per_worker(self.workers))
-                )
+                self._slot_args.append(args)
+                self.restarts.append(0)
+                self.worker_children.append(self._spawn_worker(i))
         except BaseException:
             self.stop()
             raise
@@ -243,7 +266,8 @@ class LocalCluster:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM the workers, then the coordinator; SIGKILL what outlives ``timeout_s``."""
-        self._stopping = True
+        with self._lock:
+            self._stopping = True
         deadline = time.monotonic() + timeout_s
         for group in (self.worker_children, [self.coordinator] if self.coordinator else []):
             for child in group:
@@ -380,16 +404,82 @@ class LocalCluster:
                     log.info("%s stdout: %s", child.name, line)
         child.first_line.set()  # EOF before any line: wake whoever waits for it
 
+    def _spawn_worker(self, slot: int) -> Child:
+        child = self._spawn(
+            f"worker {slot}", self._slot_args[slot], threads=_threads_per_worker(self.workers)
+        )
+        child.slot = slot
+        return child
+
     def _reap(self, child: Child) -> None:
         child.returncode = child.process.wait()
         child.exited.set()
         if self._stopping:
             log.debug("%s (pid %d) %s", child.name, child.pid, child.describe_exit())
             return
-        level = logging.ERROR if child is self.coordinator else logging.WARNING
-        log.log(level, "%s (pid %d) %s", child.name, child.pid, child.describe_exit())
+        if child is self.coordinator:
+            log.error("coordinator (pid %d) %s", child.pid, child.describe_exit())
+        else:
+            log.warning(
+                "worker at %s (%s, pid %d) %s",
+                child.address or "(no address yet)",
+                self._rank_of(child.address),
+                child.pid,
+                child.describe_exit(),
+            )
+            self._restart(child)
         if self._on_exit is not None:
             self._on_exit(child)
+
+    def _restart(self, child: Child) -> None:
+        """Starts a dead worker's slot again, at most ``max_restarts`` times (as torchrun)."""
+        slot = child.slot
+        if slot is None:
+            return
+        with self._lock:
+            if self._stopping:
+                return
+            if self.restarts[slot] >= self.max_restarts:
+                if self.max_restarts:
+                    log.error(
+                        "worker slot %d died %d times; not restarting it (--max-restarts %d)",
+                        slot,
+                        self.restarts[slot] + 1,
+                        self.max_restarts,
+                    )
+                return
+            self.restarts[slot] += 1
+            replacement = self._spawn_worker(slot)
+            self.worker_children[slot] = replacement
+        log.warning(
+            "restarted worker slot %d (restart %d of %d, pid %d); it rejoins as a new member",
+            slot,
+            self.restarts[slot],
+            self.max_restarts,
+            replacement.pid,
+        )
+
+    def _rank_of(self, address: str | None) -> str:
+        """'rank R of generation G' for a worker address, asked of the coordinator (1 s)."""
+        if not address or self.coordinator is None or not self.coordinator.address:
+            return "rank unknown"
+        import grpc
+
+        from collectives._security import PLAINTEXT
+        from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+        try:
+            security = self._client_security or PLAINTEXT
+            with security.open_channel(self.coordinator.address, []) as channel:
+                cluster = coordinator_pb2_grpc.CoordinatorStub(channel).GetCluster(
+                    coordinator_pb2.GetClusterRequest(), timeout=1.0
+                )
+        except (grpc.RpcError, OSError, ValueError):
+            return "rank unknown"
+        for worker in cluster.workers:
+            if worker.address == address and worker.rank >= 0:
+                return f"rank {worker.rank} of generation {cluster.generation}"
+        return f"not a member of generation {cluster.generation}"
 
 
 def _signal(child: Child, sig: signal.Signals) -> None:
