@@ -23,6 +23,12 @@ from collectives_server.cli_common import (
     server_security_from_args,
     setup_logging,
 )
+from collectives_server.cli_control import (
+    add_control_flags,
+    control_args,
+    worker_token_from_args,
+    worker_token_path,
+)
 from collectives_server.cmd_coordinator import add_dashboard_options
 from collectives_server.local import LocalCluster
 from collectives_server.signals import StopSignal
@@ -107,6 +113,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     add_model_hosting(p)
     add_metrics(p, "for the coordinator, P+1 ... P+N for the workers")
     add_security(p, client_side=True)
+    add_control_flags(p, local=True)
     add_log_level(p)
     p.set_defaults(run=run, parser=p)
     return p
@@ -128,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
             "(they use the next ports)"
         )
     coordinator_security, worker_security = _security_args(args, parser)
+    worker_token_from_args(args, parser)  # an unreadable --worker-token-file exits here
     setup_logging(args.log_level, "local", args.log_format)
     with StopSignal() as stop:
         cluster = LocalCluster(
@@ -147,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             log_format=args.log_format,
             worker_args=_model_hosting_args(args) + worker_security,
-            coordinator_args=coordinator_security,
+            coordinator_args=coordinator_security + control_args(args),
+            worker_token_file=worker_token_path(args),
             die_with_parent=True,
             on_exit=lambda child: stop.wake(),
             max_restarts=args.max_restarts,

@@ -25,9 +25,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -125,6 +127,9 @@ class LocalCluster:
     kernel ties it to the thread that started the child).
     ``coordinator_args``/``worker_args`` are appended to those children's command
     lines (the CLI passes the TLS and token flags this way: paths, never secrets).
+    ``worker_token_file`` is the worker token of the coordinator's worker-only RPCs
+    (``--worker-token-file``); None writes a fresh random one (mode 0600) at start,
+    given to the coordinator and every worker, and removed at stop.
     """
 
     def __init__(
@@ -148,6 +153,7 @@ class LocalCluster:
         worker_args: Sequence[str] = (),
         coordinator_args: Sequence[str] = (),
         client_security: Any = None,
+        worker_token_file: str | None = None,
         start_timeout_s: float = 60.0,
         die_with_parent: bool = False,
         on_exit: Callable[[Child], None] | None = None,
@@ -185,6 +191,10 @@ class LocalCluster:
         self._client_security = client_security
         self._devices_spec = devices
         self._worker_args = list(worker_args)
+        # The worker token of this cluster's own workers: the given file, else a fresh
+        # one written at start (mode 0600) and removed at stop.
+        self._worker_token_file = worker_token_file
+        self._owned_token_file: str | None = None
         self._start_timeout_s = start_timeout_s
         self._die_with_parent = die_with_parent
         self._on_exit = on_exit
@@ -210,6 +220,8 @@ class LocalCluster:
         if self.coordinator is not None:
             raise RuntimeError("local cluster already started")
         devices = assign_devices(self.workers, self._devices_spec, _cuda_count)
+        token_file = self._worker_token_file or self._write_worker_token()
+        token_flag = f"--worker-token-file={token_file}"
         self.coordinator = self._spawn(
             "coordinator",
             [
@@ -219,6 +231,7 @@ class LocalCluster:
                 f"--min-workers={self.min_workers}",
                 f"--max-workers={self.workers}",
                 *self._coordinator_args,
+                token_flag,
                 *self._metrics_args(0),
                 *self._common,
             ],
@@ -242,7 +255,7 @@ class LocalCluster:
             for i in range(self.workers):
                 args = ["worker", f"--coordinator={child.address}", f"--host={self._host}"]
                 args += ["--port=0", f"--devices={','.join(devices[i])}", *self._common]
-                args += self._metrics_args(1 + i) + self._worker_args
+                args += self._metrics_args(1 + i) + self._worker_args + [token_flag]
                 self._slot_args.append(args)
                 self.restarts.append(0)
                 self.worker_children.append(self._spawn_worker(i))
@@ -267,6 +280,18 @@ class LocalCluster:
                 log.warning("%s (pid %d) ignored SIGTERM; killing it", child.name, child.pid)
                 _signal(child, signal.SIGKILL)
                 child.exited.wait(5.0)
+        if self._owned_token_file is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._owned_token_file)
+            self._owned_token_file = None
+
+    def _write_worker_token(self) -> str:
+        """A fresh worker token in a new file only this user can read; returns its path."""
+        fd, path = tempfile.mkstemp(prefix="collectives-worker-token-")  # mode 0600
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32))
+        self._owned_token_file = path
+        return path
 
     def __enter__(self) -> LocalCluster:
         return self.start()
