@@ -19,7 +19,6 @@ import torch
 from google.protobuf import message_factory
 
 from collectives import codec, shm
-from collectives._memory import empty_bytes
 from collectives.bulk import BULK_MIN_BYTES, new_ticket
 from collectives.dtypes import to_wire
 from collectives.errors import (
@@ -373,9 +372,7 @@ class WorkerService(ModelRpcs):
 def _receive_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     """Where a bulk put lands: pinned host memory for a CUDA store (its copy to
     the device is then a DMA at full bus speed), huge-page memory otherwise."""
-    if device.type == "cuda":
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    return empty_bytes(nbytes)
+    return codec.allocate_bytes(nbytes, pin_memory=device.type == "cuda")
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
