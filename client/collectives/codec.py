@@ -211,7 +211,7 @@ def check_shape(shape: tuple[int, ...] | list[int]) -> tuple[int, ...]:
         if product > MAX_ELEMENTS:
             raise InvalidArgument(
                 f"tensor shape {_short(shape)} is absurd: its dims multiply to more than "
-                f"{MAX_ELEMENTS} (2^48) elements"
+                f"2^48; the limit is {MAX_ELEMENTS} elements (0 dims counted as 1)"
             )
     return shape
 
