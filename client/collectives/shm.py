@@ -102,6 +102,8 @@ def open_checked(path: str, offset: int, nbytes: int, *, write: bool = False) ->
     """
     if not isinstance(path, str) or not path:
         raise InvalidArgument("shared-memory path is empty")
+    if "\x00" in path:
+        raise InvalidArgument("shared-memory path contains a NUL byte")
     if offset < 0:
         raise InvalidArgument(f"shared-memory offset {offset} is negative")
     base = os.path.basename(path)

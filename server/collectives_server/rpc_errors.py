@@ -80,13 +80,14 @@ def _handle(exc: Exception, context: grpc.ServicerContext, method: str) -> None:
 def _parser(deserializer: Callable[[bytes], Any] | None, method: str):
     if deserializer is None:
         return None
+    rpc = method.rsplit("/", 1)[-1] or "request"
 
     def parse(raw: bytes) -> Any:
         try:
             return deserializer(raw)
         except Exception:  # protobuf's DecodeError, or anything a decoder raises
             raise InvalidArgument(
-                f"{method}: malformed request (the message does not decode)"
+                f"{rpc}: malformed request (the message does not decode)"
             ) from None
 
     return parse

@@ -20,9 +20,11 @@ def subgroup_count(groups: dict) -> int:
     return sum(1 for gid in groups if gid != 0)
 
 
-def check_group_cap(groups: dict, max_groups: int, generation: int) -> None:
-    """Raises RESOURCE_EXHAUSTED when another sub-group would exceed ``max_groups``."""
-    held = subgroup_count(groups)
+def check_group_cap(held: int, max_groups: int, generation: int) -> None:
+    """Raises RESOURCE_EXHAUSTED when another sub-group would exceed ``max_groups``.
+
+    Takes the count, not the groups: the error's traceback must not keep a
+    generation's groups (and their sockets) alive after it ends."""
     if held >= max_groups:
         raise ResourceExhausted(
             f"generation {generation} already holds {held} groups, the most this worker "

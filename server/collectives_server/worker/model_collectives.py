@@ -33,7 +33,7 @@ from collectives.errors import CollectiveError, NotFound, error_for_code
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
 from collectives_server.json_input import parse_json_object
-from collectives_server.worker import agreement
+from collectives_server.worker import agreement, op_failures
 from collectives_server.worker.collective_ops import copy_into
 from collectives_server.worker.models import HostedModel, make_optimizer
 
@@ -228,7 +228,7 @@ def _run_model_op(
     except CollectiveError as exc:
         code, message = exc.code, exc.message
     except (RuntimeError, ValueError, TypeError, IndexError) as exc:
-        code, message = grpc.StatusCode.INVALID_ARGUMENT, f"{type(exc).__name__}: {exc}"
+        code, message = grpc.StatusCode.INVALID_ARGUMENT, op_failures.backend_message(exc)
 
     rank_losses: list[float] = []
     global_loss = 0.0

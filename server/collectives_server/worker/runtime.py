@@ -55,7 +55,7 @@ from collectives_server.worker import (
     op_failures,
     validation,
 )
-from collectives_server.worker.group_cap import check_group_cap
+from collectives_server.worker.group_cap import check_group_cap, subgroup_count
 from collectives_server.worker.models import ModelRegistry
 from collectives_server.worker.process_groups import GroupHandles, build_groups
 from collectives_server.worker.store import Fence, TensorStore
@@ -459,7 +459,7 @@ class GenerationRuntime:
         handles = None
         code, message = grpc.StatusCode.OK, ""
         try:
-            check_group_cap(self.groups, self.max_groups, self.generation)
+            check_group_cap(subgroup_count(self.groups), self.max_groups, self.generation)
         except ResourceExhausted as exc:
             code, message = exc.code, exc.message
         if self.rank in ranks and code == grpc.StatusCode.OK:

@@ -32,7 +32,7 @@ from collectives.names import validate_name
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
 from collectives_server.worker.bulk import BulkListener
-from collectives_server.worker.group_cap import check_group_cap
+from collectives_server.worker.group_cap import check_group_cap, subgroup_count
 from collectives_server.worker.model_service import ModelRpcs
 from collectives_server.worker.rpc_guards import counted as _counted
 from collectives_server.worker.rpc_guards import guard as _guard
@@ -274,7 +274,7 @@ class WorkerService(ModelRpcs):
                     f"new_group ranks {bad} are out of range: world size is {runtime.world_size} "
                     f"(valid ranks 0..{runtime.world_size - 1})"
                 )
-            check_group_cap(runtime.groups, runtime.max_groups, runtime.generation)
+            check_group_cap(subgroup_count(runtime.groups), runtime.max_groups, runtime.generation)
             desc.group_id = runtime.allocate_group_id()
             desc.group_ranks.extend(sorted(ranks))
         else:
