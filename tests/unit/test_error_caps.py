@@ -22,7 +22,7 @@ from collectives.errors import InvalidArgument, NotFound, ResourceExhausted
 from collectives.v1 import tensor_pb2, worker_pb2
 from collectives_server import rpc
 from collectives_server.json_input import MAX_JSON_DEPTH, json_depth, parse_json, parse_json_object
-from collectives_server.worker import op_failures
+from collectives_server.worker import op_failures, validation
 from collectives_server.worker.group_cap import check_group_cap, subgroup_count
 
 F32 = tensor_pb2.DTYPE_FLOAT32
@@ -292,3 +292,19 @@ def test_undecodable_requests_are_invalid_argument_and_valid_ones_served(server)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details() == "Echo: malformed request (the message does not decode)"
     assert _call(server, "Echo", b"").worker_id == "empty"
+
+
+# ---------------------------------------------------------- validation (H8)
+@pytest.mark.parametrize("kind", ["all_gather", "gather", "all_reduce", "broadcast"])
+def test_an_operand_with_absurd_dims_fails_the_op_on_every_rank_alike(kind) -> None:
+    """Defence in depth behind the put-time check: a stored tensor with absurd dims
+    (however it got there) is refused from the exchanged infos, before data moves."""
+    info = validation.OperandInfo(validation.PRESENT, torch.float32, (0, 1 << 62, 1 << 62))
+    verdict = validation.decide(kind, "t", [0, 1], [info, info])
+    assert isinstance(verdict, validation.OpError)
+    assert verdict.code == grpc.StatusCode.INVALID_ARGUMENT and "absurd" in verdict.message
+    # All-gathering 2^48 elements over 2 ranks would be 2^49: refused too; all_reduce is not.
+    edge = validation.OperandInfo(validation.PRESENT, torch.float32, (0, 1 << 24, 1 << 24))
+    verdict = validation.decide(kind, "t", [0, 1], [edge, edge])
+    gathers = kind in ("all_gather", "gather")
+    assert isinstance(verdict, validation.OpError) == gathers
