@@ -137,16 +137,16 @@ _NAMEDTUPLES: collections.OrderedDict[tuple[str, tuple[str, ...]], type] = colle
 _NAMEDTUPLES_LOCK = threading.Lock()
 
 
-def _check_identifier(name: str, what: str) -> None:
+def _check_identifier(name: str, what: str, *, underscore: bool = False) -> None:
+    """``name`` can name a namedtuple's type (``underscore``: may start with one) or field."""
     if len(name) > MAX_NAME_CHARS:
         raise InvalidArgument(
             f"namedtuple {what} of {len(name)} characters; at most {MAX_NAME_CHARS} allowed"
         )
-    if not name.isidentifier() or keyword.iskeyword(name) or name.startswith("_"):
-        raise InvalidArgument(
-            f"namedtuple {what} {name[:MAX_NAME_CHARS]!r} is not a valid Python identifier "
-            "(or starts with an underscore)"
-        )
+    if not name.isidentifier() or keyword.iskeyword(name):
+        raise InvalidArgument(f"namedtuple {what} {name!r} is not a valid Python identifier")
+    if name.startswith("_") and not underscore:
+        raise InvalidArgument(f"namedtuple {what} {name!r} starts with an underscore")
 
 
 def namedtuple_class(type_name: str, fields: tuple[str, ...]) -> type:
@@ -163,7 +163,7 @@ def namedtuple_class(type_name: str, fields: tuple[str, ...]) -> type:
         if cls is not None:
             _NAMEDTUPLES.move_to_end(key)
             return cls
-    _check_identifier(type_name, "type name")
+    _check_identifier(type_name, "type name", underscore=True)
     for f in fields:
         _check_identifier(f, "field name")
     if len(set(fields)) != len(fields):

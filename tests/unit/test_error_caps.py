@@ -114,6 +114,8 @@ def test_namedtuple_type_cache_is_a_bounded_lru() -> None:
     assert _pytree.namedtuple_class("Keep", ("a", "b")) is first
     point = _pytree.from_value(_nt_value("Point", ["x", "y"]), lambda name: torch.empty(0))
     assert type(point).__name__ == "Point" and point == (0.0, 1.0)
+    private = _pytree.from_value(_nt_value("_Out", ["a"]), lambda name: torch.empty(0))
+    assert type(private).__name__ == "_Out"  # Python allows a private type name
 
 
 def test_evicted_namedtuple_types_are_freed() -> None:
