@@ -272,6 +272,17 @@ def test_l1_a_1tb_put_without_a_quota_is_resource_exhausted(cluster2, raw) -> No
     frame = header_frame(f"{raw.prefix}/tb", tensor_pb2.DTYPE_UINT8, [nbytes], nbytes)
     details = expect_status(lambda: put_raw(raw.channels[0], [frame]), EXHAUSTED)
     assert str(nbytes) in details
+    bulk = worker_pb2.PutTensorBulkRequest(
+        header=tensor_pb2.TensorHeader(
+            name=f"{raw.prefix}/tb-bulk",
+            dtype=tensor_pb2.DTYPE_UINT8,
+            shape=[nbytes],
+            nbytes=nbytes,
+        ),
+        ticket=os.urandom(16),
+    )
+    details = expect_status(lambda: raw.stubs[1].PutTensorBulk(bulk, timeout=TIMEOUT_S), EXHAUSTED)
+    assert str(nbytes) in details
     after.check()
 
 
