@@ -129,6 +129,9 @@ def guard_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethod
                 _handle(exc, context, method)
 
         return grpc.stream_unary_rpc_method_handler(stream_unary, None, serializer)
+    streaming = handler.unary_stream or handler.stream_stream
+    if getattr(streaming, "experimental_non_blocking", False):
+        return _non_blocking(handler, method, request_of, requests_of)
     if handler.unary_stream is not None:
         inner_us = handler.unary_stream
 
@@ -147,6 +150,33 @@ def guard_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethod
         except Exception as exc:
             _handle(exc, context, method)
 
+    return grpc.stream_stream_rpc_method_handler(stream_stream, None, serializer)
+
+
+def _non_blocking(handler, method: str, request_of, requests_of) -> grpc.RpcMethodHandler:
+    """A streaming handler that answers through ``send_response_callback`` instead of
+    holding a server thread (grpc's health ``Watch``): wrapped so it stays one."""
+    serializer = handler.response_serializer
+    if handler.unary_stream is not None:
+        inner_us = handler.unary_stream
+
+        def unary_stream(raw, context, send_response_callback):
+            try:
+                return inner_us(request_of(raw), context, send_response_callback)
+            except Exception as exc:
+                _handle(exc, context, method)
+
+        unary_stream.experimental_non_blocking = True  # type: ignore[attr-defined]
+        return grpc.unary_stream_rpc_method_handler(unary_stream, None, serializer)
+    inner_ss = handler.stream_stream
+
+    def stream_stream(raws, context, send_response_callback):
+        try:
+            return inner_ss(requests_of(raws), context, send_response_callback)
+        except Exception as exc:
+            _handle(exc, context, method)
+
+    stream_stream.experimental_non_blocking = True  # type: ignore[attr-defined]
     return grpc.stream_stream_rpc_method_handler(stream_stream, None, serializer)
 
 

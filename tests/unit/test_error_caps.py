@@ -310,3 +310,27 @@ def test_an_operand_with_absurd_dims_fails_the_op_on_every_rank_alike(kind) -> N
     verdict = validation.decide(kind, "t", [0, 1], [edge, edge])
     gathers = kind in ("all_gather", "gather")
     assert isinstance(verdict, validation.OpError) == gathers
+
+
+def test_health_watches_still_hold_no_server_thread() -> None:
+    """grpc's health Watch answers through a callback (experimental_non_blocking); the
+    boundary must keep it that way, or each idle watcher would hold a pool thread."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    handle = rpc.start_server("127.0.0.1", 0, [_register], ["t.Test"], max_workers=2)
+    channel = grpc.insecure_channel(f"127.0.0.1:{handle.port}")
+    try:
+        stub = health_pb2_grpc.HealthStub(channel)
+        watches = [
+            stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=30) for _ in range(4)
+        ]
+        for watch in watches:
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        assert _call(channel, "Echo", b"").worker_id == "empty"
+        for watch in watches:
+            watch.cancel()
+    finally:
+        channel.close()
+        handle.stop(0.5)
