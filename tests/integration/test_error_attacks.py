@@ -340,6 +340,12 @@ def test_l1_json_nested_50k_deep_is_invalid_argument(cluster2, raw, uname) -> No
             INVALID,
         )
         assert expected in details
+    model = uname("json-step")
+    _mlp(cluster2, model)
+    step = worker_pb2.StepRequest(model=model, optimizer="sgd", hyper_json=deep)
+    details = expect_status(lambda: raw.stubs[0].Step(step, timeout=TIMEOUT_S), INVALID)
+    assert "optimizer hyperparameters" in details and "nested 50000 deep" in details
+    cluster2.unload_model(model)
     after.check()
 
 
