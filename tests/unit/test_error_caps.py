@@ -322,11 +322,12 @@ def test_health_watches_still_hold_no_server_thread() -> None:
     try:
         stub = health_pb2_grpc.HealthStub(channel)
         watches = [
-            stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=30) for _ in range(4)
+            stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=60) for _ in range(4)
         ]
         for watch in watches:
             assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
-        reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+        # Blocking watchers would hold both threads until their 60 s deadline.
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
         assert _call(channel, "Echo", b"").worker_id == "empty"
         for watch in watches:
