@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from collectives import _channels
 from collectives._memory import empty_bytes
 from collectives.dtypes import from_wire, to_wire
 from collectives.errors import InvalidArgument, ResourceExhausted
@@ -55,7 +56,7 @@ if sys.byteorder != "little":  # pragma: no cover - no big-endian torch builds i
 # clients with default settings (grpcurl, other languages) can stream too.
 CHUNK_BYTES = 4 * 1024 * 1024 - 4096
 # What our own channels and servers accept: one chunk, framing, and a header.
-MAX_MESSAGE_BYTES = 4 * 1024 * 1024 + 64 * 1024
+MAX_MESSAGE_BYTES = _channels.MAX_MESSAGE_BYTES
 # A sanity bound for declared sizes (1 TiB): larger headers are rejected before allocating.
 MAX_TENSOR_BYTES = 1 << 40
 MAX_DIMS = 64

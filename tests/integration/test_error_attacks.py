@@ -223,7 +223,9 @@ def _wait_for(predicate, what: str, timeout_s: float = 30.0) -> None:
 
 
 def test_m6_new_group_is_capped_and_groups_are_freed_with_their_generation(fresh_cluster):
-    _local, cluster = fresh_cluster(3, "--min-workers", "2", "--max-groups", "6")
+    _local, cluster = fresh_cluster(
+        3, "--min-workers", "2", "--max-groups", "6", "--max-restarts", "0"
+    )
     after = Aftermath(cluster).capture()
     members = sorted((w for w in cluster.workers() if w.rank >= 0), key=lambda w: w.rank)
     survivors = [w.pid for w in members[:2]]

@@ -19,6 +19,12 @@ Endpoints (all GET):
   The page falls back to polling ``/api/cluster`` when the stream fails.
 * ``/healthz`` — ``ok`` while the coordinator serves.
 
+Connections are bounded (issue 16, L4): each closes after ``idle_s`` seconds without
+a request (or a stalled write), at most ``max_connections`` are open at once (more
+are answered 503 and closed by the accepting thread), and the listen backlog is
+1024; so no connection holds a thread forever and an idle crowd cannot starve
+``/healthz``. See :mod:`.dashboard_limits`.
+
 Read-only: nothing here changes the cluster. The data (addresses, hostnames,
 error messages) is operator information; bind it to a public interface only on a
 network you trust.
@@ -28,16 +34,16 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import threading
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from importlib import resources
 from typing import Any, Protocol
 
 from google.protobuf import json_format
 
 from collectives.v1 import coordinator_pb2
+from collectives_server.coordinator.dashboard_limits import BoundedHTTPServer, BoundedIPv6Server
 
 __all__ = ["ClusterSource", "DashboardServer", "cluster_to_json"]
 
@@ -104,9 +110,17 @@ class DashboardServer:
         port: int = 0,
         refresh_s: float = 2.0,
         max_streams: int = 32,
+        idle_s: float = 10.0,
+        max_connections: int = 256,
     ) -> None:
         if refresh_s <= 0:
             raise ValueError(f"refresh_s must be > 0, got {refresh_s}")
+        if idle_s <= 0 or max_connections < 1:
+            raise ValueError(
+                f"idle_s must be > 0 and max_connections >= 1, got {idle_s}, {max_connections}"
+            )
+        self.idle_s = idle_s
+        self.max_connections = max_connections
         self._source = source
         self._host = host
         self._port = port
@@ -116,15 +130,17 @@ class DashboardServer:
         self._lock = threading.Lock()
         self._assets = _load_assets()
         self._stopping = threading.Event()
-        self._httpd: ThreadingHTTPServer | None = None
+        self._httpd: BoundedHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
     def start(self) -> DashboardServer:
         if self._httpd is not None:
             raise RuntimeError("dashboard already started")
-        handler = type("DashboardHandler", (_Handler,), {"dashboard": self})
-        server_class = _IPv6Server if ":" in self._host else ThreadingHTTPServer
-        httpd = server_class((self._host.strip("[]"), self._port), handler)
+        handler = type("DashboardHandler", (_Handler,), {"dashboard": self, "timeout": self.idle_s})
+        server_class = BoundedIPv6Server if ":" in self._host else BoundedHTTPServer
+        httpd = server_class(
+            (self._host.strip("[]"), self._port), handler, max_connections=self.max_connections
+        )
         httpd.daemon_threads = True  # open event streams must not hold up shutdown
         self._httpd = httpd
         self._thread = threading.Thread(
@@ -145,6 +161,11 @@ class DashboardServer:
         if self._thread is not None:
             self._thread.join(timeout=5.0)
             self._thread = None
+
+    @property
+    def open_connections(self) -> int:
+        """Connections being served now."""
+        return self._httpd.open_connections if self._httpd is not None else 0
 
     @property
     def port(self) -> int:
@@ -190,10 +211,6 @@ class DashboardServer:
         if self._stopping.is_set() or self._source.closed:
             return None
         return changed if changed is not None else self._source.snapshot()
-
-
-class _IPv6Server(ThreadingHTTPServer):
-    address_family = socket.AF_INET6
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -47,3 +47,5 @@ class WorkerConfig:
     security: ServerSecurity = field(default_factory=ServerSecurity)
     # How this worker reaches the coordinator (TLS, client certificate, token).
     coordinator_security: ChannelSecurity = PLAINTEXT
+    # Sent as 'collectives-worker-token' on Register/Heartbeat/Leave (--worker-token-file).
+    worker_token: str | None = None
