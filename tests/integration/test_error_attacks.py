@@ -366,10 +366,12 @@ def test_l1_undecodable_protobuf_is_invalid_argument_on_every_server(
         for call in calls:
             details = expect_status(lambda call=call: call(garbage, timeout=TIMEOUT_S), INVALID)
             assert "malformed request" in details
-        streaming = coordinator.stream_stream("/collectives.v1.Coordinator/HeartbeatStream")
-        details = expect_status(
-            lambda: list(streaming(iter([garbage]), timeout=TIMEOUT_S)), INVALID
-        )
+        # Streaming both ways: a server stream (WatchCluster), a client stream (LoadModel).
+        watch = coordinator.unary_stream("/collectives.v1.Coordinator/WatchCluster")
+        details = expect_status(lambda: list(watch(garbage, timeout=TIMEOUT_S)), INVALID)
+        assert "malformed request" in details
+        load = raw.channels[0].stream_unary("/collectives.v1.Worker/LoadModel")
+        details = expect_status(lambda: load(iter([garbage]), timeout=TIMEOUT_S), INVALID)
         assert "malformed request" in details
         # A well-formed request still works on the same server.
         cluster = coordinator.unary_unary(
