@@ -29,6 +29,7 @@ from collectives_server.cli_control import (
     worker_token_from_args,
     worker_token_path,
 )
+from collectives_server.cli_errors import add_error_flags, error_worker_args
 from collectives_server.cmd_coordinator import add_dashboard_options
 from collectives_server.local import LocalCluster
 from collectives_server.signals import StopSignal
@@ -110,6 +111,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="bound of the leader's op queue; beyond it RESOURCE_EXHAUSTED (default: 1024)",
     )  # fmt: skip
     add_max_tensor_bytes(p)
+    add_error_flags(p)
     add_model_hosting(p)
     add_metrics(p, "for the coordinator, P+1 ... P+N for the workers")
     add_security(p, client_side=True)
@@ -154,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
             metrics_host=args.metrics_host,
             log_level=args.log_level,
             log_format=args.log_format,
-            worker_args=_model_hosting_args(args) + worker_security,
+            worker_args=_model_hosting_args(args) + error_worker_args(args) + worker_security,
             coordinator_args=coordinator_security + control_args(args),
             worker_token_file=worker_token_path(args),
             die_with_parent=True,

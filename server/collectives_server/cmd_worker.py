@@ -22,6 +22,7 @@ from collectives_server.cli_common import (
     setup_logging,
 )
 from collectives_server.cli_control import add_worker_token_flag, worker_token_from_args
+from collectives_server.cli_errors import add_error_flags, errors_from_args
 from collectives_server.worker.config import WorkerConfig
 
 __all__ = ["add_parser", "config_from_args", "parse_devices", "run"]
@@ -104,6 +105,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="no bulk port: every payload goes through gRPC streams",
     )
     add_max_tensor_bytes(p)
+    add_error_flags(p)
     add_model_hosting(p)
     add_metrics(p)
     add_security(p, client_side=True)
@@ -145,6 +147,7 @@ def config_from_args(
         security=server_security_from_args(args, parser),
         coordinator_security=client_security_from_args(args, parser),
         worker_token=worker_token_from_args(args, parser),
+        **errors_from_args(args),
     )
 
 

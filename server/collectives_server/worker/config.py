@@ -21,6 +21,8 @@ class WorkerConfig:
     op_timeout_s: float | None = None
     # Bound of the leader's op queue; a full queue answers RESOURCE_EXHAUSTED.
     queue_size: int = 1024
+    # Sub-groups (new_group) one generation may hold; beyond: RESOURCE_EXHAUSTED.
+    max_groups: int = 64
     # Quota of the worker's tensor store in bytes; None: unbounded. Puts and
     # collective results beyond it answer RESOURCE_EXHAUSTED.
     max_tensor_bytes: int | None = None

@@ -332,6 +332,7 @@ class WorkerDaemon:
             device=self.device,
             host=self.config.host,
             queue_size=self.config.queue_size,
+            max_groups=self.config.max_groups,
             on_joined=self._joined,
             on_op_done=self._op_done,
             rebuild_after_s=self._lease_s + 2 * self._heartbeat_s,
