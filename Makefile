@@ -51,8 +51,13 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VPY) examples/demo.py
 
+# Test paths given in PYTEST_ARGS (files, directories, node ids) replace the
+# default directories: `make test PYTEST_ARGS=tests/unit/test_sdk.py` runs just that.
+ARG_PATHS := $(wildcard $(foreach a,$(PYTEST_ARGS),$(firstword $(subst ::, ,$(a)))))
+TEST_PATHS := $(if $(ARG_PATHS),,$(TEST_DIRS))
+
 test: lint proto-check
-	$(VPY) -m pytest $(TEST_DIRS) $(PYTEST_ARGS)
+	$(VPY) -m pytest $(TEST_PATHS) $(PYTEST_ARGS)
 
 # Real signals to real processes; prints time to detect/recover per fault and
 # the soak's table. COLLECTIVES_SOAK_S sets the soak's length (seconds).

@@ -35,13 +35,15 @@ ORDER = [
 COLUMNS = [
     "group",
     "measurement",
-    "service (median, min-max)",
+    "service p50 (p99, worst)",
     "anchor",
-    "anchor (median, min-max)",
+    "anchor p50 (p99, worst)",
     "ratio",
     "target",
     "met",
 ]
+# The terminal table: at most this wide; the full table is in artifacts/bench.md.
+TERMINAL_WIDTH = 120
 
 
 # Row modules that raised Skip in this run, with the reason (shown under the table).
@@ -85,6 +87,34 @@ def markdown_table(rows: list[Row]) -> str:
         ]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(lines)
+
+
+def terminal_table(rows: list[Row], width: int = TERMINAL_WIDTH) -> str:
+    """The table for a terminal: one line per row, at most ``width`` columns."""
+    header = ("measurement", "service p50 (p99, worst)", "anchor p50", "ratio", "target", "met")
+    cells = [
+        (
+            f"{row.group}: {row.what}",
+            row.service.text(),
+            row.anchor.text().split(" (")[0],
+            _ratio(row),
+            row.target,
+            _met(row).strip("*"),
+        )
+        for row in rows
+    ]
+    fixed = [max(len(c[i]) for c in [header, *cells]) for i in range(1, len(header))]
+    first = max(12, min(max(len(c[0]) for c in [header, *cells]), width - sum(fixed) - 2 * 5))
+    widths = [first, *fixed]
+
+    def line(row: tuple[str, ...]) -> str:
+        parts = []
+        for text, w in zip(row, widths, strict=True):
+            text = text if len(text) <= w else text[: w - 1] + "…"
+            parts.append(text.ljust(w))
+        return "  ".join(parts).rstrip()[:width]
+
+    return "\n".join([line(header), *(line(c) for c in cells)])
 
 
 def notes(rows: list[Row]) -> list[str]:
@@ -172,8 +202,10 @@ def main(argv: list[str] | None = None) -> int:
 
     text = render_markdown(mach, args.quick, rows, failures, timings)
     print()
-    print(text, end="")
-    print(f"Total: {total:.1f} s")
+    print(terminal_table(rows))
+    for name, why in {**skipped, **failures}.items():
+        print(f"{name}: {why}"[:TERMINAL_WIDTH])
+    print(f"Total: {total:.1f} s; the full table with notes: {args.markdown or '(not written)'}")
 
     if args.json:
         path = Path(args.json)

@@ -37,16 +37,45 @@ GiB = 1024 * MiB
 
 @dataclass(frozen=True)
 class Stat:
-    """A repeated measurement: median, min, max of ``samples`` (in ``unit``)."""
+    """A repeated measurement: median, min, max of ``samples`` (in ``unit``).
+
+    ``p99`` is the 99th percentile on the *bad* side: of the times for a time
+    unit, the 1st percentile for a rate (``GB/s``, ``/s``); None when unknown.
+    """
 
     median: float
     low: float
     high: float
     unit: str
     samples: int
+    p99: float | None = None
+
+    @property
+    def higher_is_better(self) -> bool:
+        return "/s" in self.unit
+
+    @property
+    def worst(self) -> float:
+        return self.low if self.higher_is_better else self.high
 
     def text(self) -> str:
-        return f"{_fmt(self.median)} {self.unit} ({_fmt(self.low)}-{_fmt(self.high)})"
+        """``p50 … (p99 …, worst …)`` in a unit scaled to the median (µs, ms or s for times)."""
+        scale, unit = _scaled(self.unit, self.median)
+        tail = f"p99 {_fmt(self.p99 * scale)}, " if self.p99 is not None else ""
+        return f"{_fmt(self.median * scale)} {unit} ({tail}worst {_fmt(self.worst * scale)})"
+
+
+_TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6}
+
+
+def _scaled(unit: str, value: float) -> tuple[float, str]:
+    """(factor, unit) that shows ``value`` (in ``unit``) in µs, ms or s when it is a time."""
+    seconds = _TIME_UNITS.get(unit)
+    if seconds is None or value == 0:
+        return 1.0, unit
+    v = abs(value) * seconds
+    target = "µs" if v < 1e-3 else "ms" if v < 1.0 else "s"
+    return seconds / _TIME_UNITS[target], target
 
 
 class Skip(Exception):
@@ -117,11 +146,17 @@ def measure(
         fn()
         elapsed = time.perf_counter() - started
         values.append(per(elapsed) if per else elapsed)
-    return Stat(statistics.median(values), min(values), max(values), unit, len(values))
+    return stat_of(values, unit)
 
 
 def stat_of(values: list[float], unit: str) -> Stat:
-    return Stat(statistics.median(values), min(values), max(values), unit, len(values))
+    """Median, min, max and the bad-side 99th percentile of ``values``."""
+    ordered = sorted(values)
+    bad = 1 if "/s" in unit else 99
+    index = min(len(ordered) - 1, max(0, round(bad / 100 * (len(ordered) - 1))))
+    return Stat(
+        statistics.median(values), ordered[0], ordered[-1], unit, len(values), ordered[index]
+    )
 
 
 @contextlib.contextmanager

@@ -146,9 +146,12 @@ class _Heartbeats:
     stream every 0.1 s: 10,000 wake-ups a second for 1,000 workers).
     """
 
-    def __init__(self, address: str, ids: list[str], heartbeat_s: float) -> None:
+    def __init__(
+        self, address: str, ids: list[str], heartbeat_s: float, secrets: list[str]
+    ) -> None:
         self._address = address
         self._ids = ids
+        self._secrets = secrets  # lease secret of each worker (Register's answer)
         self._heartbeat_s = heartbeat_s
         self.sent = 0
         self.failed = 0
@@ -205,6 +208,7 @@ class _Heartbeats:
             return
         request = coordinator_pb2.HeartbeatRequest(
             worker_id=self._ids[i],
+            lease_secret=self._secrets[i],
             joined_generation=1,
             status=typical_status(i, beat),
             want_reply=schedule.ask(now),
@@ -234,7 +238,7 @@ def _measure(n: int, windows: int, window_s: float) -> dict:
     try:
         with grpc.insecure_channel(coordinator.address) as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-            ids = [
+            registered = [
                 stub.Register(
                     coordinator_pb2.RegisterRequest(
                         address=f"127.0.0.1:{20000 + i}",
@@ -245,10 +249,12 @@ def _measure(n: int, windows: int, window_s: float) -> dict:
                         version="0.1.0",
                     ),
                     timeout=10,
-                ).worker_id
+                )
                 for i in range(n)
             ]
-            beats = _Heartbeats(coordinator.address, ids, HEARTBEAT_S)
+            ids = [r.worker_id for r in registered]
+            secrets = [r.lease_secret for r in registered]
+            beats = _Heartbeats(coordinator.address, ids, HEARTBEAT_S, secrets)
             try:
                 time.sleep(2.0)  # settle: sealing, the first round of statuses
                 fractions, per_beat = [], []

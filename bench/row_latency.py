@@ -56,7 +56,7 @@ def run(ctx: BenchContext) -> list[Row]:
         Row(
             group="4 latency",
             what="all_reduce 4 B, world 2, p50",
-            service=Stat(p50, min(service_ms), max(service_ms), "ms", samples),
+            service=Stat(p50, min(service_ms), max(service_ms), "ms", samples, p99),
             anchor_name="gRPC empty RTT p50 + 2x direct gloo 4 B all_reduce p50",
             anchor=anchor,
             target="<= 1.0",

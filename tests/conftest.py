@@ -17,7 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CLUSTER_FLAGS, CONNECT_TIMEOUT_S, LocalCluster, wait_until
+from helpers import (
+    CLUSTER_FLAGS,
+    CONNECT_TIMEOUT_S,
+    LocalCluster,
+    wait_until,
+    worker_token_file,
+)
 
 # Random inputs differ per run; set COLLECTIVES_TEST_SEED to replay a run.
 SESSION_SEED = int(os.environ.get("COLLECTIVES_TEST_SEED", secrets.randbits(31)))
@@ -51,6 +57,8 @@ def uname(request: pytest.FixtureRequest) -> Callable[[str], str]:
 
 def _start(tmp_dir: Path, workers: int, extra_args: tuple[str, ...]) -> LocalCluster:
     log = tmp_dir / f"cluster{workers}-{uuid.uuid4().hex[:6]}.log"
+    if not any(a.startswith("--worker-token-file") for a in extra_args):
+        extra_args = (f"--worker-token-file={worker_token_file(tmp_dir)}", *extra_args)
     cluster = LocalCluster(workers, (*CLUSTER_FLAGS, *extra_args), log)
     cluster.start()
     return cluster

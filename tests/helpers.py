@@ -43,6 +43,20 @@ HEARTBEAT_S = 0.2
 LEASE_S = 2.0
 OP_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 60.0
+# The worker token of the clusters the fixtures start (`local --worker-token-file`):
+# known to tests that call the coordinator's worker-only RPCs themselves.
+WORKER_TOKEN = "collectives-tests-worker-token"
+
+
+def worker_token_file(directory: Path) -> Path:
+    """A file holding :data:`WORKER_TOKEN` (mode 0600) in ``directory``."""
+    path = directory / "worker-token"
+    if not path.exists():
+        path.write_text(WORKER_TOKEN)
+        path.chmod(0o600)
+    return path
+
+
 CLUSTER_FLAGS = (
     "--heartbeat",
     str(HEARTBEAT_S),
@@ -50,6 +64,10 @@ CLUSTER_FLAGS = (
     str(LEASE_S),
     "--op-timeout-s",
     str(OP_TIMEOUT_S),
+    # Tests that kill a worker expect the cluster to shrink; restarts are tested
+    # on their own (tests/integration/test_local_restarts.py).
+    "--max-restarts",
+    "0",
 )
 
 # --------------------------------------------------------------------------- time

@@ -21,7 +21,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from collectives._core import annotate, is_not_executed, server_timeout_s
+from collectives._core import GenerationBinding, annotate, is_not_executed, server_timeout_s
 from collectives._data_plane import _DataPlane
 from collectives._transport import call_unary
 from collectives._validation import (
@@ -36,7 +36,7 @@ from collectives.errors import CollectiveError, Unavailable
 from collectives.groups import Group
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
-from collectives.work import Work
+from collectives.work import OpRecord, Work
 
 __all__: list[str] = []
 
@@ -362,6 +362,9 @@ class _Collectives(_DataPlane):
     ) -> Any:
         """Sends the op to the leader (retrying only never-started ops), then ``finish``es it."""
 
+        binding = GenerationBinding(what)
+        record = OpRecord()
+
         def attempt(remaining: float) -> worker_pb2.CollectiveResponse:
             snapshot = self._leader_snapshot(time.monotonic() + remaining)
             generation, group_id = snapshot.generation, 0
@@ -370,9 +373,12 @@ class _Collectives(_DataPlane):
                     raise Unavailable(
                         f"{what}: group {list(group.ranks)} (id {group.id}) belongs to "
                         f"generation {group.generation} but the cluster is at generation "
-                        f"{snapshot.generation}; create it again with new_group"
+                        f"{snapshot.generation}; create it again with new_group",
+                        generation=group.generation,
                     )
                 generation, group_id = group.generation, group.id
+            binding.bind(generation)
+            record.generation = generation
             leader = snapshot.leader_address or ""
             options = worker_pb2.OpOptions(
                 group_id=group_id, generation=generation, timeout_s=server_timeout_s(remaining)
@@ -381,7 +387,8 @@ class _Collectives(_DataPlane):
             return call_unary(stub_method, request(options), remaining, f"{what} on {leader}")
 
         def run() -> Any:
-            response = self._retry(what, deadline, attempt, is_not_executed)
+            response = self._retry(what, deadline, attempt, binding.retryable)
+            record.generation = int(response.generation) or record.generation
             if finish is None:
                 return None
             try:
@@ -389,7 +396,7 @@ class _Collectives(_DataPlane):
             except CollectiveError as err:
                 raise annotate(err, f"{what} succeeded but fetching its result failed") from None
 
-        return self._ordered(what, run, deadline, async_op)
+        return self._ordered(what, run, deadline, async_op, record)
 
 
 def _first_rank(group: Group | None) -> int:

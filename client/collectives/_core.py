@@ -39,13 +39,14 @@ from collectives._transport import (
     wait_channel_ready,
 )
 from collectives._validation import check_timeout
+from collectives.addresses import REFUSED_GRACE_S, parse_address, refused_within
 from collectives.errors import (
     CollectiveError,
     DeadlineExceeded,
     InvalidArgument,
     Unavailable,
 )
-from collectives.work import Work
+from collectives.work import OpRecord, Work
 from collectives.workers import ClusterNotFormed, ClusterSnapshot, GenerationRecord, WorkerInfo
 
 __all__ = ["DEFAULT_CONNECT_TIMEOUT_S", "OP_TIMEOUT_MARGIN_S"]
@@ -89,6 +90,11 @@ class _ClusterCore:
     ) -> None:
         """Connects to the coordinator at ``address`` and waits for a formed generation.
 
+        It returns once the generation is sealed and every member reports
+        ``ready`` (joined its process group); if the members are still joining
+        when ``timeout`` runs out it returns anyway with the formed cluster, and
+        the first op waits for them.
+
         The keyword arguments (and their environment fallbacks, see
         :data:`collectives._security.SETTINGS_PRECEDENCE`) secure every channel.
 
@@ -100,8 +106,7 @@ class _ClusterCore:
             DeadlineExceeded: no generation was formed within ``timeout`` (the
                 message quotes the coordinator's status).
         """
-        if not isinstance(address, str) or not address.strip():
-            raise InvalidArgument(f"address must be a 'host:port' string, got {address!r}")
+        parse_address(address)
         timeout = check_timeout(timeout, DEFAULT_CONNECT_TIMEOUT_S)
         try:
             security = ChannelSecurity.resolve(
@@ -130,6 +135,12 @@ class _ClusterCore:
             max_workers=IO_THREADS, thread_name_prefix="collectives-io"
         )
         try:
+            reason = refused_within(self._address, min(REFUSED_GRACE_S, timeout))
+            if reason is not None:
+                raise Unavailable(
+                    f"nothing answers at {self._address}: {reason}. Is the coordinator "
+                    "running? `collectives-server local` prints the address it listens on."
+                )
             wait_channel_ready(self._channel, self._address, timeout)
             self._membership.refresh(deadline - time.monotonic())
             self._membership.start()
@@ -140,6 +151,10 @@ class _ClusterCore:
                     f"(generation {snapshot.generation}, {snapshot.world_size} members): "
                     f"{snapshot.status or 'no status from the coordinator'}"
                 )
+            # Formed means sealed; wait (within the same deadline) until every
+            # member also joined the generation's process group, so what the
+            # caller sees next (workers(), metrics, a first op) is "ready".
+            self._membership.wait_until(lambda s: s.ready, _left(deadline))
         except BaseException:
             self.close()
             raise
@@ -346,7 +361,12 @@ class _ClusterCore:
         raise AssertionError("unreachable")  # pragma: no cover - the loop always returns/raises
 
     def _ordered(
-        self, what: str, fn: Callable[[], R], deadline: float, async_op: bool
+        self,
+        what: str,
+        fn: Callable[[], R],
+        deadline: float,
+        async_op: bool,
+        record: OpRecord | None = None,
     ) -> R | Work[R]:
         """Runs ``fn`` on the single op thread: ``Work`` if ``async_op``, else its result.
 
@@ -360,7 +380,7 @@ class _ClusterCore:
         except RuntimeError:  # shut down concurrently by close()
             raise Unavailable(f"the connection to {self._address} is closed") from None
         if async_op:
-            return Work(future, what)
+            return Work(future, what, record)
         try:
             return future.result(timeout=_left(deadline))
         except TimeoutError as exc:
@@ -411,9 +431,11 @@ def annotate(err: CollectiveError, prefix: str) -> CollectiveError:
     if err.message.startswith(prefix):
         return err
     try:
-        return type(err)(f"{prefix}: {err.message}", err.code, executed=err.executed)
+        annotated = type(err)(f"{prefix}: {err.message}", err.code, executed=err.executed)
     except TypeError:  # a subclass with another constructor: keep the original
         return err
+    annotated.generation = err.generation
+    return annotated
 
 
 def server_timeout_s(remaining_s: float) -> float:
@@ -423,6 +445,54 @@ def server_timeout_s(remaining_s: float) -> float:
 
 def _left(deadline: float) -> float:
     return max(deadline - time.monotonic(), 0.0)
+
+
+class GenerationBinding:
+    """Binds one collective to the generation it was first sent in.
+
+    A collective names per-rank operands that the caller placed on the ranks of
+    one membership. If that generation ends before the op commits, "never
+    started" does not make a retry safe: on the new generation the same call
+    would reduce over other contributors, a different answer that looks right.
+    So a never-started op is retried only while the generation is unchanged
+    (leader busy, a transient transport error); across a change the error is
+    surfaced, naming both generations.
+    """
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.generation: int | None = None
+        self._moved = False
+        self._last: CollectiveError | None = None
+
+    def bind(self, generation: int) -> None:
+        """Called by every attempt with the generation it is about to send for.
+
+        Raises:
+            Unavailable: an earlier attempt was sent for another generation.
+        """
+        if self.generation is None:
+            self.generation = generation
+            return
+        if generation == self.generation:
+            return
+        self._moved = True
+        cause = f" (the leader said: {self._last.message})" if self._last is not None else ""
+        raise Unavailable(
+            f"{self.what} was issued for generation {self.generation} and did not run there"
+            f"{cause}; the cluster is now at generation {generation}. Nothing was committed. "
+            f"It is not retried on the new membership: its operands were placed on the ranks "
+            f"of generation {self.generation}; place them again and reissue it",
+            executed=False,
+            generation=self.generation,
+        )
+
+    def retryable(self, err: CollectiveError) -> bool:
+        """The retry predicate: never-started ops, while the generation has not moved."""
+        if err.generation is None:
+            err.generation = self.generation
+        self._last = err
+        return not self._moved and is_not_executed(err)
 
 
 def is_not_executed(err: CollectiveError) -> bool:

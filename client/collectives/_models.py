@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from collectives._collectives import _Collectives
-from collectives._core import is_not_executed, server_timeout_s
+from collectives._core import GenerationBinding, server_timeout_s
 from collectives._model_transport import get_model_tensors, load_model_on, load_state_dict_on
 from collectives._transport import WorkerEndpoint, call_unary, is_retryable_read
 from collectives.data_parallel import DataParallel
@@ -29,6 +29,7 @@ from collectives.errors import CollectiveError, InvalidArgument, NotFound
 from collectives.names import validate_name
 from collectives.reduce_ops import ReduceOp, parse_reduce_op
 from collectives.v1 import worker_pb2
+from collectives.work import OpRecord
 
 __all__ = ["ModelInfo"]
 
@@ -362,8 +363,13 @@ class _Models(_Collectives):
         return self._retry(f"{which} of {name!r}", deadline, attempt, is_retryable_read)
 
     def _leader_op(self, what: str, method: str, request, deadline: float, async_op: bool, finish):
+        binding = GenerationBinding(what)
+        record = OpRecord()
+
         def attempt(remaining: float):
             snapshot = self._leader_snapshot(time.monotonic() + remaining)
+            binding.bind(snapshot.generation)
+            record.generation = snapshot.generation
             options = worker_pb2.OpOptions(
                 generation=snapshot.generation, timeout_s=server_timeout_s(remaining)
             )
@@ -372,9 +378,9 @@ class _Models(_Collectives):
             return call_unary(stub_method, request(options), remaining, f"{what} on {leader}")
 
         def run() -> Any:
-            return finish(self._retry(what, deadline, attempt, is_not_executed))
+            return finish(self._retry(what, deadline, attempt, binding.retryable))
 
-        return self._ordered(what, run, deadline, async_op)
+        return self._ordered(what, run, deadline, async_op, record)
 
     def _release_graph(self, model: str, call_id: str, endpoints: list[WorkerEndpoint]) -> None:
         """Fire-and-forget release of a data-parallel call's retained graphs."""

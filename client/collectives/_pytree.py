@@ -13,6 +13,8 @@ with tensor leaves travelling separately as named tensors.
 from __future__ import annotations
 
 import collections
+import keyword
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +30,9 @@ __all__ = [
     "to_value",
     "from_value",
     "is_namedtuple",
+    "namedtuple_class",
+    "MAX_NAMEDTUPLE_TYPES",
+    "MAX_NAMEDTUPLE_FIELDS",
     "tensor_leaves",
     "inline_leaves",
     "leaf_values",
@@ -122,7 +127,54 @@ def gather(outputs: list[Any], dim: int = 0) -> Any:
     return out if all(o == out for o in outputs) else list(outputs)
 
 
-_NAMEDTUPLES: dict[tuple[str, tuple[str, ...]], type] = {}
+# Namedtuple classes rebuilt from the wire, least recently used first. Bounded in
+# count and in size: each class is a few KiB per field and lives until evicted, so
+# an unbounded cache keyed on client-chosen names and fields grows forever (H7).
+MAX_NAMEDTUPLE_TYPES = 256
+MAX_NAMEDTUPLE_FIELDS = 256
+MAX_NAME_CHARS = 128
+_NAMEDTUPLES: collections.OrderedDict[tuple[str, tuple[str, ...]], type] = collections.OrderedDict()
+_NAMEDTUPLES_LOCK = threading.Lock()
+
+
+def _check_identifier(name: str, what: str, *, underscore: bool = False) -> None:
+    """``name`` can name a namedtuple's type (``underscore``: may start with one) or field."""
+    if len(name) > MAX_NAME_CHARS:
+        raise InvalidArgument(
+            f"namedtuple {what} of {len(name)} characters; at most {MAX_NAME_CHARS} allowed"
+        )
+    if not name.isidentifier() or keyword.iskeyword(name):
+        raise InvalidArgument(f"namedtuple {what} {name!r} is not a valid Python identifier")
+    if name.startswith("_") and not underscore:
+        raise InvalidArgument(f"namedtuple {what} {name!r} starts with an underscore")
+
+
+def namedtuple_class(type_name: str, fields: tuple[str, ...]) -> type:
+    """The (cached) namedtuple class for a wire type; :class:`InvalidArgument` when the
+    name or fields could not name a Python namedtuple or exceed the bounds."""
+    if len(fields) > MAX_NAMEDTUPLE_FIELDS:
+        raise InvalidArgument(
+            f"namedtuple {type_name[:MAX_NAME_CHARS]!r} has {len(fields)} fields; at most "
+            f"{MAX_NAMEDTUPLE_FIELDS} allowed"
+        )
+    key = (type_name, fields)
+    with _NAMEDTUPLES_LOCK:
+        cls = _NAMEDTUPLES.get(key)
+        if cls is not None:
+            _NAMEDTUPLES.move_to_end(key)
+            return cls
+    _check_identifier(type_name, "type name", underscore=True)
+    for f in fields:
+        _check_identifier(f, "field name")
+    if len(set(fields)) != len(fields):
+        raise InvalidArgument(f"namedtuple {type_name!r} repeats a field name")
+    cls = collections.namedtuple(type_name, fields)  # type: ignore[misc]
+    with _NAMEDTUPLES_LOCK:
+        _NAMEDTUPLES[key] = cls
+        _NAMEDTUPLES.move_to_end(key)
+        while len(_NAMEDTUPLES) > MAX_NAMEDTUPLE_TYPES:
+            _NAMEDTUPLES.popitem(last=False)
+    return cls
 
 
 def to_value(
@@ -206,12 +258,12 @@ def from_value(
     nt = value.named_tuple
     fields = tuple(nt.fields)
     cls = (namedtuple_types or {}).get(nt.type_name)
+    if len(nt.values) != len(fields):
+        raise InvalidArgument(
+            f"malformed namedtuple value: {len(fields)} fields but {len(nt.values)} values"
+        )
     if cls is None or tuple(getattr(cls, "_fields", ())) != fields:
-        key = (nt.type_name, fields)
-        if key not in _NAMEDTUPLES:
-            name = nt.type_name if nt.type_name.isidentifier() else "Output"
-            _NAMEDTUPLES[key] = collections.namedtuple(name, fields)  # type: ignore[misc]
-        cls = _NAMEDTUPLES[key]
+        cls = namedtuple_class(nt.type_name, fields)
     return cls(*(from_value(v, tensor, namedtuple_types) for v in nt.values))
 
 

@@ -16,14 +16,20 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 import torch
 
 from collectives import bulk, codec, shm
+from collectives._channels import (
+    CHANNEL_OPTIONS,
+    call_unary,
+    open_channel,
+    wait_channel_ready,
+)
+from collectives._channels import deadline_s as _deadline_s
 from collectives._security import PLAINTEXT, ChannelSecurity
 from collectives.errors import CollectiveError, InvalidArgument, Unavailable, error_for_code
 from collectives.errors import from_rpc_error as _from_rpc_error
@@ -45,37 +51,8 @@ __all__ = [
 
 R = TypeVar("R")
 
-CHANNEL_OPTIONS: list[tuple[str, int]] = [
-    ("grpc.max_send_message_length", codec.MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", codec.MAX_MESSAGE_BYTES),
-]
-
 _PUT_TENSOR = "/collectives.v1.Worker/PutTensor"
 _GET_TENSOR = "/collectives.v1.Worker/GetTensor"
-
-
-def open_channel(address: str, security: ChannelSecurity = PLAINTEXT) -> grpc.Channel:
-    """A channel to ``address`` with the SDK's message size limits.
-
-    ``security`` chooses TLS and the bearer token (default: plaintext, no token).
-    """
-    return security.open_channel(address, CHANNEL_OPTIONS)
-
-
-def wait_channel_ready(channel: grpc.Channel, address: str, timeout: float) -> None:
-    """Blocks until ``channel`` is connected.
-
-    Raises:
-        Unavailable: nothing answered at ``address`` within ``timeout`` seconds.
-    """
-    try:
-        grpc.channel_ready_future(channel).result(timeout=max(timeout, 0.0))
-    except grpc.FutureTimeoutError:
-        raise Unavailable(
-            f"nothing answers at {address}: could not connect within {timeout:.3g} s "
-            "(is the coordinator running, is the address host:port, and do the TLS "
-            "settings match the server's: plaintext vs TLS, the CA, a client certificate?)"
-        ) from None
 
 
 @dataclass(frozen=True)
@@ -141,20 +118,6 @@ class ChannelPool:
             endpoints, self._endpoints = list(self._endpoints.values()), {}
         for endpoint in endpoints:
             endpoint.channel.close()
-
-
-def call_unary(
-    method: Callable[..., R], request: Any, timeout: float, what: str, **kwargs: Any
-) -> R:
-    """Calls a unary-unary multi-callable with a deadline, converting errors.
-
-    Raises:
-        CollectiveError: the call failed (subclass by status code).
-    """
-    try:
-        return method(request, timeout=_deadline_s(timeout, what), **kwargs)
-    except grpc.RpcError as err:
-        raise _from_rpc_error(err, what) from None
 
 
 def put_tensor(
@@ -291,16 +254,6 @@ def get_tensor_shm(
     finally:
         if lease is not None:
             pool.release(lease)
-
-
-def _deadline_s(timeout: float, what: str) -> float:
-    """The remaining seconds as a gRPC timeout; no time left is DEADLINE_EXCEEDED."""
-    if timeout <= 0:
-        raise error_for_code(
-            grpc.StatusCode.DEADLINE_EXCEEDED,
-            f"{what}: the call's deadline passed before it could be sent",
-        )
-    return timeout
 
 
 def is_retryable_read(err: CollectiveError) -> bool:

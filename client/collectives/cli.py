@@ -22,36 +22,41 @@ import argparse
 import json
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 
 import grpc
 
+from collectives._channels import call_unary, open_channel
 from collectives._security import PLAINTEXT, ChannelSecurity, read_token_file
-from collectives._transport import call_unary, open_channel
+from collectives._status_tables import (
+    WIDE,
+    format_table,
+    format_top,
+    rates_between,
+    terminal_width,
+)
+from collectives.addresses import REFUSED_GRACE_S, parse_address, refused_within
 from collectives.errors import CollectiveError
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
-from collectives.workers import ClusterSnapshot, WorkerInfo
+from collectives.workers import ClusterSnapshot
 
 __all__ = ["fetch_status", "format_table", "format_top", "main"]
 
 EXIT_OK = 0
 EXIT_UNREACHABLE = 2
+EXIT_INTERRUPTED = 130  # the shell's convention for SIGINT
 
-_COLUMNS = (
-    "RANK", "STATE", "ADDRESS", "HOSTNAME", "PID", "DEVICES", "JOINED_GEN", "HEARTBEAT",
-    "TENSORS", "OPS_OK", "OPS_FAILED", "QUEUE", "MEMORY", "LAST_OP",
-)  # fmt: skip
-_TOP_COLUMNS = (
-    "RANK", "STATE", "ADDRESS", "OPS/S", "OPS_OK", "OPS_FAILED", "QUEUE", "MEMORY", "TENSORS",
-    "LAST_OP", "LATENCY",
-)  # fmt: skip
 # Clear the screen and move the cursor home (ANSI), before each redraw.
 CLEAR = "\x1b[H\x1b[2J"
 # Re-opening a broken watch: first wait, and the longest.
 _RETRY_MIN_S = 0.5
 _RETRY_MAX_S = 5.0
+# How often the main thread looks at its stop flag, and how long it waits for the body.
+_SIGNAL_POLL_S = 0.1
+_STOP_JOIN_S = 2.0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--coordinator", required=True, metavar="HOST:PORT")
     status.add_argument("--json", action="store_true", help="print one JSON object instead")
+    status.add_argument(
+        "--wide", action="store_true", help="every column, however wide the terminal"
+    )
     status.add_argument(
         "--watch",
         action="store_true",
@@ -87,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     top.add_argument(
         "--timeout", type=float, default=5.0, metavar="SECONDS", help="deadline per call"
     )
+    top.add_argument("--wide", action="store_true", help="every column, however wide the terminal")
     for command in (status, top):
         _add_security(command)
     return parser
@@ -147,87 +156,6 @@ def _get_cluster(channel: grpc.Channel, address: str, timeout: float) -> Cluster
     return ClusterSnapshot.from_proto(msg)
 
 
-def human_bytes(n: float) -> str:
-    """``1536`` → ``1.5KiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    return f"{n:.1f}TiB"  # pragma: no cover - the loop returns
-
-
-def _memory(w: WorkerInfo) -> str:
-    if not w.device_memory:
-        return "-"
-    return " ".join(
-        f"{d.device}:{human_bytes(d.used_bytes)}/{human_bytes(d.total_bytes)}"
-        for d in w.device_memory
-    )
-
-
-def _tensors(w: WorkerInfo) -> str:
-    return f"{w.tensors_held} ({human_bytes(w.bytes_held)})" if w.has_status else "-"
-
-
-def _row(w: WorkerInfo) -> tuple[str, ...]:
-    return (
-        str(w.rank) if w.rank >= 0 else "-",
-        w.state.value,
-        w.address,
-        w.hostname,
-        str(w.pid),
-        ",".join(w.devices),
-        str(w.generation),
-        f"{w.last_heartbeat_age_s:.1f}s",
-        _tensors(w),
-        str(w.ops_completed),
-        str(w.ops_failed),
-        str(w.queue_depth),
-        _memory(w),
-        w.last_op or "-",
-    )
-
-
-def _align(columns: Sequence[str], rows: list[tuple[str, ...]]) -> list[str]:
-    table = [tuple(columns), *rows]
-    widths = [max(len(row[i]) for row in table) for i in range(len(columns))]
-    return [
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        for row in table
-    ]
-
-
-def format_table(address: str, snapshot: ClusterSnapshot) -> str:
-    """The human-readable status: a header line, one aligned row per worker, history, errors."""
-    header = (
-        f"coordinator {address}  generation {snapshot.generation}  "
-        f"world size {snapshot.world_size}  "
-        f"formed {'yes' if snapshot.formed else 'no'}  "
-        f"ready {'yes' if snapshot.ready else 'no'}  "
-        f"status: {snapshot.status or '-'}"
-    )
-    lines = [header, *_align(_COLUMNS, [_row(w) for w in snapshot.workers])]
-    if not snapshot.workers:
-        lines.append("(no workers registered)")
-    if snapshot.history:
-        last = snapshot.history[-1]
-        sealed = time.strftime("%H:%M:%S", time.localtime(last.sealed_unix_time_s))
-        lines.append(f"last generation change ({sealed}): {last.reason}")
-    errors = sorted(
-        ((e, w) for w in snapshot.workers for e in w.recent_errors),
-        key=lambda item: item[0].unix_time_s,
-    )[-5:]
-    if errors:
-        lines.append("recent errors:")
-        for e, w in errors:
-            when = time.strftime("%H:%M:%S", time.localtime(e.unix_time_s))
-            op = f"op {e.op_id} " if e.op_id else ""
-            lines.append(
-                f"  {when} {w.address} {op}({e.kind}) gen {e.generation} {e.code}: {e.message}"
-            )
-    return "\n".join(lines)
-
-
 def _json_line(address: str, snapshot: ClusterSnapshot, indent: int | None = None) -> str:
     return json.dumps({"coordinator": address, **snapshot.to_dict()}, indent=indent)
 
@@ -235,26 +163,76 @@ def _json_line(address: str, snapshot: ClusterSnapshot, indent: int | None = Non
 # ----------------------------------------------------------- stopping cleanly
 
 
-class _Stopped(BaseException):
-    """SIGTERM arrived (SIGINT arrives as KeyboardInterrupt)."""
+class _Session:
+    """A long-running command's stop flag and the channels to close when it is set.
+
+    The command's body runs on a worker thread; the main thread only waits on
+    :attr:`stop`, so Ctrl-C and SIGTERM are handled at once wherever the body
+    is blocked (a gRPC stream, a sleep), and closing the channels ends it.
+    """
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self._lock = threading.Lock()
+        self._channels: list[grpc.Channel] = []
+
+    def open_channel(self, address: str, security: ChannelSecurity) -> grpc.Channel:
+        channel = open_channel(address, security)
+        with self._lock:
+            self._channels.append(channel)
+        return channel
+
+    def close(self) -> None:
+        self.stop.set()
+        with self._lock:
+            channels, self._channels = self._channels, []
+        for channel in channels:
+            channel.close()
 
 
-def _raise_stopped(signum: int, frame: FrameType | None) -> None:
-    raise _Stopped
-
-
-def _until_stopped(body: Callable[[], int]) -> int:
+def _until_stopped(body: Callable[[_Session], int]) -> int:
     """Runs ``body``; SIGTERM or Ctrl-C end it with exit code 0."""
-    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    session = _Session()
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            outcome["code"] = body(session)
+        except BaseException as exc:  # handed to the main thread below
+            outcome["error"] = exc
+        finally:
+            session.stop.set()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        session.stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    worker = threading.Thread(target=run, name="collectives-cli", daemon=True)
     try:
-        return body()
-    except (KeyboardInterrupt, _Stopped):
-        return EXIT_OK
+        worker.start()
+        # A wait with a timeout, so the signal handlers run promptly.
+        while not session.stop.wait(_SIGNAL_POLL_S):
+            pass
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        session.close()
+    worker.join(_STOP_JOIN_S)
+    if worker.is_alive() or ("code" not in outcome and "error" not in outcome):
+        return EXIT_OK  # stopped by a signal
+    error = outcome.get("error")
+    if isinstance(error, BaseException):
+        if session.stop.is_set() and isinstance(error, (grpc.RpcError, CollectiveError)):
+            return EXIT_OK  # the channel was closed under it by the stop
+        raise error
+    return int(outcome["code"])  # type: ignore[call-overload]
 
 
 # ---------------------------------------------------------------- commands
+
+
+def _width(args: argparse.Namespace) -> int:
+    return WIDE if args.wide else terminal_width()
 
 
 def _check_timeout(command: str, timeout: float) -> bool:
@@ -277,7 +255,7 @@ def _status(args: argparse.Namespace) -> int:
     if not _check_timeout("status", args.timeout):
         return EXIT_UNREACHABLE
     if args.watch:
-        return _until_stopped(lambda: _watch(args))
+        return _until_stopped(lambda session: _watch(args, session))
     try:
         snapshot = fetch_status(args.coordinator, args.timeout, args.security)
     except CollectiveError as err:
@@ -285,16 +263,19 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(_json_line(args.coordinator, snapshot, indent=2))
     else:
-        print(format_table(args.coordinator, snapshot))
+        print(format_table(args.coordinator, snapshot, _width(args)))
     return EXIT_OK
 
 
 def _changes(
-    stub: coordinator_pb2_grpc.CoordinatorStub, address: str, after_version: int
+    stub: coordinator_pb2_grpc.CoordinatorStub,
+    address: str,
+    after_version: int,
+    stop: threading.Event,
 ) -> Iterator[ClusterSnapshot]:
-    """Every Cluster version after ``after_version``; re-opens a broken stream forever."""
+    """Every Cluster version after ``after_version``; re-opens a broken stream until stopped."""
     version, retry_s = after_version, _RETRY_MIN_S
-    while True:
+    while not stop.is_set():
         call = stub.WatchCluster(
             coordinator_pb2.WatchClusterRequest(after_version=version), wait_for_ready=True
         )
@@ -307,80 +288,42 @@ def _changes(
             reason = f"{err.code().name}: {err.details()}"
         finally:
             call.cancel()
+        if stop.is_set():
+            return
         print(
             f"collectives status: watch on {address} interrupted ({reason}); "
             f"re-opening in {retry_s:g} s",
             file=sys.stderr,
             flush=True,
         )
-        time.sleep(retry_s)
+        stop.wait(retry_s)
         retry_s = min(retry_s * 2, _RETRY_MAX_S)
 
 
-def _watch(args: argparse.Namespace) -> int:
-    channel = open_channel(args.coordinator, args.security)
+def _watch(args: argparse.Namespace, session: _Session) -> int:
+    channel = session.open_channel(args.coordinator, args.security)
     try:
         try:
             first = _get_cluster(channel, args.coordinator, args.timeout)
         except CollectiveError as err:
             return _unreachable("status", args.coordinator, args.timeout, err)
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-        snapshots = _changes(stub, args.coordinator, first.version)
-        snapshot = first
-        while True:
+        snapshots = _changes(stub, args.coordinator, first.version, session.stop)
+        snapshot: ClusterSnapshot | None = first
+        while snapshot is not None:
             if args.json:
                 print(_json_line(args.coordinator, snapshot), flush=True)
             else:
                 stamp = time.strftime("%H:%M:%S")
                 print(
-                    f"{CLEAR}{format_table(args.coordinator, snapshot)}\n"
+                    f"{CLEAR}{format_table(args.coordinator, snapshot, _width(args))}\n"
                     f"(version {snapshot.version} at {stamp}; watching, Ctrl-C to stop)",
                     flush=True,
                 )
-            snapshot = next(snapshots)
+            snapshot = next(snapshots, None)
+        return EXIT_OK
     finally:
         channel.close()
-
-
-def _rates(
-    previous: ClusterSnapshot | None, current: ClusterSnapshot, elapsed_s: float
-) -> dict[str, float]:
-    """Ops per second per worker address between two snapshots."""
-    if previous is None or elapsed_s <= 0:
-        return {}
-    before = {w.address: w.ops_completed + w.ops_failed for w in previous.workers}
-    return {
-        w.address: max(0, w.ops_completed + w.ops_failed - before[w.address]) / elapsed_s
-        for w in current.workers
-        if w.address in before
-    }
-
-
-def format_top(address: str, snapshot: ClusterSnapshot, rates: dict[str, float]) -> str:
-    header = (
-        f"collectives top  {address}  generation {snapshot.generation}  "
-        f"world size {snapshot.world_size}  {time.strftime('%H:%M:%S')}  "
-        f"status: {snapshot.status or '-'}"
-    )
-    rows = []
-    for w in snapshot.workers:
-        rate = rates.get(w.address)
-        rows.append(
-            (
-                str(w.rank) if w.rank >= 0 else "-",
-                w.state.value,
-                w.address,
-                f"{rate:.1f}" if rate is not None else "-",
-                str(w.ops_completed),
-                str(w.ops_failed),
-                str(w.queue_depth),
-                _memory(w),
-                _tensors(w),
-                w.last_op or "-",
-                f"{w.last_op_latency_s * 1000:.1f}ms" if w.last_op else "-",
-            )
-        )
-    return "\n".join([header, *_align(_TOP_COLUMNS, rows)])
 
 
 def _top(args: argparse.Namespace) -> int:
@@ -390,25 +333,29 @@ def _top(args: argparse.Namespace) -> int:
         print("collectives top: --interval must be positive", file=sys.stderr)
         return EXIT_UNREACHABLE
 
-    def body() -> int:
-        channel = open_channel(args.coordinator, args.security)
+    def body(session: _Session) -> int:
+        channel = session.open_channel(args.coordinator, args.security)
         previous: ClusterSnapshot | None = None
         previous_at = 0.0
         frames = 0
         try:
-            while True:
+            while not session.stop.is_set():
                 try:
                     snapshot = _get_cluster(channel, args.coordinator, args.timeout)
                 except CollectiveError as err:
                     return _unreachable("top", args.coordinator, args.timeout, err)
                 now = time.monotonic()
-                rates = _rates(previous, snapshot, now - previous_at)
-                print(f"{CLEAR}{format_top(args.coordinator, snapshot, rates)}", flush=True)
+                rates = rates_between(previous, snapshot, now - previous_at)
+                print(
+                    f"{CLEAR}{format_top(args.coordinator, snapshot, rates, _width(args))}",
+                    flush=True,
+                )
                 previous, previous_at = snapshot, now
                 frames += 1
                 if args.iterations and frames >= args.iterations:
                     return EXIT_OK
-                time.sleep(args.interval)
+                session.stop.wait(args.interval)
+            return EXIT_OK
         finally:
             channel.close()
 
@@ -420,9 +367,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
+        return _run(args)
+    except KeyboardInterrupt:  # Ctrl-C before the command's own handler is installed
+        print(file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
         args.security = _security(args)
+        parse_address(args.coordinator)
     except ValueError as exc:
-        print(f"collectives {args.command}: {exc}", file=sys.stderr)
+        print(f"collectives {args.command}: {getattr(exc, 'message', exc)}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    reason = refused_within(args.coordinator, min(REFUSED_GRACE_S, args.timeout))
+    if reason is not None:
+        print(
+            f"collectives {args.command}: cannot reach the coordinator at {args.coordinator}: "
+            f"{reason}. Is it running? `collectives-server local` prints the address it "
+            "listens on.",
+            file=sys.stderr,
+        )
         return EXIT_UNREACHABLE
     if args.command == "status":
         return _status(args)

@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
+from collectives import _channels
 from collectives._memory import empty_bytes
 from collectives.dtypes import from_wire, to_wire
-from collectives.errors import InvalidArgument
+from collectives.errors import InvalidArgument, ResourceExhausted
 from collectives.v1 import tensor_pb2
 
 __all__ = [
@@ -37,6 +39,10 @@ __all__ = [
     "tensor_memoryview",
     "make_header",
     "check_header",
+    "check_shape",
+    "allocate_bytes",
+    "MAX_DIMS",
+    "MAX_ELEMENTS",
     "tensor_to_proto",
     "tensor_from_proto",
     "tensor_from_bytes",
@@ -50,10 +56,14 @@ if sys.byteorder != "little":  # pragma: no cover - no big-endian torch builds i
 # clients with default settings (grpcurl, other languages) can stream too.
 CHUNK_BYTES = 4 * 1024 * 1024 - 4096
 # What our own channels and servers accept: one chunk, framing, and a header.
-MAX_MESSAGE_BYTES = 4 * 1024 * 1024 + 64 * 1024
+MAX_MESSAGE_BYTES = _channels.MAX_MESSAGE_BYTES
 # A sanity bound for declared sizes (1 TiB): larger headers are rejected before allocating.
 MAX_TENSOR_BYTES = 1 << 40
 MAX_DIMS = 64
+# At most 2^48 elements, counted as if no dim were 0: a [0, 2^62, 2^62] tensor holds
+# no bytes, yet every op that multiplies its dims (an all_gather's output, a
+# reshape, torch's own numel checks) overflows on it. Absurd dims are refused at the put.
+MAX_ELEMENTS = 1 << 48
 
 _HEADER_TAG = b"\x0a"  # field 1, wire type 2 (length-delimited)
 _CHUNK_TAG = b"\x12"  # field 2, wire type 2
@@ -184,28 +194,86 @@ class CheckedHeader:
     nbytes: int
 
 
-def check_header(header: tensor_pb2.TensorHeader) -> CheckedHeader:
-    """Validates dtype, shape and size of a header; raises :class:`InvalidArgument`."""
-    dtype = from_wire(header.dtype)
-    shape = tuple(int(d) for d in header.shape)
+def check_shape(shape: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+    """A shape every op can handle: at most :data:`MAX_DIMS` dims, each >= 0, and the
+    product of the dims (zeros counted as ones) at most :data:`MAX_ELEMENTS`.
+
+    Raises :class:`InvalidArgument`. Counting zeros as ones is what refuses
+    ``[0, 2**62, 2**62]``: zero bytes, but no op on it can compute an output shape.
+    """
+    shape = tuple(int(d) for d in shape)
     if len(shape) > MAX_DIMS:
         raise InvalidArgument(f"tensor has {len(shape)} dimensions; at most {MAX_DIMS} allowed")
     if any(d < 0 for d in shape):
-        raise InvalidArgument(f"tensor shape {list(shape)} has a negative dimension")
+        raise InvalidArgument(f"tensor shape {_short(shape)} has a negative dimension")
+    product = 1
+    for d in shape:
+        product *= max(d, 1)
+        if product > MAX_ELEMENTS:
+            raise InvalidArgument(
+                f"tensor shape {_short(shape)} is absurd: its dims multiply to more than "
+                f"2^48; the limit is {MAX_ELEMENTS} elements (0 dims counted as 1)"
+            )
+    return shape
+
+
+def _short(shape: tuple[int, ...]) -> str:
+    text = str(list(shape))
+    return text if len(text) <= 200 else text[:200] + "...]"
+
+
+def check_header(header: tensor_pb2.TensorHeader) -> CheckedHeader:
+    """Validates dtype, shape and size of a header; raises :class:`InvalidArgument`."""
+    dtype = from_wire(header.dtype)
+    shape = check_shape(header.shape)
     numel = math.prod(shape)
     element = torch.empty((), dtype=dtype).element_size()
     expected = numel * element
     if expected > MAX_TENSOR_BYTES:
         raise InvalidArgument(
-            f"tensor shape {list(shape)} of {dtype} would need {expected} bytes; "
+            f"tensor shape {_short(shape)} of {dtype} would need {expected} bytes; "
             f"the limit is {MAX_TENSOR_BYTES}"
         )
     if header.nbytes != expected:
         raise InvalidArgument(
-            f"header declares {header.nbytes} bytes but shape {list(shape)} of {dtype} "
+            f"header declares {header.nbytes} bytes but shape {_short(shape)} of {dtype} "
             f"needs {expected}"
         )
     return CheckedHeader(header.name, dtype, shape, expected)
+
+
+def _physical_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return None
+
+
+def allocate_bytes(nbytes: int, pin_memory: bool = False) -> torch.Tensor:
+    """A receive buffer of ``nbytes`` (see :func:`collectives._memory.empty_bytes`), or a
+    clear error instead of a ``MemoryError``/allocator ``RuntimeError``.
+
+    Over :data:`MAX_TENSOR_BYTES` (or negative) is :class:`InvalidArgument`; more than
+    this host's physical memory, or an allocation the OS refuses, is
+    :class:`ResourceExhausted` (a store quota, where one is set, is checked before this).
+    """
+    if nbytes < 0 or nbytes > MAX_TENSOR_BYTES:
+        raise InvalidArgument(
+            f"a tensor of {nbytes} bytes is out of range (at most {MAX_TENSOR_BYTES})"
+        )
+    physical = _physical_bytes()
+    if physical is not None and nbytes > physical:
+        raise ResourceExhausted(
+            f"a tensor of {nbytes} bytes is larger than this host's memory ({physical} bytes)"
+        )
+    try:
+        if pin_memory:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return empty_bytes(nbytes)
+    except (MemoryError, RuntimeError):
+        raise ResourceExhausted(
+            f"cannot allocate {nbytes} bytes for this tensor on this host right now"
+        ) from None
 
 
 class TensorAssembler:
@@ -213,7 +281,7 @@ class TensorAssembler:
 
     def __init__(self, header: tensor_pb2.TensorHeader) -> None:
         self.meta = check_header(header)
-        self._buffer = empty_bytes(self.meta.nbytes)
+        self._buffer = allocate_bytes(self.meta.nbytes)
         self._view = tensor_memoryview(self._buffer)
         self._filled = 0
 
@@ -252,7 +320,7 @@ def tensor_from_bytes(data: bytes | memoryview, meta: CheckedHeader) -> torch.Te
     """A new tensor of ``meta``'s dtype and shape holding a copy of ``data``."""
     if len(data) != meta.nbytes:
         raise InvalidArgument(f"{len(data)} bytes for a tensor of {meta.nbytes} bytes")
-    buffer = empty_bytes(meta.nbytes)
+    buffer = allocate_bytes(meta.nbytes)
     if meta.nbytes:
         tensor_memoryview(buffer)[:] = data
     return buffer.view(meta.dtype).reshape(meta.shape)

@@ -40,11 +40,14 @@ class CollectiveError(Exception):
         code: grpc.StatusCode | None = None,
         *,
         executed: bool | None = None,
+        generation: int | None = None,
     ) -> None:
         self.code: grpc.StatusCode = code if code is not None else self.default_code
         self.message: str = message
         # False: the server says the op never ran (safe to retry); None: unknown.
         self.executed: bool | None = executed
+        # The generation a collective was issued for (None: not a collective).
+        self.generation: int | None = generation
         super().__init__(message)
 
     def __str__(self) -> str:

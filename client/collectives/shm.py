@@ -33,7 +33,7 @@ import weakref
 import torch
 
 from collectives._memory import empty_bytes
-from collectives.codec import CheckedHeader, tensor_memoryview
+from collectives.codec import CheckedHeader, allocate_bytes, tensor_memoryview
 from collectives.errors import InvalidArgument
 
 __all__ = [
@@ -102,6 +102,8 @@ def open_checked(path: str, offset: int, nbytes: int, *, write: bool = False) ->
     """
     if not isinstance(path, str) or not path:
         raise InvalidArgument("shared-memory path is empty")
+    if "\x00" in path:
+        raise InvalidArgument("shared-memory path contains a NUL byte")
     if offset < 0:
         raise InvalidArgument(f"shared-memory offset {offset} is negative")
     base = os.path.basename(path)
@@ -293,7 +295,7 @@ def _destroy_all(free: list[tuple[int, Segment]]) -> None:
 
 def read_segment(fd: int, offset: int, meta: CheckedHeader) -> torch.Tensor:
     """Copies ``meta.nbytes`` at ``offset`` of an open segment into a new tensor."""
-    buffer = empty_bytes(meta.nbytes)
+    buffer = allocate_bytes(meta.nbytes)
     if meta.nbytes:
         view = tensor_memoryview(buffer)
         done = 0

@@ -10,21 +10,44 @@ the synchronous call would have raised.
 from __future__ import annotations
 
 import concurrent.futures
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from collectives.errors import DeadlineExceeded, Unavailable
 
-__all__ = ["Work"]
+__all__ = ["Work", "OpRecord"]
 
 T = TypeVar("T")
+
+
+@dataclass
+class OpRecord:
+    """What the SDK learns about an op while it runs: the generation it ran in."""
+
+    generation: int | None = None
 
 
 class Work(Generic[T]):
     """A pending collective: ``.result()``/``.wait()`` return what the sync call returns."""
 
-    def __init__(self, future: concurrent.futures.Future[T], description: str = "op") -> None:
+    def __init__(
+        self,
+        future: concurrent.futures.Future[T],
+        description: str = "op",
+        record: OpRecord | None = None,
+    ) -> None:
         self._future = future
         self._description = description
+        self._record = record if record is not None else OpRecord()
+
+    @property
+    def generation(self) -> int | None:
+        """The generation the op was sent for (it runs there or fails); None before it is sent.
+
+        Once the op succeeded this is the generation it ran in; a failed op's
+        error carries the same value as ``err.generation``.
+        """
+        return self._record.generation
 
     def result(self, timeout: float | None = None) -> T:
         """Blocks until the op finishes and returns its result.

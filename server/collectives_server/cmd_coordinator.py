@@ -17,6 +17,7 @@ from collectives_server.cli_common import (
     server_security_from_args,
     setup_logging,
 )
+from collectives_server.cli_control import add_control_flags, control_from_args
 from collectives_server.coordinator.daemon import CoordinatorConfig
 
 __all__ = ["add_dashboard_options", "add_parser", "config_from_args", "run"]
@@ -93,7 +94,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--store-port",
         type=port_number,
         default=0,
-        help="port of the rendezvous TCPStore (every interface; default: 0, any free port)",
+        help="port of the rendezvous TCPStore (on --store-host; default: 0, any free port)",
     )
     p.add_argument(
         "--advertise-host",
@@ -105,6 +106,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     add_dashboard_options(p)
     add_metrics(p)
     add_security(p, client_side=False)
+    add_control_flags(p)
     add_log_level(p)
     p.set_defaults(run=run, parser=p)
     return p
@@ -158,6 +160,7 @@ def config_from_args(
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,
             security=server_security_from_args(args, parser),
+            **control_from_args(args, parser),
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -24,6 +24,13 @@ from collectives_server.cli_common import (
     server_security_from_args,
     setup_logging,
 )
+from collectives_server.cli_control import (
+    add_control_flags,
+    control_args,
+    worker_token_from_args,
+    worker_token_path,
+)
+from collectives_server.cli_errors import add_error_flags, error_worker_args
 from collectives_server.cmd_coordinator import add_dashboard_options
 from collectives_server.local import LocalCluster
 from collectives_server.signals import StopSignal
@@ -64,6 +71,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         metavar="M",
         help="keep serving while at least M workers live (default: N)",
     )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        metavar="K",
+        help="restart a worker that dies, at most K times per worker, as torchrun does; it "
+        "rejoins and the cluster re-forms at full size (default: 3; 0: never)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1)")
     p.add_argument(
         "--port", type=port_number, default=0, help="coordinator port (default: 0, any free port)"
@@ -97,10 +112,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="bound of the leader's op queue; beyond it RESOURCE_EXHAUSTED (default: 1024)",
     )  # fmt: skip
     add_max_tensor_bytes(p)
+    add_error_flags(p)
     add_model_hosting(p)
     add_archive_flags(p, local=True)
     add_metrics(p, "for the coordinator, P+1 ... P+N for the workers")
     add_security(p, client_side=True)
+    add_control_flags(p, local=True)
     add_log_level(p)
     p.set_defaults(run=run, parser=p)
     return p
@@ -110,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args.parser
     if args.min_workers is not None and args.min_workers > args.workers:
         parser.error(f"--min-workers ({args.min_workers}) must be <= --workers ({args.workers})")
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if args.lease_s <= args.heartbeat_s:
         parser.error(
             f"--lease ({args.lease_s}) must be longer than --heartbeat ({args.heartbeat_s})"
@@ -120,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
             "(they use the next ports)"
         )
     coordinator_security, worker_security = _security_args(args, parser)
+    worker_token_from_args(args, parser)  # an unreadable --worker-token-file exits here
     setup_logging(args.log_level, "local", args.log_format)
     with StopSignal() as stop:
         cluster = LocalCluster(
@@ -138,10 +158,15 @@ def run(args: argparse.Namespace) -> int:
             metrics_host=args.metrics_host,
             log_level=args.log_level,
             log_format=args.log_format,
-            worker_args=_model_hosting_args(args) + archive_worker_args(args) + worker_security,
-            coordinator_args=coordinator_security,
+            worker_args=_model_hosting_args(args)
+            + error_worker_args(args)
+            + archive_worker_args(args)
+            + worker_security,
+            coordinator_args=coordinator_security + control_args(args),
+            worker_token_file=worker_token_path(args),
             die_with_parent=True,
             on_exit=lambda child: stop.wake(),
+            max_restarts=args.max_restarts,
         )
         try:
             cluster.start()

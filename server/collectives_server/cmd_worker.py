@@ -22,6 +22,8 @@ from collectives_server.cli_common import (
     server_security_from_args,
     setup_logging,
 )
+from collectives_server.cli_control import add_worker_token_flag, worker_token_from_args
+from collectives_server.cli_errors import add_error_flags, errors_from_args
 from collectives_server.worker.config import WorkerConfig
 
 __all__ = ["add_parser", "config_from_args", "parse_devices", "run"]
@@ -104,10 +106,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="no bulk port: every payload goes through gRPC streams",
     )
     add_max_tensor_bytes(p)
+    add_error_flags(p)
     add_model_hosting(p)
     add_archive_flags(p)
     add_metrics(p)
     add_security(p, client_side=True)
+    add_worker_token_flag(p)
     add_log_level(p)
     p.set_defaults(run=run, parser=p)
     return p
@@ -144,6 +148,8 @@ def config_from_args(
         bulk_port=None if args.no_bulk else args.bulk_port,
         security=server_security_from_args(args, parser),
         coordinator_security=client_security_from_args(args, parser),
+        worker_token=worker_token_from_args(args, parser),
+        **errors_from_args(args),
         model_upload=archive_from_args(args),
     )
 

@@ -9,8 +9,11 @@ the very binaries that production runs one per host, as children of one supervis
   waits for a sealed, joined generation);
 * each child's later stdout is drained by a thread into the log (a full pipe must
   never block a daemon), and its stderr is inherited;
-* a worker dying is logged, not fatal: the coordinator re-forms the cluster, which
-  is exactly what failure tests exercise by SIGKILLing workers;
+* a worker dying is logged (with its address and rank), not fatal: the coordinator
+  re-forms the cluster without it, and with ``max_restarts`` the worker's slot is
+  started again (same flags, same metrics port), as torchrun restarts a failed
+  worker; the new process rejoins as a newcomer and the cluster re-forms at full
+  size. Each slot is restarted at most ``max_restarts`` times;
 * :meth:`LocalCluster.stop` sends SIGTERM to the workers, then the coordinator,
   waits within one deadline and SIGKILLs what is left.
 
@@ -22,9 +25,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +43,9 @@ __all__ = ["Child", "LocalCluster", "assign_devices"]
 
 log = logging.getLogger(__name__)
 
+# How long a child whose stdout closed is given to exit before it is described.
+_EXIT_REPORT_S = 5.0
+
 
 @dataclass
 class Child:
@@ -49,6 +57,8 @@ class Child:
     returncode: int | None = None
     first_line: threading.Event = field(default_factory=threading.Event)
     exited: threading.Event = field(default_factory=threading.Event)
+    # The worker's launch slot (its --metrics-port offset); None for the coordinator.
+    slot: int | None = None
 
     @property
     def pid(self) -> int:
@@ -117,6 +127,9 @@ class LocalCluster:
     kernel ties it to the thread that started the child).
     ``coordinator_args``/``worker_args`` are appended to those children's command
     lines (the CLI passes the TLS and token flags this way: paths, never secrets).
+    ``worker_token_file`` is the worker token of the coordinator's worker-only RPCs
+    (``--worker-token-file``); None writes a fresh random one (mode 0600) at start,
+    given to the coordinator and every worker, and removed at stop.
     """
 
     def __init__(
@@ -140,16 +153,20 @@ class LocalCluster:
         worker_args: Sequence[str] = (),
         coordinator_args: Sequence[str] = (),
         client_security: Any = None,
+        worker_token_file: str | None = None,
         start_timeout_s: float = 60.0,
         die_with_parent: bool = False,
         on_exit: Callable[[Child], None] | None = None,
         python: str = sys.executable,
+        max_restarts: int = 0,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         min_workers = workers if min_workers is None else min_workers
         if not 1 <= min_workers <= workers:
             raise ValueError(f"min_workers must be in 1..{workers}, got {min_workers}")
+        if max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
         self.workers = workers
         self.min_workers = min_workers
         self._host = host
@@ -174,11 +191,21 @@ class LocalCluster:
         self._client_security = client_security
         self._devices_spec = devices
         self._worker_args = list(worker_args)
+        # The worker token of this cluster's own workers: the given file, else a fresh
+        # one written at start (mode 0600) and removed at stop.
+        self._worker_token_file = worker_token_file
+        self._owned_token_file: str | None = None
         self._start_timeout_s = start_timeout_s
         self._die_with_parent = die_with_parent
         self._on_exit = on_exit
         self._python = python
         self._stopping = False
+        # Serialises restarts against stop(): no worker is started once stopping.
+        self._lock = threading.Lock()
+        self.max_restarts = max_restarts
+        # Per launch slot: the worker's command line and how often it was restarted.
+        self._slot_args: list[list[str]] = []
+        self.restarts: list[int] = []
         self.coordinator: Child | None = None
         self.worker_children: list[Child] = []
 
@@ -193,6 +220,8 @@ class LocalCluster:
         if self.coordinator is not None:
             raise RuntimeError("local cluster already started")
         devices = assign_devices(self.workers, self._devices_spec, _cuda_count)
+        token_file = self._worker_token_file or self._write_worker_token()
+        token_flag = f"--worker-token-file={token_file}"
         self.coordinator = self._spawn(
             "coordinator",
             [
@@ -202,27 +231,34 @@ class LocalCluster:
                 f"--min-workers={self.min_workers}",
                 f"--max-workers={self.workers}",
                 *self._coordinator_args,
+                token_flag,
                 *self._metrics_args(0),
                 *self._common,
             ],
         )
         child = self.coordinator
-        if not child.first_line.wait(self._start_timeout_s) or not child.address:
+        printed = child.first_line.wait(self._start_timeout_s)
+        if not printed or not child.address:
+            if printed:
+                # Its stdout closed without an address: it is exiting; say how.
+                child.exited.wait(_EXIT_REPORT_S)
             state = child.describe_exit() if child.exited.is_set() else "still running"
             self.stop()
-            raise RuntimeError(
-                f"the coordinator printed no address within {self._start_timeout_s:g} s "
-                f"({state}); see its log above"
+            when = (
+                "before printing its address"
+                if printed
+                else (f"without printing its address within {self._start_timeout_s:g} s")
             )
+            raise RuntimeError(f"the coordinator {state} {when}; see its log above")
         log.info("coordinator %s (pid %d)", child.address, child.pid)
         try:
             for i in range(self.workers):
                 args = ["worker", f"--coordinator={child.address}", f"--host={self._host}"]
                 args += ["--port=0", f"--devices={','.join(devices[i])}", *self._common]
-                args += self._metrics_args(1 + i) + self._worker_args
-                self.worker_children.append(
-                    self._spawn(f"worker {i}", args, threads=_threads_per_worker(self.workers))
-                )
+                args += self._metrics_args(1 + i) + self._worker_args + [token_flag]
+                self._slot_args.append(args)
+                self.restarts.append(0)
+                self.worker_children.append(self._spawn_worker(i))
         except BaseException:
             self.stop()
             raise
@@ -230,7 +266,8 @@ class LocalCluster:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM the workers, then the coordinator; SIGKILL what outlives ``timeout_s``."""
-        self._stopping = True
+        with self._lock:
+            self._stopping = True
         deadline = time.monotonic() + timeout_s
         for group in (self.worker_children, [self.coordinator] if self.coordinator else []):
             for child in group:
@@ -243,6 +280,18 @@ class LocalCluster:
                 log.warning("%s (pid %d) ignored SIGTERM; killing it", child.name, child.pid)
                 _signal(child, signal.SIGKILL)
                 child.exited.wait(5.0)
+        if self._owned_token_file is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._owned_token_file)
+            self._owned_token_file = None
+
+    def _write_worker_token(self) -> str:
+        """A fresh worker token in a new file only this user can read; returns its path."""
+        fd, path = tempfile.mkstemp(prefix="collectives-worker-token-")  # mode 0600
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32))
+        self._owned_token_file = path
+        return path
 
     def __enter__(self) -> LocalCluster:
         return self.start()
@@ -355,16 +404,82 @@ class LocalCluster:
                     log.info("%s stdout: %s", child.name, line)
         child.first_line.set()  # EOF before any line: wake whoever waits for it
 
+    def _spawn_worker(self, slot: int) -> Child:
+        child = self._spawn(
+            f"worker {slot}", self._slot_args[slot], threads=_threads_per_worker(self.workers)
+        )
+        child.slot = slot
+        return child
+
     def _reap(self, child: Child) -> None:
         child.returncode = child.process.wait()
         child.exited.set()
         if self._stopping:
             log.debug("%s (pid %d) %s", child.name, child.pid, child.describe_exit())
             return
-        level = logging.ERROR if child is self.coordinator else logging.WARNING
-        log.log(level, "%s (pid %d) %s", child.name, child.pid, child.describe_exit())
+        if child is self.coordinator:
+            log.error("coordinator (pid %d) %s", child.pid, child.describe_exit())
+        else:
+            log.warning(
+                "worker at %s (%s, pid %d) %s",
+                child.address or "(no address yet)",
+                self._rank_of(child.address),
+                child.pid,
+                child.describe_exit(),
+            )
+            self._restart(child)
         if self._on_exit is not None:
             self._on_exit(child)
+
+    def _restart(self, child: Child) -> None:
+        """Starts a dead worker's slot again, at most ``max_restarts`` times (as torchrun)."""
+        slot = child.slot
+        if slot is None:
+            return
+        with self._lock:
+            if self._stopping:
+                return
+            if self.restarts[slot] >= self.max_restarts:
+                if self.max_restarts:
+                    log.error(
+                        "worker slot %d died %d times; not restarting it (--max-restarts %d)",
+                        slot,
+                        self.restarts[slot] + 1,
+                        self.max_restarts,
+                    )
+                return
+            self.restarts[slot] += 1
+            replacement = self._spawn_worker(slot)
+            self.worker_children[slot] = replacement
+        log.warning(
+            "restarted worker slot %d (restart %d of %d, pid %d); it rejoins as a new member",
+            slot,
+            self.restarts[slot],
+            self.max_restarts,
+            replacement.pid,
+        )
+
+    def _rank_of(self, address: str | None) -> str:
+        """'rank R of generation G' for a worker address, asked of the coordinator (1 s)."""
+        if not address or self.coordinator is None or not self.coordinator.address:
+            return "rank unknown"
+        import grpc
+
+        from collectives._security import PLAINTEXT
+        from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+        try:
+            security = self._client_security or PLAINTEXT
+            with security.open_channel(self.coordinator.address, []) as channel:
+                cluster = coordinator_pb2_grpc.CoordinatorStub(channel).GetCluster(
+                    coordinator_pb2.GetClusterRequest(), timeout=1.0
+                )
+        except (grpc.RpcError, OSError, ValueError):
+            return "rank unknown"
+        for worker in cluster.workers:
+            if worker.address == address and worker.rank >= 0:
+                return f"rank {worker.rank} of generation {cluster.generation}"
+        return f"not a member of generation {cluster.generation}"
 
 
 def _signal(child: Child, sig: signal.Signals) -> None:

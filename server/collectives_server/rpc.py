@@ -8,7 +8,9 @@ call it without the protos), and allows messages of one data chunk plus framing.
 (``--tls-client-ca``) and a bearer token (``--token-file``): with a token,
 every call except the health service's must carry ``authorization: Bearer
 <token>`` or is refused with UNAUTHENTICATED before any servicer code runs
-(see ``docs/security.md``).
+(see ``docs/security.md``). Every servicer sits behind
+:class:`~collectives_server.rpc_errors.ErrorBoundary`: undecodable requests are
+INVALID_ARGUMENT, unexpected exceptions INTERNAL with only an id (details in the log).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from collectives.codec import MAX_MESSAGE_BYTES
+from collectives_server.rpc_errors import ErrorBoundary
 from collectives_server.security import ServerSecurity, TokenAuthInterceptor
 
 __all__ = [
@@ -85,6 +88,8 @@ def start_server(
     """
     security = security or ServerSecurity()
     interceptors = [TokenAuthInterceptor(security.token)] if security.token else []
+    # Innermost: a call refused by authentication is never parsed.
+    interceptors.append(ErrorBoundary())
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         options=[*GRPC_OPTIONS, *options],

@@ -8,34 +8,25 @@ both moments are saved as ``artifacts/dashboard-*.png`` (gitignored; CI can keep
 A second test serves a fake cluster whose strings are HTML and script, and checks
 that the page shows them as text.
 
-Needs Debian's ``chromium`` and ``chromium-driver`` and the ``selenium`` package.
-Outside CI the tests skip without them; in CI (``CI=true``) they fail instead, so
-the browser check can never silently stop running there.
+The browser comes from ``conftest.py`` (skips without Chromium outside CI), the
+page helpers from ``dashboard_page.py``; the layout at 1280x800, rates and the
+timeline are checked in ``test_dashboard_layout.py``.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
+import re
 import signal
-import socket
-import tempfile
 import threading
-import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 
+import dashboard_page as page
 import pytest
 import torch
 from helpers import LEASE_S, wait_until
 
 import collectives
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = "/usr/bin/chromedriver"
-ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
-MISSING = "needs /usr/bin/chromium and chromedriver: apt-get install chromium chromium-driver"
 # Losing a worker: its lease, then the survivors re-form (as in test_failure).
 REFORM_S = LEASE_S + 15.0
 
@@ -43,95 +34,6 @@ _STATS_JS = """
 return Array.from(document.querySelectorAll('#worker-rows tr[data-state="ready"]'))
   .map(r => [r.dataset.tensorsHeld, r.dataset.opsCompleted]);
 """
-_ROWS_JS = """
-return Array.from(document.querySelectorAll('#worker-rows tr[data-worker-id]'))
-  .map(r => [r.dataset.workerId, r.dataset.state]);
-"""
-
-
-def _browser_available() -> str | None:
-    """None when the browser test can run, else why not."""
-    if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
-        return MISSING
-    try:
-        import selenium  # noqa: F401
-    except ImportError:
-        return (
-            "needs the selenium package: make install (or pip install -c constraints.txt selenium)"
-        )
-    return None
-
-
-@pytest.fixture
-def browser(tmp_path: Path) -> Iterator:
-    reason = _browser_available()
-    if reason is not None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true but the browser test cannot run: {reason}")
-        pytest.skip(reason)
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    profile = tempfile.mkdtemp(prefix="chromium-", dir=tmp_path)
-    for arg in (
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--no-first-run",
-        "--disable-quic",
-        "--disable-sync",
-        "--window-size=1600,1000",
-        f"--user-data-dir={profile}",
-    ):
-        options.add_argument(arg)
-    # Both paths are given, so selenium-manager (which would download) has nothing to do.
-    service = Service(executable_path=CHROMEDRIVER, log_output=str(tmp_path / "chromedriver.log"))
-    driver = webdriver.Chrome(options=options, service=service)
-    driver.set_page_load_timeout(30)
-    try:
-        yield driver
-    finally:
-        driver.quit()
-        shutil.rmtree(profile, ignore_errors=True)
-
-
-def _free_port() -> int:
-    # The dashboard needs a port number on the command line; the race with
-    # another process taking it in between is negligible on a test machine.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _screenshot(driver, name: str) -> Path:
-    ARTIFACTS.mkdir(exist_ok=True)
-    path = ARTIFACTS / f"dashboard-{name}.png"
-    # The whole page, not just the window: grow the window to the document.
-    height = driver.execute_script("return document.documentElement.scrollHeight")
-    driver.set_window_size(1600, max(1000, int(height) + 40))
-    assert driver.save_screenshot(str(path)), f"could not save {path}"
-    return path
-
-
-def _rows(driver) -> dict[str, str]:
-    return dict(driver.execute_script(_ROWS_JS))
-
-
-def _text(driver, element_id: str) -> str:
-    return driver.execute_script(
-        "const e = document.getElementById(arguments[0]); return e ? e.textContent : null;",
-        element_id,
-    )
-
-
-def _api_cluster(port: int) -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/cluster", timeout=10) as r:
-        return json.load(r)
 
 
 @pytest.mark.slow
@@ -139,7 +41,7 @@ def _api_cluster(port: int) -> dict:
 def test_dashboard_shows_workers_live_and_a_killed_worker_lost(browser, fresh_cluster):
     from selenium.webdriver.support.ui import WebDriverWait
 
-    port = _free_port()
+    port = page.free_port()
     local, client = fresh_cluster(3, "--min-workers", "2", "--dashboard-port", str(port))
     members = sorted((w for w in client.workers() if w.rank >= 0), key=lambda w: w.rank)
     assert len(members) == 3
@@ -150,8 +52,8 @@ def test_dashboard_shows_workers_live_and_a_killed_worker_lost(browser, fresh_cl
     assert browser.title.startswith("collectives")
 
     def all_ready(driver) -> bool:
-        rows = _rows(driver)
-        return {i for i, s in rows.items() if s == "ready"} == ids and _text(
+        rows = page.rows(driver)
+        return {i for i, s in rows.items() if s == "ready"} == ids and page.text(
             driver, "generation"
         ) == str(generation)
 
@@ -181,7 +83,7 @@ def test_dashboard_shows_workers_live_and_a_killed_worker_lost(browser, fresh_cl
         lambda d: d.find_element("id", "connection").get_attribute("data-mode") == "live",
         "the page's event stream to be live",
     )
-    before = _screenshot(browser, "before")
+    before = page.screenshot(browser, "before")
 
     # Proof that what follows is pushed to the same page, not a reload.
     browser.execute_script("window.__collectivesTestMarker = 42;")
@@ -190,8 +92,8 @@ def test_dashboard_shows_workers_live_and_a_killed_worker_lost(browser, fresh_cl
     os.kill(victim.pid, signal.SIGKILL)
 
     def victim_lost(driver) -> bool:
-        rows = _rows(driver)
-        text = _text(driver, "generation") or "0"
+        rows = page.rows(driver)
+        text = page.text(driver, "generation") or "0"
         survivors = {i for i, s in rows.items() if s == "ready"}
         return (
             rows.get(victim.worker_id) == "lost"
@@ -205,21 +107,28 @@ def test_dashboard_shows_workers_live_and_a_killed_worker_lost(browser, fresh_cl
     assert browser.execute_script("return window.__collectivesTestMarker;") == 42, (
         "the page was reloaded"
     )
-    new_generation = int(_text(browser, "generation"))
-    assert _text(browser, "world-size") == "2"
+    new_generation = int(page.text(browser, "generation"))
+    assert page.text(browser, "world-size") == "2"
     # The page agrees with the API it reads; history rows appear when the coordinator keeps them.
-    cluster = _api_cluster(port)
+    cluster = page.api_cluster(port)
     if cluster.get("history"):
         wait_until(
             lambda: browser.find_elements(
-                "css selector", f'#history-rows tr[data-generation="{new_generation}"]'
+                "css selector", f'#timeline-rows tr[data-generation="{new_generation}"]'
             ),
             10,
-            f"a history row for generation {new_generation}",
+            f"a timeline row for generation {new_generation} sealed",
         )
+    # The loss is an event of its own, and the lost worker's numbers are marked stale.
+    wait_until(
+        lambda: browser.find_elements("css selector", '#timeline-rows tr[data-kind="lost"]'),
+        10,
+        "a 'lost' event in the timeline",
+    )
     lost_row = browser.find_element("css selector", f'tr[data-worker-id="{victim.worker_id}"]')
     assert "lost" in lost_row.text
-    after = _screenshot(browser, "after")
+    assert re.search(r"stale since \d\d:\d\d:\d\d", lost_row.text), lost_row.text
+    after = page.screenshot(browser, "after")
     print(f"screenshots: {before} {after}")
 
 
@@ -265,7 +174,7 @@ class _FakeSource:
         return None
 
 
-def test_dashboard_shows_markup_as_text(browser):
+def test_dashboard_shows_markup_astext(browser):
     from selenium.webdriver.support.ui import WebDriverWait
 
     from collectives_server.coordinator.dashboard import DashboardServer
@@ -274,14 +183,20 @@ def test_dashboard_shows_markup_as_text(browser):
     try:
         browser.get(f"http://{dashboard.address}/")
         WebDriverWait(browser, 15, poll_frequency=0.1).until(
-            lambda d: _rows(d) == {"w<b>1</b>": "ready"}, "the fake worker row"
+            lambda d: page.rows(d) == {"w<b>1</b>": "ready"}, "the fake worker row"
         )
-        assert _text(browser, "generation") == "7"
-        assert _text(browser, "status-text") == _HOSTILE
-        page = browser.find_element("tag name", "main").text
-        assert page.count(_HOSTILE) >= 5, page  # status, host, model, last op, error, history
+        assert page.text(browser, "generation") == "7"
+        assert page.text(browser, "status-text") == _HOSTILE
+        browser.find_element("css selector", "#worker-rows tr[data-worker-id]").click()
+        WebDriverWait(browser, 5, poll_frequency=0.1).until(
+            lambda d: d.find_elements("css selector", "#worker-rows tr.details"), "the details row"
+        )
+        shown = browser.find_element("tag name", "main").text
+        # status, host (row and details), model, last op, error (failed ops and details),
+        # timeline (members, reason)
+        assert shown.count(_HOSTILE) >= 5, shown
         assert browser.find_elements("css selector", "main img") == []
         assert browser.execute_script("return window.__pwned === undefined")
-        _screenshot(browser, "escaping")
+        page.screenshot(browser, "escaping")
     finally:
         dashboard.stop()

@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from helpers import WORKER_TOKEN
 from torch import nn
 
 from collectives.v1 import (
@@ -33,9 +34,12 @@ from collectives.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
+from collectives_server.coordinator.admission import WORKER_TOKEN_METADATA
 
 OK = grpc.StatusCode.OK
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
+# The coordinator's worker-only RPCs need the worker token the fixtures' clusters use.
+WORKER = ((WORKER_TOKEN_METADATA, WORKER_TOKEN),)
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
 PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
@@ -516,24 +520,24 @@ ROWS: list[Row] = [
     # ------------------------------------------------------------- coordinator
     Row("register-no-address",
         lambda e: e.coordinator.Register(
-            coordinator_pb2.RegisterRequest(devices=["cpu"]), timeout=10),
+            coordinator_pb2.RegisterRequest(devices=["cpu"]), timeout=10, metadata=WORKER),
         INVALID, "is not HOST:PORT"),
     Row("register-bad-port",
         lambda e: e.coordinator.Register(
             coordinator_pb2.RegisterRequest(address="127.0.0.1:99999", devices=["cpu"]),
-            timeout=10),
+            timeout=10, metadata=WORKER),
         INVALID, "'127.0.0.1:99999' is not HOST:PORT"),
     Row("register-no-devices",
         lambda e: e.coordinator.Register(
-            coordinator_pb2.RegisterRequest(address="127.0.0.1:1"), timeout=10),
+            coordinator_pb2.RegisterRequest(address="127.0.0.1:1"), timeout=10, metadata=WORKER),
         INVALID, "must be a non-empty list of device names"),
     Row("heartbeat-unknown-id",
         lambda e: e.coordinator.Heartbeat(
-            coordinator_pb2.HeartbeatRequest(worker_id="w-nobody"), timeout=10),
+            coordinator_pb2.HeartbeatRequest(worker_id="w-nobody"), timeout=10, metadata=WORKER),
         NOT_FOUND, "w-nobody"),
     Row("leave-unknown-id",
         lambda e: e.coordinator.Leave(
-            coordinator_pb2.LeaveRequest(worker_id="w-nobody"), timeout=10),
+            coordinator_pb2.LeaveRequest(worker_id="w-nobody"), timeout=10, metadata=WORKER),
         NOT_FOUND, "w-nobody"),
 ]  # fmt: skip
 

@@ -63,6 +63,7 @@ class FakeWorker:
             timeout=5,
         )
         self.worker_id = response.worker_id
+        self.lease_secret = response.lease_secret
         self.interval_s = response.heartbeat_interval_s
         assert response.store_address.rsplit(":", 1)[1].isdigit()
         self.joined_generation = 0
@@ -74,7 +75,9 @@ class FakeWorker:
         while not self._stop.wait(self.interval_s):  # the heartbeat period, not a sync wait
             self.stub.Heartbeat(
                 pb.HeartbeatRequest(
-                    worker_id=self.worker_id, joined_generation=self.joined_generation
+                    worker_id=self.worker_id,
+                    joined_generation=self.joined_generation,
+                    lease_secret=self.lease_secret,
                 ),
                 timeout=5,
             )
@@ -176,10 +179,13 @@ def test_leave_and_bad_requests(stub: pb_grpc.CoordinatorStub) -> None:
         stub.Register(pb.RegisterRequest(address="127.0.0.1:7000"), timeout=5)
     assert no_devices.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
-    worker_id = stub.Register(
+    registered = stub.Register(
         pb.RegisterRequest(address="127.0.0.1:7000", devices=["cpu"]), timeout=5
-    ).worker_id
-    stub.Leave(pb.LeaveRequest(worker_id=worker_id), timeout=5)
+    )
+    worker_id = registered.worker_id
+    stub.Leave(
+        pb.LeaveRequest(worker_id=worker_id, lease_secret=registered.lease_secret), timeout=5
+    )
     assert worker_id not in by_id(stub.GetCluster(pb.GetClusterRequest(), timeout=5))
     with pytest.raises(grpc.RpcError) as gone:
         stub.Leave(pb.LeaveRequest(worker_id=worker_id), timeout=5)

@@ -83,9 +83,22 @@ def stub(coordinator: Daemon) -> Iterator[pb_grpc.CoordinatorStub]:
         yield pb_grpc.CoordinatorStub(channel)
 
 
+# worker id -> the lease secret Register returned (heartbeats must carry it).
+LEASE_SECRETS: dict[str, str] = {}
+
+
 def register(stub: pb_grpc.CoordinatorStub, port: int = 7001) -> str:
     request = pb.RegisterRequest(address=f"127.0.0.1:{port}", pid=port, devices=["cpu"])
-    return stub.Register(request, timeout=5).worker_id
+    response = stub.Register(request, timeout=5)
+    LEASE_SECRETS[response.worker_id] = response.lease_secret
+    return response.worker_id
+
+
+def beat(worker_id: str, **fields: object) -> pb.HeartbeatRequest:
+    """A HeartbeatRequest for ``worker_id`` carrying its lease secret."""
+    return pb.HeartbeatRequest(
+        worker_id=worker_id, lease_secret=LEASE_SECRETS.get(worker_id, ""), **fields
+    )
 
 
 class RawStream:
@@ -107,9 +120,7 @@ class RawStream:
         self.ended.set()
 
     def send(self, worker_id: str, *, want_reply: bool = False) -> None:
-        self.requests.put(
-            pb.HeartbeatRequest(worker_id=worker_id, joined_generation=1, want_reply=want_reply)
-        )
+        self.requests.put(beat(worker_id, joined_generation=1, want_reply=want_reply))
 
     def close(self) -> None:
         self.requests.put(None)
@@ -186,7 +197,7 @@ def test_stream_of_a_worker_declared_lost_is_cancelled(stub: pb_grpc.Coordinator
     worker_id = register(stub)
     ended = threading.Event()
     stream = HeartbeatStream(stub, reply_every_s=60, reply_timeout_s=5, on_end=ended.set)
-    stream.send(pb.HeartbeatRequest(worker_id=worker_id))  # the first beat asks for an answer
+    stream.send(beat(worker_id))  # the first beat asks for an answer
     wait_until(lambda: stream.last_reply is not None, 10, "the first answer")
     # Then silence on an open stream: the lease runs out, and the stream is cancelled.
     wait_until(
@@ -194,7 +205,7 @@ def test_stream_of_a_worker_declared_lost_is_cancelled(stub: pb_grpc.Coordinator
     )
     assert ended.wait(10)
     with pytest.raises(grpc.RpcError) as cancelled:
-        stream.send(pb.HeartbeatRequest(worker_id=worker_id))
+        stream.send(beat(worker_id))
     assert cancelled.value.code() == grpc.StatusCode.CANCELLED
 
 
@@ -204,7 +215,7 @@ def test_streams_beyond_the_limit_are_refused(stub: pb_grpc.CoordinatorStub) -> 
     streams = [HeartbeatStream(stub, reply_every_s=60, reply_timeout_s=5) for _ in range(limit)]
     try:
         for stream in streams:
-            stream.send(pb.HeartbeatRequest(worker_id=worker_id))
+            stream.send(beat(worker_id))
         wait_until(
             lambda: all(s.last_reply is not None for s in streams), 30, "every stream answered"
         )
@@ -216,7 +227,7 @@ def test_streams_beyond_the_limit_are_refused(stub: pb_grpc.CoordinatorStub) -> 
         assert "Heartbeat" in extra.error.details()
         extra.close()
         # The unary call still works for the worker that was refused a stream.
-        stub.Heartbeat(pb.HeartbeatRequest(worker_id=worker_id), timeout=5)
+        stub.Heartbeat(beat(worker_id), timeout=5)
     finally:
         for stream in streams:
             stream.close()
@@ -228,13 +239,13 @@ def test_stopping_the_coordinator_ends_open_streams(coordinator: Daemon) -> None
         worker_id = register(stub)
         ended = threading.Event()
         stream = HeartbeatStream(stub, reply_every_s=60, reply_timeout_s=5, on_end=ended.set)
-        stream.send(pb.HeartbeatRequest(worker_id=worker_id))
+        stream.send(beat(worker_id))
         wait_until(lambda: stream.last_reply is not None, 10, "the first answer")
         coordinator.proc.terminate()
         assert coordinator.proc.wait(timeout=15) == 0
         assert ended.wait(10)
         with pytest.raises(grpc.RpcError) as gone:
-            stream.send(pb.HeartbeatRequest(worker_id=worker_id))
+            stream.send(beat(worker_id))
         assert gone.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
 
 

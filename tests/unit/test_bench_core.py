@@ -67,7 +67,22 @@ def test_measure_per_converts_units() -> None:
 def test_stat_of_and_text() -> None:
     stat = stat_of([3.0, 1.0, 2.0], "ms")
     assert (stat.median, stat.low, stat.high, stat.samples) == (2.0, 1.0, 3.0, 3)
-    assert stat.text() == "2 ms (1-3)"
+    assert stat.text() == "2 ms (p99 3, worst 3)"
+    # Times are shown in a unit scaled to the median; rates keep theirs, worst = lowest.
+    assert stat_of([7.65e-05, 8e-05, 9e-05], "s").text() == "80 µs (p99 90, worst 90)"
+    rates = stat_of([float(v) for v in range(1, 201)], "GB/s")
+    assert rates.p99 == 3.0 and rates.worst == 1.0 and rates.text().startswith("100 GB/s")
+
+
+def test_terminal_table_fits_120_columns() -> None:
+    long = "x" * 150
+    rows = [
+        Row("1 put/get", long, stat_of([0.5, 0.6, 0.7], "GB/s"), long, _stat(1.0), ">= 0.6"),
+        Row("4 latency", "all_reduce 4 B", stat_of([1e-3, 2e-3], "s"), "rtt", _stat(1e-3, "s")),
+    ]
+    lines = entry.terminal_table(rows).splitlines()
+    assert len(lines) == 3 and max(map(len, lines)) <= 120
+    assert "GB/s" in lines[1] and "ms" in lines[2] and "e-0" not in "".join(lines)
 
 
 def test_percentile() -> None:

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import http.client
 import json
+import random
 import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from collectives.v1 import coordinator_pb2
+from collectives.cli import _json_line as cli_json_line
+from collectives.v1 import coordinator_pb2, status_pb2
+from collectives.workers import ClusterSnapshot
 from collectives_server.cli import build_parser
 from collectives_server.cmd_coordinator import config_from_args
 from collectives_server.coordinator import Coordinator, CoordinatorConfig
@@ -54,6 +57,11 @@ class FakeSource:
         with self._cond:
             self._cluster.generation = generation
             self._cluster.version += 1
+            self._cond.notify_all()
+
+    def replace(self, cluster: coordinator_pb2.Cluster) -> None:
+        with self._cond:
+            self._cluster = coordinator_pb2.Cluster.FromString(cluster.SerializeToString())
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -105,6 +113,7 @@ def read_events(response: http.client.HTTPResponse, count: int) -> list[dict]:
         ("/", "text/html", b'id="generation"'),
         ("/index.html", "text/html", b'src="app.js"'),
         ("/app.js", "text/javascript", b"EventSource"),
+        ("/model.js", "text/javascript", b"groupFailures"),
         ("/style.css", "text/css", b".state-lost"),
     ],
 )
@@ -115,20 +124,70 @@ def test_page_and_assets(dashboard, path: str, content_type: str, needle: bytes)
     assert needle in body
     assert "default-src 'self'" in headers["Content-Security-Policy"]
     assert headers["X-Content-Type-Options"] == "nosniff"
-    # Nothing may come from the network: no absolute URLs in the shipped assets.
+    # Nothing may come from the network: no absolute URLs in the shipped assets
+    # (the SVG namespace name is an identifier, never fetched).
+    body = body.replace(b'"http://www.w3.org/2000/svg"', b"")
     assert b"http://" not in body and b"https://" not in body
 
 
-def test_api_cluster_is_the_proto_json(dashboard) -> None:
+def test_api_cluster_is_the_status_json_schema(dashboard) -> None:
     status, headers, body = get(dashboard, "/api/cluster?x=1")
     assert status == 200 and headers["Content-Type"] == "application/json"
     data = json.loads(body)
-    assert data["generation"] == "1"  # int64 -> string in the proto3 JSON mapping
+    assert data["generation"] == 1  # a JSON number, as in status --json
     assert data["world_size"] == 2
     assert data["formed"] is False  # defaults are present
     assert data["history"] == []
     (worker,) = data["workers"]
-    assert (worker["worker_id"], worker["state"]) == ("w1", "WORKER_STATE_READY")
+    assert (worker["worker_id"], worker["state"]) == ("w1", "ready")
+
+
+def _rich_cluster() -> coordinator_pb2.Cluster:
+    """A Cluster with every kind of field set, from fresh random values."""
+    rng = random.Random()
+    cluster = coordinator_pb2.Cluster(
+        generation=rng.randrange(1, 1 << 40), formed=True, ready=True, world_size=2,
+        version=rng.randrange(1, 1 << 50), status="formed", op_timeout_s=rng.uniform(1, 60),
+        min_workers=1, max_workers=4, store_address="127.0.0.1:29500",
+    )  # fmt: skip
+    states = [coordinator_pb2.WORKER_STATE_READY, coordinator_pb2.WORKER_STATE_LOST]
+    for rank, state in zip((0, -1), states, strict=True):
+        status = status_pb2.WorkerStatus(
+            tensors_held=rng.randrange(1 << 20), bytes_held=rng.randrange(1 << 45),
+            models=["m"], last_op="all_reduce", last_op_latency_s=rng.random(),
+            queue_depth=rng.randrange(9), process_rss_bytes=rng.randrange(1 << 40),
+        )  # fmt: skip
+        status.ops.add(kind="all_reduce", completed=rng.randrange(1 << 40), failed=3)
+        status.devices.add(device="cpu", memory_used_bytes=rng.randrange(1 << 33))
+        status.recent_errors.add(
+            unix_time_s=1.7e9 + rng.random(), op_id=rng.randrange(1 << 40), generation=4,
+            kind="all_reduce", code="DEADLINE_EXCEEDED", message="timed out",
+        )  # fmt: skip
+        cluster.workers.add(
+            worker_id=f"w{rank}", rank=rank, address=f"127.0.0.1:{rng.randrange(1024, 65535)}",
+            state=state, devices=["cpu"], hostname="h", pid=rng.randrange(1, 1 << 22),
+            joined_generation=cluster.generation, last_heartbeat_age_s=rng.random(),
+            backend="gloo", uptime_s=rng.uniform(0, 1e5), version="0.1", status=status,
+        )  # fmt: skip
+    cluster.history.add(
+        generation=cluster.generation, sealed_unix_time_s=1.7e9, world_size=2,
+        members=["127.0.0.1:1", "127.0.0.1:2"], reason="worker lost",
+    )  # fmt: skip
+    return cluster
+
+
+def test_api_cluster_equals_status_json(dashboard, source) -> None:
+    """/api/cluster and ``collectives status --json`` print the same thing for one message."""
+    cluster = _rich_cluster()
+    source.replace(cluster)
+    _, _, body = get(dashboard, "/api/cluster")
+    served = json.loads(body)
+    printed = json.loads(cli_json_line("127.0.0.1:50051", ClusterSnapshot.from_proto(cluster)))
+    assert printed.pop("coordinator") == "127.0.0.1:50051"
+    assert served == printed
+    assert [w["state"] for w in served["workers"]] == ["ready", "lost"]
+    assert served["version"] == cluster.version and isinstance(served["version"], int)
+    assert served["workers"][0]["ops_failed"] == 3
 
 
 def test_healthz_and_unknown_paths(dashboard) -> None:
@@ -145,13 +204,13 @@ def test_event_stream_pushes_every_version_change(dashboard, source) -> None:
         assert response.status == 200
         assert response.getheader("Content-Type").startswith("text/event-stream")
         (first,) = read_events(response, 1)
-        assert first["generation"] == "1"
+        assert first["generation"] == 1
         # refresh_s is 30 s: an event within the socket timeout comes from the change.
         start = time.monotonic()
         source.bump(2)
         (second,) = read_events(response, 1)
-        assert second["generation"] == "2"
-        assert int(second["version"]) == int(first["version"]) + 1
+        assert second["generation"] == 2
+        assert second["version"] == first["version"] + 1
         assert time.monotonic() - start < 5
     finally:
         conn.close()
@@ -163,7 +222,7 @@ def test_event_stream_refreshes_without_changes(source) -> None:
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
         conn.request("GET", "/api/events")
         events = read_events(conn.getresponse(), 3)
-        assert [e["version"] for e in events] == ["10", "10", "10"]
+        assert [e["version"] for e in events] == [10, 10, 10]
         conn.close()
     finally:
         server.stop()

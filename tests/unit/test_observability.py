@@ -11,6 +11,7 @@ import logging
 import grpc
 import pytest
 
+from collectives import _status_tables as status_tables
 from collectives import cli as client_cli
 from collectives.v1 import coordinator_pb2, status_pb2
 from collectives.workers import ClusterSnapshot, DeviceMemory, OpCount, RecentError
@@ -201,7 +202,7 @@ def test_worker_info_exposes_the_status_as_typed_fields() -> None:
     assert data["workers"][0]["ops"]["all_reduce"] == {"completed": 3, "failed": 1}
     assert data["workers"][0]["device_memory"][0]["used_bytes"] == 1000
     assert data["history"][0]["generation"] == 1
-    table = client_cli.format_table("c:1", snap)
+    table = client_cli.format_table("c:1", snap, width=1000)
     assert "all_reduce" in table and "op 4 (all_reduce)" in table and "sealed" in table
 
 
@@ -210,10 +211,12 @@ def test_top_rates_come_from_consecutive_snapshots() -> None:
     msg = _cluster_with_status()
     msg.workers[0].status.ops[1].completed = 12  # 10 more puts
     after = ClusterSnapshot.from_proto(msg)
-    rates = client_cli._rates(before, after, 2.0)
+    rates = status_tables.rates_between(before, after, 2.0)
     assert rates == {"h:1": 5.0, "h:2": 0.0}
-    assert "5.0" in client_cli.format_top("c:1", after, rates)
-    assert client_cli.human_bytes(1536) == "1.5KiB" and client_cli.human_bytes(10) == "10B"
+    assert "5.0" in client_cli.format_top("c:1", after, rates, width=1000)
+    narrow = client_cli.format_top("c:1", after, rates, width=80).splitlines()
+    assert max(map(len, narrow)) <= 80 and "5.0" in "\n".join(narrow)
+    assert status_tables.human_bytes(1536) == "1.5KiB" and status_tables.human_bytes(10) == "10B"
 
 
 # ------------------------------------------------------------------------- CLI

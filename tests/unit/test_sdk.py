@@ -490,6 +490,37 @@ def test_groups_and_async_ops(deployment: FakeDeployment, cluster: collectives.C
         cluster.barrier(group=group)
 
 
+def test_a_never_started_collective_is_not_retried_on_a_new_generation(
+    deployment: FakeDeployment, cluster: collectives.Cluster
+) -> None:
+    """Issue 10: "never started" is not enough when the membership changed."""
+    fake = deployment.fake
+    cluster.put("r", torch.ones(2))
+    gate = threading.Event()
+    fake.block["AllReduce"] = gate
+    fake.fail_next("AllReduce", grpc.StatusCode.UNAVAILABLE, executed="no")
+    work = cluster.all_reduce("r", async_op=True)
+    wait_until(lambda: len(fake.requests["AllReduce"]) == 1, 10, "the op to reach the leader")
+    assert work.generation == 1
+    # While the leader holds the op, the cluster moves to generation 2.
+    fake.generation = 2
+    deployment.coordinator.publish(deployment.formed_cluster(generation=2))
+    wait_until(lambda: cluster.generation == 2, 10, "the watch to deliver generation 2")
+    del fake.block["AllReduce"]
+    gate.set()
+    with pytest.raises(collectives.Unavailable) as info:
+        work.wait(10)
+    err = info.value
+    assert err.executed is False and err.generation == 1
+    assert "generation 1" in err.message and "generation 2" in err.message
+    assert "Nothing was committed" in err.message
+    assert len(fake.requests["AllReduce"]) == 1  # not sent again
+    # A new call binds to the new generation and runs.
+    work = cluster.all_reduce("r", async_op=True)
+    assert work.wait(10) is None and work.generation == 2
+    assert fake.requests["AllReduce"][-1].options.generation == 2
+
+
 def test_only_never_started_collectives_are_retried(
     deployment: FakeDeployment, cluster: collectives.Cluster
 ) -> None:
@@ -533,12 +564,16 @@ def test_deadline_expiry_is_deadline_exceeded(
 
 
 def test_status_cli_table_and_json(
-    deployment: FakeDeployment, capsys: pytest.CaptureFixture[str]
+    deployment: FakeDeployment,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     address = deployment.coordinator_address
-    assert cli_main(["status", "--coordinator", address]) == 0
+    assert cli_main(["status", "--coordinator", address, "--wide"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "generation 1" in lines[0] and "world size 2" in lines[0] and "formed yes" in lines[0]
+    assert lines[1].startswith("status: ")
+    lines = lines[1:]
     assert lines[1].split() == [
         "RANK", "STATE", "ADDRESS", "HOSTNAME", "PID", "DEVICES", "JOINED_GEN", "HEARTBEAT",
         "TENSORS", "OPS_OK", "OPS_FAILED", "QUEUE", "MEMORY", "LAST_OP",
@@ -547,6 +582,13 @@ def test_status_cli_table_and_json(
     assert lines[4].split()[:2] == ["-", "lost"] and "cuda:0,cuda:1" in lines[4]
     assert len({line.index("STATE") for line in lines[1:2]}) == 1
     assert lines[2].index("ready") == lines[1].index("STATE")  # aligned
+    # Without --wide the table fits 80 columns, keeping the columns that matter most.
+    monkeypatch.setenv("COLUMNS", "80")
+    assert cli_main(["status", "--coordinator", address]) == 0
+    narrow = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in narrow) <= 80, narrow
+    assert narrow[2].split()[:3] == ["RANK", "STATE", "ADDRESS"] and "TENSORS" in narrow[2]
+    assert any("--wide shows all" in line for line in narrow)
     assert cli_main(["status", "--coordinator", address, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["generation"] == 1 and doc["world_size"] == 2 and doc["formed"] is True

@@ -96,7 +96,7 @@ class Cluster(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., formed: _Optional[bool] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., store_address: _Optional[str] = ..., version: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., status: _Optional[str] = ..., op_timeout_s: _Optional[float] = ..., ready: _Optional[bool] = ..., history: _Optional[_Iterable[_Union[GenerationRecord, _Mapping]]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("address", "hostname", "pid", "devices", "backend", "version", "last_generation")
+    __slots__ = ("address", "hostname", "pid", "devices", "backend", "version", "last_generation", "retry_key")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class RegisterRequest(_message.Message):
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LAST_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RETRY_KEY_FIELD_NUMBER: _ClassVar[int]
     address: str
     hostname: str
     pid: int
@@ -111,35 +112,40 @@ class RegisterRequest(_message.Message):
     backend: str
     version: str
     last_generation: int
-    def __init__(self, address: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., version: _Optional[str] = ..., last_generation: _Optional[int] = ...) -> None: ...
+    retry_key: str
+    def __init__(self, address: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., version: _Optional[str] = ..., last_generation: _Optional[int] = ..., retry_key: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("worker_id", "heartbeat_interval_s", "lease_s", "store_address", "op_timeout_s")
+    __slots__ = ("worker_id", "heartbeat_interval_s", "lease_s", "store_address", "op_timeout_s", "lease_secret")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     OP_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECRET_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     heartbeat_interval_s: float
     lease_s: float
     store_address: str
     op_timeout_s: float
-    def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_s: _Optional[float] = ..., store_address: _Optional[str] = ..., op_timeout_s: _Optional[float] = ...) -> None: ...
+    lease_secret: str
+    def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_s: _Optional[float] = ..., store_address: _Optional[str] = ..., op_timeout_s: _Optional[float] = ..., lease_secret: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "joined_generation", "busy", "status", "want_reply")
+    __slots__ = ("worker_id", "joined_generation", "busy", "status", "want_reply", "lease_secret")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     JOINED_GENERATION_FIELD_NUMBER: _ClassVar[int]
     BUSY_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     WANT_REPLY_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECRET_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     joined_generation: int
     busy: bool
     status: _status_pb2.WorkerStatus
     want_reply: bool
-    def __init__(self, worker_id: _Optional[str] = ..., joined_generation: _Optional[int] = ..., busy: _Optional[bool] = ..., status: _Optional[_Union[_status_pb2.WorkerStatus, _Mapping]] = ..., want_reply: _Optional[bool] = ...) -> None: ...
+    lease_secret: str
+    def __init__(self, worker_id: _Optional[str] = ..., joined_generation: _Optional[int] = ..., busy: _Optional[bool] = ..., status: _Optional[_Union[_status_pb2.WorkerStatus, _Mapping]] = ..., want_reply: _Optional[bool] = ..., lease_secret: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("generation", "version")
@@ -150,10 +156,12 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("worker_id",)
+    __slots__ = ("worker_id", "lease_secret")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECRET_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
-    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+    lease_secret: str
+    def __init__(self, worker_id: _Optional[str] = ..., lease_secret: _Optional[str] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
     __slots__ = ()

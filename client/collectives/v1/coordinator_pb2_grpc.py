@@ -71,7 +71,9 @@ class CoordinatorServicer:
 
     def Register(self, request, context):
         """Adds a worker. Its rank is decided when the next generation is sealed.
-        Errors: INVALID_ARGUMENT (no address or devices). Safe to retry.
+        Errors: INVALID_ARGUMENT (no address or devices, a field over its size
+        limit), ALREADY_EXISTS (a live worker holds the address: retry after its
+        lease), RESOURCE_EXHAUSTED. Safe to retry with the same retry_key.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -11,7 +11,6 @@ the local launcher start it in-process on port 0 and read :attr:`Coordinator.add
 
 from __future__ import annotations
 
-import datetime
 import logging
 import secrets
 import socket
@@ -24,10 +23,12 @@ from types import TracebackType
 from typing import Any
 
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
+from collectives_server.coordinator.control import ControlGuard, ControlLimits
 from collectives_server.coordinator.dashboard import DashboardServer
 from collectives_server.coordinator.membership import Membership
 from collectives_server.coordinator.metrics import coordinator_registry
 from collectives_server.coordinator.service import SERVICE_NAME, CoordinatorServicer
+from collectives_server.coordinator.store_socket import start_store
 from collectives_server.metrics import MetricsServer
 from collectives_server.rpc import SMALL_MESSAGE_OPTIONS, ServerHandle, start_server
 from collectives_server.security import ServerSecurity
@@ -38,11 +39,10 @@ __all__ = ["Coordinator", "CoordinatorConfig", "format_address", "run_coordinato
 log = logging.getLogger(__name__)
 
 _WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]"}
-# gRPC threads: WatchCluster streams may hold up to _MAX_WATCHERS of them; the rest
+# gRPC threads: WatchCluster streams may hold up to --max-watch-streams of them; these
 # stay free for Register/Heartbeat. Each HeartbeatStream holds one more (see
 # heartbeat_stream_limit); the pool starts its threads only as calls need them.
-_GRPC_THREADS = 96
-_MAX_WATCHERS = 64
+_FREE_GRPC_THREADS = 32
 # Heartbeat streams beyond one per worker: a worker re-registering opens its new
 # stream while the coordinator may not have seen the old one end yet.
 _HEARTBEAT_STREAM_HEADROOM = 32
@@ -69,8 +69,11 @@ class CoordinatorConfig:
     join_window_s: float = 0.5
     # Collective timeout told to workers (and through Cluster, to clients).
     op_timeout_s: float = 30.0
-    # Port of the rendezvous TCPStore (which listens on every interface); 0 picks one.
+    # Port of the rendezvous TCPStore; 0 picks one.
     store_port: int = 0
+    # Interface the TCPStore listens on; None: ``host`` (every interface when ``host``
+    # is a wildcard).
+    store_host: str | None = None
     # Host name put in the addresses handed out; None: ``host``, or this machine's
     # name when ``host`` is a wildcard (0.0.0.0, ::).
     advertise_host: str | None = None
@@ -82,6 +85,13 @@ class CoordinatorConfig:
     metrics_host: str = "127.0.0.1"
     # TLS / mutual TLS / bearer token of the gRPC server (default: plaintext, open).
     security: ServerSecurity = field(default_factory=ServerSecurity)
+    # Token the worker-only RPCs (Register, Heartbeat, Leave) require; None: none.
+    worker_token: str | None = None
+    # Waiting workers, watch streams, Cluster message budget.
+    limits: ControlLimits = field(default_factory=ControlLimits)
+    # Dashboard connections: closed after this long idle; at most this many open.
+    dashboard_idle_s: float = 10.0
+    dashboard_max_connections: int = 256
 
     def __post_init__(self) -> None:
         if self.min_workers < 1:
@@ -99,6 +109,11 @@ class CoordinatorConfig:
             raise ValueError(
                 f"lease_s ({self.lease_s}) must be longer than heartbeat_s ({self.heartbeat_s}), "
                 "or every worker would be declared lost between two heartbeats"
+            )
+        if self.dashboard_idle_s <= 0 or self.dashboard_max_connections < 1:
+            raise ValueError(
+                "dashboard_idle_s must be > 0 and dashboard_max_connections >= 1, got "
+                f"{self.dashboard_idle_s}, {self.dashboard_max_connections}"
             )
         for name in ("port", "store_port", "dashboard_port", "metrics_port"):
             if getattr(self, name) is not None and not 0 <= getattr(self, name) < 65536:
@@ -144,7 +159,8 @@ class Coordinator:
         if self._server is not None:
             raise RuntimeError("coordinator already started")
         cfg = self.config
-        self._store, self._store_port = _start_store(cfg.store_port, cfg.op_timeout_s)
+        store_host = cfg.store_host if cfg.store_host is not None else cfg.host
+        self._store, self._store_port = start_store(store_host, cfg.store_port, cfg.op_timeout_s)
         membership = Membership(
             cfg.min_workers,
             cfg.max_workers,
@@ -162,7 +178,7 @@ class Coordinator:
             heartbeat_s=cfg.heartbeat_s,
             op_timeout_s=cfg.op_timeout_s,
             clock=self._clock,
-            max_watchers=_MAX_WATCHERS,
+            guard=ControlGuard(cfg.limits, cfg.worker_token),
             max_heartbeat_streams=heartbeat_stream_limit(cfg.max_workers),
         )
         servicer = self._servicer
@@ -174,7 +190,9 @@ class Coordinator:
                     lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s)
                 ],
                 service_names=[SERVICE_NAME],
-                max_workers=_GRPC_THREADS + heartbeat_stream_limit(cfg.max_workers),
+                max_workers=_FREE_GRPC_THREADS
+                + cfg.limits.max_watch_streams
+                + heartbeat_stream_limit(cfg.max_workers),
                 security=cfg.security,
                 options=SMALL_MESSAGE_OPTIONS,
             )
@@ -184,7 +202,11 @@ class Coordinator:
         if cfg.dashboard_port is not None:
             try:
                 self._dashboard = DashboardServer(
-                    servicer, host=cfg.dashboard_host, port=cfg.dashboard_port
+                    servicer,
+                    host=cfg.dashboard_host,
+                    port=cfg.dashboard_port,
+                    idle_s=cfg.dashboard_idle_s,
+                    max_connections=cfg.dashboard_max_connections,
                 ).start()
             except OSError as exc:
                 self.stop()
@@ -287,23 +309,6 @@ class Coordinator:
         if self._servicer is None:
             raise RuntimeError("coordinator not started")
         return self._servicer.snapshot()
-
-
-def _start_store(port: int, timeout_s: float) -> tuple[Any, int]:
-    """Starts the master TCPStore; returns it and its real port (port 0 picks one)."""
-    from torch.distributed import TCPStore  # slow import; only daemons need it
-
-    # The master binds every interface whatever host is given; host matters for its
-    # own client connection only.
-    store = TCPStore(
-        "127.0.0.1",
-        port,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        use_libuv=True,
-    )
-    return store, int(store.port)
 
 
 def run_coordinator(config: CoordinatorConfig) -> int:

@@ -8,16 +8,22 @@ built, and nothing is fetched from the network at run time.
 
 Endpoints (all GET):
 
-* ``/`` — the page; ``/app.js`` and ``/style.css`` its assets.
-* ``/api/cluster`` — the current ``collectives.v1.Cluster`` as JSON (the proto3
-  JSON mapping with the proto's field names: 64-bit integers are strings, enums
-  their names, every field present).
+* ``/`` — the page; ``/app.js``, ``/model.js`` and ``/style.css`` its assets.
+* ``/api/cluster`` — the current ``collectives.v1.Cluster`` as JSON, in the schema
+  of ``collectives status --json`` (see :mod:`.dashboard_json`): integers as
+  numbers, worker states as ``"ready"``, ``"lost"``...
 * ``/api/events`` — Server-Sent Events: a ``cluster`` event with the same JSON at
   once, on every version change (the servicer's condition, which also wakes the
   ``WatchCluster`` streams), and every ``refresh_s`` seconds without a change, so
   heartbeat ages and uptimes stay current and a dead connection is noticed.
   The page falls back to polling ``/api/cluster`` when the stream fails.
 * ``/healthz`` — ``ok`` while the coordinator serves.
+
+Connections are bounded (issue 16, L4): each closes after ``idle_s`` seconds without
+a request (or a stalled write), at most ``max_connections`` are open at once (more
+are answered 503 and closed by the accepting thread), and the listen backlog is
+1024; so no connection holds a thread forever and an idle crowd cannot starve
+``/healthz``. See :mod:`.dashboard_limits`.
 
 Read-only: nothing here changes the cluster. The data (addresses, hostnames,
 error messages) is operator information; bind it to a public interface only on a
@@ -26,18 +32,16 @@ network you trust.
 
 from __future__ import annotations
 
-import json
 import logging
-import socket
 import threading
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from importlib import resources
 from typing import Any, Protocol
 
-from google.protobuf import json_format
-
 from collectives.v1 import coordinator_pb2
+from collectives_server.coordinator.dashboard_json import cluster_to_json
+from collectives_server.coordinator.dashboard_limits import BoundedHTTPServer, BoundedIPv6Server
 
 __all__ = ["ClusterSource", "DashboardServer", "cluster_to_json"]
 
@@ -47,12 +51,14 @@ log = logging.getLogger(__name__)
 _ASSETS = {
     "index.html": "text/html; charset=utf-8",
     "app.js": "text/javascript; charset=utf-8",
+    "model.js": "text/javascript; charset=utf-8",
     "style.css": "text/css; charset=utf-8",
 }
 _ROUTES = {
     "/": "index.html",
     "/index.html": "index.html",
     "/app.js": "app.js",
+    "/model.js": "model.js",
     "/style.css": "style.css",
 }
 # The page loads only its own assets and talks only to this server.
@@ -78,16 +84,6 @@ class ClusterSource(Protocol):
     ) -> coordinator_pb2.Cluster | None: ...
 
 
-def cluster_to_json(cluster: coordinator_pb2.Cluster) -> str:
-    """The Cluster as compact JSON (proto field names, defaults included)."""
-    data = json_format.MessageToDict(
-        cluster,
-        preserving_proto_field_name=True,
-        always_print_fields_with_no_presence=True,
-    )
-    return json.dumps(data, separators=(",", ":"))
-
-
 def _load_assets() -> dict[str, bytes]:
     root = resources.files("collectives_server.coordinator").joinpath("static")
     return {name: root.joinpath(name).read_bytes() for name in _ASSETS}
@@ -104,9 +100,17 @@ class DashboardServer:
         port: int = 0,
         refresh_s: float = 2.0,
         max_streams: int = 32,
+        idle_s: float = 10.0,
+        max_connections: int = 256,
     ) -> None:
         if refresh_s <= 0:
             raise ValueError(f"refresh_s must be > 0, got {refresh_s}")
+        if idle_s <= 0 or max_connections < 1:
+            raise ValueError(
+                f"idle_s must be > 0 and max_connections >= 1, got {idle_s}, {max_connections}"
+            )
+        self.idle_s = idle_s
+        self.max_connections = max_connections
         self._source = source
         self._host = host
         self._port = port
@@ -116,15 +120,17 @@ class DashboardServer:
         self._lock = threading.Lock()
         self._assets = _load_assets()
         self._stopping = threading.Event()
-        self._httpd: ThreadingHTTPServer | None = None
+        self._httpd: BoundedHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
     def start(self) -> DashboardServer:
         if self._httpd is not None:
             raise RuntimeError("dashboard already started")
-        handler = type("DashboardHandler", (_Handler,), {"dashboard": self})
-        server_class = _IPv6Server if ":" in self._host else ThreadingHTTPServer
-        httpd = server_class((self._host.strip("[]"), self._port), handler)
+        handler = type("DashboardHandler", (_Handler,), {"dashboard": self, "timeout": self.idle_s})
+        server_class = BoundedIPv6Server if ":" in self._host else BoundedHTTPServer
+        httpd = server_class(
+            (self._host.strip("[]"), self._port), handler, max_connections=self.max_connections
+        )
         httpd.daemon_threads = True  # open event streams must not hold up shutdown
         self._httpd = httpd
         self._thread = threading.Thread(
@@ -145,6 +151,11 @@ class DashboardServer:
         if self._thread is not None:
             self._thread.join(timeout=5.0)
             self._thread = None
+
+    @property
+    def open_connections(self) -> int:
+        """Connections being served now."""
+        return self._httpd.open_connections if self._httpd is not None else 0
 
     @property
     def port(self) -> int:
@@ -190,10 +201,6 @@ class DashboardServer:
         if self._stopping.is_set() or self._source.closed:
             return None
         return changed if changed is not None else self._source.snapshot()
-
-
-class _IPv6Server(ThreadingHTTPServer):
-    address_family = socket.AF_INET6
 
 
 class _Handler(BaseHTTPRequestHandler):

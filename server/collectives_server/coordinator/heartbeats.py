@@ -120,6 +120,7 @@ class HeartbeatStream:
         reply_timeout_s: float,
         on_end: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        metadata: tuple[tuple[str, str], ...] = (),
     ) -> None:
         self._schedule = ReplySchedule(reply_every_s, reply_timeout_s)
         self._on_end = on_end
@@ -128,7 +129,7 @@ class HeartbeatStream:
         self._requests: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._error: grpc.RpcError | None = None
         self.last_reply: coordinator_pb2.HeartbeatResponse | None = None
-        self._call = stub.HeartbeatStream(iter(self._requests.get, _END))
+        self._call = stub.HeartbeatStream(iter(self._requests.get, _END), metadata=metadata or None)
         self._reader = threading.Thread(target=self._read, name="heartbeat-replies", daemon=True)
         self._reader.start()
 

@@ -205,6 +205,22 @@ class Membership:
         """Whether ``worker_id`` is registered and not LOST (its heartbeats are accepted)."""
         return self._live(worker_id) is not None
 
+    def live_worker_at(self, address: str) -> str | None:
+        """The id of the live worker registered at ``address``, if any."""
+        return next(
+            (w.worker_id for w in self._workers.values() if w.address == address and not w.lost),
+            None,
+        )
+
+    @property
+    def waiting(self) -> int:
+        """Live workers that the next generation has no room for (beyond ``max_workers``)."""
+        return max(0, self._live_n - self.max_workers)
+
+    def listed(self) -> tuple[str, ...]:
+        """Ids of every worker listed in the Cluster message (live and LOST)."""
+        return tuple(self._workers)
+
     @property
     def members(self) -> tuple[str, ...]:
         """Worker ids by rank; empty while the cluster is not formed."""
@@ -276,6 +292,8 @@ class Membership:
         A retried registration (same address, hostname and pid, still live) gets
         the same id back. A new process at a live worker's address replaces it:
         the old one cannot be serving there any more, so it is declared LOST.
+        (Over gRPC, :class:`~.control.ControlGuard` refuses that case with
+        ALREADY_EXISTS before it gets here, unless the caller proves it is a retry.)
         """
         devices = tuple(devices)
         _validate_registration(address, devices)

@@ -72,6 +72,29 @@ def _collect(servicer: CoordinatorServicer) -> Iterator[Metric]:
     for w in view.workers:
         age.add_metric([w.address], w.last_heartbeat_age_s)
     yield age
+    yield from _control(servicer)
+
+
+def _control(servicer: CoordinatorServicer) -> Iterator[Metric]:
+    """Refusals of the coordinator's guard (issue 16), watch streams, Cluster size."""
+    guard = servicer.guard
+    refused = CounterMetricFamily(
+        "collectives_coordinator_refused",
+        "Coordinator calls refused by its guard, by reason (permission_denied, "
+        "already_exists, invalid_argument, resource_exhausted, status_over_budget)",
+        labels=["reason"],
+    )
+    for reason, count in sorted(guard.refused().items()):
+        refused.add_metric([reason], count)
+    yield refused
+    yield GaugeMetricFamily(
+        "collectives_watch_streams", "Open WatchCluster streams", value=guard.watch_streams
+    )
+    yield GaugeMetricFamily(
+        "collectives_cluster_message_bytes",
+        "Estimated encoded size of the Cluster message (its budget is 3.9 MB)",
+        value=guard.budget.estimate,
+    )
 
 
 def coordinator_registry(servicer: CoordinatorServicer) -> CollectorRegistry:

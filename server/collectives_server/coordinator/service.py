@@ -9,8 +9,10 @@ termination callback that notifies the condition, so cancelled streams end at
 once; the wait's timeout is only a safety net.
 
 A watch stream holds a server thread for its lifetime, so their number is capped
-(``max_watchers``): beyond it, WatchCluster answers RESOURCE_EXHAUSTED and the
-threads stay available for Register and Heartbeat.
+(``--max-watch-streams``, and ``--max-watch-streams-per-peer`` from one host):
+beyond it, WatchCluster answers RESOURCE_EXHAUSTED and the threads stay available
+for Register and Heartbeat. Roles, lease secrets and size limits are checked by
+:class:`~.control.ControlGuard` before a request changes anything.
 
 Heartbeats come once a second from every worker, so their cost bounds how many
 workers one coordinator serves. A unary call costs the coordinator ~2.5x what one
@@ -34,6 +36,7 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc, status_pb2
+from collectives_server.coordinator.control import ControlGuard
 from collectives_server.coordinator.membership import (
     ClusterView,
     InvalidRequestError,
@@ -133,7 +136,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         heartbeat_s: float,
         op_timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
-        max_watchers: int = 64,
+        guard: ControlGuard | None = None,
         max_heartbeat_streams: int = 1024,
     ) -> None:
         self._membership = membership
@@ -141,8 +144,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._heartbeat_s = heartbeat_s
         self._op_timeout_s = op_timeout_s
         self._clock = clock
-        self._max_watchers = max_watchers
-        self._watchers = 0
+        self.guard = guard or ControlGuard()
+        self._measured_version = -1  # version of the last Cluster message measured
         self._max_heartbeat_streams = max_heartbeat_streams
         # Open HeartbeatStream calls -> the worker id of their last request ("" before one).
         self._heartbeat_streams: dict[grpc.ServicerContext, str] = {}
@@ -163,6 +166,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         """
         with self._cond:
             self._apply(self._membership.tick(self._clock()))
+            if self._membership.events["lost"] != self._lost_seen:
+                self.guard.reap(self._membership)
             stale = self._streams_of_lost_workers()
         for context in stale:
             context.cancel()
@@ -220,8 +225,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def Register(
         self, request: coordinator_pb2.RegisterRequest, context: grpc.ServicerContext
     ) -> coordinator_pb2.RegisterResponse:
+        self.guard.check_worker(context, "Register")
         with self._cond:
             self._check_open(context)
+            self.guard.check_register(context, request, self._membership)
+            holder = self._membership.live_worker_at(request.address)
             try:
                 worker_id, outcome = self._membership.register(
                     self._clock(),
@@ -235,9 +243,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 )
             except InvalidRequestError as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Register: {exc}")
+            secret = self.guard.registered(worker_id, request, retry=worker_id == holder)
             self._apply(outcome)
         return coordinator_pb2.RegisterResponse(
             worker_id=worker_id,
+            lease_secret=secret,
             heartbeat_interval_s=self._heartbeat_s,
             lease_s=self._membership.lease_s,
             store_address=self._store_address,
@@ -247,6 +257,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def Heartbeat(
         self, request: coordinator_pb2.HeartbeatRequest, context: grpc.ServicerContext
     ) -> coordinator_pb2.HeartbeatResponse:
+        self.guard.check_worker(context, "Heartbeat")
         return self._heartbeat(request, context, "Heartbeat")
 
     def HeartbeatStream(
@@ -254,6 +265,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         request_iterator: Iterator[coordinator_pb2.HeartbeatRequest],
         context: grpc.ServicerContext,
     ) -> Iterator[coordinator_pb2.HeartbeatResponse]:
+        self.guard.check_worker(context, "HeartbeatStream")
         with self._cond:
             self._check_open(context)
             if len(self._heartbeat_streams) >= self._max_heartbeat_streams:
@@ -275,13 +287,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def Leave(
         self, request: coordinator_pb2.LeaveRequest, context: grpc.ServicerContext
     ) -> coordinator_pb2.LeaveResponse:
+        self.guard.check_worker(context, "Leave")
         with self._cond:
             self._check_open(context)
+            self.guard.check_lease(
+                context, "Leave", self._membership, request.worker_id, request.lease_secret
+            )
             try:
                 outcome = self._membership.leave(self._clock(), request.worker_id)
             except UnknownWorkerError as exc:
                 self._notify_if_changed()
                 context.abort(grpc.StatusCode.NOT_FOUND, f"Leave: {exc}")
+            self.guard.left(request.worker_id)
             self._apply(outcome)
         return coordinator_pb2.LeaveResponse()
 
@@ -295,13 +312,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     ) -> Iterator[coordinator_pb2.Cluster]:
         with self._cond:
             self._check_open(context)
-            if self._watchers >= self._max_watchers:
-                context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"WatchCluster: {self._watchers} streams already open (the limit); "
-                    "poll GetCluster instead, or retry later",
-                )
-            self._watchers += 1
+            peer = self.guard.open_watch(context)
         ended = threading.Event()
 
         def on_end() -> None:
@@ -317,7 +328,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 yield msg
         finally:
             with self._cond:
-                self._watchers -= 1
+                self.guard.close_watch(peer)
 
     def _next_change(
         self, after_version: int, ended: threading.Event, context: grpc.ServicerContext
@@ -346,10 +357,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     ) -> coordinator_pb2.HeartbeatResponse:
         """One heartbeat, from a unary call or a stream; aborts the call on NOT_FOUND."""
         has_status = request.HasField("status")
+        size = self.guard.check_status(context, rpc, request.status) if has_status else 0
         key = status_key(request.status) if has_status else None
         with self._cond:
             self._check_open(context)
             self._heartbeats_received += 1
+            self.guard.check_lease(
+                context, rpc, self._membership, request.worker_id, request.lease_secret
+            )
+            if has_status and self._membership.is_live(request.worker_id):
+                has_status = self.guard.admit_status(request.worker_id, size)
             try:
                 outcome = self._membership.heartbeat(
                     self._clock(),
@@ -385,12 +402,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     def _cluster(self) -> coordinator_pb2.Cluster:
         now = self._clock()
-        return cluster_to_proto(
+        msg = cluster_to_proto(
             self._membership.view(now),
             store_address=self._store_address,
             op_timeout_s=self._op_timeout_s,
             unix_offset_s=time.time() - now,
         )
+        if msg.version != self._measured_version:  # once per version, not per watcher
+            self._measured_version = msg.version
+            self.guard.budget.measured(msg.ByteSize())
+        return msg
 
     def _check_open(self, context: grpc.ServicerContext) -> None:
         if self._closed:

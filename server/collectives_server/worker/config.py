@@ -22,6 +22,8 @@ class WorkerConfig:
     op_timeout_s: float | None = None
     # Bound of the leader's op queue; a full queue answers RESOURCE_EXHAUSTED.
     queue_size: int = 1024
+    # Sub-groups (new_group) one generation may hold; beyond: RESOURCE_EXHAUSTED.
+    max_groups: int = 64
     # Quota of the worker's tensor store in bytes; None: unbounded. Puts and
     # collective results beyond it answer RESOURCE_EXHAUSTED.
     max_tensor_bytes: int | None = None
@@ -46,5 +48,7 @@ class WorkerConfig:
     security: ServerSecurity = field(default_factory=ServerSecurity)
     # How this worker reaches the coordinator (TLS, client certificate, token).
     coordinator_security: ChannelSecurity = PLAINTEXT
+    # Sent as 'collectives-worker-token' on Register/Heartbeat/Leave (--worker-token-file).
+    worker_token: str | None = None
     # Model archive uploads: allowed?, bounds, upload dir, load sandbox (archive_upload.py).
     model_upload: ModelUploadConfig = field(default_factory=ModelUploadConfig)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import collectives_server
 from collectives.errors import CollectiveError
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2
+from collectives_server.coordinator.admission import worker_metadata
 from collectives_server.coordinator.heartbeats import HeartbeatStream, reply_interval_s
 from collectives_server.metrics import MetricsServer
 from collectives_server.rpc import GRPC_OPTIONS, start_server
@@ -34,6 +35,7 @@ from collectives_server.signals import StopSignal
 from collectives_server.worker.archive_upload import ModelUploads
 from collectives_server.worker.bulk import BulkListener
 from collectives_server.worker.config import WorkerConfig
+from collectives_server.worker.enrolment import bounded_status, register
 from collectives_server.worker.models import ModelRegistry
 from collectives_server.worker.runtime import GenerationRuntime, OpResult
 from collectives_server.worker.service import SERVICE_NAME, WorkerService, add_worker_service
@@ -84,6 +86,7 @@ class WorkerDaemon:
         self.leader_address = ""
         self.op_timeout_s = config.op_timeout_s or 30.0
         self.worker_id = ""
+        self._lease_secret = ""
         self.joined_generation = 0
         self._last_generation = 0
         self._store_address = ""
@@ -142,7 +145,11 @@ class WorkerDaemon:
         try:
             if self.worker_id:
                 self._coordinator.Leave(
-                    coordinator_pb2.LeaveRequest(worker_id=self.worker_id), timeout=2.0
+                    coordinator_pb2.LeaveRequest(
+                        worker_id=self.worker_id, lease_secret=self._lease_secret
+                    ),
+                    timeout=2.0,
+                    metadata=worker_metadata(self.config.worker_token),
                 )
         except grpc.RpcError:
             pass
@@ -170,9 +177,16 @@ class WorkerDaemon:
             version=collectives_server.__version__,
             last_generation=self._last_generation,
         )
-        response = self._coordinator.Register(request, timeout=timeout_s, wait_for_ready=True)
+        response = register(
+            self._coordinator,
+            request,
+            timeout_s=timeout_s,
+            token=self.config.worker_token,
+            stop=self._stop,
+        )
         with self._lock:
             self.worker_id = response.worker_id
+            self._lease_secret = response.lease_secret
             self._heartbeat_s = response.heartbeat_interval_s or 1.0
             self._lease_s = response.lease_s or 5.0
             self._store_address = response.store_address
@@ -190,9 +204,10 @@ class WorkerDaemon:
             runtime = self.runtime
             request = coordinator_pb2.HeartbeatRequest(
                 worker_id=self.worker_id,
+                lease_secret=self._lease_secret,
                 joined_generation=self.joined_generation,
                 busy=bool(runtime and runtime.busy),
-                status=heartbeat_status(self),
+                status=bounded_status(heartbeat_status(self)),
             )
             try:
                 self._send_heartbeat(request)
@@ -243,7 +258,11 @@ class WorkerDaemon:
                     retry_s,
                 )
                 request.want_reply = False
-        self._coordinator.Heartbeat(request, timeout=self._heartbeat_timeout_s())
+        self._coordinator.Heartbeat(
+            request,
+            timeout=self._heartbeat_timeout_s(),
+            metadata=worker_metadata(self.config.worker_token),
+        )
 
     def _heartbeat_stream(self) -> HeartbeatStream | None:
         """The open heartbeat stream; opens one when none is and it is time to try."""
@@ -253,6 +272,7 @@ class WorkerDaemon:
                 reply_every_s=reply_interval_s(self._heartbeat_s),
                 reply_timeout_s=self._heartbeat_timeout_s(),
                 on_end=self._beat_wake.set,
+                metadata=worker_metadata(self.config.worker_token),
             )
         return self._stream
 
@@ -315,6 +335,7 @@ class WorkerDaemon:
             device=self.device,
             host=self.config.host,
             queue_size=self.config.queue_size,
+            max_groups=self.config.max_groups,
             on_joined=self._joined,
             on_op_done=self._op_done,
             rebuild_after_s=self._lease_s + 2 * self._heartbeat_s,

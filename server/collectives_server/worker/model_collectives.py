@@ -19,7 +19,6 @@ again (zero_grad, forward, backward) before the next step.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -30,10 +29,11 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional
 
-from collectives.errors import CollectiveError, InvalidArgument, NotFound, error_for_code
+from collectives.errors import CollectiveError, NotFound, error_for_code
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
-from collectives_server.worker import agreement
+from collectives_server.json_input import parse_json_object
+from collectives_server.worker import agreement, op_failures
 from collectives_server.worker.collective_ops import copy_into
 from collectives_server.worker.models import HostedModel, make_optimizer
 
@@ -213,9 +213,7 @@ def _run_model_op(
     candidate = None
     try:
         if desc.optimizer:
-            optimizer_hyper = json.loads(desc.hyper_json or "{}")
-            if not isinstance(optimizer_hyper, dict):
-                raise InvalidArgument("optimizer hyperparameters must be a JSON object")
+            optimizer_hyper = parse_json_object(desc.hyper_json, "optimizer hyperparameters")
             if (
                 model.optimizer is None
                 or model.optimizer_kind != desc.optimizer
@@ -230,7 +228,7 @@ def _run_model_op(
     except CollectiveError as exc:
         code, message = exc.code, exc.message
     except (RuntimeError, ValueError, TypeError, IndexError) as exc:
-        code, message = grpc.StatusCode.INVALID_ARGUMENT, f"{type(exc).__name__}: {exc}"
+        code, message = grpc.StatusCode.INVALID_ARGUMENT, op_failures.backend_message(exc)
 
     rank_losses: list[float] = []
     global_loss = 0.0

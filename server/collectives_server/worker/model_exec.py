@@ -20,6 +20,7 @@ from collectives._pytree import from_value, to_value
 from collectives.errors import InvalidArgument, NotFound
 from collectives.v1 import worker_pb2
 from collectives_server.worker.models import HostedModel, ModelRegistry, RetainedGraph
+from collectives_server.worker.op_failures import backend_message
 from collectives_server.worker.store import TensorStore
 
 __all__ = ["forward", "backward", "release"]
@@ -68,7 +69,7 @@ def forward(
                 output = _run(model, args, kwargs)
             except (RuntimeError, TypeError, ValueError, IndexError) as exc:
                 raise InvalidArgument(
-                    f"model {request.model!r} failed on these inputs: {type(exc).__name__}: {exc}"
+                    f"model {request.model!r} failed on these inputs: {backend_message(exc)}"
                 ) from None
         stored: dict[str, torch.Tensor] = {}
 

@@ -8,7 +8,6 @@ PutTensor/GetTensor; the model name of LoadStateDict is request metadata.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 
 from collectives import _pytree, codec
@@ -16,6 +15,7 @@ from collectives.errors import InvalidArgument, NotFound
 from collectives.names import validate_name
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
+from collectives_server.json_input import parse_json_object
 from collectives_server.worker import model_exec
 from collectives_server.worker.models import build_from_factory, make_optimizer
 from collectives_server.worker.rpc_guards import counted as _counted
@@ -257,13 +257,7 @@ class ModelRpcs:
 
 
 def _json_object(text: str, what: str) -> dict:
-    try:
-        value = json.loads(text) if text else {}
-    except json.JSONDecodeError as exc:
-        raise InvalidArgument(f"{what} are not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise InvalidArgument(f"{what} must be a JSON object")
-    return value
+    return parse_json_object(text, what)
 
 
 def _model_info(model) -> worker_pb2.ModelInfo:

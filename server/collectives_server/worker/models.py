@@ -16,7 +16,6 @@ import functools
 import hashlib
 import importlib
 import inspect
-import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from torch import nn
 
 from collectives.errors import InvalidArgument, NotFound, PermissionDenied
 from collectives.names import validate_name
+from collectives_server.json_input import parse_json_object
 
 __all__ = ["ModelRegistry", "HostedModel", "RetainedGraph", "GradArena", "OPTIMIZERS"]
 
@@ -209,12 +209,7 @@ def build_from_factory(factory: str, kwargs_json: str, allowed: tuple[str, ...])
             f"--allow-factory {module_name}"
             + (f" (allowed: {', '.join(allowed)})" if allowed else " (none allowed)")
         )
-    try:
-        kwargs = json.loads(kwargs_json) if kwargs_json else {}
-    except json.JSONDecodeError as exc:
-        raise InvalidArgument(f"factory kwargs are not valid JSON: {exc}") from None
-    if not isinstance(kwargs, dict):
-        raise InvalidArgument("factory kwargs must be a JSON object")
+    kwargs = parse_json_object(kwargs_json, "factory kwargs")
     try:
         fn = getattr(importlib.import_module(module_name), fn_name)
     except (ImportError, AttributeError) as exc:

@@ -2,7 +2,8 @@
 
 Every servicer method is wrapped: ``CollectiveError`` becomes its status code
 and message (with ``collectives-executed: no`` trailing metadata for ops that
-never started), anything unexpected becomes ``INTERNAL`` without taking the
+never started), anything unexpected becomes ``INTERNAL`` with only an error id
+(details in the log; see :mod:`collectives_server.rpc_errors`) without taking the
 daemon down, and ``_counted`` records the outcome and latency in the worker's
 status and metrics.
 """
@@ -10,17 +11,15 @@ status and metrics.
 from __future__ import annotations
 
 import inspect
-import logging
 import time
 
 import grpc
 
 from collectives.errors import EXECUTED_METADATA_KEY, CollectiveError
+from collectives_server.rpc_errors import abort_internal, is_abort
 from collectives_server.worker.status import data_op_done
 
 __all__ = ["abort", "guard", "guard_stream", "counted"]
-
-log = logging.getLogger("collectives_server.worker.service")
 
 
 def abort(context: grpc.ServicerContext, err: CollectiveError) -> None:
@@ -38,10 +37,9 @@ def guard(method):
         except CollectiveError as err:
             abort(context, err)
         except Exception as exc:
-            if isinstance(exc, grpc.RpcError) or type(exc).__name__ == "_AbortError":
+            if isinstance(exc, grpc.RpcError) or is_abort(context, exc):
                 raise
-            log.exception("%s failed", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
+            abort_internal(context, method.__name__, exc)
 
     wrapper.__name__ = method.__name__
     return wrapper
@@ -76,8 +74,8 @@ def counted(kind: str):
             except CollectiveError as err:
                 code, message = err.code, err.message
                 raise
-            except Exception as exc:
-                code, message = grpc.StatusCode.INTERNAL, str(exc)
+            except Exception:
+                code, message = grpc.StatusCode.INTERNAL, "internal error (see the worker's log)"
                 raise
             finally:
                 name = name or _subject(request)
@@ -93,8 +91,8 @@ def counted(kind: str):
             except GeneratorExit:
                 code, message = grpc.StatusCode.CANCELLED, "the client cancelled the stream"
                 raise
-            except Exception as exc:
-                code, message = grpc.StatusCode.INTERNAL, str(exc)
+            except Exception:
+                code, message = grpc.StatusCode.INTERNAL, "internal error (see the worker's log)"
                 raise
             finally:
                 latency_s = time.perf_counter() - started

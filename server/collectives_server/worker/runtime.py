@@ -34,7 +34,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -53,8 +52,10 @@ from collectives_server.worker import (
     collective_ops,
     descriptor,
     model_collectives,
+    op_failures,
     validation,
 )
+from collectives_server.worker.group_cap import check_group_cap, subgroup_count
 from collectives_server.worker.models import ModelRegistry
 from collectives_server.worker.process_groups import GroupHandles, build_groups
 from collectives_server.worker.store import Fence, TensorStore
@@ -99,13 +100,8 @@ class GroupEntry:
         return self.ranks.index(rank)
 
 
-_SOURCE_PREFIX = re.compile(r"\[/[^\]]*\]\s*")
-
-
 def _backend_message(exc: BaseException) -> str:
-    """gloo's first line without its source path and boilerplate advice."""
-    text = _SOURCE_PREFIX.sub("", str(exc).strip().splitlines()[0] if str(exc).strip() else "")
-    return text.split(" This is typically")[0][:300] or type(exc).__name__
+    return op_failures.backend_message(exc)
 
 
 class _GroupBroken(Exception):
@@ -125,6 +121,7 @@ class GenerationRuntime:
         device: torch.device,
         host: str | None,
         queue_size: int,
+        max_groups: int = 64,
         on_joined: Callable[[int], None],
         on_op_done: Callable[[worker_pb2.OpDescriptor, OpResult | CollectiveError, float], None],
         rebuild_after_s: float = 10.0,
@@ -154,6 +151,7 @@ class GenerationRuntime:
         self._device = device
         self._host = host
         self._queue_size = queue_size
+        self.max_groups = max_groups
         self._on_joined = on_joined
         self._on_op_done = on_op_done
         self._tick_s = min(1.0, op_timeout_s / 4)
@@ -288,6 +286,9 @@ class GenerationRuntime:
                 )
         finally:
             self._spares.clear()
+            # Drop every group of this generation now: their sockets and threads go with them.
+            self.groups = {0: GroupEntry(0, list(range(self.world_size)), None)}
+            self._control = None
             self.finished.set()
             self._fail_queued(f"generation {self.generation} ended")
 
@@ -369,11 +370,10 @@ class GenerationRuntime:
         except Exception as exc:  # a bug: never take the daemon down with it
             log.exception("generation %d: unexpected error", self.generation)
             if current is not None and not current.future.done():
-                current.future.set_exception(
-                    error_for_code(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
-                )
+                message = op_failures.internal_message(f"generation {self.generation}", exc)
+                current.future.set_exception(error_for_code(grpc.StatusCode.INTERNAL, message))
             self._fail_queued(f"generation {self.generation} hit an internal error")
-            return f"internal error: {exc}"
+            return "internal error (see the worker's log)"
 
     def call(self, fn, *args):
         """Runs a group operation; a backend failure means the group is broken."""
@@ -458,7 +458,11 @@ class GenerationRuntime:
         ranks = sorted(desc.group_ranks)
         handles = None
         code, message = grpc.StatusCode.OK, ""
-        if self.rank in ranks:
+        try:
+            check_group_cap(subgroup_count(self.groups), self.max_groups, self.generation)
+        except ResourceExhausted as exc:
+            code, message = exc.code, exc.message
+        if self.rank in ranks and code == grpc.StatusCode.OK:
             try:
                 handles = build_groups(
                     self._tcp_store,
@@ -470,7 +474,8 @@ class GenerationRuntime:
                     self._host,
                 )
             except Exception as exc:
-                code, message = grpc.StatusCode.UNAVAILABLE, f"could not build group: {exc}"
+                code = grpc.StatusCode.UNAVAILABLE
+                message = f"could not build group: {_backend_message(exc)}"
         failures = self._call(agreement.agree, self._control, self.world_size, code, message)
         if failures:
             return self._fail_all(failures)
@@ -536,9 +541,9 @@ class GenerationRuntime:
                     raise
                 except CollectiveError as exc:
                     code, message = exc.code, exc.message
-                except Exception as exc:
-                    code, message = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
-                    log.exception("op %d (%s) failed locally", desc.op_id, kind)
+                except Exception as exc:  # local to this rank: the op fails, the group stays
+                    dtype = operand.dtype if operand is not None else None
+                    code, message = op_failures.local_failure(exc, kind, dtype)
             if fence is None and member and kind != "barrier" and not self.is_leader:
                 # The agreement is this rank's last exchange with the leader.
                 fence = self._store.fence(target, 2 * self._timeout_s)
@@ -629,9 +634,8 @@ class GenerationRuntime:
             if kind == "barrier":
                 collective_ops.barrier(pg, self._device)
                 return None
-        except (RuntimeError, dist.DistError) as exc:
-            text = str(exc)
-            if any(s in text for s in ("Connection", "Timed out", "timed out", "closed", "reset")):
+        except Exception as exc:
+            if op_failures.is_transport_failure(exc):
                 raise _GroupBroken(_backend_message(exc)) from exc
             raise
         raise ValueError(f"unknown op kind {kind!r}")

@@ -19,7 +19,6 @@ import torch
 from google.protobuf import message_factory
 
 from collectives import codec, shm
-from collectives._memory import empty_bytes
 from collectives.bulk import BULK_MIN_BYTES, new_ticket
 from collectives.dtypes import to_wire
 from collectives.errors import (
@@ -33,6 +32,7 @@ from collectives.names import validate_name
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
 from collectives_server.worker.bulk import BulkListener
+from collectives_server.worker.group_cap import check_group_cap, subgroup_count
 from collectives_server.worker.model_service import ModelRpcs
 from collectives_server.worker.rpc_guards import counted as _counted
 from collectives_server.worker.rpc_guards import guard as _guard
@@ -274,6 +274,7 @@ class WorkerService(ModelRpcs):
                     f"new_group ranks {bad} are out of range: world size is {runtime.world_size} "
                     f"(valid ranks 0..{runtime.world_size - 1})"
                 )
+            check_group_cap(subgroup_count(runtime.groups), runtime.max_groups, runtime.generation)
             desc.group_id = runtime.allocate_group_id()
             desc.group_ranks.extend(sorted(ranks))
         else:
@@ -373,9 +374,7 @@ class WorkerService(ModelRpcs):
 def _receive_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     """Where a bulk put lands: pinned host memory for a CUDA store (its copy to
     the device is then a DMA at full bus speed), huge-page memory otherwise."""
-    if device.type == "cuda":
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    return empty_bytes(nbytes)
+    return codec.allocate_bytes(nbytes, pin_memory=device.type == "cuda")
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from collectives.codec import check_shape
 from collectives.dtypes import from_wire, to_wire
 from collectives.errors import InvalidArgument
 from collectives.reduce_ops import ReduceOp, check_op_for_dtype
@@ -202,6 +203,9 @@ def decide(
                 "dtype and shape on every rank",
             )
     assert reference.dtype is not None
+    absurd = _absurd_shape(kind, name, reference.shape, len(members))
+    if absurd is not None:
+        return absurd
     if kind in REDUCING_KINDS:
         try:
             check_op_for_dtype(op, reference.dtype)
@@ -218,6 +222,18 @@ def decide(
             )
     plan = Plan(reference.dtype, reference.shape)
     return _check_quota(kind, target or name, members, infos, root, plan) or plan
+
+
+def _absurd_shape(kind: str, name: str, shape: tuple[int, ...], size: int) -> OpError | None:
+    """The codec's put-time shape bound, applied to the op's output: a tensor that
+    reached the store some other way (a factory, a model output) with absurd dims
+    fails the op on every rank alike, before any data moves (never a broken group)."""
+    out = (size, *shape) if kind in ("all_gather", "gather") else shape
+    try:
+        check_shape(out)
+    except InvalidArgument as exc:
+        return OpError(grpc.StatusCode.INVALID_ARGUMENT, f"{kind} of {name!r}: {exc.message}")
+    return None
 
 
 def result_nbytes(kind: str, plan: Plan, size: int, is_root: bool) -> int:

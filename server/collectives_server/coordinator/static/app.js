@@ -1,5 +1,6 @@
-// collectives dashboard: renders /api/cluster (the collectives.v1.Cluster message
-// as proto3 JSON: 64-bit integers arrive as strings, enums as their names).
+// collectives dashboard: renders /api/cluster (the schema of `collectives status
+// --json`: plain numbers, worker states as "ready", "lost", ...) and what
+// model.js derives from the stream of snapshots (rates, timeline, failures).
 // Live updates come from the server-sent events of /api/events; when that stream
 // fails, the page polls /api/cluster until the stream works again.
 // Every value is written with textContent: nothing from the server is parsed as HTML.
@@ -9,7 +10,10 @@
   const POLL_MS = 2000;
   const RETRY_STREAM_MS = 15000;
   const STALE_MS = 10000;
-  const MAX_ERRORS = 50;
+  const SVG = "http://www.w3.org/2000/svg";
+  const { ClusterModel, groupFailures, clock, dateTime, zone, num } = window.CollectivesModel;
+  const model = new ClusterModel();
+  const expanded = new Set(); // worker ids whose details are open
 
   // ---- small helpers -------------------------------------------------------
 
@@ -31,11 +35,6 @@
   function setText(id, text) {
     const node = document.getElementById(id);
     if (node && node.textContent !== String(text)) node.textContent = String(text);
-  }
-
-  function num(value) {
-    const n = Number(value);
-    return Number.isFinite(n) ? n : 0;
   }
 
   function bytes(value) {
@@ -65,31 +64,38 @@
 
   function latency(seconds) {
     const s = num(seconds);
-    if (s <= 0) return "";
+    if (s <= 0) return "–";
     if (s < 1e-3) return `${(s * 1e6).toFixed(0)} µs`;
     if (s < 1) return `${(s * 1e3).toFixed(s < 0.01 ? 2 : 1)} ms`;
     return `${s.toFixed(2)} s`;
   }
 
-  function clock(unixSeconds) {
-    const t = num(unixSeconds);
-    if (!t) return "";
-    const d = new Date(t * 1000);
-    const pad = (v, n = 2) => String(v).padStart(n, "0");
-    return `${pad(d.getHours())}:${pad(d.getMinutes())}:${pad(d.getSeconds())}`;
+  function rateText(rate) {
+    if (rate === null || rate === undefined) return "–";
+    return rate >= 100 ? rate.toFixed(0) : rate >= 10 ? rate.toFixed(1) : rate.toFixed(2);
   }
 
-  function dateTime(unixSeconds) {
-    const t = num(unixSeconds);
-    return t ? new Date(t * 1000).toLocaleString() : "";
-  }
-
-  function stateName(value) {
-    // "WORKER_STATE_READY" -> "ready"; a number (unknown to this page) -> "unknown".
-    const text = String(value || "");
-    return text.startsWith("WORKER_STATE_")
-      ? text.slice("WORKER_STATE_".length).toLowerCase()
-      : "unknown";
+  function sparkline(values, width = 64, height = 18) {
+    const svg = document.createElementNS(SVG, "svg");
+    svg.setAttribute("class", "spark");
+    svg.setAttribute("width", width);
+    svg.setAttribute("height", height);
+    svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
+    svg.setAttribute("preserveAspectRatio", "none"); // stretches to the width CSS gives it
+    svg.setAttribute("aria-hidden", "true");
+    if (values.length >= 2) {
+      const max = Math.max(...values, 1e-9);
+      const step = width / (values.length - 1);
+      const points = values.map((v, i) => `${(i * step).toFixed(1)},${(height - 1 - (v / max) * (height - 2)).toFixed(1)}`);
+      const area = document.createElementNS(SVG, "polygon");
+      area.setAttribute("points", `0,${height} ${points.join(" ")} ${width},${height}`);
+      area.setAttribute("class", "spark-area");
+      const line = document.createElementNS(SVG, "polyline");
+      line.setAttribute("points", points.join(" "));
+      line.setAttribute("class", "spark-line");
+      svg.append(area, line);
+    }
+    return svg;
   }
 
   function replaceRows(tbodyId, rows, emptyText, columns) {
@@ -98,7 +104,7 @@
     tbody.replaceChildren(...rows);
   }
 
-  // ---- rendering -----------------------------------------------------------
+  // ---- summary -------------------------------------------------------------
 
   function renderSummary(c) {
     const workers = c.workers || [];
@@ -106,183 +112,184 @@
     setText("world-size", num(c.world_size));
     setText("bounds", `min ${num(c.min_workers)} · max ${num(c.max_workers)} workers`);
     const formed = document.getElementById("formed");
-    const ok = c.formed ? (c.ready ? "true" : "partial") : "false";
-    formed.dataset.ok = ok;
+    formed.dataset.ok = c.formed ? (c.ready ? "true" : "partial") : "false";
     setText("formed", c.formed ? (c.ready ? "formed · ready" : "formed · joining") : "not formed");
     setText("version", `op timeout ${num(c.op_timeout_s)} s`);
     formed.title = `membership version ${c.version}`;
     setText("status-text", c.status || "");
     const counts = {};
-    for (const w of workers) {
-      const s = stateName(w.state);
-      counts[s] = (counts[s] || 0) + 1;
-    }
-    const order = ["ready", "busy", "joining", "draining", "lost", "unknown"];
+    for (const w of workers) counts[w.state] = (counts[w.state] || 0) + 1;
+    const order = ["ready", "busy", "joining", "draining", "lost"];
     const parts = order.filter((s) => counts[s]).map((s) => `${counts[s]} ${s}`);
     setText("counts", `${workers.length} workers listed${parts.length ? ": " + parts.join(", ") : ""}`);
+    setText("cluster-rate", rateText(model.clusterRate()));
+    document.getElementById("cluster-spark").replaceChildren(sparkline(model.clusterRates, 90, 24));
   }
 
-  function devicesCell(w) {
-    const status = w.status || {};
-    const devices = status.devices || [];
-    if (!devices.length) {
-      return el("td", {}, el("span", { className: "mono" }, (w.devices || []).join(", ")));
-    }
+  // ---- workers: a row of what matters, details on a click ------------------
+
+  function memoryCell(w) {
+    const dev = (w.device_memory || [])[0];
+    if (!dev) return el("td", { className: "small" }, w.process_rss_bytes ? `RSS ${bytes(w.process_rss_bytes)}` : "–");
+    const used = num(dev.used_bytes);
+    const total = num(dev.total_bytes);
+    const pct = total > 0 ? Math.min(100, (100 * used) / total) : 0;
+    const fill = el("span");
+    fill.style.width = `${pct.toFixed(1)}%`;
+    const more = (w.device_memory || []).length - 1;
     return el(
       "td",
-      {},
-      devices.map((d) => {
-        const used = num(d.memory_used_bytes);
-        const total = num(d.memory_total_bytes);
-        const pct = total > 0 ? Math.min(100, (100 * used) / total) : 0;
-        const fill = el("span");
-        fill.style.width = `${pct.toFixed(1)}%`;
-        return el(
-          "div",
-          { className: "device", title: `${d.device}: ${used} of ${total} bytes` },
-          el("span", { className: "mono" }, d.device),
-          " ",
-          el("span", { className: "bar" }, fill),
-          el("span", { className: "small" }, total > 0 ? `${bytes(used)} / ${bytes(total)}` : bytes(used)),
-        );
-      }),
+      { className: "memory", title: `${dev.device}: ${used} of ${total} bytes` },
+      el("span", { className: "mono" }, dev.device),
+      " ",
+      el("span", { className: "bar" }, fill),
+      el("span", { className: "small" }, total > 0 ? `${bytes(used)} / ${bytes(total)}` : bytes(used)),
+      more > 0 ? el("span", { className: "small" }, ` +${more}`) : null,
     );
   }
 
-  function opsCell(status) {
-    const ops = status.ops || [];
-    let done = 0;
-    let failed = 0;
-    for (const op of ops) {
-      done += num(op.completed);
-      failed += num(op.failed);
-    }
-    const detail = ops
-      .filter((op) => num(op.completed) || num(op.failed))
-      .map((op) => `${op.kind} ${num(op.completed)}${num(op.failed) ? "/" + num(op.failed) : ""}`);
-    return el(
-      "td",
-      { className: "num", title: detail.join("\n") },
-      el("span", {}, done),
-      " / ",
-      el("span", { className: failed ? "failed" : "" }, failed),
-      detail.length ? el("div", { className: "small detail" }, detail.slice(0, 4).join(", ") + (detail.length > 4 ? ", …" : "")) : null,
-    );
-  }
-
-  function versionsCell(w, status) {
-    const lines = [];
-    if (status.package_version || w.version) lines.push(`collectives ${status.package_version || w.version}`);
-    if (status.torch_version) lines.push(`torch ${status.torch_version}`);
-    const backend = [w.backend, status.backend_version].filter(Boolean).join(" ");
-    if (backend) lines.push(backend);
-    return el("td", { className: "small" }, lines.map((line) => el("div", {}, line)));
-  }
-
-  function workerRow(w) {
-    const status = w.status || {};
-    const state = stateName(w.state);
+  function workerRow(w, colspan) {
     const rank = num(w.rank);
-    const models = status.models || [];
-    const completed = (status.ops || []).reduce((sum, op) => sum + num(op.completed), 0);
-    return el(
+    const stale = model.staleSince.get(w.worker_id);
+    const r = model.ratesOf(w.worker_id);
+    const rate = r ? r.rate : null;
+    const open = expanded.has(w.worker_id);
+    const rateCell = stale !== undefined
+      ? el("td", { className: "num rate", colspan: 2 }, el("span", { className: "stale-note" }, `stale since ${clock(stale)}`))
+      : [
+          el("td", { className: "num rate" }, el("span", { className: "rate-num" }, rateText(rate)), sparkline(r ? r.rates : [])),
+          el("td", { className: "num small", title: "sampled at heartbeats, last 50 ops" },
+            r && r.p50() !== null ? `${latency(r.p50())} · ${latency(r.p99())}` : "–"),
+        ];
+    const row = el(
       "tr",
       {
+        className: `worker-row${stale !== undefined ? " stale" : ""}`,
         "data-worker-id": w.worker_id,
-        "data-state": state,
+        "data-state": w.state,
         "data-rank": rank,
-        "data-tensors-held": num(status.tensors_held),
-        "data-ops-completed": completed,
+        "data-tensors-held": num(w.tensors_held),
+        "data-ops-completed": num(w.ops_completed),
+        "data-ops-rate": rate === null ? "" : rate.toFixed(3),
+        "aria-expanded": open ? "true" : "false",
+        title: "click for details",
       },
-      el("td", { className: "num" }, rank >= 0 ? rank : "–"),
-      el("td", {}, el("span", { className: `state state-${state}` }, state)),
-      el(
-        "td",
-        { className: "wrap worker" },
-        el("div", { className: "mono" }, w.address),
-        el("div", { className: "small" }, `${w.hostname} · pid ${w.pid} · ${w.worker_id}`),
-      ),
-      devicesCell(w),
-      el("td", { className: "num" }, duration(w.uptime_s)),
-      el("td", { className: "num" }, `${num(w.last_heartbeat_age_s).toFixed(1)} s`),
-      el(
-        "td",
-        { className: "num" },
-        num(status.tensors_held),
-        el("div", { className: "small" }, bytes(status.bytes_held)),
-      ),
-      el("td", { className: "small wrap" }, models.length ? models.join(", ") : "–"),
-      opsCell(status),
-      el(
-        "td",
-        { className: "wrap" },
-        status.last_op || "–",
-        status.last_op ? el("div", { className: "small" }, latency(status.last_op_latency_s)) : null,
-      ),
-      el("td", { className: "num" }, num(status.queue_depth)),
-      el(
-        "td",
-        { className: "num small" },
-        el("div", {}, `↓ ${bytes(status.bytes_received)}`),
-        el("div", {}, `↑ ${bytes(status.bytes_sent)}`),
-      ),
-      versionsCell(w, status),
+      el("td", { className: "num" }, el("span", { className: "caret" }, open ? "▾" : "▸"), " ", rank >= 0 ? rank : "–"),
+      el("td", {}, el("span", { className: `state state-${w.state}` }, w.state)),
+      el("td", { className: "worker", title: `${w.address}\n${w.hostname} · pid ${num(w.pid)}` }, el("div", { className: "mono ellipsis" }, w.address),
+        el("div", { className: "small ellipsis" }, `${w.hostname} · pid ${num(w.pid)}`)),
+      rateCell,
+      el("td", { className: "num" }, num(w.ops_completed), " / ",
+        el("span", { className: num(w.ops_failed) ? "failed" : "" }, num(w.ops_failed))),
+      el("td", { className: "num" }, num(w.tensors_held), el("div", { className: "small" }, bytes(w.bytes_held))),
+      el("td", { className: "num" }, num(w.queue_depth)),
+      memoryCell(w),
+      el("td", { className: "num small" }, `${num(w.last_heartbeat_age_s).toFixed(1)} s`),
+    );
+    return open ? [row, detailsRow(w, colspan)] : [row];
+  }
+
+  function detailsRow(w, colspan) {
+    const item = (label, ...value) => el("div", { className: "item" }, el("div", { className: "label" }, label), el("div", {}, ...value));
+    const wide = (label, ...value) => el("div", { className: "item wide" }, el("div", { className: "label" }, label), el("div", {}, ...value));
+    const ops = Object.entries(w.ops || {})
+      .filter(([, o]) => num(o.completed) || num(o.failed))
+      .map(([kind, o]) => `${kind} ${num(o.completed)}${num(o.failed) ? " / " + num(o.failed) + " failed" : ""}`);
+    const versions = [
+      w.package_version || w.version ? `collectives ${w.package_version || w.version}` : "",
+      w.torch_version ? `torch ${w.torch_version}` : "",
+      [w.backend, w.backend_version].filter(Boolean).join(" "),
+    ].filter(Boolean);
+    const devices = (w.device_memory || []).map((d) => `${d.device} ${bytes(d.used_bytes)}${num(d.total_bytes) ? " / " + bytes(d.total_bytes) : ""}`);
+    const errors = (w.recent_errors || []).slice(-5).reverse().map((e) =>
+      el("div", { className: "wrap" }, `${clock(e.unix_time_s)} ${e.kind} op ${num(e.op_id)} ${e.code}: ${e.message}`));
+    return el(
+      "tr",
+      { className: "details", "data-details-for": w.worker_id },
+      el("td", { colspan }, el("div", { className: "detail-grid" },
+        item("Host", w.hostname, el("div", { className: "small" }, `pid ${num(w.pid)} · ${w.worker_id}`)),
+        item("Devices", (devices.length ? devices : w.devices || []).join(", ") || "–",
+          el("div", { className: "small" }, `RSS ${bytes(w.process_rss_bytes)} · host ${bytes(w.host_memory_available_bytes)} free of ${bytes(w.host_memory_total_bytes)}`)),
+        item("Uptime", duration(w.uptime_s), el("div", { className: "small" }, `joined generation ${num(w.generation)}`)),
+        item("Versions", versions.join(" · ") || "–"),
+        item("Ops by kind", ops.length ? ops.join(", ") : "–"),
+        item("Last op", w.last_op || "–", w.last_op ? el("div", { className: "small" }, latency(w.last_op_latency_s)) : null),
+        item("Data in / out", `↓ ${bytes(w.bytes_received)} · ↑ ${bytes(w.bytes_sent)}`),
+        item("Models", (w.models || []).length ? w.models.join(", ") : "–"),
+        wide("Recent errors", errors.length ? errors : "–"),
+      )),
     );
   }
 
   function renderWorkers(c) {
-    const rows = (c.workers || []).map(workerRow);
-    replaceRows("worker-rows", rows, "no worker registered yet", 13);
+    const rows = (c.workers || []).flatMap((w) => workerRow(w, 10));
+    replaceRows("worker-rows", rows, "no worker registered yet", 10);
   }
 
-  function renderHistory(c) {
-    const history = (c.history || []).slice().reverse(); // newest first
-    const rows = history.map((g) =>
+  // ---- timeline and failed ops ---------------------------------------------
+
+  function renderTimeline() {
+    const rows = model.events.slice().reverse().map((e) =>
       el(
         "tr",
-        { "data-generation": num(g.generation) },
-        el("td", { className: "num" }, num(g.generation)),
-        el("td", { title: dateTime(g.sealed_unix_time_s) }, clock(g.sealed_unix_time_s)),
-        el("td", { className: "num" }, num(g.world_size)),
-        el("td", { className: "mono wrap" }, (g.members || []).join(", ")),
-        el("td", { className: "wrap" }, g.reason || ""),
+        { "data-kind": e.kind, "data-generation": e.kind === "sealed" ? e.generation : null },
+        el("td", { className: "mono", title: dateTime(e.t) }, clock(e.t)),
+        el("td", {}, el("span", { className: `event event-${e.kind}` }, e.title)),
+        el("td", { className: "wrap" }, e.detail),
       ),
     );
-    replaceRows("history-rows", rows, "no generation sealed yet", 5);
+    replaceRows("timeline-rows", rows, "no event yet", 3);
   }
 
-  function renderErrors(c) {
-    const errors = [];
-    for (const w of c.workers || []) {
-      for (const e of (w.status || {}).recent_errors || []) {
-        errors.push({ worker: w, error: e });
-      }
-    }
-    errors.sort((a, b) => num(b.error.unix_time_s) - num(a.error.unix_time_s));
-    const rows = errors.slice(0, MAX_ERRORS).map(({ worker, error }) =>
-      el(
+  function renderFailures(c) {
+    const rows = groupFailures(c).map((g) => {
+      const ranks = g.reporters.filter((r) => r.rank >= 0).map((r) => r.rank).sort((a, b) => a - b);
+      const others = g.reporters.filter((r) => r.rank < 0).map((r) => r.address);
+      const who = [ranks.length ? `rank${ranks.length > 1 ? "s" : ""} ${ranks.join(", ")}` : "", ...others].filter(Boolean);
+      return el(
         "tr",
-        { "data-worker-id": worker.worker_id },
-        el("td", { title: dateTime(error.unix_time_s) }, clock(error.unix_time_s)),
-        el("td", {}, num(worker.rank) >= 0 ? `rank ${num(worker.rank)}` : "–", el("div", { className: "small mono" }, worker.address)),
-        el("td", {}, error.kind || "", el("div", { className: "small" }, `op ${error.op_id} · gen ${error.generation}`)),
-        el("td", { className: "mono" }, error.code || ""),
-        el("td", { className: "wrap" }, error.message || ""),
-      ),
-    );
+        { "data-worker-id": g.reporters[0].worker_id, "data-op-id": g.opId, "data-reporters": g.reporters.length },
+        el("td", { className: "mono", title: dateTime(g.t) }, clock(g.t)),
+        el("td", {}, g.kind, el("div", { className: "small" }, g.opId ? `op ${g.opId} · gen ${g.generation}` : "data-plane call")),
+        el("td", { className: "mono" }, [...g.codes].join(", ")),
+        el("td", { className: "wrap", title: g.reporters.map((r) => r.address).join("\n") }, who.join(", ")),
+        el("td", { className: "wrap" }, g.messages[0] || "",
+          g.messages.length > 1 ? el("div", { className: "small" }, `+${g.messages.length - 1} other messages`) : null),
+      );
+    });
     replaceRows("error-rows", rows, "no errors reported", 5);
   }
 
   let lastUpdate = 0;
+  let lastCluster = null;
+
+  // One listener on the table body, which stays while its rows are replaced on
+  // every update: a click across a re-render still lands.
+  document.getElementById("worker-rows").addEventListener("click", (event) => {
+    const row = event.target.closest("tr[data-worker-id]");
+    if (!row) return;
+    const id = row.dataset.workerId;
+    if (expanded.has(id)) expanded.delete(id);
+    else expanded.add(id);
+    render(lastCluster);
+  });
 
   function render(c) {
+    if (!c) return;
     renderSummary(c);
     renderWorkers(c);
-    renderHistory(c);
-    renderErrors(c);
+    renderTimeline();
+    renderFailures(c);
+  }
+
+  function receive(c) {
     lastUpdate = Date.now();
+    model.update(c, lastUpdate / 1000);
+    lastCluster = c;
+    render(c);
     document.body.dataset.version = String(c.version);
-    setText("updated", `updated ${new Date(lastUpdate).toLocaleTimeString()}`);
+    setText("updated", `updated ${clock(lastUpdate / 1000)}`);
+    setText("zone", `· times in ${zone()}`);
   }
 
   // ---- transport: server-sent events, polling as the fallback -------------
@@ -300,7 +307,7 @@
     try {
       const response = await fetch("api/cluster", { cache: "no-store" });
       if (!response.ok) throw new Error(`HTTP ${response.status}`);
-      render(await response.json());
+      receive(await response.json());
       if (!stream || stream.readyState !== EventSource.OPEN) setMode("polling", "polling");
     } catch (err) {
       setMode("disconnected", `coordinator unreachable (${err.message})`);
@@ -329,7 +336,7 @@
       stopPolling();
       setMode("live", "live");
       try {
-        render(JSON.parse(event.data));
+        receive(JSON.parse(event.data));
       } catch (err) {
         console.error("bad cluster event", err);
       }
@@ -351,5 +358,6 @@
     }
   }, 1000);
 
+  setText("zone", `· times in ${zone()}`);
   openStream();
 })();

@@ -1,0 +1,193 @@
+"""The tables of ``collectives status`` and ``collectives top``, fitted to the terminal.
+
+A table keeps every column when it fits the width (``COLUMNS`` or the
+terminal's, 80 when unknown); otherwise it drops the least useful columns
+first, in a fixed order, and says how many it hid (``--wide`` keeps them all).
+Header, status and error lines are cut to the width with an ellipsis.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Sequence
+
+from collectives.workers import ClusterSnapshot, WorkerInfo
+
+__all__ = ["format_table", "format_top", "human_bytes", "rates_between", "terminal_width"]
+
+STATUS_COLUMNS = (
+    "RANK", "STATE", "ADDRESS", "HOSTNAME", "PID", "DEVICES", "JOINED_GEN", "HEARTBEAT",
+    "TENSORS", "OPS_OK", "OPS_FAILED", "QUEUE", "MEMORY", "LAST_OP",
+)  # fmt: skip
+# Dropped first to last when the table is too wide.
+STATUS_DROP_ORDER = (
+    "HOSTNAME", "DEVICES", "JOINED_GEN", "MEMORY", "HEARTBEAT", "PID", "OPS_FAILED", "QUEUE",
+    "LAST_OP",
+)  # fmt: skip
+TOP_COLUMNS = (
+    "RANK", "STATE", "ADDRESS", "OPS/S", "OPS_OK", "OPS_FAILED", "QUEUE", "MEMORY", "TENSORS",
+    "LAST_OP", "LATENCY",
+)  # fmt: skip
+TOP_DROP_ORDER = ("MEMORY", "OPS_FAILED", "QUEUE", "LAST_OP", "OPS_OK", "TENSORS")
+WIDE = 10_000  # the width of --wide: nothing is dropped or cut
+
+
+def terminal_width() -> int:
+    """``COLUMNS`` if set, else the terminal's width, else 80."""
+    return shutil.get_terminal_size((80, 24)).columns
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` → ``1.5KiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return f"{n:.1f}TiB"  # pragma: no cover - the loop returns
+
+
+def _memory(w: WorkerInfo) -> str:
+    if not w.device_memory:
+        return "-"
+    return " ".join(
+        f"{d.device}:{human_bytes(d.used_bytes)}/{human_bytes(d.total_bytes)}"
+        for d in w.device_memory
+    )
+
+
+def _tensors(w: WorkerInfo) -> str:
+    return f"{w.tensors_held} ({human_bytes(w.bytes_held)})" if w.has_status else "-"
+
+
+def _status_row(w: WorkerInfo) -> tuple[str, ...]:
+    return (
+        str(w.rank) if w.rank >= 0 else "-",
+        w.state.value,
+        w.address,
+        w.hostname,
+        str(w.pid),
+        ",".join(w.devices),
+        str(w.generation),
+        f"{w.last_heartbeat_age_s:.1f}s",
+        _tensors(w),
+        str(w.ops_completed),
+        str(w.ops_failed),
+        str(w.queue_depth),
+        _memory(w),
+        w.last_op or "-",
+    )
+
+
+def _align(columns: Sequence[str], rows: Sequence[tuple[str, ...]]) -> list[str]:
+    table = [tuple(columns), *rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(columns))]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in table
+    ]
+
+
+def fit_table(
+    columns: Sequence[str],
+    rows: Sequence[tuple[str, ...]],
+    drop_order: Sequence[str],
+    width: int,
+) -> list[str]:
+    """The aligned table, without the columns of ``drop_order`` it must drop to fit ``width``."""
+    keep = list(range(len(columns)))
+    for name in (None, *drop_order):
+        if name is not None:
+            keep.remove(columns.index(name))
+        lines = _align([columns[i] for i in keep], [tuple(r[i] for i in keep) for r in rows])
+        if max(len(line) for line in lines) <= width:
+            break
+    hidden = len(columns) - len(keep)
+    lines = [_cut(line, width) for line in lines]
+    if hidden:
+        lines.append(
+            _cut(f"({hidden} columns hidden to fit {width} columns; --wide shows all)", width)
+        )
+    return lines
+
+
+def _cut(line: str, width: int) -> str:
+    return line if len(line) <= width else line[: max(width - 1, 0)] + "…"
+
+
+def format_table(address: str, snapshot: ClusterSnapshot, width: int | None = None) -> str:
+    """The human-readable status: header lines, one aligned row per worker, history, errors."""
+    width = terminal_width() if width is None else width
+    header = [
+        f"coordinator {address}  generation {snapshot.generation}  "
+        f"world size {snapshot.world_size}  formed {'yes' if snapshot.formed else 'no'}  "
+        f"ready {'yes' if snapshot.ready else 'no'}",
+        f"status: {snapshot.status or '-'}",
+    ]
+    rows = [_status_row(w) for w in snapshot.workers]
+    lines = [_cut(line, width) for line in header]
+    lines += fit_table(STATUS_COLUMNS, rows, STATUS_DROP_ORDER, width)
+    if not snapshot.workers:
+        lines.append("(no workers registered)")
+    if snapshot.history:
+        last = snapshot.history[-1]
+        sealed = time.strftime("%H:%M:%S", time.localtime(last.sealed_unix_time_s))
+        lines.append(_cut(f"last generation change ({sealed}): {last.reason}", width))
+    errors = sorted(
+        ((e, w) for w in snapshot.workers for e in w.recent_errors),
+        key=lambda item: item[0].unix_time_s,
+    )[-5:]
+    if errors:
+        lines.append("recent errors:")
+        for e, w in errors:
+            when = time.strftime("%H:%M:%S", time.localtime(e.unix_time_s))
+            op = f"op {e.op_id} " if e.op_id else ""
+            text = f"  {when} {w.address} {op}({e.kind}) gen {e.generation} {e.code}: {e.message}"
+            lines.append(_cut(text, width))
+    return "\n".join(lines)
+
+
+def rates_between(
+    previous: ClusterSnapshot | None, current: ClusterSnapshot, elapsed_s: float
+) -> dict[str, float]:
+    """Ops per second per worker address between two snapshots."""
+    if previous is None or elapsed_s <= 0:
+        return {}
+    before = {w.address: w.ops_completed + w.ops_failed for w in previous.workers}
+    return {
+        w.address: max(0, w.ops_completed + w.ops_failed - before[w.address]) / elapsed_s
+        for w in current.workers
+        if w.address in before
+    }
+
+
+def format_top(
+    address: str, snapshot: ClusterSnapshot, rates: dict[str, float], width: int | None = None
+) -> str:
+    width = terminal_width() if width is None else width
+    header = [
+        f"collectives top  {address}  generation {snapshot.generation}  "
+        f"world size {snapshot.world_size}  {time.strftime('%H:%M:%S')}",
+        f"status: {snapshot.status or '-'}",
+    ]
+    rows = []
+    for w in snapshot.workers:
+        rate = rates.get(w.address)
+        rows.append(
+            (
+                str(w.rank) if w.rank >= 0 else "-",
+                w.state.value,
+                w.address,
+                f"{rate:.1f}" if rate is not None else "-",
+                str(w.ops_completed),
+                str(w.ops_failed),
+                str(w.queue_depth),
+                _memory(w),
+                _tensors(w),
+                w.last_op or "-",
+                f"{w.last_op_latency_s * 1000:.1f}ms" if w.last_op else "-",
+            )
+        )
+    lines = [_cut(line, width) for line in header]
+    lines += fit_table(TOP_COLUMNS, rows, TOP_DROP_ORDER, width)
+    return "\n".join(lines)

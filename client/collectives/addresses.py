@@ -1,0 +1,95 @@
+"""Coordinator addresses: checked up front, and a refused one reported at once.
+
+``host:port`` (``[v6]:port`` for IPv6) is the only accepted form. A missing
+port, a URL (``http://host:port``) or a port out of range is a usage error
+before any connection is tried. :func:`refused_within` tells a closed port or
+an unknown host from a slow one, so the SDK and the CLI fail in about a second
+on a wrong address instead of waiting out their whole timeout.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import time
+
+from collectives.errors import InvalidArgument
+
+__all__ = ["REFUSED_GRACE_S", "parse_address", "refused_within"]
+
+# How long a refused connection is retried before it is reported: covers a
+# coordinator that is just starting, and is the bound on a wrong address.
+REFUSED_GRACE_S = 0.5
+_PROBE_TIMEOUT_S = 0.25
+_PROBE_INTERVAL_S = 0.1
+# Environment variables that make gRPC connect through a proxy.
+_PROXY_VARIABLES = ("grpc_proxy", "https_proxy", "http_proxy", "GRPC_PROXY", "HTTPS_PROXY")
+
+
+def parse_address(text: object, what: str = "coordinator address") -> tuple[str, int]:
+    """``"host:port"`` → ``(host, port)``.
+
+    Raises:
+        InvalidArgument: not a ``host:port`` string, with a hint.
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise InvalidArgument(f"{what} must be a 'host:port' string, got {text!r}")
+    address = text.strip()
+    if "://" in address:
+        raise InvalidArgument(
+            f"{what} {address!r} is a URL; give host:port without a scheme "
+            f"(e.g. {address.split('://', 1)[1].rstrip('/')!r})"
+        )
+    if any(c.isspace() for c in address) or "/" in address:
+        raise InvalidArgument(f"{what} {address!r} is not host:port")
+    if address.startswith("["):
+        host, sep, port_text = address[1:].partition("]:")
+    else:
+        host, sep, port_text = address.rpartition(":")
+        if ":" in host:
+            raise InvalidArgument(
+                f"{what} {address!r}: write an IPv6 address in brackets, e.g. '[::1]:50051'"
+            )
+    if not sep or not host:
+        raise InvalidArgument(
+            f"{what} {address!r} has no port; give host:port, e.g. '{address}:50051' "
+            "(collectives-server prints the address it listens on)"
+        )
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise InvalidArgument(f"{what} {address!r}: the port must be a number in 1..65535")
+    return host, int(port_text)
+
+
+def refused_within(address: str, grace_s: float = REFUSED_GRACE_S) -> str | None:
+    """Why nothing can listen at ``address``, or None if something may.
+
+    Tries a TCP connection until one succeeds or ``grace_s`` passes. Returns a
+    reason only for answers that are certain (connection refused, unknown
+    host, unreachable network); a timeout is not certain (a firewall that
+    drops packets, a loaded host), so it returns None and the caller's own
+    deadline applies.
+    """
+    host, port = parse_address(address)
+    if any(os.environ.get(v) for v in _PROXY_VARIABLES):
+        return None  # gRPC dials the proxy, not the address: a direct probe proves nothing
+    deadline = time.monotonic() + grace_s
+    reason: str | None = None
+    for _ in range(1 + int(grace_s / _PROBE_INTERVAL_S)):
+        try:
+            with socket.create_connection((host, port), timeout=_PROBE_TIMEOUT_S):
+                return None
+        except socket.gaierror as exc:
+            return f"the host {host!r} does not resolve ({exc.strerror})"
+        except ConnectionRefusedError:
+            reason = "the connection was refused (nothing listens on that port)"
+        except OSError as exc:
+            if exc.errno not in (errno.ENETUNREACH, errno.EHOSTUNREACH):
+                return None  # a timeout or something else uncertain
+            reason = f"the network is unreachable ({exc.strerror})"
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        # Backoff between probes of an external process, bounded by the deadline.
+        time.sleep(min(_PROBE_INTERVAL_S, left))
+    return reason
