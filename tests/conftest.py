@@ -19,9 +19,8 @@ import pytest
 import torch
 from helpers import (
     CLUSTER_FLAGS,
-    CONNECT_TIMEOUT_S,
     LocalCluster,
-    wait_until,
+    connect_ready,
     worker_token_file,
 )
 
@@ -81,36 +80,6 @@ def local_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable
         cluster.stop()
 
 
-def _members_ready(client, workers: int) -> bool:
-    members = [w for w in client.workers() if w.rank >= 0]
-    return (
-        client.world_size == workers
-        and len(members) == workers
-        and all(w.state == "ready" for w in members)
-    )
-
-
-def _connect(address: str, workers: int, wait_ready: bool = True):
-    """Connects; with ``wait_ready``, also waits until all ``workers`` are members
-    and report ``ready`` (joined the process group), so tests measure the steady
-    state. ``test_cli`` checks ops issued right after ``connect()`` separately."""
-    import collectives
-
-    client = collectives.connect(address, timeout=CONNECT_TIMEOUT_S)
-    if not wait_ready:
-        return client
-    try:
-        wait_until(
-            lambda: _members_ready(client, workers),
-            CONNECT_TIMEOUT_S,
-            f"{workers} ready workers at {address}",
-        )
-    except BaseException:
-        client.close()
-        raise
-    return client
-
-
 # The shared clusters let load_model(factory=...) use the factories shipped with the server.
 MODEL_ZOO = ("--allow-factory", "collectives_server.model_zoo")
 
@@ -128,14 +97,14 @@ def cluster3_address(local_cluster) -> str:
 @pytest.fixture(scope="session")
 def cluster2(cluster2_address: str) -> Iterator:
     """A connected ``collectives.Cluster`` of 2 workers, shared by the session."""
-    with _connect(cluster2_address, 2) as client:
+    with connect_ready(cluster2_address, 2) as client:
         yield client
 
 
 @pytest.fixture(scope="session")
 def cluster3(cluster3_address: str) -> Iterator:
     """A connected ``collectives.Cluster`` of 3 workers, shared by the session."""
-    with _connect(cluster3_address, 3) as client:
+    with connect_ready(cluster3_address, 3) as client:
         yield client
 
 
@@ -154,7 +123,7 @@ def fresh_cluster(tmp_path: Path) -> Iterator[Callable[..., tuple[LocalCluster, 
     def start(workers: int, *extra_args: str, wait_ready: bool = True):
         local = _start(tmp_path, workers, extra_args)
         owned.append((local, None))
-        client = _connect(local.address, workers, wait_ready)
+        client = connect_ready(local.address, workers, wait_ready)
         owned[-1] = (local, client)
         return local, client
 

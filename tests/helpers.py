@@ -378,3 +378,36 @@ class AddressedDaemon:
             self.proc.wait(timeout=10)
         if self._log is not None:
             self._log.close()
+
+
+# ------------------------------------------------------------------ connecting
+
+
+def members_ready(client, workers: int) -> bool:
+    members = [w for w in client.workers() if w.rank >= 0]
+    return (
+        client.world_size == workers
+        and len(members) == workers
+        and all(w.state == "ready" for w in members)
+    )
+
+
+def connect_ready(address: str, workers: int, wait_ready: bool = True):
+    """Connects; with ``wait_ready``, also waits until all ``workers`` are members
+    and report ``ready`` (joined the process group), so tests measure the steady
+    state. ``test_cli`` checks ops issued right after ``connect()`` separately."""
+    import collectives
+
+    client = collectives.connect(address, timeout=CONNECT_TIMEOUT_S)
+    if not wait_ready:
+        return client
+    try:
+        wait_until(
+            lambda: members_ready(client, workers),
+            CONNECT_TIMEOUT_S,
+            f"{workers} ready workers at {address}",
+        )
+    except BaseException:
+        client.close()
+        raise
+    return client

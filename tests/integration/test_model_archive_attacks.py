@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import torch
+from helpers import connect_ready
 from hostile import Aftermath, rss_bytes
 from hostile_archives import HOSTILE, SmallModel, legit_archive, zip_bomb
 
@@ -39,10 +40,8 @@ ATTACKS = [
 
 @pytest.fixture(scope="module")
 def sandboxed(local_cluster) -> Iterator:
-    from conftest import _connect
-
     address = local_cluster(2, "--load-sandbox")
-    with _connect(address, 2) as client:
+    with connect_ready(address, 2) as client:
         yield client
 
 

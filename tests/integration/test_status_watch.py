@@ -138,7 +138,7 @@ def test_status_watch_table_redraws_and_top_shows_ops(cluster2_address, cluster2
 
     top = subprocess.run(
         [COLLECTIVES_CLI, "top", "--coordinator", cluster2_address, "--iterations", "2",
-         "--interval", "0.2"],
+         "--interval", "0.2", "--wide"],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert top.returncode == 0, top.stderr

@@ -293,10 +293,10 @@ class WorkerDaemon:
                 log.debug("cluster watch interrupted: %s", err.details())
             self._stop.wait(0.5)  # back off before re-opening the watch
 
-    def _retire_runtime(self) -> None:
+    def _retire_runtime(self, superseded_by: int | None = None) -> None:
         with self._lock:
             if self.runtime is not None:
-                self.runtime.stop()
+                self.runtime.stop(superseded_by)
                 self.runtime = None
             self.joined_generation = 0
 
@@ -312,7 +312,7 @@ class WorkerDaemon:
             if cluster.formed and me is not None:
                 if current is not None and current.generation == cluster.generation:
                     return
-                self._retire_runtime()
+                self._retire_runtime(superseded_by=cluster.generation)
                 self.runtime = self._new_runtime(cluster.generation, me.rank, cluster.world_size)
             elif current is not None:
                 self._retire_runtime()

@@ -179,13 +179,21 @@ class GenerationRuntime:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """Retires this generation: no more commits; the leader tells followers to stop."""
+    def stop(self, superseded_by: int | None = None) -> None:
+        """Retires this generation: no more commits; the leader tells followers to stop.
+
+        Queued ops fail with UNAVAILABLE naming this generation and, when known,
+        the one that replaced it: an op runs in the generation it was issued
+        for or not at all (the SDK does not repeat it on the new membership).
+        """
         with self._cond:
             self._stopping = True
             self._superseded = True
             self._cond.notify_all()
-        self._fail_queued(f"generation {self.generation} ended")
+        ended = f"generation {self.generation} ended"
+        if superseded_by is not None:
+            ended += f" (superseded by generation {superseded_by})"
+        self._fail_queued(ended)
 
     @property
     def queue_depth(self) -> int:
@@ -250,7 +258,10 @@ class GenerationRuntime:
         for pending in queued:
             if not pending.future.done():
                 pending.future.set_exception(
-                    Unavailable(f"{reason}; the op never started: retry it", executed=False)
+                    Unavailable(
+                        f"{reason} before the op started; nothing was committed",
+                        executed=False,
+                    )
                 )
 
     # -------------------------------------------------------------- the loop
