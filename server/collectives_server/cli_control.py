@@ -125,12 +125,17 @@ def control_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
     }
 
 
-def control_args(args: argparse.Namespace) -> list[str]:
-    """``local``: the coordinator's command-line flags for these settings (not the token)."""
+def control_args(args: argparse.Namespace, own_workers: int = 0) -> list[str]:
+    """``local``: the coordinator's command-line flags for these settings (not the token).
+
+    ``local``'s workers share the clients' host and each holds one WatchCluster
+    stream, so the watch caps are raised by ``own_workers``: the caps bound
+    what clients can open beside them.
+    """
     out = [
         f"--max-waiting-workers={args.max_waiting_workers}",
-        f"--max-watch-streams={args.max_watch_streams}",
-        f"--max-watch-streams-per-peer={args.max_watch_streams_per_peer}",
+        f"--max-watch-streams={args.max_watch_streams + own_workers}",
+        f"--max-watch-streams-per-peer={args.max_watch_streams_per_peer + own_workers}",
         f"--dashboard-idle-s={args.dashboard_idle_s}",
         f"--dashboard-max-connections={args.dashboard_max_connections}",
     ]

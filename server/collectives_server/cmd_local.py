@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
             + error_worker_args(args)
             + archive_worker_args(args)
             + worker_security,
-            coordinator_args=coordinator_security + control_args(args),
+            coordinator_args=coordinator_security + control_args(args, own_workers=args.workers),
             worker_token_file=worker_token_path(args),
             die_with_parent=True,
             on_exit=lambda child: stop.wake(),
