@@ -30,6 +30,7 @@ from collectives_server.cli_control import (
     worker_token_from_args,
     worker_token_path,
 )
+from collectives_server.cli_data_plane import add_data_plane_flags, data_plane_args
 from collectives_server.cli_errors import add_error_flags, error_worker_args
 from collectives_server.cmd_coordinator import add_dashboard_options
 from collectives_server.local import LocalCluster
@@ -113,6 +114,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )  # fmt: skip
     add_max_tensor_bytes(p)
     add_error_flags(p)
+    add_data_plane_flags(p)
     add_model_hosting(p)
     add_archive_flags(p, local=True)
     add_metrics(p, "for the coordinator, P+1 ... P+N for the workers")
@@ -160,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
             log_format=args.log_format,
             worker_args=_model_hosting_args(args)
             + error_worker_args(args)
+            + data_plane_args(args)
             + archive_worker_args(args)
             + worker_security,
             coordinator_args=coordinator_security + control_args(args, own_workers=args.workers),

@@ -23,6 +23,7 @@ from collectives_server.cli_common import (
     setup_logging,
 )
 from collectives_server.cli_control import add_worker_token_flag, worker_token_from_args
+from collectives_server.cli_data_plane import add_data_plane_flags, data_plane_from_args
 from collectives_server.cli_errors import add_error_flags, errors_from_args
 from collectives_server.worker.config import WorkerConfig
 
@@ -107,6 +108,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     add_max_tensor_bytes(p)
     add_error_flags(p)
+    add_data_plane_flags(p)
     add_model_hosting(p)
     add_archive_flags(p)
     add_metrics(p)
@@ -150,6 +152,7 @@ def config_from_args(
         coordinator_security=client_security_from_args(args, parser),
         worker_token=worker_token_from_args(args, parser),
         **errors_from_args(args),
+        **data_plane_from_args(args),
         model_upload=archive_from_args(args),
     )
 

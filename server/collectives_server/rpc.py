@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from collectives.codec import MAX_MESSAGE_BYTES
 from collectives_server.rpc_errors import ErrorBoundary
+from collectives_server.rpc_limits import DataPlaneLimits, RpcLimits, pool_size
 from collectives_server.security import ServerSecurity, TokenAuthInterceptor
 
 __all__ = [
@@ -51,10 +52,17 @@ SMALL_MESSAGE_OPTIONS: list[tuple[str, int]] = [("grpc.http2.bdp_probe", 0)]
 class ServerHandle:
     """A started server: its bound port, health servicer, and a way to stop it."""
 
-    def __init__(self, server: grpc.Server, port: int, health_servicer: health.HealthServicer):
+    def __init__(
+        self,
+        server: grpc.Server,
+        port: int,
+        health_servicer: health.HealthServicer,
+        limits: DataPlaneLimits | None = None,
+    ):
         self.server = server
         self.port = port
         self.health = health_servicer
+        self.limits = limits
 
     def set_serving(self, service: str, serving: bool) -> None:
         status = (
@@ -67,6 +75,8 @@ class ServerHandle:
     def stop(self, grace_s: float = 1.0) -> None:
         self.health.enter_graceful_shutdown()
         self.server.stop(grace_s).wait(grace_s + 1.0)
+        if self.limits is not None:
+            self.limits.close()
 
 
 def start_server(
@@ -77,6 +87,7 @@ def start_server(
     max_workers: int = 32,
     security: ServerSecurity | None = None,
     options: Sequence[tuple[str, int]] = (),
+    limits: RpcLimits | None = None,
 ) -> ServerHandle:
     """Starts a server on ``host:port`` (port 0 picks a free one) and returns its handle.
 
@@ -84,10 +95,18 @@ def start_server(
     (``collectives.v1.Worker``) for health and reflection. ``security`` (default:
     plaintext, no token) chooses TLS, mutual TLS and the bearer token. ``options``
     are channel arguments added to :data:`GRPC_OPTIONS` (e.g. the coordinator's
-    :data:`SMALL_MESSAGE_OPTIONS`).
+    :data:`SMALL_MESSAGE_OPTIONS`). ``limits`` (the workers') bounds the calls of
+    the worker service in number, idle time and duration, and sizes the thread
+    pool so they cannot take every thread (:mod:`collectives_server.rpc_limits`).
     """
     security = security or ServerSecurity()
-    interceptors = [TokenAuthInterceptor(security.token)] if security.token else []
+    interceptors: list[grpc.ServerInterceptor] = (
+        [TokenAuthInterceptor(security.token)] if security.token else []
+    )
+    data_plane = DataPlaneLimits(limits) if limits is not None else None
+    if data_plane is not None:
+        interceptors.append(data_plane)
+        max_workers = pool_size(limits)
     # Innermost: a call refused by authentication is never parsed.
     interceptors.append(ErrorBoundary())
     server = grpc.server(
@@ -112,4 +131,4 @@ def start_server(
     for name in service_names:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    return ServerHandle(server, bound, health_servicer)
+    return ServerHandle(server, bound, health_servicer, data_plane)

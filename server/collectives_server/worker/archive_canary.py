@@ -10,7 +10,7 @@ What the child gets:
 - the archive as its stdin (an open descriptor), nothing else inherited: it
   runs ``python -I`` (no PYTHONPATH, no user site), a minimal environment, no
   other descriptors, its own session;
-- resource limits set before it executes: ``RLIMIT_AS`` (2 GiB plus twice
+- resource limits it sets on itself before it reads the archive: ``RLIMIT_AS`` (2 GiB plus twice
   the archive), ``RLIMIT_CPU`` (the timeout), ``RLIMIT_NOFILE`` (64),
   ``RLIMIT_FSIZE`` 16 MiB (its own TMPDIR, removed after), ``RLIMIT_CORE`` 0, and, when it
   is dropped to ``nobody``, ``RLIMIT_NPROC`` (64);
@@ -38,7 +38,6 @@ import functools
 import logging
 import os
 import pwd
-import resource
 import stat
 import subprocess
 import sys
@@ -51,8 +50,22 @@ __all__ = ["trial_load"]
 
 log = logging.getLogger(__name__)
 
+# The child first limits itself and drops its privileges (before it reads a
+# byte of the archive), then loads it. Done in the child rather than in a
+# preexec_fn so that the worker spawns it with vfork: forking a process that
+# runs gRPC's threads can abort it (gRPC's fork handlers).
 _CHILD = (
-    "import sys, torch\n"
+    "import os, resource, sys\n"
+    "as_bytes, cpu_s, nofile, fsize, nproc, uid, gid = map(int, sys.argv[1:8])\n"
+    "resource.setrlimit(resource.RLIMIT_AS, (as_bytes, as_bytes))\n"
+    "resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))\n"
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))\n"
+    "resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))\n"
+    "resource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n"
+    "if uid >= 0:\n"
+    "    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))\n"
+    "    os.setgroups([]); os.setgid(gid); os.setuid(uid)\n"
+    "import torch\n"
     "torch.export.load(open(0, 'rb', closefd=False)).module()\n"
     "sys.stdout.write('loaded\\n')\n"
 )
@@ -61,21 +74,10 @@ _NPROC = 64
 _FSIZE = 16 << 20  # no file it writes (in its own TMPDIR) grows past 16 MiB
 
 
-def _limits(as_bytes: int, cpu_s: int, drop_to: tuple[int, int] | None):
-    def apply() -> None:  # runs in the child between fork and exec
-        resource.setrlimit(resource.RLIMIT_AS, (as_bytes, as_bytes))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (_NOFILE, _NOFILE))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (_FSIZE, _FSIZE))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if drop_to is not None:
-            uid, gid = drop_to
-            resource.setrlimit(resource.RLIMIT_NPROC, (_NPROC, _NPROC))
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
-
-    return apply
+def _child_argv(as_bytes: int, cpu_s: int, drop_to: tuple[int, int] | None) -> list[str]:
+    uid, gid = drop_to if drop_to is not None else (-1, -1)
+    limits = (as_bytes, cpu_s, _NOFILE, _FSIZE, _NPROC, uid, gid)
+    return [sys.executable, "-I", "-c", _CHILD, *map(str, limits)]
 
 
 def _world_can_reach(path: str) -> bool:
@@ -144,7 +146,7 @@ def _run_child(
     with open(path, "rb") as archive:
         try:
             done = subprocess.run(
-                [sys.executable, "-I", "-c", _CHILD],
+                _child_argv((2 << 30) + 2 * size, max(1, int(timeout_s)), drop_to),
                 stdin=archive,
                 capture_output=True,
                 timeout=timeout_s,
@@ -152,7 +154,6 @@ def _run_child(
                 cwd="/",
                 close_fds=True,
                 start_new_session=True,
-                preexec_fn=_limits((2 << 30) + 2 * size, max(1, int(timeout_s)), drop_to),
             )
         except OSError as exc:
             raise FailedPrecondition(

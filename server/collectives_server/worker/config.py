@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from collectives._security import PLAINTEXT, ChannelSecurity
+from collectives_server.rpc_limits import RpcLimits
 from collectives_server.security import ServerSecurity
 from collectives_server.worker.archive_config import ModelUploadConfig
+from collectives_server.worker.shm_service import ShmLimits
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,10 @@ class WorkerConfig:
     op_timeout_s: float | None = None
     # Bound of the leader's op queue; a full queue answers RESOURCE_EXHAUSTED.
     queue_size: int = 1024
+    # Bounds of the /dev/shm segments created for clients' gets (shm_service.py).
+    shm_limits: ShmLimits = field(default_factory=ShmLimits)
+    # Bounds of the gRPC data plane: calls at once, idle time, duration (rpc_limits.py).
+    rpc_limits: RpcLimits = field(default_factory=RpcLimits)
     # Sub-groups (new_group) one generation may hold; beyond: RESOURCE_EXHAUSTED.
     max_groups: int = 64
     # Quota of the worker's tensor store in bytes; None: unbounded. Puts and

@@ -39,6 +39,7 @@ from collectives_server.worker.enrolment import bounded_status, register
 from collectives_server.worker.models import ModelRegistry
 from collectives_server.worker.runtime import GenerationRuntime, OpResult
 from collectives_server.worker.service import SERVICE_NAME, WorkerService, add_worker_service
+from collectives_server.worker.shm_service import WorkerSegments
 from collectives_server.worker.status import (
     WorkerStats,
     collect_status,
@@ -80,6 +81,9 @@ class WorkerDaemon:
         self.store = TensorStore(self.device, limit_bytes=config.max_tensor_bytes)
         self.models = ModelRegistry(self.devices, config.allow_factories, config.graph_ttl_s)
         self.uploads = ModelUploads(config.model_upload)
+        # /dev/shm segments created for clients' gets: bounded, reaped after a TTL.
+        self.shm_segments = WorkerSegments(config.shm_limits)
+        WorkerSegments.sweep_stale()
         self.stats = WorkerStats()
         self.runtime: GenerationRuntime | None = None
         self.cluster_status = "not registered yet"
@@ -120,6 +124,7 @@ class WorkerDaemon:
             [lambda server: add_worker_service(servicer, server)],
             [SERVICE_NAME],
             security=self.config.security,
+            limits=self.config.rpc_limits,
         )
         host = self.config.advertise_host or self.config.host
         if host in ("0.0.0.0", "::", ""):
@@ -164,7 +169,13 @@ class WorkerDaemon:
         if self._metrics is not None:
             self._metrics.stop()
         self.uploads.close()
+        self.shm_segments.close()
         self._channel.close()
+
+    @property
+    def port(self) -> int:
+        """The port this worker's gRPC server is bound to (0 before it starts)."""
+        return self._server.port if self._server is not None else 0
 
     # --------------------------------------------------------- coordinator
     def _register(self, timeout_s: float) -> None:
@@ -201,6 +212,7 @@ class WorkerDaemon:
             if self._stop.is_set():
                 break
             self.models.expire_graphs()
+            self.shm_segments.reap()
             runtime = self.runtime
             request = coordinator_pb2.HeartbeatRequest(
                 worker_id=self.worker_id,

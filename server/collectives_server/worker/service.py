@@ -9,7 +9,6 @@ generated message classes.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING
@@ -18,7 +17,7 @@ import grpc
 import torch
 from google.protobuf import message_factory
 
-from collectives import codec, shm
+from collectives import codec
 from collectives.bulk import BULK_MIN_BYTES, new_ticket
 from collectives.dtypes import to_wire
 from collectives.errors import (
@@ -37,6 +36,7 @@ from collectives_server.worker.model_service import ModelRpcs
 from collectives_server.worker.rpc_guards import counted as _counted
 from collectives_server.worker.rpc_guards import guard as _guard
 from collectives_server.worker.rpc_guards import guard_stream as _guard_stream
+from collectives_server.worker.shm_service import get_tensor_shm, put_tensor_shm
 
 if TYPE_CHECKING:
     from collectives_server.worker.daemon import WorkerDaemon
@@ -155,40 +155,17 @@ class WorkerService(ModelRpcs):
     def PutTensorShm(
         self, request: worker_pb2.PutTensorShmRequest, context
     ) -> worker_pb2.PutTensorResponse:
-        _require_local_peer(context)
-        validate_name(request.header.name)
-        meta = codec.check_header(request.header)
-        self._daemon.store.check_quota(meta.name, meta.nbytes)
-        fd = shm.open_checked(request.path, request.offset, meta.nbytes)
-        try:
-            tensor = shm.read_segment(fd, request.offset, meta)
-        finally:
-            os.close(fd)
-        self._daemon.store.put(meta.name, tensor)
-        self._daemon.stats.add_bytes(received=meta.nbytes)
-        return worker_pb2.PutTensorResponse(name=meta.name, nbytes=meta.nbytes)
+        return put_tensor_shm(self._daemon, request, context.peer() or "", self._daemon.port)
 
     @_guard
     @_counted("get")
     def GetTensorShm(
         self, request: worker_pb2.GetTensorShmRequest, context
     ) -> worker_pb2.GetTensorShmResponse:
-        _require_local_peer(context)
-        validate_name(request.name)
-        tensor = self._daemon.store.get(request.name)
-        wire = tensor.detach()
-        if wire.device.type != "cpu":
-            wire = wire.cpu()
-        wire = wire.resolve_conj().resolve_neg().contiguous()
-        header = codec.make_header(request.name, wire)
-        path = request.path if request.path and _write_into(request, wire) else ""
-        if not path:
-            path = shm.create_segment(wire, "get")
-        self._daemon.stats.add_bytes(sent=header.nbytes)
-        if request.consume:
-            self._daemon.store.delete_if_same(request.name, tensor)
-        offset = request.offset if path == request.path else 0
-        return worker_pb2.GetTensorShmResponse(header=header, path=path, offset=offset)
+        daemon = self._daemon
+        return get_tensor_shm(
+            daemon, daemon.shm_segments, request, context.peer() or "", daemon.port
+        )
 
     @_guard
     @_counted("delete")
@@ -390,30 +367,6 @@ def _remaining_s(context, default_s: float) -> float:
     """The call's time left (its deadline), or ``default_s`` when it has none."""
     remaining = context.time_remaining()
     return default_s if remaining is None else max(min(remaining, 24 * 3600.0), 0.0)
-
-
-def _write_into(request: worker_pb2.GetTensorShmRequest, wire) -> bool:
-    """Writes into the client's segment when it is large enough (False: it is not)."""
-    nbytes = wire.numel() * wire.element_size()
-    fd = shm.open_checked(request.path, request.offset, 0, write=True)
-    try:
-        if os.fstat(fd).st_size < request.offset + nbytes:
-            return False
-        shm.write_into(fd, wire, request.offset)
-        return True
-    finally:
-        os.close(fd)
-
-
-def _require_local_peer(context) -> None:
-    """Shared memory only makes sense for a client on this host: a loopback or unix peer."""
-    peer = context.peer() or ""
-    if peer.startswith(("ipv4:127.", "ipv6:[::1]", "unix:")):
-        return
-    raise FailedPrecondition(
-        f"shared-memory transfers need a client on the worker's host over loopback; "
-        f"the peer is {peer!r}: use PutTensor/GetTensor"
-    )
 
 
 _RAW_REQUEST = {"PutTensor", "LoadStateDict"}

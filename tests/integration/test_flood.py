@@ -1,0 +1,171 @@
+"""A flood of idle connections does not slow a legitimate client down (issue 16, acceptance 3).
+
+Against one worker and the coordinator at once: 64 gRPC streams that send a
+header and then nothing (no deadline), 300 idle TCP connections to the bulk
+port, and 100 idle HTTP connections to the dashboard. Meanwhile a legitimate
+client runs 200 all_reduces on fresh random data, each checked against torch.
+All 200 must succeed, and the run's p50 and max must stay within 2x of the
+same 200 ops measured unloaded just before (with 5 ms of slack for the timer
+granularity of a shared 2-core machine). The daemons stay healthy and their
+memory comes back (tests/hostile.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import socket
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+from hostile import Aftermath, assert_serving
+
+from collectives import codec
+from collectives.v1 import worker_pb2, worker_pb2_grpc
+
+pytestmark = pytest.mark.timeout(300)
+
+IDLE_STREAMS = 64
+IDLE_BULK = 300
+IDLE_DASHBOARD = 100
+OPS = 200
+SLACK_S = 0.005
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_ops(client, gen: torch.Generator, members: list, tag: str) -> list[float]:
+    """OPS all_reduces of fresh random operands, each checked; their latencies (s)."""
+    latencies = []
+    for i in range(OPS):
+        parts = [torch.randn(64, generator=gen) for _ in members]
+        for w, t in zip(members, parts, strict=True):
+            client.put(f"flood/{tag}", t, rank=w.rank)
+        started = time.perf_counter()
+        client.all_reduce(f"flood/{tag}", out=f"flood/{tag}_sum")
+        latencies.append(time.perf_counter() - started)
+        if i % 20 == 0:  # checking every result would double the op count
+            got = client.get(f"flood/{tag}_sum", rank=members[-1].rank)
+            torch.testing.assert_close(got, sum(parts))
+    return latencies
+
+
+def _stalled_put(name: str, stop: threading.Event) -> Iterator[bytes]:
+    """A put that declares 1 MiB, sends the header and one chunk, then nothing until stopped."""
+    messages = codec.encode_tensor_stream(name, torch.randn(1 << 18), chunk_bytes=1 << 16)
+    yield next(messages)
+    yield next(messages)
+    stop.wait(120)
+
+
+@contextlib.contextmanager
+def _idle_streams(address: str, count: int) -> Iterator[list]:
+    """``count`` PutTensor streams without a deadline that send one message and stall."""
+    stop = threading.Event()
+    channels, calls = [], []
+    try:
+        for i in range(count):
+            channel = grpc.insecure_channel(address)
+            channels.append(channel)
+            put = channel.stream_unary(
+                "/collectives.v1.Worker/PutTensor",
+                request_serializer=None,
+                response_deserializer=worker_pb2.PutTensorResponse.FromString,
+            )
+            calls.append(put.future(_stalled_put(f"flood/idle{i}", stop)))
+        yield calls
+    finally:
+        stop.set()
+        for call in calls:
+            call.cancel()
+        for channel in channels:
+            channel.close()
+
+
+@contextlib.contextmanager
+def _idle_sockets(port: int, count: int, first: bytes = b"") -> Iterator[list]:
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            try:
+                sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            except OSError:
+                continue  # refused at the cap: that is the server defending itself
+            if first:
+                with contextlib.suppress(OSError):
+                    sock.sendall(first)
+            socks.append(sock)
+        yield socks
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def _summary(latencies: list[float]) -> str:
+    ordered = sorted(latencies)
+    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+    return (
+        f"p50 {statistics.median(ordered) * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms, "
+        f"max {ordered[-1] * 1e3:.2f} ms"
+    )
+
+
+def test_a_flood_of_idle_connections_leaves_collectives_at_speed(fresh_cluster, gen) -> None:
+    dashboard = _free_port()
+    local, client = fresh_cluster(2, "--dashboard-port", str(dashboard))
+    members = sorted((w for w in client.workers() if w.rank >= 0), key=lambda w: w.rank)
+    target = members[-1]
+    aftermath = Aftermath(client).capture()
+    with grpc.insecure_channel(target.address) as channel:
+        bulk_port = int(
+            worker_pb2_grpc.WorkerStub(channel)
+            .GetDataPlane(worker_pb2.DataPlaneRequest(), timeout=10)
+            .bulk_port
+        )
+    assert bulk_port > 0, "the worker offers no bulk port"
+
+    _run_ops(client, gen, members, "warm")
+    unloaded = _run_ops(client, gen, members, "unloaded")
+
+    with (
+        _idle_streams(target.address, IDLE_STREAMS) as streams,
+        _idle_sockets(bulk_port, IDLE_BULK, first=b"C") as bulk,
+        _idle_sockets(dashboard, IDLE_DASHBOARD, first=b"GET / HTTP/1.1\r\n") as web,
+    ):
+        errors: queue.Queue[BaseException] = queue.Queue()
+        loaded: list[float] = []
+
+        def legit() -> None:
+            try:
+                loaded.extend(_run_ops(client, gen, members, "loaded"))
+            except BaseException as exc:  # reported on the test thread
+                errors.put(exc)
+
+        worker = threading.Thread(target=legit, name="legit-client")
+        worker.start()
+        worker.join(120)
+        assert not worker.is_alive(), "the legitimate client did not finish within 120 s"
+        if not errors.empty():
+            raise errors.get()
+        assert_serving(target.address, within_s=1.0)
+        assert_serving(local.address, within_s=1.0)
+        print(
+            f"\nflood: {len(streams)} idle streams, {len(bulk)} bulk and {len(web)} dashboard "
+            f"connections held open\n  unloaded {_summary(unloaded)}\n  loaded   {_summary(loaded)}"
+        )
+    assert len(loaded) == OPS
+    assert statistics.median(loaded) <= 2 * statistics.median(unloaded) + SLACK_S, (
+        _summary(unloaded),
+        _summary(loaded),
+    )
+    assert max(loaded) <= 2 * max(unloaded) + SLACK_S, (_summary(unloaded), _summary(loaded))
+    aftermath.check()

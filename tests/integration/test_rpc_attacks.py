@@ -1,0 +1,122 @@
+"""Calls that stall cannot hold a worker (issue 16, H2).
+
+40 ``PutTensor`` streams that send a header and one chunk and then nothing,
+with no deadline: before, they held every thread of the worker's gRPC pool
+forever and its health check and ``GetState`` timed out. Now health, state and
+a legitimate client's ops go on while they stall, the stalled streams are
+cancelled after ``--stream-idle-s``, and calls beyond the per-host cap are
+refused at once with RESOURCE_EXHAUSTED.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+from helpers import wait_until
+from hostile import Aftermath, assert_serving
+
+import collectives
+from collectives import codec
+from collectives.v1 import worker_pb2, worker_pb2_grpc
+
+pytestmark = pytest.mark.timeout(240)
+
+IDLE_S = 2.0
+STALLED = 40
+
+
+def _stalled_put(name: str, stop: threading.Event) -> Iterator[bytes]:
+    messages = codec.encode_tensor_stream(name, torch.randn(1 << 18), chunk_bytes=1 << 16)
+    yield next(messages)  # the header
+    yield next(messages)  # one chunk of sixteen, then nothing
+    stop.wait(120)
+
+
+@contextlib.contextmanager
+def _stalled_puts(address: str, count: int) -> Iterator[list[grpc.Future]]:
+    stop = threading.Event()
+    channel = grpc.insecure_channel(address)
+    put = channel.stream_unary(
+        "/collectives.v1.Worker/PutTensor",
+        request_serializer=None,
+        response_deserializer=worker_pb2.PutTensorResponse.FromString,
+    )
+    calls = [put.future(_stalled_put(f"stall/{i}", stop)) for i in range(count)]  # no deadline
+    try:
+        yield calls
+    finally:
+        stop.set()
+        for call in calls:
+            call.cancel()
+        channel.close()
+
+
+def test_stalled_streams_do_not_freeze_a_worker_and_are_cut(fresh_cluster, gen) -> None:
+    _, client = fresh_cluster(2, "--stream-idle-s", str(IDLE_S))
+    aftermath = Aftermath(client).capture()
+    target = max((w for w in client.workers() if w.rank >= 0), key=lambda w: w.rank)
+    started = time.monotonic()
+    with _stalled_puts(target.address, STALLED) as calls:
+        # While they stall: health, state and real work all answer.
+        assert_serving(target.address, within_s=1.0)
+        with grpc.insecure_channel(target.address) as channel:
+            worker_pb2_grpc.WorkerStub(channel).GetState(worker_pb2.GetStateRequest(), timeout=1.0)
+        parts = [torch.randn(33, generator=gen) for _ in range(2)]
+        for rank, t in enumerate(parts):
+            client.put("stall/x", t, rank=rank)
+        client.all_reduce("stall/x", timeout=10)
+        torch.testing.assert_close(client.get("stall/x", rank=1), sum(parts))
+        # Each stalled stream is cancelled once idle for --stream-idle-s.
+        wait_until(lambda: all(c.done() for c in calls), IDLE_S + 10, "the stalled puts to be cut")
+        cut_after = time.monotonic() - started
+        codes = {c.exception().code() for c in calls if c.exception() is not None}
+        assert codes == {grpc.StatusCode.CANCELLED}, codes
+        assert cut_after < IDLE_S + 10
+    print(f"\n{STALLED} stalled puts cut after {cut_after:.2f} s (--stream-idle-s {IDLE_S:g})")
+    for rank in range(2):
+        with pytest.raises(collectives.NotFound):
+            client.get("stall/0", rank=rank)
+    aftermath.check()
+
+
+def test_calls_beyond_the_per_host_cap_are_refused_at_once(fresh_cluster) -> None:
+    _, client = fresh_cluster(2, "--stream-idle-s", "30", "--max-data-streams-per-peer", "8")
+    aftermath = Aftermath(client).capture()
+    target = max((w for w in client.workers() if w.rank >= 0), key=lambda w: w.rank)
+    with _stalled_puts(target.address, 8) as calls:
+        with grpc.insecure_channel(target.address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+
+            def refused() -> bool:
+                try:
+                    stub.GetTensor(worker_pb2.GetTensorRequest(name="nope"), timeout=2).next()
+                except grpc.RpcError as err:
+                    return err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (
+                        "--max-data-streams-per-peer 8" in (err.details() or "")
+                    )
+                return False
+
+            # Once the 8 stalled puts hold their slots, a ninth call is refused.
+            wait_until(refused, 10, "a call beyond the cap to be refused")
+            assert_serving(target.address, within_s=1.0)
+        assert not any(c.done() for c in calls)
+    # The slots come back when the stalled calls end.
+    wait_until(lambda: _get_state_ok(target.address), 10, "the worker to serve again")
+    aftermath.check()
+
+
+def _get_state_ok(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            worker_pb2_grpc.WorkerStub(channel).GetTensor(
+                worker_pb2.GetTensorRequest(name="nope"), timeout=2
+            ).next()
+        except grpc.RpcError as err:
+            return err.code() == grpc.StatusCode.NOT_FOUND
+    return False

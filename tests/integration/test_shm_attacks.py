@@ -1,0 +1,164 @@
+"""Shared memory without a confused deputy (issue 16, H4, H5, L2).
+
+H4: a client names a file it does not own (root-only, 0600) in
+``PutTensorShm``; before, the worker read it and ``GetTensor`` handed the bytes
+out. H5: a client names another client's segment in ``GetTensorShm``; before,
+the worker overwrote it. Now the worker acts only on files owned by the uid of
+the client's end of the connection (read from the kernel), so both are
+PERMISSION_DENIED and the victim's bytes are untouched. L2: every
+``GetTensorShm`` left a new ``/dev/shm`` file; the worker's segments are now
+bounded and reaped. The peer's uid itself is checked with a real socket of a
+process running as ``nobody`` (the kernel's answer, not ours).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import socket
+import time
+import uuid
+
+import grpc
+import pytest
+import torch
+from hostile import Aftermath, rss_bytes
+
+from collectives import codec, shm
+from collectives.v1 import worker_pb2, worker_pb2_grpc
+from collectives_server.worker.peer_identity import loopback_peer_uid
+
+pytestmark = pytest.mark.timeout(180)
+
+NOBODY = 65534
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="making a file owned by another user needs root (chown)"
+)
+
+
+def _file_of_another_user(payload: bytes) -> str:
+    """A 0600 file in /dev/shm owned by uid nobody: not the client's (the test runs as root)."""
+    path = os.path.join(shm.SHM_DIR, f"collectives-seg-victim-{uuid.uuid4().hex}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, payload)
+    finally:
+        os.close(fd)
+    os.chown(path, NOBODY, -1)
+    return path
+
+
+def _target(client):
+    return max((w for w in client.workers() if w.rank >= 0), key=lambda w: w.rank)
+
+
+@needs_root
+def test_h4_a_file_the_client_does_not_own_is_not_read(fresh_cluster, gen) -> None:
+    _, client = fresh_cluster(2)
+    aftermath = Aftermath(client).capture()
+    secret = torch.randn(256, generator=gen)
+    path = _file_of_another_user(secret.numpy().tobytes())
+    try:
+        header = codec.make_header("stolen", secret)
+        with grpc.insecure_channel(_target(client).address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            with pytest.raises(grpc.RpcError) as info:
+                stub.PutTensorShm(
+                    worker_pb2.PutTensorShmRequest(header=header, path=path), timeout=10
+                )
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, info.value
+        assert f"uid {NOBODY}" in info.value.details()
+        with pytest.raises(Exception, match="NOT_FOUND"):
+            client.get("stolen", rank=_target(client).rank)
+    finally:
+        os.unlink(path)
+    aftermath.check()
+
+
+@needs_root
+def test_h5_another_clients_segment_is_never_written(fresh_cluster, gen) -> None:
+    _, client = fresh_cluster(2)
+    aftermath = Aftermath(client).capture()
+    victim = torch.randn(1024, generator=gen)
+    path = _file_of_another_user(victim.numpy().tobytes())
+    target = _target(client)
+    client.put(
+        "overwrite/src", torch.full((1024,), 0x41414141, dtype=torch.int32), rank=target.rank
+    )
+    try:
+        with grpc.insecure_channel(target.address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            with pytest.raises(grpc.RpcError) as info:
+                stub.GetTensorShm(
+                    worker_pb2.GetTensorShmRequest(name="overwrite/src", path=path), timeout=10
+                )
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, info.value
+        with open(path, "rb") as f:
+            assert f.read() == victim.numpy().tobytes(), "the victim's segment was written"
+    finally:
+        os.unlink(path)
+    aftermath.check()
+
+
+def test_l2_segments_made_for_gets_are_bounded_and_reaped(fresh_cluster, gen) -> None:
+    _, client = fresh_cluster(2, "--shm-max-segments", "8", "--shm-segment-ttl-s", "2")
+    aftermath = Aftermath(client).capture()
+    target = _target(client)
+    client.put("many/x", torch.randn(1 << 16, generator=gen), rank=target.rank)
+    pattern = os.path.join(shm.SHM_DIR, f"collectives-get-{target.pid}-*")
+    before_rss = rss_bytes(target.pid)
+    refused = 0
+    with grpc.insecure_channel(target.address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        for _ in range(100):  # an attacker that never unlinks what it is given
+            try:
+                stub.GetTensorShm(worker_pb2.GetTensorShmRequest(name="many/x"), timeout=10)
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+                assert "--shm-max-segments 8" in err.details()
+                refused += 1
+            assert len(glob.glob(pattern)) <= 8
+    assert refused >= 92
+    deadline = time.monotonic() + 15
+    while glob.glob(pattern):  # reaped after the TTL (the heartbeat loop runs the reaper)
+        assert time.monotonic() < deadline, f"{len(glob.glob(pattern))} segments not reaped"
+        time.sleep(0.1)  # polling a condition with a deadline
+    assert rss_bytes(target.pid) < before_rss + (64 << 20)
+    aftermath.check()
+
+
+@needs_root
+def test_the_peer_uid_is_the_kernels_answer_for_another_users_socket() -> None:
+    """A process running as nobody connects over loopback: its socket's uid is found."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        read_end, write_end = os.pipe()
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child process
+            try:
+                os.close(read_end)
+                os.setgid(NOBODY)
+                os.setuid(NOBODY)
+                conn = socket.create_connection(("127.0.0.1", port))
+                os.write(write_end, b"1")
+                conn.recv(1)
+            finally:
+                os._exit(0)
+        os.close(write_end)
+        accepted, peer = server.accept()
+        try:
+            assert os.read(read_end, 1) == b"1"
+            assert loopback_peer_uid(f"ipv4:{peer[0]}:{peer[1]}", port) == NOBODY
+        finally:
+            accepted.close()
+            os.close(read_end)
+            os.waitpid(child, 0)
+
+
+def test_a_peer_off_loopback_gets_failed_precondition() -> None:
+    from collectives.errors import FailedPrecondition
+
+    with pytest.raises(FailedPrecondition, match="loopback"):
+        loopback_peer_uid("ipv4:10.1.2.3:5000", 50051)
