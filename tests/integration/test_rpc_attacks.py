@@ -19,7 +19,7 @@ import grpc
 import pytest
 import torch
 from helpers import wait_until
-from hostile import Aftermath, assert_serving
+from hostile import Aftermath, assert_serving, rss_bytes
 
 import collectives
 from collectives import codec
@@ -120,3 +120,76 @@ def _get_state_ok(address: str) -> bool:
         except grpc.RpcError as err:
             return err.code() == grpc.StatusCode.NOT_FOUND
     return False
+
+
+MiB = 1 << 20
+
+
+def _partial_put(name: str, declared: int, sent: int, stop: threading.Event) -> Iterator[bytes]:
+    """Declares ``declared`` bytes, sends ``sent`` of them (random), then stalls."""
+    gen = torch.Generator().manual_seed(len(name))
+    messages = codec.encode_tensor_stream(
+        name, torch.randint(0, 255, (declared,), dtype=torch.uint8, generator=gen),
+        chunk_bytes=4 * MiB,
+    )  # fmt: skip
+    yield next(messages)
+    for _ in range(sent // (4 * MiB)):
+        yield next(messages)
+    stop.wait(120)
+
+
+def test_h3_cancelled_puts_give_their_memory_back_at_once(fresh_cluster) -> None:
+    _, client = fresh_cluster(2, "--stream-idle-s", "60")
+    aftermath = Aftermath(client).capture()
+    target = _target_of(client)
+    base = rss_bytes(target.pid)
+    with grpc.insecure_channel(target.address) as channel:
+        put = channel.stream_unary(
+            "/collectives.v1.Worker/PutTensor",
+            request_serializer=None,
+            response_deserializer=worker_pb2.PutTensorResponse.FromString,
+        )
+        for i in range(4):
+            stop = threading.Event()
+            call = put.future(_partial_put(f"h3/{i}", 160 * MiB, 120 * MiB, stop))
+            wait_until(lambda: rss_bytes(target.pid) > base + 100 * MiB, 30, "120 MiB to arrive")
+            call.cancel()
+            stop.set()
+            started = time.monotonic()
+            wait_until(
+                lambda: rss_bytes(target.pid) < base + 64 * MiB, 10, "the partial buffer freed"
+            )
+            print(f"\nput {i}: RSS back within {time.monotonic() - started:.2f} s of the cancel")
+    aftermath.check()
+
+
+def test_m1_concurrent_puts_are_counted_against_the_quota_at_their_header(fresh_cluster) -> None:
+    _, client = fresh_cluster(2, "--max-tensor-bytes", "256MiB", "--stream-idle-s", "60")
+    aftermath = Aftermath(client).capture()
+    target = _target_of(client)
+    base = rss_bytes(target.pid)
+    stop = threading.Event()
+    with grpc.insecure_channel(target.address) as channel:
+        put = channel.stream_unary(
+            "/collectives.v1.Worker/PutTensor",
+            request_serializer=None,
+            response_deserializer=worker_pb2.PutTensorResponse.FromString,
+        )
+        calls = [put.future(_partial_put(f"m1/{i}", 200 * MiB, 8 * MiB, stop)) for i in range(4)]
+        try:
+            wait_until(lambda: sum(c.done() for c in calls) >= 3, 30, "3 puts refused")
+            refused = [c for c in calls if c.done()]
+            assert len(refused) == 3
+            for c in refused:
+                assert c.exception().code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "its limit is 268435456" in c.exception().details()
+            assert rss_bytes(target.pid) < base + 260 * MiB
+        finally:
+            stop.set()
+            for c in calls:
+                c.cancel()
+    aftermath.check()
+
+
+def _target_of(client):
+    return max((w for w in client.workers() if w.rank >= 0), key=lambda w: w.rank)

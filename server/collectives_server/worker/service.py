@@ -32,6 +32,7 @@ from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
 from collectives_server.worker.bulk import BulkListener
 from collectives_server.worker.group_cap import check_group_cap, subgroup_count
+from collectives_server.worker.memory_release import drop_partial
 from collectives_server.worker.model_service import ModelRpcs
 from collectives_server.worker.rpc_guards import counted as _counted
 from collectives_server.worker.rpc_guards import guard as _guard
@@ -57,23 +58,33 @@ class WorkerService(ModelRpcs):
     @_counted("put")
     def PutTensor(self, request_iterator: Iterator[bytes], context) -> worker_pb2.PutTensorResponse:
         assembler: codec.TensorAssembler | None = None
-        for raw in request_iterator:
-            kind, value = codec.decode_part(raw)
-            if kind == "header":
-                if assembler is not None:
-                    raise InvalidArgument("PutTensor stream carries a second header")
-                validate_name(value.name)
-                # Quota before the assembler preallocates the buffer.
-                meta = codec.check_header(value)
-                self._daemon.store.check_quota(meta.name, meta.nbytes)
-                assembler = codec.TensorAssembler(value)
-            elif kind == "chunk":
-                if assembler is None:
-                    raise InvalidArgument("PutTensor stream must start with a header")
-                assembler.add(value)
-        if assembler is None:
-            raise InvalidArgument("PutTensor stream was empty: send a header, then chunks")
-        tensor = assembler.finish()
+        reservation = None
+        try:
+            for raw in request_iterator:
+                kind, value = codec.decode_part(raw)
+                if kind == "header":
+                    if assembler is not None:
+                        raise InvalidArgument("PutTensor stream carries a second header")
+                    validate_name(value.name)
+                    # Quota reserved before the assembler preallocates the buffer.
+                    meta = codec.check_header(value)
+                    reservation = self._daemon.store.reserve(meta.name, meta.nbytes, "put")
+                    assembler = codec.TensorAssembler(value)
+                elif kind == "chunk":
+                    if assembler is None:
+                        raise InvalidArgument("PutTensor stream must start with a header")
+                    assembler.add(value)
+            if assembler is None:
+                raise InvalidArgument("PutTensor stream was empty: send a header, then chunks")
+            tensor = assembler.finish()
+        except BaseException as exc:
+            # Cancelled or refused: free the partial buffer now (H3), not at a later GC.
+            assembler = None
+            if reservation is not None:
+                reservation.release()
+            drop_partial(exc if isinstance(exc, grpc.RpcError) else None)
+            raise
+        reservation.release()
         self._daemon.store.put(assembler.name, tensor)
         self._daemon.stats.add_bytes(received=assembler.meta.nbytes)
         return worker_pb2.PutTensorResponse(name=assembler.name, nbytes=assembler.meta.nbytes)
@@ -106,12 +117,20 @@ class WorkerService(ModelRpcs):
         try:
             validate_name(request.header.name)
             meta = codec.check_header(request.header)
-            self._daemon.store.check_quota(meta.name, meta.nbytes)
-            buffer = _receive_buffer(meta.nbytes, self._daemon.store.device)
+            reservation = self._daemon.store.reserve(meta.name, meta.nbytes, "bulk put")
         except BaseException:
             bulk.refuse(request.ticket)
             raise
-        bulk.receive(request.ticket, buffer, _remaining_s(context, self._daemon.op_timeout_s))
+        try:
+            buffer = _receive_buffer(meta.nbytes, self._daemon.store.device)
+            bulk.receive(request.ticket, buffer, _remaining_s(context, self._daemon.op_timeout_s))
+        except BaseException as exc:
+            bulk.refuse(request.ticket)
+            buffer = None
+            drop_partial(exc if isinstance(exc, grpc.RpcError) else None)
+            raise
+        finally:
+            reservation.release()
         self._daemon.store.put(meta.name, buffer.view(meta.dtype).reshape(meta.shape))
         self._daemon.stats.add_bytes(received=meta.nbytes)
         return worker_pb2.PutTensorResponse(name=meta.name, nbytes=meta.nbytes)

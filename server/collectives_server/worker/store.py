@@ -27,7 +27,7 @@ import torch
 
 from collectives.errors import NotFound, ResourceExhausted
 
-__all__ = ["TensorStore", "StoredInfo", "Fence", "quota_message"]
+__all__ = ["Fence", "Reservation", "StoredInfo", "TensorStore", "quota_message"]
 
 
 @dataclass(frozen=True)
@@ -74,25 +74,69 @@ class Fence:
         self.release()
 
 
+class Reservation:
+    """Bytes counted against a store's quota while a transfer is received."""
+
+    def __init__(self, store: TensorStore, nbytes: int, what: str) -> None:
+        self._store, self.nbytes, self.what = store, nbytes, what
+        self._held = True
+
+    def release(self) -> None:
+        """Gives the bytes back; idempotent."""
+        if self._held:
+            self._held = False
+            self._store._unreserve(self.nbytes)
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 class TensorStore:
     def __init__(self, device: torch.device, limit_bytes: int | None = None) -> None:
         self.device = device
         self.limit_bytes = limit_bytes
         self._tensors: dict[str, torch.Tensor] = {}
         self._bytes = 0
+        # Bytes of transfers being received (puts in progress): counted against
+        # the quota from their header on, so concurrent puts cannot overshoot it.
+        self._reserved = 0
         self._lock = threading.Lock()
         self._fenced = threading.Condition(self._lock)
         self._fences: dict[str, list[Fence]] = {}
         self._waiting = 0
 
     def check_quota(self, name: str, incoming: int) -> None:
-        """Raises ResourceExhausted if ``incoming`` bytes under ``name`` would exceed the limit."""
+        """Raises ResourceExhausted if ``incoming`` bytes under ``name`` would exceed the limit
+        (stored bytes plus those reserved by transfers in progress)."""
         if self.limit_bytes is None:
             return
         current = self._tensors.get(name)
-        after = self._bytes - (_nbytes(current) if current is not None else 0) + incoming
+        held = self._bytes + self._reserved
+        after = held - (_nbytes(current) if current is not None else 0) + incoming
         if after > self.limit_bytes:
             raise ResourceExhausted(quota_message(name, incoming, after, self.limit_bytes))
+
+    def reserve(self, name: str, nbytes: int, what: str = "put") -> Reservation:
+        """Counts ``nbytes`` against the quota until released: call before receiving.
+
+        Raises:
+            ResourceExhausted: they do not fit beside what is stored and reserved.
+        """
+        with self._lock:
+            self.check_quota(name, nbytes)
+            self._reserved += nbytes
+        return Reservation(self, nbytes, what)
+
+    def _unreserve(self, nbytes: int) -> None:
+        with self._lock:
+            self._reserved -= nbytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self._reserved
 
     def quota_state(self, name: str) -> tuple[int, int]:
         """(bytes held apart from ``name``'s current value, the limit; -1: none): what

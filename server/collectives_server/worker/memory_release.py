@@ -1,0 +1,47 @@
+"""Giving freed memory back to the system at once.
+
+A partially received tensor that is dropped (a cancelled or failed put) can
+sit in a reference cycle through the exception's traceback until a later
+cyclic GC (issue 16, H3), and even once freed glibc may keep large freed
+chunks in its heap. :func:`drop_partial` breaks the cycle and :func:`trim`
+asks glibc to return free heap pages (``malloc_trim``; a no-op elsewhere).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import gc
+
+__all__ = ["trim", "drop_partial"]
+
+
+@functools.cache
+def _malloc_trim():
+    name = ctypes.util.find_library("c")
+    if not name:
+        return None
+    try:
+        fn = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def trim() -> None:
+    """Returns free heap memory to the system (glibc only)."""
+    fn = _malloc_trim()
+    if fn is not None:
+        fn(0)
+
+
+def drop_partial(exc: BaseException | None = None) -> None:
+    """After a failed transfer: drop the traceback's frames (they hold the buffer), collect
+    what they kept in cycles, and give the memory back."""
+    if exc is not None:
+        exc.__traceback__ = None
+    gc.collect(0)
+    trim()
