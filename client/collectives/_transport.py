@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -134,7 +135,12 @@ def put_tensor(
     if t.numel() * t.element_size() >= bulk.BULK_MIN_BYTES:
         port = endpoint.bulk.port(endpoint, timeout)
         if port:
-            return bulk.put_tensor_bulk(endpoint, port, name, codec.wire_tensor(t), timeout)
+            started = time.monotonic()
+            try:
+                return bulk.put_tensor_bulk(endpoint, port, name, codec.wire_tensor(t), timeout)
+            except bulk.BulkUnreachable:
+                endpoint.bulk.suspend()  # full or refusing: the gRPC stream carries it
+                timeout -= time.monotonic() - started
     try:
         return endpoint.put_raw(
             codec.encode_tensor_stream(name, t), timeout=_deadline_s(timeout, what)
@@ -155,7 +161,12 @@ def get_tensor(
     """
     port = endpoint.bulk.port(endpoint, timeout)
     if port:
-        return bulk.get_tensor_bulk(endpoint, port, name, timeout, consume)
+        started = time.monotonic()
+        try:
+            return bulk.get_tensor_bulk(endpoint, port, name, timeout, consume)
+        except bulk.BulkUnreachable:
+            endpoint.bulk.suspend()  # full or refusing: the gRPC stream carries it
+            timeout -= time.monotonic() - started
     what = f"GetTensor {name!r} from {endpoint.address}"
     call = endpoint.get_raw(
         worker_pb2.GetTensorRequest(name=name, consume=consume),

@@ -15,6 +15,7 @@ is 0 with TLS on, or with ``--no-bulk``); the SDK then streams over gRPC.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import threading
@@ -39,10 +40,13 @@ __all__ = [
     "TICKET_BYTES",
     "BULK_MIN_BYTES",
     "BulkPort",
+    "BulkUnreachable",
     "new_ticket",
     "put_tensor_bulk",
     "get_tensor_bulk",
 ]
+
+log = logging.getLogger(__name__)
 
 MAGIC = b"CBK1"
 TICKET_BYTES = 16
@@ -60,6 +64,15 @@ def new_ticket() -> bytes:
     return os.urandom(TICKET_BYTES)
 
 
+class BulkUnreachable(Unavailable):
+    """The bulk port refused or dropped the connection before any payload moved:
+    safe to send the same payload through the gRPC stream instead."""
+
+
+# After the bulk port of a worker refused us, use its gRPC stream this long.
+SUSPEND_S = 30.0
+
+
 class BulkPort:
     """What one worker said about its bulk port, asked once per channel.
 
@@ -72,9 +85,13 @@ class BulkPort:
         self._lock = threading.Lock()
         self._port: int | None = None
         self._idle: list[tuple[float, socket.socket]] = []  # (since, connection)
+        self._suspended_until = 0.0
 
     def port(self, endpoint: WorkerEndpoint, timeout: float) -> int:
+        """The bulk port; 0 when the worker has none, or while it is suspended."""
         with self._lock:
+            if time.monotonic() < self._suspended_until:
+                return 0
             if self._port is not None:
                 return self._port
         try:
@@ -89,6 +106,12 @@ class BulkPort:
         with self._lock:
             self._port = port
         return port
+
+    def suspend(self, seconds: float = SUSPEND_S) -> None:
+        """Use the gRPC stream for this worker for ``seconds`` (its bulk port is full)."""
+        with self._lock:
+            self._suspended_until = time.monotonic() + seconds
+        log.info("bulk port unreachable: using the gRPC stream for %g s", seconds)
 
     def forget(self) -> None:
         with self._lock:
@@ -157,7 +180,7 @@ def _connect(endpoint: WorkerEndpoint, port: int, ticket: bytes, timeout: float)
         sock = endpoint.bulk.connection(_host_of(endpoint.address), port, timeout)
     except OSError as exc:
         endpoint.bulk.forget()
-        raise Unavailable(
+        raise BulkUnreachable(
             f"bulk port {port} of {endpoint.address} refused the connection: {exc}"
         ) from None
     try:
@@ -165,7 +188,7 @@ def _connect(endpoint: WorkerEndpoint, port: int, ticket: bytes, timeout: float)
         sock.sendall(MAGIC + ticket)
     except OSError as exc:
         sock.close()
-        raise Unavailable(f"bulk port {port} of {endpoint.address}: {exc}") from None
+        raise BulkUnreachable(f"bulk port {port} of {endpoint.address}: {exc}") from None
     return sock
 
 
@@ -210,7 +233,9 @@ def put_tensor_bulk(
         except OSError as exc:
             if not call.done():
                 call.cancel()
-                raise Unavailable(f"{what}: the bulk connection failed: {exc}") from None
+                # The worker closed the connection (a full bulk port closes at
+                # once); the put was not stored, so the stream may carry it.
+                raise BulkUnreachable(f"{what}: the bulk connection failed: {exc}") from None
             sent_all = False  # the call's answer tells; this connection is done for
         else:
             sent_all = True
@@ -285,6 +310,8 @@ def get_tensor_bulk(
         if got == meta.nbytes:
             unless_kept.pop_all()
             endpoint.bulk.keep(sock)
+    if got == 0 and not consume:
+        raise BulkUnreachable(f"{what}: the bulk port closed the connection before any byte")
     if got != meta.nbytes:
         raise Unavailable(
             f"{what}: the bulk connection closed after {got} of {meta.nbytes} bytes "

@@ -11,12 +11,14 @@ from typing import Any
 
 from collectives_server.cli_common import byte_size, positive_float, positive_int
 from collectives_server.rpc_limits import RpcLimits
+from collectives_server.worker.bulk import BulkLimits
 from collectives_server.worker.shm_service import ShmLimits
 
 __all__ = ["add_data_plane_flags", "data_plane_args", "data_plane_from_args"]
 
 _DEFAULTS = RpcLimits()
 _SHM = ShmLimits()
+_BULK = BulkLimits()
 
 
 def add_data_plane_flags(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +45,29 @@ def add_data_plane_flags(parser: argparse.ArgumentParser) -> None:
         f"(default: {_DEFAULTS.max_data_streams_per_peer})",
     )  # fmt: skip
     g.add_argument(
+        "--bulk-ticket-ttl-s", type=positive_float, default=_BULK.ticket_ttl_s, metavar="S",
+        help="a bulk ticket not presented within this is void; a GET ticket pins its tensor "
+        f"at most this long (default: {_BULK.ticket_ttl_s:g})",
+    )  # fmt: skip
+    g.add_argument(
+        "--bulk-prelude-timeout-s", type=positive_float, default=_BULK.prelude_timeout_s,
+        metavar="S", help="a bulk connection must send its whole ticket prelude within this "
+        f"(default: {_BULK.prelude_timeout_s:g})",
+    )  # fmt: skip
+    g.add_argument(
+        "--bulk-idle-s", type=positive_float, default=_BULK.idle_s, metavar="S",
+        help=f"close a bulk connection idle this long (default: {_BULK.idle_s:g})",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-bulk-connections", type=positive_int, default=_BULK.max_connections,
+        metavar="N", help=f"bulk connections at once (default: {_BULK.max_connections})",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-bulk-connections-per-peer", type=positive_int,
+        default=_BULK.max_connections_per_peer, metavar="N",
+        help=f"the same, from one host (default: {_BULK.max_connections_per_peer})",
+    )  # fmt: skip
+    g.add_argument(
         "--shm-max-segments", type=positive_int, default=_SHM.max_segments, metavar="N",
         help="/dev/shm segments the worker holds for clients' gets; more answer "
         f"RESOURCE_EXHAUSTED (default: {_SHM.max_segments})",
@@ -66,6 +91,13 @@ def data_plane_from_args(args: argparse.Namespace) -> dict[str, Any]:
             max_data_streams=args.max_data_streams,
             max_data_streams_per_peer=args.max_data_streams_per_peer,
         ),
+        "bulk_limits": BulkLimits(
+            ticket_ttl_s=args.bulk_ticket_ttl_s,
+            prelude_timeout_s=args.bulk_prelude_timeout_s,
+            idle_s=args.bulk_idle_s,
+            max_connections=args.max_bulk_connections,
+            max_connections_per_peer=args.max_bulk_connections_per_peer,
+        ),
         "shm_limits": ShmLimits(
             max_segments=args.shm_max_segments,
             max_bytes=args.shm_max_bytes,
@@ -81,6 +113,11 @@ def data_plane_args(args: argparse.Namespace) -> list[str]:
         f"--stream-idle-s={args.stream_idle_s}",
         f"--max-data-streams={args.max_data_streams}",
         f"--max-data-streams-per-peer={args.max_data_streams_per_peer}",
+        f"--bulk-ticket-ttl-s={args.bulk_ticket_ttl_s}",
+        f"--bulk-prelude-timeout-s={args.bulk_prelude_timeout_s}",
+        f"--bulk-idle-s={args.bulk_idle_s}",
+        f"--max-bulk-connections={args.max_bulk_connections}",
+        f"--max-bulk-connections-per-peer={args.max_bulk_connections_per_peer}",
         f"--shm-max-segments={args.shm_max_segments}",
         f"--shm-max-bytes={args.shm_max_bytes}",
         f"--shm-segment-ttl-s={args.shm_segment_ttl_s}",

@@ -24,6 +24,7 @@ import logging
 import socket
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -32,19 +33,29 @@ from collectives.bulk import MAGIC, TICKET_BYTES
 from collectives.codec import tensor_memoryview
 from collectives.errors import DeadlineExceeded, InvalidArgument, Unavailable
 
-__all__ = ["BulkListener", "PRELUDE_BYTES"]
+__all__ = ["BulkLimits", "BulkListener", "PRELUDE_BYTES"]
 
 log = logging.getLogger(__name__)
 
 PRELUDE_BYTES = len(MAGIC) + TICKET_BYTES
-# How long a connection may take to present its ticket, and how long it then
-# waits for the matching gRPC call to register it.
-_PRELUDE_TIMEOUT_S = 10.0
-# A kept connection is closed after this long without a transfer (the SDK
-# drops its idle connections sooner, so it never sends on one being closed).
-_IDLE_TIMEOUT_S = 60.0
-# At most this many bulk connections are served at once; more are refused.
-_MAX_CONNECTIONS = 256
+
+
+@dataclass(frozen=True)
+class BulkLimits:
+    """What one bulk connection may hold (issue 16: M2, M4, L3); flags in ``cli_bulk``."""
+
+    # A ticket not presented within this long is void; a GET ticket pins its
+    # tensor at most this long.
+    ticket_ttl_s: float = 30.0
+    # The whole prelude (magic + ticket) must arrive within this, in total.
+    prelude_timeout_s: float = 5.0
+    # A kept connection is closed after this long without a transfer (the SDK
+    # drops its idle connections sooner, so it never sends on one being closed),
+    # and a transfer that moves no byte for this long fails.
+    idle_s: float = 60.0
+    # Connections served at once, in all and from one peer host; more are closed at once.
+    max_connections: int = 256
+    max_connections_per_peer: int = 64
 
 
 @dataclass
@@ -62,13 +73,14 @@ class _Transfer:
 class BulkListener:
     """Accepts bulk connections and matches them with registered transfers."""
 
-    def __init__(self, host: str, port: int = 0, io_timeout_s: float = 60.0) -> None:
-        self._io_timeout_s = io_timeout_s
+    def __init__(self, host: str, port: int = 0, limits: BulkLimits | None = None) -> None:
+        self.limits = limits or BulkLimits()
+        self._io_timeout_s = self.limits.idle_s
         self._sock = socket.create_server((host, port), backlog=128)
         self.port: int = self._sock.getsockname()[1]
         self._lock = threading.Condition()
         self._transfers: dict[bytes, _Transfer] = {}
-        self._slots = threading.BoundedSemaphore(_MAX_CONNECTIONS)
+        self._connections: Counter[str] = Counter()
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name="bulk-accept", daemon=True)
         self._thread.start()
@@ -85,7 +97,17 @@ class BulkListener:
         """
         transfer = self._register(ticket, "put", buffer, timeout_s)
         try:
-            if not transfer.done.wait(max(timeout_s, 0.0)):
+            # A connection must present the ticket within its TTL; once it did,
+            # the bytes arrive within the call's time (each read bounded by idle_s).
+            started = time.monotonic()
+            first = min(timeout_s, self.limits.ticket_ttl_s)
+            if not transfer.done.wait(max(first, 0.0)) and not transfer.claimed:
+                raise DeadlineExceeded(
+                    f"bulk put: no bulk connection presented the ticket within "
+                    f"{first:.3g} s (--bulk-ticket-ttl-s {self.limits.ticket_ttl_s:g})"
+                )
+            left = timeout_s - (time.monotonic() - started)
+            if not transfer.done.wait(max(left, 0.0)):
                 raise DeadlineExceeded(
                     f"bulk put: {transfer.moved} of {transfer.view.nbytes} bytes arrived "
                     f"within {timeout_s:.3g} s (no bulk connection presented the ticket?)"
@@ -95,10 +117,13 @@ class BulkListener:
         finally:
             self._unregister(ticket, transfer)
 
-    def offer(self, ticket: bytes, tensor: torch.Tensor, ttl_s: float) -> None:
+    def offer(self, ticket: bytes, tensor: torch.Tensor, ttl_s: float) -> float:
         """Registers ``tensor`` (contiguous, CPU) to be sent to the connection
-        presenting ``ticket`` within ``ttl_s``; the reference is dropped then."""
+        presenting ``ticket`` within ``ttl_s`` (at most the ticket TTL); the
+        reference is dropped then. Returns the TTL granted."""
+        ttl_s = min(ttl_s, self.limits.ticket_ttl_s)
         self._register(ticket, "get", tensor, ttl_s)
+        return ttl_s
 
     def refuse(self, ticket: bytes) -> None:
         """Marks a ticket whose call failed before registering, so that its
@@ -161,22 +186,38 @@ class BulkListener:
         self._sock.settimeout(1.0)
         while True:
             try:
-                conn, _ = self._sock.accept()
+                conn, peer_address = self._sock.accept()
             except TimeoutError:
                 with self._lock:
                     self._expire_locked()
                 continue
             except OSError:
                 return  # closed
-            conn.settimeout(None)
-            if not self._slots.acquire(blocking=False):
-                conn.close()
+            peer = peer_address[0] if isinstance(peer_address, tuple) else str(peer_address)
+            if not self._admit(peer):
+                conn.close()  # over a cap: closed at once, holding nothing
                 continue
+            conn.settimeout(None)
             threading.Thread(
-                target=self._serve, args=(conn,), name="bulk-conn", daemon=True
+                target=self._serve, args=(conn, peer), name="bulk-conn", daemon=True
             ).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _admit(self, peer: str) -> bool:
+        with self._lock:
+            if sum(self._connections.values()) >= self.limits.max_connections:
+                return False
+            if self._connections[peer] >= self.limits.max_connections_per_peer:
+                return False
+            self._connections[peer] += 1
+            return True
+
+    def _release(self, peer: str) -> None:
+        with self._lock:
+            self._connections[peer] -= 1
+            if self._connections[peer] <= 0:
+                del self._connections[peer]
+
+    def _serve(self, conn: socket.socket, peer: str) -> None:
         """Serves transfers on one connection until it closes, idles out, or errs.
 
         Clients keep connections for reuse, so each transfer starts with its own
@@ -185,18 +226,23 @@ class BulkListener:
         """
         try:
             with conn:
-                wait_s = _PRELUDE_TIMEOUT_S
+                wait_s = self.limits.prelude_timeout_s
                 while self._serve_one(conn, wait_s):
-                    wait_s = _IDLE_TIMEOUT_S
+                    wait_s = self.limits.idle_s
         except OSError:
             pass
         finally:
-            self._slots.release()
+            self._release(peer)
 
     def _serve_one(self, conn: socket.socket, wait_s: float) -> bool:
-        """One transfer; True when the connection may carry another."""
-        conn.settimeout(wait_s)
-        prelude = _recv_exactly(conn, memoryview(bytearray(PRELUDE_BYTES)))
+        """One transfer; True when the connection may carry another.
+
+        The prelude must arrive within ``wait_s`` in total, however it is
+        dribbled; then the ticket must be registered within the prelude timeout.
+        """
+        prelude = _recv_exactly(
+            conn, memoryview(bytearray(PRELUDE_BYTES)), time.monotonic() + wait_s
+        )
         if prelude is None or bytes(prelude[: len(MAGIC)]) != MAGIC:
             return False
         transfer = self._claim(bytes(prelude[len(MAGIC) :]))
@@ -219,7 +265,7 @@ class BulkListener:
 
     def _claim(self, ticket: bytes) -> _Transfer | None:
         """The transfer registered under ``ticket`` (waiting for its call), or None."""
-        deadline = time.monotonic() + _PRELUDE_TIMEOUT_S
+        deadline = time.monotonic() + self.limits.prelude_timeout_s
         with self._lock:
             while True:
                 transfer = self._transfers.get(ticket)
@@ -248,20 +294,32 @@ class BulkListener:
         # One byte more would be a protocol error; do not wait for it.
 
 
+# A spent or refused ticket is remembered this long, so its connection is closed at once.
+_TOMBSTONE_S = 30.0
+
+
 def _tombstone() -> _Transfer:
     """A ticket that must not be served: its call failed, or it was spent."""
     return _Transfer(
         kind="refused",
         view=memoryview(b""),
         keep=torch.empty(0),
-        deadline=time.monotonic() + _PRELUDE_TIMEOUT_S,
+        deadline=time.monotonic() + _TOMBSTONE_S,
     )
 
 
-def _recv_exactly(conn: socket.socket, view: memoryview) -> memoryview | None:
+def _recv_exactly(conn: socket.socket, view: memoryview, deadline: float) -> memoryview | None:
+    """``view`` filled before ``deadline`` (in total, not per read), else None."""
     got = 0
     while got < view.nbytes:
-        n = conn.recv_into(view[got:])
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        conn.settimeout(left)
+        try:
+            n = conn.recv_into(view[got:])
+        except TimeoutError:
+            return None
         if n == 0:
             return None
         got += n

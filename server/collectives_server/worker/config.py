@@ -8,6 +8,7 @@ from collectives._security import PLAINTEXT, ChannelSecurity
 from collectives_server.rpc_limits import RpcLimits
 from collectives_server.security import ServerSecurity
 from collectives_server.worker.archive_config import ModelUploadConfig
+from collectives_server.worker.bulk import BulkLimits
 from collectives_server.worker.shm_service import ShmLimits
 
 
@@ -26,6 +27,8 @@ class WorkerConfig:
     queue_size: int = 1024
     # Bounds of the /dev/shm segments created for clients' gets (shm_service.py).
     shm_limits: ShmLimits = field(default_factory=ShmLimits)
+    # Bounds of the bulk port: ticket TTL, prelude and idle timeouts, connection caps.
+    bulk_limits: BulkLimits = field(default_factory=BulkLimits)
     # Bounds of the gRPC data plane: calls at once, idle time, duration (rpc_limits.py).
     rpc_limits: RpcLimits = field(default_factory=RpcLimits)
     # Sub-groups (new_group) one generation may hold; beyond: RESOURCE_EXHAUSTED.

@@ -132,7 +132,7 @@ class WorkerDaemon:
         self.address = f"{host}:{self.config.advertise_port or self._server.port}"
         if self.config.bulk_port is not None and not self.config.security.tls:
             self.bulk = BulkListener(
-                self.config.host, self.config.bulk_port, io_timeout_s=max(self.op_timeout_s, 60.0)
+                self.config.host, self.config.bulk_port, self.config.bulk_limits
             )
         self._channel = self.config.coordinator_security.open_channel(
             self.config.coordinator, GRPC_OPTIONS

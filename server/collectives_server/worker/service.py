@@ -30,6 +30,7 @@ from collectives.errors import (
 from collectives.names import validate_name
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
+from collectives_server.rpc_limits import RpcLimits
 from collectives_server.worker.bulk import BulkListener
 from collectives_server.worker.group_cap import check_group_cap, subgroup_count
 from collectives_server.worker.memory_release import drop_partial
@@ -150,8 +151,7 @@ class WorkerService(ModelRpcs):
             response.inline_data = codec.tensor_memoryview(wire).tobytes()
         else:
             ticket = new_ticket()
-            ttl = _remaining_s(context, self._daemon.op_timeout_s)
-            bulk.offer(ticket, wire, ttl)
+            ttl = bulk.offer(ticket, wire, _remaining_s(context, self._daemon.op_timeout_s))
             response.ticket = ticket
             response.ticket_ttl_s = ttl
         self._daemon.stats.add_bytes(sent=header.nbytes)
@@ -385,8 +385,11 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
 def _remaining_s(context, default_s: float) -> float:
     """The call's time left (its deadline), or ``default_s`` when it has none."""
     remaining = context.time_remaining()
-    return default_s if remaining is None else max(min(remaining, 24 * 3600.0), 0.0)
+    # Never beyond the longest any call may run (--max-rpc-s), whatever the client asked.
+    return default_s if remaining is None else max(min(remaining, _MAX_WAIT_S), 0.0)
 
+
+_MAX_WAIT_S = RpcLimits().max_rpc_s
 
 _RAW_REQUEST = {"PutTensor", "LoadStateDict"}
 _RAW_RESPONSE = {"GetTensor", "GetModelTensors"}

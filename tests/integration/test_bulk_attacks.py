@@ -1,0 +1,152 @@
+"""The bulk port cannot be filled, stalled or made to pin memory (issue 16, M2, M4, L3, H2).
+
+M4: idle TCP connections filled the 256 bulk slots and a new client's put timed
+out; now each host gets at most ``--max-bulk-connections-per-peer``, idle ones
+are closed after ``--bulk-prelude-timeout-s`` and the SDK sends through the
+gRPC stream while the bulk port refuses it. L3: the prelude timeout was per
+byte; now it is total. M2: a GET ticket pinned its tensor for the call's
+deadline; now for at most ``--bulk-ticket-ttl-s``. H2: ``PutTensorBulk``
+without a deadline waited 24 h; now at most the ticket TTL for its connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+
+import grpc
+import pytest
+import torch
+from hostile import Aftermath
+
+from collectives import codec
+from collectives.bulk import MAGIC, new_ticket
+from collectives.v1 import worker_pb2, worker_pb2_grpc
+
+pytestmark = pytest.mark.timeout(180)
+
+FLAGS = (
+    "--bulk-ticket-ttl-s", "2", "--bulk-prelude-timeout-s", "1",
+    "--max-bulk-connections-per-peer", "16",
+)  # fmt: skip
+
+
+def _target(client):
+    return max((w for w in client.workers() if w.rank >= 0), key=lambda w: w.rank)
+
+
+def _bulk_port(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        return int(stub.GetDataPlane(worker_pb2.DataPlaneRequest(), timeout=10).bulk_port)
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> float | None:
+    """How long until the server closed ``sock`` (None: still open after ``seconds``)."""
+    started = time.monotonic()
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(4096):
+            pass
+    except TimeoutError:
+        return None
+    except OSError:
+        pass
+    return time.monotonic() - started
+
+
+def test_m4_idle_connections_cannot_lock_a_client_out(fresh_cluster, gen) -> None:
+    _, client = fresh_cluster(2, *FLAGS)
+    aftermath = Aftermath(client).capture()
+    target = _target(client)
+    port = _bulk_port(target.address)
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(300):
+            with contextlib.suppress(OSError):
+                idle.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+        for nbytes in (2 << 20, 64 << 20):  # through the bulk port or, refused, the stream
+            t = torch.randn(nbytes // 4, generator=gen)
+            started = time.monotonic()
+            client.put("m4/x", t, rank=target.rank, timeout=30)
+            assert torch.equal(client.get("m4/x", rank=target.rank, timeout=30), t)
+            print(f"\n{nbytes >> 20} MiB put+get beside 300 idle connections: "
+                  f"{time.monotonic() - started:.2f} s")  # fmt: skip
+        client.delete("m4/x", rank=target.rank)
+        # Every idle connection is closed by the worker within the prelude timeout.
+        waits = [_closed_within(s, 5.0) for s in idle]
+        assert all(w is not None for w in waits), f"{waits.count(None)} still open"
+    finally:
+        for sock in idle:
+            sock.close()
+    aftermath.check()
+
+
+def test_l3_a_dribbled_prelude_is_cut_at_the_total_timeout(fresh_cluster) -> None:
+    _, client = fresh_cluster(2, *FLAGS)
+    aftermath = Aftermath(client).capture()
+    port = _bulk_port(_target(client).address)
+    prelude = MAGIC + new_ticket()
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        started = time.monotonic()
+        closed = False
+        for byte in prelude:  # one byte every 0.2 s: 4 s in all, past the 1 s total
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:
+                closed = True
+                break
+            sock.settimeout(0.2)
+            try:
+                if sock.recv(1) == b"":
+                    closed = True
+                    break
+            except TimeoutError:
+                continue
+            except OSError:
+                closed = True
+                break
+        took = time.monotonic() - started
+    assert closed and took < 2.5, f"closed={closed} after {took:.2f} s"
+    aftermath.check()
+
+
+def test_m2_a_get_ticket_pins_its_tensor_for_the_ttl_only(fresh_cluster, gen) -> None:
+    _, client = fresh_cluster(2, *FLAGS)
+    aftermath = Aftermath(client).capture()
+    target = _target(client)
+    client.put("m2/x", torch.randn(8 << 20, generator=gen), rank=target.rank)
+    with grpc.insecure_channel(target.address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        reply = stub.GetTensorBulk(worker_pb2.GetTensorBulkRequest(name="m2/x"))  # no deadline
+    assert reply.ticket and reply.ticket_ttl_s <= 2.0, reply.ticket_ttl_s
+    client.delete("m2/x", rank=target.rank)
+    deadline = time.monotonic() + 10
+    while True:  # after the TTL the ticket is void: the connection gets no byte
+        with socket.create_connection(("127.0.0.1", _bulk_port(target.address))) as sock:
+            sock.sendall(MAGIC + reply.ticket)
+            sock.settimeout(5)
+            got = sock.recv(1 << 16)
+        if not got:
+            break
+        assert time.monotonic() < deadline, "the ticket still served after its TTL"
+    aftermath.check()  # RSS back: the 32 MiB tensor is not pinned by the ticket
+
+
+def test_h2_put_tensor_bulk_without_a_deadline_ends_at_the_ticket_ttl(fresh_cluster, gen) -> None:
+    _, client = fresh_cluster(2, *FLAGS)
+    aftermath = Aftermath(client).capture()
+    target = _target(client)
+    t = torch.randn(1 << 20, generator=gen)
+    request = worker_pb2.PutTensorBulkRequest(
+        header=codec.make_header("h2/x", t), ticket=new_ticket()
+    )
+    started = time.monotonic()
+    # No deadline, and no connection ever presents the ticket.
+    with grpc.insecure_channel(target.address) as channel, pytest.raises(grpc.RpcError) as info:
+        worker_pb2_grpc.WorkerStub(channel).PutTensorBulk(request)
+    took = time.monotonic() - started
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, info.value
+    assert "--bulk-ticket-ttl-s" in info.value.details() and took < 6, took
+    aftermath.check()
