@@ -79,7 +79,9 @@ class WorkerDaemon:
         self.device = self.devices[0]
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.store = TensorStore(self.device, limit_bytes=config.max_tensor_bytes)
-        self.models = ModelRegistry(self.devices, config.allow_factories, config.graph_ttl_s)
+        self.models = ModelRegistry(
+            self.devices, config.allow_factories, config.graph_ttl_s, quota=self.store
+        )
         self.uploads = ModelUploads(config.model_upload)
         # /dev/shm segments created for clients' gets: bounded, reaped after a TTL.
         self.shm_segments = WorkerSegments(config.shm_limits)

@@ -24,9 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from collectives.errors import InvalidArgument, NotFound, PermissionDenied
+from collectives.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from collectives.names import validate_name
 from collectives_server.json_input import parse_json_object
+from collectives_server.worker.store import Reservation, TensorStore
 
 __all__ = ["ModelRegistry", "HostedModel", "RetainedGraph", "GradArena", "OPTIMIZERS"]
 
@@ -248,20 +249,53 @@ class ModelRegistry:
         devices: list[torch.device],
         allowed_factories: tuple[str, ...] = (),
         graph_ttl_s: float = 60.0,
+        quota: TensorStore | None = None,
     ) -> None:
         self.devices = devices
         self.allowed_factories = allowed_factories
         self.graph_ttl_s = graph_ttl_s
+        # Model weights count against the tensor store's quota (issue 16, L5).
+        self._quota = quota
+        # Per model: the reservations that together cover its weights' bytes.
+        self._reservations: dict[str, list[Reservation]] = {}
         self._models: dict[str, HostedModel] = {}
         self._lock = threading.Lock()
 
     def add(self, name: str, module: nn.Module, source: str) -> HostedModel:
+        """Hosts ``module`` under ``name`` (replacing any).
+
+        Raises:
+            ResourceExhausted: its parameters and buffers do not fit in the quota.
+        """
         validate_name(name, "model name")
+        reservation = self._reserve(name, module)
         module = module.to(self.devices[0])
         hosted = HostedModel(name, module, source, list(self.devices))
         with self._lock:
             self._models[name] = hosted
+            held = self._reservations.pop(name, [])
+            if reservation is not None:
+                # The replaced model's bytes (held) plus what this one needs beyond them.
+                self._reservations[name] = [*held, reservation]
+        if reservation is None:
+            for r in held:
+                r.release()
         return hosted
+
+    def _reserve(self, name: str, module: nn.Module) -> Reservation | None:
+        if self._quota is None:
+            return None
+        nbytes = sum(t.numel() * t.element_size() for t in module.parameters())
+        nbytes += sum(t.numel() * t.element_size() for t in module.buffers())
+        with self._lock:
+            credit = sum(r.nbytes for r in self._reservations.get(name, []))
+        # A model replacing one of the same name may use the bytes it frees.
+        try:
+            return self._quota.reserve(f"model {name}", max(nbytes - credit, 0), "model")
+        except ResourceExhausted as exc:
+            raise ResourceExhausted(
+                f"model {name!r} needs {nbytes} bytes of weights: {exc.message}"
+            ) from None
 
     def get(self, name: str) -> HostedModel:
         with self._lock:
@@ -276,7 +310,11 @@ class ModelRegistry:
 
     def remove(self, name: str) -> bool:
         with self._lock:
-            return self._models.pop(name, None) is not None
+            removed = self._models.pop(name, None) is not None
+            reservations = self._reservations.pop(name, [])
+        for reservation in reservations:
+            reservation.release()
+        return removed
 
     def names(self) -> list[str]:
         with self._lock:
