@@ -229,7 +229,8 @@ class _DataPlane(_ClusterCore):
         if err.code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION):
             self._shm_refused.add(address)
             return True
-        return False
+        # The worker's segments or quota are full right now: this call streams.
+        return err.code == grpc.StatusCode.RESOURCE_EXHAUSTED
 
     def _rank_call(
         self,

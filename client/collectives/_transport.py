@@ -32,7 +32,13 @@ from collectives._channels import (
 )
 from collectives._channels import deadline_s as _deadline_s
 from collectives._security import PLAINTEXT, ChannelSecurity
-from collectives.errors import CollectiveError, InvalidArgument, Unavailable, error_for_code
+from collectives.errors import (
+    CollectiveError,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+    error_for_code,
+)
 from collectives.errors import from_rpc_error as _from_rpc_error
 from collectives.v1 import tensor_pb2, worker_pb2, worker_pb2_grpc
 
@@ -166,6 +172,9 @@ def get_tensor(
             return bulk.get_tensor_bulk(endpoint, port, name, timeout, consume)
         except bulk.BulkUnreachable:
             endpoint.bulk.suspend()  # full or refusing: the gRPC stream carries it
+            timeout -= time.monotonic() - started
+        except ResourceExhausted:
+            # No quota left for a ticket's copy: the stream needs none.
             timeout -= time.monotonic() - started
     what = f"GetTensor {name!r} from {endpoint.address}"
     call = endpoint.get_raw(

@@ -150,3 +150,25 @@ def test_h2_put_tensor_bulk_without_a_deadline_ends_at_the_ticket_ttl(fresh_clus
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, info.value
     assert "--bulk-ticket-ttl-s" in info.value.details() and took < 6, took
     aftermath.check()
+
+
+def test_m2_tickets_count_against_the_quota_and_a_full_quota_still_reads(
+    fresh_cluster, gen
+) -> None:
+    _, client = fresh_cluster(2, *FLAGS, "--max-tensor-bytes", "56MiB")
+    aftermath = Aftermath(client).capture()
+    target = _target(client)
+    t = torch.randn(4 << 20, generator=gen)  # 16 MiB
+    client.put("m2q/x", t, rank=target.rank)
+    with grpc.insecure_channel(target.address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        # An attacker draws tickets and never uses them: each holds 16 MiB of quota...
+        stub.GetTensorBulk(worker_pb2.GetTensorBulkRequest(name="m2q/x"), timeout=10)
+        stub.GetTensorBulk(worker_pb2.GetTensorBulkRequest(name="m2q/x"), timeout=10)
+        with pytest.raises(grpc.RpcError) as info:  # ...until the quota is spent
+            stub.GetTensorBulk(worker_pb2.GetTensorBulkRequest(name="m2q/x"), timeout=10)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # A legitimate client still reads it (the SDK streams when no ticket fits).
+    assert torch.equal(client.get("m2q/x", rank=target.rank), t)
+    client.delete("m2q/x")
+    aftermath.check()  # the tickets expired after their TTL and gave their quota back

@@ -26,6 +26,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -68,6 +69,14 @@ class _Transfer:
     claimed: bool = False
     moved: int = 0
     error: str = ""
+    # Quota held for a GET ticket's bytes (released when sent or expired).
+    reservation: Any = None
+
+    def finish(self) -> None:
+        self.done.set()
+        if self.reservation is not None:
+            self.reservation.release()
+            self.reservation = None
 
 
 class BulkListener:
@@ -117,12 +126,15 @@ class BulkListener:
         finally:
             self._unregister(ticket, transfer)
 
-    def offer(self, ticket: bytes, tensor: torch.Tensor, ttl_s: float) -> float:
+    def offer(
+        self, ticket: bytes, tensor: torch.Tensor, ttl_s: float, reservation: Any = None
+    ) -> float:
         """Registers ``tensor`` (contiguous, CPU) to be sent to the connection
         presenting ``ticket`` within ``ttl_s`` (at most the ticket TTL); the
         reference is dropped then. Returns the TTL granted."""
         ttl_s = min(ttl_s, self.limits.ticket_ttl_s)
-        self._register(ticket, "get", tensor, ttl_s)
+        transfer = self._register(ticket, "get", tensor, ttl_s)
+        transfer.reservation = reservation
         return ttl_s
 
     def refuse(self, ticket: bytes) -> None:
@@ -143,7 +155,7 @@ class BulkListener:
             self._lock.notify_all()
         for transfer in pending:
             transfer.error = transfer.error or "the worker is shutting down"
-            transfer.done.set()
+            transfer.finish()
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
@@ -178,7 +190,8 @@ class BulkListener:
         for ticket in expired:
             stale = self._transfers.pop(ticket)
             stale.error = "the ticket expired"
-            stale.done.set()
+            stale.keep = torch.empty(0)  # the tensor is not pinned past the TTL
+            stale.finish()
 
     # ------------------------------------------------------ connection side
     def _accept_loop(self) -> None:
@@ -258,9 +271,9 @@ class BulkListener:
         except OSError as exc:
             transfer.error = transfer.error or f"bulk connection failed: {exc}"
         finally:
-            transfer.done.set()
             if transfer.kind == "get":
                 transfer.keep = torch.empty(0)  # drop the tensor now
+            transfer.finish()
         return not transfer.error
 
     def _claim(self, ticket: bytes) -> _Transfer | None:

@@ -84,7 +84,7 @@ class WorkerDaemon:
         )
         self.uploads = ModelUploads(config.model_upload)
         # /dev/shm segments created for clients' gets: bounded, reaped after a TTL.
-        self.shm_segments = WorkerSegments(config.shm_limits)
+        self.shm_segments = WorkerSegments(config.shm_limits, quota=self.store)
         WorkerSegments.sweep_stale()
         self.stats = WorkerStats()
         self.runtime: GenerationRuntime | None = None

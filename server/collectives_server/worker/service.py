@@ -151,7 +151,14 @@ class WorkerService(ModelRpcs):
             response.inline_data = codec.tensor_memoryview(wire).tobytes()
         else:
             ticket = new_ticket()
-            ttl = bulk.offer(ticket, wire, _remaining_s(context, self._daemon.op_timeout_s))
+            # The ticket's bytes count against the quota until sent or expired (M2).
+            hold = self._daemon.store.reserve(f"{request.name} (bulk get)", header.nbytes, "get")
+            remaining = _remaining_s(context, self._daemon.op_timeout_s)
+            try:
+                ttl = bulk.offer(ticket, wire, remaining, hold)
+            except BaseException:
+                hold.release()
+                raise
             response.ticket = ticket
             response.ticket_ttl_s = ttl
         self._daemon.stats.add_bytes(sent=header.nbytes)

@@ -25,6 +25,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -48,12 +49,18 @@ class WorkerSegments:
     """The ``/dev/shm`` segments this worker created for clients' gets."""
 
     def __init__(
-        self, limits: ShmLimits = ShmLimits(), clock: Callable[[], float] = time.monotonic
+        self,
+        limits: ShmLimits = ShmLimits(),
+        clock: Callable[[], float] = time.monotonic,
+        quota: Any = None,
     ) -> None:
         self.limits = limits
         self._clock = clock
+        # The store whose quota a segment's bytes count against while it exists.
+        self._quota = quota
         self._lock = threading.Lock()
         self._held: OrderedDict[str, tuple[int, float]] = OrderedDict()  # path -> (bytes, expiry)
+        self._holds: dict[str, Any] = {}
 
     @property
     def held(self) -> tuple[int, int]:
@@ -84,8 +91,20 @@ class WorkerSegments:
                     f"its limit (--shm-max-segments {self.limits.max_segments}, --shm-max-bytes "
                     f"{self.limits.max_bytes}); retry in {self.limits.ttl_s:g} s or use GetTensor"
                 )
-            path = shm.create_segment(wire, "get")
+            hold = (
+                self._quota.reserve("(shm segment)", nbytes, "shm segment")
+                if self._quota is not None
+                else None
+            )
+            try:
+                path = shm.create_segment(wire, "get")
+            except BaseException:
+                if hold is not None:
+                    hold.release()
+                raise
             self._held[path] = (nbytes, self._clock() + self.limits.ttl_s)
+            if hold is not None:
+                self._holds[path] = hold
         if euid == 0 and uid != 0:
             os.chown(path, uid, -1)
         return path
@@ -97,15 +116,21 @@ class WorkerSegments:
             expired = [p for p, (_, expiry) in self._held.items() if expiry <= now]
             for path in expired:
                 del self._held[path]
+            holds = [self._holds.pop(p) for p in expired if p in self._holds]
         for path in expired:
             shm.unlink(path)
+        for hold in holds:
+            hold.release()
         return len(expired)
 
     def close(self) -> None:
         with self._lock:
             paths, self._held = list(self._held), OrderedDict()
+            holds, self._holds = list(self._holds.values()), {}
         for path in paths:
             shm.unlink(path)
+        for hold in holds:
+            hold.release()
 
     @staticmethod
     def sweep_stale() -> int:
