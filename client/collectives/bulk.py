@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAGIC",
+    "MAGIC_ACKED",
     "TICKET_BYTES",
     "BULK_MIN_BYTES",
     "BulkPort",
@@ -49,6 +50,15 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MAGIC = b"CBK1"
+# A put's prelude that asks the worker to acknowledge its ticket (one byte,
+# ACK) before the payload: a worker that drops the connection (its bulk port is
+# full) is then noticed before any byte is sent, and the put takes the stream.
+MAGIC_ACKED = b"CBK2"
+ACK = b"\x01"
+# How long a put waits for that byte before it takes the stream instead.
+ACK_TIMEOUT_S = 5.0
+# In the worker's DEADLINE_EXCEEDED when no connection presented a put's ticket.
+NO_TICKET_MARK = "no bulk connection presented the ticket"
 TICKET_BYTES = 16
 # Below this a payload goes through gRPC (one chunk): a connection costs more than it saves.
 BULK_MIN_BYTES = 1 << 20
@@ -146,6 +156,13 @@ class BulkPort:
         sock.close()
 
 
+def _ticket_never_arrived(err: grpc.RpcError) -> bool:
+    """The worker's answer when no bulk connection presented the put's ticket."""
+    return err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and NO_TICKET_MARK in (
+        err.details() or ""
+    )
+
+
 def _looks_open(sock: socket.socket) -> bool:
     """False when the peer closed (EOF), reset, or sent bytes we did not ask for."""
     try:
@@ -174,8 +191,11 @@ def _host_of(address: str) -> str:
     return address.rpartition(":")[0].strip("[]")
 
 
-def _connect(endpoint: WorkerEndpoint, port: int, ticket: bytes, timeout: float) -> socket.socket:
-    """A connection (kept or new) to the worker's bulk port, its prelude sent."""
+def _connect(
+    endpoint: WorkerEndpoint, port: int, ticket: bytes, timeout: float, acked: bool = False
+) -> socket.socket:
+    """A connection (kept or new) to the worker's bulk port, its prelude sent (and,
+    with ``acked``, the worker's acknowledgement of the ticket received)."""
     try:
         sock = endpoint.bulk.connection(_host_of(endpoint.address), port, timeout)
     except OSError as exc:
@@ -185,7 +205,11 @@ def _connect(endpoint: WorkerEndpoint, port: int, ticket: bytes, timeout: float)
         ) from None
     try:
         sock.settimeout(timeout)
-        sock.sendall(MAGIC + ticket)
+        sock.sendall((MAGIC_ACKED if acked else MAGIC) + ticket)
+        if acked:
+            sock.settimeout(min(timeout, ACK_TIMEOUT_S))
+            if sock.recv(1) != ACK:
+                raise ConnectionResetError("the worker closed the bulk connection")
     except OSError as exc:
         sock.close()
         raise BulkUnreachable(f"bulk port {port} of {endpoint.address}: {exc}") from None
@@ -211,7 +235,7 @@ def put_tensor_bulk(
     request = worker_pb2.PutTensorBulkRequest(header=codec.make_header(name, t), ticket=ticket)
     call = endpoint.stub.PutTensorBulk.future(request, timeout=max(timeout, 0.001))
     try:
-        sock = _connect(endpoint, port, ticket, timeout)
+        sock = _connect(endpoint, port, ticket, timeout, acked=True)
     except Unavailable:
         call.cancel()
         raise
@@ -242,6 +266,10 @@ def put_tensor_bulk(
         try:
             response = call.result(timeout=max(deadline - time.monotonic(), 0.0) + 1.0)
         except grpc.RpcError as err:
+            if _ticket_never_arrived(err):
+                # Our bytes went into a connection the worker closed unread (its
+                # bulk port is full): nothing was stored, the stream may carry it.
+                raise BulkUnreachable(f"{what}: {err.details()}") from None
             raise _from_rpc_error(err, what) from None
         except FutureTimeout:
             call.cancel()

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from collectives.bulk import MAGIC, TICKET_BYTES
+from collectives.bulk import ACK, MAGIC, MAGIC_ACKED, NO_TICKET_MARK, TICKET_BYTES
 from collectives.codec import tensor_memoryview
 from collectives.errors import DeadlineExceeded, InvalidArgument, Unavailable
 
@@ -112,7 +112,7 @@ class BulkListener:
             first = min(timeout_s, self.limits.ticket_ttl_s)
             if not transfer.done.wait(max(first, 0.0)) and not transfer.claimed:
                 raise DeadlineExceeded(
-                    f"bulk put: no bulk connection presented the ticket within "
+                    f"bulk put: {NO_TICKET_MARK} within "
                     f"{first:.3g} s (--bulk-ticket-ttl-s {self.limits.ticket_ttl_s:g})"
                 )
             left = timeout_s - (time.monotonic() - started)
@@ -256,11 +256,19 @@ class BulkListener:
         prelude = _recv_exactly(
             conn, memoryview(bytearray(PRELUDE_BYTES)), time.monotonic() + wait_s
         )
-        if prelude is None or bytes(prelude[: len(MAGIC)]) != MAGIC:
+        magic = bytes(prelude[: len(MAGIC)]) if prelude is not None else b""
+        if magic not in (MAGIC, MAGIC_ACKED):
             return False
         transfer = self._claim(bytes(prelude[len(MAGIC) :]))
         if transfer is None:
             return False
+        if magic == MAGIC_ACKED and transfer.kind == "put":
+            try:
+                conn.sendall(ACK)  # the ticket is ours: send the payload
+            except OSError:
+                transfer.error = "the bulk connection closed before the payload"
+                transfer.finish()
+                return False
         conn.settimeout(self._io_timeout_s)
         try:
             if transfer.kind == "put":
