@@ -6,6 +6,10 @@ VENV ?= .venv
 PYTHON ?= python3
 # Extra arguments for pip (e.g. PIP_ARGS="--index-url URL" for a CPU-only torch wheel index).
 PIP_ARGS ?=
+# GPU machines: TORCH_CUDA=cu128 installs torch 2.13.0 built for that CUDA from
+# PyTorch's wheel index (and allows the CUDA build the CPU check refuses).
+TORCH_CUDA ?=
+TORCH_INDEX := $(if $(TORCH_CUDA),--extra-index-url https://download.pytorch.org/whl/$(TORCH_CUDA),)
 # Extra arguments for pytest (e.g. PYTEST_ARGS="-k all_reduce -x").
 PYTEST_ARGS ?=
 
@@ -38,10 +42,10 @@ $(STAMP): constraints.txt client/pyproject.toml server/pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else \
 		"collectives needs Python >= 3.11; run make PYTHON=python3.11 ...")'
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install $(PIP_ARGS) -c constraints.txt torch==2.13.0 \
+	$(VENV)/bin/pip install $(PIP_ARGS) $(TORCH_INDEX) -c constraints.txt torch==2.13.0 \
 		-e client -e server pytest pytest-timeout ruff grpcio-tools numpy \
 		selenium pyyaml cryptography hypothesis
-	@$(VPY) -c 'import sys, torch; sys.exit(0 if torch.version.cuda is None else \
+	@[ -n "$(TORCH_CUDA)" ] || $(VPY) -c 'import sys, torch; sys.exit(0 if torch.version.cuda is None else \
 		"pip installed a CUDA build of torch " + torch.__version__ + "; install the CPU wheel " \
 		"(point PIP_ARGS=\"--index-url URL\" at a CPU-only wheel index)")'
 	@touch $@
