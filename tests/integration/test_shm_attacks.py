@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import socket
+import subprocess
 import time
 import uuid
 
@@ -128,33 +130,34 @@ def test_l2_segments_made_for_gets_are_bounded_and_reaped(fresh_cluster, gen) ->
 
 
 @needs_root
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs util-linux's setpriv")
 def test_the_peer_uid_is_the_kernels_answer_for_another_users_socket() -> None:
-    """A process running as nobody connects over loopback: its socket's uid is found."""
+    """A process running as nobody connects over loopback: its socket's uid is found.
+
+    The process is bash (reachable by nobody, unlike a Python under /root)
+    started through setpriv, not forked from this process: forking a process
+    that runs gRPC's threads can abort the child.
+    """
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
         port = server.getsockname()[1]
-        read_end, write_end = os.pipe()
-        child = os.fork()
-        if child == 0:  # pragma: no cover - the child process
-            try:
-                os.close(read_end)
-                os.setgid(NOBODY)
-                os.setuid(NOBODY)
-                conn = socket.create_connection(("127.0.0.1", port))
-                os.write(write_end, b"1")
-                conn.recv(1)
-            finally:
-                os._exit(0)
-        os.close(write_end)
-        accepted, peer = server.accept()
+        script = f"exec 3<>/dev/tcp/127.0.0.1/{port} && echo connected && read -r _"
+        child = subprocess.Popen(
+            ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+             "bash", "-c", script],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
         try:
-            assert os.read(read_end, 1) == b"1"
-            assert loopback_peer_uid(f"ipv4:{peer[0]}:{peer[1]}", port) == NOBODY
+            server.settimeout(30)
+            accepted, peer = server.accept()
+            with accepted:
+                assert child.stdout is not None and child.stdout.readline().strip() == "connected"
+                assert loopback_peer_uid(f"ipv4:{peer[0]}:{peer[1]}", port) == NOBODY
         finally:
-            accepted.close()
-            os.close(read_end)
-            os.waitpid(child, 0)
+            if child.stdin is not None:
+                child.stdin.close()
+            child.wait(timeout=30)
 
 
 def test_a_peer_off_loopback_gets_failed_precondition() -> None:
