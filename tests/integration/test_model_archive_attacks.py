@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers import connect_ready
 from hostile import Aftermath, rss_bytes
-from hostile_archives import HOSTILE, SmallModel, legit_archive, zip_bomb
+from hostile_archives import HOSTILE, SmallModel, legit_archive, rewrite, zip_bomb
 
 from collectives.v1 import worker_pb2, worker_pb2_grpc
 
@@ -157,4 +157,24 @@ def test_uploads_refused_when_off(fresh_cluster, gen, uname):
     with pytest.raises(grpc.RpcError) as err:
         _load_raw(w.address, "m", legit_archive(SmallModel(gen), torch.randn(2, 6)))
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    after.check()
+
+
+def test_m3_a_large_upload_is_streamed_to_disk_not_buffered(sandboxed, gen, uname):
+    """M3: LoadModel held the whole archive in memory twice before any check. A
+    256 MiB upload whose extra entry the allowlist refuses: the worker's peak RSS
+    stays far below the archive's size, and the refusal comes after the upload."""
+    base = legit_archive(SmallModel(gen), torch.randn(3, 6, generator=gen))
+    junk = torch.randint(0, 255, (256 * MiB,), dtype=torch.uint8, generator=gen)
+    archive = rewrite(base, add={"extra/junk.bin": junk.numpy().tobytes()})
+    assert len(archive) > 256 * MiB
+    after = Aftermath(sandboxed, name=uname("sentinel")).capture()
+    w = _members(sandboxed)[0]
+    baseline = rss_bytes(w.pid)
+    with _PeakRss(w.pid) as peak, pytest.raises(grpc.RpcError) as err:
+        _load_raw(w.address, "m3", archive)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    grown = peak.peak - baseline
+    print(f"\n{len(archive) / MiB:.0f} MiB upload: worker peak RSS +{grown / MiB:.1f} MiB")
+    assert grown < 64 * MiB, f"worker peak RSS grew by {grown / MiB:.0f} MiB"
     after.check()
