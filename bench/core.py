@@ -235,4 +235,6 @@ def machine() -> dict:
 def _fmt(x: float) -> str:
     if x == 0 or 0.01 <= abs(x) < 10000:
         return f"{x:.3g}" if abs(x) < 100 else f"{x:.0f}"
+    if abs(x) >= 10000:
+        return f"{x:,.0f}"  # 19,700 rather than 1.97e+04
     return f"{x:.3g}"
