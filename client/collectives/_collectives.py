@@ -74,7 +74,7 @@ class _Collectives(_DataPlane):
         check_name(name)
         group = check_group(group)
         deadline = self._deadline(timeout)
-        src = check_root(src, self._world(deadline), group, "src")
+        src = check_root("broadcast", src, self._world(deadline), group)
         return self._collective(
             f"broadcast {name!r}",
             "Broadcast",
@@ -139,7 +139,7 @@ class _Collectives(_DataPlane):
         out_name = check_out(out)
         group = check_group(group)
         deadline = self._deadline(timeout)
-        dst = check_root(dst, self._world(deadline), group, "dst")
+        dst = check_root("reduce", dst, self._world(deadline), group)
         return self._collective(
             f"reduce {name!r}",
             "Reduce",
@@ -210,7 +210,7 @@ class _Collectives(_DataPlane):
         out_name = check_out(out)
         group = check_group(group)
         deadline = self._deadline(timeout)
-        dst = check_root(dst, self._world(deadline), group, "dst")
+        dst = check_root("gather", dst, self._world(deadline), group)
 
         def fetch(resp: worker_pb2.CollectiveResponse, dl: float) -> list[torch.Tensor]:
             return list(self._get_rank(resp.result_name or out_name or name, dst, dl).unbind(0))

@@ -14,12 +14,13 @@ from collections.abc import Sequence
 
 import torch
 
+from collectives import op_specs
 from collectives.dtypes import to_wire
 from collectives.errors import InvalidArgument, Unavailable
 from collectives.groups import Group
 from collectives.names import validate_name
+from collectives.op_specs import check_rank
 from collectives.reduce_ops import ReduceOp, parse_reduce_op
-from collectives.workers import check_rank
 
 __all__ = [
     "check_group",
@@ -77,15 +78,11 @@ def check_group(group: object) -> Group | None:
     )
 
 
-def check_root(rank: object, world_size: int, group: Group | None, what: str) -> int:
-    """``src``/``dst`` are global ranks in ``[0, world_size)`` and members of ``group``."""
-    rank = check_rank(rank, world_size, what)
-    if group is not None and rank not in group.ranks:
-        raise InvalidArgument(
-            f"{what} {rank} is not a member of the group (global ranks {list(group.ranks)}); "
-            f"{what} is a global rank, as in torch.distributed"
-        )
-    return rank
+def check_root(kind: str, rank: object, world_size: int, group: Group | None) -> int:
+    """``src``/``dst`` of op ``kind``: a global rank in ``[0, world_size)`` and a member of
+    ``group`` (the rule and its wording live in :mod:`collectives.op_specs`)."""
+    members = list(group.ranks) if group is not None else None
+    return op_specs.check_root(op_specs.spec_named(kind), rank, world_size, members)
 
 
 def check_timeout(timeout: object, default: float) -> float:
@@ -101,15 +98,7 @@ def check_timeout(timeout: object, default: float) -> float:
 
 def check_new_group_ranks(ranks: object, world_size: int) -> list[int]:
     """Distinct global ranks in ``[0, world_size)``, at least one; returned ascending."""
-    if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence | set | frozenset):
-        raise InvalidArgument(f"ranks must be a list of ints, got {type(ranks).__name__}")
-    checked = [check_rank(r, world_size) for r in ranks]
-    if not checked:
-        raise InvalidArgument("a group needs at least one rank")
-    if len(set(checked)) != len(checked):
-        dupes = sorted({r for r in checked if checked.count(r) > 1})
-        raise InvalidArgument(f"ranks must be distinct; repeated: {dupes}")
-    return sorted(checked)
+    return op_specs.check_group_ranks(ranks, world_size)
 
 
 def scatter_parts(

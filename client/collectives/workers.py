@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from collectives.errors import InvalidArgument, Unavailable
+from collectives.errors import Unavailable
+from collectives.op_specs import check_rank
 from collectives.v1 import coordinator_pb2, status_pb2
 
 __all__ = [
@@ -374,15 +375,3 @@ class ClusterSnapshot:
             "workers": [w.to_dict() for w in self.workers],
             "history": [asdict(r) for r in self.history],
         }
-
-
-def check_rank(rank: object, world_size: int, what: str = "rank") -> int:
-    """Returns ``rank`` if it is an int in ``[0, world_size)``, else raises InvalidArgument."""
-    if isinstance(rank, bool) or not isinstance(rank, int):
-        raise InvalidArgument(f"{what} must be an int, got {type(rank).__name__}")
-    if not 0 <= rank < world_size:
-        valid = f"0..{world_size - 1}" if world_size > 0 else "none"
-        raise InvalidArgument(
-            f"{what} {rank} is out of range; valid ranks are {valid} (world size {world_size})"
-        )
-    return rank

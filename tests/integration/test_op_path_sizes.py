@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers import assert_tensor, get_each, make_input, put_each, reduce_oracle
 
-from collectives_server.worker.runtime import INLINE_MAX_BYTES
+from collectives_server.worker.handlers.tensor_ops import INLINE_MAX_BYTES
 
 TIMEOUT_S = 60.0
 DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex64)

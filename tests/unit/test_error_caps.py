@@ -19,6 +19,7 @@ import torch
 
 from collectives import _pytree, codec
 from collectives.errors import InvalidArgument, NotFound, ResourceExhausted
+from collectives.op_specs import spec_named
 from collectives.v1 import tensor_pb2, worker_pb2
 from collectives_server import rpc
 from collectives_server.json_input import MAX_JSON_DEPTH, json_depth, parse_json, parse_json_object
@@ -302,12 +303,12 @@ def test_an_operand_with_absurd_dims_fails_the_op_on_every_rank_alike(kind) -> N
     """Defence in depth behind the put-time check: a stored tensor with absurd dims
     (however it got there) is refused from the exchanged infos, before data moves."""
     info = validation.OperandInfo(validation.PRESENT, torch.float32, (0, 1 << 62, 1 << 62))
-    verdict = validation.decide(kind, "t", [0, 1], [info, info])
+    verdict = validation.decide(spec_named(kind), "t", [0, 1], [info, info])
     assert isinstance(verdict, validation.OpError)
     assert verdict.code == grpc.StatusCode.INVALID_ARGUMENT and "absurd" in verdict.message
     # All-gathering 2^48 elements over 2 ranks would be 2^49: refused too; all_reduce is not.
     edge = validation.OperandInfo(validation.PRESENT, torch.float32, (0, 1 << 24, 1 << 24))
-    verdict = validation.decide(kind, "t", [0, 1], [edge, edge])
+    verdict = validation.decide(spec_named(kind), "t", [0, 1], [edge, edge])
     gathers = kind in ("all_gather", "gather")
     assert isinstance(verdict, validation.OpError) == gathers
 

@@ -27,23 +27,45 @@ import torch.distributed as dist
 from helpers import wait_until
 
 from collectives.errors import CollectiveError
+from collectives.op_specs import kind_name, spec_named
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
-from collectives_server.worker.runtime import INLINE_MAX_BYTES, GenerationRuntime
+from collectives_server.worker.handlers.tensor_ops import INLINE_MAX_BYTES
+from collectives_server.worker.runtime import GenerationRuntime
 from collectives_server.worker.store import TensorStore
 
 TIMEOUT_S = 20.0
+
+
+class GatedStore(TensorStore):
+    """A real tensor store whose commits can be held at the door: the test sees a rank
+    between its last exchange of an op and its commit (``replace`` is the commit)."""
+
+    def __init__(self, device: torch.device, limit: int | None) -> None:
+        super().__init__(device, limit)
+        self.hold_commits = False
+        self.held = threading.Event()
+        self.release = threading.Event()
+
+    def replace(self, name: str, tensor: torch.Tensor):
+        if self.hold_commits:
+            self.held.set()
+            assert self.release.wait(TIMEOUT_S)
+        return super().replace(name, tensor)
+
+
+def descriptor(kind: str, **args) -> worker_pb2.OpDescriptor:
+    return worker_pb2.OpDescriptor(
+        kind=spec_named(kind).kind, tensor=worker_pb2.TensorOpArgs(**args)
+    )
 
 
 class Pair:
     """A leader (rank 0) and a follower (rank 1) of one generation."""
 
     def __init__(self, limits: tuple[int | None, int | None] = (None, None)) -> None:
-        self.stores = [TensorStore(torch.device("cpu"), limit) for limit in limits]
+        self.stores = [GatedStore(torch.device("cpu"), limit) for limit in limits]
         self.done: list[list[worker_pb2.OpDescriptor]] = [[], []]
-        self.hold = threading.Event()
-        self.held = threading.Event()
-        self.hold_follower = False
         master = dist.TCPStore(
             "127.0.0.1", 0, is_master=True, wait_for_workers=False,
             timeout=datetime.timedelta(seconds=TIMEOUT_S),
@@ -60,11 +82,6 @@ class Pair:
             assert rt.ready.wait(TIMEOUT_S), "the generation did not form"
 
     def _runtime(self, rank: int) -> GenerationRuntime:
-        def before_commit(desc: worker_pb2.OpDescriptor) -> None:
-            if rank == 1 and self.hold_follower:
-                self.held.set()
-                assert self.hold.wait(TIMEOUT_S)
-
         return GenerationRuntime(
             generation=1,
             rank=rank,
@@ -77,24 +94,23 @@ class Pair:
             queue_size=8,
             on_joined=lambda generation: None,
             on_op_done=lambda desc, outcome, latency, rank=rank: self.done[rank].append(desc),
-            before_commit=before_commit,
         )
 
-    def submit(self, **fields):
-        return self.runtimes[0].submit(worker_pb2.OpDescriptor(**fields))
+    def submit(self, kind: str, **args):
+        return self.runtimes[0].submit(descriptor(kind, **args))
 
-    def run(self, **fields):
+    def run(self, kind: str, **args):
         """Runs an op; returns once the leader answered *and* the follower finished it
         (so that ``peek`` on either store shows the outcome)."""
         try:
-            result = self.submit(**fields).future.result(TIMEOUT_S)
+            result = self.submit(kind, **args).future.result(TIMEOUT_S)
         except CollectiveError as err:
             result = err
         wait_until(lambda: len(self.done[1]) == len(self.done[0]), 10, "the follower")
         return result
 
     def close(self) -> None:
-        self.hold.set()
+        self.stores[1].release.set()
         self.runtimes[0].stop()
         for rt in self.runtimes:
             rt.finished.wait(TIMEOUT_S)
@@ -119,9 +135,9 @@ def test_a_follower_read_right_after_the_answer_waits_for_the_follower_commit(
     """Inline (small) and data-collective (large) paths alike."""
     _put(pair, "x", [torch.full((numel,), 1.0), torch.full((numel,), 2.0)])
     pair.stores[1].put("y", torch.zeros(numel))  # the value from before the op
-    pair.hold_follower = True
-    pending = pair.submit(kind="all_reduce", name="x", out="y", op=ReduceOp.SUM.wire)
-    assert pair.held.wait(TIMEOUT_S)  # the follower sits right before its commit ...
+    pair.stores[1].hold_commits = True
+    pending = pair.submit("all_reduce", name="x", out="y", op=ReduceOp.SUM.wire)
+    assert pair.stores[1].held.wait(TIMEOUT_S)  # the follower sits right before its commit ...
     pending.future.result(TIMEOUT_S)  # ... and the leader has answered the client
     follower = pair.stores[1]
     assert torch.equal(follower.peek("y"), torch.zeros(numel))  # not committed there yet
@@ -131,7 +147,7 @@ def test_a_follower_read_right_after_the_answer_waits_for_the_follower_commit(
     reader.start()
     wait_until(lambda: follower.readers_waiting() == 1, 10, "the read to wait for the commit")
     assert not got  # never the value from before the op
-    pair.hold.set()
+    pair.stores[1].release.set()
     reader.join(TIMEOUT_S)
     assert torch.equal(got[0], torch.full((numel,), 3.0))
     assert follower.fenced() == []
@@ -149,7 +165,7 @@ def test_inline_and_data_collective_paths_give_the_same_results(
     parts = [torch.randn(numel, generator=gen) for _ in range(2)]
     _put(pair, "v", parts)
     out = "" if kind == "broadcast" else "o"  # broadcast has no out (the SDK sends none)
-    result = pair.run(kind=kind, name="v", out=out, op=ReduceOp.MAX.wire, root=1)
+    result = pair.run(kind, name="v", out=out, op=ReduceOp.MAX.wire, root=1)
     assert not isinstance(result, CollectiveError)
     reduced = torch.maximum(parts[0], parts[1])
     want = {
@@ -202,8 +218,8 @@ def test_inline_reductions_match_the_data_collective(pair: Pair, dtype, op: Redu
     parts = [make(large) for _ in range(2)]
     _put(pair, "big", parts)
     _put(pair, "small", [p[:8].clone() for p in parts])
-    pair.run(kind="all_reduce", name="big", out="big_r", op=op.wire)
-    pair.run(kind="all_reduce", name="small", out="small_r", op=op.wire)
+    pair.run("all_reduce", name="big", out="big_r", op=op.wire)
+    pair.run("all_reduce", name="small", out="small_r", op=op.wire)
     for store in pair.stores:
         inline, backend = store.peek("small_r"), store.peek("big_r")[:8]
         assert inline.dtype == dtype and inline.shape == (8,)
@@ -221,10 +237,10 @@ def test_a_broadcast_src_too_large_for_the_leaders_guess_falls_back_on_every_ran
     pair.stores[0].put("b", torch.zeros(2))
     big = torch.arange(INLINE_MAX_BYTES // 8, dtype=torch.float64)
     pair.stores[1].put("b", big)
-    pair.run(kind="broadcast", name="b", root=1)
+    pair.run("broadcast", name="b", root=1)
     for store in pair.stores:
         assert torch.equal(store.peek("b"), big)
-    pair.run(kind="all_reduce", name="b", op=ReduceOp.SUM.wire)  # the group is still fine
+    pair.run("all_reduce", name="b", op=ReduceOp.SUM.wire)  # the group is still fine
     assert torch.equal(pair.stores[0].peek("b"), 2 * big)
 
 
@@ -234,13 +250,13 @@ def test_over_quota_on_one_rank_fails_everywhere_before_data_moves(numel: int) -
     p = Pair(limits=(None, 2 * nbytes + nbytes // 2))
     try:
         _put(p, "q", [torch.ones(numel), torch.ones(numel)])
-        result = p.run(kind="all_gather", name="q", out="g")
+        result = p.run("all_gather", name="q", out="g")
         assert isinstance(result, CollectiveError)
         assert result.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "failed on rank(s) 1" in result.message and "limit is" in result.message
         assert all(s.peek("g") is None for s in p.stores)  # committed nowhere
         assert p.stores[1].stats() == (1, nbytes)
-        ok = p.run(kind="all_reduce", name="q", op=ReduceOp.SUM.wire)  # fits: in place
+        ok = p.run("all_reduce", name="q", op=ReduceOp.SUM.wire)  # fits: in place
         assert not isinstance(ok, CollectiveError)
         assert torch.equal(p.stores[1].peek("q"), torch.full((numel,), 2.0))
     finally:
@@ -249,16 +265,16 @@ def test_over_quota_on_one_rank_fails_everywhere_before_data_moves(numel: int) -
 
 def test_a_barrier_is_one_exchange_and_every_op_is_reported_on_both_ranks(pair: Pair) -> None:
     before = [len(d) for d in pair.done]
-    result = pair.run(kind="barrier")
+    result = pair.run("barrier")
     assert not isinstance(result, CollectiveError)
     assert len(pair.done[1]) == before[1] + 1
-    assert [d[-1].kind for d in pair.done] == ["barrier", "barrier"]
+    assert [kind_name(d[-1].kind) for d in pair.done] == ["barrier", "barrier"]
 
 
 def test_mismatched_operands_fail_on_every_rank_with_one_message(pair: Pair) -> None:
     _put(pair, "m", [torch.ones(3), torch.ones(4)])
-    result = pair.run(kind="all_reduce", name="m", op=ReduceOp.SUM.wire)
+    result = pair.run("all_reduce", name="m", op=ReduceOp.SUM.wire)
     assert isinstance(result, CollectiveError)
     assert result.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert pair.done[1][-1].name == "m"
+    assert pair.done[1][-1].tensor.name == "m"
     assert all(s.peek("m").shape in ((3,), (4,)) for s in pair.stores)  # untouched

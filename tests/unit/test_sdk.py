@@ -181,9 +181,9 @@ def test_ranks_roots_and_groups() -> None:
     _invalid(v.check_rank, -1, 4, match="out of range")
     _invalid(v.check_rank, True, 4, match="int")
     group = collectives.Group(id=7, ranks=(1, 3), generation=2)
-    assert v.check_root(3, 4, group, "dst") == 3
-    _invalid(v.check_root, 0, 4, group, "src", match=r"not a member .*\[1, 3\]")
-    _invalid(v.check_root, 9, 4, None, "src", match="src 9 is out of range")
+    assert v.check_root("reduce", 3, 4, group) == 3
+    _invalid(v.check_root, "broadcast", 0, 4, group, match=r"src 0 is not a member .*\[1, 3\]")
+    _invalid(v.check_root, "broadcast", 9, 4, None, match="src 9 is out of range")
     _invalid(v.check_group, [0, 1], match="new_group")
     assert v.check_group(None) is None and v.check_group(group) is group
     assert v.check_new_group_ranks([3, 1], 4) == [1, 3]

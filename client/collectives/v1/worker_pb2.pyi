@@ -1,12 +1,44 @@
 from collectives.v1 import status_pb2 as _status_pb2
 from collectives.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class OpKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OP_KIND_UNSPECIFIED: _ClassVar[OpKind]
+    OP_KIND_NOOP: _ClassVar[OpKind]
+    OP_KIND_STOP: _ClassVar[OpKind]
+    OP_KIND_BROADCAST: _ClassVar[OpKind]
+    OP_KIND_ALL_REDUCE: _ClassVar[OpKind]
+    OP_KIND_REDUCE: _ClassVar[OpKind]
+    OP_KIND_ALL_GATHER: _ClassVar[OpKind]
+    OP_KIND_GATHER: _ClassVar[OpKind]
+    OP_KIND_REDUCE_SCATTER: _ClassVar[OpKind]
+    OP_KIND_ALL_TO_ALL: _ClassVar[OpKind]
+    OP_KIND_BARRIER: _ClassVar[OpKind]
+    OP_KIND_NEW_GROUP: _ClassVar[OpKind]
+    OP_KIND_ALL_REDUCE_GRADIENTS: _ClassVar[OpKind]
+    OP_KIND_TRAIN_STEP: _ClassVar[OpKind]
+OP_KIND_UNSPECIFIED: OpKind
+OP_KIND_NOOP: OpKind
+OP_KIND_STOP: OpKind
+OP_KIND_BROADCAST: OpKind
+OP_KIND_ALL_REDUCE: OpKind
+OP_KIND_REDUCE: OpKind
+OP_KIND_ALL_GATHER: OpKind
+OP_KIND_GATHER: OpKind
+OP_KIND_REDUCE_SCATTER: OpKind
+OP_KIND_ALL_TO_ALL: OpKind
+OP_KIND_BARRIER: OpKind
+OP_KIND_NEW_GROUP: OpKind
+OP_KIND_ALL_REDUCE_GRADIENTS: OpKind
+OP_KIND_TRAIN_STEP: OpKind
 
 class PutTensorRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -618,38 +650,70 @@ class TrainStepResponse(_message.Message):
     latency_s: float
     def __init__(self, op_id: _Optional[int] = ..., generation: _Optional[int] = ..., loss: _Optional[float] = ..., rank_losses: _Optional[_Iterable[float]] = ..., buckets: _Optional[int] = ..., latency_s: _Optional[float] = ...) -> None: ...
 
-class OpDescriptor(_message.Message):
-    __slots__ = ("op_id", "generation", "kind", "name", "out", "op", "root", "group_id", "group_ranks", "timeout_s", "bucket_bytes", "targets", "loss", "optimizer", "hyper_json", "inputs")
-    OP_ID_FIELD_NUMBER: _ClassVar[int]
-    GENERATION_FIELD_NUMBER: _ClassVar[int]
-    KIND_FIELD_NUMBER: _ClassVar[int]
+class TensorOpArgs(_message.Message):
+    __slots__ = ("name", "out", "op", "root")
     NAME_FIELD_NUMBER: _ClassVar[int]
     OUT_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
     ROOT_FIELD_NUMBER: _ClassVar[int]
-    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
-    GROUP_RANKS_FIELD_NUMBER: _ClassVar[int]
-    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
-    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
-    TARGETS_FIELD_NUMBER: _ClassVar[int]
-    LOSS_FIELD_NUMBER: _ClassVar[int]
-    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
-    HYPER_JSON_FIELD_NUMBER: _ClassVar[int]
-    INPUTS_FIELD_NUMBER: _ClassVar[int]
-    op_id: int
-    generation: int
-    kind: str
     name: str
     out: str
     op: _tensor_pb2.ReduceOp
     root: int
-    group_id: int
-    group_ranks: _containers.RepeatedScalarFieldContainer[int]
-    timeout_s: float
+    def __init__(self, name: _Optional[str] = ..., out: _Optional[str] = ..., op: _Optional[_Union[_tensor_pb2.ReduceOp, str]] = ..., root: _Optional[int] = ...) -> None: ...
+
+class NewGroupArgs(_message.Message):
+    __slots__ = ("ranks",)
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GradientsArgs(_message.Message):
+    __slots__ = ("model", "op", "bucket_bytes")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    op: _tensor_pb2.ReduceOp
     bucket_bytes: int
+    def __init__(self, model: _Optional[str] = ..., op: _Optional[_Union[_tensor_pb2.ReduceOp, str]] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+
+class TrainStepArgs(_message.Message):
+    __slots__ = ("model", "inputs", "targets", "loss", "optimizer", "hyper_json", "bucket_bytes")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    HYPER_JSON_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    inputs: str
     targets: str
     loss: str
     optimizer: str
     hyper_json: str
-    inputs: str
-    def __init__(self, op_id: _Optional[int] = ..., generation: _Optional[int] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., out: _Optional[str] = ..., op: _Optional[_Union[_tensor_pb2.ReduceOp, str]] = ..., root: _Optional[int] = ..., group_id: _Optional[int] = ..., group_ranks: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ..., bucket_bytes: _Optional[int] = ..., targets: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[str] = ..., hyper_json: _Optional[str] = ..., inputs: _Optional[str] = ...) -> None: ...
+    bucket_bytes: int
+    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[str] = ..., targets: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[str] = ..., hyper_json: _Optional[str] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+
+class OpDescriptor(_message.Message):
+    __slots__ = ("op_id", "generation", "group_id", "timeout_s", "kind", "tensor", "new_group", "gradients", "train_step")
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    NEW_GROUP_FIELD_NUMBER: _ClassVar[int]
+    GRADIENTS_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_STEP_FIELD_NUMBER: _ClassVar[int]
+    op_id: int
+    generation: int
+    group_id: int
+    timeout_s: float
+    kind: OpKind
+    tensor: TensorOpArgs
+    new_group: NewGroupArgs
+    gradients: GradientsArgs
+    train_step: TrainStepArgs
+    def __init__(self, op_id: _Optional[int] = ..., generation: _Optional[int] = ..., group_id: _Optional[int] = ..., timeout_s: _Optional[float] = ..., kind: _Optional[_Union[OpKind, str]] = ..., tensor: _Optional[_Union[TensorOpArgs, _Mapping]] = ..., new_group: _Optional[_Union[NewGroupArgs, _Mapping]] = ..., gradients: _Optional[_Union[GradientsArgs, _Mapping]] = ..., train_step: _Optional[_Union[TrainStepArgs, _Mapping]] = ...) -> None: ...

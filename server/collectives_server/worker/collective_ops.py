@@ -14,10 +14,9 @@ what it has:
 * reduce and reduce_scatter: an all-reduce, then each rank keeps its part
   (gloo's reduce_scatter does not cover every dtype and op).
 
-:func:`inline_result` computes an op's result from every member's operand when
-small operands travelled inside the operand exchange (``runtime``): the same
-arithmetic on the same bytes in rank order on every member, so results are
-bit-identical across ranks, like a backend collective's.
+:func:`fold` reduces operands that travelled inside the operand exchange (see
+``handlers/tensor_kinds.py``): the same arithmetic on the same bytes in rank
+order on every member, so results are bit-identical across ranks.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ __all__ = [
     "reduce_scatter",
     "all_to_all",
     "barrier",
-    "inline_result",
+    "fold",
     "private_copy",
     "copy_into",
     "Spares",
@@ -325,7 +324,7 @@ _BOOL_FOLD = {
 _WIDENED = (torch.float16, torch.bfloat16)
 
 
-def _fold(parts: Sequence[torch.Tensor], op: ReduceOp) -> torch.Tensor:
+def fold(parts: Sequence[torch.Tensor], op: ReduceOp) -> torch.Tensor:
     """The reduction of ``parts`` in order, elementwise (deterministic on every rank).
 
     Half-precision values are reduced in float32 and rounded once at the end."""
@@ -358,42 +357,3 @@ def _fold(parts: Sequence[torch.Tensor], op: ReduceOp) -> torch.Tensor:
     if op is ReduceOp.AVG:
         acc.div_(len(parts))
     return acc.to(dtype) if wide else acc
-
-
-def _rows(t: torch.Tensor, size: int, index: int) -> torch.Tensor:
-    """Chunk ``index`` of ``size`` equal chunks of ``t`` along dim 0 (a view)."""
-    k = t.shape[0] // size
-    return t.narrow(0, index * k, k)
-
-
-def inline_result(
-    kind: str,
-    parts: Sequence[torch.Tensor | None],
-    op: ReduceOp,
-    index: int,
-    root_index: int,
-) -> torch.Tensor | None:
-    """This member's result from every member's operand (``parts``, in group order;
-    for broadcast only the root's is given). Returns None where the member stores
-    nothing; never a view of ``parts``."""
-    size = len(parts)
-    if kind == "broadcast":
-        src = parts[root_index]
-        assert src is not None
-        return None if index == root_index else src.clone()
-    present = [p for p in parts if p is not None]
-    assert len(present) == size
-    if kind == "all_reduce":
-        return _fold(present, op)
-    if kind == "reduce":
-        return _fold(present, op) if index == root_index else None
-    if kind == "reduce_scatter":
-        reduced = _fold([_rows(p, size, index) for p in present], op)
-        return reduced.contiguous()
-    if kind == "all_gather":
-        return torch.stack(present)
-    if kind == "gather":
-        return torch.stack(present) if index == root_index else None
-    if kind == "all_to_all":
-        return torch.cat([_rows(p, size, index) for p in present])
-    raise ValueError(f"unknown op kind {kind!r}")

@@ -37,7 +37,8 @@ from collectives_server.worker.bulk import BulkListener
 from collectives_server.worker.config import WorkerConfig
 from collectives_server.worker.enrolment import bounded_status, register
 from collectives_server.worker.models import ModelRegistry
-from collectives_server.worker.runtime import GenerationRuntime, OpResult
+from collectives_server.worker.op_context import OpResult
+from collectives_server.worker.runtime import GenerationRuntime
 from collectives_server.worker.service import SERVICE_NAME, WorkerService, add_worker_service
 from collectives_server.worker.shm_service import WorkerSegments
 from collectives_server.worker.status import (

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -36,16 +34,40 @@ from collectives_server.json_input import parse_json_object
 from collectives_server.worker import agreement, op_failures
 from collectives_server.worker.collective_ops import copy_into
 from collectives_server.worker.models import HostedModel, make_optimizer
+from collectives_server.worker.op_context import Announcement, OpContext
 
-if TYPE_CHECKING:
-    from collectives_server.worker.runtime import GenerationRuntime
-
-__all__ = ["ModelOpResult", "run_model_op", "DEFAULT_BUCKET_BYTES", "MODEL_KINDS"]
+__all__ = ["ModelOpResult", "run_model_op", "ModelArgs", "DEFAULT_BUCKET_BYTES"]
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
-MODEL_KINDS = ("all_reduce_gradients", "train_step")
 _LOSSES = {"mse": functional.mse_loss, "cross_entropy": functional.cross_entropy}
 _INFO = 6  # present, signature, has inputs, has targets, all parameters have a gradient, 0
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """The arguments of either model op (all_reduce_gradients, train_step), from the
+    descriptor's payload."""
+
+    is_train: bool
+    name: str
+    op: int = 0
+    bucket_bytes: int = 0
+    inputs: str = ""
+    targets: str = ""
+    loss: str = ""
+    optimizer: str = ""
+    hyper_json: str = ""
+
+    @classmethod
+    def of(cls, desc: worker_pb2.OpDescriptor) -> ModelArgs:
+        if desc.WhichOneof("args") == "train_step":
+            t = desc.train_step
+            return cls(
+                True, t.model, 0, t.bucket_bytes, t.inputs, t.targets, t.loss, t.optimizer,
+                t.hyper_json,
+            )  # fmt: skip
+        g = desc.gradients
+        return cls(False, g.model, g.op, g.bucket_bytes)
 
 
 @dataclass(frozen=True)
@@ -81,7 +103,7 @@ def _buckets(params: list[torch.nn.Parameter], active: list[int], bucket_bytes: 
 
 
 def reduce_gradients(
-    rt: GenerationRuntime, model: HostedModel, op: ReduceOp, bucket_bytes: int, mask: list[bool]
+    ctx: OpContext, model: HostedModel, op: ReduceOp, bucket_bytes: int, mask: list[bool]
 ) -> tuple[int, int]:
     """Bucketed all-reduce of the gradients of the parameters ``mask`` marks (those with a
     gradient on some rank) on this rank; returns (buckets, bytes). The caller holds the
@@ -91,7 +113,7 @@ def reduce_gradients(
     consecutive parameters is reduced in place in its slice; only a bucket whose
     parameters are not consecutive there (a parameter between them has no
     gradient anywhere) goes through a flat copy."""
-    pg = rt.groups[0].handles.data  # type: ignore[union-attr]
+    pg = ctx.groups[0].handles.data  # type: ignore[union-attr]
     arena = model.grad_arena()
     params = arena.params
     active = [i for i, m in enumerate(mask) if m]
@@ -105,7 +127,7 @@ def reduce_gradients(
     for bucket in buckets:
         flat = arena.flat(bucket)
         if flat is not None:
-            rt.call(lambda flat=flat: pg.allreduce([flat], opts).wait())
+            ctx.call(lambda flat=flat: pg.allreduce([flat], opts).wait())
         else:
             views = [arena.view(i) for i in bucket]
             flat = torch.empty(sum(v.numel() for v in views), dtype=views[0].dtype)
@@ -113,42 +135,40 @@ def reduce_gradients(
             for v in views:
                 copy_into(flat.narrow(0, offset, v.numel()), v.reshape(-1))
                 offset += v.numel()
-            rt.call(lambda flat=flat: pg.allreduce([flat], opts).wait())
+            ctx.call(lambda flat=flat: pg.allreduce([flat], opts).wait())
             offset = 0
             for v in views:
                 copy_into(v, flat.narrow(0, offset, v.numel()).view(v.shape))
                 offset += v.numel()
         total += flat.numel() * flat.element_size()
-    rt.count_data_collectives(len(buckets), len(buckets))
+    ctx.count_data_collectives(len(buckets), len(buckets))
     return len(buckets), total
 
 
-def _any_rank_has_grad(rt: GenerationRuntime, flags: list[bool]) -> list[bool]:
+def _any_rank_has_grad(ctx: OpContext, flags: list[bool]) -> list[bool]:
     """Which parameters have a gradient on at least one rank (control group, not data)."""
     if not flags:
         return []
     mine = torch.tensor(flags, dtype=torch.uint8)
-    control = rt.groups[0].handles.control  # type: ignore[union-attr]
-    every = rt.call(agreement.all_gather_rows, control, mine, rt.world_size)
+    control = ctx.groups[0].handles.control  # type: ignore[union-attr]
+    every = ctx.call(agreement.all_gather_rows, control, mine, ctx.world_size)
     return [bool(v) for v in every.amax(0).tolist()]
 
 
-def _mask(rt: GenerationRuntime, flags: list[bool], everywhere: bool) -> list[bool]:
+def _mask(ctx: OpContext, flags: list[bool], everywhere: bool) -> list[bool]:
     """The parameters to reduce. ``everywhere``: every rank said all its parameters have
     a gradient (told in an exchange the op needed anyway), so no extra round."""
-    return [True] * len(flags) if everywhere else _any_rank_has_grad(rt, flags)
+    return [True] * len(flags) if everywhere else _any_rank_has_grad(ctx, flags)
 
 
-def _local_train(
-    rt: GenerationRuntime, model: HostedModel, desc: worker_pb2.OpDescriptor
-) -> tuple[float, int]:
+def _local_train(ctx: OpContext, model: HostedModel, args: ModelArgs) -> tuple[float, int]:
     # peek, not get: the executor never waits on a commit fence (every rank
     # checked these names are present before this point).
-    inputs = rt.store.peek(desc.inputs)
-    targets = rt.store.peek(desc.targets)
+    inputs = ctx.store.peek(args.inputs)
+    targets = ctx.store.peek(args.targets)
     if inputs is None or targets is None:
-        raise NotFound(f"tensor {desc.inputs if inputs is None else desc.targets!r} vanished")
-    loss_fn = _LOSSES[desc.loss]
+        raise NotFound(f"tensor {args.inputs if inputs is None else args.targets!r} vanished")
+    loss_fn = _LOSSES[args.loss]
     for p in model.module.parameters():
         p.grad = None
     arena = model.grad_arena()
@@ -163,7 +183,7 @@ def _local_train(
     return float(loss.detach()), int(inputs.shape[0]) if inputs.dim() else 1
 
 
-def run_model_op(rt: GenerationRuntime, desc: worker_pb2.OpDescriptor, started: float):
+def run_model_op(ctx: OpContext, desc: worker_pb2.OpDescriptor, ann: Announcement):
     """Runs one model op on this rank; returns ModelOpResult or CollectiveError (same on all).
 
     Control rounds (besides the announcement): all_reduce_gradients exchanges one
@@ -173,20 +193,21 @@ def run_model_op(rt: GenerationRuntime, desc: worker_pb2.OpDescriptor, started: 
     holds the model's lock from before its first exchange until the op is done, so
     no backward slips in between deciding what to reduce and reducing it, and a
     read of its gradients waits until they are final."""
-    model = rt.models.peek(desc.name)
+    ann.wait(ctx)
+    args = ModelArgs.of(desc)
+    model = ctx.models.peek(args.name)
     lock = model.lock if model is not None else contextlib.nullcontext()
     with lock:
-        return _run_model_op(rt, model, desc, started)
+        return _run_model_op(ctx, model, args, desc.op_id)
 
 
 def _run_model_op(
-    rt: GenerationRuntime,
+    ctx: OpContext,
     model: HostedModel | None,
-    desc: worker_pb2.OpDescriptor,
-    started: float,
+    args: ModelArgs,
+    op_id: int,
 ):
-    kind = desc.kind
-    is_train = kind == "train_step"
+    is_train = args.is_train
     info = torch.zeros(_INFO, dtype=torch.int64)
     flags: list[bool] = []
     if model is not None:
@@ -196,11 +217,11 @@ def _run_model_op(
             flags = [p.grad is not None for _, p in model.parameters]
             info[4] = int(all(flags))
     if is_train:
-        info[2] = int(rt.store.peek(desc.inputs) is not None)
-        info[3] = int(rt.store.peek(desc.targets) is not None)
-    control = rt.groups[0].handles.control  # type: ignore[union-attr]
-    rows = rt.call(agreement.all_gather_rows, control, info, rt.world_size).tolist()
-    verdict = _decide(desc, rows)
+        info[2] = int(ctx.store.peek(args.inputs) is not None)
+        info[3] = int(ctx.store.peek(args.targets) is not None)
+    control = ctx.groups[0].handles.control  # type: ignore[union-attr]
+    rows = ctx.call(agreement.all_gather_rows, control, info, ctx.world_size).tolist()
+    verdict = _decide(args, rows)
     if verdict is not None:
         return verdict
     assert model is not None
@@ -212,18 +233,18 @@ def _run_model_op(
     optimizer_hyper = None
     candidate = None
     try:
-        if desc.optimizer:
-            optimizer_hyper = parse_json_object(desc.hyper_json, "optimizer hyperparameters")
+        if args.optimizer:
+            optimizer_hyper = parse_json_object(args.hyper_json, "optimizer hyperparameters")
             if (
                 model.optimizer is None
-                or model.optimizer_kind != desc.optimizer
+                or model.optimizer_kind != args.optimizer
                 or model.optimizer_hyper != optimizer_hyper
             ):
-                candidate = make_optimizer(model, desc.optimizer, optimizer_hyper)
+                candidate = make_optimizer(model, args.optimizer, optimizer_hyper)
             else:
                 candidate = model.optimizer
         if is_train:
-            loss_value, batch = _local_train(rt, model, desc)
+            loss_value, batch = _local_train(ctx, model, args)
             flags = [p.grad is not None for _, p in model.parameters]
     except CollectiveError as exc:
         code, message = exc.code, exc.message
@@ -232,13 +253,13 @@ def _run_model_op(
 
     rank_losses: list[float] = []
     global_loss = 0.0
-    if is_train or desc.optimizer:
+    if is_train or args.optimizer:
         extra = [loss_value, float(batch), float(all(flags))]
-        failures, extras = rt.call(
-            agreement.agree_with, control, rt.world_size, code, message, extra
+        failures, extras = ctx.call(
+            agreement.agree_with, control, ctx.world_size, code, message, extra
         )
         if failures:
-            return rt.fail_all(failures)
+            return ctx.fail_all(failures)
         everywhere = all(e[2] for e in extras)
         if is_train:
             rank_losses = [e[0] for e in extras]
@@ -252,50 +273,50 @@ def _run_model_op(
     else:
         everywhere = all(row[4] for row in rows)
 
-    op = ReduceOp.from_wire(desc.op)
+    op = ReduceOp.from_wire(args.op)
     if is_train:
         op = ReduceOp.AVG
-    bucket_bytes = desc.bucket_bytes or DEFAULT_BUCKET_BYTES
-    mask = _mask(rt, flags, everywhere)
-    buckets, nbytes = reduce_gradients(rt, model, op, bucket_bytes, mask)
-    if desc.optimizer:
+    bucket_bytes = args.bucket_bytes or DEFAULT_BUCKET_BYTES
+    mask = _mask(ctx, flags, everywhere)
+    buckets, nbytes = reduce_gradients(ctx, model, op, bucket_bytes, mask)
+    if args.optimizer:
         if candidate is not model.optimizer:
             model.optimizer = candidate
-            model.optimizer_kind = desc.optimizer
+            model.optimizer_kind = args.optimizer
             model.optimizer_hyper = optimizer_hyper or {}
         model.optimizer.step()
         model.steps += 1
     return ModelOpResult(
-        desc.op_id,
-        rt.generation,
+        op_id,
+        ctx.generation,
         buckets,
         nbytes,
         global_loss,
         rank_losses,
-        time.perf_counter() - started,
+        0.0,
     )
 
 
-def _decide(desc: worker_pb2.OpDescriptor, rows: list[list[int]]) -> CollectiveError | None:
+def _decide(args: ModelArgs, rows: list[list[int]]) -> CollectiveError | None:
     ranks = range(len(rows))
     missing = [r for r in ranks if not rows[r][0]]
     if len(missing) == len(rows):
         return error_for_code(
-            grpc.StatusCode.NOT_FOUND, f"model {desc.name!r} is not loaded on any rank"
+            grpc.StatusCode.NOT_FOUND, f"model {args.name!r} is not loaded on any rank"
         )
     if missing:
         return error_for_code(
             grpc.StatusCode.FAILED_PRECONDITION,
-            f"model {desc.name!r} is missing on rank(s) {', '.join(map(str, missing))}; "
+            f"model {args.name!r} is missing on rank(s) {', '.join(map(str, missing))}; "
             "load_model it again so every worker has it",
         )
     if len({rows[r][1] for r in ranks}) > 1:
         return error_for_code(
             grpc.StatusCode.FAILED_PRECONDITION,
-            f"model {desc.name!r} has different parameters on different ranks; reload it",
+            f"model {args.name!r} has different parameters on different ranks; reload it",
         )
-    if desc.kind == "train_step":
-        for column, what in ((2, desc.inputs), (3, desc.targets)):
+    if args.is_train:
+        for column, what in ((2, args.inputs), (3, args.targets)):
             lacking = [r for r in ranks if not rows[r][column]]
             if lacking:
                 return error_for_code(

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from collectives import _pytree, codec
 from collectives.errors import InvalidArgument, NotFound
 from collectives.names import validate_name
+from collectives.op_specs import SPECS, OpKind
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
 from collectives_server.json_input import parse_json_object
@@ -195,10 +196,11 @@ class ModelRpcs:
             model.module.load_state_dict(received)
         return worker_pb2.LoadStateDictResponse(tensors=len(received))
 
-    def _model_op(self, context, kind: str, options, **fields):
-        validate_name(fields["name"], "model name")
+    def _model_op(self, context, kind: OpKind, options, args):
+        validate_name(args.model, "model name")
         runtime = self._leader(options)
-        desc = worker_pb2.OpDescriptor(kind=kind, timeout_s=options.timeout_s, **fields)
+        desc = worker_pb2.OpDescriptor(kind=kind, timeout_s=options.timeout_s)
+        getattr(desc, SPECS[kind].args).CopyFrom(args)
         return self._wait(context, runtime, desc, options)
 
     @_guard
@@ -210,14 +212,8 @@ class ModelRpcs:
             )
         if r.bucket_bytes < 0:
             raise InvalidArgument("bucket_bytes must be positive (0: the 25 MiB default)")
-        result = self._model_op(
-            context,
-            "all_reduce_gradients",
-            r.options,
-            name=r.model,
-            op=r.op,
-            bucket_bytes=r.bucket_bytes,
-        )
+        args = worker_pb2.GradientsArgs(model=r.model, op=r.op, bucket_bytes=r.bucket_bytes)
+        result = self._model_op(context, OpKind.ALL_REDUCE_GRADIENTS, r.options, args)
         return worker_pb2.AllReduceGradientsResponse(
             op_id=result.op_id,
             generation=result.generation,
@@ -234,11 +230,8 @@ class ModelRpcs:
             raise InvalidArgument(f"loss {r.loss!r} is not supported; use 'mse' or 'cross_entropy'")
         if r.optimizer:
             _json_object(r.hyper_json, "optimizer hyperparameters")
-        result = self._model_op(
-            context,
-            "train_step",
-            r.options,
-            name=r.model,
+        args = worker_pb2.TrainStepArgs(
+            model=r.model,
             inputs=r.inputs,
             targets=r.targets,
             loss=r.loss,
@@ -246,6 +239,7 @@ class ModelRpcs:
             hyper_json=r.hyper_json,
             bucket_bytes=r.bucket_bytes,
         )
+        result = self._model_op(context, OpKind.TRAIN_STEP, r.options, args)
         return worker_pb2.TrainStepResponse(
             op_id=result.op_id,
             generation=result.generation,

@@ -1,111 +1,58 @@
-"""One generation's execution engine on one worker.
+"""One generation's loop on one worker: sequence, announce, dispatch.
 
-The leader (rank 0) owns a bounded FIFO of ops. One thread per rank runs the
+The leader (rank 0) admits ops into its :class:`~sequencer.Sequencer` (a
+bounded FIFO bound to this generation). One thread per rank runs the
 generation: on the leader it takes the next op (or, when idle, a no-op tick
-that keeps followers inside their receive timeout and proves the group alive),
-announces it through the control group, and executes it; on followers it
-receives descriptors and executes them. Every rank executes the same op in
-the same order, which is what torch.distributed requires and what concurrent
-clients could never guarantee by themselves.
+that keeps followers inside their receive timeout and proves the group alive)
+and announces it through the control group; on followers it receives the
+descriptors. Every rank then runs the op's handler (``handlers``), the same op
+in the same order, which is what torch.distributed requires and what
+concurrent clients could never guarantee by themselves. What an op does is
+its handler's business; this module only sequences, dispatches, and turns a
+broken process group into a retired or rebuilt one.
 
-Executing one op on every rank (the leader answers once it has committed):
-  1. the leader announces the op (descriptor broadcast);
-  2. every rank all-gathers its operand description and store quota state,
-     and, when the leader saw a small operand (<= ``INLINE_MAX_BYTES``), the
-     operand's bytes with it;
-  3. :func:`validation.decide`, identical everywhere: fail together (missing,
-     mismatched or over-quota anywhere), or go on;
-  4. small operands: every rank computes its result from the exchanged bytes
-     (:func:`collective_ops.inline_result`) and commits: two control rounds
-     per op in all;
-     otherwise: the data collective on private buffers, an agreement on every
-     rank's outcome, and a commit only if every rank succeeded.
-A follower fences the name its result goes to before its last exchange of the
-op and lifts the fence once committed (``store.Fence``), so a client reading
-any rank right after the leader answered sees the result; no barrier per op.
-
-A generation that is superseded never commits again; its thread is left to
-finish or time out (gloo cannot interrupt a pending op) while the next
-generation runs beside it.
+A generation that is superseded admits nothing more, fails what is queued
+(naming both generations), and its thread is left to finish or time out
+(gloo cannot interrupt a pending op) while the next generation runs beside it.
 """
 
 from __future__ import annotations
 
-import collections
-import contextlib
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import grpc
 import torch
 import torch.distributed as dist
 
-from collectives.errors import CollectiveError, ResourceExhausted, Unavailable, error_for_code
-from collectives.reduce_ops import ReduceOp
+from collectives.errors import CollectiveError, Unavailable, error_for_code
+from collectives.op_specs import OpKind, kind_name
 from collectives.v1 import worker_pb2
-from collectives_server.worker import (
-    agreement,
-    collective_ops,
-    descriptor,
-    model_collectives,
-    op_failures,
-    validation,
-)
-from collectives_server.worker.group_cap import check_group_cap, subgroup_count
+from collectives_server.worker import descriptor, op_failures
+from collectives_server.worker.collective_ops import Spares
+from collectives_server.worker.handlers import handler_for
+from collectives_server.worker.handlers.tensor_ops import inline_capacity
+from collectives_server.worker.model_collectives import ModelOpResult
 from collectives_server.worker.models import ModelRegistry
-from collectives_server.worker.process_groups import GroupHandles, build_groups
-from collectives_server.worker.store import Fence, TensorStore
+from collectives_server.worker.op_context import (
+    Announcement,
+    GroupBroken,
+    GroupEntry,
+    OpContext,
+    OpResult,
+)
+from collectives_server.worker.process_groups import build_groups
+from collectives_server.worker.sequencer import Sequencer, Ticket
+from collectives_server.worker.store import TensorStore
 
-__all__ = ["GenerationRuntime", "PendingOp", "OpResult", "GroupEntry", "INLINE_MAX_BYTES"]
+__all__ = ["GenerationRuntime"]
 
 log = logging.getLogger(__name__)
 
-# Operands up to this size (per rank, and world x this in all) travel inside the
-# operand exchange instead of a data collective of their own.
-INLINE_MAX_BYTES = 64 * 1024
-INLINE_MAX_TOTAL_BYTES = 1024 * 1024
-_INLINE_KINDS = frozenset(validation.KINDS) - {"barrier"}
-
-
-@dataclass(frozen=True)
-class OpResult:
-    op_id: int
-    generation: int
-    result_name: str
-    result_ranks: list[int]
-    dtype: torch.dtype | None
-    shape: tuple[int, ...]
-    latency_s: float
-
-
-@dataclass
-class PendingOp:
-    desc: worker_pb2.OpDescriptor
-    future: Future = field(default_factory=Future)
-    started: bool = False
-    cancelled: bool = False
-
-
-@dataclass
-class GroupEntry:
-    group_id: int
-    ranks: list[int]
-    handles: GroupHandles | None  # None on non-members
-
-    def index(self, rank: int) -> int:
-        return self.ranks.index(rank)
-
-
-def _backend_message(exc: BaseException) -> str:
-    return op_failures.backend_message(exc)
-
-
-class _GroupBroken(Exception):
-    """The process group failed (peer lost, timeout): the generation cannot go on."""
+Outcome = OpResult | ModelOpResult | CollectiveError
 
 
 class GenerationRuntime:
@@ -123,45 +70,32 @@ class GenerationRuntime:
         queue_size: int,
         max_groups: int = 64,
         on_joined: Callable[[int], None],
-        on_op_done: Callable[[worker_pb2.OpDescriptor, OpResult | CollectiveError, float], None],
+        on_op_done: Callable[[worker_pb2.OpDescriptor, Outcome, float], None],
         rebuild_after_s: float = 10.0,
         models: ModelRegistry | None = None,
         on_data_collectives: Callable[[int, int], None] | None = None,
-        before_commit: Callable[[worker_pb2.OpDescriptor], None] | None = None,
     ) -> None:
         self.generation = generation
         self.rank = rank
         self.world_size = world_size
         self.is_leader = rank == 0
-        self._tcp_store = tcp_store
-        self._store = store
         self.store = store
         self.models = models if models is not None else ModelRegistry([device])
-        self.device = device
-        self._on_data_collectives = on_data_collectives
-        # Called on this rank once an op's outcome is settled, right before its
-        # result is committed (tests use it to hold a rank at that point).
-        self._before_commit = before_commit
-        # Replaced results kept for reuse stay well inside a store limit, if any.
-        limit = store.limit_bytes
-        self._spares = collective_ops.Spares(
-            max_bytes=min(512 << 20, limit // 4) if limit else 512 << 20
-        )
+        self.max_groups = max_groups
+        self._tcp_store = tcp_store
         self._timeout_s = op_timeout_s
         self._device = device
         self._host = host
-        self._queue_size = queue_size
-        self.max_groups = max_groups
         self._on_joined = on_joined
         self._on_op_done = on_op_done
-        self._tick_s = min(1.0, op_timeout_s / 4)
+        self._on_data_collectives = on_data_collectives
         self._rebuild_after_s = rebuild_after_s
-        self._prefix = f"g{generation}"
-        self._queue: collections.deque[PendingOp] = collections.deque()
+        # Replaced results kept for reuse stay well inside a store limit, if any.
+        limit = store.limit_bytes
+        self._spares = Spares(max_bytes=min(512 << 20, limit // 4) if limit else 512 << 20)
         self._cond = threading.Condition()
+        self._seq = Sequencer(generation, queue_size, min(1.0, op_timeout_s / 4))
         self._stopping = False
-        self._superseded = False
-        self._next_op_id = 1
         self._next_group_id = 1
         # The world group exists from the start so that ops can queue while the
         # process group forms; its handles arrive when it is built.
@@ -180,7 +114,7 @@ class GenerationRuntime:
         return self
 
     def stop(self, superseded_by: int | None = None) -> None:
-        """Retires this generation: no more commits; the leader tells followers to stop.
+        """Retires this generation: no more admissions; the leader tells followers to stop.
 
         Queued ops fail with UNAVAILABLE naming this generation and, when known,
         the one that replaced it: an op runs in the generation it was issued
@@ -188,17 +122,13 @@ class GenerationRuntime:
         """
         with self._cond:
             self._stopping = True
-            self._superseded = True
+            self._seq.close(self.failure or "retired", superseded_by)
             self._cond.notify_all()
-        ended = f"generation {self.generation} ended"
-        if superseded_by is not None:
-            ended += f" (superseded by generation {superseded_by})"
-        self._fail_queued(ended)
 
     @property
     def queue_depth(self) -> int:
         with self._cond:
-            return len(self._queue)
+            return self._seq.depth
 
     # ------------------------------------------------------------- leader API
     def allocate_group_id(self) -> int:
@@ -207,62 +137,47 @@ class GenerationRuntime:
             self._next_group_id += 1
             return gid
 
-    def submit(self, desc: worker_pb2.OpDescriptor) -> PendingOp:
-        pending = PendingOp(desc)
+    def submit(
+        self,
+        desc: worker_pb2.OpDescriptor,
+        timeout_s: float | None = None,
+        expected_generation: int = 0,
+    ) -> Ticket:
+        """Admits ``desc`` (raises UNAVAILABLE / RESOURCE_EXHAUSTED when it cannot be);
+        the ticket's future gets the outcome on this rank."""
         with self._cond:
-            if self._stopping:
-                raise Unavailable(
-                    f"generation {self.generation} is over ({self.failure or 'superseded'}); "
-                    "refresh the cluster and retry",
-                    executed=False,
-                )
-            if len(self._queue) >= self._queue_size:
-                raise ResourceExhausted(
-                    f"the leader's op queue is full ({self._queue_size} ops); retry later"
-                )
-            desc.op_id = self._next_op_id
-            desc.generation = self.generation
-            self._next_op_id += 1
-            self._queue.append(pending)
+            ticket = self._seq.admit(
+                desc, timeout_s if timeout_s is not None else 2 * self._timeout_s,
+                expected_generation,
+            )  # fmt: skip
             self._cond.notify_all()
-        return pending
+        return ticket
 
-    def cancel(self, pending: PendingOp) -> bool:
+    def check_generation(self, expected: int) -> None:
+        """Raises UNAVAILABLE unless ``expected`` is 0 or this generation."""
+        self._seq.check_generation(expected)
+
+    def cancel(self, ticket: Ticket) -> bool:
         """Removes a queued op; False if it already started."""
         with self._cond:
-            if pending.started:
-                return False
-            pending.cancelled = True
-            with contextlib.suppress(ValueError):  # already taken off the queue
-                self._queue.remove(pending)
-            return True
+            return self._seq.cancel(ticket)
 
-    def _take(self) -> PendingOp | None:
-        deadline = time.monotonic() + self._tick_s
+    def _take(self) -> Ticket | None:
+        """The next op, or None when a tick is due or the generation is stopping."""
         with self._cond:
-            while not self._queue and not self._stopping:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+            while not self._stopping:
+                ticket = self._seq.next()
+                if ticket is not None:
+                    return ticket
+                wait = self._seq.tick_in()
+                if wait <= 0:
                     return None
-                self._cond.wait(remaining)
-            if self._stopping:
-                return None
-            pending = self._queue.popleft()
-            pending.started = True
-            return pending
+                self._cond.wait(wait)
+            return None
 
-    def _fail_queued(self, reason: str) -> None:
+    def _drain(self, why: str) -> None:
         with self._cond:
-            queued = list(self._queue)
-            self._queue.clear()
-        for pending in queued:
-            if not pending.future.done():
-                pending.future.set_exception(
-                    Unavailable(
-                        f"{reason} before the op started; nothing was committed",
-                        executed=False,
-                    )
-                )
+            self._seq.drain(why)
 
     # -------------------------------------------------------------- the loop
     def _run(self) -> None:
@@ -299,378 +214,141 @@ class GenerationRuntime:
             self._spares.clear()
             # Drop every group of this generation now: their sockets and threads go with them.
             self.groups = {0: GroupEntry(0, list(range(self.world_size)), None)}
-            self._control = None
             self.finished.set()
-            self._fail_queued(f"generation {self.generation} ended")
+            with self._cond:
+                self._seq.close(self.failure or "retired")
+
+    def _join(self, epoch: int) -> OpContext:
+        prefix = f"g{self.generation}" if epoch == 0 else f"g{self.generation}e{epoch}"
+        try:
+            handles = build_groups(
+                self._tcp_store,
+                prefix,
+                self.rank,
+                self.world_size,
+                self._timeout_s,
+                self._device,
+                self._host,
+            )
+        except Exception as exc:
+            raise GroupBroken(f"could not form the process group: {exc}") from exc
+        self.groups = {0: GroupEntry(0, list(range(self.world_size)), handles)}
+        ctx = OpContext(
+            generation=self.generation,
+            rank=self.rank,
+            world_size=self.world_size,
+            device=self._device,
+            host=self._host,
+            timeout_s=self._timeout_s,
+            tcp_store=self._tcp_store,
+            prefix=prefix,
+            store=self.store,
+            models=self.models,
+            groups=self.groups,
+            control=handles.control,
+            spares=self._spares,
+            max_groups=self.max_groups,
+            on_data_collectives=self._on_data_collectives,
+        )
+        self.ready.set()
+        self._on_joined(self.generation)
+        log.info(
+            "joined generation %d as rank %d of %d", self.generation, self.rank, self.world_size
+        )
+        return ctx
+
+    def _next(self, ctx: OpContext) -> tuple[Ticket | None, worker_pb2.OpDescriptor, Announcement]:
+        """Leader: takes and announces the next op (or a tick); follower: receives it."""
+        if not self.is_leader:
+            desc, inline = ctx.call(descriptor.receive, ctx.control)
+            return None, desc, Announcement(inline)
+        ticket = self._take()
+        if ticket is None:
+            kind = OpKind.STOP if self._stopping else OpKind.NOOP
+            desc = worker_pb2.OpDescriptor(kind=kind, generation=self.generation)
+            ctx.call(descriptor.announce, ctx.control, desc)
+            ann = Announcement()
+        else:
+            desc = ticket.desc
+            inline = inline_capacity(ctx, desc)
+            # Not waited for here: the op's first exchange is issued before the
+            # leader waits for its own send (see handlers).
+            ann = Announcement(
+                inline, ctx.call(descriptor.announce, ctx.control, desc, inline, False)
+            )
+        with self._cond:
+            self._seq.announced()
+        return ticket, desc, ann
 
     def _run_epoch(self, epoch: int) -> str | None:
         """Returns None when retired cleanly, else why the group broke."""
-        prefix = f"g{self.generation}" if epoch == 0 else f"g{self.generation}e{epoch}"
-        current: PendingOp | None = None
+        current: Ticket | None = None
         try:
-            try:
-                handles = build_groups(
-                    self._tcp_store,
-                    prefix,
-                    self.rank,
-                    self.world_size,
-                    self._timeout_s,
-                    self._device,
-                    self._host,
-                )
-            except Exception as exc:
-                raise _GroupBroken(f"could not form the process group: {exc}") from exc
-            self._prefix = prefix
-            self.groups = {0: GroupEntry(0, list(range(self.world_size)), handles)}
-            self._control = handles.control
-            self.ready.set()
-            self._on_joined(self.generation)
-            log.info(
-                "joined generation %d as rank %d of %d", self.generation, self.rank, self.world_size
-            )
+            ctx = self._join(epoch)
             while True:
-                inline = None
-                announced = None
-                if self.is_leader:
-                    current = self._take()
-                    if current is None:
-                        desc = worker_pb2.OpDescriptor(
-                            kind="stop" if self._stopping else "noop", generation=self.generation
-                        )
-                        self._call(descriptor.announce, self._control, desc)
-                    else:
-                        desc = current.desc
-                        inline = self._inline_capacity(desc)
-                        # Not waited for here: the op's first exchange is issued before
-                        # the leader waits for its own send (see _collective).
-                        announced = self._call(
-                            descriptor.announce, self._control, desc, inline, False
-                        )
-                else:
-                    desc, inline = self._call(descriptor.receive, self._control)
-                if desc.kind == "stop":
+                current, desc, ann = self._next(ctx)
+                if desc.kind == OpKind.STOP:
                     return None
-                if desc.kind == "noop":
+                if desc.kind == OpKind.NOOP:
                     self._spares.clear()  # idle: give kept memory back
                     continue
-                outcome = self._execute(desc, inline, announced)
+                outcome = self._execute(ctx, desc, ann)
                 if current is not None:
                     if isinstance(outcome, CollectiveError):
                         current.future.set_exception(outcome)
                     else:
                         current.future.set_result(outcome)
                     current = None
-        except _GroupBroken as exc:
-            self.ready.clear()
-            with self._cond:
-                superseded = self._superseded
-                self.failure = str(exc)
-            if not superseded:
-                log.warning("generation %d: %s", self.generation, exc)
-            if current is not None and not current.future.done():
-                current.future.set_exception(
-                    Unavailable(
-                        f"op {current.desc.op_id} ({current.desc.kind}) failed in generation "
-                        f"{self.generation}: {exc}. A worker was probably lost; the cluster "
-                        "re-forms without it. The op did not complete; nothing was committed "
-                        "unless every rank agreed it succeeded.",
-                    )
-                )
-            self._fail_queued(f"the process group of generation {self.generation} broke")
-            return None if superseded else str(exc)
+        except GroupBroken as exc:
+            return self._broken(exc, current)
         except Exception as exc:  # a bug: never take the daemon down with it
             log.exception("generation %d: unexpected error", self.generation)
-            if current is not None and not current.future.done():
+            if current is not None:
                 message = op_failures.internal_message(f"generation {self.generation}", exc)
-                current.future.set_exception(error_for_code(grpc.StatusCode.INTERNAL, message))
-            self._fail_queued(f"generation {self.generation} hit an internal error")
+                current.fail(error_for_code(grpc.StatusCode.INTERNAL, message))
+            self._drain(f"generation {self.generation} hit an internal error")
             return "internal error (see the worker's log)"
 
-    def call(self, fn, *args):
-        """Runs a group operation; a backend failure means the group is broken."""
-        return self._call(fn, *args)
+    def _broken(self, exc: GroupBroken, current: Ticket | None) -> str | None:
+        self.ready.clear()
+        with self._cond:
+            superseded = self._stopping
+            self.failure = str(exc)
+        if not superseded:
+            log.warning("generation %d: %s", self.generation, exc)
+        if current is not None:
+            desc = current.desc
+            current.fail(
+                Unavailable(
+                    f"op {desc.op_id} ({kind_name(desc.kind)}) failed in generation "
+                    f"{self.generation}: {exc}. A worker was probably lost; the cluster "
+                    "re-forms without it. The op did not complete; nothing was committed "
+                    "unless every rank agreed it succeeded.",
+                )
+            )
+        self._drain(f"the process group of generation {self.generation} broke")
+        return None if superseded else str(exc)
 
-    def fail_all(self, failures: list[agreement.RankOutcome]) -> CollectiveError:
-        return self._fail_all(failures)
-
-    def count_data_collectives(self, collectives: int, gradient_buckets: int = 0) -> None:
-        if self._on_data_collectives is not None:
-            self._on_data_collectives(collectives, gradient_buckets)
-
-    def _call(self, fn, *args):
-        try:
-            return fn(*args)
-        except (RuntimeError, dist.DistError) as exc:
-            raise _GroupBroken(_backend_message(exc)) from exc
-
-    # ------------------------------------------------------------ execution
-    def _inline_capacity(self, desc: worker_pb2.OpDescriptor) -> int | None:
-        """Leader: the bytes of operand every rank appends to its info (None: no inline data).
-
-        Sized from the leader's own operand, so it is only a guess for the others;
-        every rank checks that each contributor's operand fitted (from the infos)
-        and otherwise runs the data collective, all taking the same branch."""
-        if self._device.type != "cpu":
-            return None
-        if desc.kind == "barrier":
-            return 0  # the exchange itself is the barrier
-        if desc.kind not in _INLINE_KINDS:
-            return None
-        group = self.groups.get(desc.group_id)
-        if group is None or self.rank not in group.ranks:
-            return None
-        t = self._store.peek(desc.name)
-        if t is None:
-            return None
-        nbytes = t.numel() * t.element_size()
-        if nbytes > INLINE_MAX_BYTES or nbytes * self.world_size > INLINE_MAX_TOTAL_BYTES:
-            return None
-        return -(-nbytes // 16) * 16  # rows stay 16-byte aligned for every dtype
-
-    def _execute(
-        self,
-        desc: worker_pb2.OpDescriptor,
-        inline: int | None = None,
-        announced: descriptor.Announced | None = None,
-    ) -> OpResult | CollectiveError:
+    def _execute(self, ctx: OpContext, desc: worker_pb2.OpDescriptor, ann: Announcement) -> Outcome:
         started = time.perf_counter()
         self.busy = True
         try:
-            if desc.kind == "new_group" or desc.kind in model_collectives.MODEL_KINDS:
-                if announced is not None:
-                    self._call(announced.wait)
-                if desc.kind == "new_group":
-                    result = self._new_group(desc, started)
-                else:
-                    result = model_collectives.run_model_op(self, desc, started)
-            else:
-                result = self._collective(desc, started, inline, announced)
+            result = handler_for(desc.kind)(ctx, desc, ann)
         finally:
             self.busy = False
+        latency = time.perf_counter() - started
         if isinstance(result, CollectiveError):
             # Every rank words the failure the same way, with the op id the
             # worker logs carry, so a client's error can be found in them.
-            result = error_for_code(
+            wrapped = error_for_code(
                 result.code,
-                f"op {desc.op_id} ({desc.kind}, generation {self.generation}): {result.message}",
+                f"op {desc.op_id} ({kind_name(desc.kind)}, generation {self.generation}): "
+                f"{result.message}",
                 executed=result.executed,
             )
-        self._on_op_done(desc, result, time.perf_counter() - started)
-        return result
-
-    def _fail_all(self, failures: list[agreement.RankOutcome]) -> CollectiveError:
-        first = failures[0]
-        ranks = ", ".join(str(f.rank) for f in failures)
-        return error_for_code(first.code, f"failed on rank(s) {ranks}: {first.message}")
-
-    def _new_group(
-        self, desc: worker_pb2.OpDescriptor, started: float
-    ) -> OpResult | CollectiveError:
-        ranks = sorted(desc.group_ranks)
-        handles = None
-        code, message = grpc.StatusCode.OK, ""
-        try:
-            check_group_cap(subgroup_count(self.groups), self.max_groups, self.generation)
-        except ResourceExhausted as exc:
-            code, message = exc.code, exc.message
-        if self.rank in ranks and code == grpc.StatusCode.OK:
-            try:
-                handles = build_groups(
-                    self._tcp_store,
-                    f"{self._prefix}/grp{desc.group_id}",
-                    ranks.index(self.rank),
-                    len(ranks),
-                    self._timeout_s,
-                    self._device,
-                    self._host,
-                )
-            except Exception as exc:
-                code = grpc.StatusCode.UNAVAILABLE
-                message = f"could not build group: {_backend_message(exc)}"
-        failures = self._call(agreement.agree, self._control, self.world_size, code, message)
-        if failures:
-            return self._fail_all(failures)
-        self.groups[desc.group_id] = GroupEntry(desc.group_id, ranks, handles)
-        return OpResult(
-            desc.op_id, self.generation, "", ranks, None, (), time.perf_counter() - started
-        )
-
-    def _collective(
-        self,
-        desc: worker_pb2.OpDescriptor,
-        started: float,
-        inline: int | None = None,
-        announced: descriptor.Announced | None = None,
-    ) -> OpResult | CollectiveError:
-        group = self.groups[desc.group_id]
-        member = self.rank in group.ranks
-        kind = desc.kind
-        target = desc.out or desc.name
-        operand = self._store.peek(desc.name) if member and kind != "barrier" else None
-        if operand is not None and (operand.is_conj() or operand.is_neg()):
-            operand = operand.resolve_conj().resolve_neg()
-        values = validation.info_values(
-            operand, member, self._store.quota_state(target) if member else (0, -1)
-        )
-        fence: Fence | None = None
-        try:
-            if inline is not None and member and kind != "barrier" and not self.is_leader:
-                # The inline exchange is this rank's last one with the leader.
-                fence = self._store.fence(target, 2 * self._timeout_s)
-            exchanged = self._call(
-                agreement.exchange,
-                self._control,
-                self.world_size,
-                values,
-                operand,
-                inline or 0,
-                announced,
-            )
-            infos = exchanged.infos
-            op = ReduceOp.from_wire(desc.op)
-            plan = validation.decide(kind, desc.name, group.ranks, infos, desc.root, op, target)
-            if isinstance(plan, validation.OpError):
-                return error_for_code(plan.code, plan.message)
-            if kind == "barrier" and inline is not None:
-                # Every rank of the world has entered this exchange: that is the barrier.
-                return self._describe(desc, group, plan, target, started)
-            contributors = [desc.root] if kind == "broadcast" else group.ranks
-            if inline is not None and all(infos[r].nbytes <= inline for r in contributors):
-                if member:
-                    result = self._inline_member(kind, desc, group, exchanged, contributors, op)
-                    self.count_data_collectives(1)
-                    self._commit(desc, target, result)
-                return self._describe(desc, group, plan, target, started)
-
-            result: torch.Tensor | None = None
-            code, message = grpc.StatusCode.OK, ""
-            if member:
-                try:
-                    result = self._run_member(kind, desc, group, operand, plan, op)
-                    self.count_data_collectives(1)
-                except _GroupBroken:
-                    raise
-                except CollectiveError as exc:
-                    code, message = exc.code, exc.message
-                except Exception as exc:  # local to this rank: the op fails, the group stays
-                    dtype = operand.dtype if operand is not None else None
-                    code, message = op_failures.local_failure(exc, kind, dtype)
-            if fence is None and member and kind != "barrier" and not self.is_leader:
-                # The agreement is this rank's last exchange with the leader.
-                fence = self._store.fence(target, 2 * self._timeout_s)
-            failures = self._call(agreement.agree, self._control, self.world_size, code, message)
-            if failures:
-                return self._fail_all(failures)
-            # Every rank agreed the op succeeded: commit, even if this generation is
-            # being retired right now, so that a reported success is true everywhere.
-            self._commit(desc, target, result)
-            return self._describe(desc, group, plan, target, started)
-        finally:
-            if fence is not None:
-                fence.release()
-
-    def _commit(self, desc, target: str, result: torch.Tensor | None) -> None:
-        if self._before_commit is not None:
-            self._before_commit(desc)
-        if result is not None:
-            # Quota was judged for every rank before the data moved: a put racing
-            # in since must not make one rank skip a commit the others make.
-            old = self._store.replace(target, result)
-            if old is not None:
-                self._spares.offer(old)
-
-    def _inline_member(
-        self,
-        kind: str,
-        desc: worker_pb2.OpDescriptor,
-        group: GroupEntry,
-        exchanged: agreement.Exchanged,
-        contributors: list[int],
-        op: ReduceOp,
-    ) -> torch.Tensor | None:
-        """This member's result from the operands that travelled inline.
-
-        Pure arithmetic on bytes every member received identically (validation
-        already passed everywhere), so it cannot fail on one rank only; if it
-        ever raised, this rank leaves the group rather than diverge silently."""
-        parts: list[torch.Tensor | None] = [None] * len(group.ranks)
-        for r in contributors:
-            parts[group.index(r)] = exchanged.payload(r, exchanged.infos[r])
-        root_index = group.index(desc.root) if desc.root in group.ranks else 0
-        try:
-            result = collective_ops.inline_result(
-                kind, parts, op, group.index(self.rank), root_index
-            )
-        except Exception as exc:
-            log.exception("op %d (%s): computing the inline result failed", desc.op_id, kind)
-            raise _GroupBroken(f"computing the result of op {desc.op_id} failed: {exc}") from exc
-        if result is not None and result.device != self._device:
-            result = result.to(self._device)
-        return result
-
-    def _run_member(self, kind, desc, group: GroupEntry, operand, plan, op) -> torch.Tensor | None:
-        assert group.handles is not None
-        pg = group.handles.data
-        size = len(group.ranks)
-        index = group.index(self.rank)
-        if operand is not None and operand.device != self._device:
-            operand = operand.to(self._device)
-        alloc = self._spares.empty
-        try:
-            if kind == "broadcast":
-                return collective_ops.broadcast(
-                    pg,
-                    operand,
-                    group.index(desc.root),
-                    index,
-                    plan.dtype,
-                    plan.shape,
-                    self._device,
-                    alloc,
-                )
-            if kind == "all_reduce":
-                return collective_ops.all_reduce(pg, operand, op, size, alloc)
-            if kind == "reduce":
-                reduced = collective_ops.reduce(pg, operand, op, size, alloc)
-                return reduced if self.rank == desc.root else None
-            if kind == "all_gather":
-                return collective_ops.all_gather(pg, operand, size, alloc)
-            if kind == "gather":
-                root = group.index(desc.root)
-                return collective_ops.gather(pg, operand, size, root, index, alloc)
-            if kind == "reduce_scatter":
-                return collective_ops.reduce_scatter(pg, operand, op, size, index, alloc)
-            if kind == "all_to_all":
-                return collective_ops.all_to_all(pg, operand, alloc)
-            if kind == "barrier":
-                collective_ops.barrier(pg, self._device)
-                return None
-        except Exception as exc:
-            if op_failures.is_transport_failure(exc):
-                raise _GroupBroken(_backend_message(exc)) from exc
-            raise
-        raise ValueError(f"unknown op kind {kind!r}")
-
-    def _describe(self, desc, group: GroupEntry, plan, target: str, started: float) -> OpResult:
-        kind = desc.kind
-        shape = tuple(plan.shape)
-        size = len(group.ranks)
-        if kind in ("all_gather", "gather"):
-            shape = (size, *shape)
-        elif kind == "reduce_scatter":
-            shape = (shape[0] // size, *shape[1:])
-        if kind in ("reduce", "gather"):
-            ranks = [desc.root]
-        elif kind == "barrier":
-            ranks, target = [], ""
+            wrapped.ranks = getattr(result, "ranks", ())
+            result = wrapped
         else:
-            ranks = list(group.ranks)
-        return OpResult(
-            desc.op_id,
-            self.generation,
-            target if kind != "broadcast" else desc.name,
-            ranks,
-            plan.dtype,
-            shape,
-            time.perf_counter() - started,
-        )
+            result = dataclasses.replace(result, latency_s=latency)
+        self._on_op_done(desc, result, latency)
+        return result

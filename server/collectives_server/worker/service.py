@@ -28,6 +28,7 @@ from collectives.errors import (
     Unavailable,
 )
 from collectives.names import validate_name
+from collectives.op_specs import SPECS, Operand, OpKind, check_group_ranks, check_root, kind_name
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
 from collectives_server.rpc_limits import RpcLimits
@@ -229,12 +230,7 @@ class WorkerService(ModelRpcs):
                 f"the cluster is not formed ({self._daemon.cluster_status}); retry once it is",
                 executed=False,
             )
-        if options.generation and options.generation != runtime.generation:
-            raise Unavailable(
-                f"generation changed: the request was for generation {options.generation}, "
-                f"the cluster is at {runtime.generation}; refresh the cluster and retry",
-                executed=False,
-            )
+        runtime.check_generation(options.generation)
         if not runtime.is_leader:
             raise Unavailable(
                 f"this worker is rank {runtime.rank} of generation {runtime.generation}, not the "
@@ -244,67 +240,29 @@ class WorkerService(ModelRpcs):
             )
         return runtime
 
-    def _run(
-        self,
-        context: grpc.ServicerContext,
-        kind: str,
-        options: worker_pb2.OpOptions,
-        *,
-        name: str = "",
-        out: str = "",
-        op: int = 0,
-        root: int = 0,
-        group_ranks: list[int] | None = None,
-    ) -> worker_pb2.CollectiveResponse | worker_pb2.NewGroupResponse:
-        if kind not in ("barrier", "new_group"):
-            validate_name(name)
-        if out:
-            validate_name(out, "out name")
-        ReduceOp.from_wire(op)
+    def _collective(
+        self, context, kind: OpKind, options: worker_pb2.OpOptions, args: worker_pb2.TensorOpArgs
+    ) -> worker_pb2.CollectiveResponse:
+        op = SPECS[kind]
+        if op.operand is not Operand.NONE:
+            validate_name(args.name)
+        if args.out:
+            validate_name(args.out, "out name")
+        ReduceOp.from_wire(args.op)
         runtime = self._leader(options)
-        desc = worker_pb2.OpDescriptor(
-            kind=kind, name=name, out=out, op=op, root=root, timeout_s=options.timeout_s
-        )
-        if kind == "new_group":
-            ranks = list(group_ranks or [])
-            if not ranks:
-                raise InvalidArgument("new_group needs at least one rank")
-            if len(set(ranks)) != len(ranks):
-                raise InvalidArgument(f"new_group ranks {ranks} contain duplicates")
-            bad = [r for r in ranks if not 0 <= r < runtime.world_size]
-            if bad:
-                raise InvalidArgument(
-                    f"new_group ranks {bad} are out of range: world size is {runtime.world_size} "
-                    f"(valid ranks 0..{runtime.world_size - 1})"
-                )
-            check_group_cap(subgroup_count(runtime.groups), runtime.max_groups, runtime.generation)
-            desc.group_id = runtime.allocate_group_id()
-            desc.group_ranks.extend(sorted(ranks))
-        else:
-            group = runtime.groups.get(options.group_id)
-            if group is None:
-                raise NotFound(
-                    f"group {options.group_id} does not exist in generation {runtime.generation}; "
-                    "groups last as long as the generation they were made in: create it again"
-                )
-            desc.group_id = group.group_id
-            if kind in ("broadcast", "reduce", "gather"):
-                role = "src" if kind == "broadcast" else "dst"
-                if not 0 <= root < runtime.world_size:
-                    raise InvalidArgument(
-                        f"{role} rank {root} is out of range: world size is {runtime.world_size} "
-                        f"(valid ranks 0..{runtime.world_size - 1})"
-                    )
-                if root not in group.ranks:
-                    raise InvalidArgument(
-                        f"{role} rank {root} is not a member of group {group.group_id} "
-                        f"(ranks {group.ranks}); {role} is a global rank"
-                    )
-        result = self._wait(context, runtime, desc, options)
-        if kind == "new_group":
-            return worker_pb2.NewGroupResponse(
-                group_id=desc.group_id, generation=result.generation, ranks=result.result_ranks
+        group = runtime.groups.get(options.group_id)
+        if group is None:
+            raise NotFound(
+                f"group {options.group_id} does not exist in generation {runtime.generation}; "
+                "groups last as long as the generation they were made in: create it again"
             )
+        if op.root_role:
+            members = None if group.group_id == 0 else group.ranks
+            check_root(op, args.root, runtime.world_size, members)
+        desc = worker_pb2.OpDescriptor(
+            kind=kind, group_id=group.group_id, timeout_s=options.timeout_s, tensor=args
+        )
+        result = self._wait(context, runtime, desc, options)
         return worker_pb2.CollectiveResponse(
             op_id=result.op_id,
             generation=result.generation,
@@ -316,62 +274,81 @@ class WorkerService(ModelRpcs):
         )
 
     def _wait(self, context, runtime: GenerationRuntime, desc, options):
-        """Queues ``desc`` on the leader and waits within the call's deadline."""
-        kind = desc.kind
-        pending = runtime.submit(desc)
+        """Admits ``desc`` on the leader and waits within the call's deadline."""
         budget = self._daemon.op_timeout_s * 2
         for limit in (context.time_remaining(), options.timeout_s or None):
             if limit is not None:
                 budget = min(budget, limit)
+        budget = max(budget, 0.0)
+        ticket = runtime.submit(desc, budget, options.generation)
         try:
-            result = pending.future.result(timeout=max(budget, 0.0))
+            return ticket.future.result(timeout=budget)
         except FutureTimeout:
-            if runtime.cancel(pending):
+            what = f"op {desc.op_id} ({kind_name(desc.kind)})"
+            if runtime.cancel(ticket):
                 raise DeadlineExceeded(
-                    f"op {desc.op_id} ({kind}) did not start within {budget:.1f}s "
+                    f"{what} did not start within {budget:.1f}s "
                     f"(queue depth {runtime.queue_depth}); it was dropped",
                     executed=False,
                 ) from None
             raise DeadlineExceeded(
-                f"op {desc.op_id} ({kind}) still running after {budget:.1f}s; it may still complete"
+                f"{what} still running after {budget:.1f}s; it may still complete"
             ) from None
-        return result
 
     @_guard
     def Broadcast(self, r, context):
-        return self._run(context, "broadcast", r.options, name=r.name, root=r.src)
+        args = worker_pb2.TensorOpArgs(name=r.name, root=r.src)
+        return self._collective(context, OpKind.BROADCAST, r.options, args)
 
     @_guard
     def AllReduce(self, r, context):
-        return self._run(context, "all_reduce", r.options, name=r.name, out=r.out, op=r.op)
+        args = worker_pb2.TensorOpArgs(name=r.name, out=r.out, op=r.op)
+        return self._collective(context, OpKind.ALL_REDUCE, r.options, args)
 
     @_guard
     def Reduce(self, r, context):
-        return self._run(context, "reduce", r.options, name=r.name, out=r.out, op=r.op, root=r.dst)
+        args = worker_pb2.TensorOpArgs(name=r.name, out=r.out, op=r.op, root=r.dst)
+        return self._collective(context, OpKind.REDUCE, r.options, args)
 
     @_guard
     def AllGather(self, r, context):
-        return self._run(context, "all_gather", r.options, name=r.name, out=r.out)
+        args = worker_pb2.TensorOpArgs(name=r.name, out=r.out)
+        return self._collective(context, OpKind.ALL_GATHER, r.options, args)
 
     @_guard
     def Gather(self, r, context):
-        return self._run(context, "gather", r.options, name=r.name, out=r.out, root=r.dst)
+        args = worker_pb2.TensorOpArgs(name=r.name, out=r.out, root=r.dst)
+        return self._collective(context, OpKind.GATHER, r.options, args)
 
     @_guard
     def ReduceScatter(self, r, context):
-        return self._run(context, "reduce_scatter", r.options, name=r.name, out=r.out, op=r.op)
+        args = worker_pb2.TensorOpArgs(name=r.name, out=r.out, op=r.op)
+        return self._collective(context, OpKind.REDUCE_SCATTER, r.options, args)
 
     @_guard
     def AllToAll(self, r, context):
-        return self._run(context, "all_to_all", r.options, name=r.name, out=r.out)
+        args = worker_pb2.TensorOpArgs(name=r.name, out=r.out)
+        return self._collective(context, OpKind.ALL_TO_ALL, r.options, args)
 
     @_guard
     def Barrier(self, r, context):
-        return self._run(context, "barrier", r.options)
+        return self._collective(context, OpKind.BARRIER, r.options, worker_pb2.TensorOpArgs())
 
     @_guard
     def NewGroup(self, r, context):
-        return self._run(context, "new_group", r.options, group_ranks=list(r.ranks))
+        runtime = self._leader(r.options)
+        ranks = check_group_ranks(list(r.ranks), runtime.world_size)
+        check_group_cap(subgroup_count(runtime.groups), runtime.max_groups, runtime.generation)
+        desc = worker_pb2.OpDescriptor(
+            kind=OpKind.NEW_GROUP,
+            group_id=runtime.allocate_group_id(),
+            timeout_s=r.options.timeout_s,
+            new_group=worker_pb2.NewGroupArgs(ranks=ranks),
+        )
+        result = self._wait(context, runtime, desc, r.options)
+        return worker_pb2.NewGroupResponse(
+            group_id=desc.group_id, generation=result.generation, ranks=result.result_ranks
+        )
 
 
 def _receive_buffer(nbytes: int, device: torch.device) -> torch.Tensor:

@@ -27,11 +27,12 @@ import torch
 
 import collectives_server
 from collectives.errors import CollectiveError
+from collectives.op_specs import kind_name, spec, subject
 from collectives.v1 import status_pb2, worker_pb2
 
 if TYPE_CHECKING:
     from collectives_server.worker.daemon import WorkerDaemon
-    from collectives_server.worker.runtime import OpResult
+    from collectives_server.worker.op_context import OpResult
 
 __all__ = [
     "LATENCY_BUCKETS_S",
@@ -255,24 +256,15 @@ def collect_status(daemon: WorkerDaemon) -> status_pb2.WorkerStatus:
 # ------------------------------------------------------------------ the op hook
 
 
-def _operand_bytes(kind: str, outcome: Any, group_size: int) -> int:
+def _operand_bytes(kind: int, outcome: Any, group_size: int) -> int:
     """Bytes of one rank's operand, from the result's dtype and shape (0 if unknown)."""
     dtype, shape = getattr(outcome, "dtype", None), tuple(getattr(outcome, "shape", ()) or ())
-    if dtype is None:
-        return 0
-    nbytes = dtype.itemsize
-    for d in shape:
-        nbytes *= d
-    if kind in ("all_gather", "gather") and shape and shape[0]:
-        nbytes //= shape[0]  # the result stacks one operand per rank
-    elif kind == "reduce_scatter":
-        nbytes *= max(group_size, 1)  # each rank keeps 1/size of the operand
-    return nbytes
+    return spec(kind).operand_nbytes(dtype, shape, group_size)
 
 
 def _group_ranks(daemon: WorkerDaemon, desc: worker_pb2.OpDescriptor) -> list[int]:
-    if desc.kind == "new_group":
-        return list(desc.group_ranks)
+    if desc.WhichOneof("args") == "new_group":
+        return list(desc.new_group.ranks)
     runtime = daemon.runtime
     if runtime is None or runtime.generation != desc.generation:
         return []
@@ -293,8 +285,9 @@ def _op_done(
     """
     failed = isinstance(outcome, CollectiveError)
     code = outcome.code if failed else None
+    kind, tensor = kind_name(desc.kind), subject(desc)
     daemon.stats.record(
-        desc.kind,
+        kind,
         code,
         latency_s,
         op_id=desc.op_id,
@@ -313,8 +306,8 @@ def _op_done(
     extra = {
         "op_id": desc.op_id,
         "generation": desc.generation,
-        "kind": desc.kind,
-        "tensor": desc.name,
+        "kind": kind,
+        "tensor": tensor,
         "ranks": ranks,
         "bytes": nbytes,
         "latency_s": round(latency_s, 6),
@@ -324,14 +317,14 @@ def _op_done(
         op_log.log(
             level,
             "op %d (%s %r) generation %d ranks %s failed in %.3f s: %s: %s",
-            desc.op_id, desc.kind, desc.name, desc.generation, ranks, latency_s,
+            desc.op_id, kind, tensor, desc.generation, ranks, latency_s,
             code.name, outcome.message, extra=extra,
         )  # fmt: skip
     else:
         op_log.log(
             level,
             "op %d (%s %r) generation %d ranks %s: %d bytes in %.3f s",
-            desc.op_id, desc.kind, desc.name, desc.generation, ranks, nbytes, latency_s,
+            desc.op_id, kind, tensor, desc.generation, ranks, nbytes, latency_s,
             extra=extra,
         )  # fmt: skip
 
@@ -388,7 +381,7 @@ def op_done(
     try:
         _op_done(daemon, desc, outcome, latency_s)
     except Exception:
-        log.exception("recording op %d (%s) failed", desc.op_id, desc.kind)
+        log.exception("recording op %d (%s) failed", desc.op_id, kind_name(desc.kind))
 
 
 def data_op_done(

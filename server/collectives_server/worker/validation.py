@@ -22,6 +22,7 @@ import torch
 from collectives.codec import check_shape
 from collectives.dtypes import from_wire, to_wire
 from collectives.errors import InvalidArgument
+from collectives.op_specs import Operand, OpSpec, check_dim0_divisible
 from collectives.reduce_ops import ReduceOp, check_op_for_dtype
 from collectives_server.worker.store import quota_message
 
@@ -36,9 +37,6 @@ __all__ = [
     "encode_info",
     "decode_info",
     "decide",
-    "result_nbytes",
-    "REDUCING_KINDS",
-    "KINDS",
 ]
 
 ABSENT, PRESENT, NOT_MEMBER = 0, 1, 2
@@ -49,18 +47,6 @@ MAX_DIMS = 64
 _HEADER = 6
 INFO_LEN = _HEADER + MAX_DIMS
 INFO_BYTES = INFO_LEN * 8
-
-KINDS = (
-    "broadcast",
-    "all_reduce",
-    "reduce",
-    "all_gather",
-    "gather",
-    "reduce_scatter",
-    "all_to_all",
-    "barrier",
-)
-REDUCING_KINDS = ("all_reduce", "reduce", "reduce_scatter")
 
 
 @dataclass(frozen=True)
@@ -145,7 +131,7 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def decide(
-    kind: str,
+    spec: OpSpec,
     name: str,
     members: list[int],
     infos: list[OperandInfo],
@@ -153,43 +139,20 @@ def decide(
     op: ReduceOp = ReduceOp.SUM,
     target: str = "",
 ) -> Plan | OpError:
-    """The verdict every rank reaches for one op.
+    """The verdict every rank reaches for one op of kind ``spec``.
 
     ``members`` are the group's global ranks in ascending order; ``infos`` is
     indexed by global rank (non-members included, ignored). ``target`` is the
     name the result is stored under (default: ``name``), for quota messages.
     """
-    if kind == "barrier":
+    if spec.operand is Operand.NONE:
         return Plan(None, ())
-    required = [root] if kind == "broadcast" else members
+    required = spec.contributors(members, root)
     missing = [r for r in required if infos[r].state != PRESENT]
     if missing:
-        if kind == "broadcast":
-            holders = [r for r in members if infos[r].state == PRESENT]
-            if not holders:
-                return OpError(
-                    grpc.StatusCode.NOT_FOUND,
-                    f"tensor {name!r} not found on any rank of the group (ranks "
-                    f"{_ranks(members)}); put it on src rank {root} before broadcasting",
-                )
-            return OpError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"tensor {name!r} is missing on src rank {root} (present on rank(s) "
-                f"{_ranks(holders)}); broadcast needs it on the src rank",
-            )
-        if len(missing) == len(required):
-            return OpError(
-                grpc.StatusCode.NOT_FOUND,
-                f"tensor {name!r} not found on any rank of the group (ranks {_ranks(members)})",
-            )
-        return OpError(
-            grpc.StatusCode.FAILED_PRECONDITION,
-            f"tensor {name!r} is missing on rank(s) {_ranks(missing)} but present on "
-            f"rank(s) {_ranks([r for r in required if r not in missing])}; {kind} needs it "
-            "on every rank of the group",
-        )
+        return _missing(spec, name, members, required, missing, infos, root)
     reference = infos[required[0]]
-    if kind != "broadcast":
+    if spec.operand is Operand.MEMBERS:
         differing = [
             r
             for r in required
@@ -199,63 +162,61 @@ def decide(
             described = "; ".join(f"rank {r}: {infos[r].describe()}" for r in required)
             return OpError(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"tensor {name!r} disagrees across ranks ({described}); {kind} needs the same "
-                "dtype and shape on every rank",
+                f"tensor {name!r} disagrees across ranks ({described}); {spec.name} needs the "
+                "same dtype and shape on every rank",
             )
     assert reference.dtype is not None
-    absurd = _absurd_shape(kind, name, reference.shape, len(members))
-    if absurd is not None:
-        return absurd
-    if kind in REDUCING_KINDS:
-        try:
-            check_op_for_dtype(op, reference.dtype)
-        except InvalidArgument as exc:
-            return OpError(grpc.StatusCode.INVALID_ARGUMENT, f"tensor {name!r}: {exc.message}")
-    if kind in ("reduce_scatter", "all_to_all"):
-        size = len(members)
-        if not reference.shape or reference.shape[0] % size:
-            dim0 = reference.shape[0] if reference.shape else "a 0-dim tensor"
-            return OpError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{kind} of {name!r} needs dim 0 divisible by the group size {size}; "
-                f"got {dim0} (shape {list(reference.shape)})",
-            )
-    plan = Plan(reference.dtype, reference.shape)
-    return _check_quota(kind, target or name, members, infos, root, plan) or plan
-
-
-def _absurd_shape(kind: str, name: str, shape: tuple[int, ...], size: int) -> OpError | None:
-    """The codec's put-time shape bound, applied to the op's output: a tensor that
-    reached the store some other way (a factory, a model output) with absurd dims
-    fails the op on every rank alike, before any data moves (never a broken group)."""
-    out = (size, *shape) if kind in ("all_gather", "gather") else shape
     try:
-        check_shape(out)
+        check_shape(spec.result_shape(reference.shape, len(members)))
+        if spec.reducing:
+            check_op_for_dtype(op, reference.dtype)
+        check_dim0_divisible(spec, name, reference.shape, len(members))
     except InvalidArgument as exc:
-        return OpError(grpc.StatusCode.INVALID_ARGUMENT, f"{kind} of {name!r}: {exc.message}")
-    return None
+        # Also for a tensor that reached the store some other way (a factory, a model
+        # output) with absurd dims: every rank fails alike before data moves.
+        return OpError(grpc.StatusCode.INVALID_ARGUMENT, f"{spec.name} of {name!r}: {exc.message}")
+    plan = Plan(reference.dtype, reference.shape)
+    return _check_quota(spec, target or name, members, infos, root, plan) or plan
 
 
-def result_nbytes(kind: str, plan: Plan, size: int, is_root: bool) -> int:
-    """Bytes a member stores for this op (0: it stores nothing)."""
-    if plan.dtype is None:
-        return 0
-    n = plan.dtype.itemsize
-    for d in plan.shape:
-        n *= d
-    if kind in ("all_gather", "gather"):
-        n *= size
-    elif kind == "reduce_scatter":
-        n //= size
-    if kind in ("reduce", "gather") and not is_root:
-        return 0
-    if kind == "broadcast" and is_root:
-        return 0
-    return n
+def _missing(
+    spec: OpSpec,
+    name: str,
+    members: list[int],
+    required: list[int],
+    missing: list[int],
+    infos: list[OperandInfo],
+    root: int,
+) -> OpError:
+    if spec.operand is Operand.ROOT:
+        holders = [r for r in members if infos[r].state == PRESENT]
+        if not holders:
+            return OpError(
+                grpc.StatusCode.NOT_FOUND,
+                f"tensor {name!r} not found on any rank of the group (ranks "
+                f"{_ranks(members)}); put it on {spec.root_role} rank {root} before the "
+                f"{spec.name}",
+            )
+        return OpError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"tensor {name!r} is missing on {spec.root_role} rank {root} (present on rank(s) "
+            f"{_ranks(holders)}); {spec.name} needs it on the {spec.root_role} rank",
+        )
+    if len(missing) == len(required):
+        return OpError(
+            grpc.StatusCode.NOT_FOUND,
+            f"tensor {name!r} not found on any rank of the group (ranks {_ranks(members)})",
+        )
+    return OpError(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"tensor {name!r} is missing on rank(s) {_ranks(missing)} but present on "
+        f"rank(s) {_ranks([r for r in required if r not in missing])}; {spec.name} needs it "
+        "on every rank of the group",
+    )
 
 
 def _check_quota(
-    kind: str,
+    spec: OpSpec,
     target: str,
     members: list[int],
     infos: list[OperandInfo],
@@ -268,7 +229,7 @@ def _check_quota(
         info = infos[r]
         if info.limit < 0:
             continue
-        incoming = result_nbytes(kind, plan, len(members), r == root)
+        incoming = spec.result_nbytes(plan.dtype, plan.shape, len(members), r, root)
         if incoming and info.held + incoming > info.limit:
             over.append((r, quota_message(target, incoming, info.held + incoming, info.limit)))
     if not over:

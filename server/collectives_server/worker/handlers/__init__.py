@@ -1,0 +1,48 @@
+"""One handler per op kind: ``(ctx, desc, announcement) -> result | CollectiveError``.
+
+The generation loop (``runtime``) only sequences and dispatches; what an op
+does on a rank is its handler's business:
+
+* every collective on a named tensor, and barrier: ``tensor_ops.run_tensor_op``
+  (with its per-kind arithmetic in ``tensor_kinds``);
+* ``new_group``: ``group_ops.run_new_group``;
+* ``all_reduce_gradients`` and ``train_step``: ``model_collectives.run_model_op``.
+
+Every handler returns the same outcome on every rank (an agreement or a pure
+decision over exchanged data precedes every commit) and raises
+``GroupBroken`` only when the process group itself failed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from collectives.errors import CollectiveError
+from collectives.op_specs import SPECS, OpKind
+from collectives.v1 import worker_pb2
+from collectives_server.worker.handlers.group_ops import run_new_group
+from collectives_server.worker.handlers.tensor_ops import run_tensor_op
+from collectives_server.worker.model_collectives import ModelOpResult, run_model_op
+from collectives_server.worker.op_context import Announcement, OpContext, OpResult
+
+__all__ = ["Handler", "HANDLERS", "handler_for"]
+
+Handler = Callable[
+    [OpContext, worker_pb2.OpDescriptor, Announcement],
+    OpResult | ModelOpResult | CollectiveError,
+]
+
+HANDLERS: dict[OpKind, Handler] = {
+    **{kind: run_tensor_op for kind, s in SPECS.items() if s.is_collective},
+    OpKind.NEW_GROUP: run_new_group,
+    OpKind.ALL_REDUCE_GRADIENTS: run_model_op,
+    OpKind.TRAIN_STEP: run_model_op,
+}
+
+
+def handler_for(kind: int) -> Handler:
+    """The handler of a sequenced op kind; ValueError for noop/stop or an unknown kind."""
+    try:
+        return HANDLERS[OpKind(kind)]
+    except (KeyError, ValueError):
+        raise ValueError(f"no handler for op kind {kind}") from None

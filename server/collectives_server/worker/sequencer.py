@@ -1,0 +1,167 @@
+"""The leader's op queue for one generation: admission, order, ticks. Pure logic.
+
+torch.distributed needs every rank to issue the same collectives in the same
+order; concurrent clients cannot guarantee that, so the leader admits every op
+into one bounded FIFO and announces them one by one. This class holds that
+FIFO and its rules and nothing else: no threads, no process group, a clock
+passed in, so every rule is unit-tested with a fake clock
+(``tests/unit/test_sequencer.py``). The generation loop (``runtime``) wraps it
+with a condition variable and does the announcing.
+
+Rules:
+
+* **Bound to a generation.** An op names the generation its client saw
+  (0: whatever is current). It is admitted only into that generation, and it
+  runs there or not at all: when the generation ends, queued ops fail with
+  ``UNAVAILABLE`` naming both generations and saying nothing was committed.
+* **Bounded.** A full queue refuses with ``RESOURCE_EXHAUSTED`` at once.
+* **Deadlines.** An op whose deadline passed while it waited is dropped, never
+  started, with ``DEADLINE_EXCEEDED`` (the client has given up on it).
+* **Ticks.** When nothing was announced for ``tick_s``, a no-op is due: it
+  keeps followers inside their receive timeout and proves the group alive.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from collectives.errors import CollectiveError, DeadlineExceeded, ResourceExhausted, Unavailable
+from collectives.op_specs import kind_name
+from collectives.v1 import worker_pb2
+
+__all__ = ["Sequencer", "Ticket"]
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One admitted op: its descriptor (op id and generation filled in) and its outcome."""
+
+    desc: worker_pb2.OpDescriptor
+    deadline: float
+    future: Future = field(default_factory=Future)
+    started: bool = False
+
+    def fail(self, error: CollectiveError) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
+
+
+class Sequencer:
+    def __init__(
+        self,
+        generation: int,
+        capacity: int,
+        tick_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.generation = generation
+        self.capacity = capacity
+        self.tick_s = tick_s
+        self._clock = clock
+        self._queue: collections.deque[Ticket] = collections.deque()
+        self._next_op_id = 1
+        self._last_announced = clock()
+        self.closed_because: str | None = None
+
+    @property
+    def depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def closed(self) -> bool:
+        return self.closed_because is not None
+
+    def admit(
+        self, desc: worker_pb2.OpDescriptor, timeout_s: float, expected_generation: int = 0
+    ) -> Ticket:
+        """Queues ``desc``; raises if the generation is over, not the one the client
+        expected, or the queue is full. Assigns the op id and the generation."""
+        self.check_generation(expected_generation)
+        if self.closed:
+            raise Unavailable(
+                f"generation {self.generation} is over ({self.closed_because}); "
+                "refresh the cluster and retry",
+                executed=False,
+            )
+        if len(self._queue) >= self.capacity:
+            raise ResourceExhausted(
+                f"the leader's op queue is full ({self.capacity} ops); retry later",
+                executed=False,
+            )
+        desc.op_id = self._next_op_id
+        desc.generation = self.generation
+        self._next_op_id += 1
+        ticket = Ticket(desc, self._clock() + timeout_s)
+        self._queue.append(ticket)
+        return ticket
+
+    def check_generation(self, expected: int) -> None:
+        """Raises UNAVAILABLE unless ``expected`` is 0 or this generation."""
+        if expected and expected != self.generation:
+            raise Unavailable(
+                f"generation changed: the request was for generation {expected}, "
+                f"the cluster is at {self.generation}; nothing was run. Refresh the cluster "
+                "and reissue it if its operands are still placed as intended",
+                executed=False,
+            )
+
+    def cancel(self, ticket: Ticket) -> bool:
+        """Drops a queued op; False if it already started (it runs to its end)."""
+        if ticket.started:
+            return False
+        if ticket in self._queue:
+            self._queue.remove(ticket)
+        return True
+
+    def next(self) -> Ticket | None:
+        """The next op to announce (marked started), or None when none is queued.
+        Ops whose deadline passed while queued are failed and skipped."""
+        now = self._clock()
+        while self._queue and not self.closed:
+            ticket = self._queue.popleft()
+            if now >= ticket.deadline:
+                ticket.fail(
+                    DeadlineExceeded(
+                        f"op {ticket.desc.op_id} ({kind_name(ticket.desc.kind)}) did not start "
+                        f"before its deadline (queue depth {len(self._queue)}); it was dropped",
+                        executed=False,
+                    )
+                )
+                continue
+            ticket.started = True
+            return ticket
+        return None
+
+    def tick_in(self) -> float:
+        """Seconds until an idle tick is due (<= 0: due now)."""
+        return self._last_announced + self.tick_s - self._clock()
+
+    def announced(self) -> None:
+        """Records that something (an op or a tick) was just announced."""
+        self._last_announced = self._clock()
+
+    def drain(self, why: str) -> list[Ticket]:
+        """Fails and returns every queued op (none had started); admission stays open."""
+        queued = list(self._queue)
+        self._queue.clear()
+        for ticket in queued:
+            ticket.fail(
+                Unavailable(
+                    f"op {ticket.desc.op_id} ({kind_name(ticket.desc.kind)}) of generation "
+                    f"{self.generation} did not start: {why}; nothing was committed",
+                    executed=False,
+                )
+            )
+        return queued
+
+    def close(self, reason: str, successor: int | None = None) -> list[Ticket]:
+        """Ends admission for good; fails and returns every queued op."""
+        if successor is not None:
+            reason = f"superseded by generation {successor}"
+        if self.closed_because is None:
+            self.closed_because = reason
+        return self.drain(f"generation {self.generation} ended ({self.closed_because})")
