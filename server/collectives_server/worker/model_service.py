@@ -28,12 +28,12 @@ MODEL_METADATA_KEY = "collectives-model"
 
 
 class ModelRpcs:
-    """Model RPCs; needs ``self._daemon``, ``self._leader`` and ``self._wait``."""
+    """Model RPCs; needs ``self._ctx`` (a WorkerContext), ``self._leader`` and ``self._wait``."""
 
     @_guard
     @_counted("load_model")
     def LoadModel(self, request_iterator, context) -> worker_pb2.LoadModelResponse:
-        models, uploads = self._daemon.models, self._daemon.uploads
+        models, uploads = self._ctx.models, self._ctx.uploads
         with uploads.receive(request_iterator) as received:
             spec = received.spec
             if spec.factory:
@@ -53,7 +53,7 @@ class ModelRpcs:
     @_counted("unload_model")
     def UnloadModel(self, request, context) -> worker_pb2.UnloadModelResponse:
         validate_name(request.name, "model name")
-        unloaded = self._daemon.models.remove(request.name)
+        unloaded = self._ctx.models.remove(request.name)
         if not unloaded and not request.missing_ok:
             raise NotFound(f"model {request.name!r} is not loaded on this worker")
         return worker_pb2.UnloadModelResponse(unloaded=unloaded)
@@ -61,7 +61,7 @@ class ModelRpcs:
     @_guard
     def ListModels(self, request, context) -> worker_pb2.ListModelsResponse:
         return worker_pb2.ListModelsResponse(
-            models=[_model_info(m) for m in self._daemon.models.all()]
+            models=[_model_info(m) for m in self._ctx.models.all()]
         )
 
     @_guard
@@ -69,10 +69,10 @@ class ModelRpcs:
     def Forward(self, request, context) -> worker_pb2.ForwardResponse:
         validate_name(request.model, "model name")
         validate_name(request.call_id, "call id")
-        store = self._daemon.store
+        store = self._ctx.store
         _store_inline(store, request.call_id, _pytree.inline_leaves(request.args))
         _store_inline(store, request.call_id, _pytree.inline_leaves(request.kwargs))
-        response = model_exec.forward(self._daemon.models, store, request)
+        response = model_exec.forward(self._ctx.models, store, request)
         if request.inline_output_bytes:
             _inline_outputs(store, response.output, request.inline_output_bytes)
         return response
@@ -81,9 +81,9 @@ class ModelRpcs:
     @_counted("backward")
     def Backward(self, request, context) -> worker_pb2.BackwardResponse:
         validate_name(request.model, "model name")
-        store = self._daemon.store
+        store = self._ctx.store
         _store_inline(store, request.call_id, list(request.inline_grads))
-        response = model_exec.backward(self._daemon.models, store, request)
+        response = model_exec.backward(self._ctx.models, store, request)
         budget = request.inline_output_bytes
         for name in response.input_grad_names:
             if not name:
@@ -102,14 +102,14 @@ class ModelRpcs:
     def ReleaseGraph(self, request, context) -> worker_pb2.ReleaseGraphResponse:
         validate_name(request.call_id, "call id")
         released = model_exec.release(
-            self._daemon.models, self._daemon.store, request.model, request.call_id
+            self._ctx.models, self._ctx.store, request.model, request.call_id
         )
         return worker_pb2.ReleaseGraphResponse(released=released)
 
     @_guard
     @_counted("zero_grad")
     def ZeroGrad(self, request, context) -> worker_pb2.ZeroGradResponse:
-        model = self._daemon.models.get(request.model)
+        model = self._ctx.models.get(request.model)
         with model.lock:
             model.module.zero_grad(set_to_none=True)
         return worker_pb2.ZeroGradResponse()
@@ -117,7 +117,7 @@ class ModelRpcs:
     @_guard
     @_counted("step")
     def Step(self, request, context) -> worker_pb2.StepResponse:
-        model = self._daemon.models.get(request.model)
+        model = self._ctx.models.get(request.model)
         hyper = _json_object(request.hyper_json, "optimizer hyperparameters")
         with model.lock:
             if (
@@ -143,7 +143,7 @@ class ModelRpcs:
     @_guard_stream
     @_counted("model_tensors")
     def GetModelTensors(self, request, context) -> Iterator[bytes]:
-        model = self._daemon.models.get(request.model)
+        model = self._ctx.models.get(request.model)
         with model.lock:
             if request.which == "gradients":
                 tensors = {
@@ -162,7 +162,7 @@ class ModelRpcs:
     @_counted("load_state_dict")
     def LoadStateDict(self, request_iterator, context) -> worker_pb2.LoadStateDictResponse:
         metadata = dict(context.invocation_metadata())
-        model = self._daemon.models.get(metadata.get(MODEL_METADATA_KEY, ""))
+        model = self._ctx.models.get(metadata.get(MODEL_METADATA_KEY, ""))
         received: dict[str, object] = {}
         assembler: codec.TensorAssembler | None = None
         for raw in request_iterator:
