@@ -17,7 +17,8 @@ from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
 from collectives_server.json_input import parse_json_object
 from collectives_server.worker import model_exec
-from collectives_server.worker.models import build_from_factory, make_optimizer
+from collectives_server.worker.models import build_from_factory
+from collectives_server.worker.optimizers import install, plan_optimizer
 from collectives_server.worker.rpc_guards import counted as _counted
 from collectives_server.worker.rpc_guards import guard as _guard
 from collectives_server.worker.rpc_guards import guard_stream as _guard_stream
@@ -120,23 +121,8 @@ class ModelRpcs:
         model = self._ctx.models.get(request.model)
         hyper = _json_object(request.hyper_json, "optimizer hyperparameters")
         with model.lock:
-            if (
-                model.optimizer is None
-                or model.optimizer_kind != request.optimizer
-                or model.optimizer_hyper != hyper
-            ):
-                optimizer = make_optimizer(model, request.optimizer, hyper)
-                if model.optimizer is not None and model.optimizer_kind == request.optimizer:
-                    # Same optimizer, new hyperparameters: keep its state (momentum, moments).
-                    optimizer.load_state_dict(model.optimizer.state_dict())
-                    for group in optimizer.param_groups:
-                        group.update(hyper)
-                model.optimizer, model.optimizer_kind, model.optimizer_hyper = (
-                    optimizer,
-                    request.optimizer,
-                    hyper,
-                )
-            model.optimizer.step()
+            optimizer = install(model, plan_optimizer(model, request.optimizer, hyper))
+            optimizer.step()
             model.steps += 1
             return worker_pb2.StepResponse(steps=model.steps)
 
