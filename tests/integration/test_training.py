@@ -120,6 +120,38 @@ def test_train_step_matches_local_full_batch(cluster3, gen, uname, loss) -> None
     _assert_replicas_equal(cluster3, name, local)
 
 
+def test_both_step_paths_keep_momentum_across_an_lr_change(cluster3, gen, uname) -> None:
+    """step() (each worker) and train_step (sequenced by the leader) share one optimizer
+    rule: a new lr keeps SGD's momentum, as changing param_groups[0]["lr"] does in torch."""
+    model = _model(gen)
+    local = copy.deepcopy(model)
+    local_opt = torch.optim.SGD(local.parameters(), lr=0.1, momentum=0.9)
+    stepped, trained = uname("stepped"), uname("trained")
+    for name in (stepped, trained):
+        cluster3.load_model(name, model, example_inputs=(torch.randn(4, 6),))
+    dp = cluster3.data_parallel(stepped)
+    xs, ys = uname("x"), uname("y")
+    hyper = {"lr": 0.1, "momentum": 0.9}
+    for i in range(6):
+        if i == 3:
+            hyper = {"lr": 0.03, "momentum": 0.9}
+            local_opt.param_groups[0]["lr"] = 0.03
+        x = torch.randn(12, 6, generator=gen)  # fresh data every step; equal shards of 4
+        y = torch.randn(12, 3, generator=gen)
+        cluster3.zero_grad(stepped)
+        F.mse_loss(dp(x), y).backward()
+        cluster3.all_reduce_gradients(stepped, op="sum")
+        cluster3.step(stepped, optimizer="sgd", **hyper)
+        cluster3.scatter(xs, x)
+        cluster3.scatter(ys, y)
+        cluster3.train_step(trained, xs, ys, loss="mse", optimizer="sgd", **hyper)
+        local_opt.zero_grad()
+        F.mse_loss(local(x), y).backward()
+        local_opt.step()
+    _assert_replicas_equal(cluster3, stepped, local)
+    _assert_replicas_equal(cluster3, trained, local)
+
+
 def _expected_buckets(model: nn.Module, bucket_bytes: int) -> int:
     buckets, size = 0, 0
     for p in reversed(list(model.parameters())):

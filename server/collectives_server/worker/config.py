@@ -9,7 +9,7 @@ from collectives_server.rpc_limits import RpcLimits
 from collectives_server.security import ServerSecurity
 from collectives_server.worker.archive_config import ModelUploadConfig
 from collectives_server.worker.bulk import BulkLimits
-from collectives_server.worker.shm_service import ShmLimits
+from collectives_server.worker.shm_segments import ShmLimits
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class WorkerConfig:
     op_timeout_s: float | None = None
     # Bound of the leader's op queue; a full queue answers RESOURCE_EXHAUSTED.
     queue_size: int = 1024
-    # Bounds of the /dev/shm segments created for clients' gets (shm_service.py).
+    # Bounds of the /dev/shm segments created for clients' gets (shm_segments.py).
     shm_limits: ShmLimits = field(default_factory=ShmLimits)
     # Bounds of the bulk port: ticket TTL, prelude and idle timeouts, connection caps.
     bulk_limits: BulkLimits = field(default_factory=BulkLimits)

@@ -4,8 +4,10 @@ A worker registers with the coordinator, renews its lease with heartbeats (on a
 HeartbeatStream, with unary Heartbeat calls while no stream is up), and follows
 the coordinator's WatchCluster stream. Each sealed generation that
 includes it gets a fresh :class:`GenerationRuntime` (its own process group);
-the previous one is retired. The tensor store belongs to the daemon, not the
-generation, so named tensors survive every membership change. A worker that
+the previous one is retired. The tensor store belongs to the daemon's
+:class:`~collectives_server.worker.context.WorkerContext` (what its RPC
+handlers, status and metrics read), not to the generation, so named tensors
+survive every membership change. A worker that
 was declared lost (it missed its lease, e.g. while stopped) registers again
 and joins a later generation with its tensors intact.
 """
@@ -35,18 +37,15 @@ from collectives_server.signals import StopSignal
 from collectives_server.worker.archive_upload import ModelUploads
 from collectives_server.worker.bulk import BulkListener
 from collectives_server.worker.config import WorkerConfig
+from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.enrolment import bounded_status, register
 from collectives_server.worker.models import ModelRegistry
 from collectives_server.worker.op_context import OpResult
 from collectives_server.worker.runtime import GenerationRuntime
 from collectives_server.worker.service import SERVICE_NAME, WorkerService, add_worker_service
-from collectives_server.worker.shm_service import WorkerSegments
-from collectives_server.worker.status import (
-    WorkerStats,
-    collect_status,
-    heartbeat_status,
-    op_done,
-)
+from collectives_server.worker.shm_segments import WorkerSegments
+from collectives_server.worker.stats import WorkerStats
+from collectives_server.worker.status import heartbeat_status, op_done, worker_state
 from collectives_server.worker.store import TensorStore
 
 __all__ = ["WorkerDaemon", "run_worker", "resolve_devices"]
@@ -76,23 +75,23 @@ def resolve_devices(requested: tuple[str, ...]) -> list[torch.device]:
 class WorkerDaemon:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
-        self.devices = resolve_devices(config.devices)
-        self.device = self.devices[0]
-        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
-        self.store = TensorStore(self.device, limit_bytes=config.max_tensor_bytes)
-        self.models = ModelRegistry(
-            self.devices, config.allow_factories, config.graph_ttl_s, quota=self.store
+        devices = resolve_devices(config.devices)
+        store = TensorStore(devices[0], limit_bytes=config.max_tensor_bytes)
+        self.ctx = WorkerContext(
+            config=config,
+            devices=devices,
+            backend="nccl" if devices[0].type == "cuda" else "gloo",
+            store=store,
+            models=ModelRegistry(devices, config.allow_factories, config.graph_ttl_s, quota=store),
+            uploads=ModelUploads(config.model_upload),
+            # /dev/shm segments created for clients' gets: bounded, reaped after a TTL.
+            shm_segments=WorkerSegments(config.shm_limits, quota=store),
+            stats=WorkerStats(),
+            op_timeout_s=config.op_timeout_s or 30.0,
         )
-        self.uploads = ModelUploads(config.model_upload)
-        # /dev/shm segments created for clients' gets: bounded, reaped after a TTL.
-        self.shm_segments = WorkerSegments(config.shm_limits, quota=self.store)
         WorkerSegments.sweep_stale()
-        self.stats = WorkerStats()
+        # The current generation (also ctx.runtime, for the handlers): set under _lock.
         self.runtime: GenerationRuntime | None = None
-        self.cluster_status = "not registered yet"
-        self.leader_address = ""
-        self.op_timeout_s = config.op_timeout_s or 30.0
-        self.worker_id = ""
         self._lease_secret = ""
         self.joined_generation = 0
         self._last_generation = 0
@@ -105,12 +104,9 @@ class WorkerDaemon:
         self._beat_wake = threading.Event()
         self._stream: HeartbeatStream | None = None  # owned by the heartbeat thread
         self._stream_retry_at = 0.0
-        self._started = time.monotonic()
         self._watch_call = None
         self._server = None
-        self.bulk: BulkListener | None = None
         self._metrics: MetricsServer | None = None
-        self.address = ""
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -118,9 +114,12 @@ class WorkerDaemon:
             from collectives_server.worker.metrics import worker_registry
 
             self._metrics = MetricsServer(
-                worker_registry(self), self.config.metrics_host, self.config.metrics_port, "worker"
+                worker_registry(self.ctx),
+                self.config.metrics_host,
+                self.config.metrics_port,
+                "worker",
             )
-        servicer = WorkerService(self)
+        servicer = WorkerService(self.ctx)
         self._server = start_server(
             self.config.host,
             self.config.port,
@@ -132,9 +131,10 @@ class WorkerDaemon:
         host = self.config.advertise_host or self.config.host
         if host in ("0.0.0.0", "::", ""):
             host = socket.gethostname()
-        self.address = f"{host}:{self.config.advertise_port or self._server.port}"
+        self.ctx.port = self._server.port
+        self.ctx.address = f"{host}:{self.config.advertise_port or self._server.port}"
         if self.config.bulk_port is not None and not self.config.security.tls:
-            self.bulk = BulkListener(
+            self.ctx.bulk = BulkListener(
                 self.config.host, self.config.bulk_port, self.config.bulk_limits
             )
         self._channel = self.config.coordinator_security.open_channel(
@@ -151,10 +151,10 @@ class WorkerDaemon:
         if self._watch_call is not None:
             self._watch_call.cancel()
         try:
-            if self.worker_id:
+            if self.ctx.worker_id:
                 self._coordinator.Leave(
                     coordinator_pb2.LeaveRequest(
-                        worker_id=self.worker_id, lease_secret=self._lease_secret
+                        worker_id=self.ctx.worker_id, lease_secret=self._lease_secret
                     ),
                     timeout=2.0,
                     metadata=worker_metadata(self.config.worker_token),
@@ -164,21 +164,30 @@ class WorkerDaemon:
         with self._lock:
             if self.runtime is not None:
                 self.runtime.stop()
-                self.runtime = None
+                self._set_runtime(None)
         if self._server is not None:
             self._server.stop(1.0)
-        if self.bulk is not None:
-            self.bulk.close()
+        if self.ctx.bulk is not None:
+            self.ctx.bulk.close()
         if self._metrics is not None:
             self._metrics.stop()
-        self.uploads.close()
-        self.shm_segments.close()
+        self.ctx.uploads.close()
+        self.ctx.shm_segments.close()
         self._channel.close()
 
     @property
-    def port(self) -> int:
-        """The port this worker's gRPC server is bound to (0 before it starts)."""
-        return self._server.port if self._server is not None else 0
+    def address(self) -> str:
+        """The address peers and clients use ("" before it starts)."""
+        return self.ctx.address
+
+    @property
+    def worker_id(self) -> str:
+        """The id the coordinator gave this worker ("" before it registers)."""
+        return self.ctx.worker_id
+
+    def _set_runtime(self, runtime: GenerationRuntime | None) -> None:
+        """The caller holds ``_lock``."""
+        self.runtime = self.ctx.runtime = runtime
 
     # --------------------------------------------------------- coordinator
     def _register(self, timeout_s: float) -> None:
@@ -186,8 +195,8 @@ class WorkerDaemon:
             address=self.address,
             hostname=socket.gethostname(),
             pid=os.getpid(),
-            devices=[str(d) for d in self.devices],
-            backend=self.backend,
+            devices=[str(d) for d in self.ctx.devices],
+            backend=self.ctx.backend,
             version=collectives_server.__version__,
             last_generation=self._last_generation,
         )
@@ -199,13 +208,13 @@ class WorkerDaemon:
             stop=self._stop,
         )
         with self._lock:
-            self.worker_id = response.worker_id
+            self.ctx.worker_id = response.worker_id
             self._lease_secret = response.lease_secret
             self._heartbeat_s = response.heartbeat_interval_s or 1.0
             self._lease_s = response.lease_s or 5.0
             self._store_address = response.store_address
             if self.config.op_timeout_s is None and response.op_timeout_s:
-                self.op_timeout_s = response.op_timeout_s
+                self.ctx.op_timeout_s = response.op_timeout_s
         log.info("registered as %s at %s", self.worker_id, self.address)
 
     def _heartbeat_loop(self) -> None:
@@ -214,21 +223,21 @@ class WorkerDaemon:
             self._beat_wake.clear()
             if self._stop.is_set():
                 break
-            self.models.expire_graphs()
-            self.shm_segments.reap()
+            self.ctx.models.expire_graphs()
+            self.ctx.shm_segments.reap()
             runtime = self.runtime
             request = coordinator_pb2.HeartbeatRequest(
                 worker_id=self.worker_id,
                 lease_secret=self._lease_secret,
                 joined_generation=self.joined_generation,
                 busy=bool(runtime and runtime.busy),
-                status=bounded_status(heartbeat_status(self)),
+                status=bounded_status(heartbeat_status(self.ctx)),
             )
             try:
                 self._send_heartbeat(request)
-                self.stats.heartbeat(ok=True)
+                self.ctx.stats.heartbeat(ok=True)
             except grpc.RpcError as err:
-                self.stats.heartbeat(ok=False)
+                self.ctx.stats.heartbeat(ok=False)
                 if err.code() == grpc.StatusCode.NOT_FOUND:
                     log.warning("coordinator no longer knows this worker; registering again")
                     self._retire_runtime()
@@ -312,14 +321,14 @@ class WorkerDaemon:
         with self._lock:
             if self.runtime is not None:
                 self.runtime.stop(superseded_by)
-                self.runtime = None
+                self._set_runtime(None)
             self.joined_generation = 0
 
     def _on_cluster(self, cluster: coordinator_pb2.Cluster) -> None:
         with self._lock:
-            self.cluster_status = cluster.status or ("formed" if cluster.formed else "forming")
+            self.ctx.cluster_status = cluster.status or ("formed" if cluster.formed else "forming")
             members = [w for w in cluster.workers if w.rank >= 0]
-            self.leader_address = next((w.address for w in members if w.rank == 0), "")
+            self.ctx.leader_address = next((w.address for w in members if w.rank == 0), "")
             me = next((w for w in members if w.worker_id == self.worker_id), None)
             if cluster.store_address:
                 self._store_address = cluster.store_address
@@ -328,7 +337,9 @@ class WorkerDaemon:
                 if current is not None and current.generation == cluster.generation:
                     return
                 self._retire_runtime(superseded_by=cluster.generation)
-                self.runtime = self._new_runtime(cluster.generation, me.rank, cluster.world_size)
+                self._set_runtime(
+                    self._new_runtime(cluster.generation, me.rank, cluster.world_size)
+                )
             elif current is not None:
                 self._retire_runtime()
 
@@ -338,30 +349,31 @@ class WorkerDaemon:
             host,
             int(port),
             is_master=False,
-            timeout=datetime.timedelta(seconds=self.op_timeout_s),
+            timeout=datetime.timedelta(seconds=self.ctx.op_timeout_s),
         )
         return GenerationRuntime(
             generation=generation,
             rank=rank,
             world_size=world_size,
             tcp_store=tcp_store,
-            store=self.store,
-            op_timeout_s=self.op_timeout_s,
-            device=self.device,
+            store=self.ctx.store,
+            op_timeout_s=self.ctx.op_timeout_s,
+            device=self.ctx.device,
             host=self.config.host,
             queue_size=self.config.queue_size,
             max_groups=self.config.max_groups,
             on_joined=self._joined,
             on_op_done=self._op_done,
             rebuild_after_s=self._lease_s + 2 * self._heartbeat_s,
-            models=self.models,
+            models=self.ctx.models,
             on_data_collectives=self._data_collectives_done,
         ).start()
 
     def _data_collectives_done(self, collectives: int, gradient_buckets: int) -> None:
-        with self.stats.lock:
-            self.stats.data_collectives += collectives
-            self.stats.gradient_buckets_reduced += gradient_buckets
+        stats = self.ctx.stats
+        with stats.lock:
+            stats.data_collectives += collectives
+            stats.gradient_buckets_reduced += gradient_buckets
 
     def _joined(self, generation: int) -> None:
         with self._lock:
@@ -376,31 +388,11 @@ class WorkerDaemon:
         latency_s: float,
     ) -> None:
         """Called on every rank after each op (every rank runs every op): counts and logs it."""
-        op_done(self, desc, outcome, latency_s)
+        op_done(self.ctx, desc, outcome, latency_s)
 
     # ---------------------------------------------------------------- state
     def state(self) -> worker_pb2.GetStateResponse:
-        runtime = self.runtime
-        status = collect_status(self)
-        count, nbytes = status.tensors_held, status.bytes_held
-        return worker_pb2.GetStateResponse(
-            worker_id=self.worker_id,
-            rank=runtime.rank if runtime else -1,
-            generation=runtime.generation if runtime else 0,
-            is_leader=bool(runtime and runtime.is_leader),
-            queue_depth=runtime.queue_depth if runtime else 0,
-            tensors_held=count,
-            bytes_held=nbytes,
-            ops_completed=sum(self.stats.ops_completed.values()),
-            ops_failed=sum(self.stats.ops_failed.values()),
-            devices=[str(d) for d in self.devices],
-            backend=self.backend,
-            status=status,
-            address=self.address,
-            hostname=socket.gethostname(),
-            pid=os.getpid(),
-            uptime_s=time.monotonic() - self._started,
-        )
+        return worker_state(self.ctx)
 
 
 def run_worker(config: WorkerConfig) -> int:

@@ -1,4 +1,4 @@
-"""The worker's Prometheus metrics, computed at scrape time from the daemon.
+"""The worker's Prometheus metrics, computed at scrape time from its WorkerContext.
 
 Names are a contract with the Grafana dashboard (``docker/``); see
 ``docs/design.md`` ("Observability") before renaming anything.
@@ -7,7 +7,6 @@ Names are a contract with the Grafana dashboard (``docker/``); see
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -20,10 +19,9 @@ from prometheus_client.core import (
 
 import collectives_server
 from collectives_server.metrics import FunctionCollector, build_info, new_registry
-from collectives_server.worker.status import LATENCY_BUCKETS_S, collect_status
-
-if TYPE_CHECKING:
-    from collectives_server.worker.daemon import WorkerDaemon
+from collectives_server.worker.context import WorkerContext
+from collectives_server.worker.stats import LATENCY_BUCKETS_S
+from collectives_server.worker.status import collect_status
 
 __all__ = ["worker_registry"]
 
@@ -36,15 +34,15 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, value=value)
 
 
-def _collect(daemon: WorkerDaemon) -> Iterator[Metric]:
-    status = collect_status(daemon)
-    stats = daemon.stats
+def _collect(ctx: WorkerContext) -> Iterator[Metric]:
+    status = collect_status(ctx)
+    stats = ctx.stats
     with stats.lock:
         by_status = dict(stats.ops_by_status)
         heartbeats = (stats.heartbeats_sent, stats.heartbeat_failures)
-    runtime = daemon.runtime
+    runtime = ctx.runtime
 
-    yield build_info(collectives_server.__version__, torch.__version__, daemon.backend)
+    yield build_info(collectives_server.__version__, torch.__version__, ctx.backend)
     ops = CounterMetricFamily(
         "collectives_ops", "Ops finished by this worker, by kind and outcome",
         labels=["kind", "status"],
@@ -112,8 +110,8 @@ def _collect(daemon: WorkerDaemon) -> Iterator[Metric]:
     )
 
 
-def worker_registry(daemon: WorkerDaemon) -> CollectorRegistry:
+def worker_registry(ctx: WorkerContext) -> CollectorRegistry:
     """A registry (of its own) serving the worker's metrics."""
     registry = new_registry()
-    registry.register(FunctionCollector(lambda: _collect(daemon)))
+    registry.register(FunctionCollector(lambda: _collect(ctx)))
     return registry

@@ -33,8 +33,9 @@ from collectives.v1 import worker_pb2
 from collectives_server.json_input import parse_json_object
 from collectives_server.worker import agreement, op_failures
 from collectives_server.worker.collective_ops import copy_into
-from collectives_server.worker.models import HostedModel, make_optimizer
+from collectives_server.worker.models import HostedModel
 from collectives_server.worker.op_context import Announcement, OpContext
+from collectives_server.worker.optimizers import OptimizerPlan, install, plan_optimizer
 
 __all__ = ["ModelOpResult", "run_model_op", "ModelArgs", "DEFAULT_BUCKET_BYTES"]
 
@@ -230,19 +231,11 @@ def _run_model_op(
     # agrees on its outcome before gradients move.
     code, message = grpc.StatusCode.OK, ""
     loss_value, batch = 0.0, 0
-    optimizer_hyper = None
-    candidate = None
+    plan: OptimizerPlan | None = None
     try:
         if args.optimizer:
-            optimizer_hyper = parse_json_object(args.hyper_json, "optimizer hyperparameters")
-            if (
-                model.optimizer is None
-                or model.optimizer_kind != args.optimizer
-                or model.optimizer_hyper != optimizer_hyper
-            ):
-                candidate = make_optimizer(model, args.optimizer, optimizer_hyper)
-            else:
-                candidate = model.optimizer
+            hyper = parse_json_object(args.hyper_json, "optimizer hyperparameters")
+            plan = plan_optimizer(model, args.optimizer, hyper)  # installed once all agreed
         if is_train:
             loss_value, batch = _local_train(ctx, model, args)
             flags = [p.grad is not None for _, p in model.parameters]
@@ -279,12 +272,8 @@ def _run_model_op(
     bucket_bytes = args.bucket_bytes or DEFAULT_BUCKET_BYTES
     mask = _mask(ctx, flags, everywhere)
     buckets, nbytes = reduce_gradients(ctx, model, op, bucket_bytes, mask)
-    if args.optimizer:
-        if candidate is not model.optimizer:
-            model.optimizer = candidate
-            model.optimizer_kind = args.optimizer
-            model.optimizer_hyper = optimizer_hyper or {}
-        model.optimizer.step()
+    if plan is not None:
+        install(model, plan).step()
         model.steps += 1
     return ModelOpResult(
         op_id,

@@ -18,7 +18,8 @@ from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
 from collectives_server.json_input import parse_json_object
 from collectives_server.worker import model_exec
-from collectives_server.worker.models import build_from_factory, make_optimizer
+from collectives_server.worker.models import build_from_factory
+from collectives_server.worker.optimizers import install, plan_optimizer
 from collectives_server.worker.rpc_guards import counted as _counted
 from collectives_server.worker.rpc_guards import guard as _guard
 from collectives_server.worker.rpc_guards import guard_stream as _guard_stream
@@ -29,12 +30,12 @@ MODEL_METADATA_KEY = "collectives-model"
 
 
 class ModelRpcs:
-    """Model RPCs; needs ``self._daemon``, ``self._leader`` and ``self._wait``."""
+    """Model RPCs; needs ``self._ctx`` (a WorkerContext), ``self._leader`` and ``self._wait``."""
 
     @_guard
     @_counted("load_model")
     def LoadModel(self, request_iterator, context) -> worker_pb2.LoadModelResponse:
-        models, uploads = self._daemon.models, self._daemon.uploads
+        models, uploads = self._ctx.models, self._ctx.uploads
         with uploads.receive(request_iterator) as received:
             spec = received.spec
             if spec.factory:
@@ -54,7 +55,7 @@ class ModelRpcs:
     @_counted("unload_model")
     def UnloadModel(self, request, context) -> worker_pb2.UnloadModelResponse:
         validate_name(request.name, "model name")
-        unloaded = self._daemon.models.remove(request.name)
+        unloaded = self._ctx.models.remove(request.name)
         if not unloaded and not request.missing_ok:
             raise NotFound(f"model {request.name!r} is not loaded on this worker")
         return worker_pb2.UnloadModelResponse(unloaded=unloaded)
@@ -62,7 +63,7 @@ class ModelRpcs:
     @_guard
     def ListModels(self, request, context) -> worker_pb2.ListModelsResponse:
         return worker_pb2.ListModelsResponse(
-            models=[_model_info(m) for m in self._daemon.models.all()]
+            models=[_model_info(m) for m in self._ctx.models.all()]
         )
 
     @_guard
@@ -70,10 +71,10 @@ class ModelRpcs:
     def Forward(self, request, context) -> worker_pb2.ForwardResponse:
         validate_name(request.model, "model name")
         validate_name(request.call_id, "call id")
-        store = self._daemon.store
+        store = self._ctx.store
         _store_inline(store, request.call_id, _pytree.inline_leaves(request.args))
         _store_inline(store, request.call_id, _pytree.inline_leaves(request.kwargs))
-        response = model_exec.forward(self._daemon.models, store, request)
+        response = model_exec.forward(self._ctx.models, store, request)
         if request.inline_output_bytes:
             _inline_outputs(store, response.output, request.inline_output_bytes)
         return response
@@ -82,9 +83,9 @@ class ModelRpcs:
     @_counted("backward")
     def Backward(self, request, context) -> worker_pb2.BackwardResponse:
         validate_name(request.model, "model name")
-        store = self._daemon.store
+        store = self._ctx.store
         _store_inline(store, request.call_id, list(request.inline_grads))
-        response = model_exec.backward(self._daemon.models, store, request)
+        response = model_exec.backward(self._ctx.models, store, request)
         budget = request.inline_output_bytes
         for name in response.input_grad_names:
             if not name:
@@ -103,14 +104,14 @@ class ModelRpcs:
     def ReleaseGraph(self, request, context) -> worker_pb2.ReleaseGraphResponse:
         validate_name(request.call_id, "call id")
         released = model_exec.release(
-            self._daemon.models, self._daemon.store, request.model, request.call_id
+            self._ctx.models, self._ctx.store, request.model, request.call_id
         )
         return worker_pb2.ReleaseGraphResponse(released=released)
 
     @_guard
     @_counted("zero_grad")
     def ZeroGrad(self, request, context) -> worker_pb2.ZeroGradResponse:
-        model = self._daemon.models.get(request.model)
+        model = self._ctx.models.get(request.model)
         with model.lock:
             model.module.zero_grad(set_to_none=True)
         return worker_pb2.ZeroGradResponse()
@@ -118,33 +119,18 @@ class ModelRpcs:
     @_guard
     @_counted("step")
     def Step(self, request, context) -> worker_pb2.StepResponse:
-        model = self._daemon.models.get(request.model)
+        model = self._ctx.models.get(request.model)
         hyper = _json_object(request.hyper_json, "optimizer hyperparameters")
         with model.lock:
-            if (
-                model.optimizer is None
-                or model.optimizer_kind != request.optimizer
-                or model.optimizer_hyper != hyper
-            ):
-                optimizer = make_optimizer(model, request.optimizer, hyper)
-                if model.optimizer is not None and model.optimizer_kind == request.optimizer:
-                    # Same optimizer, new hyperparameters: keep its state (momentum, moments).
-                    optimizer.load_state_dict(model.optimizer.state_dict())
-                    for group in optimizer.param_groups:
-                        group.update(hyper)
-                model.optimizer, model.optimizer_kind, model.optimizer_hyper = (
-                    optimizer,
-                    request.optimizer,
-                    hyper,
-                )
-            model.optimizer.step()
+            optimizer = install(model, plan_optimizer(model, request.optimizer, hyper))
+            optimizer.step()
             model.steps += 1
             return worker_pb2.StepResponse(steps=model.steps)
 
     @_guard_stream
     @_counted("model_tensors")
     def GetModelTensors(self, request, context) -> Iterator[bytes]:
-        model = self._daemon.models.get(request.model)
+        model = self._ctx.models.get(request.model)
         with model.lock:
             if request.which == "gradients":
                 tensors = {
@@ -163,7 +149,7 @@ class ModelRpcs:
     @_counted("load_state_dict")
     def LoadStateDict(self, request_iterator, context) -> worker_pb2.LoadStateDictResponse:
         metadata = dict(context.invocation_metadata())
-        model = self._daemon.models.get(metadata.get(MODEL_METADATA_KEY, ""))
+        model = self._ctx.models.get(metadata.get(MODEL_METADATA_KEY, ""))
         received: dict[str, object] = {}
         assembler: codec.TensorAssembler | None = None
         for raw in request_iterator:

@@ -15,7 +15,6 @@ import ctypes
 import functools
 import hashlib
 import importlib
-import inspect
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,13 +28,7 @@ from collectives.names import validate_name
 from collectives_server.json_input import parse_json_object
 from collectives_server.worker.store import Reservation, TensorStore
 
-__all__ = ["ModelRegistry", "HostedModel", "RetainedGraph", "GradArena", "OPTIMIZERS"]
-
-OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
-    "sgd": torch.optim.SGD,
-    "adam": torch.optim.Adam,
-    "adamw": torch.optim.AdamW,
-}
+__all__ = ["ModelRegistry", "HostedModel", "RetainedGraph", "GradArena"]
 
 
 @dataclass
@@ -172,6 +165,7 @@ class HostedModel:
     devices: list[torch.device]
     lock: threading.RLock = field(default_factory=threading.RLock)
     graphs: dict[str, RetainedGraph] = field(default_factory=dict)
+    # Set by optimizers.install only (the rule for keeping its state is there).
     optimizer: torch.optim.Optimizer | None = None
     optimizer_kind: str = ""
     optimizer_hyper: dict[str, Any] = field(default_factory=dict)
@@ -224,23 +218,6 @@ def build_from_factory(factory: str, kwargs_json: str, allowed: tuple[str, ...])
             f"factory {factory!r} returned {type(module).__name__}, not a torch.nn.Module"
         )
     return module
-
-
-def make_optimizer(model: HostedModel, kind: str, hyper: dict[str, Any]) -> torch.optim.Optimizer:
-    cls = OPTIMIZERS.get(kind)
-    if cls is None:
-        raise InvalidArgument(f"unknown optimizer {kind!r}; use one of: {', '.join(OPTIMIZERS)}")
-    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
-    unknown = sorted(set(hyper) - accepted)
-    if unknown:
-        raise InvalidArgument(
-            f"optimizer {kind} does not take {', '.join(unknown)}; it accepts: "
-            + ", ".join(sorted(accepted))
-        )
-    try:
-        return cls(model.module.parameters(), **hyper)
-    except (TypeError, ValueError) as exc:
-        raise InvalidArgument(f"optimizer {kind}: {exc}") from None
 
 
 class ModelRegistry:

@@ -4,7 +4,7 @@ Every servicer method is wrapped: ``CollectiveError`` becomes its status code
 and message (with ``collectives-executed: no`` trailing metadata for ops that
 never started), anything unexpected becomes ``INTERNAL`` with only an error id
 (details in the log; see :mod:`collectives_server.rpc_errors`) without taking the
-daemon down, and ``_counted`` records the outcome and latency in the worker's
+worker down, and ``_counted`` records the outcome and latency in the worker's
 status and metrics.
 """
 
@@ -62,7 +62,10 @@ def _subject(request: object) -> str:
 
 
 def counted(kind: str):
-    """Counts a data-plane call in the worker's status and metrics: outcome and latency."""
+    """Counts a data-plane call in the worker's status and metrics: outcome and latency.
+
+    The servicer's ``_ctx`` (its :class:`~collectives_server.worker.context.WorkerContext`)
+    holds the counters."""
 
     def decorate(method):
         def unary(self, request, context):
@@ -79,7 +82,7 @@ def counted(kind: str):
                 raise
             finally:
                 name = name or _subject(request)
-                data_op_done(self._daemon, kind, name, code, message, time.perf_counter() - started)
+                data_op_done(self._ctx, kind, name, code, message, time.perf_counter() - started)
 
         def stream(self, request, context):
             started, code, message = time.perf_counter(), None, ""
@@ -96,7 +99,7 @@ def counted(kind: str):
                 raise
             finally:
                 latency_s = time.perf_counter() - started
-                data_op_done(self._daemon, kind, _subject(request), code, message, latency_s)
+                data_op_done(self._ctx, kind, _subject(request), code, message, latency_s)
 
         wrapper = stream if inspect.isgeneratorfunction(method) else unary
         wrapper.__name__ = method.__name__

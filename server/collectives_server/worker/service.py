@@ -33,6 +33,7 @@ from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
 from collectives_server.rpc_limits import RpcLimits
 from collectives_server.worker.bulk import BulkListener
+from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.group_cap import check_group_cap, subgroup_count
 from collectives_server.worker.memory_release import drop_partial
 from collectives_server.worker.model_service import ModelRpcs
@@ -40,9 +41,9 @@ from collectives_server.worker.rpc_guards import counted as _counted
 from collectives_server.worker.rpc_guards import guard as _guard
 from collectives_server.worker.rpc_guards import guard_stream as _guard_stream
 from collectives_server.worker.shm_service import get_tensor_shm, put_tensor_shm
+from collectives_server.worker.status import worker_state
 
 if TYPE_CHECKING:
-    from collectives_server.worker.daemon import WorkerDaemon
     from collectives_server.worker.runtime import GenerationRuntime
 
 __all__ = ["WorkerService", "add_worker_service", "SERVICE_NAME"]
@@ -52,8 +53,8 @@ SERVICE_NAME = "collectives.v1.Worker"
 
 
 class WorkerService(ModelRpcs):
-    def __init__(self, daemon: WorkerDaemon) -> None:
-        self._daemon = daemon
+    def __init__(self, ctx: WorkerContext) -> None:
+        self._ctx = ctx
 
     # ------------------------------------------------------------ data plane
     @_guard
@@ -70,7 +71,7 @@ class WorkerService(ModelRpcs):
                     validate_name(value.name)
                     # Quota reserved before the assembler preallocates the buffer.
                     meta = codec.check_header(value)
-                    reservation = self._daemon.store.reserve(meta.name, meta.nbytes, "put")
+                    reservation = self._ctx.store.reserve(meta.name, meta.nbytes, "put")
                     assembler = codec.TensorAssembler(value)
                 elif kind == "chunk":
                     if assembler is None:
@@ -87,25 +88,25 @@ class WorkerService(ModelRpcs):
             drop_partial(exc if isinstance(exc, grpc.RpcError) else None)
             raise
         reservation.release()
-        self._daemon.store.put(assembler.name, tensor)
-        self._daemon.stats.add_bytes(received=assembler.meta.nbytes)
+        self._ctx.store.put(assembler.name, tensor)
+        self._ctx.stats.add_bytes(received=assembler.meta.nbytes)
         return worker_pb2.PutTensorResponse(name=assembler.name, nbytes=assembler.meta.nbytes)
 
     @_guard_stream
     @_counted("get")
     def GetTensor(self, request: worker_pb2.GetTensorRequest, context) -> Iterator[bytes]:
         validate_name(request.name)
-        tensor = self._daemon.store.get(request.name)
+        tensor = self._ctx.store.get(request.name)
         nbytes = tensor.numel() * tensor.element_size()
         yield from codec.encode_tensor_stream(request.name, tensor)
-        self._daemon.stats.add_bytes(sent=nbytes)
+        self._ctx.stats.add_bytes(sent=nbytes)
         if request.consume:
-            self._daemon.store.delete_if_same(request.name, tensor)
+            self._ctx.store.delete_if_same(request.name, tensor)
 
     # ------------------------------------------------------ bulk data plane
     @_guard
     def GetDataPlane(self, request, context) -> worker_pb2.DataPlaneResponse:
-        bulk = self._daemon.bulk
+        bulk = self._ctx.bulk
         return worker_pb2.DataPlaneResponse(
             bulk_port=bulk.port if bulk is not None else 0, bulk_min_bytes=BULK_MIN_BYTES
         )
@@ -119,13 +120,13 @@ class WorkerService(ModelRpcs):
         try:
             validate_name(request.header.name)
             meta = codec.check_header(request.header)
-            reservation = self._daemon.store.reserve(meta.name, meta.nbytes, "bulk put")
+            reservation = self._ctx.store.reserve(meta.name, meta.nbytes, "bulk put")
         except BaseException:
             bulk.refuse(request.ticket)
             raise
         try:
-            buffer = _receive_buffer(meta.nbytes, self._daemon.store.device)
-            bulk.receive(request.ticket, buffer, _remaining_s(context, self._daemon.op_timeout_s))
+            buffer = _receive_buffer(meta.nbytes, self._ctx.store.device)
+            bulk.receive(request.ticket, buffer, _remaining_s(context, self._ctx.op_timeout_s))
         except BaseException as exc:
             bulk.refuse(request.ticket)
             buffer = None
@@ -133,8 +134,8 @@ class WorkerService(ModelRpcs):
             raise
         finally:
             reservation.release()
-        self._daemon.store.put(meta.name, buffer.view(meta.dtype).reshape(meta.shape))
-        self._daemon.stats.add_bytes(received=meta.nbytes)
+        self._ctx.store.put(meta.name, buffer.view(meta.dtype).reshape(meta.shape))
+        self._ctx.stats.add_bytes(received=meta.nbytes)
         return worker_pb2.PutTensorResponse(name=meta.name, nbytes=meta.nbytes)
 
     @_guard
@@ -144,7 +145,7 @@ class WorkerService(ModelRpcs):
     ) -> worker_pb2.GetTensorBulkResponse:
         bulk = self._bulk()
         validate_name(request.name)
-        tensor = self._daemon.store.get(request.name)
+        tensor = self._ctx.store.get(request.name)
         wire = _host_copy(tensor)
         header = codec.make_header(request.name, wire)
         response = worker_pb2.GetTensorBulkResponse(header=header)
@@ -153,8 +154,8 @@ class WorkerService(ModelRpcs):
         else:
             ticket = new_ticket()
             # The ticket's bytes count against the quota until sent or expired (M2).
-            hold = self._daemon.store.reserve(f"{request.name} (bulk get)", header.nbytes, "get")
-            remaining = _remaining_s(context, self._daemon.op_timeout_s)
+            hold = self._ctx.store.reserve(f"{request.name} (bulk get)", header.nbytes, "get")
+            remaining = _remaining_s(context, self._ctx.op_timeout_s)
             try:
                 ttl = bulk.offer(ticket, wire, remaining, hold)
             except BaseException:
@@ -162,13 +163,13 @@ class WorkerService(ModelRpcs):
                 raise
             response.ticket = ticket
             response.ticket_ttl_s = ttl
-        self._daemon.stats.add_bytes(sent=header.nbytes)
+        self._ctx.stats.add_bytes(sent=header.nbytes)
         if request.consume:
-            self._daemon.store.delete_if_same(request.name, tensor)
+            self._ctx.store.delete_if_same(request.name, tensor)
         return response
 
     def _bulk(self) -> BulkListener:
-        bulk = self._daemon.bulk
+        bulk = self._ctx.bulk
         if bulk is None:
             raise FailedPrecondition(
                 "this worker has no bulk port (TLS is on, or it runs with --no-bulk): "
@@ -182,23 +183,20 @@ class WorkerService(ModelRpcs):
     def PutTensorShm(
         self, request: worker_pb2.PutTensorShmRequest, context
     ) -> worker_pb2.PutTensorResponse:
-        return put_tensor_shm(self._daemon, request, context.peer() or "", self._daemon.port)
+        return put_tensor_shm(self._ctx, request, context.peer() or "")
 
     @_guard
     @_counted("get")
     def GetTensorShm(
         self, request: worker_pb2.GetTensorShmRequest, context
     ) -> worker_pb2.GetTensorShmResponse:
-        daemon = self._daemon
-        return get_tensor_shm(
-            daemon, daemon.shm_segments, request, context.peer() or "", daemon.port
-        )
+        return get_tensor_shm(self._ctx, request, context.peer() or "")
 
     @_guard
     @_counted("delete")
     def DeleteTensor(self, request, context) -> worker_pb2.DeleteTensorResponse:
         validate_name(request.name)
-        deleted = self._daemon.store.delete(request.name)
+        deleted = self._ctx.store.delete(request.name)
         if not deleted and not request.missing_ok:
             raise NotFound(f"tensor {request.name!r} is not stored on this worker")
         return worker_pb2.DeleteTensorResponse(deleted=deleted)
@@ -214,27 +212,27 @@ class WorkerService(ModelRpcs):
                     nbytes=i.nbytes,
                     device=i.device,
                 )
-                for i in self._daemon.store.infos()
+                for i in self._ctx.store.infos()
             ]
         )
 
     @_guard
     def GetState(self, request, context) -> worker_pb2.GetStateResponse:
-        return self._daemon.state()
+        return worker_state(self._ctx)
 
     # ----------------------------------------------------------- collectives
     def _leader(self, options: worker_pb2.OpOptions) -> GenerationRuntime:
-        runtime = self._daemon.runtime
+        runtime = self._ctx.runtime
         if runtime is None:
             raise Unavailable(
-                f"the cluster is not formed ({self._daemon.cluster_status}); retry once it is",
+                f"the cluster is not formed ({self._ctx.cluster_status}); retry once it is",
                 executed=False,
             )
         runtime.check_generation(options.generation)
         if not runtime.is_leader:
             raise Unavailable(
                 f"this worker is rank {runtime.rank} of generation {runtime.generation}, not the "
-                f"leader (rank 0 at {self._daemon.leader_address or 'unknown'}); "
+                f"leader (rank 0 at {self._ctx.leader_address or 'unknown'}); "
                 "send collectives to the leader",
                 executed=False,
             )
@@ -275,7 +273,7 @@ class WorkerService(ModelRpcs):
 
     def _wait(self, context, runtime: GenerationRuntime, desc, options):
         """Admits ``desc`` on the leader and waits within the call's deadline."""
-        budget = self._daemon.op_timeout_s * 2
+        budget = self._ctx.op_timeout_s * 2
         for limit in (context.time_remaining(), options.timeout_s or None):
             if limit is not None:
                 budget = min(budget, limit)

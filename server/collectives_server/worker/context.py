@@ -1,0 +1,98 @@
+"""What a worker's RPC handlers, status, metrics and shm transfers read: one WorkerContext.
+
+The daemon (``worker/daemon.py``) builds one :class:`WorkerContext` and hands
+it to the servicer (``service.py`` with ``model_service.py``), the RPC guards,
+the status and GetState code (``status.py``), the metrics registry
+(``metrics.py``) and the shared-memory handlers (``shm_service.py``). None of
+those import the daemon; this module imports none of them (nor the runtime, nor
+torch.distributed, nor a gRPC server), so there is no import cycle.
+
+The long-lived pieces (store, models, counters, uploads, shm segments) are
+built once. The daemon keeps the rest current: ``port``, ``address`` and
+``bulk`` once its servers are up, ``worker_id`` and ``op_timeout_s`` on
+registration, and ``runtime``, ``cluster_status`` and ``leader_address`` under
+its lock as generations come and go. Readers take ``runtime`` once per call
+(``runtime = ctx.runtime``) and use that snapshot: it may be replaced, or set to
+None, at any moment.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from collectives_server.worker.archive_upload import ModelUploads
+from collectives_server.worker.bulk import BulkListener
+from collectives_server.worker.config import WorkerConfig
+from collectives_server.worker.models import ModelRegistry
+from collectives_server.worker.shm_segments import WorkerSegments
+from collectives_server.worker.stats import WorkerStats
+from collectives_server.worker.store import TensorStore
+
+__all__ = ["RuntimeView", "WorkerContext"]
+
+
+class RuntimeView(Protocol):
+    """What status, metrics and GetState read of the current generation's runtime.
+
+    ``GenerationRuntime`` (``worker/runtime.py``) satisfies it; the servicer's
+    collective section uses the runtime's full interface.
+    """
+
+    @property
+    def generation(self) -> int: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def is_leader(self) -> bool: ...
+
+    @property
+    def busy(self) -> bool: ...
+
+    @property
+    def queue_depth(self) -> int: ...
+
+    @property
+    def groups(self) -> Mapping[int, Any]: ...
+
+
+@dataclass(eq=False)
+class WorkerContext:
+    """One worker's shared state, as its RPC handlers and reports see it."""
+
+    config: WorkerConfig
+    devices: list[torch.device]
+    backend: str  # "nccl" or "gloo"
+    store: TensorStore
+    models: ModelRegistry
+    uploads: ModelUploads
+    shm_segments: WorkerSegments
+    stats: WorkerStats
+    # The collective timeout: --op-timeout-s, else the coordinator's (on registration).
+    op_timeout_s: float
+    # The bulk data plane; None without one (TLS, or --no-bulk) and before start.
+    bulk: BulkListener | None = None
+    # The port the gRPC server is bound to (0 before it starts) and the address
+    # peers and clients use.
+    port: int = 0
+    address: str = ""
+    worker_id: str = ""
+    # The current generation's runtime (None: not a member of a formed cluster).
+    runtime: RuntimeView | None = None
+    cluster_status: str = "not registered yet"
+    leader_address: str = ""
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def device(self) -> torch.device:
+        """The device the tensor store and the process group use."""
+        return self.devices[0]

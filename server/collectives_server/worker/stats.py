@@ -1,0 +1,119 @@
+"""The worker's counters: ops by kind and outcome, latencies, bytes moved, heartbeats.
+
+Every op, collective or data-plane, goes through :meth:`WorkerStats.record`;
+:mod:`status` turns the counters into the ``WorkerStatus`` message and
+:mod:`metrics` into Prometheus metrics.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from collectives.v1 import status_pb2
+
+__all__ = ["LATENCY_BUCKETS_S", "RECENT_ERRORS", "WorkerStats", "status_label"]
+
+# How many failed ops GetState/heartbeats report.
+RECENT_ERRORS = 20
+# Upper bounds of the op latency histogram (seconds); +Inf is implied.
+LATENCY_BUCKETS_S = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0,
+)  # fmt: skip
+
+
+def status_label(code: grpc.StatusCode | None) -> str:
+    """``ok`` or the gRPC code name in lower case (``not_found``): the metrics' status label."""
+    return "ok" if code is None or code == grpc.StatusCode.OK else code.name.lower()
+
+
+@dataclass
+class _Histogram:
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
+    total_s: float = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(LATENCY_BUCKETS_S, value)] += 1
+        self.total_s += value
+
+
+@dataclass
+class WorkerStats:
+    """The worker's counters. Update them through the methods (they take ``lock``).
+
+    ``data_collectives`` and ``gradient_buckets_reduced`` are plain counters that
+    the model code increments from the generation's thread.
+    """
+
+    bytes_in: int = 0
+    bytes_out: int = 0
+    ops_completed: collections.Counter = field(default_factory=collections.Counter)
+    ops_failed: collections.Counter = field(default_factory=collections.Counter)
+    last_op: str = ""
+    last_op_latency_s: float = 0.0
+    # (kind, status label) -> count; see status_label().
+    ops_by_status: collections.Counter = field(default_factory=collections.Counter)
+    latency: dict[str, _Histogram] = field(default_factory=dict)
+    recent_errors: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=RECENT_ERRORS)
+    )
+    data_collectives: int = 0
+    gradient_buckets_reduced: int = 0
+    heartbeats_sent: int = 0
+    heartbeat_failures: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def record(
+        self,
+        kind: str,
+        code: grpc.StatusCode | None,
+        latency_s: float,
+        *,
+        op_id: int = 0,
+        generation: int = 0,
+        message: str = "",
+    ) -> None:
+        """Counts one op of ``kind``; ``code`` None or OK means it succeeded."""
+        ok = code is None or code == grpc.StatusCode.OK
+        with self.lock:
+            (self.ops_completed if ok else self.ops_failed)[kind] += 1
+            self.ops_by_status[(kind, status_label(code))] += 1
+            self.latency.setdefault(kind, _Histogram()).observe(latency_s)
+            self.last_op = kind
+            self.last_op_latency_s = latency_s
+            if not ok:
+                assert code is not None
+                self.recent_errors.append(
+                    status_pb2.RecentError(
+                        unix_time_s=time.time(),
+                        op_id=op_id,
+                        generation=generation,
+                        kind=kind,
+                        code=code.name,
+                        message=message,
+                    )
+                )
+
+    def add_bytes(self, *, received: int = 0, sent: int = 0) -> None:
+        """Data-plane payload bytes: received by PutTensor, sent by GetTensor."""
+        with self.lock:
+            self.bytes_in += received
+            self.bytes_out += sent
+
+    def heartbeat(self, ok: bool) -> None:
+        with self.lock:
+            if ok:
+                self.heartbeats_sent += 1
+            else:
+                self.heartbeat_failures += 1
+
+    def latency_snapshot(self) -> dict[str, tuple[list[int], float]]:
+        """kind -> (per-bucket counts, the last one +Inf; sum of latencies)."""
+        with self.lock:
+            return {k: (list(h.counts), h.total_s) for k, h in self.latency.items()}
