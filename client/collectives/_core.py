@@ -44,6 +44,7 @@ from collectives.errors import (
     CollectiveError,
     DeadlineExceeded,
     InvalidArgument,
+    Reason,
     Unavailable,
 )
 from collectives.work import OpRecord, Work
@@ -427,15 +428,13 @@ def _on_rank(what: str, rank: int, fn: Callable[[], R]) -> R:
 
 
 def annotate(err: CollectiveError, prefix: str) -> CollectiveError:
-    """The same error (class, code, ``executed``) with ``prefix: `` before its message."""
+    """The same error (class, code, structured fields) with ``prefix: `` before its message."""
     if err.message.startswith(prefix):
         return err
     try:
-        annotated = type(err)(f"{prefix}: {err.message}", err.code, executed=err.executed)
+        return type(err)(f"{prefix}: {err.message}", err.code, **err.fields())
     except TypeError:  # a subclass with another constructor: keep the original
         return err
-    annotated.generation = err.generation
-    return annotated
 
 
 def server_timeout_s(remaining_s: float) -> float:
@@ -485,6 +484,7 @@ class GenerationBinding:
             f"of generation {self.generation}; place them again and reissue it",
             executed=False,
             generation=self.generation,
+            reason=Reason.GENERATION_CHANGED,
         )
 
     def retryable(self, err: CollectiveError) -> bool:
