@@ -46,6 +46,7 @@ from collectives.errors import (
     InvalidArgument,
     Reason,
     Unavailable,
+    annotate,
 )
 from collectives.work import OpRecord, Work
 from collectives.workers import ClusterNotFormed, ClusterSnapshot, GenerationRecord, WorkerInfo
@@ -425,16 +426,6 @@ def _on_rank(what: str, rank: int, fn: Callable[[], R]) -> R:
         return fn()
     except CollectiveError as err:
         raise annotate(err, f"{what} on rank {rank}") from None
-
-
-def annotate(err: CollectiveError, prefix: str) -> CollectiveError:
-    """The same error (class, code, structured fields) with ``prefix: `` before its message."""
-    if err.message.startswith(prefix):
-        return err
-    try:
-        return type(err)(f"{prefix}: {err.message}", err.code, **err.fields())
-    except TypeError:  # a subclass with another constructor: keep the original
-        return err
 
 
 def server_timeout_s(remaining_s: float) -> float:

@@ -47,6 +47,7 @@ __all__ = [
     "ResourceExhausted",
     "PermissionDenied",
     "Reason",
+    "annotate",
     "from_rpc_error",
     "error_for_code",
     "to_grpc_status",
@@ -270,6 +271,16 @@ def error_for_code(
         ranks=ranks,
         reason=reason,
     )
+
+
+def annotate(err: CollectiveError, prefix: str) -> CollectiveError:
+    """The same error (class, code, structured fields) with ``prefix: `` before its message."""
+    if err.message.startswith(prefix):
+        return err
+    try:
+        return type(err)(f"{prefix}: {err.message}", err.code, **err.fields())
+    except TypeError:  # a subclass with another constructor: keep the original
+        return err
 
 
 def from_rpc_error(err: grpc.RpcError, what: str = "") -> CollectiveError:

@@ -17,7 +17,6 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from collectives._channels import call_unary
-from collectives._core import annotate
 from collectives.errors import (
     ERROR_DOMAIN,
     EXECUTED_METADATA_KEY,
@@ -26,6 +25,7 @@ from collectives.errors import (
     NotFound,
     Reason,
     Unavailable,
+    annotate,
     error_for_code,
     from_rpc_error,
 )
