@@ -32,7 +32,7 @@ from collectives._validation import (
     check_out,
     check_root,
 )
-from collectives.errors import CollectiveError, Unavailable
+from collectives.errors import CollectiveError, Reason, Unavailable
 from collectives.groups import Group
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
@@ -375,6 +375,7 @@ class _Collectives(_DataPlane):
                         f"generation {group.generation} but the cluster is at generation "
                         f"{snapshot.generation}; create it again with new_group",
                         generation=group.generation,
+                        reason=Reason.GENERATION_CHANGED,
                     )
                 generation, group_id = group.generation, group.id
             binding.bind(generation)

@@ -44,7 +44,9 @@ from collectives.errors import (
     CollectiveError,
     DeadlineExceeded,
     InvalidArgument,
+    Reason,
     Unavailable,
+    annotate,
 )
 from collectives.work import OpRecord, Work
 from collectives.workers import ClusterNotFormed, ClusterSnapshot, GenerationRecord, WorkerInfo
@@ -426,18 +428,6 @@ def _on_rank(what: str, rank: int, fn: Callable[[], R]) -> R:
         raise annotate(err, f"{what} on rank {rank}") from None
 
 
-def annotate(err: CollectiveError, prefix: str) -> CollectiveError:
-    """The same error (class, code, ``executed``) with ``prefix: `` before its message."""
-    if err.message.startswith(prefix):
-        return err
-    try:
-        annotated = type(err)(f"{prefix}: {err.message}", err.code, executed=err.executed)
-    except TypeError:  # a subclass with another constructor: keep the original
-        return err
-    annotated.generation = err.generation
-    return annotated
-
-
 def server_timeout_s(remaining_s: float) -> float:
     """The op timeout to ask the server for: a little less than the client's deadline."""
     return max(remaining_s - min(1.0, 0.1 * remaining_s), 0.001)
@@ -485,6 +475,7 @@ class GenerationBinding:
             f"of generation {self.generation}; place them again and reissue it",
             executed=False,
             generation=self.generation,
+            reason=Reason.GENERATION_CHANGED,
         )
 
     def retryable(self, err: CollectiveError) -> bool:

@@ -4,11 +4,38 @@ Every failure a caller can see is a :class:`CollectiveError` carrying the gRPC
 status code and the server's message. Subclasses exist so callers can catch
 the cases they handle differently (bad arguments, missing tensors, timeouts,
 lost workers) without comparing status codes by hand.
+
+Structured fields. Besides ``code`` and ``message`` an error may say which op
+failed and where: ``op_id``, ``generation``, ``kind`` (``"all_reduce"``,
+``"get"``...), ``tensor`` (tensor or model name), ``ranks`` (the failing
+ranks; ``()`` when unknown), ``reason`` (a :class:`Reason`, machine-readable)
+and ``executed`` (``False``: the op never started). Unset fields are ``None``.
+
+On the wire they travel as ``google.rpc.Status`` details: the status carries
+the same code and message and one ``google.rpc.ErrorInfo`` (domain
+:data:`ERROR_DOMAIN`, ``reason``, string ``metadata`` such as ``op_id: "7"``,
+``ranks: "0,2"``, ``executed: "no"``), so clients in any language can read
+them. :func:`to_grpc_status` builds it on the server (the error boundary in
+``collectives_server.rpc_errors`` calls it); :func:`from_rpc_error` reads it back.
+
+Attaching them, on either side::
+
+    raise error_for_code(code, msg, op_id=7, generation=3, kind="all_reduce",
+                         tensor="grad", ranks=(0, 2), reason=Reason.OPERAND_MISSING)
+    raise err.with_context(op_id=desc.op_id, generation=gen)  # fills unset fields
+
+:meth:`CollectiveError.with_context` never overwrites a field that is already
+set (the innermost layer knows best); assign the attribute to replace one.
 """
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple, Self
+
 import grpc
+from google.rpc import error_details_pb2, status_pb2
 
 __all__ = [
     "CollectiveError",
@@ -19,18 +46,56 @@ __all__ = [
     "DeadlineExceeded",
     "ResourceExhausted",
     "PermissionDenied",
+    "Reason",
+    "annotate",
     "from_rpc_error",
     "error_for_code",
+    "to_grpc_status",
+    "ERROR_DOMAIN",
     "EXECUTED_METADATA_KEY",
+    "STATUS_DETAILS_METADATA_KEY",
 ]
 
 # Trailing metadata a worker sets on a failed collective: "no" means the op
-# never started on any rank, so retrying it (even a reduction) is safe.
+# never started on any rank, so retrying it (even a reduction) is safe. Still
+# sent beside the ErrorInfo's "executed" for clients that predate it.
 EXECUTED_METADATA_KEY = "collectives-executed"
+# Where gRPC carries a serialized google.rpc.Status (grpcio-status reads it).
+STATUS_DETAILS_METADATA_KEY = "grpc-status-details-bin"
+# ErrorInfo.domain of every error this service produces.
+ERROR_DOMAIN = "collectives.v1"
+# ErrorInfo.reason when the error has none (reason is required on the wire).
+_NO_REASON = "UNSPECIFIED"
+# Bounds on what an error puts on the wire: trailers share gRPC's metadata limit.
+_MAX_FIELD_CHARS = 256
+_MAX_RANKS = 256
+
+
+class Reason(enum.StrEnum):
+    """Machine-readable causes (``err.reason``, ``ErrorInfo.reason``); one place for all.
+
+    A newer server may send a reason not listed here: ``err.reason`` is then
+    that string, so compare with ``==`` rather than converting to ``Reason``.
+    """
+
+    GENERATION_CHANGED = "GENERATION_CHANGED"  # the membership moved before the op committed
+    CLUSTER_NOT_FORMED = "CLUSTER_NOT_FORMED"  # no sealed generation with enough members
+    NOT_LEADER = "NOT_LEADER"  # a collective reached a worker that is not rank 0
+    OPERAND_MISSING = "OPERAND_MISSING"  # the tensor is absent on some ranks
+    OPERAND_MISMATCH = "OPERAND_MISMATCH"  # dtype or shape disagree across ranks
+    QUOTA = "QUOTA"  # a tensor-store or model memory quota
+    QUEUE_FULL = "QUEUE_FULL"  # the leader's op queue is full
+    PEER_LOST = "PEER_LOST"  # a rank was lost while the op ran
+    TIMEOUT = "TIMEOUT"  # the op did not finish within its timeout
+    MALFORMED_REQUEST = "MALFORMED_REQUEST"  # the request's bytes do not decode
 
 
 class CollectiveError(Exception):
-    """A failed call: ``.code`` is a ``grpc.StatusCode``, ``.message`` the server's text."""
+    """A failed call: ``.code`` is a ``grpc.StatusCode``, ``.message`` the server's text.
+
+    The structured fields (``op_id``, ``generation``, ``kind``, ``tensor``,
+    ``ranks``, ``reason``, ``executed``) are described in the module docstring.
+    """
 
     default_code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
 
@@ -41,6 +106,11 @@ class CollectiveError(Exception):
         *,
         executed: bool | None = None,
         generation: int | None = None,
+        op_id: int | None = None,
+        kind: str | None = None,
+        tensor: str | None = None,
+        ranks: Iterable[int] = (),
+        reason: str | None = None,
     ) -> None:
         self.code: grpc.StatusCode = code if code is not None else self.default_code
         self.message: str = message
@@ -48,13 +118,72 @@ class CollectiveError(Exception):
         self.executed: bool | None = executed
         # The generation a collective was issued for (None: not a collective).
         self.generation: int | None = generation
+        # The op's id in the leader's sequence (worker logs carry it).
+        self.op_id: int | None = op_id
+        # The op or call kind: "all_reduce", "get", "load_model"...
+        self.kind: str | None = kind
+        # The tensor or model the call was about.
+        self.tensor: str | None = tensor
+        # The ranks the failure concerns; () when unknown.
+        self.ranks: tuple[int, ...] = tuple(int(r) for r in ranks)
+        # A Reason's value (or a newer server's reason string); None when unspecified.
+        self.reason: str | None = str(reason) if reason else None
         super().__init__(message)
+
+    def fields(self) -> dict[str, Any]:
+        """The structured fields, as keyword arguments for the constructor."""
+        return {
+            "executed": self.executed,
+            "generation": self.generation,
+            "op_id": self.op_id,
+            "kind": self.kind,
+            "tensor": self.tensor,
+            "ranks": self.ranks,
+            "reason": self.reason,
+        }
+
+    def with_context(
+        self,
+        *,
+        executed: bool | None = None,
+        generation: int | None = None,
+        op_id: int | None = None,
+        kind: str | None = None,
+        tensor: str | None = None,
+        ranks: Iterable[int] = (),
+        reason: str | None = None,
+    ) -> Self:
+        """Fills the fields that are still unset from the arguments; returns ``self``.
+
+        ``raise err.with_context(op_id=..., generation=...)`` re-raises the same
+        error annotated. A field already set is kept.
+        """
+        if self.executed is None:
+            self.executed = executed
+        if self.generation is None:
+            self.generation = generation
+        if self.op_id is None:
+            self.op_id = op_id
+        if not self.kind:
+            self.kind = kind or None
+        if not self.tensor:
+            self.tensor = tensor or None
+        if not self.ranks:
+            self.ranks = tuple(int(r) for r in ranks)
+        if not self.reason:
+            self.reason = str(reason) if reason else None
+        return self
 
     def __str__(self) -> str:
         return f"{self.code.name}: {self.message}"
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(code={self.code.name}, message={self.message!r})"
+        extra = "".join(
+            f", {key}={value!r}"
+            for key, value in self.fields().items()
+            if value is not None and value != ()
+        )
+        return f"{type(self).__name__}(code={self.code.name}, message={self.message!r}{extra})"
 
 
 class InvalidArgument(CollectiveError, ValueError):
@@ -118,11 +247,40 @@ _BY_CODE: dict[grpc.StatusCode, type[CollectiveError]] = {
 
 
 def error_for_code(
-    code: grpc.StatusCode, message: str, *, executed: bool | None = None
+    code: grpc.StatusCode,
+    message: str,
+    *,
+    executed: bool | None = None,
+    generation: int | None = None,
+    op_id: int | None = None,
+    kind: str | None = None,
+    tensor: str | None = None,
+    ranks: Iterable[int] = (),
+    reason: str | None = None,
 ) -> CollectiveError:
-    """Builds the most specific error class for ``code``."""
+    """Builds the most specific error class for ``code``, with the given fields."""
     cls = _BY_CODE.get(code, CollectiveError)
-    return cls(message, code, executed=executed)
+    return cls(
+        message,
+        code,
+        executed=executed,
+        generation=generation,
+        op_id=op_id,
+        kind=kind,
+        tensor=tensor,
+        ranks=ranks,
+        reason=reason,
+    )
+
+
+def annotate(err: CollectiveError, prefix: str) -> CollectiveError:
+    """The same error (class, code, structured fields) with ``prefix: `` before its message."""
+    if err.message.startswith(prefix):
+        return err
+    try:
+        return type(err)(f"{prefix}: {err.message}", err.code, **err.fields())
+    except TypeError:  # a subclass with another constructor: keep the original
+        return err
 
 
 def from_rpc_error(err: grpc.RpcError, what: str = "") -> CollectiveError:
@@ -130,7 +288,10 @@ def from_rpc_error(err: grpc.RpcError, what: str = "") -> CollectiveError:
 
     This is the only place that maps transport errors: ``DEADLINE_EXCEEDED`` and
     ``CANCELLED`` become :class:`DeadlineExceeded`; a server's trailing
-    ``collectives-executed: no`` is kept as ``.executed = False``.
+    ``collectives-executed: no`` is kept as ``.executed = False``; the fields of
+    a ``google.rpc.ErrorInfo`` in the status details (domain
+    :data:`ERROR_DOMAIN`) fill ``op_id``, ``generation``, ``kind``, ``tensor``,
+    ``ranks``, ``reason`` and ``executed``. Details that do not decode are ignored.
     """
     code = err.code() if callable(getattr(err, "code", None)) else grpc.StatusCode.UNKNOWN
     details = err.details() if callable(getattr(err, "details", None)) else None
@@ -141,9 +302,103 @@ def from_rpc_error(err: grpc.RpcError, what: str = "") -> CollectiveError:
     trailers = (
         err.trailing_metadata() if callable(getattr(err, "trailing_metadata", None)) else None
     )
+    fields: dict[str, Any] = {}
     for key, value in trailers or ():
         if key == EXECUTED_METADATA_KEY:
             executed = value != "no"
+        elif key == STATUS_DETAILS_METADATA_KEY and not fields:
+            fields = _fields_of_status(value, code, details)
     if code == grpc.StatusCode.CANCELLED:
         code = grpc.StatusCode.DEADLINE_EXCEEDED
-    return error_for_code(code, message, executed=executed)
+    fields.setdefault("executed", executed)
+    return error_for_code(code, message, **fields)
+
+
+class _Status(NamedTuple):
+    """A ``grpc.Status`` for ``context.abort_with_status``."""
+
+    code: grpc.StatusCode
+    details: str
+    trailing_metadata: tuple[tuple[str, str | bytes], ...]
+
+
+class _GrpcStatus(_Status, grpc.Status):
+    pass
+
+
+def to_grpc_status(
+    err: CollectiveError, trailing_metadata: Sequence[tuple[str, str | bytes]] | None = None
+) -> grpc.Status:
+    """The status a server aborts with for ``err``: its code and message, an
+    ``ErrorInfo`` in the ``google.rpc.Status`` details, ``collectives-executed: no``
+    for an op that never started, and ``trailing_metadata`` (what the call had
+    already set; ``abort_with_status`` replaces it) minus any older details."""
+    info = error_details_pb2.ErrorInfo(
+        domain=ERROR_DOMAIN, reason=_bounded(err.reason) or _NO_REASON
+    )
+    metadata = info.metadata
+    if err.op_id is not None:
+        metadata["op_id"] = str(int(err.op_id))
+    if err.generation is not None:
+        metadata["generation"] = str(int(err.generation))
+    if err.kind:
+        metadata["kind"] = _bounded(err.kind)
+    if err.tensor:
+        metadata["tensor"] = _bounded(err.tensor)
+    if err.ranks:
+        metadata["ranks"] = ",".join(str(int(r)) for r in err.ranks[:_MAX_RANKS])
+    if err.executed is not None:
+        metadata["executed"] = "yes" if err.executed else "no"
+    status = status_pb2.Status(code=err.code.value[0], message=err.message)
+    status.details.add().Pack(info)
+    kept = [
+        (key, value)
+        for key, value in trailing_metadata or ()
+        if key not in (STATUS_DETAILS_METADATA_KEY, EXECUTED_METADATA_KEY)
+    ]
+    if err.executed is False:
+        kept.append((EXECUTED_METADATA_KEY, "no"))
+    kept.append((STATUS_DETAILS_METADATA_KEY, status.SerializeToString()))
+    return _GrpcStatus(err.code, err.message, tuple(kept))
+
+
+def _bounded(text: str | None) -> str:
+    return (text or "")[:_MAX_FIELD_CHARS]
+
+
+def _fields_of_status(raw: object, code: grpc.StatusCode, details: str | None) -> dict[str, Any]:
+    """The ErrorInfo fields of a serialized ``google.rpc.Status``; {} if there are none.
+
+    Like ``grpc_status.rpc_status.from_call``, details whose code or message
+    disagree with the call's are not believed.
+    """
+    try:
+        status = status_pb2.Status.FromString(bytes(raw))  # type: ignore[arg-type]
+        if status.code != code.value[0] or status.message != (details or ""):
+            return {}
+        for detail in status.details:
+            info = error_details_pb2.ErrorInfo()
+            ours = detail.Is(info.DESCRIPTOR) and detail.Unpack(info)
+            if ours and info.domain == ERROR_DOMAIN:
+                return _fields_of_info(info)
+    except Exception:  # a server that is not ours, or bytes that do not decode
+        return {}
+    return {}
+
+
+def _fields_of_info(info: error_details_pb2.ErrorInfo) -> dict[str, Any]:
+    meta = info.metadata
+    fields: dict[str, Any] = {}
+    if info.reason and info.reason != _NO_REASON:
+        fields["reason"] = info.reason
+    for key in ("op_id", "generation"):
+        if key in meta:
+            fields[key] = int(meta[key])
+    for key in ("kind", "tensor"):
+        if meta.get(key):
+            fields[key] = meta[key]
+    if meta.get("ranks"):
+        fields["ranks"] = tuple(int(r) for r in meta["ranks"].split(","))
+    if "executed" in meta:
+        fields["executed"] = meta["executed"] != "no"
+    return fields

@@ -15,7 +15,11 @@ call is never parsed) that rewrites each method handler:
   inside the wrapper: bytes that do not decode are ``INVALID_ARGUMENT
   "<method>: malformed request"``;
 * a :class:`~collectives.errors.CollectiveError` escaping a servicer keeps its
-  status and message (what servicers already return is unchanged);
+  status and message (what servicers already return is unchanged) and gains
+  ``google.rpc.Status`` details: an ``ErrorInfo`` with its structured fields
+  (op id, generation, kind, tensor, ranks, reason, executed), built by
+  :func:`collectives.errors.to_grpc_status` (:func:`abort_with_error`; the
+  worker's guard decorators use the same function);
 * anything else becomes ``INTERNAL "internal error (id <hex>)"``; the
   exception and its traceback go only to the daemon's log, under that id, so an
   operator can find them from the client's error.
@@ -34,9 +38,16 @@ from typing import Any
 
 import grpc
 
-from collectives.errors import EXECUTED_METADATA_KEY, CollectiveError, InvalidArgument
+from collectives.errors import CollectiveError, InvalidArgument, Reason, to_grpc_status
 
-__all__ = ["ErrorBoundary", "abort_internal", "guard_handler", "internal_error_id", "is_abort"]
+__all__ = [
+    "ErrorBoundary",
+    "abort_internal",
+    "abort_with_error",
+    "guard_handler",
+    "internal_error_id",
+    "is_abort",
+]
 
 log = logging.getLogger("collectives_server.rpc_errors")
 
@@ -56,6 +67,18 @@ def abort_internal(context: grpc.ServicerContext, where: str, exc: BaseException
     context.abort(grpc.StatusCode.INTERNAL, f"internal error (id {error_id})")
 
 
+def abort_with_error(context: grpc.ServicerContext, err: CollectiveError) -> None:
+    """Aborts the call with ``err``'s code and message, its fields as an ``ErrorInfo``
+    in the status details, and ``collectives-executed: no`` for an op that never ran.
+
+    Trailing metadata the call had already set is kept (``abort_with_status``
+    replaces it). Raises, like ``context.abort``.
+    """
+    trailers = getattr(context, "trailing_metadata", None)
+    current = trailers() if callable(trailers) else None
+    context.abort_with_status(to_grpc_status(err, current))
+
+
 def is_abort(context: grpc.ServicerContext, exc: BaseException) -> bool:
     """Whether ``exc`` is the one ``context.abort`` raises (the call's status is set)."""
     state = getattr(context, "_state", None)
@@ -69,9 +92,7 @@ def _handle(exc: Exception, context: grpc.ServicerContext, method: str) -> None:
     if is_abort(context, exc):
         raise exc
     if isinstance(exc, CollectiveError):
-        if exc.executed is False:
-            context.set_trailing_metadata(((EXECUTED_METADATA_KEY, "no"),))
-        context.abort(exc.code, exc.message)
+        abort_with_error(context, exc)
     if isinstance(exc, grpc.RpcError) and not context.is_active():
         raise exc  # the client cancelled or went away: there is nobody to tell
     abort_internal(context, method, exc)
@@ -87,7 +108,8 @@ def _parser(deserializer: Callable[[bytes], Any] | None, method: str):
             return deserializer(raw)
         except Exception:  # protobuf's DecodeError, or anything a decoder raises
             raise InvalidArgument(
-                f"{rpc}: malformed request (the message does not decode)"
+                f"{rpc}: malformed request (the message does not decode)",
+                reason=Reason.MALFORMED_REQUEST,
             ) from None
 
     return parse

@@ -2,7 +2,10 @@
 
 Every servicer method is wrapped: ``CollectiveError`` becomes its status code
 and message (with ``collectives-executed: no`` trailing metadata for ops that
-never started), anything unexpected becomes ``INTERNAL`` with only an error id
+never started, and an ``ErrorInfo`` status detail with its structured fields,
+see :func:`collectives_server.rpc_errors.abort_with_error`; the request's tensor
+or model name and the counted call's kind fill the fields left unset), anything
+unexpected becomes ``INTERNAL`` with only an error id
 (details in the log; see :mod:`collectives_server.rpc_errors`) without taking the
 worker down, and ``_counted`` records the outcome and latency in the worker's
 status and metrics.
@@ -10,22 +13,23 @@ status and metrics.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import time
 
 import grpc
 
-from collectives.errors import EXECUTED_METADATA_KEY, CollectiveError
-from collectives_server.rpc_errors import abort_internal, is_abort
+from collectives.errors import CollectiveError
+from collectives.names import MAX_NAME_LENGTH
+from collectives_server.rpc_errors import abort_internal, abort_with_error, is_abort
 from collectives_server.worker.status import data_op_done
 
 __all__ = ["abort", "guard", "guard_stream", "counted"]
 
 
-def abort(context: grpc.ServicerContext, err: CollectiveError) -> None:
-    if err.executed is False:
-        context.set_trailing_metadata(((EXECUTED_METADATA_KEY, "no"),))
-    context.abort(err.code, err.message)
+def abort(context: grpc.ServicerContext, err: CollectiveError, request: object = None) -> None:
+    """Aborts with ``err`` (status details included), naming the request's tensor if unset."""
+    abort_with_error(context, _annotated(err, request))
 
 
 def guard(method):
@@ -35,7 +39,7 @@ def guard(method):
         try:
             return method(self, request, context)
         except CollectiveError as err:
-            abort(context, err)
+            abort(context, err, request)
         except Exception as exc:
             if isinstance(exc, grpc.RpcError) or is_abort(context, exc):
                 raise
@@ -50,7 +54,7 @@ def guard_stream(method):
         try:
             yield from method(self, request, context)
         except CollectiveError as err:
-            abort(context, err)
+            abort(context, err, request)
 
     wrapper.__name__ = method.__name__
     return wrapper
@@ -59,6 +63,19 @@ def guard_stream(method):
 def _subject(request: object) -> str:
     """The tensor or model a request is about, for op records and logs."""
     return getattr(request, "name", "") or getattr(request, "model", "")
+
+
+def _named(request: object) -> str:
+    """:func:`_subject` for an error's details: a client-chosen string, so only one
+    of a name's length (a longer one is refused by name validation anyway)."""
+    subject = _subject(request)
+    return subject if isinstance(subject, str) and len(subject) <= MAX_NAME_LENGTH else ""
+
+
+def _annotated(err: CollectiveError, request: object, kind: str | None = None) -> CollectiveError:
+    """A copy of ``err`` (it may be shared by several calls) with the request's
+    tensor and the call's kind in the fields it left unset."""
+    return copy.copy(err).with_context(kind=kind, tensor=_named(request))
 
 
 def counted(kind: str):
@@ -76,7 +93,7 @@ def counted(kind: str):
                 return response
             except CollectiveError as err:
                 code, message = err.code, err.message
-                raise
+                raise _annotated(err, request, kind) from None
             except Exception:
                 code, message = grpc.StatusCode.INTERNAL, "internal error (see the worker's log)"
                 raise
@@ -90,7 +107,7 @@ def counted(kind: str):
                 yield from method(self, request, context)
             except CollectiveError as err:
                 code, message = err.code, err.message
-                raise
+                raise _annotated(err, request, kind) from None
             except GeneratorExit:
                 code, message = grpc.StatusCode.CANCELLED, "the client cancelled the stream"
                 raise

@@ -1,0 +1,46 @@
+"""On a real local cluster, failed calls carry structured fields in their status
+details and the SDK exposes them as attributes (sync and ``async_op`` alike),
+beside the messages ``test_errors.py`` checks.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+from helpers import make_input
+
+import collectives
+
+TIMEOUT_S = 30.0
+
+
+def test_get_of_a_missing_tensor_names_it_and_the_call(cluster2, uname):
+    name = uname("missing")
+    with pytest.raises(collectives.NotFound) as info:
+        cluster2.get(name, rank=0, timeout=TIMEOUT_S)
+    err = info.value
+    assert err.code == grpc.StatusCode.NOT_FOUND and name in err.message
+    assert str(err).startswith("NOT_FOUND: ")
+    assert err.tensor == name and err.kind == "get"
+    assert err.op_id is None and err.ranks == ()
+
+
+def test_a_failed_async_collective_names_its_tensor_and_generation(cluster2, uname):
+    name = uname("missing")
+    work = cluster2.all_reduce(name, timeout=TIMEOUT_S, async_op=True)
+    with pytest.raises(collectives.NotFound) as info:
+        work.wait(TIMEOUT_S)
+    err = info.value
+    assert name in err.message and err.tensor == name
+    assert err.generation is not None and err.generation == work.generation
+
+
+def test_an_operand_on_some_ranks_only_names_the_tensor(cluster2, gen, uname):
+    name = uname("partial")
+    cluster2.put(name, make_input(torch.float32, (4,), gen), rank=0)
+    with pytest.raises(collectives.FailedPrecondition) as info:
+        cluster2.all_reduce(name, timeout=TIMEOUT_S)
+    err = info.value
+    assert name in err.message and err.tensor == name
+    assert err.generation == cluster2.generation
