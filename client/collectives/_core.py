@@ -487,9 +487,13 @@ class GenerationBinding:
 
 
 def is_not_executed(err: CollectiveError) -> bool:
-    """Collectives are retried only on ``UNAVAILABLE`` that the server marks never started.
+    """Collectives are retried only when the server says they never started and a retry
+    can succeed: ``UNAVAILABLE`` (not the leader, a transient transport error) or the
+    leader's queue being full (it drains); always within the call's deadline.
 
-    Other codes marked not executed (operands missing, queue full) would fail the
-    same way again, so they are the caller's to handle.
+    Other codes marked not executed (operands missing) would fail the same way
+    again, so they are the caller's to handle.
     """
-    return err.executed is False and isinstance(err, Unavailable)
+    if err.executed is not False:
+        return False
+    return isinstance(err, Unavailable) or err.reason == Reason.QUEUE_FULL

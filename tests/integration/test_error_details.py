@@ -44,3 +44,20 @@ def test_an_operand_on_some_ranks_only_names_the_tensor(cluster2, gen, uname):
     err = info.value
     assert name in err.message and err.tensor == name
     assert err.generation == cluster2.generation
+
+
+def test_a_failed_collective_carries_the_engines_op_id_kind_ranks_and_reason(cluster2, gen, uname):
+    """The op engine fills the structured fields: which op, which kind, which ranks."""
+    name = uname("partial")
+    cluster2.put(name, make_input(torch.float32, (4,), gen), rank=0)
+    with pytest.raises(collectives.FailedPrecondition) as info:
+        cluster2.all_reduce(name, timeout=TIMEOUT_S)
+    err = info.value
+    assert err.kind == "all_reduce" and err.reason == "OPERAND_MISSING"
+    assert err.ranks == (1,), err  # the rank that lacks the operand
+    assert isinstance(err.op_id, int) and err.op_id > 0
+    assert f"op {err.op_id} (all_reduce, generation {err.generation})" in err.message
+    cluster2.put(name, make_input(torch.float32, (5,), gen), rank=1)
+    with pytest.raises(collectives.FailedPrecondition) as info:
+        cluster2.all_reduce(name, timeout=TIMEOUT_S)
+    assert info.value.reason == "OPERAND_MISMATCH" and info.value.op_id > err.op_id

@@ -5,7 +5,9 @@ refuses before allocating, commits nothing, and kills nothing."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import signal
 
 import grpc
 import pytest
@@ -22,8 +24,13 @@ QUEUE = 2
 
 
 @pytest.fixture(scope="module")
-def limited(local_cluster):
-    address = local_cluster(2, "--max-tensor-bytes", "8MiB", "--queue-size", str(QUEUE))
+def limited_address(local_cluster) -> str:
+    return local_cluster(2, "--max-tensor-bytes", "8MiB", "--queue-size", str(QUEUE))
+
+
+@pytest.fixture(scope="module")
+def limited(limited_address):
+    address = limited_address
     client = collectives.connect(address, timeout=CONNECT_TIMEOUT_S)
     wait_until(
         lambda: (
@@ -172,3 +179,54 @@ def test_full_op_queue_answers_resource_exhausted(clean, uname) -> None:
     for rank in range(2):
         torch.testing.assert_close(client.get(name, rank=rank), expected, rtol=1e-4, atol=1e-3)
     _alive(pids)
+
+
+def test_sdk_retries_a_full_queue_within_the_generation_and_every_op_runs_once(
+    limited_address, clean, gen, uname, caplog
+) -> None:
+    """Issue 10: a never-started op (the leader's queue was full) is retried while the
+    generation is unchanged, and succeeds; each op ran exactly once (torch's sum).
+
+    The queue is filled deterministically: the follower is stopped (SIGSTOP) so the
+    leader's first op blocks; two more fill its queue of 2; the rest are refused with
+    QUEUE_FULL and retried by the SDK; the follower resumes well inside its lease."""
+    client, channels = clean
+    follower_pid = _pids(channels)[1]
+    names = [uname(f"r{i}") for i in range(6)]
+    parts = {n: [torch.randn(1 << 10, generator=gen) for _ in range(2)] for n in names}
+    for n in names:
+        for rank in range(2):
+            client.put(n, parts[n][rank], rank=rank)
+    generation = client.generation
+    leader = worker_pb2_grpc.WorkerStub(channels[0])
+    caplog.set_level(logging.INFO, logger="collectives")
+    clients = [collectives.connect(limited_address, timeout=CONNECT_TIMEOUT_S) for _ in names]
+    os.kill(follower_pid, signal.SIGSTOP)
+    try:
+        works = [c.all_reduce(n, async_op=True) for c, n in zip(clients[:3], names, strict=False)]
+        wait_until(
+            lambda: leader.GetState(worker_pb2.GetStateRequest(), timeout=5).queue_depth == QUEUE,
+            5,
+            "the leader's queue to fill behind the blocked op",
+        )
+        works += [
+            c.all_reduce(n, async_op=True) for c, n in zip(clients[3:], names[3:], strict=True)
+        ]
+        wait_until(
+            lambda: any("queue is full" in r.getMessage() for r in caplog.records),
+            5,
+            "the SDK to meet a full queue and retry",
+        )
+    finally:
+        os.kill(follower_pid, signal.SIGCONT)
+    try:
+        for work in works:
+            assert work.wait(60) is None
+            assert work.generation == generation
+    finally:
+        for c in clients:
+            c.close()
+    for n in names:
+        for rank in range(2):
+            torch.testing.assert_close(client.get(n, rank=rank), parts[n][0] + parts[n][1])
+    assert client.generation == generation  # no membership change: the lease held

@@ -107,6 +107,8 @@ class OpContext:
         """The error every rank reports when some ranks' outcomes failed."""
         first = failures[0]
         ranks = ", ".join(str(f.rank) for f in failures)
-        error = error_for_code(first.code, f"failed on rank(s) {ranks}: {first.message}")
-        error.ranks = tuple(f.rank for f in failures)
-        return error
+        return error_for_code(
+            first.code,
+            f"failed on rank(s) {ranks}: {first.message}",
+            ranks=tuple(f.rank for f in failures),
+        )

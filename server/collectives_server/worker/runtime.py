@@ -28,8 +28,8 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from collectives.errors import CollectiveError, Unavailable, error_for_code
-from collectives.op_specs import OpKind, kind_name
+from collectives.errors import CollectiveError, Reason, Unavailable, error_for_code
+from collectives.op_specs import OpKind, kind_name, subject
 from collectives.v1 import worker_pb2
 from collectives_server.worker import descriptor, op_failures
 from collectives_server.worker.collective_ops import Spares
@@ -324,6 +324,11 @@ class GenerationRuntime:
                     f"{self.generation}: {exc}. A worker was probably lost; the cluster "
                     "re-forms without it. The op did not complete; nothing was committed "
                     "unless every rank agreed it succeeded.",
+                    generation=self.generation,
+                    op_id=desc.op_id,
+                    kind=kind_name(desc.kind),
+                    tensor=subject(desc) or None,
+                    reason=Reason.PEER_LOST,
                 )
             )
         self._drain(f"the process group of generation {self.generation} broke")
@@ -340,14 +345,15 @@ class GenerationRuntime:
         if isinstance(result, CollectiveError):
             # Every rank words the failure the same way, with the op id the
             # worker logs carry, so a client's error can be found in them.
-            wrapped = error_for_code(
+            fields = result.fields()
+            fields.update(op_id=desc.op_id, generation=self.generation, kind=kind_name(desc.kind))
+            fields["tensor"] = fields["tensor"] or subject(desc) or None
+            result = error_for_code(
                 result.code,
                 f"op {desc.op_id} ({kind_name(desc.kind)}, generation {self.generation}): "
                 f"{result.message}",
-                executed=result.executed,
+                **fields,
             )
-            wrapped.ranks = getattr(result, "ranks", ())
-            result = wrapped
         else:
             result = dataclasses.replace(result, latency_s=latency)
         self._on_op_done(desc, result, latency)

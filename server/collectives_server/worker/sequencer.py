@@ -29,7 +29,13 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from collectives.errors import CollectiveError, DeadlineExceeded, ResourceExhausted, Unavailable
+from collectives.errors import (
+    CollectiveError,
+    DeadlineExceeded,
+    Reason,
+    ResourceExhausted,
+    Unavailable,
+)
 from collectives.op_specs import kind_name
 from collectives.v1 import worker_pb2
 
@@ -86,11 +92,15 @@ class Sequencer:
                 f"generation {self.generation} is over ({self.closed_because}); "
                 "refresh the cluster and retry",
                 executed=False,
+                generation=self.generation,
+                reason=Reason.GENERATION_CHANGED,
             )
         if len(self._queue) >= self.capacity:
             raise ResourceExhausted(
                 f"the leader's op queue is full ({self.capacity} ops); retry later",
                 executed=False,
+                generation=self.generation,
+                reason=Reason.QUEUE_FULL,
             )
         desc.op_id = self._next_op_id
         desc.generation = self.generation
@@ -107,6 +117,8 @@ class Sequencer:
                 f"the cluster is at {self.generation}; nothing was run. Refresh the cluster "
                 "and reissue it if its operands are still placed as intended",
                 executed=False,
+                generation=expected,
+                reason=Reason.GENERATION_CHANGED,
             )
 
     def cancel(self, ticket: Ticket) -> bool:
@@ -129,6 +141,9 @@ class Sequencer:
                         f"op {ticket.desc.op_id} ({kind_name(ticket.desc.kind)}) did not start "
                         f"before its deadline (queue depth {len(self._queue)}); it was dropped",
                         executed=False,
+                        generation=self.generation,
+                        op_id=ticket.desc.op_id,
+                        reason=Reason.TIMEOUT,
                     )
                 )
                 continue
@@ -144,7 +159,7 @@ class Sequencer:
         """Records that something (an op or a tick) was just announced."""
         self._last_announced = self._clock()
 
-    def drain(self, why: str) -> list[Ticket]:
+    def drain(self, why: str, reason: Reason = Reason.PEER_LOST) -> list[Ticket]:
         """Fails and returns every queued op (none had started); admission stays open."""
         queued = list(self._queue)
         self._queue.clear()
@@ -154,6 +169,10 @@ class Sequencer:
                     f"op {ticket.desc.op_id} ({kind_name(ticket.desc.kind)}) of generation "
                     f"{self.generation} did not start: {why}; nothing was committed",
                     executed=False,
+                    generation=self.generation,
+                    op_id=ticket.desc.op_id,
+                    kind=kind_name(ticket.desc.kind),
+                    reason=reason,
                 )
             )
         return queued
@@ -164,4 +183,5 @@ class Sequencer:
             reason = f"superseded by generation {successor}"
         if self.closed_because is None:
             self.closed_because = reason
-        return self.drain(f"generation {self.generation} ended ({self.closed_because})")
+        why = f"generation {self.generation} ended ({self.closed_because})"
+        return self.drain(why, Reason.GENERATION_CHANGED)

@@ -21,7 +21,7 @@ import torch
 
 from collectives.codec import check_shape
 from collectives.dtypes import from_wire, to_wire
-from collectives.errors import InvalidArgument
+from collectives.errors import InvalidArgument, Reason
 from collectives.op_specs import Operand, OpSpec, check_dim0_divisible
 from collectives.reduce_ops import ReduceOp, check_op_for_dtype
 from collectives_server.worker.store import quota_message
@@ -76,6 +76,8 @@ class OperandInfo:
 class OpError:
     code: grpc.StatusCode
     message: str
+    reason: str | None = None  # collectives.errors.Reason
+    ranks: tuple[int, ...] = ()  # the ranks at fault, when some are
 
 
 @dataclass(frozen=True)
@@ -164,6 +166,8 @@ def decide(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"tensor {name!r} disagrees across ranks ({described}); {spec.name} needs the "
                 "same dtype and shape on every rank",
+                reason=Reason.OPERAND_MISMATCH,
+                ranks=tuple(differing),
             )
     assert reference.dtype is not None
     try:
@@ -196,22 +200,28 @@ def _missing(
                 f"tensor {name!r} not found on any rank of the group (ranks "
                 f"{_ranks(members)}); put it on {spec.root_role} rank {root} before the "
                 f"{spec.name}",
+                reason=Reason.OPERAND_MISSING,
             )
         return OpError(
             grpc.StatusCode.FAILED_PRECONDITION,
             f"tensor {name!r} is missing on {spec.root_role} rank {root} (present on rank(s) "
             f"{_ranks(holders)}); {spec.name} needs it on the {spec.root_role} rank",
+            reason=Reason.OPERAND_MISSING,
+            ranks=(root,),
         )
     if len(missing) == len(required):
         return OpError(
             grpc.StatusCode.NOT_FOUND,
             f"tensor {name!r} not found on any rank of the group (ranks {_ranks(members)})",
+            reason=Reason.OPERAND_MISSING,
         )
     return OpError(
         grpc.StatusCode.FAILED_PRECONDITION,
         f"tensor {name!r} is missing on rank(s) {_ranks(missing)} but present on "
         f"rank(s) {_ranks([r for r in required if r not in missing])}; {spec.name} needs it "
         "on every rank of the group",
+        reason=Reason.OPERAND_MISSING,
+        ranks=tuple(missing),
     )
 
 
@@ -235,4 +245,9 @@ def _check_quota(
     if not over:
         return None
     ranks = ", ".join(str(r) for r, _ in over)
-    return OpError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"failed on rank(s) {ranks}: {over[0][1]}")
+    return OpError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"failed on rank(s) {ranks}: {over[0][1]}",
+        reason=Reason.QUOTA,
+        ranks=tuple(r for r, _ in over),
+    )

@@ -111,7 +111,7 @@ def run_tensor_op(
             op, args.name, members, exchanged.infos, args.root, reduce_op, target
         )
         if isinstance(plan, validation.OpError):
-            return error_for_code(plan.code, plan.message)
+            return error_for_code(plan.code, plan.message, reason=plan.reason, ranks=plan.ranks)
         contributors = op.contributors(members, args.root)
         if ann.inline is not None and all(
             exchanged.infos[r].nbytes <= ann.inline for r in contributors
