@@ -5,9 +5,9 @@ module converted by :func:`collectives.errors.from_rpc_error`, so the rest of
 the SDK deals in :class:`~collectives.errors.CollectiveError` only.
 
 The data plane bypasses the generated protobuf classes: ``PutTensor`` is fed
-the hand-framed bytes of :func:`collectives.codec.encode_tensor_stream` (a
+the hand-framed bytes of :func:`collectives.wire.codec.encode_tensor_stream` (a
 multi-callable with ``request_serializer=None`` passes bytes through), and
-``GetTensor`` responses arrive as bytes that :func:`collectives.codec.decode_part`
+``GetTensor`` responses arrive as bytes that :func:`collectives.wire.codec.decode_part`
 splits into a header and memoryview chunks. The messages on the wire are still
 the ``PutTensorRequest``/``GetTensorResponse`` protobufs of ``worker.proto``.
 """
@@ -23,7 +23,7 @@ from typing import TypeVar
 import grpc
 import torch
 
-from collectives import bulk, codec, shm
+from collectives import bulk, shm
 from collectives._channels import (
     CHANNEL_OPTIONS,
     call_unary,
@@ -31,7 +31,6 @@ from collectives._channels import (
     wait_channel_ready,
 )
 from collectives._channels import deadline_s as _deadline_s
-from collectives._security import PLAINTEXT, ChannelSecurity
 from collectives.errors import (
     CollectiveError,
     InvalidArgument,
@@ -41,6 +40,8 @@ from collectives.errors import (
 )
 from collectives.errors import from_rpc_error as _from_rpc_error
 from collectives.v1 import tensor_pb2, worker_pb2, worker_pb2_grpc
+from collectives.wire import codec
+from collectives.wire.security import PLAINTEXT, ChannelSecurity
 
 __all__ = [
     "CHANNEL_OPTIONS",

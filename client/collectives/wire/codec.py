@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from collectives import _channels
-from collectives._memory import empty_bytes
 from collectives.dtypes import from_wire, to_wire
 from collectives.errors import InvalidArgument, ResourceExhausted
 from collectives.v1 import tensor_pb2
+from collectives.wire.limits import MAX_MESSAGE_BYTES
+from collectives.wire.memory import empty_bytes
 
 __all__ = [
     "CHUNK_BYTES",
@@ -39,6 +39,7 @@ __all__ = [
     "tensor_memoryview",
     "make_header",
     "check_header",
+    "CheckedHeader",
     "check_shape",
     "allocate_bytes",
     "MAX_DIMS",
@@ -55,8 +56,8 @@ if sys.byteorder != "little":  # pragma: no cover - no big-endian torch builds i
 # A chunk plus its framing stays under gRPC's default 4 MiB message limit, so
 # clients with default settings (grpcurl, other languages) can stream too.
 CHUNK_BYTES = 4 * 1024 * 1024 - 4096
-# What our own channels and servers accept: one chunk, framing, and a header.
-MAX_MESSAGE_BYTES = _channels.MAX_MESSAGE_BYTES
+# What our own channels and servers accept (MAX_MESSAGE_BYTES, from .limits):
+# one chunk, framing, and a header.
 # A sanity bound for declared sizes (1 TiB): larger headers are rejected before allocating.
 MAX_TENSOR_BYTES = 1 << 40
 MAX_DIMS = 64
@@ -250,7 +251,7 @@ def _physical_bytes() -> int | None:
 
 
 def allocate_bytes(nbytes: int, pin_memory: bool = False) -> torch.Tensor:
-    """A receive buffer of ``nbytes`` (see :func:`collectives._memory.empty_bytes`), or a
+    """A receive buffer of ``nbytes`` (see :func:`collectives.wire.memory.empty_bytes`), or a
     clear error instead of a ``MemoryError``/allocator ``RuntimeError``.
 
     Over :data:`MAX_TENSOR_BYTES` (or negative) is :class:`InvalidArgument`; more than

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from collectives._security import check_token
+from collectives.wire.security import check_token
 
 __all__ = [
     "WORKER_TOKEN_METADATA",

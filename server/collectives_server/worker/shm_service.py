@@ -29,10 +29,11 @@ from typing import Any
 
 import torch
 
-from collectives import codec, shm
+from collectives import shm
 from collectives.errors import FailedPrecondition, PermissionDenied, ResourceExhausted
 from collectives.names import validate_name
 from collectives.v1 import worker_pb2
+from collectives.wire import codec, shm_names
 from collectives_server.worker.peer_identity import loopback_peer_uid
 
 __all__ = ["ShmLimits", "WorkerSegments", "get_tensor_shm", "put_tensor_shm"]
@@ -97,7 +98,7 @@ class WorkerSegments:
                 else None
             )
             try:
-                path = shm.create_segment(wire, "get")
+                path = shm.create_segment(wire, shm_names.WORKER_GET)
             except BaseException:
                 if hold is not None:
                     hold.release()
@@ -136,9 +137,9 @@ class WorkerSegments:
     def sweep_stale() -> int:
         """Unlinks get segments left by workers that are no longer running."""
         removed = 0
-        for path in glob.glob(os.path.join(shm.SHM_DIR, "collectives-get-*-*")):
-            pid = os.path.basename(path).split("-")[2]
-            if pid.isdigit() and not _alive(int(pid)):
+        for path in glob.glob(shm_names.WORKER_GET_GLOB):
+            pid = shm_names.creator_pid(path)
+            if pid is not None and not _alive(pid):
                 shm.unlink(path)
                 removed += 1
         return removed

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from collectives.codec import check_shape
 from collectives.dtypes import from_wire, to_wire
 from collectives.errors import InvalidArgument
 from collectives.reduce_ops import ReduceOp, check_op_for_dtype
+from collectives.wire.codec import check_shape
 from collectives_server.worker.store import quota_message
 
 __all__ = [
