@@ -14,7 +14,7 @@ is 0 with TLS on, or with ``--no-bulk``); the SDK then streams over gRPC.
 A leaf of the SDK: it imports :mod:`collectives.wire` (the framing it shares
 with the worker, :mod:`collectives.wire.bulk_frames`), :mod:`collectives.errors`
 and the generated stubs, nothing else of the SDK; whether a transfer takes the
-bulk port at all is decided by its callers.
+bulk port at all is decided in :func:`collectives._transport.choose_path`.
 """
 
 from __future__ import annotations

@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 
 import collectives.codec
+from collectives._transport import DataPath, choose_path
+from collectives.bulk import BulkPort
 from collectives.wire import codec as wire_codec
+from collectives.wire.bulk_frames import BULK_MIN_BYTES
 
 ROOT = Path(__file__).resolve().parents[2]
 SDK = ROOT / "client" / "collectives"
@@ -68,3 +71,38 @@ def test_collectives_codec_reexports_the_wire_codec() -> None:
     assert collectives.codec.__all__ == wire_codec.__all__
     for name in wire_codec.__all__:
         assert getattr(collectives.codec, name) is getattr(wire_codec, name)
+
+
+class _Endpoint:
+    """What choose_path asks of a worker endpoint; counts GetDataPlane calls."""
+
+    def __init__(self, bulk_port: int) -> None:
+        self.address = "127.0.0.1:1"
+        self.bulk = BulkPort()
+        self.stub = self
+        self.asked = 0
+        self._bulk_port = bulk_port
+
+    def GetDataPlane(self, request, timeout):  # noqa: N802 - the RPC's name
+        self.asked += 1
+        return type("DataPlaneResponse", (), {"bulk_port": self._bulk_port})()
+
+
+def test_choose_path_prefers_shared_memory_then_the_bulk_port_then_the_stream() -> None:
+    endpoint = _Endpoint(bulk_port=4242)
+    route = choose_path(endpoint, 5.0, nbytes=BULK_MIN_BYTES, shared_memory=True)
+    assert route.path is DataPath.SHM and endpoint.asked == 0
+    assert choose_path(endpoint, 5.0, nbytes=BULK_MIN_BYTES - 1).path is DataPath.STREAM
+    assert endpoint.asked == 0  # a small put does not even ask for the port
+    route = choose_path(endpoint, 5.0, nbytes=BULK_MIN_BYTES)
+    assert (route.path, route.bulk_port) == (DataPath.BULK, 4242)
+    assert choose_path(endpoint, 5.0, nbytes=None).path is DataPath.BULK  # a get
+    assert endpoint.asked == 1  # asked once per channel
+    endpoint.bulk.suspend(60.0)
+    assert choose_path(endpoint, 5.0, nbytes=None).path is DataPath.STREAM
+
+
+def test_choose_path_streams_to_a_worker_without_a_bulk_port() -> None:
+    endpoint = _Endpoint(bulk_port=0)
+    assert choose_path(endpoint, 5.0, nbytes=BULK_MIN_BYTES).path is DataPath.STREAM
+    assert choose_path(endpoint, 5.0, nbytes=None).path is DataPath.STREAM
