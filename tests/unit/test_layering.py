@@ -1,7 +1,9 @@
 """Who may import what: the wire package is what the SDK and the servers share.
 
 The servers import the SDK's public modules only (no ``collectives._*``); the
-wire package and the SDK's bulk client are leaves; ``collectives.codec`` still
+worker imports nothing of the coordinator (what both need is in
+``collectives_server.control_protocol``); the wire package and the SDK's bulk
+client are leaves; ``collectives.codec`` still
 offers what it offered before the codec moved to ``collectives.wire.codec``.
 """
 
@@ -45,6 +47,16 @@ def test_the_servers_import_no_private_sdk_module() -> None:
         for path in SERVER.rglob("*.py")
         for module in _imports(path)
         if _ours(module) and any(part.startswith("_") for part in module.split(".")[1:])
+    }
+    assert not bad
+
+
+def test_the_worker_imports_nothing_of_the_coordinator() -> None:
+    bad = {
+        f"{path.relative_to(ROOT)}: {module}"
+        for path in (SERVER / "worker").rglob("*.py")
+        for module in _imports(path)
+        if module.startswith("collectives_server.coordinator")
     }
     assert not bad
 
