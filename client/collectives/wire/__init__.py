@@ -1,12 +1,14 @@
 """The wire: what the SDK and the servers must agree on, byte for byte.
 
 Everything here is shared by the SDK (``collectives``) and the daemons
-(``collectives_server``), which import it from this package and from nowhere
-else in the SDK. It is public and kept stable: a module here changes only
-together with both sides, and everything it produces is valid on the wire
-(protobuf framing a generic gRPC client can parse, the bulk port's preludes,
-``/dev/shm`` segment names), so a client or server written in another language
-can interoperate by reading these modules and ``protos/``.
+(``collectives_server``). The daemons take from the SDK this package, the
+generated stubs and a few public modules (errors, names, dtypes, reduce_ops,
+shm), never a private ``collectives._*`` one. It is public and kept stable: a
+module here changes only together with both sides. What it puts on the wire is plain and documented
+(messages framed by hand are still valid protobuf that any gRPC client can
+parse; the bulk port's preludes and the ``/dev/shm`` segment names are spelled
+out here), so a client or server in another language can interoperate by
+reading these modules and ``protos/``.
 
 * :mod:`.codec`: hand-framed ``PutTensorRequest``/``GetTensorResponse`` bytes,
   tensor headers and their checks (``collectives.codec`` re-exports it);
