@@ -13,9 +13,10 @@ from typing import Any, TypeVar
 
 import grpc
 
-from collectives._security import PLAINTEXT, ChannelSecurity
 from collectives.errors import Unavailable, error_for_code
 from collectives.errors import from_rpc_error as _from_rpc_error
+from collectives.wire.limits import MAX_MESSAGE_BYTES
+from collectives.wire.security import PLAINTEXT, ChannelSecurity
 
 __all__ = [
     "CHANNEL_OPTIONS",
@@ -27,9 +28,6 @@ __all__ = [
 ]
 
 R = TypeVar("R")
-
-# Largest gRPC message either side sends: a 4 MiB tensor chunk plus headers.
-MAX_MESSAGE_BYTES = 4 * 1024 * 1024 + 64 * 1024
 
 CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -31,7 +31,6 @@ from typing import TypeVar
 
 from collectives import shm
 from collectives._membership import Membership
-from collectives._security import ChannelSecurity
 from collectives._transport import (
     ChannelPool,
     WorkerEndpoint,
@@ -48,6 +47,7 @@ from collectives.errors import (
     Unavailable,
     annotate,
 )
+from collectives.wire.security import ChannelSecurity
 from collectives.work import OpRecord, Work
 from collectives.workers import ClusterNotFormed, ClusterSnapshot, GenerationRecord, WorkerInfo
 
@@ -98,7 +98,7 @@ class _ClusterCore:
         the first op waits for them.
 
         The keyword arguments (and their environment fallbacks, see
-        :data:`collectives._security.SETTINGS_PRECEDENCE`) secure every channel.
+        :data:`collectives.wire.security.SETTINGS_PRECEDENCE`) secure every channel.
 
         Raises:
             InvalidArgument: ``address`` or ``timeout`` is malformed, or a TLS or

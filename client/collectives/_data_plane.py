@@ -21,8 +21,10 @@ import torch
 from collectives import shm
 from collectives._core import _ClusterCore, annotate
 from collectives._transport import (
+    DataPath,
     WorkerEndpoint,
     call_unary,
+    choose_path,
     get_tensor,
     get_tensor_shm,
     is_retryable_read,
@@ -174,28 +176,37 @@ class _DataPlane(_ClusterCore):
         what = f"get {name!r}"
 
         def get_on(endpoint: WorkerEndpoint, remaining: float) -> torch.Tensor:
-            if self._shm_ok(endpoint.address):
+            shared = self._shm_ok(endpoint.address)
+            route = choose_path(endpoint, remaining, nbytes=None, shared_memory=shared)
+            if route.path is DataPath.SHM:
                 try:
                     return get_tensor_shm(endpoint, name, remaining, self._shm_pool)
                 except CollectiveError as err:
                     if not self._shm_refused_by(endpoint.address, err):
                         raise
-            return get_tensor(endpoint, name, remaining)
+                route = choose_path(endpoint, remaining, nbytes=None)  # refused: not shm
+            return get_tensor(endpoint, name, remaining, route=route)
 
         return self._rank_call(rank, deadline, what, get_on)()
 
     def _put(
         self, name: str, t: torch.Tensor, segment: str | None
     ) -> Callable[[WorkerEndpoint, float], None]:
+        nbytes = t.numel() * t.element_size()
+
         def put_on(endpoint: WorkerEndpoint, remaining: float) -> None:
-            if segment is not None and self._shm_ok(endpoint.address):
+            shared = segment is not None and self._shm_ok(endpoint.address)
+            route = choose_path(endpoint, remaining, nbytes=nbytes, shared_memory=shared)
+            if route.path is DataPath.SHM:
+                assert segment is not None
                 try:
                     put_tensor_shm(endpoint, name, t, segment, remaining)
                     return
                 except CollectiveError as err:
                     if not self._shm_refused_by(endpoint.address, err):
                         raise
-            put_tensor(endpoint, name, t, remaining)
+                route = choose_path(endpoint, remaining, nbytes=nbytes)  # refused: not shm
+            put_tensor(endpoint, name, t, remaining, route=route)
 
         return put_on
 

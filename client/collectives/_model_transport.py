@@ -12,11 +12,11 @@ from collections.abc import Iterator
 import grpc
 import torch
 
-from collectives import codec
 from collectives._transport import WorkerEndpoint
 from collectives.errors import InvalidArgument, error_for_code
 from collectives.errors import from_rpc_error as _from_rpc_error
 from collectives.v1 import tensor_pb2, worker_pb2
+from collectives.wire import codec
 
 __all__ = ["load_model_on", "get_model_tensors", "load_state_dict_on", "MODEL_METADATA_KEY"]
 

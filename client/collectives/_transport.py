@@ -5,15 +5,18 @@ module converted by :func:`collectives.errors.from_rpc_error`, so the rest of
 the SDK deals in :class:`~collectives.errors.CollectiveError` only.
 
 The data plane bypasses the generated protobuf classes: ``PutTensor`` is fed
-the hand-framed bytes of :func:`collectives.codec.encode_tensor_stream` (a
+the hand-framed bytes of :func:`collectives.wire.codec.encode_tensor_stream` (a
 multi-callable with ``request_serializer=None`` passes bytes through), and
-``GetTensor`` responses arrive as bytes that :func:`collectives.codec.decode_part`
+``GetTensor`` responses arrive as bytes that :func:`collectives.wire.codec.decode_part`
 splits into a header and memoryview chunks. The messages on the wire are still
 the ``PutTensorRequest``/``GetTensorResponse`` protobufs of ``worker.proto``.
+Whether a put or get takes shared memory, the worker's bulk port or that gRPC
+stream is decided in one place, :func:`choose_path`.
 """
 
 from __future__ import annotations
 
+import enum
 import os
 import threading
 import time
@@ -23,7 +26,7 @@ from typing import TypeVar
 import grpc
 import torch
 
-from collectives import bulk, codec, shm
+from collectives import bulk, shm
 from collectives._channels import (
     CHANNEL_OPTIONS,
     call_unary,
@@ -31,7 +34,6 @@ from collectives._channels import (
     wait_channel_ready,
 )
 from collectives._channels import deadline_s as _deadline_s
-from collectives._security import PLAINTEXT, ChannelSecurity
 from collectives.errors import (
     CollectiveError,
     InvalidArgument,
@@ -41,12 +43,18 @@ from collectives.errors import (
 )
 from collectives.errors import from_rpc_error as _from_rpc_error
 from collectives.v1 import tensor_pb2, worker_pb2, worker_pb2_grpc
+from collectives.wire import codec
+from collectives.wire.bulk_frames import BULK_MIN_BYTES
+from collectives.wire.security import PLAINTEXT, ChannelSecurity
 
 __all__ = [
     "CHANNEL_OPTIONS",
     "ChannelPool",
+    "DataPath",
+    "Route",
     "WorkerEndpoint",
     "call_unary",
+    "choose_path",
     "get_tensor",
     "is_retryable_read",
     "open_channel",
@@ -127,26 +135,74 @@ class ChannelPool:
             endpoint.channel.close()
 
 
+class DataPath(enum.Enum):
+    """How a tensor's bytes travel between the SDK and a worker."""
+
+    SHM = "shm"  # a /dev/shm segment (same host, opt-in; see collectives.shm)
+    BULK = "bulk"  # the worker's bulk port: raw TCP beside gRPC (see collectives.bulk)
+    STREAM = "stream"  # 4 MiB chunks on the PutTensor/GetTensor gRPC stream
+
+
+@dataclass(frozen=True)
+class Route:
+    """A :class:`DataPath`, with the worker's bulk port for :attr:`DataPath.BULK`."""
+
+    path: DataPath
+    bulk_port: int = 0
+
+
+def choose_path(
+    endpoint: WorkerEndpoint, timeout: float, *, nbytes: int | None, shared_memory: bool = False
+) -> Route:
+    """How a put of ``nbytes`` (a get: None, its size is not known yet) travels.
+
+    Shared memory when the caller may use it with this worker (``shared_memory``:
+    opted in, same host, not refused, and for a put the payload already in a
+    segment); else the worker's bulk port when it has one (asked once per
+    channel; none with TLS, ``--no-bulk``, or while suspended after a refusal) and
+    a put holds at least ``BULK_MIN_BYTES``; else the gRPC stream. A path that
+    fails before moving a byte falls back to the next one: the caller chooses
+    again without ``shared_memory``, and a refused bulk port gives the stream.
+
+    Raises:
+        CollectiveError: asking the worker for its bulk port failed.
+    """
+    if shared_memory:
+        return Route(DataPath.SHM)
+    if nbytes is None or nbytes >= BULK_MIN_BYTES:
+        port = endpoint.bulk.port(endpoint, timeout)
+        if port:
+            return Route(DataPath.BULK, port)
+    return Route(DataPath.STREAM)
+
+
 def put_tensor(
-    endpoint: WorkerEndpoint, name: str, t: torch.Tensor, timeout: float
+    endpoint: WorkerEndpoint,
+    name: str,
+    t: torch.Tensor,
+    timeout: float,
+    route: Route | None = None,
 ) -> worker_pb2.PutTensorResponse:
-    """Stores ``t`` on ``endpoint`` under ``name``: over the worker's bulk port
-    when it has one and ``t`` is at least ``bulk.BULK_MIN_BYTES``, else streamed
-    in chunks of at most 4 MiB.
+    """Stores ``t`` on ``endpoint`` under ``name``: over the worker's bulk port or
+    streamed in chunks of at most 4 MiB, as ``route`` (default: :func:`choose_path`
+    without shared memory) says.
 
     Raises:
         CollectiveError: the worker refused the tensor or the call failed.
     """
     what = f"PutTensor {name!r} to {endpoint.address}"
-    if t.numel() * t.element_size() >= bulk.BULK_MIN_BYTES:
-        port = endpoint.bulk.port(endpoint, timeout)
-        if port:
-            started = time.monotonic()
-            try:
-                return bulk.put_tensor_bulk(endpoint, port, name, codec.wire_tensor(t), timeout)
-            except bulk.BulkUnreachable:
-                endpoint.bulk.suspend()  # full or refusing: the gRPC stream carries it
-                timeout -= time.monotonic() - started
+    if route is None:
+        route = choose_path(endpoint, timeout, nbytes=t.numel() * t.element_size())
+    _check_not_shm(route, what)
+    if route.path is DataPath.BULK:
+        started = time.monotonic()
+        try:
+            return bulk.put_tensor_bulk(
+                endpoint, route.bulk_port, name, codec.wire_tensor(t), timeout
+            )
+        except bulk.BulkUnreachable:
+            endpoint.bulk.suspend()  # full or refusing: the gRPC stream carries it
+            timeout -= time.monotonic() - started
     try:
         return endpoint.put_raw(
             codec.encode_tensor_stream(name, t), timeout=_deadline_s(timeout, what)
@@ -156,20 +212,27 @@ def put_tensor(
 
 
 def get_tensor(
-    endpoint: WorkerEndpoint, name: str, timeout: float, consume: bool = False
+    endpoint: WorkerEndpoint,
+    name: str,
+    timeout: float,
+    consume: bool = False,
+    route: Route | None = None,
 ) -> torch.Tensor:
-    """Downloads the tensor stored under ``name`` into one preallocated CPU buffer
-    (through the worker's bulk port when it has one, else streamed over gRPC).
+    """Downloads the tensor stored under ``name`` into one preallocated CPU buffer,
+    through the worker's bulk port or streamed over gRPC as ``route`` (default:
+    :func:`choose_path` without shared memory) says.
 
     Raises:
         NotFound: the worker holds no tensor under ``name``.
         CollectiveError: the call failed, or the worker sent a malformed stream.
     """
-    port = endpoint.bulk.port(endpoint, timeout)
-    if port:
+    if route is None:
+        route = choose_path(endpoint, timeout, nbytes=None)
+    _check_not_shm(route, f"GetTensor {name!r} from {endpoint.address}")
+    if route.path is DataPath.BULK:
         started = time.monotonic()
         try:
-            return bulk.get_tensor_bulk(endpoint, port, name, timeout, consume)
+            return bulk.get_tensor_bulk(endpoint, route.bulk_port, name, timeout, consume)
         except bulk.BulkUnreachable:
             endpoint.bulk.suspend()  # full or refusing: the gRPC stream carries it
             timeout -= time.monotonic() - started
@@ -204,6 +267,11 @@ def get_tensor(
         raise error_for_code(
             grpc.StatusCode.INTERNAL, f"{what}: malformed response stream: {err.message}"
         ) from None
+
+
+def _check_not_shm(route: Route, what: str) -> None:
+    if route.path is DataPath.SHM:
+        raise ValueError(f"{what}: shared memory goes through put_tensor_shm/get_tensor_shm")
 
 
 def put_tensor_shm(

@@ -10,36 +10,50 @@ read it. A put sends the call and the bytes at the same time; a get asks first
 
 Workers offer a bulk port only in plaintext (``DataPlaneResponse.bulk_port``
 is 0 with TLS on, or with ``--no-bulk``); the SDK then streams over gRPC.
+
+A leaf of the SDK: it imports :mod:`collectives.wire` (the framing it shares
+with the worker, :mod:`collectives.wire.bulk_frames`), :mod:`collectives.errors`
+and the generated stubs, nothing else of the SDK; whether a transfer takes the
+bulk port at all is decided in :func:`collectives._transport.choose_path`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import socket
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 import torch
 
-from collectives import codec
-from collectives._memory import empty_bytes
 from collectives.errors import DeadlineExceeded, InvalidArgument, Unavailable, error_for_code
 from collectives.errors import from_rpc_error as _from_rpc_error
 from collectives.v1 import worker_pb2
+from collectives.wire import codec
+from collectives.wire.bulk_frames import (
+    ACK,
+    BULK_MIN_BYTES,
+    MAGIC,
+    MAGIC_ACKED,
+    NO_TICKET_MARK,
+    TICKET_BYTES,
+    new_ticket,
+)
+from collectives.wire.memory import empty_bytes
 
 if TYPE_CHECKING:
-    from collectives._transport import WorkerEndpoint
+    from collectives.v1 import worker_pb2_grpc
 
 __all__ = [
     "MAGIC",
     "MAGIC_ACKED",
     "TICKET_BYTES",
     "BULK_MIN_BYTES",
+    "BulkEndpoint",
     "BulkPort",
     "BulkUnreachable",
     "new_ticket",
@@ -49,29 +63,14 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"CBK1"
-# A put's prelude that asks the worker to acknowledge its ticket (one byte,
-# ACK) before the payload: a worker that drops the connection (its bulk port is
-# full) is then noticed before any byte is sent, and the put takes the stream.
-MAGIC_ACKED = b"CBK2"
-ACK = b"\x01"
-# How long a put waits for that byte before it takes the stream instead.
+# How long a put waits for the worker's ACK before it takes the stream instead.
 ACK_TIMEOUT_S = 5.0
-# In the worker's DEADLINE_EXCEEDED when no connection presented a put's ticket.
-NO_TICKET_MARK = "no bulk connection presented the ticket"
-TICKET_BYTES = 16
-# Below this a payload goes through gRPC (one chunk): a connection costs more than it saves.
-BULK_MIN_BYTES = 1 << 20
 # Connections are kept for reuse at most this long idle (workers wait 60 s),
 # and at most this many per worker.
 _IDLE_KEEP_S = 20.0
 _MAX_IDLE = 4
 # A put checks between pieces whether its call was already refused.
 _SEND_PIECE = 16 << 20
-
-
-def new_ticket() -> bytes:
-    return os.urandom(TICKET_BYTES)
 
 
 class BulkUnreachable(Unavailable):
@@ -97,7 +96,7 @@ class BulkPort:
         self._idle: list[tuple[float, socket.socket]] = []  # (since, connection)
         self._suspended_until = 0.0
 
-    def port(self, endpoint: WorkerEndpoint, timeout: float) -> int:
+    def port(self, endpoint: BulkEndpoint, timeout: float) -> int:
         """The bulk port; 0 when the worker has none, or while it is suspended."""
         with self._lock:
             if time.monotonic() < self._suspended_until:
@@ -156,6 +155,19 @@ class BulkPort:
         sock.close()
 
 
+class BulkEndpoint(Protocol):
+    """What a transfer needs of a worker's endpoint (the SDK's ``WorkerEndpoint``)."""
+
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def stub(self) -> worker_pb2_grpc.WorkerStub: ...
+
+    @property
+    def bulk(self) -> BulkPort: ...
+
+
 def _ticket_never_arrived(err: grpc.RpcError) -> bool:
     """The worker's answer when no bulk connection presented the put's ticket."""
     return err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and NO_TICKET_MARK in (
@@ -192,7 +204,7 @@ def _host_of(address: str) -> str:
 
 
 def _connect(
-    endpoint: WorkerEndpoint, port: int, ticket: bytes, timeout: float, acked: bool = False
+    endpoint: BulkEndpoint, port: int, ticket: bytes, timeout: float, acked: bool = False
 ) -> socket.socket:
     """A connection (kept or new) to the worker's bulk port, its prelude sent (and,
     with ``acked``, the worker's acknowledgement of the ticket received)."""
@@ -217,7 +229,7 @@ def _connect(
 
 
 def put_tensor_bulk(
-    endpoint: WorkerEndpoint, port: int, name: str, t: torch.Tensor, timeout: float
+    endpoint: BulkEndpoint, port: int, name: str, t: torch.Tensor, timeout: float
 ) -> worker_pb2.PutTensorResponse:
     """Stores ``t`` (CPU, contiguous, wire layout) through the bulk port.
 
@@ -284,7 +296,7 @@ def put_tensor_bulk(
 
 
 def get_tensor_bulk(
-    endpoint: WorkerEndpoint, port: int, name: str, timeout: float, consume: bool = False
+    endpoint: BulkEndpoint, port: int, name: str, timeout: float, consume: bool = False
 ) -> torch.Tensor:
     """Downloads ``name``: inline when small, else over the bulk port into one buffer.
 

@@ -30,7 +30,6 @@ from types import FrameType
 import grpc
 
 from collectives._channels import call_unary, open_channel
-from collectives._security import PLAINTEXT, ChannelSecurity, read_token_file
 from collectives._status_tables import (
     WIDE,
     format_table,
@@ -41,6 +40,7 @@ from collectives._status_tables import (
 from collectives.addresses import REFUSED_GRACE_S, parse_address, refused_within
 from collectives.errors import CollectiveError
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
+from collectives.wire.security import PLAINTEXT, ChannelSecurity, read_token_file
 from collectives.workers import ClusterSnapshot
 
 __all__ = ["fetch_status", "format_table", "format_top", "main"]

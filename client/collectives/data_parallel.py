@@ -23,7 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from collectives._pytree import (
+from collectives._transport import WorkerEndpoint, call_unary, get_tensor, put_tensor
+from collectives.errors import CollectiveError, InvalidArgument
+from collectives.names import validate_name
+from collectives.v1 import worker_pb2
+from collectives.wire.codec import tensor_from_proto, tensor_to_proto
+from collectives.wire.pytree import (
     from_value,
     gather,
     inline_leaves,
@@ -31,11 +36,6 @@ from collectives._pytree import (
     tensor_leaves,
     to_value,
 )
-from collectives._transport import WorkerEndpoint, call_unary, get_tensor, put_tensor
-from collectives.codec import tensor_from_proto, tensor_to_proto
-from collectives.errors import CollectiveError, InvalidArgument
-from collectives.names import validate_name
-from collectives.v1 import worker_pb2
 
 if TYPE_CHECKING:
     from collectives._models import _Models

@@ -27,14 +27,22 @@ import mmap
 import os
 import stat
 import threading
-import uuid
 import weakref
 
 import torch
 
-from collectives._memory import empty_bytes
-from collectives.codec import CheckedHeader, allocate_bytes, tensor_memoryview
 from collectives.errors import InvalidArgument
+from collectives.wire.codec import CheckedHeader, allocate_bytes, tensor_memoryview
+from collectives.wire.memory import empty_bytes
+from collectives.wire.shm_names import (
+    CLIENT_SEGMENT,
+    PREFIX,
+    PUT_SEGMENT,
+    SHM_DIR,
+    is_ours,
+    is_worker_segment,
+    new_path,
+)
 
 __all__ = [
     "SHM_DIR",
@@ -49,8 +57,6 @@ __all__ = [
     "unlink",
 ]
 
-SHM_DIR = "/dev/shm"
-_PREFIX = "collectives-"
 # pread/write move at most this much per system call (Linux caps one at ~2 GiB).
 _IO_BYTES = 1 << 30
 
@@ -58,10 +64,6 @@ _IO_BYTES = 1 << 30
 def available() -> bool:
     """True when ``/dev/shm`` exists and is writable by this process."""
     return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK | os.X_OK)
-
-
-def _new_path(kind: str) -> str:
-    return os.path.join(SHM_DIR, f"{_PREFIX}{kind}-{os.getpid()}-{uuid.uuid4().hex}")
 
 
 def write_into(fd: int, t: torch.Tensor, offset: int = 0) -> None:
@@ -72,12 +74,12 @@ def write_into(fd: int, t: torch.Tensor, offset: int = 0) -> None:
         done += os.pwrite(fd, view[done : done + _IO_BYTES], offset + done)
 
 
-def create_segment(t: torch.Tensor, kind: str = "put") -> str:
+def create_segment(t: torch.Tensor, kind: str = PUT_SEGMENT) -> str:
     """Writes the bytes of a contiguous CPU tensor into a new file under ``/dev/shm``.
 
     The file is created exclusively with mode 0600; the caller must :func:`unlink` it.
     """
-    path = _new_path(kind)
+    path = new_path(kind)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         write_into(fd, t)
@@ -111,9 +113,9 @@ def open_checked(path: str, offset: int, nbytes: int, *, write: bool = False) ->
         raise InvalidArgument(
             f"shared-memory path {path!r} must name a file directly under {SHM_DIR}/"
         )
-    if write and not base.startswith(_PREFIX):
+    if write and not is_ours(base):
         raise InvalidArgument(
-            f"shared-memory path {path!r}: a segment to write into must be named {_PREFIX}*"
+            f"shared-memory path {path!r}: a segment to write into must be named {PREFIX}*"
         )
     mode = os.O_RDWR if write else os.O_RDONLY
     try:
@@ -202,7 +204,7 @@ class Segment:
 
     @classmethod
     def create(cls, nbytes: int) -> Segment:
-        path = _new_path("seg")
+        path = new_path(CLIENT_SEGMENT)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, nbytes)
@@ -307,11 +309,6 @@ def read_segment(fd: int, offset: int, meta: CheckedHeader) -> torch.Tensor:
                 )
             done += n
     return buffer.view(meta.dtype).reshape(meta.shape)
-
-
-def is_worker_segment(path: str) -> bool:
-    """True for a path shaped like a segment a worker created for a get (safe to unlink)."""
-    return os.path.dirname(path) == SHM_DIR and os.path.basename(path).startswith(f"{_PREFIX}get-")
 
 
 def unlink(path: str) -> None:

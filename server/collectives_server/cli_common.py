@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 
-from collectives._security import ChannelSecurity, read_pem, read_token_file
+from collectives.wire.security import ChannelSecurity, read_pem, read_token_file
 from collectives_server.logfmt import LOG_FORMATS, JsonFormatter, text_formatter
 from collectives_server.security import ServerSecurity
 

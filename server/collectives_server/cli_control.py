@@ -12,7 +12,7 @@ import argparse
 import os
 from typing import Any
 
-from collectives._security import read_token_file
+from collectives.wire.security import read_token_file
 from collectives_server.cli_common import positive_float, positive_int
 from collectives_server.coordinator.control import ControlLimits
 

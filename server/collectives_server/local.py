@@ -187,7 +187,7 @@ class LocalCluster:
                 f"--dashboard-host={dashboard_host}",
             ]
         self._coordinator_args += list(coordinator_args)
-        # collectives._security.ChannelSecurity for wait_ready (None: plaintext, no token).
+        # collectives.wire.security.ChannelSecurity for wait_ready (None: plaintext, no token).
         self._client_security = client_security
         self._devices_spec = devices
         self._worker_args = list(worker_args)
@@ -342,8 +342,8 @@ class LocalCluster:
         """
         import grpc
 
-        from collectives._security import PLAINTEXT
         from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
+        from collectives.wire.security import PLAINTEXT
 
         want = self.workers if world_size is None else world_size
         last = None
@@ -465,8 +465,8 @@ class LocalCluster:
             return "rank unknown"
         import grpc
 
-        from collectives._security import PLAINTEXT
         from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
+        from collectives.wire.security import PLAINTEXT
 
         try:
             security = self._client_security or PLAINTEXT

@@ -22,7 +22,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from collectives.codec import MAX_MESSAGE_BYTES
+from collectives.wire.limits import MAX_MESSAGE_BYTES
 from collectives_server.rpc_errors import ErrorBoundary
 from collectives_server.rpc_limits import DataPlaneLimits, RpcLimits, pool_size
 from collectives_server.security import ServerSecurity, TokenAuthInterceptor

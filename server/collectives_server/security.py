@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from collectives._security import check_token
+from collectives.wire.security import check_token
 
 __all__ = ["OPEN_METHOD_PREFIXES", "ServerSecurity", "TokenAuthInterceptor"]
 

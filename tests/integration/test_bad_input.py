@@ -34,7 +34,7 @@ from collectives.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from collectives_server.coordinator.admission import WORKER_TOKEN_METADATA
+from collectives_server.control_protocol import WORKER_TOKEN_METADATA
 
 OK = grpc.StatusCode.OK
 INVALID = grpc.StatusCode.INVALID_ARGUMENT

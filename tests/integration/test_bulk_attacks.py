@@ -20,9 +20,9 @@ import pytest
 import torch
 from hostile import Aftermath
 
-from collectives import codec
-from collectives.bulk import MAGIC, new_ticket
 from collectives.v1 import worker_pb2, worker_pb2_grpc
+from collectives.wire import codec
+from collectives.wire.bulk_frames import MAGIC, new_ticket
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -24,7 +24,7 @@ import collectives
 from collectives.v1 import coordinator_pb2 as pb
 from collectives.v1 import coordinator_pb2_grpc as pb_grpc
 from collectives.v1 import status_pb2
-from collectives_server.coordinator.admission import WORKER_TOKEN_METADATA
+from collectives_server.control_protocol import WORKER_TOKEN_METADATA
 
 WORKER = ((WORKER_TOKEN_METADATA, WORKER_TOKEN),)
 GRPC_MAX_MESSAGE = 4 * MiB

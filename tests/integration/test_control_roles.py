@@ -30,7 +30,7 @@ import collectives
 from collectives.v1 import coordinator_pb2 as pb
 from collectives.v1 import coordinator_pb2_grpc as pb_grpc
 from collectives.v1 import status_pb2
-from collectives_server.coordinator.admission import WORKER_TOKEN_METADATA
+from collectives_server.control_protocol import WORKER_TOKEN_METADATA
 
 WORKERS = 2
 CLIENT_TOKEN = "client-token-for-role-tests"

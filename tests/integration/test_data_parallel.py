@@ -18,6 +18,7 @@ from torch import nn
 
 import collectives
 from collectives.v1 import tensor_pb2, worker_pb2, worker_pb2_grpc
+from collectives.wire import codec
 
 
 class DictModel(nn.Module):
@@ -168,7 +169,7 @@ def test_inline_tensors_are_validated(cluster2, cluster2_address, gen, uname) ->
     cluster2.load_model(name, _mlp(gen), example_inputs=(torch.randn(4, 6),))
     address = next(w.address for w in cluster2.workers() if w.rank == 0)
     x = torch.randn(3, 6, generator=gen)
-    good = collectives.codec.tensor_to_proto(x)
+    good = codec.tensor_to_proto(x)
     bad = tensor_pb2.Tensor(dtype=good.dtype, shape=[3, 6], data=good.data[:-4])
     cases = [
         ("other/in/0", good, "must be named under its call"),

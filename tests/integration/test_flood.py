@@ -25,8 +25,8 @@ import pytest
 import torch
 from hostile import Aftermath, assert_serving
 
-from collectives import codec
 from collectives.v1 import worker_pb2, worker_pb2_grpc
+from collectives.wire import codec
 
 pytestmark = pytest.mark.timeout(300)
 

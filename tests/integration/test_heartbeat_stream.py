@@ -30,7 +30,7 @@ from collectives.v1 import coordinator_pb2 as pb
 from collectives.v1 import coordinator_pb2_grpc as pb_grpc
 from collectives_server.coordinator import Coordinator, CoordinatorConfig
 from collectives_server.coordinator import daemon as coordinator_daemon
-from collectives_server.coordinator.heartbeats import HeartbeatStream
+from collectives_server.worker.heartbeats import HeartbeatStream
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -22,8 +22,8 @@ from helpers import wait_until
 from hostile import Aftermath, assert_serving, rss_bytes
 
 import collectives
-from collectives import codec
 from collectives.v1 import worker_pb2, worker_pb2_grpc
+from collectives.wire import codec
 
 pytestmark = pytest.mark.timeout(240)
 

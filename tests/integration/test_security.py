@@ -31,7 +31,6 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID  # noqa: E402
 
 import collectives  # noqa: E402
 from collectives import PermissionDenied, Unavailable  # noqa: E402
-from collectives._security import ChannelSecurity  # noqa: E402
 from collectives._transport import WorkerEndpoint, get_tensor, put_tensor  # noqa: E402
 from collectives.v1 import (  # noqa: E402
     coordinator_pb2,
@@ -40,6 +39,7 @@ from collectives.v1 import (  # noqa: E402
     worker_pb2,
     worker_pb2_grpc,
 )
+from collectives.wire.security import ChannelSecurity  # noqa: E402
 from tests.helpers import LocalCluster, wait_until  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(120)]

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from collectives import codec
 from collectives.errors import EXECUTED_METADATA_KEY
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2, worker_pb2_grpc
+from collectives.wire import codec
 
 _OPTIONS = [
     ("grpc.max_receive_message_length", codec.MAX_MESSAGE_BYTES),

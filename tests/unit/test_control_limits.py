@@ -22,15 +22,11 @@ from collectives.v1 import coordinator_pb2_grpc as pb_grpc
 from collectives.v1 import status_pb2
 from collectives_server.cli import build_parser
 from collectives_server.cmd_coordinator import config_from_args
+from collectives_server.control_protocol import FIELD_LIMITS, WORKER_TOKEN_METADATA
 from collectives_server.coordinator import Coordinator, CoordinatorConfig
-from collectives_server.coordinator.admission import (
-    WORKER_TOKEN_METADATA,
-    LeaseBook,
-    WorkerAdmission,
-)
+from collectives_server.coordinator.admission import LeaseBook, WorkerAdmission
 from collectives_server.coordinator.control import ControlLimits, peer_host
 from collectives_server.coordinator.registration import (
-    FIELD_LIMITS,
     ClusterBudget,
     FieldTooLargeError,
     check_register,

@@ -17,10 +17,11 @@ import grpc
 import pytest
 import torch
 
-from collectives import _pytree, codec
 from collectives.errors import InvalidArgument, NotFound, ResourceExhausted
 from collectives.op_specs import spec_named
 from collectives.v1 import tensor_pb2, worker_pb2
+from collectives.wire import codec
+from collectives.wire import pytree as _pytree
 from collectives_server import rpc
 from collectives_server.json_input import MAX_JSON_DEPTH, json_depth, parse_json, parse_json_object
 from collectives_server.worker import op_failures, validation

@@ -17,9 +17,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from collectives import InvalidArgument, codec
+from collectives import InvalidArgument
 from collectives.dtypes import SUPPORTED_DTYPES
 from collectives.v1 import tensor_pb2
+from collectives.wire import codec
 
 FUZZ = settings(
     max_examples=150,

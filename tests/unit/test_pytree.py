@@ -7,8 +7,8 @@ import collections
 import pytest
 import torch
 
-from collectives._pytree import from_value, gather, scatter_kwargs, tensor_leaves, to_value
 from collectives.errors import InvalidArgument
+from collectives.wire.pytree import from_value, gather, scatter_kwargs, tensor_leaves, to_value
 
 Point = collections.namedtuple("Point", ["x", "y"])
 

@@ -7,7 +7,8 @@ M5). Two checks separate the roles:
 
 * **The worker token.** With ``--worker-token-file`` on the coordinator, Register,
   Heartbeat, HeartbeatStream and Leave need the metadata
-  ``collectives-worker-token: <token>`` (:data:`WORKER_TOKEN_METADATA`), compared in
+  ``collectives-worker-token: <token>`` (``WORKER_TOKEN_METADATA`` of
+  :mod:`collectives_server.control_protocol`, which workers import), compared in
   constant time; without it they answer PERMISSION_DENIED, whatever bearer token the
   call carries. Clients never need it: GetCluster and WatchCluster stay open to the
   client token.
@@ -28,21 +29,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from collectives._security import check_token
+from collectives.wire.security import check_token
+from collectives_server.control_protocol import WORKER_TOKEN_METADATA
 
 __all__ = [
-    "WORKER_TOKEN_METADATA",
     "LeaseBook",
     "WorkerAdmission",
-    "worker_metadata",
 ]
-
-WORKER_TOKEN_METADATA = "collectives-worker-token"
-
-
-def worker_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
-    """The metadata a worker adds to its worker-only calls (empty without a token)."""
-    return ((WORKER_TOKEN_METADATA, token),) if token else ()
 
 
 class WorkerAdmission:

@@ -6,7 +6,8 @@ send to every client and worker, and gRPC refuses messages over 4 MiB. One worke
 registering with a 3 MiB hostname used to make every Cluster message too large
 for as long as it stayed listed (issue 16, H6). So:
 
-* each field has a cap (:data:`FIELD_LIMITS`), and a request over one is refused
+* each field has a cap (:data:`~collectives_server.control_protocol.FIELD_LIMITS`,
+  which workers read too), and a request over one is refused
   with INVALID_ARGUMENT naming the field and the limit (:func:`check_register`,
   :func:`check_status`);
 * the whole message has a budget (:data:`CLUSTER_BUDGET_BYTES`, below gRPC's
@@ -22,10 +23,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from collectives.v1 import coordinator_pb2, status_pb2
+from collectives_server.control_protocol import FIELD_LIMITS
 
 __all__ = [
     "CLUSTER_BUDGET_BYTES",
-    "FIELD_LIMITS",
     "ClusterBudget",
     "FieldTooLargeError",
     "check_register",
@@ -36,18 +37,6 @@ __all__ = [
 # gRPC's default maximum message is 4 MiB (4,194,304 bytes); the budget leaves room
 # for the fields that are not per-worker and for framing.
 CLUSTER_BUDGET_BYTES = 3_900_000
-
-# field -> limit, in UTF-8 bytes (entries for "devices").
-FIELD_LIMITS: dict[str, int] = {
-    "hostname": 255,  # a DNS name
-    "address": 270,  # host:port, the host a DNS name or a bracketed IPv6 address
-    "version": 64,
-    "backend": 16,
-    "devices": 64,  # entries
-    "device": 64,  # bytes of one entry
-    "status": 64 * 1024,  # a heartbeat's WorkerStatus, encoded
-    "retry_key": 128,
-}
 
 
 class FieldTooLargeError(ValueError):

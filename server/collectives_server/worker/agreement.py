@@ -15,7 +15,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from collectives.codec import tensor_memoryview
+from collectives.wire.codec import tensor_memoryview
 from collectives_server.worker.validation import INFO_BYTES, INFO_LEN, OperandInfo, decode_info
 
 __all__ = [

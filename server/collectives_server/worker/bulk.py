@@ -30,15 +30,20 @@ from typing import Any
 
 import torch
 
-from collectives.bulk import ACK, MAGIC, MAGIC_ACKED, NO_TICKET_MARK, TICKET_BYTES
-from collectives.codec import tensor_memoryview
 from collectives.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from collectives.wire.bulk_frames import (
+    ACK,
+    MAGIC,
+    MAGIC_ACKED,
+    NO_TICKET_MARK,
+    PRELUDE_BYTES,
+    TICKET_BYTES,
+)
+from collectives.wire.codec import tensor_memoryview
 
 __all__ = ["BulkLimits", "BulkListener", "PRELUDE_BYTES"]
 
 log = logging.getLogger(__name__)
-
-PRELUDE_BYTES = len(MAGIC) + TICKET_BYTES
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from collectives._security import PLAINTEXT, ChannelSecurity
+from collectives.wire.security import PLAINTEXT, ChannelSecurity
 from collectives_server.rpc_limits import RpcLimits
 from collectives_server.security import ServerSecurity
 from collectives_server.worker.archive_config import ModelUploadConfig

@@ -29,8 +29,7 @@ import torch.distributed as dist
 import collectives_server
 from collectives.errors import CollectiveError
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2
-from collectives_server.coordinator.admission import worker_metadata
-from collectives_server.coordinator.heartbeats import HeartbeatStream, reply_interval_s
+from collectives_server.control_protocol import worker_metadata
 from collectives_server.metrics import MetricsServer
 from collectives_server.rpc import GRPC_OPTIONS, start_server
 from collectives_server.signals import StopSignal
@@ -39,6 +38,7 @@ from collectives_server.worker.bulk import BulkListener
 from collectives_server.worker.config import WorkerConfig
 from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.enrolment import bounded_status, register
+from collectives_server.worker.heartbeats import HeartbeatStream, reply_interval_s
 from collectives_server.worker.models import ModelRegistry
 from collectives_server.worker.op_context import OpResult
 from collectives_server.worker.runtime import GenerationRuntime

@@ -18,8 +18,8 @@ import struct
 import torch
 import torch.distributed as dist
 
-from collectives.codec import tensor_memoryview
 from collectives.v1 import worker_pb2
+from collectives.wire.codec import tensor_memoryview
 
 __all__ = ["announce", "receive", "Announced", "SLOT_BYTES"]
 

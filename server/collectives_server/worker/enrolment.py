@@ -1,7 +1,7 @@
 """The worker's registration with the coordinator: worker token, retry key, lease secret.
 
 Issue 16 (M5) gave the worker-only RPCs two credentials (see
-:mod:`collectives_server.coordinator.admission`): the worker token, sent as
+the coordinator's ``admission`` module): the worker token, sent as
 metadata on Register, Heartbeat, HeartbeatStream and Leave, and the lease secret
 Register returns, sent in every Heartbeat and Leave. :func:`register` also sends a
 ``retry_key`` random per process, so a retry after a lost answer gets the same
@@ -19,8 +19,7 @@ import time
 import grpc
 
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc, status_pb2
-from collectives_server.coordinator.admission import worker_metadata
-from collectives_server.coordinator.registration import FIELD_LIMITS
+from collectives_server.control_protocol import FIELD_LIMITS, worker_metadata
 
 __all__ = ["RETRY_KEY", "bounded_status", "register"]
 

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from collectives._pytree import from_value, to_value
 from collectives.errors import InvalidArgument, NotFound
 from collectives.v1 import worker_pb2
+from collectives.wire.pytree import from_value, to_value
 from collectives_server.worker.models import HostedModel, ModelRegistry, RetainedGraph
 from collectives_server.worker.op_failures import backend_message
 from collectives_server.worker.store import TensorStore

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from collectives import _pytree, codec
 from collectives.errors import InvalidArgument, NotFound
 from collectives.names import validate_name
 from collectives.op_specs import SPECS, OpKind
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
+from collectives.wire import codec, pytree
 from collectives_server.json_input import parse_json_object
 from collectives_server.worker import model_exec
 from collectives_server.worker.models import build_from_factory
@@ -72,8 +72,8 @@ class ModelRpcs:
         validate_name(request.model, "model name")
         validate_name(request.call_id, "call id")
         store = self._ctx.store
-        _store_inline(store, request.call_id, _pytree.inline_leaves(request.args))
-        _store_inline(store, request.call_id, _pytree.inline_leaves(request.kwargs))
+        _store_inline(store, request.call_id, pytree.inline_leaves(request.args))
+        _store_inline(store, request.call_id, pytree.inline_leaves(request.kwargs))
         response = model_exec.forward(self._ctx.models, store, request)
         if request.inline_output_bytes:
             _inline_outputs(store, response.output, request.inline_output_bytes)
@@ -272,7 +272,7 @@ def _store_inline(store, call_id: str, tensors: list[worker_pb2.InlineTensor]) -
 def _inline_outputs(store, output: worker_pb2.Value, budget: int) -> None:
     """Moves output leaves from the store into the response, depth first, while
     they fit in ``budget`` bytes (a retained graph holds its outputs itself)."""
-    for leaf in _pytree.leaf_values(output):
+    for leaf in pytree.leaf_values(output):
         if not leaf.HasField("tensor"):
             continue
         name = leaf.tensor

@@ -17,8 +17,6 @@ import grpc
 import torch
 from google.protobuf import message_factory
 
-from collectives import codec
-from collectives.bulk import BULK_MIN_BYTES, new_ticket
 from collectives.dtypes import to_wire
 from collectives.errors import (
     DeadlineExceeded,
@@ -31,6 +29,8 @@ from collectives.names import validate_name
 from collectives.op_specs import SPECS, Operand, OpKind, check_group_ranks, check_root, kind_name
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
+from collectives.wire import codec
+from collectives.wire.bulk_frames import BULK_MIN_BYTES, new_ticket
 from collectives_server.rpc_limits import RpcLimits
 from collectives_server.worker.bulk import BulkListener
 from collectives_server.worker.context import WorkerContext

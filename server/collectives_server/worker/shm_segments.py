@@ -21,6 +21,7 @@ import torch
 
 from collectives import shm
 from collectives.errors import FailedPrecondition, ResourceExhausted
+from collectives.wire import shm_names
 
 __all__ = ["ShmLimits", "WorkerSegments"]
 
@@ -84,7 +85,7 @@ class WorkerSegments:
                 else None
             )
             try:
-                path = shm.create_segment(wire, "get")
+                path = shm.create_segment(wire, shm_names.WORKER_GET)
             except BaseException:
                 if hold is not None:
                     hold.release()
@@ -123,9 +124,9 @@ class WorkerSegments:
     def sweep_stale() -> int:
         """Unlinks get segments left by workers that are no longer running."""
         removed = 0
-        for path in glob.glob(os.path.join(shm.SHM_DIR, "collectives-get-*-*")):
-            pid = os.path.basename(path).split("-")[2]
-            if pid.isdigit() and not _alive(int(pid)):
+        for path in glob.glob(shm_names.WORKER_GET_GLOB):
+            pid = shm_names.creator_pid(path)
+            if pid is not None and not _alive(pid):
                 shm.unlink(path)
                 removed += 1
         return removed

@@ -23,10 +23,11 @@ import os
 
 import torch
 
-from collectives import codec, shm
+from collectives import shm
 from collectives.errors import PermissionDenied
 from collectives.names import validate_name
 from collectives.v1 import worker_pb2
+from collectives.wire import codec
 from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.peer_identity import loopback_peer_uid
 from collectives_server.worker.shm_segments import ShmLimits, WorkerSegments

@@ -1,8 +1,8 @@
 """The worker's end of ``Coordinator.HeartbeatStream``: one open stream, one request per beat.
 
 Workers heartbeat on a stream rather than with unary ``Heartbeat`` calls because a
-message on an open stream costs the coordinator a fraction of a call (see
-:mod:`.service`). The coordinator answers only the requests that set
+message on an open stream costs the coordinator a fraction of a call (see the
+coordinator's ``service`` module). The coordinator answers only the requests that set
 ``want_reply``, because an answer costs it about as much as the request: so
 :class:`HeartbeatStream` asks for one on its first beat (the coordinator knows the
 worker, the stream works) and then only when its last answer is older than
