@@ -251,7 +251,11 @@ def test_worker_op_handlers_match_gloo(gloo, gen, size: int) -> None:
 def test_announce_then_all_gather_rows_over_the_fake(gloo, size: int) -> None:
     """descriptor.announce(wait=False) + agreement.all_gather_rows(before=...): the leader
     waits on its broadcasts only after issuing the all-gather."""
-    desc = worker_pb2.OpDescriptor(op_id=7, kind="all_reduce", inputs="x" * 3000)
+    desc = worker_pb2.OpDescriptor(  # longer than one announcement slot
+        op_id=7,
+        kind=worker_pb2.OP_KIND_TRAIN_STEP,
+        train_step=worker_pb2.TrainStepArgs(model="m", inputs="x" * 3000),
+    )
 
     def fn(rank: int, pg: Any) -> tuple[bytes, torch.Tensor]:
         row = torch.full((4,), rank, dtype=torch.int64)
