@@ -15,8 +15,10 @@ from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
+import pytest
 import torch
 
+import collectives
 from collectives.errors import EXECUTED_METADATA_KEY
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2, worker_pb2_grpc
 from collectives.wire import codec
@@ -311,3 +313,11 @@ def start_deployment(world_size: int = 2, formed: bool = True) -> FakeDeployment
     if formed:
         coordinator.publish(deployment.formed_cluster())
     return deployment
+
+
+def invalid(fn, *args, match: str | None = None, **kwargs) -> collectives.InvalidArgument:
+    """Calls ``fn`` and asserts it raises InvalidArgument (matching ``match``); returns it."""
+    with pytest.raises(collectives.InvalidArgument, match=match) as info:
+        fn(*args, **kwargs)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    return info.value
