@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from collectives_server.coordinator import membership
 from collectives_server.coordinator.membership import (
     LOST_KEEP_S,
     Membership,
@@ -148,14 +149,18 @@ def test_fast_path_matches_the_full_decision(
 def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Counts the calls of the membership's O(N) steps."""
     calls = {"_decide": 0, "_prune_lost": 0}
-    for name in calls:
-        original = getattr(Membership, name)
+    decide, prune = Membership._decide, membership.prune_lost
 
-        def counted(self: Membership, *args: Any, _name: str = name, _f: Any = original) -> Any:
-            calls[_name] += 1
-            return _f(self, *args)
+    def counted_decide(self: Membership, *args: Any) -> Any:
+        calls["_decide"] += 1
+        return decide(self, *args)
 
-        monkeypatch.setattr(Membership, name, counted)
+    def counted_prune(*args: Any) -> Any:
+        calls["_prune_lost"] += 1
+        return prune(*args)
+
+    monkeypatch.setattr(Membership, "_decide", counted_decide)
+    monkeypatch.setattr(membership, "prune_lost", counted_prune)  # scans every LOST worker
     return calls
 
 

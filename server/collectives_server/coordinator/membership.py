@@ -34,22 +34,16 @@ Rules (docs: ARCHITECTURE.md, "Membership, failure, time"):
 * The last :data:`HISTORY_LEN` sealed generations are kept (time, size, members,
   reason), and ``events`` counts workers joined, lost and left, for metrics.
 
-Cost: a heartbeat is O(log N) (N workers), because at 1 Hz from every worker it is
-by far the most frequent event. Leases sit in a heap ordered by last heartbeat, so
-expiry looks at the workers that are due only; the generation decision, which
-scans every worker, runs only after an event that can change it (a registration,
-a loss, a departure) or when the passage of time can (the join window ending, a
-LOST worker ageing out of the listing); and the status text is computed from
-counts kept up to date (live workers, members that joined the generation's
-process group). Every other heartbeat renews a lease, updates those counts and,
-at most, bumps ``version``.
+Cost: a heartbeat is O(log N) (N workers): leases sit in a heap by last
+heartbeat (``worker_records.LeaseHeap``); the generation decision, which scans
+every worker, runs only after an event that can change it or when the passage of
+time can (the join window ending, a LOST worker ageing out); the status text comes
+from counts kept up to date.
 """
 
 from __future__ import annotations
 
 import collections
-import heapq
-from dataclasses import dataclass
 from typing import Any
 
 from collectives_server.coordinator.model import (
@@ -60,6 +54,19 @@ from collectives_server.coordinator.model import (
     UnknownWorkerError,
     WorkerState,
     WorkerView,
+)
+from collectives_server.coordinator.worker_records import (
+    LOST_KEEP_COUNT,
+    LOST_KEEP_S,
+    LeaseHeap,
+    WorkerRecord,
+    check_limits,
+    plural,
+    prune_lost,
+    status_text,
+    unknown_message,
+    validate_registration,
+    worker_row,
 )
 
 __all__ = [
@@ -76,45 +83,10 @@ __all__ = [
     "WorkerView",
 ]
 
-# How many LOST workers stay listed, and for how long, so dashboards can show them.
-LOST_KEEP_COUNT = 16
-LOST_KEEP_S = 600.0
 # Sealed generations kept for Cluster.history.
 HISTORY_LEN = 50
 # A worker's status whose only changes are memory readings is published this often.
 STATUS_REFRESH_S = 10.0
-# The lease heap keeps one entry per heartbeat until it is due; it is rebuilt when it
-# holds more than this many entries per worker (a worker beating far faster than usual).
-_LEASE_ENTRIES_PER_WORKER = 16
-
-
-@dataclass
-class _Worker:
-    worker_id: str
-    address: str
-    hostname: str
-    pid: int
-    devices: tuple[str, ...]
-    backend: str
-    version: str
-    order: int
-    registered_at: float
-    last_heartbeat: float
-    joined_generation: int = 0
-    busy: bool = False
-    lost_at: float | None = None
-    status: Any = None
-    # Key of the status last published (bumped the version), and when.
-    status_key: bytes | None = None
-    status_published_at: float = float("-inf")
-
-    @property
-    def lost(self) -> bool:
-        return self.lost_at is not None
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 class Membership:
@@ -138,12 +110,7 @@ class Membership:
         initial_version: int = 1,
         status_refresh_s: float = STATUS_REFRESH_S,
     ) -> None:
-        if min_workers < 1:
-            raise ValueError(f"min_workers must be >= 1, got {min_workers}")
-        if max_workers < min_workers:
-            raise ValueError(f"max_workers ({max_workers}) must be >= min_workers ({min_workers})")
-        if lease_s <= 0 or join_window_s < 0:
-            raise ValueError("lease_s must be > 0 and join_window_s >= 0")
+        check_limits(min_workers, max_workers, lease_s, join_window_s)
         self.min_workers = min_workers
         self.max_workers = max_workers
         self.lease_s = lease_s
@@ -153,7 +120,7 @@ class Membership:
         self._history: collections.deque[GenerationRecord] = collections.deque(maxlen=HISTORY_LEN)
         # Workers "joined" (new registrations), "lost" (lease ran out, replaced), "left".
         self.events: collections.Counter[str] = collections.Counter()
-        self._workers: dict[str, _Worker] = {}
+        self._workers: dict[str, WorkerRecord] = {}
         self._next_order = 0
         self._last_registration: float | None = None
         self._generation = 0
@@ -161,12 +128,12 @@ class Membership:
         self._formed = False
         # >= 1 so that WatchCluster(after_version=0) gets the first state at once.
         self._version = max(1, initial_version)
-        self._status = self._waiting_status(0)
+        self._status = ""
         self._reason = "no workers registered"
         self._newly_lost: list[str] = []  # since the last _finish
         # (last heartbeat, order, worker id), one entry per renewal; an entry whose
         # time is no longer its worker's last heartbeat is stale and skipped.
-        self._leases: list[tuple[float, int, str]] = []
+        self._leases = LeaseHeap()
         # What the passage of time alone can change, as of the last full decision
         # (see _time_changes_decision): the join window still running, and the
         # oldest LOST worker, which ages out of the listing.
@@ -177,6 +144,7 @@ class Membership:
         self._live_n = 0
         self._member_set: frozenset[str] = frozenset()
         self._joined_n = 0
+        self._status = self._compute_status()
 
     # ---- read side -------------------------------------------------------------
 
@@ -232,10 +200,11 @@ class Membership:
 
     def view(self, now: float) -> ClusterView:
         members = self.members
-        rows = [self._row(self._workers[wid], rank, now) for rank, wid in enumerate(members)]
+        gen = self._generation
+        rows = [worker_row(self._workers[wid], rank, now, gen) for rank, wid in enumerate(members)]
         others = [w for w in self._workers.values() if w.worker_id not in members]
         others.sort(key=lambda w: (w.lost, w.lost_at or 0.0, w.order))
-        rows += [self._row(w, -1, now) for w in others]
+        rows += [worker_row(w, -1, now, gen) for w in others]
         return ClusterView(
             generation=self._generation,
             formed=self._formed,
@@ -248,30 +217,6 @@ class Membership:
             ready=self.ready,
             history=tuple(self._history),
         )
-
-    def _row(self, w: _Worker, rank: int, now: float) -> WorkerView:
-        return WorkerView(
-            worker_id=w.worker_id,
-            rank=rank,
-            address=w.address,
-            hostname=w.hostname,
-            pid=w.pid,
-            state=self._state_of(w, rank),
-            devices=w.devices,
-            joined_generation=w.joined_generation,
-            last_heartbeat_age_s=max(0.0, now - w.last_heartbeat),
-            backend=w.backend,
-            uptime_s=max(0.0, now - w.registered_at),
-            version=w.version,
-            status=w.status,
-        )
-
-    def _state_of(self, w: _Worker, rank: int) -> WorkerState:
-        if w.lost:
-            return WorkerState.LOST
-        if rank < 0 or w.joined_generation != self._generation:
-            return WorkerState.JOINING
-        return WorkerState.BUSY if w.busy else WorkerState.READY
 
     # ---- events ----------------------------------------------------------------
 
@@ -296,7 +241,7 @@ class Membership:
         ALREADY_EXISTS before it gets here, unless the caller proves it is a retry.)
         """
         devices = tuple(devices)
-        _validate_registration(address, devices)
+        validate_registration(address, devices)
         if last_generation > self._generation and not self._members:
             # A restarted coordinator: continue numbering above what workers
             # already joined, so generations never go backwards.
@@ -309,14 +254,14 @@ class Membership:
             if w.lost or w.address != address or w.hostname != hostname:
                 continue
             if w.pid == pid:
-                self._renew(w, now)
+                self._leases.renew(w, now, self._workers)
                 outcome = self._finish(now, False, f"{w.worker_id} registered again (retry)")
                 return w.worker_id, outcome
             self._mark_lost(w, now)
             notes.append(f"{w.worker_id} at {address} replaced by pid {pid}")
         self._next_order += 1
         worker_id = f"{self._id_prefix}-{self._next_order}"
-        self._workers[worker_id] = _Worker(
+        self._workers[worker_id] = WorkerRecord(
             worker_id=worker_id,
             address=address,
             hostname=hostname,
@@ -328,11 +273,11 @@ class Membership:
             registered_at=now,
             last_heartbeat=now,
         )
-        self._renew(self._workers[worker_id], now)
+        self._leases.renew(self._workers[worker_id], now, self._workers)
         self._live_n += 1
         self._last_registration = now
         self.events["joined"] += 1
-        live = _plural(self._live_count(), "live worker")
+        live = plural(self._live_n, "live worker")
         notes.insert(0, f"registered {worker_id} at {address} ({live})")
         return worker_id, self._finish(now, True, "; ".join(notes))
 
@@ -362,7 +307,7 @@ class Membership:
             if expired:
                 self._finish(now, True, "; ".join(expired))
             raise UnknownWorkerError(self._unknown_message(worker_id))
-        self._renew(w, now)
+        self._leases.renew(w, now, self._workers)
         beat = f"heartbeat from {worker_id} (joined {joined_generation}, busy {busy})"
         if not 0 <= joined_generation <= self._generation:
             beat += f": generation {joined_generation} is unknown here, counted as 0"
@@ -377,14 +322,8 @@ class Membership:
         w.joined_generation = joined_generation
         w.busy = busy
         if status is not None:
-            w.status = status
-            stale = now - w.status_published_at >= self.status_refresh_s
-            if status_key != w.status_key or stale or changed:
-                if status_key != w.status_key:
-                    beat += ", status changed"
-                w.status_key = status_key
-                w.status_published_at = now
-                changed = True
+            published, note = w.take_status(now, status, status_key, self.status_refresh_s, changed)
+            beat, changed = beat + note, changed or published
         reason = "; ".join([*expired, beat])
         if expired or self._time_changes_decision(now):
             return self._finish(now, changed, reason)
@@ -414,56 +353,26 @@ class Membership:
 
     # ---- decisions -------------------------------------------------------------
 
-    def _live(self, worker_id: str) -> _Worker | None:
+    def _live(self, worker_id: str) -> WorkerRecord | None:
         w = self._workers.get(worker_id)
         return None if w is None or w.lost else w
-
-    def _live_count(self) -> int:
-        return self._live_n
 
     def _joining(self) -> int:
         """Members of the generation that have not joined its process group yet."""
         return len(self._members) - self._joined_n
 
-    def _mark_lost(self, w: _Worker, now: float) -> None:
+    def _mark_lost(self, w: WorkerRecord, now: float) -> None:
         w.lost_at = now
         self._newly_lost.append(w.worker_id)
         self._live_n -= 1
 
     def _unknown_message(self, worker_id: str) -> str:
-        w = self._workers.get(worker_id)
-        if w is not None and w.lost:
-            return (
-                f"worker {worker_id!r} was declared lost (no heartbeat within the "
-                f"{self.lease_s:g} s lease); register again"
-            )
-        return (
-            f"unknown worker_id {worker_id!r} (the coordinator restarted, or the worker "
-            "expired long ago); register again"
-        )
-
-    def _renew(self, w: _Worker, now: float) -> None:
-        """Sets the worker's last heartbeat and files its lease in the heap."""
-        w.last_heartbeat = now
-        heapq.heappush(self._leases, (now, w.order, w.worker_id))
-        if len(self._leases) > _LEASE_ENTRIES_PER_WORKER * len(self._workers) + 1024:
-            workers = self._workers.values()
-            self._leases = [(x.last_heartbeat, x.order, x.worker_id) for x in workers]
-            heapq.heapify(self._leases)
+        return unknown_message(self._workers.get(worker_id), worker_id, self.lease_s)
 
     def _expire(self, now: float) -> list[str]:
-        """Marks workers whose lease ran out (strictly more than lease_s ago) as LOST.
-
-        Pops only the heap entries that are due, so a call that expires nobody is O(1).
-        """
-        due: dict[str, _Worker] = {}  # a renewal at the same time can have two entries
-        while self._leases and now - self._leases[0][0] > self.lease_s:
-            beat, _, worker_id = heapq.heappop(self._leases)
-            w = self._workers.get(worker_id)
-            if w is not None and not w.lost and w.last_heartbeat == beat:
-                due[worker_id] = w
+        """Marks workers whose lease ran out as LOST; the reasons, in registration order."""
         reasons = []
-        for w in sorted(due.values(), key=lambda w: w.order):  # registration order, as listed
+        for w in self._leases.due(now, self.lease_s, self._workers):
             self._mark_lost(w, now)
             reasons.append(
                 f"{w.worker_id} at {w.address} lost: no heartbeat for "
@@ -500,19 +409,10 @@ class Membership:
             self._reason = reason
         return Outcome(changed=changed, reason=reason)
 
-    def _prune_lost(self, now: float) -> bool:
-        lost = sorted((w for w in self._workers.values() if w.lost), key=lambda w: w.lost_at or 0.0)
-        drop = [w for w in lost if now - (w.lost_at or now) > LOST_KEEP_S]
-        keep = [w for w in lost if w not in drop]
-        drop += keep[: max(0, len(keep) - LOST_KEEP_COUNT)]
-        for w in drop:
-            del self._workers[w.worker_id]
-        return bool(drop)
-
     def _finish(self, now: float, changed: bool, reason: str) -> Outcome:
         """Runs the generation decision after an event and bumps ``version`` if visible."""
         sealed, decision = self._decide(now)
-        changed = self._prune_lost(now) or changed or sealed
+        changed = prune_lost(self._workers, now) or changed or sealed
         self._member_set = frozenset(self._members)
         self._joined_n = sum(
             1 for m in self._members if self._workers[m].joined_generation == self._generation
@@ -560,16 +460,16 @@ class Membership:
             if gone:
                 if len(candidates) >= self.min_workers:
                     return True, self._seal(
-                        candidates, f"{_plural(gone, 'member')} gone, {len(live_members)} survive"
+                        candidates, f"{plural(gone, 'member')} gone, {len(live_members)} survive"
                     )
                 self._formed = False
                 self._members = live_members
                 return False, (
-                    f"generation {self._generation} broken: {_plural(gone, 'member')} gone, "
+                    f"generation {self._generation} broken: {plural(gone, 'member')} gone, "
                     f"{len(candidates)} live < min {self.min_workers}"
                 )
             if newcomers and len(self._members) < self.max_workers and window_passed:
-                return True, self._seal(candidates, f"{_plural(len(newcomers), 'newcomer')} joined")
+                return True, self._seal(candidates, f"{plural(len(newcomers), 'newcomer')} joined")
             return False, ""
         self._members = live_members
         if len(candidates) >= self.max_workers or (
@@ -588,43 +488,12 @@ class Membership:
         return f"sealed generation {self._generation} ({why}): {ranks}"
 
     def _compute_status(self) -> str:
-        live = self._live_count()
-        if not self._formed:
-            if live < self.min_workers:
-                return self._waiting_status(live)
-            return (
-                f"sealing generation {self._generation + 1} after the join window "
-                f"({live} live, min {self.min_workers}, max {self.max_workers})"
-            )
-        n = len(self._members)
-        joining = self._joining()
-        if joining:
-            text = (
-                f"generation {self._generation} sealed with {_plural(n, 'worker')}; "
-                f"{joining} joining its process group"
-            )
-        else:
-            text = f"generation {self._generation} ready with {_plural(n, 'worker')}"
-        waiting = live - n
-        if waiting:
-            text += f"; {waiting} waiting to join (max {self.max_workers})"
-        return text
-
-    def _waiting_status(self, live: int) -> str:
-        missing = self.min_workers - live
-        more = _plural(missing, "more worker")
-        return f"waiting for {more} ({live} live, min {self.min_workers})"
-
-
-def _validate_registration(address: str, devices: tuple[str, ...]) -> None:
-    host, sep, port = address.rpartition(":")
-    if not address or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidRequestError(
-            f"address {address!r} is not HOST:PORT; send the host:port your gRPC server "
-            "listens on, e.g. '10.0.0.5:50052'"
-        )
-    if not devices or any(not d.strip() for d in devices):
-        raise InvalidRequestError(
-            f"devices {list(devices)!r} must be a non-empty list of device names "
-            "such as 'cpu' or 'cuda:0'"
+        return status_text(
+            formed=self._formed,
+            generation=self._generation,
+            live=self._live_n,
+            members=len(self._members),
+            joining=self._joining() if self._formed else 0,
+            min_workers=self.min_workers,
+            max_workers=self.max_workers,
         )
