@@ -92,12 +92,10 @@ STATUS_REFRESH_S = 10.0
 class Membership:
     """The registry of workers and the generation they form. Not thread-safe.
 
-    ``id_prefix`` makes worker ids unique across coordinator restarts, so that a
-    worker still holding an id from a previous coordinator is told NOT_FOUND
-    instead of being mistaken for a newer worker. ``initial_version`` likewise lets
-    the daemon start versions above any a previous coordinator handed out, so a
-    client re-opening WatchCluster with its last version still gets the new state.
-    """
+    ``id_prefix`` makes worker ids unique across coordinator restarts (a worker
+    holding an id from a previous coordinator is told NOT_FOUND, not mistaken for a
+    newer one); ``initial_version`` starts versions above any a previous coordinator
+    handed out, so a client re-opening WatchCluster still gets the new state."""
 
     def __init__(
         self,
@@ -183,7 +181,7 @@ class Membership:
     @property
     def waiting(self) -> int:
         """Live workers that the next generation has no room for (beyond ``max_workers``)."""
-        return max(0, self._live_n - self.max_workers)
+        return max(0, self._live_count() - self.max_workers)
 
     def listed(self) -> tuple[str, ...]:
         """Ids of every worker listed in the Cluster message (live and LOST)."""
@@ -277,7 +275,7 @@ class Membership:
         self._live_n += 1
         self._last_registration = now
         self.events["joined"] += 1
-        live = plural(self._live_n, "live worker")
+        live = plural(self._live_count(), "live worker")
         notes.insert(0, f"registered {worker_id} at {address} ({live})")
         return worker_id, self._finish(now, True, "; ".join(notes))
 
@@ -356,6 +354,9 @@ class Membership:
     def _live(self, worker_id: str) -> WorkerRecord | None:
         w = self._workers.get(worker_id)
         return None if w is None or w.lost else w
+
+    def _live_count(self) -> int:
+        return self._live_n
 
     def _joining(self) -> int:
         """Members of the generation that have not joined its process group yet."""
@@ -491,7 +492,7 @@ class Membership:
         return status_text(
             formed=self._formed,
             generation=self._generation,
-            live=self._live_n,
+            live=self._live_count(),
             members=len(self._members),
             joining=self._joining() if self._formed else 0,
             min_workers=self.min_workers,
