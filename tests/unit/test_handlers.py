@@ -34,7 +34,7 @@ from collectives.op_specs import OpKind
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
 from collectives_server.worker.collective_ops import Spares
-from collectives_server.worker.model_collectives import ModelOpResult
+from collectives_server.worker.handlers.model_ops import ModelOpResult
 from collectives_server.worker.op_context import GroupBroken, OpResult
 
 

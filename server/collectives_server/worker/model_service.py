@@ -2,7 +2,7 @@
 
 A mixin of :class:`~collectives_server.worker.service.WorkerService`: thin
 translation between protobuf and :mod:`models` / :mod:`model_exec` /
-:mod:`model_collectives`. State dicts and gradients travel raw-framed like
+:mod:`handlers.model_ops`. State dicts and gradients travel raw-framed like
 PutTensor/GetTensor; the model name of LoadStateDict is request metadata.
 """
 

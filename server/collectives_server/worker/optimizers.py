@@ -1,7 +1,7 @@
 """Which optimizer a hosted model steps with: one rule for ``Step`` and for ``train_step``.
 
 Both the per-worker ``Step`` RPC (``model_service.py``) and the leader-sequenced
-``train_step`` op (``model_collectives.py``) name an optimizer kind and its
+``train_step`` op (``handlers/model_ops.py``) name an optimizer kind and its
 hyperparameters on every call. :func:`plan_optimizer` decides what that means
 for the model's current optimizer, and :func:`install` makes it so:
 

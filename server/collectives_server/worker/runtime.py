@@ -34,8 +34,8 @@ from collectives.v1 import worker_pb2
 from collectives_server.worker import descriptor, op_failures
 from collectives_server.worker.collective_ops import Spares
 from collectives_server.worker.handlers import handler_for
+from collectives_server.worker.handlers.model_ops import ModelOpResult
 from collectives_server.worker.handlers.tensor_ops import inline_capacity
-from collectives_server.worker.model_collectives import ModelOpResult
 from collectives_server.worker.models import ModelRegistry
 from collectives_server.worker.op_context import (
     Announcement,

@@ -6,7 +6,7 @@ does on a rank is its handler's business:
 * every collective on a named tensor, and barrier: ``tensor_ops.run_tensor_op``
   (with its per-kind arithmetic in ``tensor_kinds``);
 * ``new_group``: ``group_ops.run_new_group``;
-* ``all_reduce_gradients`` and ``train_step``: ``model_collectives.run_model_op``.
+* ``all_reduce_gradients`` and ``train_step``: ``model_ops.run_model_op``.
 
 Every handler returns the same outcome on every rank (an agreement or a pure
 decision over exchanged data precedes every commit) and raises
@@ -21,8 +21,8 @@ from collectives.errors import CollectiveError
 from collectives.op_specs import SPECS, OpKind
 from collectives.v1 import worker_pb2
 from collectives_server.worker.handlers.group_ops import run_new_group
+from collectives_server.worker.handlers.model_ops import ModelOpResult, run_model_op
 from collectives_server.worker.handlers.tensor_ops import run_tensor_op
-from collectives_server.worker.model_collectives import ModelOpResult, run_model_op
 from collectives_server.worker.op_context import Announcement, OpContext, OpResult
 
 __all__ = ["Handler", "HANDLERS", "handler_for"]
