@@ -61,6 +61,12 @@ class OpKind(enum.IntEnum):
     NEW_GROUP = worker_pb2.OP_KIND_NEW_GROUP
     ALL_REDUCE_GRADIENTS = worker_pb2.OP_KIND_ALL_REDUCE_GRADIENTS
     TRAIN_STEP = worker_pb2.OP_KIND_TRAIN_STEP
+    EXCHANGE = worker_pb2.OP_KIND_EXCHANGE
+    DESTROY_GROUP = worker_pb2.OP_KIND_DESTROY_GROUP
+    ALL_REDUCE_COALESCED = worker_pb2.OP_KIND_ALL_REDUCE_COALESCED
+    BROADCAST_COALESCED = worker_pb2.OP_KIND_BROADCAST_COALESCED
+    ALL_GATHER_COALESCED = worker_pb2.OP_KIND_ALL_GATHER_COALESCED
+    ALL_TO_ALL_UNEVEN = worker_pb2.OP_KIND_ALL_TO_ALL_UNEVEN
 
 
 class Operand(enum.Enum):
@@ -69,6 +75,7 @@ class Operand(enum.Enum):
     NONE = "none"  # barrier, control and model ops
     ROOT = "root"  # broadcast: only src
     MEMBERS = "members"  # every member of the group
+    SOURCES = "sources"  # exchange: every pair's src
 
 
 class Stores(enum.Enum):
@@ -78,6 +85,7 @@ class Stores(enum.Enum):
     MEMBERS = "members"
     ROOT = "root"  # reduce, gather: dst only
     NOT_ROOT = "not_root"  # broadcast: src keeps its own
+    DESTINATIONS = "destinations"  # exchange: every pair's dst
 
 
 class Shape(enum.Enum):
@@ -223,6 +231,45 @@ SPECS: dict[OpKind, OpSpec] = {
             OpKind.ALL_REDUCE_GRADIENTS, "all_reduce_gradients", args="gradients", reducing=True
         ),
         OpSpec(OpKind.TRAIN_STEP, "train_step", args="train_step"),
+        OpSpec(
+            OpKind.EXCHANGE,
+            "exchange",
+            args="exchange",
+            operand=Operand.SOURCES,
+            stores=Stores.DESTINATIONS,
+        ),
+        OpSpec(OpKind.DESTROY_GROUP, "destroy_group", args="destroy_group"),
+        OpSpec(
+            OpKind.ALL_REDUCE_COALESCED,
+            "all_reduce_coalesced",
+            args="coalesced",
+            operand=Operand.MEMBERS,
+            stores=Stores.MEMBERS,
+            reducing=True,
+        ),
+        OpSpec(
+            OpKind.BROADCAST_COALESCED,
+            "broadcast_coalesced",
+            args="coalesced",
+            operand=Operand.ROOT,
+            stores=Stores.NOT_ROOT,
+            root_role="src",
+        ),
+        OpSpec(
+            OpKind.ALL_GATHER_COALESCED,
+            "all_gather_coalesced",
+            args="coalesced",
+            operand=Operand.MEMBERS,
+            stores=Stores.MEMBERS,
+            shape=Shape.STACKED,
+        ),
+        OpSpec(
+            OpKind.ALL_TO_ALL_UNEVEN,
+            "all_to_all_uneven",
+            args="uneven",
+            operand=Operand.MEMBERS,
+            stores=Stores.MEMBERS,
+        ),
     )
 }
 _BY_NAME = {s.name: s for s in SPECS.values()}
@@ -304,8 +351,11 @@ def check_dim0_divisible(op: OpSpec, name: str, shape: Sequence[int], size: int)
 def subject(desc: worker_pb2.OpDescriptor) -> str:
     """The tensor or model an op is about ("" for barrier, new_group, ticks)."""
     field = desc.WhichOneof("args")
-    if field == "tensor":
-        return desc.tensor.name
+    if field in ("tensor", "uneven", "exchange"):
+        return getattr(desc, field).name
+    if field == "coalesced":
+        names = list(desc.coalesced.names)
+        return names[0] if len(names) == 1 else f"{names[0]} (+{len(names) - 1})" if names else ""
     if field in ("gradients", "train_step"):
         return getattr(desc, field).model
     return ""

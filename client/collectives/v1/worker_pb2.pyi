@@ -25,6 +25,12 @@ class OpKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OP_KIND_NEW_GROUP: _ClassVar[OpKind]
     OP_KIND_ALL_REDUCE_GRADIENTS: _ClassVar[OpKind]
     OP_KIND_TRAIN_STEP: _ClassVar[OpKind]
+    OP_KIND_EXCHANGE: _ClassVar[OpKind]
+    OP_KIND_DESTROY_GROUP: _ClassVar[OpKind]
+    OP_KIND_ALL_REDUCE_COALESCED: _ClassVar[OpKind]
+    OP_KIND_BROADCAST_COALESCED: _ClassVar[OpKind]
+    OP_KIND_ALL_GATHER_COALESCED: _ClassVar[OpKind]
+    OP_KIND_ALL_TO_ALL_UNEVEN: _ClassVar[OpKind]
 OP_KIND_UNSPECIFIED: OpKind
 OP_KIND_NOOP: OpKind
 OP_KIND_STOP: OpKind
@@ -39,6 +45,12 @@ OP_KIND_BARRIER: OpKind
 OP_KIND_NEW_GROUP: OpKind
 OP_KIND_ALL_REDUCE_GRADIENTS: OpKind
 OP_KIND_TRAIN_STEP: OpKind
+OP_KIND_EXCHANGE: OpKind
+OP_KIND_DESTROY_GROUP: OpKind
+OP_KIND_ALL_REDUCE_COALESCED: OpKind
+OP_KIND_BROADCAST_COALESCED: OpKind
+OP_KIND_ALL_GATHER_COALESCED: OpKind
+OP_KIND_ALL_TO_ALL_UNEVEN: OpKind
 
 class PutTensorRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -193,26 +205,30 @@ class OpOptions(_message.Message):
     def __init__(self, group_id: _Optional[int] = ..., generation: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class BroadcastRequest(_message.Message):
-    __slots__ = ("options", "name", "src")
+    __slots__ = ("options", "name", "src", "names")
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     SRC_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
     options: OpOptions
     name: str
     src: int
-    def __init__(self, options: _Optional[_Union[OpOptions, _Mapping]] = ..., name: _Optional[str] = ..., src: _Optional[int] = ...) -> None: ...
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, options: _Optional[_Union[OpOptions, _Mapping]] = ..., name: _Optional[str] = ..., src: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AllReduceRequest(_message.Message):
-    __slots__ = ("options", "name", "op", "out")
+    __slots__ = ("options", "name", "op", "out", "names")
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
     OUT_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
     options: OpOptions
     name: str
     op: _tensor_pb2.ReduceOp
     out: str
-    def __init__(self, options: _Optional[_Union[OpOptions, _Mapping]] = ..., name: _Optional[str] = ..., op: _Optional[_Union[_tensor_pb2.ReduceOp, str]] = ..., out: _Optional[str] = ...) -> None: ...
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, options: _Optional[_Union[OpOptions, _Mapping]] = ..., name: _Optional[str] = ..., op: _Optional[_Union[_tensor_pb2.ReduceOp, str]] = ..., out: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReduceRequest(_message.Message):
     __slots__ = ("options", "name", "dst", "op", "out")
@@ -229,14 +245,18 @@ class ReduceRequest(_message.Message):
     def __init__(self, options: _Optional[_Union[OpOptions, _Mapping]] = ..., name: _Optional[str] = ..., dst: _Optional[int] = ..., op: _Optional[_Union[_tensor_pb2.ReduceOp, str]] = ..., out: _Optional[str] = ...) -> None: ...
 
 class AllGatherRequest(_message.Message):
-    __slots__ = ("options", "name", "out")
+    __slots__ = ("options", "name", "out", "names", "outs")
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     OUT_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    OUTS_FIELD_NUMBER: _ClassVar[int]
     options: OpOptions
     name: str
     out: str
-    def __init__(self, options: _Optional[_Union[OpOptions, _Mapping]] = ..., name: _Optional[str] = ..., out: _Optional[str] = ...) -> None: ...
+    names: _containers.RepeatedScalarFieldContainer[str]
+    outs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, options: _Optional[_Union[OpOptions, _Mapping]] = ..., name: _Optional[str] = ..., out: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., outs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GatherRequest(_message.Message):
     __slots__ = ("options", "name", "dst", "out")
@@ -263,14 +283,48 @@ class ReduceScatterRequest(_message.Message):
     def __init__(self, options: _Optional[_Union[OpOptions, _Mapping]] = ..., name: _Optional[str] = ..., op: _Optional[_Union[_tensor_pb2.ReduceOp, str]] = ..., out: _Optional[str] = ...) -> None: ...
 
 class AllToAllRequest(_message.Message):
-    __slots__ = ("options", "name", "out")
+    __slots__ = ("options", "name", "out", "split_sizes")
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     OUT_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_SIZES_FIELD_NUMBER: _ClassVar[int]
     options: OpOptions
     name: str
     out: str
-    def __init__(self, options: _Optional[_Union[OpOptions, _Mapping]] = ..., name: _Optional[str] = ..., out: _Optional[str] = ...) -> None: ...
+    split_sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, options: _Optional[_Union[OpOptions, _Mapping]] = ..., name: _Optional[str] = ..., out: _Optional[str] = ..., split_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ExchangePair(_message.Message):
+    __slots__ = ("src", "dst")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    src: int
+    dst: int
+    def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
+
+class ExchangeRequest(_message.Message):
+    __slots__ = ("options", "name", "out", "pairs")
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OUT_FIELD_NUMBER: _ClassVar[int]
+    PAIRS_FIELD_NUMBER: _ClassVar[int]
+    options: OpOptions
+    name: str
+    out: str
+    pairs: _containers.RepeatedCompositeFieldContainer[ExchangePair]
+    def __init__(self, options: _Optional[_Union[OpOptions, _Mapping]] = ..., name: _Optional[str] = ..., out: _Optional[str] = ..., pairs: _Optional[_Iterable[_Union[ExchangePair, _Mapping]]] = ...) -> None: ...
+
+class DestroyGroupRequest(_message.Message):
+    __slots__ = ("options",)
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    options: OpOptions
+    def __init__(self, options: _Optional[_Union[OpOptions, _Mapping]] = ...) -> None: ...
+
+class DestroyGroupResponse(_message.Message):
+    __slots__ = ("generation",)
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    def __init__(self, generation: _Optional[int] = ...) -> None: ...
 
 class BarrierRequest(_message.Message):
     __slots__ = ("options",)
@@ -279,7 +333,7 @@ class BarrierRequest(_message.Message):
     def __init__(self, options: _Optional[_Union[OpOptions, _Mapping]] = ...) -> None: ...
 
 class CollectiveResponse(_message.Message):
-    __slots__ = ("op_id", "generation", "result_name", "result_ranks", "dtype", "shape", "latency_s")
+    __slots__ = ("op_id", "generation", "result_name", "result_ranks", "dtype", "shape", "latency_s", "result_names")
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RESULT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -287,6 +341,7 @@ class CollectiveResponse(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    RESULT_NAMES_FIELD_NUMBER: _ClassVar[int]
     op_id: int
     generation: int
     result_name: str
@@ -294,7 +349,8 @@ class CollectiveResponse(_message.Message):
     dtype: _tensor_pb2.DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     latency_s: float
-    def __init__(self, op_id: _Optional[int] = ..., generation: _Optional[int] = ..., result_name: _Optional[str] = ..., result_ranks: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., latency_s: _Optional[float] = ...) -> None: ...
+    result_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, op_id: _Optional[int] = ..., generation: _Optional[int] = ..., result_name: _Optional[str] = ..., result_ranks: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., latency_s: _Optional[float] = ..., result_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class NewGroupRequest(_message.Message):
     __slots__ = ("options", "ranks")
@@ -662,6 +718,46 @@ class TensorOpArgs(_message.Message):
     root: int
     def __init__(self, name: _Optional[str] = ..., out: _Optional[str] = ..., op: _Optional[_Union[_tensor_pb2.ReduceOp, str]] = ..., root: _Optional[int] = ...) -> None: ...
 
+class CoalescedArgs(_message.Message):
+    __slots__ = ("names", "outs", "op", "root")
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    OUTS_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    outs: _containers.RepeatedScalarFieldContainer[str]
+    op: _tensor_pb2.ReduceOp
+    root: int
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., outs: _Optional[_Iterable[str]] = ..., op: _Optional[_Union[_tensor_pb2.ReduceOp, str]] = ..., root: _Optional[int] = ...) -> None: ...
+
+class UnevenAllToAllArgs(_message.Message):
+    __slots__ = ("name", "out", "split_sizes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OUT_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_SIZES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    out: str
+    split_sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., out: _Optional[str] = ..., split_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ExchangeArgs(_message.Message):
+    __slots__ = ("name", "out", "srcs", "dsts")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OUT_FIELD_NUMBER: _ClassVar[int]
+    SRCS_FIELD_NUMBER: _ClassVar[int]
+    DSTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    out: str
+    srcs: _containers.RepeatedScalarFieldContainer[int]
+    dsts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., out: _Optional[str] = ..., srcs: _Optional[_Iterable[int]] = ..., dsts: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DestroyGroupArgs(_message.Message):
+    __slots__ = ("group_id",)
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    group_id: int
+    def __init__(self, group_id: _Optional[int] = ...) -> None: ...
+
 class NewGroupArgs(_message.Message):
     __slots__ = ("ranks",)
     RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -697,7 +793,7 @@ class TrainStepArgs(_message.Message):
     def __init__(self, model: _Optional[str] = ..., inputs: _Optional[str] = ..., targets: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[str] = ..., hyper_json: _Optional[str] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
 
 class OpDescriptor(_message.Message):
-    __slots__ = ("op_id", "generation", "group_id", "timeout_s", "kind", "tensor", "new_group", "gradients", "train_step")
+    __slots__ = ("op_id", "generation", "group_id", "timeout_s", "kind", "tensor", "new_group", "gradients", "train_step", "coalesced", "uneven", "exchange", "destroy_group")
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -707,6 +803,10 @@ class OpDescriptor(_message.Message):
     NEW_GROUP_FIELD_NUMBER: _ClassVar[int]
     GRADIENTS_FIELD_NUMBER: _ClassVar[int]
     TRAIN_STEP_FIELD_NUMBER: _ClassVar[int]
+    COALESCED_FIELD_NUMBER: _ClassVar[int]
+    UNEVEN_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGE_FIELD_NUMBER: _ClassVar[int]
+    DESTROY_GROUP_FIELD_NUMBER: _ClassVar[int]
     op_id: int
     generation: int
     group_id: int
@@ -716,4 +816,8 @@ class OpDescriptor(_message.Message):
     new_group: NewGroupArgs
     gradients: GradientsArgs
     train_step: TrainStepArgs
-    def __init__(self, op_id: _Optional[int] = ..., generation: _Optional[int] = ..., group_id: _Optional[int] = ..., timeout_s: _Optional[float] = ..., kind: _Optional[_Union[OpKind, str]] = ..., tensor: _Optional[_Union[TensorOpArgs, _Mapping]] = ..., new_group: _Optional[_Union[NewGroupArgs, _Mapping]] = ..., gradients: _Optional[_Union[GradientsArgs, _Mapping]] = ..., train_step: _Optional[_Union[TrainStepArgs, _Mapping]] = ...) -> None: ...
+    coalesced: CoalescedArgs
+    uneven: UnevenAllToAllArgs
+    exchange: ExchangeArgs
+    destroy_group: DestroyGroupArgs
+    def __init__(self, op_id: _Optional[int] = ..., generation: _Optional[int] = ..., group_id: _Optional[int] = ..., timeout_s: _Optional[float] = ..., kind: _Optional[_Union[OpKind, str]] = ..., tensor: _Optional[_Union[TensorOpArgs, _Mapping]] = ..., new_group: _Optional[_Union[NewGroupArgs, _Mapping]] = ..., gradients: _Optional[_Union[GradientsArgs, _Mapping]] = ..., train_step: _Optional[_Union[TrainStepArgs, _Mapping]] = ..., coalesced: _Optional[_Union[CoalescedArgs, _Mapping]] = ..., uneven: _Optional[_Union[UnevenAllToAllArgs, _Mapping]] = ..., exchange: _Optional[_Union[ExchangeArgs, _Mapping]] = ..., destroy_group: _Optional[_Union[DestroyGroupArgs, _Mapping]] = ...) -> None: ...

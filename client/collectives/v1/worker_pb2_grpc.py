@@ -119,6 +119,16 @@ class WorkerStub:
                 request_serializer=collectives_dot_v1_dot_worker__pb2.BarrierRequest.SerializeToString,
                 response_deserializer=collectives_dot_v1_dot_worker__pb2.CollectiveResponse.FromString,
                 _registered_method=True)
+        self.Exchange = channel.unary_unary(
+                '/collectives.v1.Worker/Exchange',
+                request_serializer=collectives_dot_v1_dot_worker__pb2.ExchangeRequest.SerializeToString,
+                response_deserializer=collectives_dot_v1_dot_worker__pb2.CollectiveResponse.FromString,
+                _registered_method=True)
+        self.DestroyGroup = channel.unary_unary(
+                '/collectives.v1.Worker/DestroyGroup',
+                request_serializer=collectives_dot_v1_dot_worker__pb2.DestroyGroupRequest.SerializeToString,
+                response_deserializer=collectives_dot_v1_dot_worker__pb2.DestroyGroupResponse.FromString,
+                _registered_method=True)
         self.NewGroup = channel.unary_unary(
                 '/collectives.v1.Worker/NewGroup',
                 request_serializer=collectives_dot_v1_dot_worker__pb2.NewGroupRequest.SerializeToString,
@@ -320,6 +330,23 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Exchange(self, request, context):
+        """Point to point: each pair's dst stores its src's tensor (send: one pair).
+        Errors: INVALID_ARGUMENT (src == dst, dst twice, no pairs, rank out of range),
+        NOT_FOUND / FAILED_PRECONDITION (operand absent on some or every src).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DestroyGroup(self, request, context):
+        """Destroys a sub-group on every rank (like dist.destroy_process_group(group)).
+        Errors: NOT_FOUND (no such group, or already destroyed), INVALID_ARGUMENT (group 0).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def NewGroup(self, request, context):
         """Creates a sub-group of the current generation (like dist.new_group).
         Errors: INVALID_ARGUMENT (empty, duplicate or out-of-range ranks).
@@ -508,6 +535,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Barrier,
                     request_deserializer=collectives_dot_v1_dot_worker__pb2.BarrierRequest.FromString,
                     response_serializer=collectives_dot_v1_dot_worker__pb2.CollectiveResponse.SerializeToString,
+            ),
+            'Exchange': grpc.unary_unary_rpc_method_handler(
+                    servicer.Exchange,
+                    request_deserializer=collectives_dot_v1_dot_worker__pb2.ExchangeRequest.FromString,
+                    response_serializer=collectives_dot_v1_dot_worker__pb2.CollectiveResponse.SerializeToString,
+            ),
+            'DestroyGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.DestroyGroup,
+                    request_deserializer=collectives_dot_v1_dot_worker__pb2.DestroyGroupRequest.FromString,
+                    response_serializer=collectives_dot_v1_dot_worker__pb2.DestroyGroupResponse.SerializeToString,
             ),
             'NewGroup': grpc.unary_unary_rpc_method_handler(
                     servicer.NewGroup,
@@ -1039,6 +1076,60 @@ class Worker:
             '/collectives.v1.Worker/Barrier',
             collectives_dot_v1_dot_worker__pb2.BarrierRequest.SerializeToString,
             collectives_dot_v1_dot_worker__pb2.CollectiveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Exchange(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/collectives.v1.Worker/Exchange',
+            collectives_dot_v1_dot_worker__pb2.ExchangeRequest.SerializeToString,
+            collectives_dot_v1_dot_worker__pb2.CollectiveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DestroyGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/collectives.v1.Worker/DestroyGroup',
+            collectives_dot_v1_dot_worker__pb2.DestroyGroupRequest.SerializeToString,
+            collectives_dot_v1_dot_worker__pb2.DestroyGroupResponse.FromString,
             options,
             channel_credentials,
             insecure,
