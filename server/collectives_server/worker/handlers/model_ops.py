@@ -202,88 +202,99 @@ def run_model_op(ctx: OpContext, desc: worker_pb2.OpDescriptor, ann: Announcemen
         return _run_model_op(ctx, model, args, desc.op_id)
 
 
+@dataclass
+class _Local:
+    """This rank's local phase of a model op: its outcome and what it computed."""
+
+    code: grpc.StatusCode = grpc.StatusCode.OK
+    message: str = ""
+    loss: float = 0.0
+    batch: int = 0
+    plan: OptimizerPlan | None = None
+
+
+def _info_rows(
+    ctx: OpContext, model: HostedModel | None, args: ModelArgs
+) -> tuple[list[list[int]], list[bool]]:
+    """Every rank's info row (model present, signature, inputs, targets, all grads), and
+    this rank's per-parameter "has a gradient" flags."""
+    info = torch.zeros(_INFO, dtype=torch.int64)
+    flags: list[bool] = []
+    if model is not None:
+        info[0] = 1
+        info[1] = model.signature()
+        if not args.is_train:
+            flags = [p.grad is not None for _, p in model.parameters]
+            info[4] = int(all(flags))
+    if args.is_train:
+        info[2] = int(ctx.store.peek(args.inputs) is not None)
+        info[3] = int(ctx.store.peek(args.targets) is not None)
+    rows = ctx.call(agreement.all_gather_rows, ctx.control, info, ctx.world_size).tolist()
+    return rows, flags
+
+
+def _local_phase(ctx: OpContext, model: HostedModel, args: ModelArgs) -> _Local:
+    """The optimizer plan and the local training step: the only parts that can fail
+    here; every rank agrees on their outcome before gradients move."""
+    local = _Local()
+    try:
+        if args.optimizer:
+            hyper = parse_json_object(args.hyper_json, "optimizer hyperparameters")
+            local.plan = plan_optimizer(model, args.optimizer, hyper)  # installed once all agreed
+        if args.is_train:
+            local.loss, local.batch = _local_train(ctx, model, args)
+    except CollectiveError as exc:
+        local.code, local.message = exc.code, exc.message
+    except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+        local.code = grpc.StatusCode.INVALID_ARGUMENT
+        local.message = op_failures.backend_message(exc)
+    return local
+
+
+def _weighted_loss(extras: list[list[float]]) -> tuple[float, list[float]]:
+    """The global loss (per-rank losses weighted by batch size) and every rank's loss."""
+    losses = [e[0] for e in extras]
+    weights = [e[1] for e in extras]
+    total = sum(weights)
+    if not total:
+        return math.nan, losses
+    return sum(loss * w for loss, w in zip(losses, weights, strict=True)) / total, losses
+
+
 def _run_model_op(
     ctx: OpContext,
     model: HostedModel | None,
     args: ModelArgs,
     op_id: int,
 ):
-    is_train = args.is_train
-    info = torch.zeros(_INFO, dtype=torch.int64)
-    flags: list[bool] = []
-    if model is not None:
-        info[0] = 1
-        info[1] = model.signature()
-        if not is_train:
-            flags = [p.grad is not None for _, p in model.parameters]
-            info[4] = int(all(flags))
-    if is_train:
-        info[2] = int(ctx.store.peek(args.inputs) is not None)
-        info[3] = int(ctx.store.peek(args.targets) is not None)
-    control = ctx.groups[0].handles.control  # type: ignore[union-attr]
-    rows = ctx.call(agreement.all_gather_rows, control, info, ctx.world_size).tolist()
+    rows, flags = _info_rows(ctx, model, args)
     verdict = _decide(args, rows)
     if verdict is not None:
         return verdict
     assert model is not None
-
-    # Local phase (only a train_step or an optimizer can fail here); every rank
-    # agrees on its outcome before gradients move.
-    code, message = grpc.StatusCode.OK, ""
-    loss_value, batch = 0.0, 0
-    plan: OptimizerPlan | None = None
-    try:
-        if args.optimizer:
-            hyper = parse_json_object(args.hyper_json, "optimizer hyperparameters")
-            plan = plan_optimizer(model, args.optimizer, hyper)  # installed once all agreed
-        if is_train:
-            loss_value, batch = _local_train(ctx, model, args)
-            flags = [p.grad is not None for _, p in model.parameters]
-    except CollectiveError as exc:
-        code, message = exc.code, exc.message
-    except (RuntimeError, ValueError, TypeError, IndexError) as exc:
-        code, message = grpc.StatusCode.INVALID_ARGUMENT, op_failures.backend_message(exc)
-
+    local = _local_phase(ctx, model, args)
+    if args.is_train:
+        flags = [p.grad is not None for _, p in model.parameters]
     rank_losses: list[float] = []
     global_loss = 0.0
-    if is_train or args.optimizer:
-        extra = [loss_value, float(batch), float(all(flags))]
+    everywhere = all(row[4] for row in rows)
+    if args.is_train or args.optimizer:
+        extra = [local.loss, float(local.batch), float(all(flags))]
         failures, extras = ctx.call(
-            agreement.agree_with, control, ctx.world_size, code, message, extra
+            agreement.agree_with, ctx.control, ctx.world_size, local.code, local.message, extra
         )
         if failures:
             return ctx.fail_all(failures)
         everywhere = all(e[2] for e in extras)
-        if is_train:
-            rank_losses = [e[0] for e in extras]
-            weights = [e[1] for e in extras]
-            total_weight = sum(weights)
-            global_loss = (
-                sum(loss * w for loss, w in zip(rank_losses, weights, strict=True)) / total_weight
-                if total_weight
-                else math.nan
-            )
-    else:
-        everywhere = all(row[4] for row in rows)
-
-    op = ReduceOp.from_wire(args.op)
-    if is_train:
-        op = ReduceOp.AVG
+        if args.is_train:
+            global_loss, rank_losses = _weighted_loss(extras)
+    op = ReduceOp.AVG if args.is_train else ReduceOp.from_wire(args.op)
     bucket_bytes = args.bucket_bytes or DEFAULT_BUCKET_BYTES
-    mask = _mask(ctx, flags, everywhere)
-    buckets, nbytes = reduce_gradients(ctx, model, op, bucket_bytes, mask)
-    if plan is not None:
-        install(model, plan).step()
+    buckets, nbytes = reduce_gradients(ctx, model, op, bucket_bytes, _mask(ctx, flags, everywhere))
+    if local.plan is not None:
+        install(model, local.plan).step()
         model.steps += 1
-    return ModelOpResult(
-        op_id,
-        ctx.generation,
-        buckets,
-        nbytes,
-        global_loss,
-        rank_losses,
-        0.0,
-    )
+    return ModelOpResult(op_id, ctx.generation, buckets, nbytes, global_loss, rank_losses, 0.0)
 
 
 def _decide(args: ModelArgs, rows: list[list[int]]) -> CollectiveError | None:
