@@ -16,7 +16,7 @@ reduction that may have run is never repeated behind the caller's back.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import torch
@@ -34,6 +34,7 @@ from collectives._validation import (
 )
 from collectives.errors import CollectiveError, Reason, Unavailable
 from collectives.groups import Group
+from collectives.op_specs import check_split_matrix
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
 from collectives.work import OpRecord, Work
@@ -265,23 +266,40 @@ class _Collectives(_DataPlane):
         group: Group | None = None,
         async_op: bool = False,
         timeout: float | None = None,
+        split_sizes: Sequence[Sequence[int]] | None = None,
     ) -> Work[None] | None:
         """Chunk j (of dim 0) of member i lands as chunk i of member j.
 
+        Without ``split_sizes`` dim 0 splits evenly. With it (a square matrix of the
+        group's size, group-local indices as the members' order), member i sends
+        ``split_sizes[i][j]`` rows of dim 0 to member j, in order, and member j
+        stores ``torch.cat([chunk i->j for every member i])``: each member's result
+        has its own dim 0 (column j's sum; 0 rows is fine). Row i must sum to dim 0
+        of member i's tensor; dtypes and the dims after 0 must agree.
+
         Raises:
-            InvalidArgument: dim 0 is not divisible by the group size (from the server).
+            InvalidArgument: dim 0 is not divisible by the group size, or (with
+                ``split_sizes``) the matrix is not a square of non-negative ints of the
+                group's size, or a row does not sum to its member's dim 0.
             NotFound: no rank holds ``name``.
-            FailedPrecondition: some ranks lack ``name`` or disagree on dtype/shape.
+            FailedPrecondition: some ranks lack ``name`` or disagree on dtype/shape
+                (with ``split_sizes``: on dtype or the dims after 0).
         """
         check_name(name)
         out_name = check_out(out)
         group = check_group(group)
         deadline = self._deadline(timeout)
-        self._world(deadline)
+        world = self._world(deadline)
+        splits: list[int] = []
+        if split_sizes is not None:
+            size = len(group.ranks) if group is not None else world
+            splits = [n for row in check_split_matrix(split_sizes, size) for n in row]
         return self._collective(
             f"all_to_all {name!r}",
             "AllToAll",
-            lambda o: worker_pb2.AllToAllRequest(options=o, name=name, out=out_name),
+            lambda o: worker_pb2.AllToAllRequest(
+                options=o, name=name, out=out_name, split_sizes=splits
+            ),
             deadline,
             group,
             async_op,

@@ -17,6 +17,7 @@ model ops) have specs too, so that logs and metrics name every kind alike.
 from __future__ import annotations
 
 import enum
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -42,6 +43,9 @@ __all__ = [
     "check_group_ranks",
     "check_dim0_divisible",
     "subject",
+    # uneven all_to_all
+    "check_split_matrix",
+    "split_rows",
 ]
 
 
@@ -346,6 +350,59 @@ def check_dim0_divisible(op: OpSpec, name: str, shape: Sequence[int], size: int)
         raise InvalidArgument(
             f"dim 0 must be divisible by the group size {size}; got {dim0} (shape {list(shape)})"
         )
+
+
+# ------------------------------------------------------------ uneven all_to_all
+def check_split_matrix(split_sizes: object, size: int) -> list[list[int]]:
+    """all_to_all's ``split_sizes``: a ``size`` x ``size`` matrix (``size``: the group's)
+    of non-negative ints; ``split_sizes[i][j]`` rows of dim 0 go from member i to member j.
+    Returned as a list of lists; InvalidArgument otherwise."""
+    if isinstance(split_sizes, (str, bytes)) or not isinstance(split_sizes, Sequence):
+        raise InvalidArgument(
+            f"split_sizes must be a list of lists of ints, got {type(split_sizes).__name__}"
+        )
+    if len(split_sizes) != size:
+        raise InvalidArgument(
+            f"split_sizes must be a {size} x {size} matrix (the group's size); "
+            f"got {len(split_sizes)} rows"
+        )
+    matrix = []
+    for i, row in enumerate(split_sizes):
+        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
+            raise InvalidArgument(
+                f"split_sizes[{i}] must be a list of ints, got {type(row).__name__}"
+            )
+        if len(row) != size:
+            raise InvalidArgument(
+                f"split_sizes must be a {size} x {size} matrix (the group's size); "
+                f"row {i} has {len(row)} entries"
+            )
+        matrix.append([_split_entry(v, i, j) for j, v in enumerate(row)])
+    return matrix
+
+
+def _split_entry(v: object, i: int, j: int) -> int:
+    try:
+        if isinstance(v, bool):
+            raise TypeError
+        n = operator.index(v)  # numpy and 0-dim torch integers too
+    except TypeError:
+        raise InvalidArgument(
+            f"split_sizes[{i}][{j}] must be an int, got {type(v).__name__}"
+        ) from None
+    if n < 0:
+        raise InvalidArgument(f"split_sizes[{i}][{j}] is {n}; row counts cannot be negative")
+    if n >= 1 << 62:
+        raise InvalidArgument(f"split_sizes[{i}][{j}] is {n}; no tensor has that many rows")
+    return n
+
+
+def split_rows(flat: Sequence[int], size: int) -> list[list[int]]:
+    """The wire's row-major ``split_sizes`` as rows of ``size`` (the last one may be short:
+    :func:`check_split_matrix` then says so)."""
+    flat = list(flat)
+    step = max(size, 1)
+    return [flat[i : i + step] for i in range(0, len(flat), step)]
 
 
 def subject(desc: worker_pb2.OpDescriptor) -> str:

@@ -78,6 +78,7 @@ EXPECTED_SIGNATURES: dict[str, list[tuple[str, object]]] = {
     ],
     "all_to_all": [
         ("name", _E), ("out", None), ("group", None), ("async_op", False), ("timeout", None),
+        ("split_sizes", None),
     ],
     "barrier": [("group", None), ("async_op", False), ("timeout", None)],
     "new_group": [("ranks", _E), ("timeout", None)],

@@ -40,6 +40,7 @@ __all__ = [
     "gather",
     "reduce_scatter",
     "all_to_all",
+    "all_to_all_uneven",
     "barrier",
     "fold",
     "private_copy",
@@ -303,6 +304,36 @@ def all_to_all(pg: dist.ProcessGroup, t: torch.Tensor, alloc: Alloc = fresh) -> 
     out = alloc(src.shape, src.dtype, src.device)
     if src.numel():
         pg.alltoall_base(_bytes_of(out), _bytes_of(src), [], [], dist.AllToAllOptions()).wait()
+    return out
+
+
+def all_to_all_uneven(
+    pg: dist.ProcessGroup,
+    t: torch.Tensor,
+    matrix: Sequence[Sequence[int]],
+    index: int,
+    alloc: Alloc = fresh,
+) -> torch.Tensor:
+    """``matrix[i][j]`` rows of dim 0 go from member i to member j; this member
+    (``index``) returns the rows every member sent it, concatenated in member order.
+
+    Every member calls this with the same matrix (validated: row ``index`` sums to
+    ``t.shape[0]``, rows of the same dtype and size everywhere), so all of them take
+    the same branch: nothing to move anywhere means no collective on any member."""
+    src = t.contiguous()
+    recv = [row[index] for row in matrix]
+    out = alloc((sum(recv), *src.shape[1:]), src.dtype, src.device)
+    row_bytes = src.element_size()
+    for d in src.shape[1:]:
+        row_bytes *= d
+    if row_bytes and any(any(row) for row in matrix):
+        pg.alltoall_base(
+            _bytes_of(out),
+            _bytes_of(src),
+            [n * row_bytes for n in recv],
+            [n * row_bytes for n in matrix[index]],
+            dist.AllToAllOptions(),
+        ).wait()
     return out
 
 

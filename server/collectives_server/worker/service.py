@@ -17,6 +17,7 @@ import grpc
 import torch
 from google.protobuf import message_factory
 
+from collectives import op_specs
 from collectives.dtypes import to_wire
 from collectives.errors import (
     DeadlineExceeded,
@@ -325,8 +326,46 @@ class WorkerService(ModelRpcs):
 
     @_guard
     def AllToAll(self, r, context):
+        if r.split_sizes:
+            return self._uneven_all_to_all(context, r)
         args = worker_pb2.TensorOpArgs(name=r.name, out=r.out)
         return self._collective(context, OpKind.ALL_TO_ALL, r.options, args)
+
+    def _uneven_all_to_all(
+        self, context, r: worker_pb2.AllToAllRequest
+    ) -> worker_pb2.CollectiveResponse:
+        """all_to_all with ``split_sizes`` (``handlers/uneven_ops``). Every member stores a
+        result of its own dim 0 (its column's sum); the reply's shape is the first
+        member's (the leader's, whenever the leader is a member)."""
+        validate_name(r.name)
+        if r.out:
+            validate_name(r.out, "out name")
+        runtime = self._leader(r.options)
+        group = runtime.groups.get(r.options.group_id)
+        if group is None:  # as _collective words it
+            raise NotFound(
+                f"group {r.options.group_id} does not exist in generation "
+                f"{runtime.generation}; groups last as long as the generation they were "
+                "made in: create it again"
+            )
+        size = len(group.ranks)
+        op_specs.check_split_matrix(op_specs.split_rows(list(r.split_sizes), size), size)
+        desc = worker_pb2.OpDescriptor(
+            kind=OpKind.ALL_TO_ALL_UNEVEN,
+            group_id=group.group_id,
+            timeout_s=r.options.timeout_s,
+            uneven=worker_pb2.UnevenAllToAllArgs(name=r.name, out=r.out, split_sizes=r.split_sizes),
+        )
+        result = self._wait(context, runtime, desc, r.options)
+        return worker_pb2.CollectiveResponse(
+            op_id=result.op_id,
+            generation=result.generation,
+            result_name=result.result_name,
+            result_ranks=result.result_ranks,
+            dtype=to_wire(result.dtype) if result.dtype is not None else 0,
+            shape=list(result.shape),
+            latency_s=result.latency_s,
+        )
 
     @_guard
     def Barrier(self, r, context):

@@ -23,6 +23,7 @@ from collectives.v1 import worker_pb2
 from collectives_server.worker.handlers.group_ops import run_new_group
 from collectives_server.worker.handlers.model_ops import ModelOpResult, run_model_op
 from collectives_server.worker.handlers.tensor_ops import run_tensor_op
+from collectives_server.worker.handlers.uneven_ops import run_uneven_all_to_all
 from collectives_server.worker.op_context import Announcement, OpContext, OpResult
 
 __all__ = ["Handler", "HANDLERS", "handler_for"]
@@ -37,6 +38,8 @@ HANDLERS: dict[OpKind, Handler] = {
     OpKind.NEW_GROUP: run_new_group,
     OpKind.ALL_REDUCE_GRADIENTS: run_model_op,
     OpKind.TRAIN_STEP: run_model_op,
+    # all_to_all with split_sizes (uneven_ops)
+    OpKind.ALL_TO_ALL_UNEVEN: run_uneven_all_to_all,
 }
 
 
