@@ -8,6 +8,8 @@ next collective, then wait on both); the last rank to issue an op fills every ra
 outputs (reductions fold in rank order: deterministic); errors surface at ``wait()``, bad
 arguments at the call. Every wait has a deadline. :meth:`FakeWorld.fail_next` and
 :meth:`FakeWorld.kill` inject failures; ``world.calls[rank][method]`` counts calls.
+Point to point (``send``/``recv``) is matched apart from the collectives' sequence,
+by (src, dst, tag) in posting order, and checks the sizes agree, as gloo does.
 """
 
 from __future__ import annotations
@@ -120,6 +122,9 @@ class FakeWorld:
         self._slots: dict[int, _Slot] = {}
         self._fail_next: dict[int, BaseException] = {}
         self._dead: set[int] = set()
+        # (src, dst, tag) -> posted and not yet matched {"send": [...], "recv": [...]}
+        self._mailboxes: dict[tuple[int, int, int], dict[str, list[_Post]]] = {}
+        self._cut: dict[tuple[int, int, int], BaseException] = {}  # pairs a failure cut
         self._pgs = [FakeProcessGroup(self, rank) for rank in range(size)]
 
     def pg(self, rank: int) -> FakeProcessGroup:
@@ -135,10 +140,12 @@ class FakeWorld:
         raises RuntimeError (as gloo does once a peer's connections close)."""
         with self._cond:
             self._dead.add(rank)
-            for slot in self._slots.values():
+            posted = [p.slot for box in self._mailboxes.values() for q in box.values() for p in q]
+            for slot in [*self._slots.values(), *posted]:
                 if not slot.done:
                     slot.peer_error = self._dead_error(rank)
                     slot.done = True
+            self._mailboxes.clear()
             self._cond.notify_all()
 
     def _dead_error(self, rank: int) -> RuntimeError:
@@ -192,6 +199,62 @@ class FakeWorld:
             if len(slot.args) == self.size:
                 del self._slots[seq]
             return work
+
+    # ------------------------------------------------------- point to point
+    def _post(self, rank: int, peer: int, tag: int, method: str, t: torch.Tensor) -> FakeWork:
+        """A send (rank -> peer) or recv (peer -> rank), matched with its counterpart."""
+        key = (rank, peer, tag) if method == "send" else (peer, rank, tag)
+        with self._cond:
+            post = _Post(_Slot(-1, args={rank: ()}), t)
+            work = FakeWork(self, rank, post.slot, method)
+            injected = self._fail_next.pop(rank, None)
+            if self._dead:
+                post.fail(self._dead_error(min(self._dead)))
+            elif injected is not None:
+                post.fail(injected)
+                cut = RuntimeError(
+                    f"[fake gloo] Connection closed by peer [rank {rank}: {injected!r}]"
+                )
+                self._cut[key] = cut
+                for waiting in self._mailboxes.pop(key, {}).get(_OTHER[method], []):
+                    waiting.fail(cut)
+            elif key in self._cut:
+                post.fail(self._cut[key])
+            else:
+                box = self._mailboxes.setdefault(key, {"send": [], "recv": []})
+                box[method].append(post)
+                while box["send"] and box["recv"]:
+                    _deliver(box["send"].pop(0), box["recv"].pop(0))
+                if not box["send"] and not box["recv"]:
+                    del self._mailboxes[key]
+            self._cond.notify_all()
+            return work
+
+
+@dataclass
+class _Post:
+    slot: _Slot
+    tensor: torch.Tensor
+
+    def fail(self, exc: BaseException) -> None:
+        self.slot.errors[next(iter(self.slot.args))] = exc
+        self.slot.done = True
+
+
+_OTHER = {"send": "recv", "recv": "send"}
+
+
+def _deliver(send: _Post, recv: _Post) -> None:
+    """Copies the send's bytes into the recv's buffer; gloo fails both on a size mismatch."""
+    sent, into = send.tensor, recv.tensor
+    n, m = sent.numel() * sent.element_size(), into.numel() * into.element_size()
+    if n != m:
+        error = RuntimeError(f"[fake gloo] message size mismatch: sent {n} bytes, expected {m}")
+        send.fail(error)
+        recv.fail(_copy(error))
+        return
+    into.reshape(-1).view(torch.uint8).copy_(sent.reshape(-1).view(torch.uint8))
+    send.slot.done = recv.slot.done = True
 
 
 class FakeProcessGroup:
@@ -291,6 +354,14 @@ class FakeProcessGroup:
         else:
             outs = []
         return self._issue("gather", (t.dtype, t.numel(), root), (t, outs))
+
+    def send(self, tensors: Sequence[torch.Tensor], dstRank: int, tag: int = 0) -> FakeWork:  # noqa: N803
+        t = self._begin("send", tensors)
+        return self._world._post(self._rank, self._root("send", dstRank), tag, "send", t)
+
+    def recv(self, tensors: Sequence[torch.Tensor], srcRank: int, tag: int = 0) -> FakeWork:  # noqa: N803
+        t = self._begin("recv", tensors)
+        return self._world._post(self._rank, self._root("recv", srcRank), tag, "recv", t)
 
     def alltoall_base(
         self,

@@ -4,7 +4,8 @@
 place named tensors on the workers (``put``/``get``/``scatter``/``delete``) and
 run collectives on them (``broadcast``, ``all_reduce``, ``reduce``,
 ``all_gather``, ``gather``, ``reduce_scatter``, ``all_to_all``, ``barrier``,
-``new_group``). Failures raise :class:`CollectiveError` subclasses carrying the
+``new_group``, ``destroy_group``) and move them point to point (``send``,
+``exchange``). Failures raise :class:`CollectiveError` subclasses carrying the
 gRPC status code and the server's message.
 """
 

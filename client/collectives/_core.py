@@ -2,9 +2,9 @@
 
 ``Cluster`` is split by concern into a chain of classes, one module each:
 ``_ClusterCore`` (this module: connecting, the membership view, deadlines, the
-retry loop, the ordered op executor), ``_DataPlane`` (put/get/delete/scatter)
-and ``_Collectives`` (broadcast ... new_group), with ``cluster.Cluster`` the
-public end of the chain.
+retry loop, the ordered op executor), ``_DataPlane`` (put/get/delete/scatter),
+``_Collectives`` (broadcast ... new_group), ``_PeerToPeer`` (send, exchange,
+destroy_group), ``_Models``; ``cluster.Cluster`` is the public end of the chain.
 
 Retries follow one rule: retry only what is safe. Reads, ``put`` and ``delete``
 are idempotent and are retried on ``UNAVAILABLE``; a collective is retried only

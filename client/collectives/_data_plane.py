@@ -31,8 +31,15 @@ from collectives._transport import (
     put_tensor,
     put_tensor_shm,
 )
-from collectives._validation import check_name, check_rank, check_tensor, scatter_parts
-from collectives.errors import CollectiveError, NotFound
+from collectives._validation import (
+    check_group,
+    check_name,
+    check_rank,
+    check_tensor,
+    scatter_parts,
+)
+from collectives.errors import CollectiveError, NotFound, Reason, Unavailable
+from collectives.groups import Group
 from collectives.v1 import worker_pb2
 
 __all__: list[str] = []
@@ -137,32 +144,58 @@ class _DataPlane(_ClusterCore):
         dim: int = 0,
         chunk_sizes: list[int] | None = None,
         timeout: float | None = None,
+        group: Group | None = None,
     ) -> None:
         """Stores part i of ``t`` under ``name`` on rank i; uploads run in parallel.
 
-        Part i is ``torch.tensor_split(t, world_size, dim)[i]``, or
-        ``torch.split(t, chunk_sizes, dim)[i]`` when ``chunk_sizes`` is given.
+        Part i is ``torch.tensor_split(t, n, dim)[i]``, or ``torch.split(t,
+        chunk_sizes, dim)[i]`` when ``chunk_sizes`` is given, with ``n`` the world
+        size; with ``group``, ``n`` is the group's size and part i goes to its i-th
+        member in ascending global rank (other ranks are untouched).
 
         Raises:
             InvalidArgument: bad name, tensor, ``dim``, or ``chunk_sizes`` whose
-                length is not the world size or whose sum is not ``t.shape[dim]``.
+                length is not ``n`` or whose sum is not ``t.shape[dim]``.
+            NotFound: ``group`` was destroyed.
             ResourceExhausted: a worker's tensor store is over its quota.
-            Unavailable: a worker stayed unreachable (retried until the deadline).
+            Unavailable: a worker stayed unreachable (retried until the deadline), or
+                ``group`` belongs to an older generation.
             DeadlineExceeded: not done within ``timeout`` seconds.
         """
         check_name(name)
         check_tensor(t)
+        group = check_group(group)
         deadline = self._deadline(timeout)
-        world_size = self._formed_snapshot(deadline).world_size
-        parts = scatter_parts(_wire_layout(t), world_size, dim, chunk_sizes)
+        snapshot = self._formed_snapshot(deadline)
+        if group is None:
+            ranks, of = list(range(snapshot.world_size)), "the world size"
+        else:
+            ranks, of = self._group_members(group, snapshot.generation), "the group size"
+        parts = scatter_parts(_wire_layout(t), len(ranks), dim, chunk_sizes, of)
         what = f"scatter {name!r}"
         self._fan_out(
             what,
             {
                 r: self._rank_call(r, deadline, what, _put_stream(name, p))
-                for r, p in enumerate(parts)
+                for r, p in zip(ranks, parts, strict=True)
             },
         )
+
+    def _group_members(self, group: Group, generation: int) -> list[int]:
+        """``group``'s global ranks, for the calls the SDK runs itself (scatter).
+
+        Raises:
+            Unavailable: the group belongs to an older generation.
+        """
+        if group.generation != generation:
+            raise Unavailable(
+                f"group {list(group.ranks)} (id {group.id}) belongs to generation "
+                f"{group.generation} but the cluster is at generation {generation}; "
+                "create it again with new_group",
+                generation=group.generation,
+                reason=Reason.GENERATION_CHANGED,
+            )
+        return list(group.ranks)
 
     # --- helpers -------------------------------------------------------------
 

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from collectives._collectives import _Collectives
 from collectives._core import GenerationBinding, server_timeout_s
 from collectives._model_transport import get_model_tensors, load_model_on, load_state_dict_on
+from collectives._p2p import _PeerToPeer
 from collectives._transport import WorkerEndpoint, call_unary, is_retryable_read
 from collectives.data_parallel import DataParallel
 from collectives.errors import CollectiveError, InvalidArgument, NotFound
@@ -82,7 +82,7 @@ def export_archive(module: nn.Module, example_inputs: tuple[Any, ...], dim: int 
     return buffer.getvalue()
 
 
-class _Models(_Collectives):
+class _Models(_PeerToPeer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # In-flight fire-and-forget ReleaseGraph calls (see _release_graph).

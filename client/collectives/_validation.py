@@ -102,9 +102,14 @@ def check_new_group_ranks(ranks: object, world_size: int) -> list[int]:
 
 
 def scatter_parts(
-    t: torch.Tensor, world_size: int, dim: object = 0, chunk_sizes: object = None
+    t: torch.Tensor,
+    world_size: int,
+    dim: object = 0,
+    chunk_sizes: object = None,
+    of: str = "the world size",
 ) -> list[torch.Tensor]:
-    """Splits ``t`` for ``scatter``: part i goes to rank i.
+    """Splits ``t`` for ``scatter``: part i goes to rank i (of the world, or of a group:
+    then ``world_size`` is the group's size and ``of`` names it in messages).
 
     ``tensor_split(t, world_size, dim)`` by default (sizes differ by at most one),
     or ``split(t, chunk_sizes, dim)``; raises InvalidArgument on a bad ``dim`` or
@@ -132,8 +137,7 @@ def scatter_parts(
         raise InvalidArgument(f"chunk_sizes must be non-negative ints, got {sizes}")
     if len(sizes) != world_size:
         raise InvalidArgument(
-            f"chunk_sizes has {len(sizes)} entries but the world size is {world_size}; "
-            "give one size per rank"
+            f"chunk_sizes has {len(sizes)} entries but {of} is {world_size}; give one size per rank"
         )
     if sum(sizes) != t.shape[dim]:
         raise InvalidArgument(

@@ -5,8 +5,9 @@ the coordinator plus a background thread that follows its membership (see
 ``_membership``), a cached channel per worker, and the calls of the public API.
 The methods are written in three modules by concern, chained by inheritance:
 ``_core`` (connection, deadlines, retries), ``_data_plane`` (put/get/delete/
-scatter) and ``_collectives`` (broadcast ... new_group); this class is where
-they meet and what users import.
+scatter), ``_collectives`` (broadcast ... new_group), ``_p2p`` (send, exchange,
+destroy_group) and ``_models``; this class is where they meet and what users
+import.
 
 A ``Cluster`` is safe to use from several threads. Its collectives reach the
 leader in call order (they run on one executor thread), ``async_op=True``

@@ -416,3 +416,46 @@ def subject(desc: worker_pb2.OpDescriptor) -> str:
     if field in ("gradients", "train_step"):
         return getattr(desc, field).model
     return ""
+
+
+# --------------------------------------------------------------- point to point
+__all__ += ["check_pairs"]
+
+
+def check_pairs(
+    pairs: object, world_size: int, members: Sequence[int] | None = None
+) -> list[tuple[int, int]]:
+    """An exchange's ``(src, dst)`` pairs (``send`` is one pair): global ranks in
+    ``[0, world_size)``, members of the group (``members``: its global ranks; None:
+    every rank), ``src != dst``, each dst named once, at least one pair. Returned as
+    tuples, in the given order."""
+    if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Sequence):
+        raise InvalidArgument(
+            f"pairs must be a list of (src, dst) pairs, got {type(pairs).__name__}"
+        )
+    if not pairs:
+        raise InvalidArgument("pairs is empty: give at least one (src, dst) pair")
+    checked: list[tuple[int, int]] = []
+    for i, pair in enumerate(pairs):
+        if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2:
+            raise InvalidArgument(
+                f"pair {i} must be a (src, dst) pair of ints, got {type(pair).__name__}"
+            )
+        src = check_rank(pair[0], world_size, "src")
+        dst = check_rank(pair[1], world_size, "dst")
+        for what, rank in (("src", src), ("dst", dst)):
+            if members is not None and rank not in members:
+                raise InvalidArgument(
+                    f"{what} {rank} (pair {i}) is not a member of the group (global ranks "
+                    f"{list(members)}); src and dst are global ranks, as in torch.distributed"
+                )
+        if src == dst:
+            raise InvalidArgument(f"pair {i} sends rank {src} to itself: src and dst must differ")
+        checked.append((src, dst))
+    dsts = [d for _, d in checked]
+    repeated = sorted({d for d in dsts if dsts.count(d) > 1})
+    if repeated:
+        raise InvalidArgument(
+            f"dst rank(s) {repeated} named in more than one pair; each dst receives from one src"
+        )
+    return checked

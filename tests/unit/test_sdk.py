@@ -53,7 +53,10 @@ EXPECTED_SIGNATURES: dict[str, list[tuple[str, object]]] = {
     "put": [("name", _E), ("t", _E), ("rank", None), ("timeout", None)],
     "get": [("name", _E), ("rank", 0), ("timeout", None)],
     "delete": [("name", _E), ("rank", None), ("missing_ok", False), ("timeout", None)],
-    "scatter": [("name", _E), ("t", _E), ("dim", 0), ("chunk_sizes", None), ("timeout", None)],
+    "scatter": [
+        ("name", _E), ("t", _E), ("dim", 0), ("chunk_sizes", None), ("timeout", None),
+        ("group", None),
+    ],
     "broadcast": [
         ("name", _E), ("src", 0), ("group", None), ("async_op", False), ("timeout", None),
     ],
@@ -84,6 +87,16 @@ EXPECTED_SIGNATURES: dict[str, list[tuple[str, object]]] = {
     "new_group": [("ranks", _E), ("timeout", None)],
     "workers": [],
     "close": [],
+    # point to point and group teardown
+    "send": [
+        ("name", _E), ("src", _E), ("dst", _E), ("out", None), ("group", None),
+        ("async_op", False), ("timeout", None),
+    ],
+    "exchange": [
+        ("name", _E), ("pairs", _E), ("out", None), ("group", None), ("async_op", False),
+        ("timeout", None),
+    ],
+    "destroy_group": [("group", _E), ("timeout", None)],
 }  # fmt: skip
 
 

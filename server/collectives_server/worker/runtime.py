@@ -34,6 +34,7 @@ from collectives.v1 import worker_pb2
 from collectives_server.worker import descriptor, op_failures
 from collectives_server.worker.collective_ops import Spares
 from collectives_server.worker.handlers import handler_for
+from collectives_server.worker.handlers.group_ops import missing_group
 from collectives_server.worker.handlers.model_ops import ModelOpResult
 from collectives_server.worker.handlers.tensor_ops import inline_capacity
 from collectives_server.worker.models import ModelRegistry
@@ -338,7 +339,7 @@ class GenerationRuntime:
         started = time.perf_counter()
         self.busy = True
         try:
-            result = handler_for(desc.kind)(ctx, desc, ann)
+            result = missing_group(ctx, desc, ann) or handler_for(desc.kind)(ctx, desc, ann)
         finally:
             self.busy = False
         latency = time.perf_counter() - started

@@ -38,6 +38,7 @@ from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.group_cap import check_group_cap, subgroup_count
 from collectives_server.worker.memory_release import drop_partial
 from collectives_server.worker.model_service import ModelRpcs
+from collectives_server.worker.p2p_service import PeerRpcs
 from collectives_server.worker.rpc_guards import counted as _counted
 from collectives_server.worker.rpc_guards import guard as _guard
 from collectives_server.worker.rpc_guards import guard_stream as _guard_stream
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "collectives.v1.Worker"
 
 
-class WorkerService(ModelRpcs):
+class WorkerService(ModelRpcs, PeerRpcs):
     def __init__(self, ctx: WorkerContext) -> None:
         self._ctx = ctx
 

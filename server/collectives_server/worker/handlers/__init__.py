@@ -6,6 +6,8 @@ does on a rank is its handler's business:
 * every collective on a named tensor, and barrier: ``tensor_ops.run_tensor_op``
   (with its per-kind arithmetic in ``tensor_kinds``);
 * ``new_group``: ``group_ops.run_new_group``;
+* ``exchange`` (send, batch_isend_irecv): ``exchange_ops.run_exchange``;
+* ``destroy_group``: ``group_ops.run_destroy_group``;
 * ``all_reduce_gradients`` and ``train_step``: ``model_ops.run_model_op``.
 
 Every handler returns the same outcome on every rank (an agreement or a pure
@@ -20,7 +22,8 @@ from collections.abc import Callable
 from collectives.errors import CollectiveError
 from collectives.op_specs import SPECS, OpKind
 from collectives.v1 import worker_pb2
-from collectives_server.worker.handlers.group_ops import run_new_group
+from collectives_server.worker.handlers.exchange_ops import run_exchange
+from collectives_server.worker.handlers.group_ops import run_destroy_group, run_new_group
 from collectives_server.worker.handlers.model_ops import ModelOpResult, run_model_op
 from collectives_server.worker.handlers.tensor_ops import run_tensor_op
 from collectives_server.worker.handlers.uneven_ops import run_uneven_all_to_all
@@ -40,6 +43,9 @@ HANDLERS: dict[OpKind, Handler] = {
     OpKind.TRAIN_STEP: run_model_op,
     # all_to_all with split_sizes (uneven_ops)
     OpKind.ALL_TO_ALL_UNEVEN: run_uneven_all_to_all,
+    # point to point and group teardown
+    OpKind.EXCHANGE: run_exchange,
+    OpKind.DESTROY_GROUP: run_destroy_group,
 }
 
 

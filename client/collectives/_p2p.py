@@ -1,0 +1,160 @@
+"""Point to point (``send``, ``exchange``) and ``destroy_group``: single RPCs to the leader.
+
+``send`` is one ``(src, dst)`` pair and ``exchange`` several in one op, like
+``torch.distributed.batch_isend_irecv``: every dst stores what its src held
+*before* the op, so a ring shift works with the result under the same name.
+Ranks are global, as in torch.distributed, and must be members of ``group``.
+``destroy_group`` is sequenced like a collective, so every rank drops the group
+at the same point of the op order; using the group afterwards is ``NOT_FOUND``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, cast
+
+from collectives._collectives import _Collectives
+from collectives._core import is_not_executed, server_timeout_s
+from collectives._transport import call_unary
+from collectives._validation import check_group, check_name, check_out
+from collectives.errors import InvalidArgument, NotFound
+from collectives.groups import Group
+from collectives.op_specs import check_pairs
+from collectives.v1 import worker_pb2
+from collectives.work import Work
+
+__all__: list[str] = []
+
+
+class _PeerToPeer(_Collectives):
+    """Point to point and group teardown; see :class:`_Collectives` for the errors every
+    op may raise."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # (generation, id) of the groups this client destroyed: the calls the SDK runs
+        # itself (a group scatter) refuse them as the leader refuses the others.
+        self._destroyed_groups: set[tuple[int, int]] = set()
+
+    def send(
+        self,
+        name: str,
+        src: int,
+        dst: int,
+        out: str | None = None,
+        group: Group | None = None,
+        async_op: bool = False,
+        timeout: float | None = None,
+    ) -> Work[None] | None:
+        """Global rank ``dst`` stores ``src``'s ``name`` under ``out`` (default ``name``);
+        ``src`` keeps its copy. One op, sequenced with the collectives.
+
+        Raises:
+            InvalidArgument: ``src == dst``, a rank out of range or not in ``group``.
+            NotFound: ``src`` holds no tensor under ``name``.
+            ResourceExhausted: ``dst``'s store is over its quota.
+        """
+        return self._exchange("send", name, [(src, dst)], out, group, async_op, timeout)
+
+    def exchange(
+        self,
+        name: str,
+        pairs: list[tuple[int, int]],
+        out: str | None = None,
+        group: Group | None = None,
+        async_op: bool = False,
+        timeout: float | None = None,
+    ) -> Work[None] | None:
+        """Every ``(src, dst)`` pair in one op (``batch_isend_irecv``): each dst stores what
+        its src held under ``name`` *before* the op, under ``out`` (default ``name``), so a
+        ring shift works in place. Sources may hold different dtypes and shapes; ranks
+        named in no pair are untouched. Atomic: on failure no rank stores anything.
+
+        Raises:
+            InvalidArgument: no pairs, ``src == dst``, a dst named twice, a rank out of
+                range or not in ``group``.
+            NotFound: no src holds ``name``.
+            FailedPrecondition: some srcs lack ``name`` (the message names them).
+            ResourceExhausted: a dst's store is over its quota.
+        """
+        return self._exchange("exchange", name, pairs, out, group, async_op, timeout)
+
+    def destroy_group(self, group: Group, timeout: float | None = None) -> None:
+        """Destroys ``group`` on every rank (``dist.destroy_process_group(group)``), after
+        this client's earlier ops; using it afterwards raises NotFound.
+
+        Raises:
+            InvalidArgument: ``group`` is not a Group from ``new_group``.
+            NotFound: the group does not exist (already destroyed, or from an older
+                generation).
+        """
+        if not isinstance(group, Group):
+            raise InvalidArgument(
+                "destroy_group needs a collectives.Group from Cluster.new_group, got "
+                f"{type(group).__name__}; the world group cannot be destroyed"
+            )
+        deadline = self._deadline(timeout)
+        what = f"destroy_group {list(group.ranks)} (id {group.id})"
+
+        def attempt(remaining: float) -> None:
+            snapshot = self._leader_snapshot(time.monotonic() + remaining)
+            if group.generation != snapshot.generation:
+                raise NotFound(
+                    f"{what}: the group belongs to generation {group.generation} and the "
+                    f"cluster is at generation {snapshot.generation}; it no longer exists"
+                )
+            leader = snapshot.leader_address or ""
+            options = worker_pb2.OpOptions(
+                group_id=group.id,
+                generation=group.generation,
+                timeout_s=server_timeout_s(remaining),
+            )
+            request = worker_pb2.DestroyGroupRequest(options=options)
+            stub = self._endpoint(leader).stub
+            call_unary(stub.DestroyGroup, request, remaining, f"{what} on {leader}")
+
+        def run() -> None:
+            self._retry(what, deadline, attempt, is_not_executed)
+            self._destroyed_groups.add((group.generation, group.id))
+
+        self._ordered(what, run, deadline, async_op=False)
+
+    def _group_members(self, group: Group, generation: int) -> list[int]:
+        if (group.generation, group.id) in self._destroyed_groups:
+            raise NotFound(
+                f"group {list(group.ranks)} (id {group.id}) was destroyed; create it again "
+                "with new_group"
+            )
+        return super()._group_members(group, generation)
+
+    def _exchange(
+        self,
+        kind: str,
+        name: str,
+        pairs: object,
+        out: str | None,
+        group: Group | None,
+        async_op: bool,
+        timeout: float | None,
+    ) -> Work[None] | None:
+        check_name(name)
+        out_name = check_out(out)
+        group = check_group(group)
+        deadline = self._deadline(timeout)
+        members = list(group.ranks) if group is not None else None
+        checked = check_pairs(pairs, self._world(deadline), members)
+        wire = [worker_pb2.ExchangePair(src=s, dst=d) for s, d in checked]
+        shown = f"{checked[0][0]} -> {checked[0][1]}" if kind == "send" else f"{checked}"
+        return cast(
+            "Work[None] | None",
+            self._collective(
+                f"{kind} {name!r} {shown}",
+                "Exchange",
+                lambda o: worker_pb2.ExchangeRequest(
+                    options=o, name=name, out=out_name, pairs=wire
+                ),
+                deadline,
+                group,
+                async_op,
+            ),
+        )

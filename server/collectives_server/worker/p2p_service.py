@@ -1,0 +1,71 @@
+"""The point-to-point and group-teardown RPCs of the Worker service.
+
+A mixin of :class:`~collectives_server.worker.service.WorkerService`: ``Exchange``
+(``send`` and ``batch_isend_irecv``) and ``DestroyGroup`` are checked here with
+the rules the SDK applies (``op_specs.check_pairs``), then sequenced by the
+leader like any op and run by ``handlers.exchange_ops`` / ``handlers.group_ops``.
+"""
+
+from __future__ import annotations
+
+from collectives.dtypes import to_wire
+from collectives.errors import InvalidArgument
+from collectives.names import validate_name
+from collectives.op_specs import OpKind, check_pairs
+from collectives.v1 import worker_pb2
+from collectives_server.worker.handlers.group_ops import group_not_found
+from collectives_server.worker.rpc_guards import guard as _guard
+
+__all__ = ["PeerRpcs"]
+
+
+class PeerRpcs:
+    """Exchange and DestroyGroup; needs ``self._leader`` and ``self._wait`` (WorkerService)."""
+
+    @_guard
+    def Exchange(self, r: worker_pb2.ExchangeRequest, context) -> worker_pb2.CollectiveResponse:
+        validate_name(r.name)
+        if r.out:
+            validate_name(r.out, "out name")
+        runtime = self._leader(r.options)
+        group = runtime.groups.get(r.options.group_id)
+        if group is None:
+            raise group_not_found(r.options.group_id, runtime.generation)
+        pairs = check_pairs([(p.src, p.dst) for p in r.pairs], runtime.world_size, group.ranks)
+        args = worker_pb2.ExchangeArgs(
+            name=r.name, out=r.out, srcs=[s for s, _ in pairs], dsts=[d for _, d in pairs]
+        )
+        desc = worker_pb2.OpDescriptor(
+            kind=OpKind.EXCHANGE,
+            group_id=group.group_id,
+            timeout_s=r.options.timeout_s,
+            exchange=args,
+        )
+        result = self._wait(context, runtime, desc, r.options)
+        return worker_pb2.CollectiveResponse(
+            op_id=result.op_id,
+            generation=result.generation,
+            result_name=result.result_name,
+            result_ranks=result.result_ranks,
+            dtype=to_wire(result.dtype) if result.dtype is not None else 0,
+            shape=list(result.shape),
+            latency_s=result.latency_s,
+        )
+
+    @_guard
+    def DestroyGroup(
+        self, r: worker_pb2.DestroyGroupRequest, context
+    ) -> worker_pb2.DestroyGroupResponse:
+        group_id = r.options.group_id
+        if group_id == 0:
+            raise InvalidArgument("group 0 is every rank of the generation; it cannot be destroyed")
+        runtime = self._leader(r.options)
+        if group_id not in runtime.groups:
+            raise group_not_found(group_id, runtime.generation)
+        desc = worker_pb2.OpDescriptor(
+            kind=OpKind.DESTROY_GROUP,
+            timeout_s=r.options.timeout_s,
+            destroy_group=worker_pb2.DestroyGroupArgs(group_id=group_id),
+        )
+        result = self._wait(context, runtime, desc, r.options)
+        return worker_pb2.DestroyGroupResponse(generation=result.generation)
