@@ -17,11 +17,13 @@ model ops) have specs too, so that logs and metrics name every kind alike.
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from collectives.errors import InvalidArgument
+from collectives.names import validate_name
 from collectives.v1 import worker_pb2
 
 if TYPE_CHECKING:  # the CLI imports this module and must start without torch
@@ -42,6 +44,10 @@ __all__ = [
     "check_group_ranks",
     "check_dim0_divisible",
     "subject",
+    # coalesced ops
+    "MAX_COALESCED",
+    "COALESCED_BASE",
+    "check_coalesced_names",
 ]
 
 
@@ -346,6 +352,46 @@ def check_dim0_divisible(op: OpSpec, name: str, shape: Sequence[int], size: int)
         raise InvalidArgument(
             f"dim 0 must be divisible by the group size {size}; got {dim0} (shape {list(shape)})"
         )
+
+
+# ------------------------------------------------------------ coalesced ops
+MAX_COALESCED = 1024
+# A coalesced kind validates each of its names with its single-tensor kind's spec.
+COALESCED_BASE: dict[OpKind, OpKind] = {
+    OpKind.ALL_REDUCE_COALESCED: OpKind.ALL_REDUCE,
+    OpKind.BROADCAST_COALESCED: OpKind.BROADCAST,
+    OpKind.ALL_GATHER_COALESCED: OpKind.ALL_GATHER,
+}
+
+
+def _distinct_names(values: object, what: str) -> list[str]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise InvalidArgument(f"{what} must be a list of names, got {type(values).__name__}")
+    names = [validate_name(v, f"{what[:-1]} {i}") for i, v in enumerate(values)]
+    if not 1 <= len(names) <= MAX_COALESCED:
+        raise InvalidArgument(f"a coalesced op takes 1 to {MAX_COALESCED} {what}; got {len(names)}")
+    repeated = [n for n, count in Counter(names).items() if count > 1]
+    if repeated:
+        shown = ", ".join(repr(n) for n in repeated[:5])
+        more = f" (+{len(repeated) - 5} more)" if len(repeated) > 5 else ""
+        raise InvalidArgument(f"{what} of a coalesced op must be distinct; repeated: {shown}{more}")
+    return names
+
+
+def check_coalesced_names(names: object, outs: object = None) -> tuple[list[str], list[str]]:
+    """A coalesced op's names (1 to ``MAX_COALESCED``, distinct, each a valid name) and
+    its out names (None: the results replace the names; otherwise one per name,
+    distinct); returns both as lists (outs empty when None)."""
+    checked = _distinct_names(names, "names")
+    if outs is None:
+        return checked, []
+    listed = isinstance(outs, Sequence) and not isinstance(outs, (str, bytes))
+    if listed and len(outs) != len(checked):  # type: ignore[arg-type]
+        raise InvalidArgument(
+            f"out names must be one per name: got {len(outs)} out names for "  # type: ignore[arg-type]
+            f"{len(checked)} names"
+        )
+    return checked, _distinct_names(outs, "out names")
 
 
 def subject(desc: worker_pb2.OpDescriptor) -> str:

@@ -6,7 +6,9 @@ does on a rank is its handler's business:
 * every collective on a named tensor, and barrier: ``tensor_ops.run_tensor_op``
   (with its per-kind arithmetic in ``tensor_kinds``);
 * ``new_group``: ``group_ops.run_new_group``;
-* ``all_reduce_gradients`` and ``train_step``: ``model_ops.run_model_op``.
+* ``all_reduce_gradients`` and ``train_step``: ``model_ops.run_model_op``;
+* coalesced all_reduce, broadcast, all_gather: ``coalesced_ops.run_coalesced``
+  (its buckets in ``coalesced_buckets``).
 
 Every handler returns the same outcome on every rank (an agreement or a pure
 decision over exchanged data precedes every commit) and raises
@@ -20,6 +22,7 @@ from collections.abc import Callable
 from collectives.errors import CollectiveError
 from collectives.op_specs import SPECS, OpKind
 from collectives.v1 import worker_pb2
+from collectives_server.worker.handlers.coalesced_ops import run_coalesced
 from collectives_server.worker.handlers.group_ops import run_new_group
 from collectives_server.worker.handlers.model_ops import ModelOpResult, run_model_op
 from collectives_server.worker.handlers.tensor_ops import run_tensor_op
@@ -37,6 +40,10 @@ HANDLERS: dict[OpKind, Handler] = {
     OpKind.NEW_GROUP: run_new_group,
     OpKind.ALL_REDUCE_GRADIENTS: run_model_op,
     OpKind.TRAIN_STEP: run_model_op,
+    # coalesced all_reduce, broadcast, all_gather
+    OpKind.ALL_REDUCE_COALESCED: run_coalesced,
+    OpKind.BROADCAST_COALESCED: run_coalesced,
+    OpKind.ALL_GATHER_COALESCED: run_coalesced,
 }
 
 
