@@ -16,13 +16,13 @@ reduction that may have run is never repeated behind the caller's back.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import torch
 
+from collectives._coalesced import _Coalesced, is_coalesced
 from collectives._core import GenerationBinding, annotate, is_not_executed, server_timeout_s
-from collectives._data_plane import _DataPlane
 from collectives._transport import call_unary
 from collectives._validation import (
     check_group,
@@ -45,7 +45,7 @@ Request = Callable[[worker_pb2.OpOptions], Any]
 Finish = Callable[[worker_pb2.CollectiveResponse, float], R]
 
 
-class _Collectives(_DataPlane):
+class _Collectives(_Coalesced):
     """The collectives half of :class:`~collectives.Cluster`.
 
     Every method raises, besides what it lists:
@@ -58,7 +58,7 @@ class _Collectives(_DataPlane):
 
     def broadcast(
         self,
-        name: str,
+        name: str | Sequence[str],
         src: int = 0,
         group: Group | None = None,
         async_op: bool = False,
@@ -67,10 +67,13 @@ class _Collectives(_DataPlane):
         """Copies ``name`` from global rank ``src`` to every rank of ``group``.
 
         Only ``src`` needs the tensor; the others' copies are created or replaced.
+        A list of names is one atomic op (see ``_coalesced``).
 
         Raises:
             NotFound: ``src`` holds no tensor under ``name``.
         """
+        if is_coalesced(name):
+            return self._broadcast_many(cast(Sequence[str], name), src, group, async_op, timeout)
         check_name(name)
         group = check_group(group)
         deadline = self._deadline(timeout)
@@ -86,7 +89,7 @@ class _Collectives(_DataPlane):
 
     def all_reduce(
         self,
-        name: str,
+        name: str | Sequence[str],
         op: str | ReduceOp = "sum",
         group: Group | None = None,
         out: str | None = None,
@@ -95,10 +98,15 @@ class _Collectives(_DataPlane):
     ) -> Work[None] | None:
         """Reduces ``name`` across ranks; every rank stores the result under ``out`` or ``name``.
 
+        A list of names is one atomic op; each result replaces its name (no ``out``).
+
         Raises:
             NotFound: no rank holds ``name``.
             FailedPrecondition: some ranks lack ``name`` or disagree on dtype/shape.
         """
+        if is_coalesced(name):
+            names = cast(Sequence[str], name)
+            return self._all_reduce_many(names, op, group, out, async_op, timeout)
         check_name(name)
         reduce_op = check_op(op)
         out_name = check_out(out)
@@ -154,20 +162,25 @@ class _Collectives(_DataPlane):
 
     def all_gather(
         self,
-        name: str,
-        out: str | None = None,
+        name: str | Sequence[str],
+        out: str | Sequence[str] | None = None,
         group: Group | None = None,
         async_op: bool = False,
         timeout: float | None = None,
-    ) -> list[torch.Tensor] | Work[list[torch.Tensor]]:
+    ) -> list[torch.Tensor] | list[list[torch.Tensor]] | Work[Any]:
         """Gathers ``name`` from every rank of ``group``; returns the parts in rank order.
 
-        Every member stores ``torch.stack(parts)`` under ``out`` or ``name``.
+        Every member stores ``torch.stack(parts)`` under ``out`` or ``name``. A list
+        of names is one atomic op returning one list of parts per name, in order;
+        ``out`` is then None or a list of as many names.
 
         Raises:
             NotFound: no rank holds ``name``.
             FailedPrecondition: some ranks lack ``name`` or disagree on dtype/shape.
         """
+        if is_coalesced(name):
+            names = cast(Sequence[str], name)
+            return self._all_gather_many(names, out, group, async_op, timeout)
         check_name(name)
         out_name = check_out(out)
         group = check_group(group)
