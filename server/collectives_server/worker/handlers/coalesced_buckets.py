@@ -18,6 +18,7 @@ them as their own ops would.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 from collectives.reduce_ops import ReduceOp
 from collectives_server.worker import collective_ops
-from collectives_server.worker.collective_ops import Alloc, copy_into, private_copy
+from collectives_server.worker.collective_ops import Alloc, private_copy
 from collectives_server.worker.validation import Plan
 
 __all__ = ["BUCKET_BYTES", "Bucketing", "buckets", "move"]
@@ -82,40 +83,54 @@ def buckets(plans: Sequence[Plan], by_dtype: bool, limit: int = 0) -> list[list[
     return result
 
 
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
 def _on_device(t: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     assert t is not None
-    return t if t.device == device else t.to(device)
+    return (t if t.device == device else t.to(device)).contiguous()
 
 
-def _pack(b: Bucketing, indices: list[int]) -> torch.Tensor:
-    """This member's operands of one bucket, their bytes back to back."""
+def _copy_bytes(dst: torch.Tensor, dst_at: int, src: torch.Tensor, src_at: int, n: int) -> None:
+    """Copies ``n`` bytes between two contiguous tensors' memory, at byte offsets: one
+    memmove on the CPU (a bucket holds hundreds of small tensors; torch's copy costs
+    several times more per call, and see ``collective_ops.copy_into``)."""
+    if not n:
+        return
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        ctypes.memmove(dst.data_ptr() + dst_at, src.data_ptr() + src_at, n)
+        return
+    to = dst.reshape(-1).view(torch.uint8)[dst_at : dst_at + n]
+    to.copy_(src.reshape(-1).view(torch.uint8)[src_at : src_at + n])
+
+
+def _pack(b: Bucketing, indices: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """This member's operands of one bucket back to back in one flat buffer of ``dtype``."""
     sizes = [_nbytes(b.plans[i]) for i in indices]
-    flat = b.alloc((sum(sizes),), torch.uint8, b.device)
-    offset = 0
+    flat = b.alloc((sum(sizes) // dtype.itemsize,), dtype, b.device)
+    at = 0
     for i, n in zip(indices, sizes, strict=True):
-        if n:
-            copy_into(flat[offset : offset + n], _bytes_of(_on_device(b.operands[i], b.device)))
-        offset += n
+        _copy_bytes(flat, at, _on_device(b.operands[i], b.device), 0, n)
+        at += n
     return flat
 
 
-def _unpack(b: Bucketing, plan: Plan, rows: Sequence[torch.Tensor], stacked: bool):
-    """A private result of ``plan``'s dtype and shape (stacked: one row per member) from
-    its bytes (``rows``: one contiguous uint8 slice per member, or one)."""
-    assert plan.dtype is not None
-    shape = (len(rows), *plan.shape) if stacked else plan.shape
-    out = b.alloc(shape, plan.dtype, b.device)
-    if out.numel() == 0:
-        return out
-    dst = out.reshape(len(rows), -1) if stacked else out.reshape(1, -1)
-    for r, row in enumerate(rows):
-        if row.numel():
-            copy_into(dst[r].view(torch.uint8), row)
-    return out
+def _unpack(b: Bucketing, indices: list[int], flat: torch.Tensor, rows: int = 0) -> list:
+    """Each name's private result from its bytes in ``flat`` (packed as :func:`_pack`
+    does); ``rows``: ``flat`` holds one packed row per member, each result stacks them."""
+    sizes = [_nbytes(b.plans[i]) for i in indices]
+    stride = sum(sizes)
+    results: list[torch.Tensor | None] = []
+    at = 0
+    for i, n in zip(indices, sizes, strict=True):
+        plan = b.plans[i]
+        assert plan.dtype is not None
+        shape = (rows, *plan.shape) if rows else plan.shape
+        # Spares keep only results of a MiB or more; below, skip their size look-up.
+        alloc = b.alloc if n * max(rows, 1) >= 1 << 20 else collective_ops.fresh
+        out = alloc(shape, plan.dtype, b.device)
+        for r in range(max(rows, 1)):
+            _copy_bytes(out, r * n, flat, r * stride + at, n)
+        results.append(out)
+        at += n
+    return results
 
 
 def _reduce(b: Bucketing, indices: list[int], op: ReduceOp) -> list[torch.Tensor | None]:
@@ -123,22 +138,10 @@ def _reduce(b: Bucketing, indices: list[int], op: ReduceOp) -> list[torch.Tensor
     if len(indices) == 1:
         buf = private_copy(_on_device(b.operands[indices[0]], b.device), b.alloc)
         return [collective_ops.reduce_buffer(b.pg, buf, op, b.size)]
-    plans = [b.plans[i] for i in indices]
-    dtype = plans[0].dtype
+    dtype = b.plans[indices[0]].dtype
     assert dtype is not None
-    counts = [_nbytes(p) // dtype.itemsize for p in plans]
-    flat = b.alloc((sum(counts),), dtype, b.device)
-    offset = 0
-    for i, n in zip(indices, counts, strict=True):
-        if n:
-            src = _on_device(b.operands[i], b.device).reshape(-1)
-            copy_into(flat[offset : offset + n], src)
-        offset += n
-    reduced = collective_ops.reduce_buffer(b.pg, flat, op, b.size)
-    return [
-        private_copy(part.view(plan.shape), b.alloc)
-        for part, plan in zip(reduced.split(counts), plans, strict=True)
-    ]
+    reduced = collective_ops.reduce_buffer(b.pg, _pack(b, indices, dtype), op, b.size)
+    return _unpack(b, indices, reduced.contiguous())
 
 
 def _broadcast(b: Bucketing, indices: list[int]) -> list[torch.Tensor | None]:
@@ -152,19 +155,12 @@ def _broadcast(b: Bucketing, indices: list[int]) -> list[torch.Tensor | None]:
             b.pg, t, b.root_index, b.index, plan.dtype, plan.shape, b.device, b.alloc
         )
         return [got]
-    sizes = [_nbytes(b.plans[i]) for i in indices]
-    flat = _pack(b, indices) if root else None
+    total = sum(_nbytes(b.plans[i]) for i in indices)
+    flat = _pack(b, indices, torch.uint8) if root else None
     got = collective_ops.broadcast(
-        b.pg, flat, b.root_index, b.index, torch.uint8, (sum(sizes),), b.device, b.alloc
+        b.pg, flat, b.root_index, b.index, torch.uint8, (total,), b.device, b.alloc
     )
-    if got is None:
-        return [None] * len(indices)
-    results: list[torch.Tensor | None] = []
-    offset = 0
-    for i, n in zip(indices, sizes, strict=True):
-        results.append(_unpack(b, b.plans[i], [got[offset : offset + n]], stacked=False))
-        offset += n
-    return results
+    return [None] * len(indices) if got is None else _unpack(b, indices, got)
 
 
 def _all_gather(b: Bucketing, indices: list[int]) -> list[torch.Tensor | None]:
@@ -172,15 +168,9 @@ def _all_gather(b: Bucketing, indices: list[int]) -> list[torch.Tensor | None]:
     if len(indices) == 1:
         t = _on_device(b.operands[indices[0]], b.device)
         return [collective_ops.all_gather(b.pg, t, b.size, b.alloc)]
-    sizes = [_nbytes(b.plans[i]) for i in indices]
-    gathered = collective_ops.all_gather(b.pg, _pack(b, indices), b.size, b.alloc)
-    results: list[torch.Tensor | None] = []
-    offset = 0
-    for i, n in zip(indices, sizes, strict=True):
-        rows = [gathered[r, offset : offset + n] for r in range(b.size)]
-        results.append(_unpack(b, b.plans[i], rows, stacked=True))
-        offset += n
-    return results
+    packed = _pack(b, indices, torch.uint8)
+    gathered = collective_ops.all_gather(b.pg, packed, b.size, b.alloc)
+    return _unpack(b, indices, gathered, rows=b.size)
 
 
 Mover = Callable[[Bucketing, list[int]], list[torch.Tensor | None]]
