@@ -24,6 +24,7 @@ ORDER = [
     "putget",
     "shm",
     "collectives",
+    "coalesced",
     "latency",
     "inference",
     "training",

@@ -21,8 +21,8 @@ from typing import Any, TypeVar, cast
 
 import torch
 
+from collectives._coalesced import _Coalesced, is_coalesced
 from collectives._core import GenerationBinding, annotate, is_not_executed, server_timeout_s
-from collectives._data_plane import _DataPlane
 from collectives._transport import call_unary
 from collectives._validation import (
     check_group,
@@ -34,7 +34,7 @@ from collectives._validation import (
 )
 from collectives.errors import CollectiveError, Reason, Unavailable
 from collectives.groups import Group
-from collectives.op_specs import check_split_matrix
+from collectives.op_args import check_split_matrix
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
 from collectives.work import OpRecord, Work
@@ -46,7 +46,7 @@ Request = Callable[[worker_pb2.OpOptions], Any]
 Finish = Callable[[worker_pb2.CollectiveResponse, float], R]
 
 
-class _Collectives(_DataPlane):
+class _Collectives(_Coalesced):
     """The collectives half of :class:`~collectives.Cluster`.
 
     Every method raises, besides what it lists:
@@ -59,7 +59,7 @@ class _Collectives(_DataPlane):
 
     def broadcast(
         self,
-        name: str,
+        name: str | Sequence[str],
         src: int = 0,
         group: Group | None = None,
         async_op: bool = False,
@@ -68,10 +68,13 @@ class _Collectives(_DataPlane):
         """Copies ``name`` from global rank ``src`` to every rank of ``group``.
 
         Only ``src`` needs the tensor; the others' copies are created or replaced.
+        A list of names is one atomic op (see ``_coalesced``).
 
         Raises:
             NotFound: ``src`` holds no tensor under ``name``.
         """
+        if is_coalesced(name):
+            return self._broadcast_many(cast(Sequence[str], name), src, group, async_op, timeout)
         check_name(name)
         group = check_group(group)
         deadline = self._deadline(timeout)
@@ -87,7 +90,7 @@ class _Collectives(_DataPlane):
 
     def all_reduce(
         self,
-        name: str,
+        name: str | Sequence[str],
         op: str | ReduceOp = "sum",
         group: Group | None = None,
         out: str | None = None,
@@ -96,10 +99,15 @@ class _Collectives(_DataPlane):
     ) -> Work[None] | None:
         """Reduces ``name`` across ranks; every rank stores the result under ``out`` or ``name``.
 
+        A list of names is one atomic op; each result replaces its name (no ``out``).
+
         Raises:
             NotFound: no rank holds ``name``.
             FailedPrecondition: some ranks lack ``name`` or disagree on dtype/shape.
         """
+        if is_coalesced(name):
+            names = cast(Sequence[str], name)
+            return self._all_reduce_many(names, op, group, out, async_op, timeout)
         check_name(name)
         reduce_op = check_op(op)
         out_name = check_out(out)
@@ -155,20 +163,25 @@ class _Collectives(_DataPlane):
 
     def all_gather(
         self,
-        name: str,
-        out: str | None = None,
+        name: str | Sequence[str],
+        out: str | Sequence[str] | None = None,
         group: Group | None = None,
         async_op: bool = False,
         timeout: float | None = None,
-    ) -> list[torch.Tensor] | Work[list[torch.Tensor]]:
+    ) -> list[torch.Tensor] | list[list[torch.Tensor]] | Work[Any]:
         """Gathers ``name`` from every rank of ``group``; returns the parts in rank order.
 
-        Every member stores ``torch.stack(parts)`` under ``out`` or ``name``.
+        Every member stores ``torch.stack(parts)`` under ``out`` or ``name``. A list
+        of names is one atomic op returning one list of parts per name, in order;
+        ``out`` is then None or a list of as many names.
 
         Raises:
             NotFound: no rank holds ``name``.
             FailedPrecondition: some ranks lack ``name`` or disagree on dtype/shape.
         """
+        if is_coalesced(name):
+            names = cast(Sequence[str], name)
+            return self._all_gather_many(names, out, group, async_op, timeout)
         check_name(name)
         out_name = check_out(out)
         group = check_group(group)

@@ -19,7 +19,7 @@ from collectives._transport import call_unary
 from collectives._validation import check_group, check_name, check_out
 from collectives.errors import InvalidArgument, NotFound
 from collectives.groups import Group
-from collectives.op_specs import check_pairs
+from collectives.op_args import check_pairs
 from collectives.v1 import worker_pb2
 from collectives.work import Work
 

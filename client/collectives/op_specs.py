@@ -17,7 +17,6 @@ model ops) have specs too, so that logs and metrics name every kind alike.
 from __future__ import annotations
 
 import enum
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -43,9 +42,8 @@ __all__ = [
     "check_group_ranks",
     "check_dim0_divisible",
     "subject",
-    # uneven all_to_all
-    "check_split_matrix",
-    "split_rows",
+    # coalesced ops
+    "COALESCED_BASE",
 ]
 
 
@@ -352,57 +350,13 @@ def check_dim0_divisible(op: OpSpec, name: str, shape: Sequence[int], size: int)
         )
 
 
-# ------------------------------------------------------------ uneven all_to_all
-def check_split_matrix(split_sizes: object, size: int) -> list[list[int]]:
-    """all_to_all's ``split_sizes``: a ``size`` x ``size`` matrix (``size``: the group's)
-    of non-negative ints; ``split_sizes[i][j]`` rows of dim 0 go from member i to member j.
-    Returned as a list of lists; InvalidArgument otherwise."""
-    if isinstance(split_sizes, (str, bytes)) or not isinstance(split_sizes, Sequence):
-        raise InvalidArgument(
-            f"split_sizes must be a list of lists of ints, got {type(split_sizes).__name__}"
-        )
-    if len(split_sizes) != size:
-        raise InvalidArgument(
-            f"split_sizes must be a {size} x {size} matrix (the group's size); "
-            f"got {len(split_sizes)} rows"
-        )
-    matrix = []
-    for i, row in enumerate(split_sizes):
-        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
-            raise InvalidArgument(
-                f"split_sizes[{i}] must be a list of ints, got {type(row).__name__}"
-            )
-        if len(row) != size:
-            raise InvalidArgument(
-                f"split_sizes must be a {size} x {size} matrix (the group's size); "
-                f"row {i} has {len(row)} entries"
-            )
-        matrix.append([_split_entry(v, i, j) for j, v in enumerate(row)])
-    return matrix
-
-
-def _split_entry(v: object, i: int, j: int) -> int:
-    try:
-        if isinstance(v, bool):
-            raise TypeError
-        n = operator.index(v)  # numpy and 0-dim torch integers too
-    except TypeError:
-        raise InvalidArgument(
-            f"split_sizes[{i}][{j}] must be an int, got {type(v).__name__}"
-        ) from None
-    if n < 0:
-        raise InvalidArgument(f"split_sizes[{i}][{j}] is {n}; row counts cannot be negative")
-    if n >= 1 << 62:
-        raise InvalidArgument(f"split_sizes[{i}][{j}] is {n}; no tensor has that many rows")
-    return n
-
-
-def split_rows(flat: Sequence[int], size: int) -> list[list[int]]:
-    """The wire's row-major ``split_sizes`` as rows of ``size`` (the last one may be short:
-    :func:`check_split_matrix` then says so)."""
-    flat = list(flat)
-    step = max(size, 1)
-    return [flat[i : i + step] for i in range(0, len(flat), step)]
+# ------------------------------------------------------------ coalesced ops
+# A coalesced kind validates each of its names with its single-tensor kind's spec.
+COALESCED_BASE: dict[OpKind, OpKind] = {
+    OpKind.ALL_REDUCE_COALESCED: OpKind.ALL_REDUCE,
+    OpKind.BROADCAST_COALESCED: OpKind.BROADCAST,
+    OpKind.ALL_GATHER_COALESCED: OpKind.ALL_GATHER,
+}
 
 
 def subject(desc: worker_pb2.OpDescriptor) -> str:
@@ -416,46 +370,3 @@ def subject(desc: worker_pb2.OpDescriptor) -> str:
     if field in ("gradients", "train_step"):
         return getattr(desc, field).model
     return ""
-
-
-# --------------------------------------------------------------- point to point
-__all__ += ["check_pairs"]
-
-
-def check_pairs(
-    pairs: object, world_size: int, members: Sequence[int] | None = None
-) -> list[tuple[int, int]]:
-    """An exchange's ``(src, dst)`` pairs (``send`` is one pair): global ranks in
-    ``[0, world_size)``, members of the group (``members``: its global ranks; None:
-    every rank), ``src != dst``, each dst named once, at least one pair. Returned as
-    tuples, in the given order."""
-    if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Sequence):
-        raise InvalidArgument(
-            f"pairs must be a list of (src, dst) pairs, got {type(pairs).__name__}"
-        )
-    if not pairs:
-        raise InvalidArgument("pairs is empty: give at least one (src, dst) pair")
-    checked: list[tuple[int, int]] = []
-    for i, pair in enumerate(pairs):
-        if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2:
-            raise InvalidArgument(
-                f"pair {i} must be a (src, dst) pair of ints, got {type(pair).__name__}"
-            )
-        src = check_rank(pair[0], world_size, "src")
-        dst = check_rank(pair[1], world_size, "dst")
-        for what, rank in (("src", src), ("dst", dst)):
-            if members is not None and rank not in members:
-                raise InvalidArgument(
-                    f"{what} {rank} (pair {i}) is not a member of the group (global ranks "
-                    f"{list(members)}); src and dst are global ranks, as in torch.distributed"
-                )
-        if src == dst:
-            raise InvalidArgument(f"pair {i} sends rank {src} to itself: src and dst must differ")
-        checked.append((src, dst))
-    dsts = [d for _, d in checked]
-    repeated = sorted({d for d in dsts if dsts.count(d) > 1})
-    if repeated:
-        raise InvalidArgument(
-            f"dst rank(s) {repeated} named in more than one pair; each dst receives from one src"
-        )
-    return checked

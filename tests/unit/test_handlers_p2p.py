@@ -1,5 +1,5 @@
 """The ``exchange`` and ``destroy_group`` handlers on N threads over the fake process
-group (``handler_world``), the fake's point to point, and ``op_specs.check_pairs``.
+group (``handler_world``), the fake's point to point, and ``op_args.check_pairs``.
 
 Every source holds its own fresh random tensor (dtypes and shapes differ per
 rank); each dst must end up holding its src's tensor bit for bit, the ranks in
@@ -19,7 +19,8 @@ from handler_world import EXCHANGE, TIMEOUT_S, Cluster
 from helpers import make_input
 
 from collectives.errors import CollectiveError, InvalidArgument
-from collectives.op_specs import OpKind, check_pairs
+from collectives.op_args import check_pairs
+from collectives.op_specs import OpKind
 from collectives.v1 import worker_pb2
 from collectives_server.worker.collective_ops import Spares
 from collectives_server.worker.handlers.group_ops import missing_group

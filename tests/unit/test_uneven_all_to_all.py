@@ -1,5 +1,5 @@
 """all_to_all with ``split_sizes`` without a network: the matrix check the SDK and
-the servicer share (``op_specs.check_split_matrix``), the SDK refusing a bad
+the servicer share (``op_args.check_split_matrix``), the SDK refusing a bad
 matrix before any RPC (fake servers), and the handler (``handlers/uneven_ops``)
 on N threads over the in-memory fake process group (``handler_world``): results
 against torch computed locally on the same seeded inputs, validation failing
@@ -25,7 +25,8 @@ from sdk_fakes import invalid as _invalid
 
 import collectives
 from collectives.errors import CollectiveError, InvalidArgument
-from collectives.op_specs import OpKind, check_split_matrix, split_rows
+from collectives.op_args import check_split_matrix, split_rows
+from collectives.op_specs import OpKind
 from collectives.v1 import worker_pb2
 from collectives_server.worker.op_context import GroupBroken, OpResult
 

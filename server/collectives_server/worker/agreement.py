@@ -26,6 +26,7 @@ __all__ = [
     "agree_with",
     "RankOutcome",
     "all_gather_rows",
+    "exchange_rows",
 ]
 
 _STATUS_BYTES = 512
@@ -145,3 +146,16 @@ def agree_with(
             failures.append(RankOutcome(rank, status, text))
         extras.append(list(extras_format.unpack_from(raw, base + _STATUS_BYTES)))
     return failures, extras
+
+
+def exchange_rows(
+    pg: dist.ProcessGroup, size: int, rows: torch.Tensor, before=None
+) -> list[list[OperandInfo]]:
+    """All-gathers every rank's ``rows`` (an int64 [n, INFO_LEN] matrix of info values,
+    the same n on every rank) in one round; returns ``infos[rank][row]``. For ops on
+    several operands (coalesced ops): one info per operand per rank. ``before``: see
+    :func:`all_gather_rows`."""
+    n = rows.shape[0]
+    gathered = all_gather_rows(pg, rows.contiguous().view(-1), size, before)
+    values = gathered.view(size, n, INFO_LEN).tolist()
+    return [[decode_info(v) for v in by_rank] for by_rank in values]

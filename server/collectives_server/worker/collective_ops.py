@@ -35,6 +35,7 @@ from collectives.reduce_ops import ReduceOp
 __all__ = [
     "broadcast",
     "all_reduce",
+    "reduce_buffer",
     "reduce",
     "all_gather",
     "gather",
@@ -206,7 +207,14 @@ def all_reduce(
     pg: dist.ProcessGroup, t: torch.Tensor, op: ReduceOp, size: int, alloc: Alloc = fresh
 ) -> torch.Tensor:
     """The reduction of every member's ``t``, identical on every member."""
-    buf = private_copy(t, alloc)
+    return reduce_buffer(pg, private_copy(t, alloc), op, size)
+
+
+def reduce_buffer(
+    pg: dist.ProcessGroup, buf: torch.Tensor, op: ReduceOp, size: int
+) -> torch.Tensor:
+    """:func:`all_reduce` of a private contiguous buffer, reduced in place where the
+    backend can (returns ``buf`` or, for bool and complex product, a new tensor)."""
     if buf.numel() == 0:
         return buf
     if buf.dtype == torch.bool:

@@ -2,7 +2,7 @@
 
 A mixin of :class:`~collectives_server.worker.service.WorkerService`: ``Exchange``
 (``send`` and ``batch_isend_irecv``) and ``DestroyGroup`` are checked here with
-the rules the SDK applies (``op_specs.check_pairs``), then sequenced by the
+the rules the SDK applies (``op_args.check_pairs``), then sequenced by the
 leader like any op and run by ``handlers.exchange_ops`` / ``handlers.group_ops``.
 """
 
@@ -11,7 +11,8 @@ from __future__ import annotations
 from collectives.dtypes import to_wire
 from collectives.errors import InvalidArgument
 from collectives.names import validate_name
-from collectives.op_specs import OpKind, check_pairs
+from collectives.op_args import check_pairs
+from collectives.op_specs import OpKind
 from collectives.v1 import worker_pb2
 from collectives_server.worker.handlers.group_ops import group_not_found
 from collectives_server.worker.rpc_guards import guard as _guard

@@ -17,7 +17,7 @@ import grpc
 import torch
 from google.protobuf import message_factory
 
-from collectives import op_specs
+from collectives import op_args
 from collectives.dtypes import to_wire
 from collectives.errors import (
     DeadlineExceeded,
@@ -273,6 +273,34 @@ class WorkerService(ModelRpcs, PeerRpcs):
             latency_s=result.latency_s,
         )
 
+    def _coalesced(
+        self, context, kind: OpKind, r, outs: list[str] | None = None, op: int = 0, root: int = 0
+    ) -> worker_pb2.CollectiveResponse:
+        """A coalesced op on ``r.names`` (``r.name`` must be empty): one atomic op."""
+        if r.name or getattr(r, "out", ""):
+            raise InvalidArgument("give either name (and out) or names (and outs), not both")
+        names, outs = op_args.check_coalesced_names(list(r.names), outs or None)
+        ReduceOp.from_wire(op)
+        runtime = self._leader(r.options)
+        group = _group_of(runtime, r.options.group_id)
+        if SPECS[kind].root_role:
+            check_root(
+                SPECS[kind], root, runtime.world_size, group.ranks if group.group_id else None
+            )
+        args = worker_pb2.CoalescedArgs(names=names, outs=outs, op=op, root=root)
+        desc = worker_pb2.OpDescriptor(
+            kind=kind, group_id=group.group_id, timeout_s=r.options.timeout_s, coalesced=args
+        )
+        result = self._wait(context, runtime, desc, r.options)
+        return worker_pb2.CollectiveResponse(
+            op_id=result.op_id,
+            generation=result.generation,
+            result_name=result.result_name,
+            result_ranks=result.result_ranks,
+            latency_s=result.latency_s,
+            result_names=result.result_names,
+        )
+
     def _wait(self, context, runtime: GenerationRuntime, desc, options):
         """Admits ``desc`` on the leader and waits within the call's deadline."""
         budget = self._ctx.op_timeout_s * 2
@@ -297,11 +325,15 @@ class WorkerService(ModelRpcs, PeerRpcs):
 
     @_guard
     def Broadcast(self, r, context):
+        if r.names:
+            return self._coalesced(context, OpKind.BROADCAST_COALESCED, r, root=r.src)
         args = worker_pb2.TensorOpArgs(name=r.name, root=r.src)
         return self._collective(context, OpKind.BROADCAST, r.options, args)
 
     @_guard
     def AllReduce(self, r, context):
+        if r.names:
+            return self._coalesced(context, OpKind.ALL_REDUCE_COALESCED, r, op=r.op)
         args = worker_pb2.TensorOpArgs(name=r.name, out=r.out, op=r.op)
         return self._collective(context, OpKind.ALL_REDUCE, r.options, args)
 
@@ -312,6 +344,8 @@ class WorkerService(ModelRpcs, PeerRpcs):
 
     @_guard
     def AllGather(self, r, context):
+        if r.names:
+            return self._coalesced(context, OpKind.ALL_GATHER_COALESCED, r, list(r.outs))
         args = worker_pb2.TensorOpArgs(name=r.name, out=r.out)
         return self._collective(context, OpKind.ALL_GATHER, r.options, args)
 
@@ -350,7 +384,7 @@ class WorkerService(ModelRpcs, PeerRpcs):
                 "made in: create it again"
             )
         size = len(group.ranks)
-        op_specs.check_split_matrix(op_specs.split_rows(list(r.split_sizes), size), size)
+        op_args.check_split_matrix(op_args.split_rows(list(r.split_sizes), size), size)
         desc = worker_pb2.OpDescriptor(
             kind=OpKind.ALL_TO_ALL_UNEVEN,
             group_id=group.group_id,
@@ -387,6 +421,16 @@ class WorkerService(ModelRpcs, PeerRpcs):
         return worker_pb2.NewGroupResponse(
             group_id=desc.group_id, generation=result.generation, ranks=result.result_ranks
         )
+
+
+def _group_of(runtime: GenerationRuntime, group_id: int):
+    group = runtime.groups.get(group_id)
+    if group is None:
+        raise NotFound(
+            f"group {group_id} does not exist in generation {runtime.generation}; "
+            "groups last as long as the generation they were made in: create it again"
+        )
+    return group
 
 
 def _receive_buffer(nbytes: int, device: torch.device) -> torch.Tensor:

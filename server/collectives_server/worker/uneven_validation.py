@@ -7,7 +7,7 @@ operand description and quota state come from the operand exchange
 verdict, in this order:
 
 * the matrix is a square of the group's size of non-negative ints
-  (``op_specs.check_split_matrix``, the SDK's and the servicer's own check);
+  (``op_args.check_split_matrix``, the SDK's and the servicer's own check);
 * the operand is on every member (``validation``'s wording: NOT_FOUND when on
   none, FAILED_PRECONDITION naming the ranks that lack it);
 * no member's operand is 0-dim (INVALID_ARGUMENT naming the ranks);
@@ -28,7 +28,8 @@ import grpc
 import torch
 
 from collectives.errors import InvalidArgument, Reason
-from collectives.op_specs import OpSpec, check_split_matrix, split_rows
+from collectives.op_args import check_split_matrix, split_rows
+from collectives.op_specs import OpSpec
 from collectives.wire.codec import check_shape
 from collectives_server.worker.store import quota_message
 from collectives_server.worker.validation import PRESENT, OperandInfo, OpError, _missing

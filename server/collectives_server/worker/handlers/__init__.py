@@ -8,7 +8,9 @@ does on a rank is its handler's business:
 * ``new_group``: ``group_ops.run_new_group``;
 * ``exchange`` (send, batch_isend_irecv): ``exchange_ops.run_exchange``;
 * ``destroy_group``: ``group_ops.run_destroy_group``;
-* ``all_reduce_gradients`` and ``train_step``: ``model_ops.run_model_op``.
+* ``all_reduce_gradients`` and ``train_step``: ``model_ops.run_model_op``;
+* coalesced all_reduce, broadcast, all_gather: ``coalesced_ops.run_coalesced``
+  (its buckets in ``coalesced_buckets``).
 
 Every handler returns the same outcome on every rank (an agreement or a pure
 decision over exchanged data precedes every commit) and raises
@@ -22,6 +24,7 @@ from collections.abc import Callable
 from collectives.errors import CollectiveError
 from collectives.op_specs import SPECS, OpKind
 from collectives.v1 import worker_pb2
+from collectives_server.worker.handlers.coalesced_ops import run_coalesced
 from collectives_server.worker.handlers.exchange_ops import run_exchange
 from collectives_server.worker.handlers.group_ops import run_destroy_group, run_new_group
 from collectives_server.worker.handlers.model_ops import ModelOpResult, run_model_op
@@ -46,6 +49,10 @@ HANDLERS: dict[OpKind, Handler] = {
     # point to point and group teardown
     OpKind.EXCHANGE: run_exchange,
     OpKind.DESTROY_GROUP: run_destroy_group,
+    # coalesced all_reduce, broadcast, all_gather
+    OpKind.ALL_REDUCE_COALESCED: run_coalesced,
+    OpKind.BROADCAST_COALESCED: run_coalesced,
+    OpKind.ALL_GATHER_COALESCED: run_coalesced,
 }
 
 
