@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from collectives.op_specs import Operand, OpSpec
 from collectives.reduce_ops import ReduceOp
 from collectives_server.worker import collective_ops
 from collectives_server.worker.collective_ops import Alloc, private_copy
@@ -176,16 +177,19 @@ def _all_gather(b: Bucketing, indices: list[int]) -> list[torch.Tensor | None]:
 Mover = Callable[[Bucketing, list[int]], list[torch.Tensor | None]]
 
 
-def move(b: Bucketing, kind: str, op: ReduceOp, limit: int = 0) -> tuple[list, int]:
-    """Moves every operand of a coalesced ``kind`` (``"all_reduce"``, ``"broadcast"``,
-    ``"all_gather"``); returns (this member's result per name, None where it stores
-    nothing; the number of data collectives it ran)."""
+def move(b: Bucketing, base: OpSpec, op: ReduceOp, limit: int = 0) -> tuple[list, int]:
+    """Moves every operand of a coalesced op whose single-tensor kind is ``base``
+    (all_reduce, broadcast or all_gather, told apart by their specs); returns (this
+    member's result per name, None where it stores nothing; the number of data
+    collectives it ran)."""
     mover: Mover
-    if kind == "all_reduce":
+    if base.reducing:
         mover = lambda bucketing, indices: _reduce(bucketing, indices, op)  # noqa: E731
+    elif base.operand is Operand.ROOT:
+        mover = _broadcast
     else:
-        mover = _broadcast if kind == "broadcast" else _all_gather
-    plan = buckets(b.plans, by_dtype=kind == "all_reduce", limit=limit)
+        mover = _all_gather
+    plan = buckets(b.plans, by_dtype=base.reducing, limit=limit)
     results: list[torch.Tensor | None] = [None] * len(b.plans)
     for indices in plan:
         for i, value in zip(indices, mover(b, indices), strict=True):

@@ -207,7 +207,7 @@ def _move(ctx: OpContext, job: _Op, operands: list, plans: list[Plan]) -> list:
         alloc=ctx.spares.empty,
     )
     try:
-        results, collectives = coalesced_buckets.move(bucketing, job.base.name, job.reduce_op)
+        results, collectives = coalesced_buckets.move(bucketing, job.base, job.reduce_op)
     except Exception as exc:
         if op_failures.is_transport_failure(exc):
             raise GroupBroken(op_failures.backend_message(exc)) from exc
