@@ -29,7 +29,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TypeVar
 
-from collectives import shm
+from collectives import _progress, shm
 from collectives._membership import Membership
 from collectives._transport import (
     ChannelPool,
@@ -89,6 +89,7 @@ class _ClusterCore:
         tls_cert: str | os.PathLike[str] | bytes | None = None,
         tls_key: str | os.PathLike[str] | bytes | None = None,
         shared_memory: bool | None = None,
+        progress: bool | None = None,
     ) -> None:
         """Connects to the coordinator at ``address`` and waits for a formed generation.
 
@@ -121,6 +122,8 @@ class _ClusterCore:
         deadline = time.monotonic() + timeout
         # Opt-in same-host fast path for put/get (see collectives.shm).
         self._shared_memory = bool(shared_memory)
+        # Progress bars for large transfers (see collectives._progress): None on a TTY.
+        self._progress = _progress.setting(progress)
         # Worker addresses that refused it (UNIMPLEMENTED, not loopback): stream instead.
         self._shm_refused: set[str] = set()
         # Reused /dev/shm segments (tmpfs pages allocated once); unlinked by close().

@@ -20,6 +20,7 @@ import torch
 
 from collectives import shm
 from collectives._core import _ClusterCore, annotate
+from collectives._progress import Deferred, Progress, progress
 from collectives._transport import (
     DataPath,
     WorkerEndpoint,
@@ -71,9 +72,12 @@ class _DataPlane(_ClusterCore):
         use_shm = self._shm_wanted(ranks, deadline)
         # One CPU copy shared by all uploads (and the shared-memory segment).
         wire = _wire_layout(t) if len(ranks) > 1 or use_shm else t
+        nbytes = wire.numel() * wire.element_size()
         segment = None
         if use_shm:
-            segment = self._shm_pool.acquire(wire.numel() * wire.element_size())
+            segment = self._shm_pool.acquire(nbytes)
+        # One bar for the whole call: every rank's bytes.
+        bar = progress(f"put {name!r}", nbytes * len(ranks), self._progress)
         try:
             if segment is not None:
                 segment.write(wire)
@@ -81,11 +85,14 @@ class _DataPlane(_ClusterCore):
             self._fan_out(
                 f"put {name!r}",
                 {
-                    r: self._rank_call(r, deadline, f"put {name!r}", self._put(name, wire, path))
+                    r: self._rank_call(
+                        r, deadline, f"put {name!r}", self._put(name, wire, path, bar)
+                    )
                     for r in ranks
                 },
             )
         finally:
+            bar.close()
             if segment is not None:
                 self._shm_pool.release(segment)
 
@@ -173,13 +180,15 @@ class _DataPlane(_ClusterCore):
             ranks, of = self._group_members(group, snapshot.generation), "the group size"
         parts = scatter_parts(_wire_layout(t), len(ranks), dim, chunk_sizes, of)
         what = f"scatter {name!r}"
-        self._fan_out(
-            what,
-            {
-                r: self._rank_call(r, deadline, what, _put_stream(name, p))
-                for r, p in zip(ranks, parts, strict=True)
-            },
-        )
+        total = sum(p.numel() * p.element_size() for p in parts)
+        with progress(what, total, self._progress) as bar:
+            self._fan_out(
+                what,
+                {
+                    r: self._rank_call(r, deadline, what, _put_stream(name, p, bar))
+                    for r, p in zip(ranks, parts, strict=True)
+                },
+            )
 
     def _group_members(self, group: Group, generation: int) -> list[int]:
         """``group``'s global ranks, for the calls the SDK runs itself (scatter).
@@ -218,12 +227,14 @@ class _DataPlane(_ClusterCore):
                     if not self._shm_refused_by(endpoint.address, err):
                         raise
                 route = choose_path(endpoint, remaining, nbytes=None)  # refused: not shm
-            return get_tensor(endpoint, name, remaining, route=route)
+            return get_tensor(endpoint, name, remaining, route=route, progress=bar.start)
 
-        return self._rank_call(rank, deadline, what, get_on)()
+        # A bar once the size is known (shared memory: none, it is one copy).
+        with Deferred(what, self._progress) as bar:
+            return self._rank_call(rank, deadline, what, get_on)()
 
     def _put(
-        self, name: str, t: torch.Tensor, segment: str | None
+        self, name: str, t: torch.Tensor, segment: str | None, bar: Progress
     ) -> Callable[[WorkerEndpoint, float], None]:
         nbytes = t.numel() * t.element_size()
 
@@ -234,12 +245,13 @@ class _DataPlane(_ClusterCore):
                 assert segment is not None
                 try:
                     put_tensor_shm(endpoint, name, t, segment, remaining)
+                    bar.advance(nbytes)
                     return
                 except CollectiveError as err:
                     if not self._shm_refused_by(endpoint.address, err):
                         raise
                 route = choose_path(endpoint, remaining, nbytes=nbytes)  # refused: not shm
-            put_tensor(endpoint, name, t, remaining, route=route)
+            put_tensor(endpoint, name, t, remaining, route=route, progress=bar)
 
         return put_on
 
@@ -298,9 +310,11 @@ class _DataPlane(_ClusterCore):
         return call
 
 
-def _put_stream(name: str, t: torch.Tensor) -> Callable[[WorkerEndpoint, float], None]:
+def _put_stream(
+    name: str, t: torch.Tensor, bar: Progress
+) -> Callable[[WorkerEndpoint, float], None]:
     def put_on(endpoint: WorkerEndpoint, remaining: float) -> None:
-        put_tensor(endpoint, name, t, remaining)
+        put_tensor(endpoint, name, t, remaining, progress=bar)
 
     return put_on
 

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import grpc
 import torch
 
+from collectives._progress import NO_PROGRESS, Progress
 from collectives._transport import WorkerEndpoint
 from collectives.errors import InvalidArgument, error_for_code
 from collectives.errors import from_rpc_error as _from_rpc_error
@@ -26,19 +27,24 @@ _LOAD_STATE_DICT = "/collectives.v1.Worker/LoadStateDict"
 
 
 def load_model_on(
-    endpoint: WorkerEndpoint, spec: worker_pb2.ModelSpec, archive: bytes, timeout: float
+    endpoint: WorkerEndpoint,
+    spec: worker_pb2.ModelSpec,
+    archive: bytes,
+    timeout: float,
+    progress: Progress = NO_PROGRESS,
 ) -> worker_pb2.LoadModelResponse:
-    def messages() -> Iterator[worker_pb2.LoadModelRequest]:
+    def messages(sent: Progress) -> Iterator[worker_pb2.LoadModelRequest]:
         yield worker_pb2.LoadModelRequest(spec=spec)
         view = memoryview(archive)
         for start in range(0, len(view), codec.CHUNK_BYTES):
-            yield worker_pb2.LoadModelRequest(
-                archive_chunk=bytes(view[start : start + codec.CHUNK_BYTES])
-            )
+            chunk = view[start : start + codec.CHUNK_BYTES]
+            yield worker_pb2.LoadModelRequest(archive_chunk=bytes(chunk))
+            sent.advance(len(chunk))
 
     what = f"LoadModel {spec.name!r} on {endpoint.address}"
     try:
-        return endpoint.stub.LoadModel(messages(), timeout=timeout)
+        with progress.attempt() as sent:
+            return endpoint.stub.LoadModel(messages(sent), timeout=timeout)
     except grpc.RpcError as err:
         raise _from_rpc_error(err, what) from None
 
@@ -78,11 +84,16 @@ def get_model_tensors(
 
 
 def load_state_dict_on(
-    endpoint: WorkerEndpoint, model: str, state: dict[str, torch.Tensor], timeout: float
+    endpoint: WorkerEndpoint,
+    model: str,
+    state: dict[str, torch.Tensor],
+    timeout: float,
+    progress: Progress = NO_PROGRESS,
 ) -> worker_pb2.LoadStateDictResponse:
-    def frames() -> Iterator[bytes]:
+    def frames(sent: Progress) -> Iterator[bytes]:
+        counted = None if sent is NO_PROGRESS else sent
         for key, tensor in state.items():
-            yield from codec.encode_tensor_stream(key, tensor)
+            yield from codec.encode_tensor_stream(key, tensor, progress=counted)
 
     method = endpoint.channel.stream_unary(
         _LOAD_STATE_DICT,
@@ -90,6 +101,7 @@ def load_state_dict_on(
         response_deserializer=worker_pb2.LoadStateDictResponse.FromString,
     )
     try:
-        return method(frames(), timeout=timeout, metadata=((MODEL_METADATA_KEY, model),))
+        with progress.attempt() as sent:
+            return method(frames(sent), timeout=timeout, metadata=((MODEL_METADATA_KEY, model),))
     except grpc.RpcError as err:
         raise _from_rpc_error(err, f"LoadStateDict {model!r} on {endpoint.address}") from None

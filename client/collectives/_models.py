@@ -23,6 +23,7 @@ from torch import nn
 from collectives._core import GenerationBinding, server_timeout_s
 from collectives._model_transport import get_model_tensors, load_model_on, load_state_dict_on
 from collectives._p2p import _PeerToPeer
+from collectives._progress import progress
 from collectives._transport import WorkerEndpoint, call_unary, is_retryable_read
 from collectives.data_parallel import DataParallel
 from collectives.errors import CollectiveError, InvalidArgument, NotFound
@@ -131,13 +132,17 @@ class _Models(_PeerToPeer):
             archive = b""
             spec = worker_pb2.ModelSpec(name=name, factory=factory, factory_kwargs_json=kwargs_json)
         endpoints = self._member_endpoints(deadline)
-        responses = self._fan_out(
-            f"load_model {name!r}",
-            {
-                rank: (lambda e=e: load_model_on(e, spec, archive, self._remaining(deadline)))
-                for rank, e in endpoints.items()
-            },
-        )
+        what = f"load_model {name!r}"
+        with progress(what, len(archive) * len(endpoints), self._progress) as bar:
+            responses = self._fan_out(
+                what,
+                {
+                    rank: (
+                        lambda e=e: load_model_on(e, spec, archive, self._remaining(deadline), bar)
+                    )
+                    for rank, e in endpoints.items()
+                },
+            )
         if state_dict is not None:
             self.load_state_dict(name, state_dict, timeout=self._remaining(deadline))
         info = responses[min(responses)].model
@@ -323,11 +328,14 @@ class _Models(_PeerToPeer):
             raise InvalidArgument("state_dict must map str keys to tensors")
         for key in state_dict:
             validate_name(key, "state dict key")
-        self._per_rank(
-            f"load_state_dict {name!r}",
-            self._deadline(timeout),
-            lambda e, t: load_state_dict_on(e, name, state_dict, t),
-        )
+        deadline = self._deadline(timeout)
+        what = f"load_state_dict {name!r}"
+        nbytes = sum(v.numel() * v.element_size() for v in state_dict.values())
+        ranks = len(self._member_endpoints(deadline))
+        with progress(what, nbytes * ranks, self._progress) as bar:
+            self._per_rank(
+                what, deadline, lambda e, t: load_state_dict_on(e, name, state_dict, t, bar)
+            )
 
     # -------------------------------------------------------------- helpers
     def _remaining(self, deadline: float) -> float:

@@ -20,6 +20,7 @@ import enum
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -34,6 +35,7 @@ from collectives._channels import (
     wait_channel_ready,
 )
 from collectives._channels import deadline_s as _deadline_s
+from collectives._progress import NO_PROGRESS, Progress
 from collectives.errors import (
     CollectiveError,
     InvalidArgument,
@@ -182,10 +184,12 @@ def put_tensor(
     t: torch.Tensor,
     timeout: float,
     route: Route | None = None,
+    progress: Progress = NO_PROGRESS,
 ) -> worker_pb2.PutTensorResponse:
     """Stores ``t`` on ``endpoint`` under ``name``: over the worker's bulk port or
     streamed in chunks of at most 4 MiB, as ``route`` (default: :func:`choose_path`
-    without shared memory) says.
+    without shared memory) says. ``progress`` counts the bytes sent (a failed
+    try's bytes are taken back).
 
     Raises:
         CollectiveError: the worker refused the tensor or the call failed.
@@ -197,16 +201,20 @@ def put_tensor(
     if route.path is DataPath.BULK:
         started = time.monotonic()
         try:
-            return bulk.put_tensor_bulk(
-                endpoint, route.bulk_port, name, codec.wire_tensor(t), timeout
-            )
+            with progress.attempt() as sent:
+                counted = None if sent is NO_PROGRESS else sent
+                return bulk.put_tensor_bulk(
+                    endpoint, route.bulk_port, name, codec.wire_tensor(t), timeout, counted
+                )
         except bulk.BulkUnreachable:
             endpoint.bulk.suspend()  # full or refusing: the gRPC stream carries it
             timeout -= time.monotonic() - started
     try:
-        return endpoint.put_raw(
-            codec.encode_tensor_stream(name, t), timeout=_deadline_s(timeout, what)
-        )
+        with progress.attempt() as sent:
+            frames = codec.encode_tensor_stream(
+                name, t, progress=None if sent is NO_PROGRESS else sent
+            )
+            return endpoint.put_raw(frames, timeout=_deadline_s(timeout, what))
     except grpc.RpcError as err:
         raise _from_rpc_error(err, what) from None
 
@@ -217,10 +225,12 @@ def get_tensor(
     timeout: float,
     consume: bool = False,
     route: Route | None = None,
+    progress: Callable[[int], Progress] | None = None,
 ) -> torch.Tensor:
     """Downloads the tensor stored under ``name`` into one preallocated CPU buffer,
     through the worker's bulk port or streamed over gRPC as ``route`` (default:
-    :func:`choose_path` without shared memory) says.
+    :func:`choose_path` without shared memory) says. ``progress(nbytes)``, called
+    once the size is known, gives what counts the bytes received.
 
     Raises:
         NotFound: the worker holds no tensor under ``name``.
@@ -232,7 +242,7 @@ def get_tensor(
     if route.path is DataPath.BULK:
         started = time.monotonic()
         try:
-            return bulk.get_tensor_bulk(endpoint, route.bulk_port, name, timeout, consume)
+            return bulk.get_tensor_bulk(endpoint, route.bulk_port, name, timeout, consume, progress)
         except bulk.BulkUnreachable:
             endpoint.bulk.suspend()  # full or refusing: the gRPC stream carries it
             timeout -= time.monotonic() - started
@@ -245,6 +255,7 @@ def get_tensor(
         timeout=_deadline_s(timeout, what),
     )
     assembler: codec.TensorAssembler | None = None
+    received = NO_PROGRESS
     try:
         for message in call:
             kind, value = codec.decode_part(message)
@@ -252,10 +263,13 @@ def get_tensor(
                 if assembler is not None:
                     raise InvalidArgument("a second header arrived mid-stream")
                 assembler = codec.TensorAssembler(value)
+                if progress is not None:
+                    received = progress(assembler.meta.nbytes)
             elif kind == "chunk" and value is not None:
                 if assembler is None:
                     raise InvalidArgument("a chunk arrived before the header")
                 assembler.add(value)
+                received.advance(len(value))
         if assembler is None:
             raise InvalidArgument("the stream ended without a header")
         return assembler.finish()

@@ -24,6 +24,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Protocol
 
@@ -229,9 +230,16 @@ def _connect(
 
 
 def put_tensor_bulk(
-    endpoint: BulkEndpoint, port: int, name: str, t: torch.Tensor, timeout: float
+    endpoint: BulkEndpoint,
+    port: int,
+    name: str,
+    t: torch.Tensor,
+    timeout: float,
+    progress: codec.Advance | None = None,
 ) -> worker_pb2.PutTensorResponse:
     """Stores ``t`` (CPU, contiguous, wire layout) through the bulk port.
+
+    ``progress`` is advanced by the bytes as they are sent.
 
     The call and the connection run at once; the call answers after the bytes
     arrived, or at once when it refuses the tensor (quota, bad header), which
@@ -260,6 +268,8 @@ def put_tensor_bulk(
                     break
                 sock.settimeout(_left(deadline, what, start, len(view)))
                 sock.sendall(view[start : start + _SEND_PIECE])
+                if progress is not None:
+                    progress.advance(min(_SEND_PIECE, len(view) - start))
         except DeadlineExceeded:
             call.cancel()
             raise
@@ -296,9 +306,17 @@ def put_tensor_bulk(
 
 
 def get_tensor_bulk(
-    endpoint: BulkEndpoint, port: int, name: str, timeout: float, consume: bool = False
+    endpoint: BulkEndpoint,
+    port: int,
+    name: str,
+    timeout: float,
+    consume: bool = False,
+    progress: Callable[[int], codec.Advance] | None = None,
 ) -> torch.Tensor:
     """Downloads ``name``: inline when small, else over the bulk port into one buffer.
+
+    ``progress(nbytes)``, called once the size is known (not for inline data),
+    gives what to advance by the bytes as they arrive.
 
     Raises:
         NotFound: the worker holds no tensor under ``name``.
@@ -330,6 +348,7 @@ def get_tensor_bulk(
     view = codec.tensor_memoryview(buffer)
     got = 0
     sock = _connect(endpoint, port, response.ticket, max(deadline - time.monotonic(), 0.001))
+    bar = progress(meta.nbytes) if progress is not None else None
     with contextlib.ExitStack() as unless_kept:
         unless_kept.callback(sock.close)
         try:
@@ -339,6 +358,8 @@ def get_tensor_bulk(
                 if n == 0:
                     break
                 got += n
+                if bar is not None:
+                    bar.advance(n)
         except DeadlineExceeded:
             raise
         except TimeoutError:

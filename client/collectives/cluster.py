@@ -47,6 +47,7 @@ def connect(
     tls_key: str | os.PathLike[str] | bytes | None = None,
     tls: bool | None = None,
     shared_memory: bool | None = None,
+    progress: bool | None = None,
 ) -> Cluster:
     """Connects to the coordinator at ``host:port`` and waits until a generation is formed.
 
@@ -70,6 +71,11 @@ def connect(
     localhost address); other workers, or a worker that refuses it, get the
     stream. Each segment is unlinked as soon as the call is done.
 
+    ``progress`` (or ``COLLECTIVES_PROGRESS`` when None): puts, gets, model
+    loads and state-dict loads of 256 MiB or more draw a progress bar on stderr
+    when it is a terminal; False (``COLLECTIVES_PROGRESS=0``) never draws one,
+    True (``=1``) draws one even when stderr is not a terminal.
+
     Raises:
         InvalidArgument: ``address`` or ``timeout`` is malformed, or a TLS or
             token setting is unreadable or inconsistent.
@@ -88,4 +94,5 @@ def connect(
         tls_cert=tls_cert,
         tls_key=tls_key,
         shared_memory=shared_memory,
+        progress=progress,
     )

@@ -121,8 +121,8 @@ def test_connect_signature_and_cluster_protocol() -> None:
     params = list(sig.parameters.values())
     positional = [p for p in params if p.kind != inspect.Parameter.KEYWORD_ONLY]
     assert [(p.name, p.default) for p in positional] == [("address", _E), ("timeout", 30.0)]
-    # Security settings (docs/security.md) and the shared-memory fast path are
-    # keyword-only extensions, all optional.
+    # Security settings (docs/security.md), the shared-memory fast path and
+    # progress bars are keyword-only extensions, all optional.
     assert [(p.name, p.default) for p in params[len(positional) :]] == [
         ("token", None),
         ("tls_ca", None),
@@ -130,6 +130,7 @@ def test_connect_signature_and_cluster_protocol() -> None:
         ("tls_key", None),
         ("tls", None),
         ("shared_memory", None),
+        ("progress", None),
     ]
     for prop in ("world_size", "generation", "formed", "leader", "op_timeout_s"):
         assert isinstance(inspect.getattr_static(collectives.Cluster, prop), property), prop

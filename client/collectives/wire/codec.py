@@ -18,6 +18,7 @@ import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -176,15 +177,27 @@ def wire_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.resolve_conj().resolve_neg().contiguous()
 
 
+class Advance(Protocol):
+    """Counts bytes moved (a progress bar; see ``collectives._progress``)."""
+
+    def advance(self, n: int) -> None: ...
+
+
 def encode_tensor_stream(
-    name: str, t: torch.Tensor, chunk_bytes: int = CHUNK_BYTES
+    name: str, t: torch.Tensor, chunk_bytes: int = CHUNK_BYTES, progress: Advance | None = None
 ) -> Iterator[bytes]:
-    """Yields the framed messages of one tensor: header, then chunks of payload."""
+    """Yields the framed messages of one tensor: header, then chunks of payload.
+
+    ``progress`` is advanced by each chunk's payload bytes as it is handed over.
+    """
     t = wire_tensor(t)
     yield frame_header(make_header(name, t))
     view = tensor_memoryview(t)
     for start in range(0, len(view), chunk_bytes):
-        yield frame_chunk(view[start : start + chunk_bytes])
+        chunk = view[start : start + chunk_bytes]
+        yield frame_chunk(chunk)
+        if progress is not None:
+            progress.advance(len(chunk))
 
 
 @dataclass(frozen=True)
