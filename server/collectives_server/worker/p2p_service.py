@@ -8,13 +8,13 @@ leader like any op and run by ``handlers.exchange_ops`` / ``handlers.group_ops``
 
 from __future__ import annotations
 
-from collectives.dtypes import to_wire
 from collectives.errors import InvalidArgument
 from collectives.names import validate_name
 from collectives.op_args import check_pairs
 from collectives.op_specs import OpKind
 from collectives.v1 import worker_pb2
 from collectives_server.worker.handlers.group_ops import group_not_found
+from collectives_server.worker.replies import collective_response
 from collectives_server.worker.rpc_guards import guard as _guard
 
 __all__ = ["PeerRpcs"]
@@ -43,15 +43,7 @@ class PeerRpcs:
             exchange=args,
         )
         result = self._wait(context, runtime, desc, r.options)
-        return worker_pb2.CollectiveResponse(
-            op_id=result.op_id,
-            generation=result.generation,
-            result_name=result.result_name,
-            result_ranks=result.result_ranks,
-            dtype=to_wire(result.dtype) if result.dtype is not None else 0,
-            shape=list(result.shape),
-            latency_s=result.latency_s,
-        )
+        return collective_response(result)
 
     @_guard
     def DestroyGroup(

@@ -36,9 +36,11 @@ from collectives_server.rpc_limits import RpcLimits
 from collectives_server.worker.bulk import BulkListener
 from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.group_cap import check_group_cap, subgroup_count
+from collectives_server.worker.handlers.group_ops import group_not_found
 from collectives_server.worker.memory_release import drop_partial
 from collectives_server.worker.model_service import ModelRpcs
 from collectives_server.worker.p2p_service import PeerRpcs
+from collectives_server.worker.replies import collective_response
 from collectives_server.worker.rpc_guards import counted as _counted
 from collectives_server.worker.rpc_guards import guard as _guard
 from collectives_server.worker.rpc_guards import guard_stream as _guard_stream
@@ -250,12 +252,7 @@ class WorkerService(ModelRpcs, PeerRpcs):
             validate_name(args.out, "out name")
         ReduceOp.from_wire(args.op)
         runtime = self._leader(options)
-        group = runtime.groups.get(options.group_id)
-        if group is None:
-            raise NotFound(
-                f"group {options.group_id} does not exist in generation {runtime.generation}; "
-                "groups last as long as the generation they were made in: create it again"
-            )
+        group = _group_of(runtime, options.group_id)
         if op.root_role:
             members = None if group.group_id == 0 else group.ranks
             check_root(op, args.root, runtime.world_size, members)
@@ -263,15 +260,7 @@ class WorkerService(ModelRpcs, PeerRpcs):
             kind=kind, group_id=group.group_id, timeout_s=options.timeout_s, tensor=args
         )
         result = self._wait(context, runtime, desc, options)
-        return worker_pb2.CollectiveResponse(
-            op_id=result.op_id,
-            generation=result.generation,
-            result_name=result.result_name,
-            result_ranks=result.result_ranks,
-            dtype=to_wire(result.dtype) if result.dtype is not None else 0,
-            shape=list(result.shape),
-            latency_s=result.latency_s,
-        )
+        return collective_response(result)
 
     def _coalesced(
         self, context, kind: OpKind, r, outs: list[str] | None = None, op: int = 0, root: int = 0
@@ -376,13 +365,7 @@ class WorkerService(ModelRpcs, PeerRpcs):
         if r.out:
             validate_name(r.out, "out name")
         runtime = self._leader(r.options)
-        group = runtime.groups.get(r.options.group_id)
-        if group is None:  # as _collective words it
-            raise NotFound(
-                f"group {r.options.group_id} does not exist in generation "
-                f"{runtime.generation}; groups last as long as the generation they were "
-                "made in: create it again"
-            )
+        group = _group_of(runtime, r.options.group_id)
         size = len(group.ranks)
         op_args.check_split_matrix(op_args.split_rows(list(r.split_sizes), size), size)
         desc = worker_pb2.OpDescriptor(
@@ -392,15 +375,7 @@ class WorkerService(ModelRpcs, PeerRpcs):
             uneven=worker_pb2.UnevenAllToAllArgs(name=r.name, out=r.out, split_sizes=r.split_sizes),
         )
         result = self._wait(context, runtime, desc, r.options)
-        return worker_pb2.CollectiveResponse(
-            op_id=result.op_id,
-            generation=result.generation,
-            result_name=result.result_name,
-            result_ranks=result.result_ranks,
-            dtype=to_wire(result.dtype) if result.dtype is not None else 0,
-            shape=list(result.shape),
-            latency_s=result.latency_s,
-        )
+        return collective_response(result)
 
     @_guard
     def Barrier(self, r, context):
@@ -424,12 +399,10 @@ class WorkerService(ModelRpcs, PeerRpcs):
 
 
 def _group_of(runtime: GenerationRuntime, group_id: int):
+    """The group ``group_id`` of the runtime's generation, or NOT_FOUND (one wording)."""
     group = runtime.groups.get(group_id)
     if group is None:
-        raise NotFound(
-            f"group {group_id} does not exist in generation {runtime.generation}; "
-            "groups last as long as the generation they were made in: create it again"
-        )
+        raise group_not_found(group_id, runtime.generation)
     return group
 
 
