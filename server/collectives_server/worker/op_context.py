@@ -92,6 +92,15 @@ class OpContext:
     def is_leader(self) -> bool:
         return self.rank == 0
 
+    def operand(self, name: str) -> torch.Tensor | None:
+        """This rank's stored ``name`` as an op reads it (None if absent): with any lazy
+        conjugate or negation resolved, so its bytes are its values. ``peek``: the
+        executor never waits on a commit fence."""
+        t = self.store.peek(name)
+        if t is not None and (t.is_conj() or t.is_neg()):
+            t = t.resolve_conj().resolve_neg()
+        return t
+
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Runs a group operation; a backend failure means the group is broken."""
         try:

@@ -77,12 +77,6 @@ class _Op:
         )
 
 
-def _resolved(t: torch.Tensor | None) -> torch.Tensor | None:
-    if t is not None and (t.is_conj() or t.is_neg()):
-        return t.resolve_conj().resolve_neg()
-    return t
-
-
 def _quota_state(ctx: OpContext, targets: list[str]) -> tuple[int, int]:
     """(bytes held apart from every target, the limit; -1: none)."""
     held, limit = ctx.store.quota_state(targets[0])
@@ -105,7 +99,7 @@ def run_coalesced(
 ) -> OpResult | CollectiveError:
     job = _Op.of(ctx, desc)
     member = ctx.rank in job.group.ranks
-    operands = [_resolved(ctx.store.peek(n)) if member else None for n in job.names]
+    operands = [ctx.operand(n) if member else None for n in job.names]
     rows = _rows(ctx, job, member, operands)
     infos = ctx.call(agreement.exchange_rows, ctx.control, ctx.world_size, rows, ann.pending)
     ann.pending = None

@@ -99,7 +99,7 @@ def run_exchange(
     pairs: Pairs = list(zip(args.srcs, args.dsts, strict=True))
     target = args.out or args.name
     receives = any(d == ctx.rank for _, d in pairs)
-    operand = _operand(ctx, args.name) if any(s == ctx.rank for s, _ in pairs) else None
+    operand = ctx.operand(args.name) if any(s == ctx.rank for s, _ in pairs) else None
     quota = ctx.store.quota_state(target) if receives else (0, -1)
     values = validation.info_values(operand, ctx.rank in group.ranks, quota)
     fence: Fence | None = None
@@ -127,13 +127,6 @@ def run_exchange(
     finally:
         if fence is not None:
             fence.release()
-
-
-def _operand(ctx: OpContext, name: str) -> torch.Tensor | None:
-    operand = ctx.store.peek(name)
-    if operand is not None and (operand.is_conj() or operand.is_neg()):
-        operand = operand.resolve_conj().resolve_neg()
-    return operand
 
 
 def _move(

@@ -23,7 +23,7 @@ import grpc
 import torch
 
 from collectives.errors import CollectiveError, error_for_code
-from collectives.op_specs import Operand, OpKind, OpSpec, Stores, spec
+from collectives.op_specs import Operand, OpKind, Stores, spec
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
 from collectives_server.worker import agreement, op_failures, validation
@@ -70,15 +70,6 @@ def inline_capacity(ctx: OpContext, desc: worker_pb2.OpDescriptor) -> int | None
     return -(-nbytes // 16) * 16  # rows stay 16-byte aligned for every dtype
 
 
-def _operand(ctx: OpContext, op: OpSpec, name: str, member: bool) -> torch.Tensor | None:
-    if not member or op.operand is Operand.NONE:
-        return None
-    operand = ctx.store.peek(name)
-    if operand is not None and (operand.is_conj() or operand.is_neg()):
-        operand = operand.resolve_conj().resolve_neg()
-    return operand
-
-
 def run_tensor_op(
     ctx: OpContext, desc: worker_pb2.OpDescriptor, ann: Announcement
 ) -> OpResult | CollectiveError:
@@ -88,7 +79,7 @@ def run_tensor_op(
     member = ctx.rank in group.ranks
     target = args.out or args.name
     stores_here = member and op.stores is not Stores.NONE and not ctx.is_leader
-    operand = _operand(ctx, op, args.name, member)
+    operand = ctx.operand(args.name) if member and op.operand is not Operand.NONE else None
     quota = ctx.store.quota_state(target) if member else (0, -1)
     values = validation.info_values(operand, member, quota)
     fence: Fence | None = None

@@ -43,15 +43,6 @@ __all__ = ["run_uneven_all_to_all"]
 _NAME = spec(OpKind.ALL_TO_ALL_UNEVEN).name
 
 
-def _operand(ctx: OpContext, name: str, member: bool) -> torch.Tensor | None:
-    if not member:
-        return None
-    operand = ctx.store.peek(name)
-    if operand is not None and (operand.is_conj() or operand.is_neg()):
-        operand = operand.resolve_conj().resolve_neg()
-    return operand
-
-
 def run_uneven_all_to_all(
     ctx: OpContext, desc: worker_pb2.OpDescriptor, ann: Announcement
 ) -> OpResult | CollectiveError:
@@ -60,7 +51,7 @@ def run_uneven_all_to_all(
     group = ctx.groups[desc.group_id]
     member = ctx.rank in group.ranks
     target = args.out or args.name
-    operand = _operand(ctx, args.name, member)
+    operand = ctx.operand(args.name) if member else None
     quota = ctx.store.quota_state(target) if member else (0, -1)
     values = validation.info_values(operand, member, quota)
     fence: Fence | None = None
