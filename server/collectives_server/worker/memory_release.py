@@ -2,9 +2,13 @@
 
 A partially received tensor that is dropped (a cancelled or failed put) can
 sit in a reference cycle through the exception's traceback until a later
-cyclic GC (issue 16, H3), and even once freed glibc may keep large freed
-chunks in its heap. :func:`drop_partial` breaks the cycle and :func:`trim`
-asks glibc to return free heap pages (``malloc_trim``; a no-op elsewhere).
+cyclic GC (issue 16, H3): a put whose stream ends early fails in
+``TensorAssembler.finish``, and that frame's ``self`` is the assembler and its
+buffer; the exception then lives on in gRPC's call state, in a cycle that only
+a full collection reaches. Even once freed, glibc may keep large freed chunks
+in its heap. :func:`drop_partial` clears the locals of every frame in the
+traceback (the file and line stay for the log) and :func:`trim` asks glibc to
+return free heap pages (``malloc_trim``; a no-op elsewhere).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import ctypes
 import ctypes.util
 import functools
 import gc
+import traceback
 
 __all__ = ["trim", "drop_partial"]
 
@@ -39,9 +44,12 @@ def trim() -> None:
 
 
 def drop_partial(exc: BaseException | None = None) -> None:
-    """After a failed transfer: drop the traceback's frames (they hold the buffer), collect
-    what they kept in cycles, and give the memory back."""
-    if exc is not None:
-        exc.__traceback__ = None
+    """After a failed transfer: clear the locals of the traceback's frames (they hold the
+    buffer), collect what they kept in cycles, and give the memory back."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
     gc.collect(0)
     trim()

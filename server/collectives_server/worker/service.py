@@ -89,7 +89,7 @@ class WorkerService(ModelRpcs, PeerRpcs):
             assembler = None
             if reservation is not None:
                 reservation.release()
-            drop_partial(exc if isinstance(exc, grpc.RpcError) else None)
+            drop_partial(exc)
             raise
         reservation.release()
         self._ctx.store.put(assembler.name, tensor)
@@ -134,7 +134,7 @@ class WorkerService(ModelRpcs, PeerRpcs):
         except BaseException as exc:
             bulk.refuse(request.ticket)
             buffer = None
-            drop_partial(exc if isinstance(exc, grpc.RpcError) else None)
+            drop_partial(exc)
             raise
         finally:
             reservation.release()
