@@ -19,11 +19,10 @@ from collectives.errors import from_rpc_error as _from_rpc_error
 from collectives.v1 import tensor_pb2, worker_pb2
 from collectives.wire import codec
 
-__all__ = ["load_model_on", "get_model_tensors", "load_state_dict_on", "MODEL_METADATA_KEY"]
+__all__ = ["load_model_on", "get_model_tensors", "MODEL_METADATA_KEY"]
 
 MODEL_METADATA_KEY = "collectives-model"
 _GET_MODEL_TENSORS = "/collectives.v1.Worker/GetModelTensors"
-_LOAD_STATE_DICT = "/collectives.v1.Worker/LoadStateDict"
 
 
 def load_model_on(
@@ -81,27 +80,3 @@ def get_model_tensors(
         raise error_for_code(
             grpc.StatusCode.INTERNAL, f"{what}: malformed response stream: {err.message}"
         ) from None
-
-
-def load_state_dict_on(
-    endpoint: WorkerEndpoint,
-    model: str,
-    state: dict[str, torch.Tensor],
-    timeout: float,
-    progress: Progress = NO_PROGRESS,
-) -> worker_pb2.LoadStateDictResponse:
-    def frames(sent: Progress) -> Iterator[bytes]:
-        counted = None if sent is NO_PROGRESS else sent
-        for key, tensor in state.items():
-            yield from codec.encode_tensor_stream(key, tensor, progress=counted)
-
-    method = endpoint.channel.stream_unary(
-        _LOAD_STATE_DICT,
-        request_serializer=None,
-        response_deserializer=worker_pb2.LoadStateDictResponse.FromString,
-    )
-    try:
-        with progress.attempt() as sent:
-            return method(frames(sent), timeout=timeout, metadata=((MODEL_METADATA_KEY, model),))
-    except grpc.RpcError as err:
-        raise _from_rpc_error(err, f"LoadStateDict {model!r} on {endpoint.address}") from None

@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from collectives import _publish
 from collectives._core import GenerationBinding, server_timeout_s
-from collectives._model_transport import get_model_tensors, load_model_on, load_state_dict_on
+from collectives._model_transport import get_model_tensors, load_model_on
 from collectives._p2p import _PeerToPeer
 from collectives._progress import progress
 from collectives._transport import WorkerEndpoint, call_unary, is_retryable_read
@@ -49,6 +50,9 @@ class ModelInfo:
     source: str
     optimizer: str
     steps: int
+    # 1 after load_model, +1 per publish (load_state_dict), step or train_step
+    # with an optimizer; equal on every rank between ops.
+    version: int = 1
 
 
 def export_archive(module: nn.Module, example_inputs: tuple[Any, ...], dim: int = 0) -> bytes:
@@ -313,29 +317,58 @@ class _Models(_PeerToPeer):
         """The model's ``state_dict()`` on ``rank`` (CPU tensors)."""
         return self._model_tensors(name, "state_dict", rank, timeout)
 
+    def publish(
+        self,
+        name: str,
+        state_dict: dict[str, torch.Tensor],
+        *,
+        strict: bool = True,
+        cast: bool = False,
+        timeout: float | None = None,
+    ) -> int:
+        """Publishes new weights for model ``name``; returns the version every rank now serves.
+
+        The client sends each byte once (to the leader); the workers broadcast
+        the weights among themselves, stage them beside the live ones and switch
+        at one point of the op order, on every rank or on none. A ``dp(x)``
+        running meanwhile finishes on the version it started with, and no output
+        mixes two versions. ``strict=False`` takes any subset of the keys (the
+        others keep their values); ``cast=True`` converts entries whose dtype
+        differs from the model's (otherwise refused).
+
+        Raises:
+            InvalidArgument: unknown or missing keys, a shape or dtype mismatch.
+            NotFound / FailedPrecondition: the model is missing on all / some ranks.
+            ResourceExhausted: quota, or retained graphs of an older version still
+                hold it (at most two versions are resident): run their backward or
+                drop their outputs, then publish again.
+        """
+        deadline = self._deadline(timeout)
+        what = f"publish {name!r}"
+        response = self._ordered(
+            what,
+            lambda: _publish.publish(self, name, state_dict, strict, cast, deadline),
+            deadline,
+            False,
+        )
+        return int(response.version)
+
     def load_state_dict(
-        self, name: str, state_dict: dict[str, torch.Tensor], timeout: float | None = None
-    ) -> None:
-        """Loads ``state_dict`` into the model on every worker (keys must match exactly).
+        self,
+        name: str,
+        state_dict: dict[str, torch.Tensor],
+        timeout: float | None = None,
+        *,
+        strict: bool = True,
+        cast: bool = False,
+    ) -> int:
+        """Loads ``state_dict`` into the model on every worker: :meth:`publish` under the
+        name ``nn.Module`` uses. Returns the new version.
 
         Raises:
             InvalidArgument: unknown or missing keys, or a shape mismatch.
         """
-        validate_name(name, "model name")
-        if not isinstance(state_dict, dict) or not all(
-            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state_dict.items()
-        ):
-            raise InvalidArgument("state_dict must map str keys to tensors")
-        for key in state_dict:
-            validate_name(key, "state dict key")
-        deadline = self._deadline(timeout)
-        what = f"load_state_dict {name!r}"
-        nbytes = sum(v.numel() * v.element_size() for v in state_dict.values())
-        ranks = len(self._member_endpoints(deadline))
-        with progress(what, nbytes * ranks, self._progress) as bar:
-            self._per_rank(
-                what, deadline, lambda e, t: load_state_dict_on(e, name, state_dict, t, bar)
-            )
+        return self.publish(name, state_dict, strict=strict, cast=cast, timeout=timeout)
 
     # -------------------------------------------------------------- helpers
     def _remaining(self, deadline: float) -> float:
@@ -420,4 +453,5 @@ def _model_info(m: worker_pb2.ModelInfo) -> ModelInfo:
         source=m.source,
         optimizer=m.optimizer,
         steps=m.steps,
+        version=m.version,
     )

@@ -15,16 +15,18 @@ worker's ``--graph-ttl-s``).
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from collectives._transport import WorkerEndpoint, call_unary, get_tensor, put_tensor
-from collectives.errors import CollectiveError, InvalidArgument
+from collectives.errors import CollectiveError, InvalidArgument, Reason, Unavailable
 from collectives.names import validate_name
 from collectives.v1 import worker_pb2
 from collectives.wire.codec import tensor_from_proto, tensor_to_proto
@@ -84,6 +86,8 @@ def _namedtuple_types(obj: Any, found: dict[str, type] | None = None) -> dict[st
 # the Forward/Backward messages instead of a put before and a get after: one
 # RPC per worker instead of three (gRPC's 4 MiB message limit leaves room).
 INLINE_BYTES = 1 << 20
+# Whole-call attempts when publishes keep moving the model's version under a forward.
+_VERSION_ATTEMPTS = 8
 
 
 class _Budget:
@@ -147,6 +151,7 @@ class _RemoteCall:
         self.dim = dim
         self.deadline = cluster._deadline(timeout)
         self.call_id = f"__dp/{uuid.uuid4().hex}"
+        self.version = 0  # the model version that computed the outputs, once known
 
     def forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         snapshot = self.cluster._formed_snapshot(self.deadline)
@@ -168,7 +173,7 @@ class _RemoteCall:
         self.state = _CallState(self.cluster, self.model, self.call_id, self.shards)
         types = _namedtuple_types((inputs, kwargs))
 
-        def run(i: int) -> Any:
+        def run(i: int, version: int) -> tuple[Any, int]:
             shard = self.shards[i]
             counter = iter(range(1 << 30))
 
@@ -191,6 +196,7 @@ class _RemoteCall:
                 grad_enabled=grad_on,
                 input_grad_names=[f"{self.call_id}/in/{k}" for k in self.grad_leaf_ids],
                 inline_output_bytes=INLINE_BYTES,
+                version=version,
             )
             response = call_unary(
                 shard.endpoint.stub.Forward, request, self._left(), f"forward of {self.model!r}"
@@ -201,13 +207,10 @@ class _RemoteCall:
                 if n not in fetched:
                     fetched[n] = get_tensor(shard.endpoint, n, self._left(), consume=True)
             shard.outputs = [fetched[n] for n in shard.output_names]
-            return from_value(response.output, fetched.__getitem__, types)
+            return from_value(response.output, fetched.__getitem__, types), response.version
 
         try:
-            per_worker = self.cluster._fan_out(
-                f"data_parallel {self.model!r}",
-                {i: (lambda i=i: run(i)) for i in range(len(self.shards))},
-            )
+            per_worker = self._run_one_version(run)
         except CollectiveError:
             _release(self.state)
             raise
@@ -220,6 +223,39 @@ class _RemoteCall:
         weakref.finalize(self, _release, self.state)
         outs = _GatherFromWorkers.apply(self, flat, anchor, *self.grad_leaves)
         return _replace_leaves(gathered, list(outs))
+
+    def _run_one_version(self, run: Callable[[int, int], tuple[Any, int]]) -> dict[int, Any]:
+        """Every shard's output, all computed by one model version (then ``self.version``).
+
+        Each shard first runs on whatever version its worker serves. A publish
+        commits on every rank at one point of the op order but not at one
+        instant, so shards can straddle it: those behind run again, pinned to the
+        newest version seen (their worker waits for that commit, already on its
+        way). A worker that meanwhile moved past it (a second publish) refuses
+        with ``Reason.VERSION_MOVED``, and the whole call runs again."""
+        what = f"data_parallel {self.model!r}"
+        shards = range(len(self.shards))
+        for _ in range(_VERSION_ATTEMPTS):
+            try:
+                done = self.cluster._fan_out(what, {i: (lambda i=i: run(i, 0)) for i in shards})
+                newest = max(v for _, v in done.values())
+                behind = [i for i in shards if done[i][1] != newest]
+                if behind:
+                    done.update(
+                        self.cluster._fan_out(
+                            what, {i: (lambda i=i, v=newest: run(i, v)) for i in behind}
+                        )
+                    )
+            except CollectiveError as err:
+                if err.reason == Reason.VERSION_MOVED:
+                    continue
+                raise
+            self.version = newest
+            return {i: value for i, (value, _) in done.items()}
+        raise Unavailable(
+            f"{what}: the model's version changed under every one of {_VERSION_ATTEMPTS} "
+            "attempts (publishes faster than a forward); retry, or publish less often"
+        )
 
     def backward(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
         if self.state.finished:
@@ -322,6 +358,9 @@ class DataParallel:
     worker over its local devices, and returns the outputs gathered along
     ``dim`` in order. With autograd enabled, ``loss.backward()`` runs backward
     on the workers and accumulates parameter gradients there.
+
+    Every output is computed by one model version on every shard, never a mix
+    (see ``Cluster.publish``); :attr:`last_version` says which, per thread.
     """
 
     def __init__(
@@ -331,6 +370,13 @@ class DataParallel:
         self.name = validate_name(name, "model name")
         self.dim = dim
         self.timeout = timeout
+        self._local = threading.local()
+
+    @property
+    def last_version(self) -> int:
+        """The model version that computed the last output this thread got from this
+        callable (0 before its first call)."""
+        return getattr(self._local, "version", 0)
 
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         """Raises:
@@ -338,7 +384,10 @@ class DataParallel:
         InvalidArgument: an input cannot be sent, or the model rejected the inputs.
         CollectiveError: a worker failed or the call timed out.
         """
-        return _RemoteCall(self.cluster, self.name, self.dim, self.timeout).forward(inputs, kwargs)
+        call = _RemoteCall(self.cluster, self.name, self.dim, self.timeout)
+        output = call.forward(inputs, kwargs)
+        self._local.version = call.version
+        return output
 
     def __repr__(self) -> str:
         return f"DataParallel(model={self.name!r}, dim={self.dim})"

@@ -88,6 +88,8 @@ class Reason(enum.StrEnum):
     PEER_LOST = "PEER_LOST"  # a rank was lost while the op ran
     TIMEOUT = "TIMEOUT"  # the op did not finish within its timeout
     MALFORMED_REQUEST = "MALFORMED_REQUEST"  # the request's bytes do not decode
+    VERSION_MOVED = "VERSION_MOVED"  # a forward pinned a model version a rank moved past
+    VERSIONS_RESIDENT = "VERSIONS_RESIDENT"  # a publish would keep a third version resident
 
 
 class CollectiveError(Exception):

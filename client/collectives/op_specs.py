@@ -69,6 +69,7 @@ class OpKind(enum.IntEnum):
     BROADCAST_COALESCED = worker_pb2.OP_KIND_BROADCAST_COALESCED
     ALL_GATHER_COALESCED = worker_pb2.OP_KIND_ALL_GATHER_COALESCED
     ALL_TO_ALL_UNEVEN = worker_pb2.OP_KIND_ALL_TO_ALL_UNEVEN
+    PUBLISH_MODEL = worker_pb2.OP_KIND_PUBLISH_MODEL
 
 
 class Operand(enum.Enum):
@@ -241,6 +242,7 @@ SPECS: dict[OpKind, OpSpec] = {
             stores=Stores.DESTINATIONS,
         ),
         OpSpec(OpKind.DESTROY_GROUP, "destroy_group", args="destroy_group"),
+        OpSpec(OpKind.PUBLISH_MODEL, "publish", args="publish"),
         OpSpec(
             OpKind.ALL_REDUCE_COALESCED,
             "all_reduce_coalesced",
@@ -367,6 +369,6 @@ def subject(desc: worker_pb2.OpDescriptor) -> str:
     if field == "coalesced":
         names = list(desc.coalesced.names)
         return names[0] if len(names) == 1 else f"{names[0]} (+{len(names) - 1})" if names else ""
-    if field in ("gradients", "train_step"):
+    if field in ("gradients", "train_step", "publish"):
         return getattr(desc, field).model
     return ""

@@ -31,6 +31,7 @@ class OpKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OP_KIND_BROADCAST_COALESCED: _ClassVar[OpKind]
     OP_KIND_ALL_GATHER_COALESCED: _ClassVar[OpKind]
     OP_KIND_ALL_TO_ALL_UNEVEN: _ClassVar[OpKind]
+    OP_KIND_PUBLISH_MODEL: _ClassVar[OpKind]
 OP_KIND_UNSPECIFIED: OpKind
 OP_KIND_NOOP: OpKind
 OP_KIND_STOP: OpKind
@@ -51,6 +52,7 @@ OP_KIND_ALL_REDUCE_COALESCED: OpKind
 OP_KIND_BROADCAST_COALESCED: OpKind
 OP_KIND_ALL_GATHER_COALESCED: OpKind
 OP_KIND_ALL_TO_ALL_UNEVEN: OpKind
+OP_KIND_PUBLISH_MODEL: OpKind
 
 class PutTensorRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -431,7 +433,7 @@ class LoadModelRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., archive_chunk: _Optional[bytes] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "parameters", "parameter_bytes", "devices", "source", "optimizer", "graphs_retained", "steps")
+    __slots__ = ("name", "parameters", "parameter_bytes", "devices", "source", "optimizer", "graphs_retained", "steps", "version")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     PARAMETER_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -440,6 +442,7 @@ class ModelInfo(_message.Message):
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     GRAPHS_RETAINED_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     name: str
     parameters: int
     parameter_bytes: int
@@ -448,7 +451,8 @@ class ModelInfo(_message.Message):
     optimizer: str
     graphs_retained: int
     steps: int
-    def __init__(self, name: _Optional[str] = ..., parameters: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., source: _Optional[str] = ..., optimizer: _Optional[str] = ..., graphs_retained: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
+    version: int
+    def __init__(self, name: _Optional[str] = ..., parameters: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., source: _Optional[str] = ..., optimizer: _Optional[str] = ..., graphs_retained: _Optional[int] = ..., steps: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class LoadModelResponse(_message.Message):
     __slots__ = ("model",)
@@ -539,7 +543,7 @@ class NamedTupleValue(_message.Message):
     def __init__(self, type_name: _Optional[str] = ..., fields: _Optional[_Iterable[str]] = ..., values: _Optional[_Iterable[_Union[Value, _Mapping]]] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("model", "call_id", "args", "kwargs", "grad_enabled", "input_grad_names", "inline_output_bytes")
+    __slots__ = ("model", "call_id", "args", "kwargs", "grad_enabled", "input_grad_names", "inline_output_bytes", "version")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     ARGS_FIELD_NUMBER: _ClassVar[int]
@@ -547,6 +551,7 @@ class ForwardRequest(_message.Message):
     GRAD_ENABLED_FIELD_NUMBER: _ClassVar[int]
     INPUT_GRAD_NAMES_FIELD_NUMBER: _ClassVar[int]
     INLINE_OUTPUT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     model: str
     call_id: str
     args: Value
@@ -554,15 +559,18 @@ class ForwardRequest(_message.Message):
     grad_enabled: bool
     input_grad_names: _containers.RepeatedScalarFieldContainer[str]
     inline_output_bytes: int
-    def __init__(self, model: _Optional[str] = ..., call_id: _Optional[str] = ..., args: _Optional[_Union[Value, _Mapping]] = ..., kwargs: _Optional[_Union[Value, _Mapping]] = ..., grad_enabled: _Optional[bool] = ..., input_grad_names: _Optional[_Iterable[str]] = ..., inline_output_bytes: _Optional[int] = ...) -> None: ...
+    version: int
+    def __init__(self, model: _Optional[str] = ..., call_id: _Optional[str] = ..., args: _Optional[_Union[Value, _Mapping]] = ..., kwargs: _Optional[_Union[Value, _Mapping]] = ..., grad_enabled: _Optional[bool] = ..., input_grad_names: _Optional[_Iterable[str]] = ..., inline_output_bytes: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
-    __slots__ = ("output", "latency_s")
+    __slots__ = ("output", "latency_s", "version")
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     output: Value
     latency_s: float
-    def __init__(self, output: _Optional[_Union[Value, _Mapping]] = ..., latency_s: _Optional[float] = ...) -> None: ...
+    version: int
+    def __init__(self, output: _Optional[_Union[Value, _Mapping]] = ..., latency_s: _Optional[float] = ..., version: _Optional[int] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
     __slots__ = ("model", "call_id", "output_names", "grad_names", "inline_grads", "inline_output_bytes")
@@ -706,6 +714,36 @@ class TrainStepResponse(_message.Message):
     latency_s: float
     def __init__(self, op_id: _Optional[int] = ..., generation: _Optional[int] = ..., loss: _Optional[float] = ..., rank_losses: _Optional[_Iterable[float]] = ..., buckets: _Optional[int] = ..., latency_s: _Optional[float] = ...) -> None: ...
 
+class PublishModelRequest(_message.Message):
+    __slots__ = ("options", "model", "prefix", "strict", "cast")
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    STRICT_FIELD_NUMBER: _ClassVar[int]
+    CAST_FIELD_NUMBER: _ClassVar[int]
+    options: OpOptions
+    model: str
+    prefix: str
+    strict: bool
+    cast: bool
+    def __init__(self, options: _Optional[_Union[OpOptions, _Mapping]] = ..., model: _Optional[str] = ..., prefix: _Optional[str] = ..., strict: _Optional[bool] = ..., cast: _Optional[bool] = ...) -> None: ...
+
+class PublishModelResponse(_message.Message):
+    __slots__ = ("op_id", "generation", "version", "tensors", "bytes", "latency_s")
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    op_id: int
+    generation: int
+    version: int
+    tensors: int
+    bytes: int
+    latency_s: float
+    def __init__(self, op_id: _Optional[int] = ..., generation: _Optional[int] = ..., version: _Optional[int] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., latency_s: _Optional[float] = ...) -> None: ...
+
 class TensorOpArgs(_message.Message):
     __slots__ = ("name", "out", "op", "root")
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -774,6 +812,22 @@ class GradientsArgs(_message.Message):
     bucket_bytes: int
     def __init__(self, model: _Optional[str] = ..., op: _Optional[_Union[_tensor_pb2.ReduceOp, str]] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
 
+class PublishArgs(_message.Message):
+    __slots__ = ("model", "root", "prefix", "entries", "strict", "cast")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    STRICT_FIELD_NUMBER: _ClassVar[int]
+    CAST_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    root: int
+    prefix: str
+    entries: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorHeader]
+    strict: bool
+    cast: bool
+    def __init__(self, model: _Optional[str] = ..., root: _Optional[int] = ..., prefix: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[_tensor_pb2.TensorHeader, _Mapping]]] = ..., strict: _Optional[bool] = ..., cast: _Optional[bool] = ...) -> None: ...
+
 class TrainStepArgs(_message.Message):
     __slots__ = ("model", "inputs", "targets", "loss", "optimizer", "hyper_json", "bucket_bytes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -793,7 +847,7 @@ class TrainStepArgs(_message.Message):
     def __init__(self, model: _Optional[str] = ..., inputs: _Optional[str] = ..., targets: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[str] = ..., hyper_json: _Optional[str] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
 
 class OpDescriptor(_message.Message):
-    __slots__ = ("op_id", "generation", "group_id", "timeout_s", "kind", "tensor", "new_group", "gradients", "train_step", "coalesced", "uneven", "exchange", "destroy_group")
+    __slots__ = ("op_id", "generation", "group_id", "timeout_s", "kind", "tensor", "new_group", "gradients", "train_step", "coalesced", "uneven", "exchange", "destroy_group", "publish")
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -807,6 +861,7 @@ class OpDescriptor(_message.Message):
     UNEVEN_FIELD_NUMBER: _ClassVar[int]
     EXCHANGE_FIELD_NUMBER: _ClassVar[int]
     DESTROY_GROUP_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_FIELD_NUMBER: _ClassVar[int]
     op_id: int
     generation: int
     group_id: int
@@ -820,4 +875,5 @@ class OpDescriptor(_message.Message):
     uneven: UnevenAllToAllArgs
     exchange: ExchangeArgs
     destroy_group: DestroyGroupArgs
-    def __init__(self, op_id: _Optional[int] = ..., generation: _Optional[int] = ..., group_id: _Optional[int] = ..., timeout_s: _Optional[float] = ..., kind: _Optional[_Union[OpKind, str]] = ..., tensor: _Optional[_Union[TensorOpArgs, _Mapping]] = ..., new_group: _Optional[_Union[NewGroupArgs, _Mapping]] = ..., gradients: _Optional[_Union[GradientsArgs, _Mapping]] = ..., train_step: _Optional[_Union[TrainStepArgs, _Mapping]] = ..., coalesced: _Optional[_Union[CoalescedArgs, _Mapping]] = ..., uneven: _Optional[_Union[UnevenAllToAllArgs, _Mapping]] = ..., exchange: _Optional[_Union[ExchangeArgs, _Mapping]] = ..., destroy_group: _Optional[_Union[DestroyGroupArgs, _Mapping]] = ...) -> None: ...
+    publish: PublishArgs
+    def __init__(self, op_id: _Optional[int] = ..., generation: _Optional[int] = ..., group_id: _Optional[int] = ..., timeout_s: _Optional[float] = ..., kind: _Optional[_Union[OpKind, str]] = ..., tensor: _Optional[_Union[TensorOpArgs, _Mapping]] = ..., new_group: _Optional[_Union[NewGroupArgs, _Mapping]] = ..., gradients: _Optional[_Union[GradientsArgs, _Mapping]] = ..., train_step: _Optional[_Union[TrainStepArgs, _Mapping]] = ..., coalesced: _Optional[_Union[CoalescedArgs, _Mapping]] = ..., uneven: _Optional[_Union[UnevenAllToAllArgs, _Mapping]] = ..., exchange: _Optional[_Union[ExchangeArgs, _Mapping]] = ..., destroy_group: _Optional[_Union[DestroyGroupArgs, _Mapping]] = ..., publish: _Optional[_Union[PublishArgs, _Mapping]] = ...) -> None: ...

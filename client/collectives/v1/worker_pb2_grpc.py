@@ -199,6 +199,11 @@ class WorkerStub:
                 request_serializer=collectives_dot_v1_dot_worker__pb2.TrainStepRequest.SerializeToString,
                 response_deserializer=collectives_dot_v1_dot_worker__pb2.TrainStepResponse.FromString,
                 _registered_method=True)
+        self.PublishModel = channel.unary_unary(
+                '/collectives.v1.Worker/PublishModel',
+                request_serializer=collectives_dot_v1_dot_worker__pb2.PublishModelRequest.SerializeToString,
+                response_deserializer=collectives_dot_v1_dot_worker__pb2.PublishModelResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -448,6 +453,19 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PublishModel(self, request, context):
+        """Leader only: a new version of a model's weights, uploaded once to the
+        leader, broadcast by the workers, staged beside the live weights and
+        committed on every rank at one point of the op order (or nowhere).
+        Errors: NOT_FOUND (model, or no tensor under the prefix), INVALID_ARGUMENT
+        (unknown or missing keys, shape or dtype mismatch), FAILED_PRECONDITION
+        (the model differs across ranks), RESOURCE_EXHAUSTED (quota, or two
+        versions already resident: retained graphs hold the previous one).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -615,6 +633,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.TrainStep,
                     request_deserializer=collectives_dot_v1_dot_worker__pb2.TrainStepRequest.FromString,
                     response_serializer=collectives_dot_v1_dot_worker__pb2.TrainStepResponse.SerializeToString,
+            ),
+            'PublishModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.PublishModel,
+                    request_deserializer=collectives_dot_v1_dot_worker__pb2.PublishModelRequest.FromString,
+                    response_serializer=collectives_dot_v1_dot_worker__pb2.PublishModelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1508,6 +1531,33 @@ class Worker:
             '/collectives.v1.Worker/TrainStep',
             collectives_dot_v1_dot_worker__pb2.TrainStepRequest.SerializeToString,
             collectives_dot_v1_dot_worker__pb2.TrainStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/collectives.v1.Worker/PublishModel',
+            collectives_dot_v1_dot_worker__pb2.PublishModelRequest.SerializeToString,
+            collectives_dot_v1_dot_worker__pb2.PublishModelResponse.FromString,
             options,
             channel_credentials,
             insecure,

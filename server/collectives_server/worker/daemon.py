@@ -224,6 +224,7 @@ class WorkerDaemon:
             if self._stop.is_set():
                 break
             self.ctx.models.expire_graphs()
+            self.ctx.store.expire_uploads()
             self.ctx.shm_segments.reap()
             runtime = self.runtime
             request = coordinator_pb2.HeartbeatRequest(

@@ -19,6 +19,7 @@ from torch import nn
 from collectives.errors import InvalidArgument, NotFound
 from collectives.v1 import worker_pb2
 from collectives.wire.pytree import from_value, to_value
+from collectives_server.worker import model_versions
 from collectives_server.worker.models import HostedModel, ModelRegistry, RetainedGraph
 from collectives_server.worker.op_failures import backend_message
 from collectives_server.worker.store import TensorStore
@@ -40,8 +41,13 @@ def _run(model: HostedModel, args: tuple, kwargs: dict) -> Any:
 
 
 def forward(
-    registry: ModelRegistry, store: TensorStore, request: worker_pb2.ForwardRequest
+    registry: ModelRegistry,
+    store: TensorStore,
+    request: worker_pb2.ForwardRequest,
+    timeout_s: float,
 ) -> worker_pb2.ForwardResponse:
+    """Runs the model at the version the request names (``model_versions.serving``),
+    waiting at most ``timeout_s`` for a version committed elsewhere but not yet here."""
     started = time.perf_counter()
     model = registry.get(request.model)
     registry.expire_graphs()
@@ -64,7 +70,11 @@ def forward(
         kwargs = from_value(request.kwargs, load) if request.HasField("kwargs") else {}
         if not isinstance(args, tuple) or not isinstance(kwargs, dict):
             raise InvalidArgument("forward args must be a tuple value and kwargs a dict value")
-        with model.lock, torch.set_grad_enabled(request.grad_enabled):
+        deadline = time.monotonic() + timeout_s
+        with (
+            model_versions.serving(model, request.version, deadline) as version,
+            torch.set_grad_enabled(request.grad_enabled),
+        ):
             try:
                 output = _run(model, args, kwargs)
             except (RuntimeError, TypeError, ValueError, IndexError) as exc:
@@ -91,10 +101,13 @@ def forward(
                     outputs=stored,
                     inputs={n: leaves[n] for n in wanted if n in leaves},
                     expires_at=time.monotonic() + registry.graph_ttl_s,
+                    version=version,
                 )
     finally:
         store.delete_prefix(f"{call_id}/in/")
-    return worker_pb2.ForwardResponse(output=value, latency_s=time.perf_counter() - started)
+    return worker_pb2.ForwardResponse(
+        output=value, latency_s=time.perf_counter() - started, version=version
+    )
 
 
 def backward(

@@ -17,12 +17,13 @@ from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
 from collectives.wire import codec, pytree
 from collectives_server.json_input import parse_json_object
-from collectives_server.worker import model_exec
+from collectives_server.worker import model_exec, model_versions
 from collectives_server.worker.models import build_from_factory
 from collectives_server.worker.optimizers import install, plan_optimizer
 from collectives_server.worker.rpc_guards import counted as _counted
 from collectives_server.worker.rpc_guards import guard as _guard
 from collectives_server.worker.rpc_guards import guard_stream as _guard_stream
+from collectives_server.worker.store import UPLOAD_PREFIX
 
 __all__ = ["ModelRpcs", "MODEL_METADATA_KEY"]
 
@@ -74,7 +75,9 @@ class ModelRpcs:
         store = self._ctx.store
         _store_inline(store, request.call_id, pytree.inline_leaves(request.args))
         _store_inline(store, request.call_id, pytree.inline_leaves(request.kwargs))
-        response = model_exec.forward(self._ctx.models, store, request)
+        left = context.time_remaining()
+        wait_s = self._ctx.op_timeout_s if left is None else min(left, self._ctx.op_timeout_s)
+        response = model_exec.forward(self._ctx.models, store, request, wait_s)
         if request.inline_output_bytes:
             _inline_outputs(store, response.output, request.inline_output_bytes)
         return response
@@ -125,6 +128,7 @@ class ModelRpcs:
             optimizer = install(model, plan_optimizer(model, request.optimizer, hyper))
             optimizer.step()
             model.steps += 1
+            model_versions.bump(model)
             return worker_pb2.StepResponse(steps=model.steps)
 
     @_guard_stream
@@ -180,7 +184,35 @@ class ModelRpcs:
                         f"the model has {list(current[key].shape)}"
                     )
             model.module.load_state_dict(received)
+            model_versions.bump(model)
         return worker_pb2.LoadStateDictResponse(tensors=len(received))
+
+    @_guard
+    def PublishModel(self, r, context) -> worker_pb2.PublishModelResponse:
+        validate_name(r.model, "model name")
+        if not r.prefix.startswith(UPLOAD_PREFIX) or not r.prefix.endswith("/"):
+            raise InvalidArgument(
+                f"publish prefix {r.prefix[:64]!r} must look like '{UPLOAD_PREFIX}<id>/'"
+            )
+        validate_name(r.prefix + "x", "publish prefix")
+        runtime = self._leader(r.options)
+        uploads = self._ctx.store.under(r.prefix)
+        if not uploads:
+            raise NotFound(f"nothing was uploaded under {r.prefix!r} on this worker; put first")
+        args = worker_pb2.PublishArgs(
+            model=r.model, root=runtime.rank, prefix=r.prefix, strict=r.strict, cast=r.cast
+        )
+        for name, t in uploads:
+            args.entries.append(codec.make_header(name[len(r.prefix) :], t))
+        result = self._model_op(context, OpKind.PUBLISH_MODEL, r.options, args)
+        return worker_pb2.PublishModelResponse(
+            op_id=result.op_id,
+            generation=result.generation,
+            version=result.version,
+            tensors=result.tensors,
+            bytes=result.nbytes,
+            latency_s=result.latency_s,
+        )
 
     def _model_op(self, context, kind: OpKind, options, args):
         validate_name(args.model, "model name")
@@ -251,6 +283,7 @@ def _model_info(model) -> worker_pb2.ModelInfo:
         optimizer=model.optimizer_kind,
         graphs_retained=len(model.graphs),
         steps=model.steps,
+        version=model.version,
     )
 
 

@@ -36,6 +36,7 @@ class RetainedGraph:
     outputs: dict[str, torch.Tensor]  # stored output name -> output tensor (with grad_fn)
     inputs: dict[str, torch.Tensor]  # input name -> leaf tensor whose grad the client wants
     expires_at: float
+    version: int = 1  # the model version whose weights the graph holds
 
 
 def _zero(t: torch.Tensor) -> None:
@@ -170,7 +171,13 @@ class HostedModel:
     optimizer_kind: str = ""
     optimizer_hyper: dict[str, Any] = field(default_factory=dict)
     steps: int = 0
+    # 1 after loading, +1 per committed publish or optimizer step (model_versions).
+    version: int = 1
     _arena: GradArena | None = None
+
+    def __post_init__(self) -> None:
+        # Notified (under ``lock``) whenever ``version`` changes.
+        self.version_changed = threading.Condition(self.lock)
 
     @property
     def parameters(self) -> list[tuple[str, nn.Parameter]]:

@@ -36,6 +36,7 @@ from collectives_server.worker.collective_ops import Spares
 from collectives_server.worker.handlers import handler_for
 from collectives_server.worker.handlers.group_ops import missing_group
 from collectives_server.worker.handlers.model_ops import ModelOpResult
+from collectives_server.worker.handlers.publish_ops import PublishResult
 from collectives_server.worker.handlers.tensor_ops import inline_capacity
 from collectives_server.worker.models import ModelRegistry
 from collectives_server.worker.op_context import (
@@ -53,7 +54,7 @@ __all__ = ["GenerationRuntime"]
 
 log = logging.getLogger(__name__)
 
-Outcome = OpResult | ModelOpResult | CollectiveError
+Outcome = OpResult | ModelOpResult | PublishResult | CollectiveError
 
 
 class GenerationRuntime:

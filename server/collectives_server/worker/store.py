@@ -27,7 +27,21 @@ import torch
 
 from collectives.errors import NotFound, ResourceExhausted
 
-__all__ = ["Fence", "Reservation", "StoredInfo", "TensorStore", "quota_message"]
+__all__ = [
+    "Fence",
+    "Reservation",
+    "StoredInfo",
+    "TensorStore",
+    "UPLOAD_PREFIX",
+    "UPLOAD_IDLE_S",
+    "quota_message",
+]
+
+# Publish uploads (``__publish/<id>/<key>``) wait on the leader for their publish
+# op, which removes them; those of a client that died before publishing are
+# dropped once no put under their id came for UPLOAD_IDLE_S.
+UPLOAD_PREFIX = "__publish/"
+UPLOAD_IDLE_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -107,6 +121,7 @@ class TensorStore:
         self._fenced = threading.Condition(self._lock)
         self._fences: dict[str, list[Fence]] = {}
         self._waiting = 0
+        self._uploads: dict[str, float] = {}  # upload prefix -> time of its latest put
 
     def check_quota(self, name: str, incoming: int) -> None:
         """Raises ResourceExhausted if ``incoming`` bytes under ``name`` would exceed the limit
@@ -209,6 +224,8 @@ class TensorStore:
                     self._bytes -= _nbytes(old)
                 self._tensors[name] = t
                 self._bytes += _nbytes(t)
+                if name.startswith(UPLOAD_PREFIX):
+                    self._uploads[_upload_of(name)] = time.monotonic()
 
     def replace(self, name: str, t: torch.Tensor) -> torch.Tensor | None:
         """Commits ``t`` under ``name`` without a quota check (a collective's commit: its
@@ -256,10 +273,23 @@ class TensorStore:
     def delete_prefix(self, prefix: str) -> int:
         """Deletes every tensor whose name starts with ``prefix``; returns how many."""
         with self._lock:
+            self._uploads.pop(prefix, None)
             doomed = [n for n in self._tensors if n.startswith(prefix)]
             for n in doomed:
                 self._bytes -= _nbytes(self._tensors.pop(n))
             return len(doomed)
+
+    def under(self, prefix: str) -> list[tuple[str, torch.Tensor]]:
+        """Every (name, tensor) whose name starts with ``prefix``, by name."""
+        with self._lock:
+            return sorted((n, t) for n, t in self._tensors.items() if n.startswith(prefix))
+
+    def expire_uploads(self, idle_s: float = UPLOAD_IDLE_S, now: float | None = None) -> int:
+        """Drops publish uploads that got no put for ``idle_s``; returns how many tensors."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            stale = [p for p, at in self._uploads.items() if now - at >= idle_s]
+        return sum(self.delete_prefix(p) for p in stale)
 
     def infos(self) -> list[StoredInfo]:
         with self._lock:
@@ -275,3 +305,9 @@ class TensorStore:
         """(tensors held, bytes held)."""
         with self._lock:
             return len(self._tensors), self._bytes
+
+
+def _upload_of(name: str) -> str:
+    """``__publish/<id>/<key>`` -> ``__publish/<id>/``."""
+    head, _, rest = name[len(UPLOAD_PREFIX) :].partition("/")
+    return f"{UPLOAD_PREFIX}{head}/" if rest else name

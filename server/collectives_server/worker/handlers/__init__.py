@@ -10,7 +10,8 @@ does on a rank is its handler's business:
 * ``destroy_group``: ``group_ops.run_destroy_group``;
 * ``all_reduce_gradients`` and ``train_step``: ``model_ops.run_model_op``;
 * coalesced all_reduce, broadcast, all_gather: ``coalesced_ops.run_coalesced``
-  (its buckets in ``coalesced_buckets``).
+  (its buckets in ``coalesced_buckets``);
+* ``publish`` (a new model version): ``publish_ops.run_publish``.
 
 Every handler returns the same outcome on every rank (an agreement or a pure
 decision over exchanged data precedes every commit) and raises
@@ -28,6 +29,7 @@ from collectives_server.worker.handlers.coalesced_ops import run_coalesced
 from collectives_server.worker.handlers.exchange_ops import run_exchange
 from collectives_server.worker.handlers.group_ops import run_destroy_group, run_new_group
 from collectives_server.worker.handlers.model_ops import ModelOpResult, run_model_op
+from collectives_server.worker.handlers.publish_ops import PublishResult, run_publish
 from collectives_server.worker.handlers.tensor_ops import run_tensor_op
 from collectives_server.worker.handlers.uneven_ops import run_uneven_all_to_all
 from collectives_server.worker.op_context import Announcement, OpContext, OpResult
@@ -36,7 +38,7 @@ __all__ = ["Handler", "HANDLERS", "handler_for"]
 
 Handler = Callable[
     [OpContext, worker_pb2.OpDescriptor, Announcement],
-    OpResult | ModelOpResult | CollectiveError,
+    OpResult | ModelOpResult | PublishResult | CollectiveError,
 ]
 
 HANDLERS: dict[OpKind, Handler] = {
@@ -53,6 +55,7 @@ HANDLERS: dict[OpKind, Handler] = {
     OpKind.ALL_REDUCE_COALESCED: run_coalesced,
     OpKind.BROADCAST_COALESCED: run_coalesced,
     OpKind.ALL_GATHER_COALESCED: run_coalesced,
+    OpKind.PUBLISH_MODEL: run_publish,
 }
 
 

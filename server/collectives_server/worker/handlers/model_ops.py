@@ -31,7 +31,7 @@ from collectives.errors import CollectiveError, NotFound, error_for_code
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
 from collectives_server.json_input import parse_json_object
-from collectives_server.worker import agreement, op_failures
+from collectives_server.worker import agreement, model_versions, op_failures
 from collectives_server.worker.collective_ops import copy_into
 from collectives_server.worker.models import HostedModel
 from collectives_server.worker.op_context import Announcement, OpContext
@@ -294,6 +294,7 @@ def _run_model_op(
     if local.plan is not None:
         install(model, local.plan).step()
         model.steps += 1
+        model_versions.bump(model)
     return ModelOpResult(op_id, ctx.generation, buckets, nbytes, global_loss, rank_losses, 0.0)
 
 
