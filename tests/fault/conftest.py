@@ -26,8 +26,13 @@ def pytest_terminal_summary(terminalreporter) -> None:
 def fault_cluster():
     clusters: list[FaultCluster] = []
 
-    def start(workers: int = 3, min_workers: int = 2, max_workers: int | None = None):
-        cluster = FaultCluster(workers, min_workers, max_workers)
+    def start(
+        workers: int = 3,
+        min_workers: int = 2,
+        max_workers: int | None = None,
+        worker_args: tuple[str, ...] = (),
+    ):
+        cluster = FaultCluster(workers, min_workers, max_workers, worker_args)
         clusters.append(cluster)
         return cluster
 

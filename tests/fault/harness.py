@@ -87,8 +87,15 @@ def _spawn(name: str, args: list[str], timeout_s: float = 60.0) -> Daemon:
 
 
 class FaultCluster:
-    def __init__(self, workers: int, min_workers: int, max_workers: int | None = None) -> None:
+    def __init__(
+        self,
+        workers: int,
+        min_workers: int,
+        max_workers: int | None = None,
+        worker_args: tuple[str, ...] = (),
+    ) -> None:
         self.port = free_port()
+        self.worker_args = worker_args
         self.min_workers = min_workers
         self.max_workers = max_workers or workers
         self.coordinator = self.start_coordinator()
@@ -117,7 +124,8 @@ class FaultCluster:
         )
 
     def start_worker(self, *extra: str) -> Daemon:
-        return _spawn("worker", ["worker", "--coordinator", f"127.0.0.1:{self.port}", *extra])
+        argv = ["worker", "--coordinator", f"127.0.0.1:{self.port}", *self.worker_args, *extra]
+        return _spawn("worker", argv)
 
     def members(self) -> list:
         return sorted((w for w in self.client.workers() if w.rank >= 0), key=lambda w: w.rank)

@@ -113,8 +113,11 @@ class ModelUploads:
             if path is not None:
                 path.unlink(missing_ok=True)
 
-    def load(self, upload: Path) -> nn.Module:
-        """Checks, rewrites, (sandbox-)loads the uploaded archive; the module."""
+    def load(self, upload: Path, keep: Path | None = None) -> nn.Module:
+        """Checks, rewrites, (sandbox-)loads the uploaded archive; the module.
+
+        ``keep``: where to leave the checked archive (a peer catching up on the
+        model is sent it, see ``model_sync``); otherwise it is deleted."""
         checked = upload.with_suffix(".pt2")
         try:
             check_archive(upload, checked, self.config.limits)
@@ -122,11 +125,20 @@ class ModelUploads:
             if self.config.load_sandbox:
                 trial_load(checked, self.config.load_timeout_s)
             try:
-                return torch.export.load(str(checked)).module()
+                module = torch.export.load(str(checked)).module()
             except Exception as exc:
                 raise InvalidArgument(
                     f"could not load the torch.export archive: {type(exc).__name__}: "
                     f"{str(exc)[:300]}"
                 ) from None
+            if keep is not None:
+                checked.replace(keep)
+            return module
         finally:
             checked.unlink(missing_ok=True)
+
+    def kept_path(self, suffix: str = ".kept.pt2") -> Path:
+        """A fresh path in the upload directory (a checked archive to keep, by default)."""
+        fd, name = tempfile.mkstemp(suffix=suffix, dir=self.dir)
+        os.close(fd)
+        return Path(name)

@@ -39,6 +39,7 @@ from collectives_server.worker.config import WorkerConfig
 from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.enrolment import bounded_status, register
 from collectives_server.worker.heartbeats import HeartbeatStream, reply_interval_s
+from collectives_server.worker.model_sync import sync_models
 from collectives_server.worker.models import ModelRegistry
 from collectives_server.worker.op_context import OpResult
 from collectives_server.worker.runtime import GenerationRuntime
@@ -368,6 +369,7 @@ class WorkerDaemon:
             rebuild_after_s=self._lease_s + 2 * self._heartbeat_s,
             models=self.ctx.models,
             on_data_collectives=self._data_collectives_done,
+            sync_models=lambda op_ctx: sync_models(op_ctx, self.ctx.uploads),
         ).start()
 
     def _data_collectives_done(self, collectives: int, gradient_buckets: int) -> None:

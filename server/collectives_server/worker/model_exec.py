@@ -49,7 +49,7 @@ def forward(
     """Runs the model at the version the request names (``model_versions.serving``),
     waiting at most ``timeout_s`` for a version committed elsewhere but not yet here."""
     started = time.perf_counter()
-    model = registry.get(request.model)
+    model = registry.get(request.model, wait_s=timeout_s)  # a peer may still be sending it
     registry.expire_graphs()
     call_id = request.call_id
     if not call_id:

@@ -18,7 +18,7 @@ from collectives.v1 import worker_pb2
 from collectives.wire import codec, pytree
 from collectives_server.json_input import parse_json_object
 from collectives_server.worker import model_exec, model_versions
-from collectives_server.worker.models import build_from_factory
+from collectives_server.worker.models import ModelDefinition, build_from_factory
 from collectives_server.worker.optimizers import install, plan_optimizer
 from collectives_server.worker.rpc_guards import counted as _counted
 from collectives_server.worker.rpc_guards import guard as _guard
@@ -44,12 +44,19 @@ class ModelRpcs:
                     spec.factory, spec.factory_kwargs_json, models.allowed_factories
                 )
                 source = spec.factory
+                definition = ModelDefinition(spec.factory, spec.factory_kwargs_json or "{}")
             else:
                 if received.archive is None:
                     raise InvalidArgument("LoadModel carried neither a factory nor an archive")
-                module = uploads.load(received.archive)
+                kept = uploads.kept_path()
+                try:
+                    module = uploads.load(received.archive, keep=kept)
+                except BaseException:
+                    kept.unlink(missing_ok=True)
+                    raise
                 source = "export"
-        hosted = models.add(spec.name, module, source)
+                definition = ModelDefinition(archive=kept)
+        hosted = models.add(spec.name, module, source, definition)
         return worker_pb2.LoadModelResponse(model=_model_info(hosted))
 
     @_guard

@@ -18,6 +18,7 @@ import importlib
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from collectives.names import validate_name
 from collectives_server.json_input import parse_json_object
 from collectives_server.worker.store import Reservation, TensorStore
 
-__all__ = ["ModelRegistry", "HostedModel", "RetainedGraph", "GradArena"]
+__all__ = ["ModelRegistry", "HostedModel", "ModelDefinition", "RetainedGraph", "GradArena"]
 
 
 @dataclass
@@ -158,6 +159,19 @@ class GradArena:
         return self.buffers[key].narrow(0, start, total)
 
 
+@dataclass(frozen=True)
+class ModelDefinition:
+    """How to build the model again (a peer catching up on it, ``model_sync``)."""
+
+    factory: str = ""
+    kwargs_json: str = ""
+    archive: Path | None = None  # the checked torch.export archive, kept on disk
+
+    def discard(self) -> None:
+        if self.archive is not None:
+            self.archive.unlink(missing_ok=True)
+
+
 @dataclass
 class HostedModel:
     name: str
@@ -173,6 +187,7 @@ class HostedModel:
     steps: int = 0
     # 1 after loading, +1 per committed publish or optimizer step (model_versions).
     version: int = 1
+    definition: ModelDefinition = field(default_factory=ModelDefinition)
     _arena: GradArena | None = None
 
     def __post_init__(self) -> None:
@@ -243,20 +258,41 @@ class ModelRegistry:
         # Per model: the reservations that together cover its weights' bytes.
         self._reservations: dict[str, list[Reservation]] = {}
         self._models: dict[str, HostedModel] = {}
+        # Models a peer is sending this rank (model_sync): set once hosted or given up.
+        self._pending: dict[str, threading.Event] = {}
         self._lock = threading.Lock()
 
-    def add(self, name: str, module: nn.Module, source: str) -> HostedModel:
+    def add(
+        self,
+        name: str,
+        module: nn.Module,
+        source: str,
+        definition: ModelDefinition | None = None,
+    ) -> HostedModel:
         """Hosts ``module`` under ``name`` (replacing any).
 
         Raises:
             ResourceExhausted: its parameters and buffers do not fit in the quota.
         """
         validate_name(name, "model name")
-        reservation = self._reserve(name, module)
+        try:
+            reservation = self._reserve(name, module)
+        except BaseException:
+            if definition is not None:
+                definition.discard()
+            raise
         module = module.to(self.devices[0])
-        hosted = HostedModel(name, module, source, list(self.devices))
+        hosted = HostedModel(
+            name, module, source, list(self.devices), definition=definition or ModelDefinition()
+        )
         with self._lock:
+            replaced = self._models.get(name)
+            if replaced is not None:
+                replaced.definition.discard()
             self._models[name] = hosted
+            arrived = self._pending.pop(name, None)
+            if arrived is not None:
+                arrived.set()
             held = self._reservations.pop(name, [])
             if reservation is not None:
                 # The replaced model's bytes (held) plus what this one needs beyond them.
@@ -281,9 +317,37 @@ class ModelRegistry:
                 f"model {name!r} needs {nbytes} bytes of weights: {exc.message}"
             ) from None
 
-    def get(self, name: str) -> HostedModel:
+    def expect(self, name: str) -> threading.Event | None:
+        """Marks ``name`` as on its way from a peer (None if already hosted or expected);
+        the event is set once it is hosted (``add``) or given up (``give_up``)."""
+        with self._lock:
+            if name in self._models or name in self._pending:
+                return None
+            event = self._pending[name] = threading.Event()
+            return event
+
+    def give_up(self, name: str, event: threading.Event) -> None:
+        with self._lock:
+            if self._pending.get(name) is event:
+                del self._pending[name]
+        event.set()
+
+    def is_expected(self, name: str, event: threading.Event) -> bool:
+        with self._lock:
+            return self._pending.get(name) is event
+
+    def pending(self, name: str) -> bool:
+        with self._lock:
+            return name in self._pending
+
+    def get(self, name: str, wait_s: float = 0.0) -> HostedModel:
+        """The model; one a peer is still sending is waited for, at most ``wait_s``."""
         with self._lock:
             model = self._models.get(name)
+            arriving = self._pending.get(name)
+        if model is None and arriving is not None and arriving.wait(wait_s):
+            with self._lock:
+                model = self._models.get(name)
         if model is None:
             raise NotFound(f"model {name!r} is not loaded on this worker; load_model it first")
         return model
@@ -294,8 +358,11 @@ class ModelRegistry:
 
     def remove(self, name: str) -> bool:
         with self._lock:
-            removed = self._models.pop(name, None) is not None
+            model = self._models.pop(name, None)
+            removed = model is not None
             reservations = self._reservations.pop(name, [])
+        if model is not None:
+            model.definition.discard()
         for reservation in reservations:
             reservation.release()
         return removed
@@ -316,8 +383,14 @@ class ModelRegistry:
         now = time.monotonic() if now is None else now
         dropped = 0
         for model in self.all():
-            with model.lock:
+            # Never wait on a busy model (a long forward, a publish): the heartbeat
+            # calls this, and must not miss its lease; the next call gets it.
+            if not model.lock.acquire(blocking=False):
+                continue
+            try:
                 for call_id in [c for c, g in model.graphs.items() if g.expires_at <= now]:
                     del model.graphs[call_id]
                     dropped += 1
+            finally:
+                model.lock.release()
         return dropped

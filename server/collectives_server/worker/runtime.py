@@ -76,6 +76,7 @@ class GenerationRuntime:
         rebuild_after_s: float = 10.0,
         models: ModelRegistry | None = None,
         on_data_collectives: Callable[[int, int], None] | None = None,
+        sync_models: Callable[[OpContext], int] | None = None,
     ) -> None:
         self.generation = generation
         self.rank = rank
@@ -90,6 +91,8 @@ class GenerationRuntime:
         self._host = host
         self._on_joined = on_joined
         self._on_op_done = on_op_done
+        # Run by every rank once its group formed, before it reports joined (model_sync).
+        self._sync_models = sync_models
         self._on_data_collectives = on_data_collectives
         self._rebuild_after_s = rebuild_after_s
         # Replaced results kept for reuse stay well inside a store limit, if any.
@@ -252,6 +255,8 @@ class GenerationRuntime:
             max_groups=self.max_groups,
             on_data_collectives=self._on_data_collectives,
         )
+        if self._sync_models is not None:
+            self._sync_models(ctx)
         self.ready.set()
         self._on_joined(self.generation)
         log.info(

@@ -102,7 +102,7 @@ def _publish(
     failures, rows = ctx.call(
         agreement.agree_with, ctx.control, ctx.world_size, local.code, local.message, extra
     )
-    verdict = _decide(args.model, rows) or (ctx.fail_all(failures) if failures else None)
+    verdict = ctx.fail_all(failures) if failures else _decide(args.model, rows)
     if verdict is not None:
         return verdict
     assert model is not None
@@ -126,6 +126,12 @@ def _check(
 ) -> int:
     """Phase 1 on this rank; returns its model version (0: no model)."""
     if model is None:
+        if ctx.models.pending(args.model):
+            local.code = grpc.StatusCode.UNAVAILABLE
+            local.message = (
+                f"model {args.model!r} is still arriving from a peer (this rank joined the "
+                "generation recently); retry"
+            )
         return 0
     try:
         ctx.models.expire_graphs()
