@@ -1,5 +1,6 @@
 """Model versions in the ops views, without daemons: the worker's status (bounded),
-its metrics, the SDK's WorkerInfo and JSON."""
+its metrics, the SDK's WorkerInfo and JSON, and the ``collectives status`` table
+with its lagging-model markers."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
+from collectives import _status_tables as status_tables
 from collectives.v1 import coordinator_pb2, status_pb2
 from collectives.workers import ClusterSnapshot
 from collectives_server.control_protocol import FIELD_LIMITS
@@ -140,3 +142,52 @@ def test_worker_info_and_json_carry_the_versions() -> None:
         coordinator_pb2.Cluster(workers=[coordinator_pb2.WorkerInfo(address="h:9")])
     ).workers[0]
     assert bare.model_versions == {} and bare.to_dict()["model_versions"] == {}
+
+
+def test_table_shows_name_at_version_and_marks_a_lagging_worker() -> None:
+    snap = _cluster(
+        [
+            ("h:1", _READY, {"mlp": 3, "enc": 2}),
+            ("h:2", _READY, {"mlp": 2, "enc": 2}),
+            # A lost worker's last status neither sets the newest nor is marked.
+            ("h:3", _LOST, {"mlp": 9, "enc": 1}),
+        ]
+    )
+    assert status_tables.lagging_models(snap) == {"h:2": {"mlp": 3}}
+
+    lines = status_tables.format_table("c:1", snap, width=200).splitlines()
+    header = next(line for line in lines if line.startswith("RANK"))
+    assert "MODELS" in header.split()
+    row = {line.split()[2]: line for line in lines if line.split()[:1] in (["0"], ["1"], ["-"])}
+    assert "enc@v2 mlp@v3" in row["h:1"] and "*" not in row["h:1"]
+    assert "enc@v2 mlp@v2*" in row["h:2"]
+    assert "enc@v1 mlp@v9" in row["h:3"] and "*" not in row["h:3"]
+    assert lines[-1] == "lagging models (* in MODELS): h:2 mlp@v2 (newest v3)"
+
+    # At 80 columns the MODELS column may be hidden; the lagging line stays.
+    narrow = status_tables.format_table("c:1", snap, width=80).splitlines()
+    assert max(map(len, narrow)) <= 80
+    assert narrow[-1].startswith("lagging models (* in MODELS): h:2 mlp@v2")
+
+
+def test_models_cell_is_bounded_and_shows_names_without_a_version() -> None:
+    many = {f"model-{i:02d}": i + 1 for i in range(40)}
+    (w,) = _cluster([("h:1", _READY, many)], extra_names=("zz-over-budget",)).workers
+    cell = status_tables.models_cell(w)
+    assert cell.startswith("model-00@v1 model-01@v2")
+    shown = cell.split()[:-1]
+    assert len(" ".join(shown)) <= status_tables.MODELS_CELL_CHARS
+    assert cell.split()[-1] == f"+{41 - len(shown)}"
+    # A worker older than model versions reports names only.
+    msg = coordinator_pb2.Cluster(
+        workers=[
+            coordinator_pb2.WorkerInfo(
+                address="h:2", status=status_pb2.WorkerStatus(models=["mlp"])
+            )
+        ]
+    )
+    (old,) = ClusterSnapshot.from_proto(msg).workers
+    assert status_tables.models_cell(old) == "mlp"
+    (none,) = _cluster([("h:3", _READY, {})]).workers
+    assert status_tables.models_cell(none) == "-"
+    assert status_tables.lagging_models(_cluster([("h:3", _READY, {})])) == {}
