@@ -4,27 +4,44 @@ A table keeps every column when it fits the width (``COLUMNS`` or the
 terminal's, 80 when unknown); otherwise it drops the least useful columns
 first, in a fixed order, and says how many it hid (``--wide`` keeps them all).
 Header, status and error lines are cut to the width with an ellipsis.
+
+The status table's MODELS column shows each hosted model as ``name@vN`` (its
+version); a model a worker serves at an older version than another live worker
+is marked ``*`` there and named on a ``lagging models`` line under the table,
+which shows even when the column is hidden.
 """
 
 from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
-from collectives.workers import ClusterSnapshot, WorkerInfo
+from collectives.workers import ClusterSnapshot, WorkerInfo, WorkerState
 
-__all__ = ["format_table", "format_top", "human_bytes", "rates_between", "terminal_width"]
+__all__ = [
+    "format_table",
+    "format_top",
+    "human_bytes",
+    "lagging_models",
+    "models_cell",
+    "rates_between",
+    "terminal_width",
+]
 
 STATUS_COLUMNS = (
     "RANK", "STATE", "ADDRESS", "HOSTNAME", "PID", "DEVICES", "JOINED_GEN", "HEARTBEAT",
-    "TENSORS", "OPS_OK", "OPS_FAILED", "QUEUE", "MEMORY", "LAST_OP",
+    "TENSORS", "MODELS", "OPS_OK", "OPS_FAILED", "QUEUE", "MEMORY", "LAST_OP",
 )  # fmt: skip
 # Dropped first to last when the table is too wide.
 STATUS_DROP_ORDER = (
-    "HOSTNAME", "DEVICES", "JOINED_GEN", "MEMORY", "HEARTBEAT", "PID", "OPS_FAILED", "QUEUE",
-    "LAST_OP",
+    "HOSTNAME", "DEVICES", "JOINED_GEN", "MEMORY", "HEARTBEAT", "MODELS", "PID", "OPS_FAILED",
+    "QUEUE", "LAST_OP",
 )  # fmt: skip
+# The MODELS cell lists models while it stays this short, then says how many more.
+MODELS_CELL_CHARS = 32
+# Marks a model whose version is behind the newest a live worker reports.
+LAGGING_MARK = "*"
 TOP_COLUMNS = (
     "RANK", "STATE", "ADDRESS", "OPS/S", "OPS_OK", "OPS_FAILED", "QUEUE", "MEMORY", "TENSORS",
     "LAST_OP", "LATENCY",
@@ -60,7 +77,61 @@ def _tensors(w: WorkerInfo) -> str:
     return f"{w.tensors_held} ({human_bytes(w.bytes_held)})" if w.has_status else "-"
 
 
-def _status_row(w: WorkerInfo) -> tuple[str, ...]:
+def lagging_models(snapshot: ClusterSnapshot) -> dict[str, dict[str, int]]:
+    """Worker address -> {model: newest version} for the models it serves at a version
+    older than the newest another live (not lost) worker reports: that worker is
+    lagging behind a publish. Lost workers' statuses are their last before they
+    stopped, so they neither set the newest version nor are marked."""
+    live = [w for w in snapshot.workers if w.has_status and w.state is not WorkerState.LOST]
+    newest: dict[str, int] = {}
+    for w in live:
+        for name, version in w.model_versions.items():
+            newest[name] = max(version, newest.get(name, version))
+    lagging = {}
+    for w in live:
+        behind = {name: newest[name] for name, v in w.model_versions.items() if v < newest[name]}
+        if behind:
+            lagging[w.address] = behind
+    return lagging
+
+
+def models_cell(w: WorkerInfo, lagging: Container[str] = (), limit: int = MODELS_CELL_CHARS) -> str:
+    """``mlp@v3 enc@v1*`` (``*``: lagging), cut after ``limit`` characters to ``+N`` more.
+
+    A model without a version (over the status's budget, or from a worker older
+    than model versions) shows its name alone.
+    """
+    if not w.has_status or not w.models:
+        return "-"
+    shown: list[str] = []
+    length = -1
+    for name in w.models:
+        version = w.model_versions.get(name)
+        item = name if version is None else f"{name}@v{version}"
+        item += LAGGING_MARK if name in lagging else ""
+        if shown and length + 1 + len(item) > limit:
+            break
+        shown.append(item)
+        length += 1 + len(item)
+    more = len(w.models) - len(shown)
+    return " ".join(shown + ([f"+{more}"] if more > 0 else []))
+
+
+def _lagging_line(snapshot: ClusterSnapshot, lagging: dict[str, dict[str, int]]) -> str:
+    """``lagging models: h:2 mlp@v2 (newest v3); ...`` for the workers behind a publish."""
+    parts = []
+    for w in snapshot.workers:
+        behind = lagging.get(w.address, {})
+        if behind:
+            models = ", ".join(
+                f"{name}@v{w.model_versions[name]} (newest v{newest})"
+                for name, newest in sorted(behind.items())
+            )
+            parts.append(f"{w.address} {models}")
+    return f"lagging models ({LAGGING_MARK} in MODELS): " + "; ".join(parts)
+
+
+def _status_row(w: WorkerInfo, lagging: Container[str] = ()) -> tuple[str, ...]:
     return (
         str(w.rank) if w.rank >= 0 else "-",
         w.state.value,
@@ -71,6 +142,7 @@ def _status_row(w: WorkerInfo) -> tuple[str, ...]:
         str(w.generation),
         f"{w.last_heartbeat_age_s:.1f}s",
         _tensors(w),
+        models_cell(w, lagging),
         str(w.ops_completed),
         str(w.ops_failed),
         str(w.queue_depth),
@@ -124,11 +196,14 @@ def format_table(address: str, snapshot: ClusterSnapshot, width: int | None = No
         f"ready {'yes' if snapshot.ready else 'no'}",
         f"status: {snapshot.status or '-'}",
     ]
-    rows = [_status_row(w) for w in snapshot.workers]
+    lagging = lagging_models(snapshot)
+    rows = [_status_row(w, lagging.get(w.address, {})) for w in snapshot.workers]
     lines = [_cut(line, width) for line in header]
     lines += fit_table(STATUS_COLUMNS, rows, STATUS_DROP_ORDER, width)
     if not snapshot.workers:
         lines.append("(no workers registered)")
+    if lagging:
+        lines.append(_cut(_lagging_line(snapshot, lagging), width))
     if snapshot.history:
         last = snapshot.history[-1]
         sealed = time.strftime("%H:%M:%S", time.localtime(last.sealed_unix_time_s))

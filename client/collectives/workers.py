@@ -147,6 +147,11 @@ class WorkerInfo:
     tensors_held: int = 0
     bytes_held: int = 0
     models: tuple[str, ...] = ()
+    # Model name -> version (1 after load_model, +1 per committed publish or step),
+    # in name order; as many as fit the status's budget, the rest counted in
+    # ``model_versions_omitted`` (``models`` still names every one).
+    model_versions: Mapping[str, int] = field(default_factory=dict)
+    model_versions_omitted: int = 0
     # kind ("all_reduce", "put", "forward", ...) -> counts
     ops: Mapping[str, OpCount] = field(default_factory=dict)
     last_op: str = ""
@@ -225,6 +230,8 @@ class WorkerInfo:
             "tensors_held": self.tensors_held,
             "bytes_held": self.bytes_held,
             "models": list(self.models),
+            "model_versions": dict(self.model_versions),
+            "model_versions_omitted": self.model_versions_omitted,
             "ops": {kind: asdict(count) for kind, count in self.ops.items()},
             "ops_completed": self.ops_completed,
             "ops_failed": self.ops_failed,
@@ -254,6 +261,8 @@ def _status_fields(s: status_pb2.WorkerStatus, present: bool) -> dict[str, Any]:
         "tensors_held": int(s.tensors_held),
         "bytes_held": int(s.bytes_held),
         "models": tuple(s.models),
+        "model_versions": {m.name: int(m.version) for m in s.model_versions},
+        "model_versions_omitted": int(s.model_versions_omitted),
         "ops": {o.kind: OpCount(int(o.completed), int(o.failed)) for o in s.ops},
         "last_op": s.last_op,
         "last_op_latency_s": float(s.last_op_latency_s),

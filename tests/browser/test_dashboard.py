@@ -5,7 +5,11 @@ must show the three workers ready and the sealed generation, then, without a
 reload, show a SIGKILLed worker as lost and the next generation. Screenshots of
 both moments are saved as ``artifacts/dashboard-*.png`` (gitignored; CI can keep them).
 
-A second test serves a fake cluster whose strings are HTML and script, and checks
+The workers also host a model that is published once: every row must show it
+as ``name v2``. A fixed cluster with one worker behind the others' version of a
+model checks that this worker is highlighted (and a lost one is not).
+
+Another test serves a fake cluster whose strings are HTML and script, and checks
 that the page shows them as text.
 
 The browser comes from ``conftest.py`` (skips without Chromium outside CI), the
@@ -34,6 +38,15 @@ _STATS_JS = """
 return Array.from(document.querySelectorAll('#worker-rows tr[data-state="ready"]'))
   .map(r => [r.dataset.tensorsHeld, r.dataset.opsCompleted]);
 """
+# Per worker row: [worker id, data-lagging, [[model text, lagging?], ...]].
+_MODELS_JS = """
+return Array.from(document.querySelectorAll('#worker-rows tr[data-worker-id]'))
+  .map(r => [r.dataset.workerId, r.dataset.lagging,
+             Array.from(r.querySelectorAll('td.models .model'))
+               .map(m => [m.textContent, m.classList.contains('lagging')])]);
+"""
+ZOO = ("--allow-factory", "collectives_server.model_zoo")
+MLP = {"in_features": 4, "hidden": 3, "out_features": 2}
 
 
 @pytest.mark.slow
@@ -42,7 +55,7 @@ def test_dashboard_shows_workers_live_and_a_killed_worker_lost(browser, fresh_cl
     from selenium.webdriver.support.ui import WebDriverWait
 
     port = page.free_port()
-    local, client = fresh_cluster(3, "--min-workers", "2", "--dashboard-port", str(port))
+    local, client = fresh_cluster(3, "--min-workers", "2", "--dashboard-port", str(port), *ZOO)
     members = sorted((w for w in client.workers() if w.rank >= 0), key=lambda w: w.rank)
     assert len(members) == 3
     generation = client.generation
@@ -77,6 +90,20 @@ def test_dashboard_shows_workers_live_and_a_killed_worker_lost(browser, fresh_cl
 
     WebDriverWait(browser, 15, poll_frequency=0.1).until(
         work_shown, "tensors held, completed ops and the NOT_FOUND error on the page"
+    )
+    # A model, published once: every row shows it at the version publish returned.
+    client.load_model("dashboard/mlp", factory="collectives_server.model_zoo:mlp", kwargs=MLP)
+    state = {k: torch.ones_like(v) for k, v in client.state_dict("dashboard/mlp").items()}
+    version = client.publish("dashboard/mlp", state)
+    assert version == 2
+    expected = [[f"dashboard/mlp v{version}", False]]
+
+    def version_shown(driver) -> bool:
+        shown = {i: (lag, models) for i, lag, models in driver.execute_script(_MODELS_JS)}
+        return set(shown) == ids and all(v == ("", expected) for v in shown.values())
+
+    WebDriverWait(browser, 15, poll_frequency=0.1).until(
+        version_shown, f"'dashboard/mlp v{version}' in every worker row, none lagging"
     )
     # Updates arrive over the event stream, not by polling.
     WebDriverWait(browser, 10, poll_frequency=0.1).until(
@@ -198,5 +225,77 @@ def test_dashboard_shows_markup_astext(browser):
         assert browser.find_elements("css selector", "main img") == []
         assert browser.execute_script("return window.__pwned === undefined")
         page.screenshot(browser, "escaping")
+    finally:
+        dashboard.stop()
+
+
+# ------------------------------------------------- a worker behind on a model
+
+
+def _versions_cluster():
+    """Two live workers, one a version behind on "mlp"; a lost one further behind."""
+    from collectives.v1 import coordinator_pb2, status_pb2
+
+    cluster = coordinator_pb2.Cluster(
+        generation=4, formed=True, ready=True, world_size=2, version=11, status="ok"
+    )
+    workers = (
+        ("w-new", 0, coordinator_pb2.WORKER_STATE_READY, {"enc": 1, "mlp": 3}),
+        ("w-behind", 1, coordinator_pb2.WORKER_STATE_READY, {"enc": 1, "mlp": 2}),
+        ("w-lost", -1, coordinator_pb2.WORKER_STATE_LOST, {"enc": 1, "mlp": 1}),
+    )
+    for i, (worker_id, rank, state, versions) in enumerate(workers):
+        status = status_pb2.WorkerStatus(models=sorted(versions))
+        for name in sorted(versions):
+            status.model_versions.add(name=name, version=versions[name])
+        cluster.workers.add(
+            worker_id=worker_id, rank=rank, address=f"127.0.0.1:{7100 + i}", hostname="h",
+            pid=i + 1, state=state, devices=["cpu"], status=status,
+        )  # fmt: skip
+    return cluster
+
+
+def test_dashboard_highlights_a_worker_behind_on_a_model_version(browser):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from collectives_server.coordinator.dashboard import DashboardServer
+
+    dashboard = DashboardServer(page.FixedSource(_versions_cluster()), port=0, refresh_s=0.5)
+    dashboard.start()
+    try:
+        page.set_viewport(browser)
+        browser.get(f"http://{dashboard.address}/")
+        shown = WebDriverWait(browser, 15, poll_frequency=0.1).until(
+            lambda d: (rows := d.execute_script(_MODELS_JS)) and len(rows) == 3 and rows,
+            "3 worker rows with their models",
+        )
+        by_id = {worker_id: (lagging, models) for worker_id, lagging, models in shown}
+        assert by_id == {
+            "w-new": ("", [["enc v1", False], ["mlp v3", False]]),
+            "w-behind": ("mlp", [["mlp v2", True], ["enc v1", False]]),  # lagging first
+            # Lost: its last status is old by nature, not a worker lagging now.
+            "w-lost": ("", [["enc v1", False], ["mlp v1", False]]),
+        }, by_id
+        # The highlight is visible: the lagging model's colours are not a plain one's.
+        colours = browser.execute_script(
+            "const row = document.querySelector('tr[data-worker-id=\"w-behind\"]');"
+            "return [...row.querySelectorAll('td.models .model')].map(m => {"
+            "  const s = getComputedStyle(m); return [s.backgroundColor, s.color]; });"
+        )
+        assert colours[0] != colours[1], colours
+        lagging = browser.find_element("css selector", "td.models .model.lagging")
+        assert "behind v3" in lagging.get_attribute("title")
+        # The details list every model, the lagging one with the version it is behind.
+        browser.execute_script("document.querySelector('tr[data-worker-id=\"w-behind\"]').click();")
+        details = WebDriverWait(browser, 5, poll_frequency=0.1).until(
+            lambda d: d.execute_script(
+                "const r = document.querySelector('#worker-rows tr.details');"
+                "return r ? r.textContent : null;"
+            ),
+            "the details row",
+        )
+        assert "enc v1, mlp v2 (behind v3)" in details, details
+        page.fits(browser)
+        page.screenshot(browser, "model-versions")
     finally:
         dashboard.stop()

@@ -42,8 +42,16 @@ class RecentError(_message.Message):
     message: str
     def __init__(self, unix_time_s: _Optional[float] = ..., op_id: _Optional[int] = ..., generation: _Optional[int] = ..., kind: _Optional[str] = ..., code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
+class ModelVersion(_message.Message):
+    __slots__ = ("name", "version")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: int
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
 class WorkerStatus(_message.Message):
-    __slots__ = ("tensors_held", "bytes_held", "models", "ops", "last_op", "last_op_latency_s", "queue_depth", "devices", "package_version", "torch_version", "backend_version", "bytes_received", "bytes_sent", "process_rss_bytes", "host_memory_total_bytes", "host_memory_available_bytes", "recent_errors", "data_collectives", "gradient_buckets_reduced", "graphs_retained")
+    __slots__ = ("tensors_held", "bytes_held", "models", "ops", "last_op", "last_op_latency_s", "queue_depth", "devices", "package_version", "torch_version", "backend_version", "bytes_received", "bytes_sent", "process_rss_bytes", "host_memory_total_bytes", "host_memory_available_bytes", "recent_errors", "data_collectives", "gradient_buckets_reduced", "graphs_retained", "model_versions", "model_versions_omitted")
     TENSORS_HELD_FIELD_NUMBER: _ClassVar[int]
     BYTES_HELD_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +72,8 @@ class WorkerStatus(_message.Message):
     DATA_COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_BUCKETS_REDUCED_FIELD_NUMBER: _ClassVar[int]
     GRAPHS_RETAINED_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSIONS_OMITTED_FIELD_NUMBER: _ClassVar[int]
     tensors_held: int
     bytes_held: int
     models: _containers.RepeatedScalarFieldContainer[str]
@@ -84,4 +94,6 @@ class WorkerStatus(_message.Message):
     data_collectives: int
     gradient_buckets_reduced: int
     graphs_retained: int
-    def __init__(self, tensors_held: _Optional[int] = ..., bytes_held: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., ops: _Optional[_Iterable[_Union[OpCount, _Mapping]]] = ..., last_op: _Optional[str] = ..., last_op_latency_s: _Optional[float] = ..., queue_depth: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceStatus, _Mapping]]] = ..., package_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., backend_version: _Optional[str] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., process_rss_bytes: _Optional[int] = ..., host_memory_total_bytes: _Optional[int] = ..., host_memory_available_bytes: _Optional[int] = ..., recent_errors: _Optional[_Iterable[_Union[RecentError, _Mapping]]] = ..., data_collectives: _Optional[int] = ..., gradient_buckets_reduced: _Optional[int] = ..., graphs_retained: _Optional[int] = ...) -> None: ...
+    model_versions: _containers.RepeatedCompositeFieldContainer[ModelVersion]
+    model_versions_omitted: int
+    def __init__(self, tensors_held: _Optional[int] = ..., bytes_held: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., ops: _Optional[_Iterable[_Union[OpCount, _Mapping]]] = ..., last_op: _Optional[str] = ..., last_op_latency_s: _Optional[float] = ..., queue_depth: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceStatus, _Mapping]]] = ..., package_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., backend_version: _Optional[str] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., process_rss_bytes: _Optional[int] = ..., host_memory_total_bytes: _Optional[int] = ..., host_memory_available_bytes: _Optional[int] = ..., recent_errors: _Optional[_Iterable[_Union[RecentError, _Mapping]]] = ..., data_collectives: _Optional[int] = ..., gradient_buckets_reduced: _Optional[int] = ..., graphs_retained: _Optional[int] = ..., model_versions: _Optional[_Iterable[_Union[ModelVersion, _Mapping]]] = ..., model_versions_omitted: _Optional[int] = ...) -> None: ...

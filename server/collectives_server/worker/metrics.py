@@ -98,6 +98,15 @@ def _collect(ctx: WorkerContext) -> Iterator[Metric]:
     yield _counter("collectives_heartbeats_sent", "Heartbeats answered", heartbeats[0])
     yield _counter("collectives_heartbeat_failures", "Heartbeats that failed", heartbeats[1])
     yield _gauge("collectives_models_loaded", "Models loaded", len(status.models))
+    # Every hosted model (the heartbeat's status lists only as many as fit its budget).
+    versions = GaugeMetricFamily(
+        "collectives_model_version",
+        "Version of each hosted model (1 after loading, +1 per committed publish or step)",
+        labels=["model"],
+    )
+    for name, version in sorted((m.name, m.version) for m in ctx.models.all()):
+        versions.add_metric([name], version)
+    yield versions
     yield _counter(
         "collectives_data_collectives",
         "Data collectives issued by model operations",

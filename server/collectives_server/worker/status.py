@@ -36,8 +36,10 @@ from collectives_server.worker.stats import (
 
 __all__ = [
     "LATENCY_BUCKETS_S",
+    "MODEL_VERSIONS_BUDGET_BYTES",
     "RECENT_ERRORS",
     "WorkerStats",
+    "add_model_versions",
     "backend_version",
     "collect_status",
     "data_op_done",
@@ -51,6 +53,14 @@ __all__ = [
 log = logging.getLogger(__name__)
 # Per-op log lines go to this logger, so operators can raise or lower them alone.
 op_log = logging.getLogger("collectives_server.worker.ops")
+
+# WorkerStatus.model_versions takes at most this many encoded bytes (a quarter of
+# the heartbeat status's 64 KiB limit): about 60 models of the longest names
+# (256 characters), 680 of 16. The rest are counted in model_versions_omitted.
+MODEL_VERSIONS_BUDGET_BYTES = 16 * 1024
+# Bytes an entry of model_versions adds beyond its own, at most: the field's tag
+# (field 21: 2 bytes) and the length prefix (1 or 2 bytes: entries are < 16 KiB).
+_ENTRY_OVERHEAD_BYTES = 4
 
 # ----------------------------------------------------------------------- status
 
@@ -133,7 +143,9 @@ def collect_status(ctx: WorkerContext) -> status_pb2.WorkerStatus:
         host_memory_total_bytes=host_total,
         host_memory_available_bytes=host_available,
     )
-    msg.models.extend(sorted(ctx.models.names()))
+    hosted = sorted(((m.name, m.version) for m in ctx.models.all()), key=lambda m: m[0])
+    msg.models.extend(name for name, _ in hosted)
+    add_model_versions(msg, hosted)
     msg.graphs_retained = ctx.models.graphs_retained()
     stats = ctx.stats
     with stats.lock:
@@ -149,6 +161,25 @@ def collect_status(ctx: WorkerContext) -> status_pb2.WorkerStatus:
         msg.data_collectives = stats.data_collectives
         msg.gradient_buckets_reduced = stats.gradient_buckets_reduced
     return msg
+
+
+def add_model_versions(
+    msg: status_pb2.WorkerStatus,
+    hosted: list[tuple[str, int]],
+    budget_bytes: int = MODEL_VERSIONS_BUDGET_BYTES,
+) -> None:
+    """Fills ``msg.model_versions`` from ``hosted`` ((name, version) in name order) while
+    the entries fit in ``budget_bytes`` encoded; counts the rest in
+    ``model_versions_omitted``, so a worker hosting many models keeps its status
+    under the heartbeat's limit and readers can say how many are not shown."""
+    used = 0
+    for i, (name, version) in enumerate(hosted):
+        entry = status_pb2.ModelVersion(name=name, version=version)
+        used += entry.ByteSize() + _ENTRY_OVERHEAD_BYTES
+        if used > budget_bytes:
+            msg.model_versions_omitted = len(hosted) - i
+            return
+        msg.model_versions.append(entry)
 
 
 def worker_state(ctx: WorkerContext) -> worker_pb2.GetStateResponse:

@@ -11,7 +11,10 @@
   const RETRY_STREAM_MS = 15000;
   const STALE_MS = 10000;
   const SVG = "http://www.w3.org/2000/svg";
-  const { ClusterModel, groupFailures, clock, dateTime, zone, num } = window.CollectivesModel;
+  const { ClusterModel, groupFailures, newestModelVersions, workerModels, clock, dateTime, zone, num } =
+    window.CollectivesModel;
+  const MODELS_SHOWN = 2; // in a worker's row; the details list every one
+  const COLUMNS = 11; // of the workers table
   const model = new ClusterModel();
   const expanded = new Set(); // worker ids whose details are open
 
@@ -148,12 +151,42 @@
     );
   }
 
-  function workerRow(w, colspan) {
+  function modelText(m) {
+    return m.version === null ? m.name : `${m.name} v${m.version}`;
+  }
+
+  function modelTitle(m) {
+    if (m.version === null) return `${m.name}: version not reported`;
+    return m.lagging
+      ? `${m.name} v${m.version}: behind v${m.newest}, the newest another worker serves (lagging)`
+      : `${m.name} v${m.version}`;
+  }
+
+  // One line per model, "mlp v3", lagging ones first (highlighted), then "+N more":
+  // the first few only; the details list every one.
+  function modelsCell(w, models) {
+    const shown = [...models.filter((m) => m.lagging), ...models.filter((m) => !m.lagging)]
+      .slice(0, MODELS_SHOWN);
+    const hidden = models.length - shown.length;
+    const lines = shown.map((m) =>
+      el("div", { className: `model ellipsis${m.lagging ? " lagging" : ""}`, title: modelTitle(m),
+        "data-model": m.name, "data-version": m.version === null ? "" : m.version }, modelText(m)));
+    return el(
+      "td",
+      { className: "models" },
+      lines.length ? lines : "–",
+      hidden > 0 ? el("div", { className: "small", title: "click for details" }, `+${hidden} more`) : null,
+    );
+  }
+
+  function workerRow(w, colspan, newest) {
     const rank = num(w.rank);
     const stale = model.staleSince.get(w.worker_id);
     const r = model.ratesOf(w.worker_id);
     const rate = r ? r.rate : null;
     const open = expanded.has(w.worker_id);
+    const models = workerModels(w, newest);
+    const lagging = models.filter((m) => m.lagging).map((m) => m.name);
     const rateCell = stale !== undefined
       ? el("td", { className: "num rate", colspan: 2 }, el("span", { className: "stale-note" }, `stale since ${clock(stale)}`))
       : [
@@ -164,13 +197,14 @@
     const row = el(
       "tr",
       {
-        className: `worker-row${stale !== undefined ? " stale" : ""}`,
+        className: `worker-row${stale !== undefined ? " stale" : ""}${lagging.length ? " lagging" : ""}`,
         "data-worker-id": w.worker_id,
         "data-state": w.state,
         "data-rank": rank,
         "data-tensors-held": num(w.tensors_held),
         "data-ops-completed": num(w.ops_completed),
         "data-ops-rate": rate === null ? "" : rate.toFixed(3),
+        "data-lagging": lagging.join(" "),
         "aria-expanded": open ? "true" : "false",
         title: "click for details",
       },
@@ -182,14 +216,15 @@
       el("td", { className: "num" }, num(w.ops_completed), " / ",
         el("span", { className: num(w.ops_failed) ? "failed" : "" }, num(w.ops_failed))),
       el("td", { className: "num" }, num(w.tensors_held), el("div", { className: "small" }, bytes(w.bytes_held))),
+      modelsCell(w, models),
       el("td", { className: "num" }, num(w.queue_depth)),
       memoryCell(w),
       el("td", { className: "num small" }, `${num(w.last_heartbeat_age_s).toFixed(1)} s`),
     );
-    return open ? [row, detailsRow(w, colspan)] : [row];
+    return open ? [row, detailsRow(w, colspan, models)] : [row];
   }
 
-  function detailsRow(w, colspan) {
+  function detailsRow(w, colspan, models) {
     const item = (label, ...value) => el("div", { className: "item" }, el("div", { className: "label" }, label), el("div", {}, ...value));
     const wide = (label, ...value) => el("div", { className: "item wide" }, el("div", { className: "label" }, label), el("div", {}, ...value));
     const ops = Object.entries(w.ops || {})
@@ -215,15 +250,19 @@
         item("Ops by kind", ops.length ? ops.join(", ") : "–"),
         item("Last op", w.last_op || "–", w.last_op ? el("div", { className: "small" }, latency(w.last_op_latency_s)) : null),
         item("Data in / out", `↓ ${bytes(w.bytes_received)} · ↑ ${bytes(w.bytes_sent)}`),
-        item("Models", (w.models || []).length ? w.models.join(", ") : "–"),
+        item("Models", models.length
+          ? models.flatMap((m, i) => [i ? ", " : "", el("span", { className: `model${m.lagging ? " lagging" : ""}`, title: modelTitle(m) },
+            modelText(m), m.lagging ? ` (behind v${m.newest})` : "")])
+          : "–"),
         wide("Recent errors", errors.length ? errors : "–"),
       )),
     );
   }
 
   function renderWorkers(c) {
-    const rows = (c.workers || []).flatMap((w) => workerRow(w, 10));
-    replaceRows("worker-rows", rows, "no worker registered yet", 10);
+    const newest = newestModelVersions(c);
+    const rows = (c.workers || []).flatMap((w) => workerRow(w, COLUMNS, newest));
+    replaceRows("worker-rows", rows, "no worker registered yet", COLUMNS);
   }
 
   // ---- timeline and failed ops ---------------------------------------------

@@ -1,8 +1,8 @@
 // collectives dashboard: what the page derives from the stream of cluster
 // snapshots (the JSON of /api/cluster, the schema of `collectives status --json`):
 // per-worker ops/s and latency percentiles, the event timeline, failed ops
-// grouped by op id, and the one time format of the page. No DOM here; app.js
-// renders what this computes.
+// grouped by op id, which workers serve a model behind the newest version, and
+// the one time format of the page. No DOM here; app.js renders what this computes.
 "use strict";
 
 (function () {
@@ -273,5 +273,34 @@
     return [...groups.values()].sort((a, b) => b.t - a.t).slice(0, MAX_FAILED);
   }
 
-  window.CollectivesModel = { ClusterModel, groupFailures, percentile, clock, dateTime, zone, num };
+  // ---- model versions: who is behind a publish -----------------------------
+
+  // Model name -> the newest version a live (not lost) worker reports. A lost
+  // worker's status is its last before it stopped: it does not count.
+  function newestModelVersions(c) {
+    const newest = new Map();
+    for (const w of c.workers || []) {
+      if (w.state === "lost") continue;
+      for (const [name, version] of Object.entries(w.model_versions || {})) {
+        newest.set(name, Math.max(num(version), newest.get(name) || 0));
+      }
+    }
+    return newest;
+  }
+
+  // One worker's models in name order: {name, version (null when the status did
+  // not carry it), lagging (behind `newest` on a live worker), newest}.
+  function workerModels(w, newest) {
+    const versions = w.model_versions || {};
+    return (w.models || []).map((name) => {
+      const has = Object.prototype.hasOwnProperty.call(versions, name);
+      const version = has ? num(versions[name]) : null;
+      const top = newest.get(name) || 0;
+      return { name, version, newest: top, lagging: w.state !== "lost" && version !== null && version < top };
+    });
+  }
+
+  window.CollectivesModel = {
+    ClusterModel, groupFailures, newestModelVersions, workerModels, percentile, clock, dateTime, zone, num,
+  };
 })();
