@@ -143,6 +143,19 @@ def test_tcp_sink_round_trip() -> None:
     assert stat.samples == 2 and stat.median > 0
 
 
+def test_discover_lists_the_publish_row() -> None:
+    assert "publish" in entry.discover()
+
+
+def test_publish_anchor_sums_the_parts_order_statistics() -> None:
+    from bench.row_publish import summed
+
+    put, bcast = [0.3, 0.1, 0.2, 1.0], [0.05, 0.04, 0.06]
+    assert summed(put, bcast) == pytest.approx([0.14, 0.25, 0.36])
+    stat = stat_of(summed([0.1, 0.2, 0.3], [1.0, 3.0, 2.0]), "s")
+    assert (stat.median, stat.high) == pytest.approx((2.2, 3.3))
+
+
 SS_SAMPLE = """\
 LISTEN 0 4096 127.0.0.1:40000 0.0.0.0:* ino:11 sk:1 cgroup:/ <->
 ESTAB 0 0 127.0.0.1:5000 127.0.0.1:6000 ino:12 sk:2 cgroup:/ <->
