@@ -31,6 +31,7 @@ ORDER = [
     "coordinator",
     "memory",
     "gpu",
+    "publish",
 ]
 
 COLUMNS = [

@@ -201,7 +201,7 @@ def shared_cluster(workers: int, *extra: str) -> str:
     the same arguments (starting a cluster costs ~10-20 s on 2 cores); it lives until
     :func:`close_shared_clusters` (called by ``python -m bench`` after the rows, after a
     failed row, and at exit). Rows must delete what they store on it."""
-    # Every shared cluster may build the server's model-zoo factories (row 5 uses them).
+    # Every shared cluster may build the server's model-zoo factories (rows 5 and 10 do).
     extra = ("--allow-factory", "collectives_server.model_zoo", *extra)
     key = (str(workers), *extra)
     if key not in _shared:

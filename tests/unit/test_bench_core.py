@@ -141,3 +141,66 @@ def test_tcp_sink_round_trip() -> None:
     with TcpSink(1 << 20) as sink:
         stat = sink.gbps(torch.ones(1 << 18), 2)  # 1 MiB
     assert stat.samples == 2 and stat.median > 0
+
+
+def test_discover_lists_the_publish_row() -> None:
+    assert "publish" in entry.discover()
+
+
+def test_publish_anchor_sums_the_parts_order_statistics() -> None:
+    from bench.row_publish import summed
+
+    put, bcast = [0.3, 0.1, 0.2, 1.0], [0.05, 0.04, 0.06]
+    assert summed(put, bcast) == pytest.approx([0.14, 0.25, 0.36])
+    stat = stat_of(summed([0.1, 0.2, 0.3], [1.0, 3.0, 2.0]), "s")
+    assert (stat.median, stat.high) == pytest.approx((2.2, 3.3))
+
+
+SS_SAMPLE = """\
+LISTEN 0 4096 127.0.0.1:40000 0.0.0.0:* ino:11 sk:1 cgroup:/ <->
+ESTAB 0 0 127.0.0.1:5000 127.0.0.1:6000 ino:12 sk:2 cgroup:/ <->
+\t ts sack cubic wscale:7,7 rto:204 bytes_sent:101 bytes_acked:100 bytes_received:7 segs_out:3
+ESTAB 0 0 [::ffff:127.0.0.1]:5001 [::ffff:127.0.0.1]:6001 ino:13 sk:3 cgroup:/ <->
+\t ts sack cubic wscale:7,7 rto:204 bytes_acked:1 segs_out:1
+TIME-WAIT 0 0 127.0.0.1:5002 127.0.0.1:6002 timer:(timewait,57sec,0) ino:0 sk:4
+\t
+"""
+
+
+def test_parse_ss_reads_bytes_acked_per_inode() -> None:
+    from bench.egress import parse_ss
+
+    assert parse_ss(SS_SAMPLE) == {11: 0, 12: 100, 13: 1, 0: 0}
+
+
+def test_tcp_egress_counts_this_process_sockets() -> None:
+    import socket
+    import threading
+
+    from bench import egress
+
+    if not egress.available():
+        pytest.skip("needs ss and /proc")
+    nbytes = 3_000_000
+
+    def serve(conn: socket.socket) -> None:
+        got = 0
+        while got < nbytes:
+            got += len(conn.recv(1 << 20))
+        conn.sendall(b"\x01")  # its segment acks every byte received
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname())
+        server, _ = listener.accept()
+        with client, server:
+            counter = egress.TcpEgress()
+            counter.start()
+            thread = threading.Thread(target=serve, args=(server,))
+            thread.start()
+            client.sendall(b"x" * nbytes)
+            assert client.recv(1) == b"\x01"
+            thread.join(30)
+            count = counter.stop()
+    # The server's 1-byte answer is this process's too (acked, or not yet: delayed ACK).
+    assert nbytes <= count.nbytes <= nbytes + 1
+    assert count.closed == 0
