@@ -15,6 +15,7 @@ import torch
 from helpers import connect_ready
 
 import collectives
+from collectives.errors import Reason
 from collectives.v1 import worker_pb2, worker_pb2_grpc
 from collectives.wire.pytree import scatter_kwargs
 from collectives_server import model_zoo
@@ -162,3 +163,41 @@ def test_a_publish_for_an_unknown_model_or_empty_state_dict_is_refused(cluster2)
             worker_pb2.ListTensorsRequest(), timeout=10
         )
     assert not [t for t in listed.tensors if t.name.startswith("__publish/")]
+
+
+def test_a_retained_graph_keeps_its_version_and_bounds_resident_versions(
+    cluster2, gen, uname
+) -> None:
+    """A graph retained at version 1 survives publish 2 (its backward uses the weights
+    its forward did); publish 3 would make a third version resident and is refused
+    until the graph is gone. MiB-sized weights take the path that receives into the
+    previous version's memory."""
+    kwargs = {"in_features": 512, "hidden": 512, "out_features": 4, "depth": 2, "seed": 9}
+    name = uname("graph")
+    cluster2.load_model(name, factory=f"{ZOO}:mlp", kwargs=kwargs)
+    dp = cluster2.data_parallel(name)
+    first = model_zoo.mlp(**kwargs)
+    x = torch.randn(4, 512, generator=gen, requires_grad=True)
+    out = dp(x)  # grad enabled: each worker retains its graph at version 1
+    assert dp.last_version == 1
+    states = [_random_state(first.state_dict(), gen) for _ in range(3)]
+    assert cluster2.publish(name, states[0]) == 2
+    with pytest.raises(collectives.ResourceExhausted, match="third version") as refused:
+        cluster2.publish(name, states[1])
+    assert refused.value.reason == Reason.VERSIONS_RESIDENT
+    out.sum().backward()
+    x_local = x.detach().clone().requires_grad_(True)
+    first(x_local).sum().backward()
+    torch.testing.assert_close(x.grad, x_local.grad)
+    for version, state in enumerate(states[1:], start=3):
+        assert cluster2.publish(name, state) == version
+        probe = torch.randn(6, 512, generator=gen)
+        with torch.no_grad():
+            got = dp(probe)
+        local = model_zoo.mlp(**kwargs)
+        local.load_state_dict(state)
+        parts, _ = scatter_kwargs((probe,), {}, 2)
+        with torch.no_grad():
+            want = torch.cat([local(*p) for p in parts])
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert dp.last_version == version

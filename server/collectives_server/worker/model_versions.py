@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -38,11 +38,24 @@ from collectives.errors import (
     DeadlineExceeded,
     InvalidArgument,
     Reason,
+    ResourceExhausted,
     error_for_code,
 )
 from collectives_server.worker.models import HostedModel
+from collectives_server.worker.store import TensorStore
 
-__all__ = ["Entry", "bump", "check_entries", "commit", "older_graphs", "prepare", "serving"]
+__all__ = [
+    "Entry",
+    "bump",
+    "check_entries",
+    "commit",
+    "drop_reusable",
+    "keep_for_reuse",
+    "older_graphs",
+    "prepare",
+    "reusing",
+    "serving",
+]
 
 
 @dataclass(frozen=True)
@@ -141,11 +154,14 @@ def prepare(model: HostedModel, key: str, t: torch.Tensor) -> torch.Tensor:
     return t.to(device=have.device, dtype=have.dtype)
 
 
-def commit(model: HostedModel, staged: dict[str, torch.Tensor], version: int) -> None:
-    """Makes ``staged`` the live weights at ``version`` (the caller holds the lock).
+def commit(model: HostedModel, staged: dict[str, torch.Tensor], version: int) -> list[torch.Tensor]:
+    """Makes ``staged`` the live weights at ``version`` (the caller holds the lock); returns
+    the tensors it replaced.
 
     Parameters and buffers are replaced, not overwritten, so retained graphs keep
     the weights they were computed with; the optimizer follows its parameters."""
+    current = model.module.state_dict()
+    replaced = [current[k].detach() for k in staged if current[k] is not staged[k]]
     before = dict(model.module.named_parameters())
     model.module.load_state_dict(staged, strict=False, assign=True)
     after = dict(model.module.named_parameters())
@@ -155,6 +171,53 @@ def commit(model: HostedModel, staged: dict[str, torch.Tensor], version: int) ->
     with model.version_changed:
         model.version = version
         model.version_changed.notify_all()
+    return replaced
+
+
+def keep_for_reuse(model: HostedModel, replaced: list[torch.Tensor], store: TensorStore) -> None:
+    """Keeps the replaced weights' memory for the next publish to receive into (the
+    caller holds the lock and knows no retained graph holds them): memory already
+    faulted in is several times faster to receive into than fresh pages. Counted
+    against the store's quota; not kept if it does not fit."""
+    drop_reusable(model)
+    nbytes = sum(t.numel() * t.element_size() for t in replaced)
+    if not nbytes:
+        return
+    try:
+        reservation = store.reserve(f"model {model.name} (previous weights)", nbytes, "model")
+    except ResourceExhausted:
+        return
+    model.reusable = [t for t in replaced if t.is_contiguous() and t.storage_offset() == 0]
+    model.reusable_reservation = reservation
+
+
+def drop_reusable(model: HostedModel) -> list[torch.Tensor]:
+    """Takes the kept memory back (and its quota); returns it for the caller to use."""
+    kept, model.reusable = model.reusable, []
+    if model.reusable_reservation is not None:
+        model.reusable_reservation.release()
+        model.reusable_reservation = None
+    return kept
+
+
+def reusing(
+    kept: list[torch.Tensor],
+) -> Callable[[Sequence[int], torch.dtype, torch.device], torch.Tensor]:
+    """An allocator handing out ``kept`` memory of exactly the size asked, else fresh."""
+
+    def alloc(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * dtype.itemsize
+        for i, t in enumerate(kept):
+            storage = t.untyped_storage()
+            if t.device == device and storage.nbytes() == nbytes:
+                del kept[i]
+                return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, tuple(shape))
+        return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+    return alloc
 
 
 def _move_optimizer(optimizer: torch.optim.Optimizer, moved: dict[int, torch.Tensor]) -> None:

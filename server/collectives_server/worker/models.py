@@ -172,6 +172,15 @@ class ModelDefinition:
             self.archive.unlink(missing_ok=True)
 
 
+def _retire(model: HostedModel) -> None:
+    """A model no longer hosted: its kept archive and kept memory go."""
+    model.definition.discard()
+    model.reusable = []
+    if model.reusable_reservation is not None:
+        model.reusable_reservation.release()
+        model.reusable_reservation = None
+
+
 @dataclass
 class HostedModel:
     name: str
@@ -188,6 +197,10 @@ class HostedModel:
     # 1 after loading, +1 per committed publish or optimizer step (model_versions).
     version: int = 1
     definition: ModelDefinition = field(default_factory=ModelDefinition)
+    # The previous version's memory, kept for the next publish to receive into
+    # (model_versions.keep_for_reuse), and its quota reservation.
+    reusable: list[torch.Tensor] = field(default_factory=list)
+    reusable_reservation: Reservation | None = None
     _arena: GradArena | None = None
 
     def __post_init__(self) -> None:
@@ -288,7 +301,7 @@ class ModelRegistry:
         with self._lock:
             replaced = self._models.get(name)
             if replaced is not None:
-                replaced.definition.discard()
+                _retire(replaced)
             self._models[name] = hosted
             arrived = self._pending.pop(name, None)
             if arrived is not None:
@@ -362,7 +375,7 @@ class ModelRegistry:
             removed = model is not None
             reservations = self._reservations.pop(name, [])
         if model is not None:
-            model.definition.discard()
+            _retire(model)
         for reservation in reservations:
             reservation.release()
         return removed

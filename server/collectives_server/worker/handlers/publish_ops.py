@@ -33,7 +33,7 @@ from collectives.errors import CollectiveError, Reason, error_for_code
 from collectives.op_specs import OpKind, spec
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
-from collectives_server.worker import agreement, collective_ops, model_versions, op_failures
+from collectives_server.worker import agreement, model_versions, op_failures
 from collectives_server.worker.handlers import coalesced_buckets
 from collectives_server.worker.model_versions import Entry
 from collectives_server.worker.models import HostedModel
@@ -44,6 +44,7 @@ from collectives_server.worker.validation import Plan
 __all__ = ["PublishResult", "run_publish"]
 
 _HALF = 1 << 28  # a 56-bit signature travels as two float64-exact halves
+_THIRD = "a third version"
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ def _publish(
     failures, rows = ctx.call(
         agreement.agree_with, ctx.control, ctx.world_size, local.code, local.message, extra
     )
-    verdict = ctx.fail_all(failures) if failures else _decide(args.model, rows)
+    verdict = _failed(ctx, failures) if failures else _decide(args.model, rows)
     if verdict is not None:
         return verdict
     assert model is not None
@@ -112,7 +113,12 @@ def _publish(
     if failures:
         return ctx.fail_all(failures)
     with model.lock:
-        model_versions.commit(model, staged, new_version)
+        old_version = model.version
+        replaced = model_versions.commit(model, staged, new_version)
+        if ctx.rank != args.root and not any(
+            g.version == old_version for g in model.graphs.values()
+        ):
+            model_versions.keep_for_reuse(model, replaced, ctx.store)
     nbytes = sum(e.nbytes for e in entries)
     return PublishResult(desc.op_id, ctx.generation, new_version, len(entries), nbytes, 0.0)
 
@@ -144,7 +150,7 @@ def _check(
                 raise error_for_code(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"model {model.name!r}: {older} retained graph(s) still hold version "
-                    f"{model.version - 1} or older, and a publish would make a third version "
+                    f"{model.version - 1} or older, and a publish would make {_THIRD} "
                     "resident; run their backward or drop their outputs, then publish again",
                     reason=Reason.VERSIONS_RESIDENT,
                 )
@@ -171,6 +177,23 @@ def _uploads(ctx: OpContext, prefix: str, entries: list[Entry]) -> list[torch.Te
             )
         found.append(t)
     return found
+
+
+def _failed(ctx: OpContext, failures: list) -> CollectiveError:
+    """The op's error; the agreement carries codes and messages, so the reason of a
+    refused third version is told from its wording (the same on every rank)."""
+    err = ctx.fail_all(failures)
+    first = failures[0]
+    if first.code == grpc.StatusCode.RESOURCE_EXHAUSTED and _THIRD in first.message:
+        return error_for_code(
+            err.code, err.message, ranks=err.ranks, reason=Reason.VERSIONS_RESIDENT
+        )
+    return err
+
+
+def _reusable(model: HostedModel) -> list[torch.Tensor]:
+    with model.lock:
+        return model_versions.drop_reusable(model)
 
 
 def _info(model: HostedModel | None, version: int) -> list[float]:
@@ -221,7 +244,7 @@ def _receive(
         index=ctx.rank,
         root_index=root,
         device=ctx.device,
-        alloc=collective_ops.fresh,
+        alloc=model_versions.reusing(_reusable(model)),
     )
     try:
         received, collectives = coalesced_buckets.move(
