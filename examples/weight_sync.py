@@ -44,15 +44,16 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--publishes", type=int, default=20, help="training steps (default 20)")
     parser.add_argument("--calls", type=int, default=50, help="dp(x) calls per client")
     parser.add_argument("--clients", type=int, default=4, help="inference threads")
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--lr", type=float, default=0.1, help="the trainer's SGD step size")
 
 
 @dataclass
 class Client:
-    """What one inference thread saw: (x, output, version) per call, and latencies."""
+    """What one inference thread saw: (x, output, version) per call, and when each ended."""
 
     calls: list[tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=list)
     latencies_s: list[float] = field(default_factory=list)
+    ended: list[float] = field(default_factory=list)  # perf_counter() at each return
     error: BaseException | None = None
 
 
@@ -67,7 +68,8 @@ def infer(connection: collectives.Cluster, calls: int, seed: int, world: int, in
             started = time.perf_counter()
             with torch.no_grad():
                 out = dp(x)
-            into.latencies_s.append(time.perf_counter() - started)
+            into.ended.append(time.perf_counter())
+            into.latencies_s.append(into.ended[-1] - started)
             into.calls.append((x, out, dp.last_version))
     except collectives.CollectiveError as err:  # reported, and fails the run
         into.error = err
@@ -125,7 +127,14 @@ def main() -> int:
     model = nn.Sequential(
         nn.Linear(IN_FEATURES, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1)
     )
-    teacher = torch.randn(IN_FEATURES, 1)
+    teacher = torch.randn(IN_FEATURES, 1) / IN_FEATURES**0.5  # the function to learn
+    held_out = torch.randn(512, IN_FEATURES)
+
+    def held_out_loss() -> float:
+        with torch.no_grad():
+            return F.mse_loss(model(held_out), torch.sin(held_out @ teacher)).item()
+
+    loss_before = held_out_loss()
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     failures: list[str] = []
     with cluster_for(args) as cluster:
@@ -138,7 +147,6 @@ def main() -> int:
         versions = {info.version: {k: v.detach().clone() for k, v in model.state_dict().items()}}
         clients = [Client() for _ in range(args.clients)]
         publish_s: list[float] = []
-        losses: list[float] = []
         version = info.version
         with contextlib.ExitStack() as stack:
             # One connection per client, as separate processes would have.
@@ -165,7 +173,6 @@ def main() -> int:
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-                losses.append(loss.item())
                 weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
                 started = time.perf_counter()
                 published = cluster.publish(MODEL, weights)
@@ -174,6 +181,7 @@ def main() -> int:
                     failures.append(f"publish returned version {published}, not {version + 1}")
                 version = published
                 versions[version] = weights
+            trainer_done = time.perf_counter()
         served = [m.version for m in cluster.models() if m.name == MODEL]
         if served != [version]:
             failures.append(f"models() reports version {served}, the last publish {version}")
@@ -192,13 +200,16 @@ def main() -> int:
             counts[verdict(model, versions, x, out, v, world)] += 1
     checked = sum(counts.values())
     latencies = [s for c in clients for s in c.latencies_s]
+    during = sum(1 for c in clients for t in c.ended if t <= trainer_done)
     print(
-        f"trained {len(losses)} SGD steps: loss {losses[0]:.4f} -> {losses[-1]:.4f}"
-        if losses
-        else "trained 0 steps"
+        f"trained:           {len(publish_s)} SGD steps, held-out MSE {loss_before:.4f} -> "
+        f"{held_out_loss():.4f}"
     )
     print(f"publishes:         {len(publish_s)} (versions {info.version + 1}..{version})")
-    print(f"versions seen:     {len(seen)} by {args.clients} clients")
+    print(
+        f"versions seen:     {len(seen)} by {args.clients} clients, {during} outputs returned "
+        "while the trainer was publishing"
+    )
     print(
         f"outputs checked:   {checked} ({counts['ok']} equal to the local model at their version)"
     )
