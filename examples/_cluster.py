@@ -7,12 +7,18 @@ import contextlib
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import collectives
 
 
-def parse_args(description: str) -> argparse.Namespace:
+def parse_args(
+    description: str,
+    workers: int = 3,
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> argparse.Namespace:
+    """``--coordinator`` and ``--workers`` (default ``workers``), plus the example's own
+    flags from ``add_arguments``."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument(
         "--coordinator",
@@ -20,7 +26,9 @@ def parse_args(description: str) -> argparse.Namespace:
         help="a running cluster (e.g. from 'collectives-server local --workers 3'); "
         "default: start a local cluster of --workers workers for this run",
     )
-    parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=workers)
+    if add_arguments is not None:
+        add_arguments(parser)
     return parser.parse_args()
 
 

@@ -11,10 +11,20 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-@pytest.mark.parametrize("script", ["inference_fanout.py", "train_remote.py"])
-def test_example_runs_against_a_running_cluster(cluster3_address: str, script: str) -> None:
+@pytest.mark.parametrize(
+    ("script", "flags"),
+    [
+        ("inference_fanout.py", []),
+        ("train_remote.py", []),
+        # Small counts: a few seconds; the summary's checks are the example's own.
+        ("weight_sync.py", ["--publishes", "8", "--calls", "12"]),
+    ],
+)
+def test_example_runs_against_a_running_cluster(
+    cluster3_address: str, script: str, flags: list[str]
+) -> None:
     done = subprocess.run(
-        [sys.executable, str(EXAMPLES / script), "--coordinator", cluster3_address],
+        [sys.executable, str(EXAMPLES / script), "--coordinator", cluster3_address, *flags],
         cwd=EXAMPLES,
         capture_output=True,
         text=True,
