@@ -11,6 +11,7 @@ them with every other collective.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import time
@@ -147,10 +148,11 @@ class _Models(_PeerToPeer):
                     for rank, e in endpoints.items()
                 },
             )
+        info = _model_info(responses[min(responses)].model)
         if state_dict is not None:
-            self.load_state_dict(name, state_dict, timeout=self._remaining(deadline))
-        info = responses[min(responses)].model
-        return _model_info(info)
+            version = self.load_state_dict(name, state_dict, timeout=self._remaining(deadline))
+            info = dataclasses.replace(info, version=version)
+        return info
 
     def unload_model(
         self, name: str, missing_ok: bool = False, timeout: float | None = None

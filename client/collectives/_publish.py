@@ -93,9 +93,10 @@ def publish(
                 options=options, model=name, prefix=prefix, strict=strict, cast=cast
             )
             return call_unary(leader.stub.PublishModel, request, deadline - time.monotonic(), what)
-        except CollectiveError as err:
-            if _retryable(err):
-                _drop_uploads(leader, prefix, list(entries))
+        except CollectiveError:
+            # Not run, or given up on (a timeout): the op, if it still runs, holds
+            # what it read; anything left would wait for the leader's expiry.
+            _drop_uploads(leader, prefix, list(entries))
             raise
 
     return cluster._retry(what, deadline, attempt, _retryable)

@@ -29,6 +29,10 @@ from collectives_server.worker.archive_config import ModelUploadConfig
 
 __all__ = ["ModelUploadConfig", "ModelUploads", "ReceivedModel"]
 
+# Two concurrent torch.export.load calls fail ("_CURRENT_DESERIALIZER is already
+# set"): two clients' load_model at once, or a peer's model arriving (model_sync).
+_EXPORT_LOAD = threading.Lock()
+
 
 @dataclass
 class ReceivedModel:
@@ -125,7 +129,8 @@ class ModelUploads:
             if self.config.load_sandbox:
                 trial_load(checked, self.config.load_timeout_s)
             try:
-                module = torch.export.load(str(checked)).module()
+                with _EXPORT_LOAD:  # torch.export.load keeps global state: one at a time
+                    module = torch.export.load(str(checked)).module()
             except Exception as exc:
                 raise InvalidArgument(
                     f"could not load the torch.export archive: {type(exc).__name__}: "
