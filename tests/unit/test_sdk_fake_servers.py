@@ -281,7 +281,7 @@ def test_status_cli_table_and_json(
     lines = lines[1:]
     assert lines[1].split() == [
         "RANK", "STATE", "ADDRESS", "HOSTNAME", "PID", "DEVICES", "JOINED_GEN", "HEARTBEAT",
-        "TENSORS", "OPS_OK", "OPS_FAILED", "QUEUE", "MEMORY", "LAST_OP",
+        "TENSORS", "MODELS", "OPS_OK", "OPS_FAILED", "QUEUE", "MEMORY", "LAST_OP",
     ]  # fmt: skip
     assert lines[2].split()[:3] == ["0", "ready", deployment.worker_addresses[0]]
     assert lines[4].split()[:2] == ["-", "lost"] and "cuda:0,cuda:1" in lines[4]
