@@ -210,7 +210,7 @@ def _commit(held: HostedModel | None, arrival: _Arrival) -> bool:
         return False
     try:
         with held.lock:
-            staged = {k: model_versions.prepare(held, k, t) for k, t in arrival.weights.items()}
+            staged = model_versions.prepare(held, arrival.weights)
             model_versions.commit(held, staged, arrival.version)
     except Exception as exc:
         log.error("cannot take model %r at version %d: %s", arrival.name, arrival.version, exc)

@@ -147,11 +147,11 @@ def check_entries(
     return None
 
 
-def prepare(model: HostedModel, key: str, t: torch.Tensor) -> torch.Tensor:
-    """The staged tensor for ``key``: ``t`` on the entry's device, in its dtype (a copy
+def prepare(model: HostedModel, received: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The staged tensors: each received one on its entry's device, in its dtype (a copy
     only where they differ). Raises what torch raises on a failed cast or move."""
-    have = model.module.state_dict()[key]
-    return t.to(device=have.device, dtype=have.dtype)
+    current = model.module.state_dict()
+    return {k: t.to(device=current[k].device, dtype=current[k].dtype) for k, t in received.items()}
 
 
 def commit(model: HostedModel, staged: dict[str, torch.Tensor], version: int) -> list[torch.Tensor]:

@@ -258,11 +258,10 @@ def _receive(
     ctx.count_data_collectives(collectives)
     if ctx.rank == root:
         received = list(local.uploads or [])
-    staged = {}
     try:
         with model.lock:
-            for e, t in zip(entries, received, strict=True):
-                staged[e.key] = model_versions.prepare(model, e.key, t)
+            by_key = {e.key: t for e, t in zip(entries, received, strict=True)}
+            staged = model_versions.prepare(model, by_key)
     except Exception as exc:  # a cast or a device copy failed here: the op fails everywhere
         local.fail(exc, "publish")
         return {}
