@@ -149,6 +149,28 @@ def measure(
     return stat_of(values, unit)
 
 
+def timed(
+    repeats: int,
+    warmup: int,
+    prepare: Callable[[], object],
+    call: Callable[[], object],
+    after: Callable[[int], None] | None = None,
+) -> list[float]:
+    """``prepare(); call()`` warmup + repeats times, timing only ``call``; ``after(i)``
+    runs (untimed) after each timed call."""
+    seconds = []
+    for i in range(warmup + repeats):
+        prepare()
+        started = time.perf_counter()
+        call()
+        elapsed = time.perf_counter() - started
+        if i >= warmup:
+            seconds.append(elapsed)
+            if after is not None:
+                after(i - warmup)
+    return seconds
+
+
 def stat_of(values: list[float], unit: str) -> Stat:
     """Median, min, max and the bad-side 99th percentile of ``values``."""
     ordered = sorted(values)

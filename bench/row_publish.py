@@ -23,16 +23,13 @@ row: service = egress, anchor = the state dict's bytes.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 import torch
 
 import collectives
 from collectives_server.model_zoo import mlp
 
 from . import egress
-from .core import BenchContext, MiB, Row, Stat, shared_cluster, stat_of
+from .core import BenchContext, MiB, Row, Stat, shared_cluster, stat_of, timed
 from .direct_gloo import run_direct
 
 __all__ = ["run", "WIDTH", "QUICK_WIDTH", "DEPTH"]
@@ -60,28 +57,6 @@ def _nbytes(sd: dict[str, torch.Tensor]) -> int:
 
 def _label(nbytes: int) -> str:
     return f"{nbytes / MiB:.0f} MiB"
-
-
-def _timed(
-    repeats: int,
-    warmup: int,
-    prepare: Callable[[], object],
-    call: Callable[[], object],
-    after: Callable[[int], None] | None = None,
-) -> list[float]:
-    """``prepare(); call()`` warmup + repeats times, timing only ``call``; ``after(i)``
-    runs (untimed) after each timed call."""
-    seconds = []
-    for i in range(warmup + repeats):
-        prepare()
-        started = time.perf_counter()
-        call()
-        elapsed = time.perf_counter() - started
-        if i >= warmup:
-            seconds.append(elapsed)
-            if after is not None:
-                after(i - warmup)
-    return seconds
 
 
 def summed(a: list[float], b: list[float]) -> list[float]:
@@ -116,7 +91,7 @@ def _service(world: int, width: int, repeats: int) -> dict:
         cluster.load_model(MODEL, factory=FACTORY, kwargs=_kwargs(width))
         try:
             versions: list[int] = []
-            out["publish"] = _timed(
+            out["publish"] = timed(
                 repeats, 1, refill, lambda: versions.append(cluster.publish(MODEL, sd)), counted
             )
             if versions != list(range(versions[0], versions[0] + len(versions))):
@@ -126,7 +101,7 @@ def _service(world: int, width: int, repeats: int) -> dict:
                 raise AssertionError(f"rank {world - 1} does not serve the published weights")
             del last
             t = torch.empty(nbytes // 4, dtype=torch.float32)
-            out["put"] = _timed(
+            out["put"] = timed(
                 repeats, 1, lambda: t.uniform_(), lambda: cluster.put(PUT_NAME, t, rank=0)
             )
         finally:  # the cluster is shared with other rows

@@ -14,12 +14,10 @@ A ~10.5 M-parameter MLP (quick: ~2.4 M) is loaded on a ``shared_cluster(2)``.
 
 from __future__ import annotations
 
-import time
-
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 
 import collectives
-from bench.core import BenchContext, Row, shared_cluster, stat_of
+from bench.core import BenchContext, Row, shared_cluster, stat_of, timed
 from bench.direct_ddp import LR, batch_of, ddp_threads, mlp, param_count, run_ddp
 
 __all__ = ["run", "WIDTHS", "QUICK_WIDTHS"]
@@ -29,19 +27,6 @@ QUICK_WIDTHS = (512, 1024, 1024, 768, 64)  # 2.4 M parameters
 BATCH = 64
 WORLD = 2
 MODEL = "bench_mlp"
-
-
-def _timed(repeats: int, warmup: int, prepare, call) -> list[float]:
-    """Runs ``prepare(); call()`` warmup + repeats times, timing only ``call``."""
-    seconds = []
-    for i in range(warmup + repeats):
-        prepare()
-        started = time.perf_counter()
-        call()
-        elapsed = time.perf_counter() - started
-        if i >= warmup:
-            seconds.append(elapsed)
-    return seconds
 
 
 def _service(widths: tuple[int, ...], repeats: int) -> dict[str, list[float]]:
@@ -66,7 +51,7 @@ def _measure(cluster, x, y, repeats: int, out: dict[str, list[float]]) -> None:
         cluster.zero_grad(MODEL)
         F.mse_loss(dp(x), y).backward()
 
-    out["grads"] = _timed(
+    out["grads"] = timed(
         repeats, 1, forward_backward, lambda: cluster.all_reduce_gradients(MODEL, op="sum")
     )
 
@@ -76,11 +61,11 @@ def _measure(cluster, x, y, repeats: int, out: dict[str, list[float]]) -> None:
         cluster.all_reduce_gradients(MODEL, op="avg")
         cluster.step(MODEL, "sgd", lr=LR)
 
-    out["step"] = _timed(repeats, 1, lambda: None, client_step)
+    out["step"] = timed(repeats, 1, lambda: None, client_step)
 
     cluster.scatter("bench_x", x)
     cluster.scatter("bench_y", y)
-    out["train_step"] = _timed(
+    out["train_step"] = timed(
         repeats,
         1,
         lambda: None,

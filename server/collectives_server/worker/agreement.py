@@ -15,6 +15,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
+from collectives.errors import Reason
 from collectives.wire.codec import tensor_memoryview
 from collectives_server.worker.validation import INFO_BYTES, INFO_LEN, OperandInfo, decode_info
 
@@ -31,6 +32,9 @@ __all__ = [
 
 _STATUS_BYTES = 512
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+# A failure's machine-readable reason travels as one byte: 0 none, i + 1 the i-th Reason.
+_REASONS = list(Reason)
+_HEAD = 4  # code, reason, message length (2 bytes)
 _INFO = struct.Struct(f"<{INFO_LEN}q")
 
 
@@ -39,6 +43,7 @@ class RankOutcome:
     rank: int
     code: grpc.StatusCode
     message: str
+    reason: str | None = None
 
 
 def all_gather_rows(
@@ -107,10 +112,14 @@ def exchange_infos(pg: dist.ProcessGroup, info: torch.Tensor, size: int) -> list
 
 
 def agree(
-    pg: dist.ProcessGroup, size: int, code: grpc.StatusCode, message: str = ""
+    pg: dist.ProcessGroup,
+    size: int,
+    code: grpc.StatusCode,
+    message: str = "",
+    reason: str | None = None,
 ) -> list[RankOutcome]:
     """Returns the outcomes of the ranks that failed (empty: all succeeded)."""
-    return agree_with(pg, size, code, message)[0]
+    return agree_with(pg, size, code, message, reason=reason)[0]
 
 
 def agree_with(
@@ -119,18 +128,20 @@ def agree_with(
     code: grpc.StatusCode,
     message: str = "",
     extra: list[float] | None = None,
+    reason: str | None = None,
 ) -> tuple[list[RankOutcome], list[list[float]]]:
     """:func:`agree`, with ``extra`` float64 values from every rank in the same exchange
     (every rank passes as many); returns (the failed ranks' outcomes, the values by rank)."""
     values = extra or []
     row_bytes = _STATUS_BYTES + 8 * len(values)
     mine = torch.zeros(row_bytes, dtype=torch.uint8)
-    encoded = message.encode("utf-8", "replace")[: _STATUS_BYTES - 3]
+    encoded = message.encode("utf-8", "replace")[: _STATUS_BYTES - _HEAD]
     view = tensor_memoryview(mine)
     view[0] = code.value[0]
-    view[1] = len(encoded) & 0xFF
-    view[2] = len(encoded) >> 8
-    view[3 : 3 + len(encoded)] = encoded
+    view[1] = _REASONS.index(Reason(reason)) + 1 if reason in _REASONS else 0
+    view[2] = len(encoded) & 0xFF
+    view[3] = len(encoded) >> 8
+    view[_HEAD : _HEAD + len(encoded)] = encoded
     extras_format = struct.Struct(f"<{len(values)}d")
     extras_format.pack_into(view, _STATUS_BYTES, *values)
     out = all_gather_rows(pg, mine, size)
@@ -141,9 +152,12 @@ def agree_with(
         base = rank * row_bytes
         status = _CODES.get(raw[base], grpc.StatusCode.UNKNOWN)
         if status != grpc.StatusCode.OK:
-            length = raw[base + 1] | (raw[base + 2] << 8)
-            text = bytes(raw[base + 3 : base + 3 + length]).decode("utf-8", "replace")
-            failures.append(RankOutcome(rank, status, text))
+            which = raw[base + 1]
+            why = _REASONS[which - 1].value if 0 < which <= len(_REASONS) else None
+            length = raw[base + 2] | (raw[base + 3] << 8)
+            start = base + _HEAD
+            text = bytes(raw[start : start + length]).decode("utf-8", "replace")
+            failures.append(RankOutcome(rank, status, text, why))
         extras.append(list(extras_format.unpack_from(raw, base + _STATUS_BYTES)))
     return failures, extras
 

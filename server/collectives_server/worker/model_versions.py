@@ -53,6 +53,7 @@ __all__ = [
     "keep_for_reuse",
     "older_graphs",
     "prepare",
+    "presence_error",
     "reusing",
     "serving",
 ]
@@ -99,6 +100,30 @@ def serving(model: HostedModel, wanted: int, deadline: float) -> Iterator[int]:
                 reason=Reason.VERSION_MOVED,
             )
         yield model.version
+
+
+def presence_error(
+    name: str, present: Sequence[bool], signatures: Sequence[object]
+) -> CollectiveError | None:
+    """The error of a sequenced model op when the model is not loaded, or not the same,
+    on every rank (each rank's presence and parameter signature, by rank); None if it is."""
+    missing = [r for r, here in enumerate(present) if not here]
+    if len(missing) == len(present):
+        not_found = grpc.StatusCode.NOT_FOUND
+        return error_for_code(not_found, f"model {name!r} is not loaded on any rank")
+    if missing:
+        return error_for_code(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"model {name!r} is missing on rank(s) {', '.join(map(str, missing))}; "
+            "load_model it again so every worker has it",
+            ranks=missing,
+        )
+    if len(set(signatures)) > 1:
+        return error_for_code(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"model {name!r} has different parameters on different ranks; reload it",
+        )
+    return None
 
 
 def bump(model: HostedModel) -> int:

@@ -120,4 +120,5 @@ class OpContext:
             first.code,
             f"failed on rank(s) {ranks}: {first.message}",
             ranks=tuple(f.rank for f in failures),
+            reason=first.reason,
         )

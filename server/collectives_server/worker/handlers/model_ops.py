@@ -300,22 +300,11 @@ def _run_model_op(
 
 def _decide(args: ModelArgs, rows: list[list[int]]) -> CollectiveError | None:
     ranks = range(len(rows))
-    missing = [r for r in ranks if not rows[r][0]]
-    if len(missing) == len(rows):
-        return error_for_code(
-            grpc.StatusCode.NOT_FOUND, f"model {args.name!r} is not loaded on any rank"
-        )
-    if missing:
-        return error_for_code(
-            grpc.StatusCode.FAILED_PRECONDITION,
-            f"model {args.name!r} is missing on rank(s) {', '.join(map(str, missing))}; "
-            "load_model it again so every worker has it",
-        )
-    if len({rows[r][1] for r in ranks}) > 1:
-        return error_for_code(
-            grpc.StatusCode.FAILED_PRECONDITION,
-            f"model {args.name!r} has different parameters on different ranks; reload it",
-        )
+    absent = model_versions.presence_error(
+        args.name, [bool(row[0]) for row in rows], [row[1] for row in rows]
+    )
+    if absent is not None:
+        return absent
     if args.is_train:
         for column, what in ((2, args.inputs), (3, args.targets)):
             lacking = [r for r in ranks if not rows[r][column]]

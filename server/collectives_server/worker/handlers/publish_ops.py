@@ -44,7 +44,6 @@ from collectives_server.worker.validation import Plan
 __all__ = ["PublishResult", "run_publish"]
 
 _HALF = 1 << 28  # a 56-bit signature travels as two float64-exact halves
-_THIRD = "a third version"
 
 
 @dataclass(frozen=True)
@@ -63,12 +62,13 @@ class _Local:
 
     code: grpc.StatusCode = grpc.StatusCode.OK
     message: str = ""
+    reason: str | None = None
     uploads: list[torch.Tensor | None] | None = None
     reservation: Reservation | None = None
 
     def fail(self, exc: BaseException, what: str) -> None:
         if isinstance(exc, CollectiveError):
-            self.code, self.message = exc.code, exc.message
+            self.code, self.message, self.reason = exc.code, exc.message, exc.reason
         else:
             self.code, self.message = op_failures.local_failure(exc, what)
 
@@ -101,15 +101,19 @@ def _publish(
     version = _check(ctx, args, model, entries, local)
     extra = _info(model, version)
     failures, rows = ctx.call(
-        agreement.agree_with, ctx.control, ctx.world_size, local.code, local.message, extra
+        lambda: agreement.agree_with(
+            ctx.control, ctx.world_size, local.code, local.message, extra, local.reason
+        )
     )
-    verdict = _failed(ctx, failures) if failures else _decide(args.model, rows)
+    verdict = ctx.fail_all(failures) if failures else _decide(args.model, rows)
     if verdict is not None:
         return verdict
     assert model is not None
     new_version = int(max(row[3] for row in rows)) + 1
     staged = _receive(ctx, desc, model, entries, local)
-    failures = ctx.call(agreement.agree, ctx.control, ctx.world_size, local.code, local.message)
+    failures = ctx.call(
+        agreement.agree, ctx.control, ctx.world_size, local.code, local.message, local.reason
+    )
     if failures:
         return ctx.fail_all(failures)
     with model.lock:
@@ -150,7 +154,7 @@ def _check(
                 raise error_for_code(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"model {model.name!r}: {older} retained graph(s) still hold version "
-                    f"{model.version - 1} or older, and a publish would make {_THIRD} "
+                    f"{model.version - 1} or older, and a publish would make a third version "
                     "resident; run their backward or drop their outputs, then publish again",
                     reason=Reason.VERSIONS_RESIDENT,
                 )
@@ -179,18 +183,6 @@ def _uploads(ctx: OpContext, prefix: str, entries: list[Entry]) -> list[torch.Te
     return found
 
 
-def _failed(ctx: OpContext, failures: list) -> CollectiveError:
-    """The op's error; the agreement carries codes and messages, so the reason of a
-    refused third version is told from its wording (the same on every rank)."""
-    err = ctx.fail_all(failures)
-    first = failures[0]
-    if first.code == grpc.StatusCode.RESOURCE_EXHAUSTED and _THIRD in first.message:
-        return error_for_code(
-            err.code, err.message, ranks=err.ranks, reason=Reason.VERSIONS_RESIDENT
-        )
-    return err
-
-
 def _reusable(model: HostedModel) -> list[torch.Tensor]:
     with model.lock:
         return model_versions.drop_reusable(model)
@@ -205,24 +197,9 @@ def _info(model: HostedModel | None, version: int) -> list[float]:
 
 
 def _decide(name: str, rows: list[list[float]]) -> CollectiveError | None:
-    missing = [r for r, row in enumerate(rows) if not row[0]]
-    if len(missing) == len(rows):
-        return error_for_code(
-            grpc.StatusCode.NOT_FOUND, f"model {name!r} is not loaded on any rank"
-        )
-    if missing:
-        return error_for_code(
-            grpc.StatusCode.FAILED_PRECONDITION,
-            f"model {name!r} is missing on rank(s) {', '.join(map(str, missing))}; "
-            "load_model it again so every worker has it",
-            ranks=missing,
-        )
-    if len({(row[1], row[2]) for row in rows}) > 1:
-        return error_for_code(
-            grpc.StatusCode.FAILED_PRECONDITION,
-            f"model {name!r} has different parameters on different ranks; reload it",
-        )
-    return None
+    return model_versions.presence_error(
+        name, [bool(row[0]) for row in rows], [(row[1], row[2]) for row in rows]
+    )
 
 
 def _receive(
