@@ -39,8 +39,9 @@ from collectives._validation import (
     check_tensor,
     scatter_parts,
 )
-from collectives.errors import CollectiveError, NotFound, Reason, Unavailable
+from collectives.errors import CollectiveError, InvalidArgument, NotFound, Reason, Unavailable
 from collectives.groups import Group
+from collectives.names import UPLOAD_PREFIX
 from collectives.v1 import worker_pb2
 
 __all__: list[str] = []
@@ -66,6 +67,10 @@ class _DataPlane(_ClusterCore):
             DeadlineExceeded: not done within ``timeout`` seconds.
         """
         check_name(name)
+        if name.startswith(UPLOAD_PREFIX):
+            raise InvalidArgument(
+                f"tensor names under {UPLOAD_PREFIX!r} are reserved for publish's uploads"
+            )
         check_tensor(t)
         deadline = self._deadline(timeout)
         ranks = self._target_ranks(rank, deadline)

@@ -7,10 +7,10 @@ live weights and commit them on every rank at one point of the op order. So
 the client's egress is the state dict's bytes once, whatever the world size,
 and no ``dp(x)`` ever mixes two versions (see ``data_parallel``).
 
-An attempt that fails before the op ran (the leader changed, the cluster
-re-formed) deletes its uploads and is made again on the new leader; the
-leader drops uploads whose publish never came after a few minutes anyway
-(``UPLOAD_IDLE_S`` on the worker).
+An attempt that fails deletes its uploads (the op, if it still runs, holds what
+it read); one that did not run (the leader changed, the cluster re-formed) is
+made again on the new leader. The leader drops uploads whose publish never
+came after a few minutes anyway (``UPLOAD_IDLE_S`` on the worker).
 """
 
 from __future__ import annotations
@@ -27,15 +27,14 @@ from collectives._core import server_timeout_s
 from collectives._progress import progress
 from collectives._transport import WorkerEndpoint, call_unary, put_tensor
 from collectives.errors import CollectiveError, InvalidArgument, Reason
-from collectives.names import MAX_NAME_LENGTH, validate_name
+from collectives.names import MAX_NAME_LENGTH, UPLOAD_PREFIX, validate_name
 from collectives.v1 import worker_pb2
 
 if TYPE_CHECKING:
     from collectives._models import _Models
 
-__all__ = ["publish", "UPLOAD_PREFIX"]
+__all__ = ["publish"]
 
-UPLOAD_PREFIX = "__publish/"
 _PREFIX_LENGTH = len(UPLOAD_PREFIX) + 32 + 1
 
 

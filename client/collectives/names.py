@@ -6,9 +6,11 @@ import re
 
 from collectives.errors import InvalidArgument
 
-__all__ = ["validate_name", "MAX_NAME_LENGTH"]
+__all__ = ["validate_name", "MAX_NAME_LENGTH", "UPLOAD_PREFIX"]
 
 MAX_NAME_LENGTH = 256
+# Reserved: a publish's uploads wait on the leader under "__publish/<id>/<key>".
+UPLOAD_PREFIX = "__publish/"
 _NAME_RE = re.compile(r"[A-Za-z0-9_.:/-]{1,256}")
 
 

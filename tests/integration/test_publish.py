@@ -158,6 +158,8 @@ def test_a_publish_for_an_unknown_model_or_empty_state_dict_is_refused(cluster2)
         cluster2.publish("no-such-model", {})
     with pytest.raises(collectives.InvalidArgument, match="str keys to tensors"):
         cluster2.publish("no-such-model", {"w": [1.0]})
+    with pytest.raises(collectives.InvalidArgument, match="reserved for publish"):
+        cluster2.put("__publish/mine/w", torch.randn(2))
     with grpc.insecure_channel(cluster2.leader) as channel:
         listed = worker_pb2_grpc.WorkerStub(channel).ListTensors(
             worker_pb2.ListTensorsRequest(), timeout=10

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from collectives.errors import NotFound, ResourceExhausted
+from collectives.names import UPLOAD_PREFIX
 
 __all__ = [
     "Fence",
@@ -40,7 +41,6 @@ __all__ = [
 # Publish uploads (``__publish/<id>/<key>``) wait on the leader for their publish
 # op, which removes them; those of a client that died before publishing are
 # dropped once no put under their id came for UPLOAD_IDLE_S.
-UPLOAD_PREFIX = "__publish/"
 UPLOAD_IDLE_S = 300.0
 
 
