@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from collectives.wire.limits import MAX_MESSAGE_BYTES
+from collectives_server.health_service import HealthService
 from collectives_server.rpc_errors import ErrorBoundary
 from collectives_server.rpc_limits import DataPlaneLimits, RpcLimits, pool_size
 from collectives_server.security import ServerSecurity, TokenAuthInterceptor
@@ -56,7 +57,7 @@ class ServerHandle:
         self,
         server: grpc.Server,
         port: int,
-        health_servicer: health.HealthServicer,
+        health_servicer: HealthService,
         limits: DataPlaneLimits | None = None,
     ):
         self.server = server
@@ -116,7 +117,7 @@ def start_server(
     )
     for add in register:
         add(server)
-    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_servicer = HealthService()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
