@@ -32,7 +32,7 @@ from collectives_server.coordinator.registration import (
     check_register,
     check_status,
 )
-from collectives_server.coordinator.store_socket import listen_socket
+from collectives_server.store_socket import listen_socket
 from collectives_server.worker.enrolment import bounded_status
 
 # ---------------------------------------------------------------- field caps

@@ -54,21 +54,23 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., address: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., devices: _Optional[_Iterable[str]] = ..., joined_generation: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., backend: _Optional[str] = ..., uptime_s: _Optional[float] = ..., version: _Optional[str] = ..., status: _Optional[_Union[_status_pb2.WorkerStatus, _Mapping]] = ...) -> None: ...
 
 class GenerationRecord(_message.Message):
-    __slots__ = ("generation", "sealed_unix_time_s", "world_size", "members", "reason")
+    __slots__ = ("generation", "sealed_unix_time_s", "world_size", "members", "reason", "sealed_by")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SEALED_UNIX_TIME_S_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    SEALED_BY_FIELD_NUMBER: _ClassVar[int]
     generation: int
     sealed_unix_time_s: float
     world_size: int
     members: _containers.RepeatedScalarFieldContainer[str]
     reason: str
-    def __init__(self, generation: _Optional[int] = ..., sealed_unix_time_s: _Optional[float] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ...) -> None: ...
+    sealed_by: str
+    def __init__(self, generation: _Optional[int] = ..., sealed_unix_time_s: _Optional[float] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., sealed_by: _Optional[str] = ...) -> None: ...
 
 class Cluster(_message.Message):
-    __slots__ = ("generation", "formed", "world_size", "workers", "store_address", "version", "min_workers", "max_workers", "status", "op_timeout_s", "ready", "history")
+    __slots__ = ("generation", "formed", "world_size", "workers", "store_address", "version", "min_workers", "max_workers", "status", "op_timeout_s", "ready", "history", "leader", "store")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     FORMED_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +83,8 @@ class Cluster(_message.Message):
     OP_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
     generation: int
     formed: bool
     world_size: int
@@ -93,10 +97,12 @@ class Cluster(_message.Message):
     op_timeout_s: float
     ready: bool
     history: _containers.RepeatedCompositeFieldContainer[GenerationRecord]
-    def __init__(self, generation: _Optional[int] = ..., formed: _Optional[bool] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., store_address: _Optional[str] = ..., version: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., status: _Optional[str] = ..., op_timeout_s: _Optional[float] = ..., ready: _Optional[bool] = ..., history: _Optional[_Iterable[_Union[GenerationRecord, _Mapping]]] = ...) -> None: ...
+    leader: str
+    store: str
+    def __init__(self, generation: _Optional[int] = ..., formed: _Optional[bool] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., store_address: _Optional[str] = ..., version: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., status: _Optional[str] = ..., op_timeout_s: _Optional[float] = ..., ready: _Optional[bool] = ..., history: _Optional[_Iterable[_Union[GenerationRecord, _Mapping]]] = ..., leader: _Optional[str] = ..., store: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("address", "hostname", "pid", "devices", "backend", "version", "last_generation", "retry_key")
+    __slots__ = ("address", "hostname", "pid", "devices", "backend", "version", "last_generation", "retry_key", "store_port")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +111,7 @@ class RegisterRequest(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LAST_GENERATION_FIELD_NUMBER: _ClassVar[int]
     RETRY_KEY_FIELD_NUMBER: _ClassVar[int]
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
     address: str
     hostname: str
     pid: int
@@ -113,7 +120,8 @@ class RegisterRequest(_message.Message):
     version: str
     last_generation: int
     retry_key: str
-    def __init__(self, address: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., version: _Optional[str] = ..., last_generation: _Optional[int] = ..., retry_key: _Optional[str] = ...) -> None: ...
+    store_port: int
+    def __init__(self, address: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., version: _Optional[str] = ..., last_generation: _Optional[int] = ..., retry_key: _Optional[str] = ..., store_port: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("worker_id", "heartbeat_interval_s", "lease_s", "store_address", "op_timeout_s", "lease_secret")

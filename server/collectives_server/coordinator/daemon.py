@@ -28,7 +28,7 @@ from collectives_server.coordinator.dashboard import DashboardServer
 from collectives_server.coordinator.membership import Membership
 from collectives_server.coordinator.metrics import coordinator_registry
 from collectives_server.coordinator.service import SERVICE_NAME, CoordinatorServicer
-from collectives_server.coordinator.store_socket import start_store
+from collectives_server.store_socket import start_store
 from collectives_server.metrics import MetricsServer
 from collectives_server.rpc import SMALL_MESSAGE_OPTIONS, ServerHandle, start_server
 from collectives_server.security import ServerSecurity

@@ -115,6 +115,7 @@ class Membership:
         self.join_window_s = join_window_s
         self.status_refresh_s = status_refresh_s
         self._id_prefix = id_prefix
+        self.sealer = ""  # recorded as each generation's sealed_by (the coordinator's address)
         self._history: collections.deque[GenerationRecord] = collections.deque(maxlen=HISTORY_LEN)
         # Workers "joined" (new registrations), "lost" (lease ran out, replaced), "left".
         self.events: collections.Counter[str] = collections.Counter()
@@ -229,6 +230,7 @@ class Membership:
         backend: str = "",
         version: str = "",
         last_generation: int = 0,
+        store_port: int = 0,
     ) -> tuple[str, Outcome]:
         """Adds a worker; returns its id. Raises :class:`InvalidRequestError`.
 
@@ -270,6 +272,7 @@ class Membership:
             order=self._next_order,
             registered_at=now,
             last_heartbeat=now,
+            store_port=store_port,
         )
         self._leases.renew(self._workers[worker_id], now, self._workers)
         self._live_n += 1
@@ -429,6 +432,7 @@ class Membership:
                     world_size=len(self._members),
                     members=tuple(self._workers[m].address for m in self._members),
                     reason=reason,
+                    sealed_by=self.sealer,
                 )
             )
         if changed:

@@ -73,6 +73,7 @@ class WorkerView:
     # The worker's last reported status (a collectives.v1.WorkerStatus; opaque
     # here), None until its first heartbeat carrying one.
     status: Any = None
+    store_port: int = 0
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,8 @@ class GenerationRecord:
     members: tuple[str, ...]
     # The event and decision that sealed it ("w-3 at h:1 lost: ...; sealed generation 4 ...").
     reason: str
+    # The coordinator that sealed it (its address; "" for an unnamed one).
+    sealed_by: str = ""
 
 
 @dataclass(frozen=True)

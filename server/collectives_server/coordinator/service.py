@@ -90,7 +90,7 @@ def cluster_to_proto(
         generation=view.generation,
         formed=view.formed,
         world_size=view.world_size,
-        store_address=store_address,
+        store_address=rendezvous_address(view, store_address),
         version=view.version,
         min_workers=view.min_workers,
         max_workers=view.max_workers,
@@ -121,8 +121,23 @@ def cluster_to_proto(
             world_size=record.world_size,
             members=record.members,
             reason=record.reason,
+            sealed_by=record.sealed_by,
         )
     return msg
+
+
+def rendezvous_address(view: ClusterView, coordinator_store: str) -> str:
+    """Where the generation's process groups meet: the store its rank 0 hosts.
+
+    Workers host a TCPStore each, so a generation's store lives as long as the
+    generation can (losing rank 0 ends it anyway) and survives the coordinator.
+    A rank 0 that hosts none (an older worker) uses the coordinator's.
+    """
+    rank0 = next((w for w in view.workers if w.rank == 0), None)
+    if rank0 is None or not rank0.store_port:
+        return coordinator_store
+    host = rank0.address.rsplit(":", 1)[0]
+    return f"{host}:{rank0.store_port}"
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
@@ -240,6 +255,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     backend=request.backend,
                     version=request.version,
                     last_generation=max(request.last_generation, 0),
+                    store_port=request.store_port if 0 < request.store_port < 65536 else 0,
                 )
             except InvalidRequestError as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Register: {exc}")

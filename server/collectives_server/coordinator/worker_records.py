@@ -40,6 +40,7 @@ class WorkerRecord:
     order: int
     registered_at: float
     last_heartbeat: float
+    store_port: int = 0  # the rendezvous store it hosts (0: none, an older worker)
     joined_generation: int = 0
     busy: bool = False
     lost_at: float | None = None
@@ -89,6 +90,7 @@ def worker_row(w: WorkerRecord, rank: int, now: float, generation: int) -> Worke
         uptime_s=max(0.0, now - w.registered_at),
         version=w.version,
         status=w.status,
+        store_port=w.store_port,
     )
 
 

@@ -33,6 +33,7 @@ from collectives_server.control_protocol import worker_metadata
 from collectives_server.metrics import MetricsServer
 from collectives_server.rpc import GRPC_OPTIONS, start_server
 from collectives_server.signals import StopSignal
+from collectives_server.store_socket import start_store
 from collectives_server.worker.archive_upload import ModelUploads
 from collectives_server.worker.bulk import BulkListener
 from collectives_server.worker.config import WorkerConfig
@@ -57,6 +58,8 @@ log = logging.getLogger(__name__)
 # for this many intervals before a new stream is tried (a coordinator at its stream
 # limit answers each attempt with RESOURCE_EXHAUSTED).
 _STREAM_RETRY_BEATS = 10
+# Server-side wait of the rendezvous store this worker hosts (clients set their own).
+_STORE_TIMEOUT_S = 300.0
 
 
 def resolve_devices(requested: tuple[str, ...]) -> list[torch.device]:
@@ -106,6 +109,8 @@ class WorkerDaemon:
         self._stream: HeartbeatStream | None = None  # owned by the heartbeat thread
         self._stream_retry_at = 0.0
         self._watch_call = None
+        self._rendezvous = None  # torch.distributed.TCPStore hosted here (master side)
+        self._store_port = 0
         self._server = None
         self._metrics: MetricsServer | None = None
 
@@ -138,6 +143,9 @@ class WorkerDaemon:
             self.ctx.bulk = BulkListener(
                 self.config.host, self.config.bulk_port, self.config.bulk_limits
             )
+        # This worker's rendezvous store: a generation's process groups meet in the
+        # store of its rank 0, so they outlive any coordinator (see docs/design.md).
+        self._rendezvous, self._store_port = start_store(self.config.host, 0, _STORE_TIMEOUT_S)
         self._channel = self.config.coordinator_security.open_channel(
             self.config.coordinator, GRPC_OPTIONS
         )
@@ -172,6 +180,7 @@ class WorkerDaemon:
             self.ctx.bulk.close()
         if self._metrics is not None:
             self._metrics.stop()
+        self._rendezvous = None  # the master store stops with its last reference
         self.ctx.uploads.close()
         self.ctx.shm_segments.close()
         self._channel.close()
@@ -200,6 +209,7 @@ class WorkerDaemon:
             backend=self.ctx.backend,
             version=collectives_server.__version__,
             last_generation=self._last_generation,
+            store_port=self._store_port,
         )
         response = register(
             self._coordinator,
