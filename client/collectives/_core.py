@@ -38,7 +38,7 @@ from collectives._transport import (
     wait_channel_ready,
 )
 from collectives._validation import check_timeout
-from collectives.addresses import REFUSED_GRACE_S, parse_address, refused_within
+from collectives.addresses import REFUSED_GRACE_S, parse_addresses, refused_within
 from collectives.errors import (
     CollectiveError,
     DeadlineExceeded,
@@ -109,7 +109,7 @@ class _ClusterCore:
             DeadlineExceeded: no generation was formed within ``timeout`` (the
                 message quotes the coordinator's status).
         """
-        parse_address(address)
+        parse_addresses(address)
         timeout = check_timeout(timeout, DEFAULT_CONNECT_TIMEOUT_S)
         try:
             security = ChannelSecurity.resolve(

@@ -16,7 +16,7 @@ import time
 
 from collectives.errors import InvalidArgument
 
-__all__ = ["REFUSED_GRACE_S", "parse_address", "refused_within"]
+__all__ = ["REFUSED_GRACE_S", "parse_address", "parse_addresses", "refused_within"]
 
 # How long a refused connection is retried before it is reported: covers a
 # coordinator that is just starting, and is the bound on a wrong address.
@@ -61,7 +61,39 @@ def parse_address(text: object, what: str = "coordinator address") -> tuple[str,
     return host, int(port_text)
 
 
+def parse_addresses(text: object, what: str = "coordinator address") -> list[tuple[str, int]]:
+    """``"h1:p1,h2:p2"`` (one address or several, e.g. an HA coordinator set) →
+    ``[(h1, p1), (h2, p2)]``, each checked as :func:`parse_address` does.
+
+    Raises:
+        InvalidArgument: an empty list, or an entry that is not ``host:port``.
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise InvalidArgument(f"{what} must be a 'host:port' string, got {text!r}")
+    parts = [part.strip() for part in text.split(",")]
+    if any(not part for part in parts):
+        raise InvalidArgument(
+            f"{what} {text.strip()!r} has an empty entry; separate addresses with single commas"
+        )
+    return [parse_address(part, what) for part in parts]
+
+
 def refused_within(address: str, grace_s: float = REFUSED_GRACE_S) -> str | None:
+    """Why nothing can listen at ``address`` (every address of a comma-separated list),
+    or None if something may (see :func:`_refused_one`)."""
+    parts = [part.strip() for part in address.split(",")]
+    if len(parts) == 1:
+        return _refused_one(parts[0], grace_s)
+    reasons = []
+    for part in parts:
+        reason = _refused_one(part, grace_s / len(parts))
+        if reason is None:
+            return None
+        reasons.append(f"{part}: {reason}")
+    return "; ".join(reasons)
+
+
+def _refused_one(address: str, grace_s: float) -> str | None:
     """Why nothing can listen at ``address``, or None if something may.
 
     Tries a TCP connection until one succeeds or ``grace_s`` passes. Returns a

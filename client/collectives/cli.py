@@ -37,7 +37,7 @@ from collectives._status_tables import (
     rates_between,
     terminal_width,
 )
-from collectives.addresses import REFUSED_GRACE_S, parse_address, refused_within
+from collectives.addresses import REFUSED_GRACE_S, parse_addresses, refused_within
 from collectives.errors import CollectiveError
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
 from collectives.wire.security import PLAINTEXT, ChannelSecurity, read_token_file
@@ -67,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     status = commands.add_parser(
         "status", help="show the cluster's generation and workers, as the coordinator sees them"
     )
-    status.add_argument("--coordinator", required=True, metavar="HOST:PORT")
+    status.add_argument("--coordinator", required=True, metavar="HOST:PORT[,HOST:PORT...]")
     status.add_argument("--json", action="store_true", help="print one JSON object instead")
     status.add_argument(
         "--wide", action="store_true", help="every column, however wide the terminal"
@@ -85,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
         help="deadline for reaching the coordinator (default 5)",
     )
     top = commands.add_parser("top", help="live per-worker view: ops/s, queue, memory, tensors")
-    top.add_argument("--coordinator", required=True, metavar="HOST:PORT")
+    top.add_argument("--coordinator", required=True, metavar="HOST:PORT[,HOST:PORT...]")
     top.add_argument(
         "--interval", type=float, default=1.0, metavar="SECONDS", help="refresh (default 1)"
     )
@@ -376,7 +376,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     try:
         args.security = _security(args)
-        parse_address(args.coordinator)
+        parse_addresses(args.coordinator)
     except ValueError as exc:
         print(f"collectives {args.command}: {getattr(exc, 'message', exc)}", file=sys.stderr)
         return EXIT_UNREACHABLE

@@ -22,6 +22,7 @@ __all__ = [
     "client_security_from_args",
     "die_with_parent_if_asked",
     "host_port",
+    "host_ports",
     "non_negative_float",
     "port_number",
     "positive_float",
@@ -73,6 +74,14 @@ def host_port(text: str) -> str:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT (e.g. 127.0.0.1:50051), got {text!r}")
     return text
+
+
+def host_ports(text: str) -> str:
+    """``HOST:PORT`` or a comma-separated list of them (an HA coordinator set)."""
+    parts = [part.strip() for part in text.split(",")]
+    for part in parts:
+        host_port(part)
+    return ",".join(parts)
 
 
 def add_log_level(parser: argparse.ArgumentParser) -> None:

@@ -103,6 +103,30 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="host name to hand out in addresses (default: --host, or this machine's "
         "name if --host is 0.0.0.0 or ::)",
     )
+    p.add_argument(
+        "--store",
+        type=store_url,
+        default="memory",
+        metavar="memory|etcd://H:P[,H:P...]",
+        help="where membership lives: 'memory' (this process; the default) or an etcd "
+        "cluster, where every coordinator of the same --cluster-name stands by and one "
+        "leads, elected through an etcd lease (see docs/deploying.md)",
+    )
+    p.add_argument(
+        "--cluster-name",
+        default="default",
+        metavar="NAME",
+        help="with an etcd store: the key prefix /collectives/NAME/ this cluster's "
+        "coordinators share (default: default)",
+    )
+    p.add_argument(
+        "--leader-ttl-s",
+        type=positive_int,
+        default=3,
+        metavar="S",
+        help="with an etcd store: the leader's lease in whole seconds; a standby takes "
+        "over this long after the leader dies (default: 3)",
+    )
     add_dashboard_options(p)
     add_metrics(p)
     add_security(p, client_side=False)
@@ -128,6 +152,19 @@ def add_dashboard_options(p: argparse.ArgumentParser) -> None:
         metavar="H",
         help="interface the dashboard binds (default: 127.0.0.1, this machine only)",
     )
+
+
+def store_url(text: str) -> str:
+    """``memory`` or ``etcd://HOST:PORT[,HOST:PORT...]``."""
+    if text == "memory":
+        return text
+    from collectives_server.coordinator.etcd_store import parse_etcd_url
+
+    try:
+        parse_etcd_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def config_from_args(
@@ -160,6 +197,9 @@ def config_from_args(
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,
             security=server_security_from_args(args, parser),
+            store=args.store,
+            cluster_name=args.cluster_name,
+            leader_ttl_s=args.leader_ttl_s,
             **control_from_args(args, parser),
         )
     except ValueError as exc:

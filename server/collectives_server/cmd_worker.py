@@ -15,7 +15,7 @@ from collectives_server.cli_common import (
     allowed_factories,
     client_security_from_args,
     die_with_parent_if_asked,
-    host_port,
+    host_ports,
     port_number,
     positive_float,
     positive_int,
@@ -42,7 +42,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         ),
     )
     p.add_argument(
-        "--coordinator", required=True, type=host_port, metavar="H:P", help="coordinator address"
+        "--coordinator",
+        required=True,
+        type=host_ports,
+        metavar="H:P[,H:P...]",
+        help="coordinator address, or every address of an HA set (h1:p1,h2:p2,h3:p3): "
+        "the worker talks to the first that answers and moves on when it goes away",
     )
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1)")
     p.add_argument(

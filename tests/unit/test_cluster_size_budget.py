@@ -15,8 +15,8 @@ import dataclasses
 import time
 
 from collectives.v1 import status_pb2
+from collectives_server.coordinator.cluster_message import cluster_to_proto, status_key
 from collectives_server.coordinator.membership import Membership
-from collectives_server.coordinator.service import cluster_to_proto, status_key
 
 WORKERS = 10_000
 BUDGET_BYTES = 4_000_000

@@ -18,8 +18,8 @@ from collectives.workers import ClusterSnapshot, DeviceMemory, OpCount, RecentEr
 from collectives_server.cli import build_parser
 from collectives_server.cmd_coordinator import config_from_args as coordinator_config
 from collectives_server.cmd_worker import config_from_args as worker_config
+from collectives_server.coordinator.cluster_message import status_key
 from collectives_server.coordinator.membership import HISTORY_LEN, Membership
-from collectives_server.coordinator.service import status_key
 from collectives_server.local import LocalCluster
 from collectives_server.logfmt import JsonFormatter
 from collectives_server.worker.status import LATENCY_BUCKETS_S, WorkerStats, status_label

@@ -14,6 +14,8 @@ from typing import Any
 
 import grpc
 
+from collectives.wire.targets import channel_target
+
 __all__ = [
     "ENV_TLS",
     "ENV_TLS_CA",
@@ -147,7 +149,10 @@ class ChannelSecurity:
         )
 
     def open_channel(self, address: str, options: Sequence[tuple[str, Any]]) -> grpc.Channel:
-        """A channel to ``address`` with these settings (nothing is sent yet)."""
+        """A channel to ``address`` (or to the first that answers of a comma-separated
+        list, see :mod:`collectives.wire.targets`) with these settings; nothing is sent yet."""
+        address, extra = channel_target(address, tls=self.tls)
+        options = [*options, *extra]
         if self.tls:
             creds = grpc.ssl_channel_credentials(
                 self.root_certificates, self.private_key, self.certificate_chain

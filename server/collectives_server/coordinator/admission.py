@@ -123,3 +123,10 @@ class LeaseBook:
         keep = set(worker_ids)
         for worker_id in [w for w in self._leases if w not in keep]:
             del self._leases[worker_id]
+
+    def export(self) -> dict[str, list[str]]:
+        """worker id -> [secret, retry key], for a successor coordinator (see membership_state)."""
+        return {w: [lease.secret, lease.retry_key] for w, lease in self._leases.items()}
+
+    def restore(self, data: dict[str, list[str]]) -> None:
+        self._leases = {w: _Lease(secret=s, retry_key=k) for w, (s, k) in data.items()}

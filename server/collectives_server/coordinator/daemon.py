@@ -25,14 +25,20 @@ from typing import Any
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
 from collectives_server.coordinator.control import ControlGuard, ControlLimits
 from collectives_server.coordinator.dashboard import DashboardServer
+from collectives_server.coordinator.etcd_store import (
+    EtcdLeadership,
+    StoreUnavailableError,
+    parse_etcd_url,
+)
 from collectives_server.coordinator.membership import Membership
 from collectives_server.coordinator.metrics import coordinator_registry
+from collectives_server.coordinator.replication import Replication
 from collectives_server.coordinator.service import SERVICE_NAME, CoordinatorServicer
-from collectives_server.store_socket import start_store
 from collectives_server.metrics import MetricsServer
 from collectives_server.rpc import SMALL_MESSAGE_OPTIONS, ServerHandle, start_server
 from collectives_server.security import ServerSecurity
 from collectives_server.signals import StopSignal
+from collectives_server.store_socket import start_store
 
 __all__ = ["Coordinator", "CoordinatorConfig", "format_address", "run_coordinator"]
 
@@ -92,6 +98,13 @@ class CoordinatorConfig:
     # Dashboard connections: closed after this long idle; at most this many open.
     dashboard_idle_s: float = 10.0
     dashboard_max_connections: int = 256
+    # Where membership lives: "memory" (this process) or "etcd://h:p[,h:p...]", where
+    # coordinators of the same cluster_name elect a leader (see .etcd_store).
+    store: str = "memory"
+    cluster_name: str = "default"
+    # The leader's etcd lease, whole seconds: a standby takes over this long after
+    # the leader dies (plus a poll).
+    leader_ttl_s: int = 3
 
     def __post_init__(self) -> None:
         if self.min_workers < 1:
@@ -115,6 +128,14 @@ class CoordinatorConfig:
                 "dashboard_idle_s must be > 0 and dashboard_max_connections >= 1, got "
                 f"{self.dashboard_idle_s}, {self.dashboard_max_connections}"
             )
+        if self.store != "memory":
+            parse_etcd_url(self.store)  # raises ValueError with the reason
+        if not self.cluster_name or "/" in self.cluster_name or len(self.cluster_name) > 128:
+            raise ValueError(
+                f"cluster_name must be 1..128 characters without '/': {self.cluster_name!r}"
+            )
+        if self.leader_ttl_s < 1:
+            raise ValueError(f"leader_ttl_s must be >= 1 second, got {self.leader_ttl_s}")
         for name in ("port", "store_port", "dashboard_port", "metrics_port"):
             if getattr(self, name) is not None and not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in 0..65535, got {getattr(self, name)}")
@@ -152,6 +173,27 @@ class Coordinator:
         self._ticker: threading.Thread | None = None
         self._dashboard: DashboardServer | None = None
         self._metrics: MetricsServer | None = None
+        self._replication: Replication | None = None
+
+    def _replication_for(
+        self, cfg: CoordinatorConfig, membership: Membership
+    ) -> Replication | None:
+        """The HA link for an etcd store (None for memory); it campaigns once started."""
+        if cfg.store == "memory":
+            return None
+
+        def new_membership() -> Membership:
+            return Membership(
+                cfg.min_workers,
+                cfg.max_workers,
+                lease_s=cfg.lease_s,
+                join_window_s=cfg.join_window_s,
+                id_prefix=membership._id_prefix,
+            )
+
+        leadership = EtcdLeadership(cfg.store, cfg.cluster_name, "", ttl_s=cfg.leader_ttl_s)
+        self._replication = Replication(leadership, new_membership, self._clock)
+        return self._replication
 
     # ---- lifecycle -------------------------------------------------------------
 
@@ -172,6 +214,7 @@ class Coordinator:
             # still receive the new state (see Membership).
             initial_version=time.time_ns() // 1000,
         )
+        replication = self._replication_for(cfg, membership)
         self._servicer = CoordinatorServicer(
             membership,
             store_address=self.store_address,
@@ -180,6 +223,7 @@ class Coordinator:
             clock=self._clock,
             guard=ControlGuard(cfg.limits, cfg.worker_token),
             max_heartbeat_streams=heartbeat_stream_limit(cfg.max_workers),
+            replication=replication,
         )
         servicer = self._servicer
         try:
@@ -199,6 +243,16 @@ class Coordinator:
         except BaseException:
             self._store = None
             raise
+        servicer.set_identity(self.address)
+        if replication is not None:
+            replication.leadership.identity = self.address
+            replication.leadership.on_change = servicer.on_leadership
+            replication.leadership.on_state = servicer.on_state
+            try:
+                replication.leadership.start()
+            except StoreUnavailableError as exc:
+                self.stop()
+                raise OSError(f"store {cfg.store}: {exc}") from exc
         if cfg.dashboard_port is not None:
             try:
                 self._dashboard = DashboardServer(
@@ -238,7 +292,13 @@ class Coordinator:
         return self
 
     def stop(self, grace_s: float = 1.0) -> None:
-        """Ends watch streams, stops the dashboard, the server, the ticker and the store."""
+        """Ends watch streams, stops the dashboard, the server, the ticker and the store.
+
+        A leader of an HA set resigns first, so a standby takes over at once."""
+        if self._replication is not None:
+            self._replication.leadership.stop(resign=True)
+            self._replication.close()
+            self._replication = None
         if self._dashboard is not None:
             self._dashboard.stop()
             self._dashboard = None

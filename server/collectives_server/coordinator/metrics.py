@@ -30,6 +30,12 @@ def _collect(servicer: CoordinatorServicer) -> Iterator[Metric]:
     view, events, heartbeats = servicer.metrics_snapshot()
     yield build_info(collectives_server.__version__, torch.__version__, "none")
     yield GaugeMetricFamily(
+        "collectives_coordinator_leader",
+        "1 on the coordinator that decides membership (always, with the memory store); "
+        "0 on a standby of an HA set on etcd",
+        value=1 if servicer.is_leader else 0,
+    )
+    yield GaugeMetricFamily(
         "collectives_generation", "Current generation (0: none sealed yet)", value=view.generation
     )
     yield GaugeMetricFamily(

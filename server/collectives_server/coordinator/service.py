@@ -35,16 +35,18 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc, status_pb2
+from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
+from collectives_server.coordinator.cluster_message import cluster_to_proto, status_key
 from collectives_server.coordinator.control import ControlGuard
+from collectives_server.coordinator.etcd_store import StoreUnavailableError
 from collectives_server.coordinator.membership import (
     ClusterView,
     InvalidRequestError,
     Membership,
     Outcome,
     UnknownWorkerError,
-    WorkerState,
 )
+from collectives_server.coordinator.replication import Replication
 
 __all__ = ["SERVICE_NAME", "CoordinatorServicer"]
 
@@ -52,92 +54,8 @@ SERVICE_NAME = "collectives.v1.Coordinator"
 
 log = logging.getLogger(__name__)
 
-_STATE_TO_PROTO = {
-    WorkerState.JOINING: coordinator_pb2.WORKER_STATE_JOINING,
-    WorkerState.READY: coordinator_pb2.WORKER_STATE_READY,
-    WorkerState.BUSY: coordinator_pb2.WORKER_STATE_BUSY,
-    WorkerState.DRAINING: coordinator_pb2.WORKER_STATE_DRAINING,
-    WorkerState.LOST: coordinator_pb2.WORKER_STATE_LOST,
-}
-
 # Safety net for WatchCluster waits; streams normally wake on a notification.
 _WATCH_WAKE_S = 5.0
-
-
-def status_key(status: status_pb2.WorkerStatus) -> bytes:
-    """The status without the readings that change all the time (memory in use).
-
-    Heartbeats whose key did not change do not push a new Cluster to watchers
-    at once (see :mod:`.membership`).
-    """
-    stable = status_pb2.WorkerStatus()
-    stable.CopyFrom(status)
-    for device in stable.devices:
-        device.memory_used_bytes = 0
-    stable.process_rss_bytes = 0
-    stable.host_memory_available_bytes = 0
-    return stable.SerializeToString(deterministic=True)
-
-
-def cluster_to_proto(
-    view: ClusterView, *, store_address: str, op_timeout_s: float, unix_offset_s: float = 0.0
-) -> coordinator_pb2.Cluster:
-    """Builds the Cluster message from a membership snapshot.
-
-    ``unix_offset_s`` turns the membership's clock into Unix time (history).
-    """
-    msg = coordinator_pb2.Cluster(
-        generation=view.generation,
-        formed=view.formed,
-        world_size=view.world_size,
-        store_address=rendezvous_address(view, store_address),
-        version=view.version,
-        min_workers=view.min_workers,
-        max_workers=view.max_workers,
-        status=view.status,
-        op_timeout_s=op_timeout_s,
-        ready=view.ready,
-    )
-    for w in view.workers:
-        msg.workers.add(
-            worker_id=w.worker_id,
-            rank=w.rank,
-            address=w.address,
-            hostname=w.hostname,
-            pid=w.pid,
-            state=_STATE_TO_PROTO[w.state],
-            devices=w.devices,
-            joined_generation=w.joined_generation,
-            last_heartbeat_age_s=w.last_heartbeat_age_s,
-            backend=w.backend,
-            uptime_s=w.uptime_s,
-            version=w.version,
-            status=w.status,
-        )
-    for record in view.history:
-        msg.history.add(
-            generation=record.generation,
-            sealed_unix_time_s=record.sealed_at + unix_offset_s,
-            world_size=record.world_size,
-            members=record.members,
-            reason=record.reason,
-            sealed_by=record.sealed_by,
-        )
-    return msg
-
-
-def rendezvous_address(view: ClusterView, coordinator_store: str) -> str:
-    """Where the generation's process groups meet: the store its rank 0 hosts.
-
-    Workers host a TCPStore each, so a generation's store lives as long as the
-    generation can (losing rank 0 ends it anyway) and survives the coordinator.
-    A rank 0 that hosts none (an older worker) uses the coordinator's.
-    """
-    rank0 = next((w for w in view.workers if w.rank == 0), None)
-    if rank0 is None or not rank0.store_port:
-        return coordinator_store
-    host = rank0.address.rsplit(":", 1)[0]
-    return f"{host}:{rank0.store_port}"
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
@@ -153,8 +71,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         clock: Callable[[], float] = time.monotonic,
         guard: ControlGuard | None = None,
         max_heartbeat_streams: int = 1024,
+        identity: str = "",
+        replication: Replication | None = None,
     ) -> None:
         self._membership = membership
+        membership.sealer = identity
+        self._identity = identity
+        # With an etcd store: leader or standby of an HA set (see .replication).
+        self._replication = replication
         self._store_address = store_address
         self._heartbeat_s = heartbeat_s
         self._op_timeout_s = op_timeout_s
@@ -180,12 +104,64 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         its server thread until TCP gives up.
         """
         with self._cond:
+            if self._replication is not None:
+                if not self._replication.leading:
+                    return  # a standby's copy changes only with the leader's document
+                if self._replication.held is not None:
+                    self._persist()
             self._apply(self._membership.tick(self._clock()))
             if self._membership.events["lost"] != self._lost_seen:
                 self.guard.reap(self._membership)
             stale = self._streams_of_lost_workers()
         for context in stale:
             context.cancel()
+
+    # ---- leadership (called by the election thread of an etcd store) ----------------
+
+    def set_identity(self, address: str) -> None:
+        """This coordinator's address (known once its server listens): seals are signed so."""
+        with self._cond:
+            self._identity = address
+            self._membership.sealer = address
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this coordinator decides membership (always, with the memory store)."""
+        return self._replication is None or self._replication.leading
+
+    def on_leadership(self, leading: bool) -> None:
+        """Takes over from the stored state, or becomes a standby (keeping its copy)."""
+        assert self._replication is not None
+        failed: Exception | None = None
+        with self._cond:
+            if leading:
+                try:
+                    self._membership = self._replication.take_over(self.guard.leases)
+                except (StoreUnavailableError, KeyError, ValueError) as exc:
+                    failed = exc
+                else:
+                    self._persist()
+                    log.info("leading: %s", self._membership.status)
+            streams = [] if leading else list(self._heartbeat_streams)
+            self._notify_if_changed()
+        if failed is not None:  # outside the lock: stepping down calls us back
+            log.error("could not take over: %s", failed)
+            self._replication.leadership.step_down(f"the stored state is unreadable: {failed}")
+        for context in streams:  # their workers heartbeat through us to the new leader
+            context.cancel()
+
+    def on_state(self, doc: dict) -> None:
+        """A standby's copy follows the document the leader wrote."""
+        assert self._replication is not None
+        with self._cond:
+            if self._replication.leading:
+                return
+            try:
+                self._membership = self._replication.replica(doc, self.guard.leases)
+            except (KeyError, ValueError) as exc:
+                log.error("unreadable membership document in etcd: %s", exc)
+                return
+            self._notify_if_changed()
 
     def close(self) -> None:
         """Ends every WatchCluster and HeartbeatStream stream; later calls answer UNAVAILABLE."""
@@ -228,10 +204,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         """
         with self._cond:
             self._cond.wait_for(
-                lambda: self._closed or self._membership.version > after_version,
+                lambda: self._closed or self._visible_version() > after_version,
                 timeout=timeout_s,
             )
-            if self._closed or self._membership.version <= after_version:
+            if self._closed or self._visible_version() <= after_version:
                 return None
             return self._cluster()
 
@@ -241,6 +217,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self, request: coordinator_pb2.RegisterRequest, context: grpc.ServicerContext
     ) -> coordinator_pb2.RegisterResponse:
         self.guard.check_worker(context, "Register")
+        if self._standby():
+            return self._replication.forward("Register", request, context)  # type: ignore[union-attr]
         with self._cond:
             self._check_open(context)
             self.guard.check_register(context, request, self._membership)
@@ -274,6 +252,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self, request: coordinator_pb2.HeartbeatRequest, context: grpc.ServicerContext
     ) -> coordinator_pb2.HeartbeatResponse:
         self.guard.check_worker(context, "Heartbeat")
+        if self._standby():
+            return self._replication.forward("Heartbeat", request, context)  # type: ignore[union-attr]
         return self._heartbeat(request, context, "Heartbeat")
 
     def HeartbeatStream(
@@ -284,6 +264,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.guard.check_worker(context, "HeartbeatStream")
         with self._cond:
             self._check_open(context)
+            self._check_leading(context, "HeartbeatStream")
             if len(self._heartbeat_streams) >= self._max_heartbeat_streams:
                 context.abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -304,6 +285,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self, request: coordinator_pb2.LeaveRequest, context: grpc.ServicerContext
     ) -> coordinator_pb2.LeaveResponse:
         self.guard.check_worker(context, "Leave")
+        if self._standby():
+            return self._replication.forward("Leave", request, context)  # type: ignore[union-attr]
         with self._cond:
             self._check_open(context)
             self.guard.check_lease(
@@ -354,13 +337,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             while True:
                 self._cond.wait_for(
                     lambda: (
-                        self._closed or ended.is_set() or self._membership.version > after_version
+                        self._closed or ended.is_set() or self._visible_version() > after_version
                     ),
                     timeout=_WATCH_WAKE_S,
                 )
                 if self._closed or ended.is_set() or not context.is_active():
                     return None
-                if self._membership.version > after_version:
+                if self._visible_version() > after_version:
                     return self._cluster()
 
     def _heartbeat(
@@ -377,6 +360,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         key = status_key(request.status) if has_status else None
         with self._cond:
             self._check_open(context)
+            self._check_leading(context, rpc)
             self._heartbeats_received += 1
             self.guard.check_lease(
                 context, rpc, self._membership, request.worker_id, request.lease_secret
@@ -398,6 +382,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             if stream:
                 self._heartbeat_streams[context] = request.worker_id
             self._apply(outcome, quiet=True)
+            held = self._replication.held if self._replication is not None else None
+            if held is not None:  # a change waits for etcd: nobody hears of it yet
+                return coordinator_pb2.HeartbeatResponse(
+                    generation=held.generation, version=held.version
+                )
             return coordinator_pb2.HeartbeatResponse(
                 generation=self._membership.generation, version=self._membership.version
             )
@@ -417,6 +406,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         ]
 
     def _cluster(self) -> coordinator_pb2.Cluster:
+        replication = self._replication
+        if replication is not None and replication.held is not None:
+            return replication.held
+        msg = self._build_cluster()
+        msg.leader = replication.leader if replication is not None else self._identity
+        msg.store = "etcd" if replication is not None else "memory"
+        return msg
+
+    def _build_cluster(self) -> coordinator_pb2.Cluster:
         now = self._clock()
         msg = cluster_to_proto(
             self._membership.view(now),
@@ -429,6 +427,26 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             self.guard.budget.measured(msg.ByteSize())
         return msg
 
+    def _standby(self) -> bool:
+        return self._replication is not None and not self._replication.leading
+
+    def _check_leading(self, context: grpc.ServicerContext, rpc: str) -> None:
+        if self._standby():
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{rpc}: this coordinator is a standby (leader: "
+                f"{self._replication.leader or 'none yet'}); send unary calls, it forwards them",  # type: ignore[union-attr]
+            )
+
+    def _visible_version(self) -> int:
+        held = self._replication.held if self._replication is not None else None
+        return held.version if held is not None else self._membership.version
+
+    def _persist(self) -> None:
+        """Leader with an etcd store: records the state before anyone sees it."""
+        assert self._replication is not None
+        self._replication.persist(self._membership, self.guard.leases, self._cluster)
+
     def _check_open(self, context: grpc.ServicerContext) -> None:
         if self._closed:
             context.abort(
@@ -437,6 +455,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     def _apply(self, outcome: Outcome, *, quiet: bool = False) -> None:
         """Logs an outcome and wakes the watch streams if the version moved."""
+        if outcome.changed and self._replication is not None and self._replication.leading:
+            self._persist()
         if outcome.changed:
             loud = not quiet or outcome.sealed or outcome.lost
             log.log(
@@ -450,6 +470,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     def _notify_if_changed(self) -> None:
         # Also after a failed Heartbeat or Leave: it may have expired leases (and sealed).
-        if self._notified_version != self._membership.version:
-            self._notified_version = self._membership.version
+        if self._notified_version != self._visible_version():
+            self._notified_version = self._visible_version()
             self._cond.notify_all()

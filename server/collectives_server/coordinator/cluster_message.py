@@ -1,0 +1,92 @@
+"""The Cluster message, built from a membership snapshot (and the status key heartbeats use)."""
+
+from __future__ import annotations
+
+from collectives.v1 import coordinator_pb2, status_pb2
+from collectives_server.coordinator.model import ClusterView, WorkerState
+
+__all__ = ["cluster_to_proto", "rendezvous_address", "status_key"]
+
+_STATE_TO_PROTO = {
+    WorkerState.JOINING: coordinator_pb2.WORKER_STATE_JOINING,
+    WorkerState.READY: coordinator_pb2.WORKER_STATE_READY,
+    WorkerState.BUSY: coordinator_pb2.WORKER_STATE_BUSY,
+    WorkerState.DRAINING: coordinator_pb2.WORKER_STATE_DRAINING,
+    WorkerState.LOST: coordinator_pb2.WORKER_STATE_LOST,
+}
+
+
+def status_key(status: status_pb2.WorkerStatus) -> bytes:
+    """The status without the readings that change all the time (memory in use).
+
+    Heartbeats whose key did not change do not push a new Cluster to watchers
+    at once (see :mod:`.membership`).
+    """
+    stable = status_pb2.WorkerStatus()
+    stable.CopyFrom(status)
+    for device in stable.devices:
+        device.memory_used_bytes = 0
+    stable.process_rss_bytes = 0
+    stable.host_memory_available_bytes = 0
+    return stable.SerializeToString(deterministic=True)
+
+
+def cluster_to_proto(
+    view: ClusterView, *, store_address: str, op_timeout_s: float, unix_offset_s: float = 0.0
+) -> coordinator_pb2.Cluster:
+    """Builds the Cluster message from a membership snapshot.
+
+    ``unix_offset_s`` turns the membership's clock into Unix time (history).
+    """
+    msg = coordinator_pb2.Cluster(
+        generation=view.generation,
+        formed=view.formed,
+        world_size=view.world_size,
+        store_address=rendezvous_address(view, store_address),
+        version=view.version,
+        min_workers=view.min_workers,
+        max_workers=view.max_workers,
+        status=view.status,
+        op_timeout_s=op_timeout_s,
+        ready=view.ready,
+    )
+    for w in view.workers:
+        msg.workers.add(
+            worker_id=w.worker_id,
+            rank=w.rank,
+            address=w.address,
+            hostname=w.hostname,
+            pid=w.pid,
+            state=_STATE_TO_PROTO[w.state],
+            devices=w.devices,
+            joined_generation=w.joined_generation,
+            last_heartbeat_age_s=w.last_heartbeat_age_s,
+            backend=w.backend,
+            uptime_s=w.uptime_s,
+            version=w.version,
+            status=w.status,
+        )
+    for record in view.history:
+        msg.history.add(
+            generation=record.generation,
+            sealed_unix_time_s=record.sealed_at + unix_offset_s,
+            world_size=record.world_size,
+            members=record.members,
+            reason=record.reason,
+            sealed_by=record.sealed_by,
+        )
+    return msg
+
+
+def rendezvous_address(view: ClusterView, coordinator_store: str) -> str:
+    """Where the generation's process groups meet: the store its rank 0 hosts.
+
+    Workers host a TCPStore each, so a generation's store lives as long as the
+    generation can (losing rank 0 ends it anyway) and survives the coordinator.
+    A rank 0 that hosts none (an older worker) uses the coordinator's.
+    """
+    rank0 = next((w for w in view.workers if w.rank == 0), None)
+    if rank0 is None or not rank0.store_port:
+        return coordinator_store
+    host = rank0.address.rsplit(":", 1)[0]
+    return f"{host}:{rank0.store_port}"

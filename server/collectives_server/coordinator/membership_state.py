@@ -1,0 +1,158 @@
+"""The membership as a JSON document, so another coordinator can take over from it.
+
+With an etcd store (:mod:`.etcd_store`) the leading coordinator writes this
+document after every change (fenced by its leadership) and standbys read it: it
+holds everything :class:`~.membership.Membership` decides from (workers, their
+order and id prefix, the generation and its members, history, counters) and the
+lease secrets, so workers keep their ids and secrets across a failover.
+
+Times on the membership's monotonic clock travel as Unix times. Restoring gives
+every live worker a fresh lease: a new leader cannot know when it last heard
+from them, and declaring them all lost would break a healthy generation.
+
+This module reads and sets :class:`~.membership.Membership`'s private state on
+purpose: it is that class's persistence, kept apart so the rules stay in one
+file of readable size.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+from typing import Any
+
+from collectives.v1 import status_pb2
+from collectives_server.coordinator.admission import LeaseBook
+from collectives_server.coordinator.membership import Membership
+from collectives_server.coordinator.model import GenerationRecord
+from collectives_server.coordinator.worker_records import WorkerRecord
+
+__all__ = ["FORMAT", "export_state", "restore_state"]
+
+FORMAT = 1
+
+
+def _status_bytes(status: Any) -> str | None:
+    if status is None or not hasattr(status, "SerializeToString"):
+        return None
+    return base64.b64encode(status.SerializeToString()).decode()
+
+
+def _worker(w: WorkerRecord, now: float, unix_now: float) -> dict[str, Any]:
+    return {
+        "id": w.worker_id,
+        "address": w.address,
+        "hostname": w.hostname,
+        "pid": w.pid,
+        "devices": list(w.devices),
+        "backend": w.backend,
+        "version": w.version,
+        "order": w.order,
+        "registered_unix": unix_now - (now - w.registered_at),
+        "joined_generation": w.joined_generation,
+        "busy": w.busy,
+        "lost_unix": None if w.lost_at is None else unix_now - (now - w.lost_at),
+        "store_port": w.store_port,
+        "status": _status_bytes(w.status),
+    }
+
+
+def export_state(
+    m: Membership, leases: LeaseBook, *, now: float, unix_now: float
+) -> dict[str, Any]:
+    """Everything a successor needs, as JSON-ready data."""
+    return {
+        "format": FORMAT,
+        "id_prefix": m._id_prefix,
+        "next_order": m._next_order,
+        "generation": m._generation,
+        "members": list(m._members),
+        "formed": m._formed,
+        "version": m._version,
+        "events": dict(m.events),
+        "workers": [_worker(w, now, unix_now) for w in m._workers.values()],
+        "history": [
+            {
+                "generation": r.generation,
+                "sealed_unix": unix_now - (now - r.sealed_at),
+                "world_size": r.world_size,
+                "members": list(r.members),
+                "reason": r.reason,
+                "sealed_by": r.sealed_by,
+            }
+            for r in m._history
+        ],
+        "leases": leases.export(),
+    }
+
+
+def restore_state(
+    data: dict[str, Any],
+    m: Membership,
+    leases: LeaseBook,
+    *,
+    now: float,
+    unix_now: float,
+    reason: str,
+) -> None:
+    """Loads ``data`` into a fresh ``m`` (built with the same limits) and ``leases``.
+
+    ``m``'s version ends above the stored one, so watchers see the takeover.
+    Raises ValueError for a document of another format.
+    """
+    if data.get("format") != FORMAT:
+        raise ValueError(f"membership state of format {data.get('format')!r}; expected {FORMAT}")
+
+    def mono(unix_time: float) -> float:
+        return now - max(0.0, unix_now - unix_time)
+
+    m._id_prefix = data["id_prefix"]
+    m._next_order = int(data["next_order"])
+    m._generation = int(data["generation"])
+    m._members = list(data["members"])
+    m._formed = bool(data["formed"])
+    m._version = max(m._version, int(data["version"]) + 1)
+    m.events = collections.Counter({k: int(v) for k, v in data["events"].items()})
+    m._workers = {}
+    m._live_n = 0
+    m._leases.entries = []
+    for row in data["workers"]:
+        status = None
+        if row.get("status"):
+            status = status_pb2.WorkerStatus.FromString(base64.b64decode(row["status"]))
+        w = WorkerRecord(
+            worker_id=row["id"],
+            address=row["address"],
+            hostname=row["hostname"],
+            pid=int(row["pid"]),
+            devices=tuple(row["devices"]),
+            backend=row["backend"],
+            version=row["version"],
+            order=int(row["order"]),
+            registered_at=mono(float(row["registered_unix"])),
+            last_heartbeat=now,
+            joined_generation=int(row["joined_generation"]),
+            busy=bool(row["busy"]),
+            lost_at=None if row["lost_unix"] is None else mono(float(row["lost_unix"])),
+            status=status,
+            store_port=int(row.get("store_port", 0)),
+        )
+        m._workers[w.worker_id] = w
+        if not w.lost:
+            m._live_n += 1
+            m._leases.renew(w, now, m._workers)
+    m._history.clear()
+    for r in data["history"]:
+        m._history.append(
+            GenerationRecord(
+                generation=int(r["generation"]),
+                sealed_at=mono(float(r["sealed_unix"])),
+                world_size=int(r["world_size"]),
+                members=tuple(r["members"]),
+                reason=r["reason"],
+                sealed_by=r.get("sealed_by", ""),
+            )
+        )
+    m._last_registration = None
+    leases.restore(data.get("leases", {}))
+    m._finish(now, True, reason)
