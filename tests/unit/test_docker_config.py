@@ -18,11 +18,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from daemon_cli import parse_coordinator, parse_worker
 from grafana_queries import DASHBOARD, dashboard_queries, parse_expr
-
-from collectives_server.cli import build_parser
-from collectives_server.cmd_coordinator import config_from_args as coordinator_config
-from collectives_server.cmd_worker import config_from_args as worker_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
@@ -109,8 +106,7 @@ def _published(service: dict) -> set[int]:
 
 
 def _coordinator(compose: dict):
-    args = build_parser().parse_args(_command(compose["services"]["coordinator"]))
-    return coordinator_config(args, args.parser)
+    return parse_coordinator(_command(compose["services"]["coordinator"]))
 
 
 def _workers(compose: dict) -> dict:
@@ -118,7 +114,7 @@ def _workers(compose: dict) -> dict:
     for name, service in _services(compose, "worker").items():
         argv = _command(service)
         assert argv[0] == "worker", f"{name} runs {argv[0]!r}"
-        workers[name] = worker_config(build_parser().parse_args(argv))
+        workers[name] = parse_worker(argv)
     return workers
 
 
