@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from grafana_queries import DASHBOARD, dashboard_queries, parse_expr
+from grafana_queries import DASHBOARD, all_values, dashboard_queries, parse_expr, render
 
 from collectives_server.cli import build_parser
 from collectives_server.cmd_coordinator import config_from_args as coordinator_config
@@ -281,3 +281,16 @@ def test_workers_accept_model_uploads(compose: dict) -> None:
     for name, config in _workers(compose).items():
         assert config.model_upload.allow, f"{name}: add --allow-model-upload"
         assert config.model_upload.load_sandbox, f"{name}: the load sandbox should stay on"
+
+
+def test_render_substitutes_grafana_variables() -> None:
+    values = {"instance": ".*", "__rate_interval": "15s"}
+    expr = 'rate(x{instance=~"$instance"}[$__rate_interval]) + y{i=~"${instance}"}[[instance]]'
+    assert render(expr, values) == 'rate(x{instance=~".*"}[15s]) + y{i=~".*"}.*'
+    with pytest.raises(KeyError, match="nope"):
+        render("x{a=~'$nope'}", values)
+    with pytest.raises(ValueError, match="format"):
+        render("${instance:csv}", values)
+    for query in dashboard_queries():  # every variable of the dashboard has a value
+        if not query.variable:
+            assert "$" not in render(query.expr, {**values, **all_values()}), query.where
