@@ -42,6 +42,7 @@ CONTRACT = {
     "collectives_membership_changes_total",
     "collectives_heartbeats_received_total",
     "collectives_worker_heartbeat_age_seconds",
+    "collectives_coordinator_leader",
     # workers
     "collectives_ops_total",
     "collectives_op_latency_seconds_bucket",

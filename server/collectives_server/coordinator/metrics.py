@@ -6,7 +6,7 @@ Names are a contract with the Grafana dashboard (``docker/``); see
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
@@ -24,11 +24,20 @@ __all__ = ["MEMBERSHIP_REASONS", "coordinator_registry"]
 MEMBERSHIP_REASONS = ("joined", "lost", "left")
 
 
-def _collect(servicer: CoordinatorServicer) -> Iterator[Metric]:
+def _leads() -> bool:
+    return True  # a coordinator on the memory store is the only one: it always leads
+
+
+def _collect(servicer: CoordinatorServicer, is_leader: Callable[[], bool]) -> Iterator[Metric]:
     import torch  # already loaded by the rendezvous store
 
     view, events, heartbeats = servicer.metrics_snapshot()
     yield build_info(collectives_server.__version__, torch.__version__, "none")
+    yield GaugeMetricFamily(
+        "collectives_coordinator_leader",
+        "1 on the coordinator that leads now, 0 on a standby",
+        value=1 if is_leader() else 0,
+    )
     yield GaugeMetricFamily(
         "collectives_generation", "Current generation (0: none sealed yet)", value=view.generation
     )
@@ -97,8 +106,13 @@ def _control(servicer: CoordinatorServicer) -> Iterator[Metric]:
     )
 
 
-def coordinator_registry(servicer: CoordinatorServicer) -> CollectorRegistry:
-    """A registry (of its own) serving the coordinator's metrics."""
+def coordinator_registry(
+    servicer: CoordinatorServicer, is_leader: Callable[[], bool] = _leads
+) -> CollectorRegistry:
+    """A registry (of its own) serving the coordinator's metrics.
+
+    ``is_leader`` is read at every scrape (``collectives_coordinator_leader``).
+    """
     registry = new_registry()
-    registry.register(FunctionCollector(lambda: _collect(servicer)))
+    registry.register(FunctionCollector(lambda: _collect(servicer, is_leader)))
     return registry
