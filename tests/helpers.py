@@ -32,6 +32,7 @@ __all__ = [
     "assert_tensor",
     "get_each",
     "make_input",
+    "metrics_endpoints",
     "op_valid",
     "put_each",
     "reduce_oracle",
@@ -378,6 +379,20 @@ class AddressedDaemon:
             self.proc.wait(timeout=10)
         if self._log is not None:
             self._log.close()
+
+
+_METRICS_ENDPOINT = re.compile(r"(coordinator|worker) metrics at http://(\S+)/metrics")
+
+
+def metrics_endpoints(log_path: Path, workers: int) -> dict[str, list[str]] | None:
+    """{"coordinator": [address], "worker": [address, ...]}: the /metrics endpoints a
+    ``local --metrics-port 0`` cluster logged, once all are there (else None)."""
+    found: dict[str, list[str]] = {"coordinator": [], "worker": []}
+    for role, address in _METRICS_ENDPOINT.findall(log_path.read_text(errors="replace")):
+        found[role].append(address)
+    if len(found["coordinator"]) == 1 and len(found["worker"]) == workers:
+        return found
+    return None
 
 
 # ------------------------------------------------------------------ connecting

@@ -11,27 +11,15 @@ Prometheus stores and PromQL queries.
 
 from __future__ import annotations
 
-import re
 import urllib.request
 
 import pytest
 import torch
 from grafana_queries import IMPLICIT_LABELS, dashboard_queries
-from helpers import wait_until
+from helpers import metrics_endpoints, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 import collectives
-
-_ENDPOINT = re.compile(r"(coordinator|worker) metrics at http://(\S+)/metrics")
-
-
-def _endpoints(log_path, workers: int) -> dict[str, list[str]] | None:
-    found: dict[str, list[str]] = {"coordinator": [], "worker": []}
-    for role, address in _ENDPOINT.findall(log_path.read_text(errors="replace")):
-        found[role].append(address)
-    if len(found["coordinator"]) == 1 and len(found["worker"]) == workers:
-        return found
-    return None
 
 
 def _scrape(address: str) -> dict[str, set[str]]:
@@ -49,7 +37,7 @@ def _scrape(address: str) -> dict[str, set[str]]:
 def test_every_dashboard_metric_is_exported(fresh_cluster, gen, uname) -> None:
     local, cluster = fresh_cluster(2, "--metrics-port", "0")
     endpoints = wait_until(
-        lambda: _endpoints(local.log_path, 2), 30, "metrics endpoints in the cluster's log"
+        lambda: metrics_endpoints(local.log_path, 2), 30, "metrics endpoints in the cluster's log"
     )
     # A workload that touches every labelled series: data moved both ways, a
     # collective, a failed op, and a membership history.

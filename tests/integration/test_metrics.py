@@ -95,6 +95,7 @@ def test_metrics_agree_with_the_workload(fresh_cluster):
     assert value(coordinator, "collectives_generation") == generation
     assert value(coordinator, "collectives_world_size") == WORKERS
     assert value(coordinator, "collectives_cluster_formed") == 1
+    assert value(coordinator, "collectives_coordinator_leader") == 1  # the memory store's
     assert value(coordinator, "collectives_workers", state="ready") == WORKERS
     for state in ("joining", "busy", "draining", "lost"):
         assert value(coordinator, "collectives_workers", state=state) == 0

@@ -5,7 +5,9 @@ the compose plugin; elsewhere (our machines) the file is parsed with PyYAML. Eit
 way the daemons' command lines are parsed with the real ``collectives-server``
 argument parser, so a flag that does not exist fails here, not in a container.
 Whether the code exports every metric the Grafana dashboard queries is checked
-against live /metrics endpoints in tests/integration/test_grafana_metrics.py.
+against live /metrics endpoints in tests/integration/test_grafana_metrics.py, and
+whether a real Prometheus returns data for every query in
+tests/integration/test_prometheus_real.py (whose config rewrite is tested here).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 from daemon_cli import parse_coordinator, parse_worker
-from grafana_queries import DASHBOARD, dashboard_queries, parse_expr
+from grafana_queries import DASHBOARD, all_values, dashboard_queries, parse_expr, render
+from prometheus_server import PROJECT_CONFIG, local_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
@@ -36,6 +39,7 @@ CONTRACT = {
     "collectives_membership_changes_total",
     "collectives_heartbeats_received_total",
     "collectives_worker_heartbeat_age_seconds",
+    "collectives_coordinator_leader",
     # workers
     "collectives_ops_total",
     "collectives_op_latency_seconds_bucket",
@@ -277,3 +281,47 @@ def test_workers_accept_model_uploads(compose: dict) -> None:
     for name, config in _workers(compose).items():
         assert config.model_upload.allow, f"{name}: add --allow-model-upload"
         assert config.model_upload.load_sandbox, f"{name}: the load sandbox should stay on"
+
+
+def test_render_substitutes_grafana_variables() -> None:
+    values = {"instance": ".*", "__rate_interval": "15s"}
+    expr = 'rate(x{instance=~"$instance"}[$__rate_interval]) + y{i=~"${instance}"}[[instance]]'
+    assert render(expr, values) == 'rate(x{instance=~".*"}[15s]) + y{i=~".*"}.*'
+    with pytest.raises(KeyError, match="nope"):
+        render("x{a=~'$nope'}", values)
+    with pytest.raises(ValueError, match="format"):
+        render("${instance:csv}", values)
+    for query in dashboard_queries():  # every variable of the dashboard has a value
+        if not query.variable:
+            assert "$" not in render(query.expr, {**values, **all_values()}), query.where
+
+
+def test_local_config_changes_only_targets_and_intervals() -> None:
+    project = yaml.safe_load(PROJECT_CONFIG.read_text())
+    live = {"coordinator": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3"]}
+    config = local_config(project, live, "1s")
+    assert config["global"]["scrape_interval"] == config["global"]["evaluation_interval"] == "1s"
+    targets = [
+        t for job in config["scrape_configs"] for st in job["static_configs"] for t in st["targets"]
+    ]
+    assert sorted(targets) == sorted(live["coordinator"] + live["worker"])
+    for job, ours in zip(project["scrape_configs"], config["scrape_configs"], strict=True):
+        assert ours["job_name"] == job["job_name"]
+        for static, mine in zip(job["static_configs"], ours["static_configs"], strict=True):
+            assert mine["labels"] == static["labels"]
+            assert len(mine["targets"]) == len(static["targets"])
+            assert set(mine["targets"]) <= set(live[static["labels"]["role"]])
+    assert project["global"]["scrape_interval"] != "1s", "the project file was modified"
+    # Anything else is kept as written.
+    project["global"]["external_labels"] = {"stack": "compose"}
+    project["scrape_configs"][0] |= {"metrics_path": "/m", "scrape_interval": "9s"}
+    project["rule_files"] = ["rules.yml"]
+    config = local_config(project, live, "1s")
+    assert config["global"]["external_labels"] == {"stack": "compose"}
+    assert config["scrape_configs"][0]["metrics_path"] == "/m"
+    assert config["scrape_configs"][0]["scrape_interval"] == "1s"
+    assert config["rule_files"] == ["rules.yml"]
+    with pytest.raises(ValueError, match="no job"):
+        local_config(project, {**live, "worker": [*live["worker"], "127.0.0.1:4"]}, "1s")
+    with pytest.raises(ValueError, match="only 1 live"):
+        local_config(project, {**live, "worker": live["worker"][:1]}, "1s")
