@@ -104,6 +104,8 @@ class GenerationRecord:
     world_size: int
     members: tuple[str, ...]
     reason: str
+    # The coordinator that sealed it (with an HA set on etcd: the leader then).
+    sealed_by: str = ""
 
     @classmethod
     def from_proto(cls, msg: coordinator_pb2.GenerationRecord) -> GenerationRecord:
@@ -113,6 +115,7 @@ class GenerationRecord:
             world_size=int(msg.world_size),
             members=tuple(msg.members),
             reason=msg.reason,
+            sealed_by=msg.sealed_by,
         )
 
 
@@ -309,6 +312,10 @@ class ClusterSnapshot:
     store_address: str = ""
     # The most recent sealed generations, oldest first (the coordinator keeps 50).
     history: tuple[GenerationRecord, ...] = ()
+    # The coordinator that decides membership ("" while an HA set has no leader),
+    # and where membership lives ("memory" or "etcd").
+    coordinator_leader: str = ""
+    store: str = "memory"
     # Members indexed by rank, derived from ``workers``.
     _by_rank: dict[int, WorkerInfo] = field(default_factory=dict, repr=False, compare=False)
 
@@ -330,6 +337,8 @@ class ClusterSnapshot:
             max_workers=int(msg.max_workers),
             store_address=msg.store_address,
             history=tuple(GenerationRecord.from_proto(r) for r in msg.history),
+            coordinator_leader=msg.leader,
+            store=msg.store or "memory",
         )
 
     @property
@@ -383,4 +392,6 @@ class ClusterSnapshot:
             "store_address": self.store_address,
             "workers": [w.to_dict() for w in self.workers],
             "history": [asdict(r) for r in self.history],
+            "coordinator_leader": self.coordinator_leader,
+            "store": self.store,
         }

@@ -1,12 +1,13 @@
 """A gRPC channel target for one coordinator address, or for several.
 
-``host:port`` is used as it is (gRPC's DNS resolver re-resolves it, so one DNS
-name with several records, e.g. a Kubernetes Service, already spreads over
-them). A list ``h1:p1,h2:p2,h3:p3`` becomes one ``ipv4:`` (or ``ipv6:``) target
-of every address the hosts resolve to, in the order given; gRPC's default
-``pick_first`` policy then talks to the first that answers and moves on to the
-next when it goes away. Any coordinator of an HA set answers reads and passes
-writes to the leader, so whichever one a channel picks is the right one.
+``host:port`` is used as it is (gRPC's DNS resolver re-resolves it, and moves to
+another of a name's addresses when one goes away: a Kubernetes Service name over
+every coordinator works so). A list ``h1:p1,h2:p2,h3:p3`` becomes one ``ipv4:``
+(or ``ipv6:``) target of every address the hosts resolve to, and gRPC's
+``round_robin`` policy then spreads calls over those that answer: any coordinator
+of an HA set answers reads and passes writes to the leader, and one that cannot
+answer (it lost etcd, so its view may be stale) refuses with UNAVAILABLE, which
+the caller's retry sends to the next one.
 """
 
 from __future__ import annotations
@@ -59,7 +60,10 @@ def channel_target(address: str, *, tls: bool = False) -> tuple[str, list[tuple[
     target = "ipv4:" + ",".join(v4) if v4 else "ipv6:" + ",".join(v6)
     first_host = _host_port(parts[0])[0]
     # Headers and the TLS name check use the first name given, not an IP address.
-    options: list[tuple[str, Any]] = [("grpc.default_authority", parts[0])]
+    options: list[tuple[str, Any]] = [
+        ("grpc.default_authority", parts[0]),
+        ("grpc.lb_policy_name", "round_robin"),
+    ]
     if tls:
         options.append(("grpc.ssl_target_name_override", first_host))
     return target, options

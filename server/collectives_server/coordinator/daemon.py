@@ -248,6 +248,7 @@ class Coordinator:
             replication.leadership.identity = self.address
             replication.leadership.on_change = servicer.on_leadership
             replication.leadership.on_state = servicer.on_state
+            replication.leadership.on_reach = servicer.on_reach
             try:
                 replication.leadership.start()
             except StoreUnavailableError as exc:

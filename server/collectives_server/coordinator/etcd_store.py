@@ -144,6 +144,7 @@ class EtcdLeadership:
         ttl_s: int = 3,
         on_change: Callable[[bool], None] = lambda leading: None,
         on_state: Callable[[dict[str, Any]], None] = lambda doc: None,
+        on_reach: Callable[[bool], None] = lambda reached: None,
     ) -> None:
         if ttl_s < 1:
             raise ValueError(f"the leader TTL is whole seconds >= 1, got {ttl_s}")
@@ -155,13 +156,16 @@ class EtcdLeadership:
         self._state_key = f"{_PREFIX}/{cluster}/state"
         self.on_change = on_change
         self.on_state = on_state
+        self.on_reach = on_reach  # etcd reachable again (True) / cut off for a TTL (False)
         self._lock = threading.Lock()
         self._lease_id = 0
         self._token = 0  # create_revision of our leader key while we lead
         self._leader = ""  # the leader's address as last read ("" when none)
         self._state_rev = 0  # mod_revision of the last document seen
         self._renewed_at = 0.0
+        self._reached_at = time.monotonic()  # the last etcd request that was answered
         self._untold = False  # stepped down inside persist(): on_change(False) still due
+        self._told_cut_off = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.poll_s = min(0.25, ttl_s / 4)
@@ -178,6 +182,11 @@ class EtcdLeadership:
         """The leading coordinator's address, as last seen ("" if none)."""
         with self._lock:
             return self.identity if self._token else self._leader
+
+    @property
+    def cut_off(self) -> bool:
+        """True when etcd has not answered for a whole TTL: this view may be stale."""
+        return time.monotonic() - self._reached_at > self.ttl_s
 
     # ---- lifecycle ------------------------------------------------------------
 
@@ -260,7 +269,15 @@ class EtcdLeadership:
                     self._campaign()
                 if not self.leading:
                     self._follow_state()
+                self._reached_at = time.monotonic()
+                if self._told_cut_off:
+                    self._told_cut_off = False
+                    log.info("etcd answers again")
+                    self.on_reach(True)
             except StoreUnavailableError as exc:
+                if not self._told_cut_off and self.cut_off:
+                    self._told_cut_off = True
+                    self.on_reach(False)
                 silent = time.monotonic() - self._renewed_at
                 if self.leading and silent > self.ttl_s - self.poll_s:
                     self._lose(f"etcd unreachable for {silent:.1f} s ({exc})")

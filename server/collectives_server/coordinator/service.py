@@ -150,6 +150,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         for context in streams:  # their workers heartbeat through us to the new leader
             context.cancel()
 
+    def on_reach(self, reached: bool) -> None:
+        """etcd answers again, or has not for a TTL: watch streams re-check (and end)."""
+        with self._cond:
+            self._cond.notify_all()
+
     def on_state(self, doc: dict) -> None:
         """A standby's copy follows the document the leader wrote."""
         assert self._replication is not None
@@ -304,11 +309,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def GetCluster(
         self, request: coordinator_pb2.GetClusterRequest, context: grpc.ServicerContext
     ) -> coordinator_pb2.Cluster:
+        self._check_current(context, "GetCluster")
         return self.snapshot()
 
     def WatchCluster(
         self, request: coordinator_pb2.WatchClusterRequest, context: grpc.ServicerContext
     ) -> Iterator[coordinator_pb2.Cluster]:
+        self._check_current(context, "WatchCluster")
         with self._cond:
             self._check_open(context)
             peer = self.guard.open_watch(context)
@@ -328,6 +335,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         finally:
             with self._cond:
                 self.guard.close_watch(peer)
+        self._check_current(context, "WatchCluster")
 
     def _next_change(
         self, after_version: int, ended: threading.Event, context: grpc.ServicerContext
@@ -337,11 +345,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             while True:
                 self._cond.wait_for(
                     lambda: (
-                        self._closed or ended.is_set() or self._visible_version() > after_version
+                        self._closed
+                        or ended.is_set()
+                        or self._visible_version() > after_version
+                        or self._cut_off()
                     ),
                     timeout=_WATCH_WAKE_S,
                 )
-                if self._closed or ended.is_set() or not context.is_active():
+                if self._closed or ended.is_set() or not context.is_active() or self._cut_off():
                     return None
                 if self._visible_version() > after_version:
                     return self._cluster()
@@ -436,6 +447,19 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 grpc.StatusCode.UNAVAILABLE,
                 f"{rpc}: this coordinator is a standby (leader: "
                 f"{self._replication.leader or 'none yet'}); send unary calls, it forwards them",  # type: ignore[union-attr]
+            )
+
+    def _cut_off(self) -> bool:
+        return self._replication is not None and self._replication.leadership.cut_off
+
+    def _check_current(self, context: grpc.ServicerContext, rpc: str) -> None:
+        """Refuses reads from a coordinator that lost etcd: its copy may be stale."""
+        if self._cut_off():
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{rpc}: this coordinator has not reached etcd for over "
+                f"{self._replication.leadership.ttl_s} s, so its view may be stale; "  # type: ignore[union-attr]
+                "ask another coordinator of the set",
             )
 
     def _visible_version(self) -> int:
