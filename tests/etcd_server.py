@@ -9,16 +9,13 @@ directory, as an etcd outage would look to its clients.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import signal
 import socket
 import subprocess
 import urllib.request
 from pathlib import Path
 
-import pytest
-from helpers import wait_until
+from helpers import required_binary, wait_until
 
 __all__ = ["EtcdServer", "etcd_binary"]
 
@@ -27,12 +24,7 @@ MISSING = "etcd is not installed (Debian: apt-get install etcd-server)"
 
 def etcd_binary() -> str:
     """The ``etcd`` binary; skips the test without one (fails with CI=true)."""
-    found = shutil.which("etcd")
-    if found is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true but the etcd tests cannot run: {MISSING}")
-        pytest.skip(MISSING)
-    return found
+    return required_binary("etcd", MISSING)
 
 
 def _free_port() -> int:

@@ -14,6 +14,7 @@ import functools
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "op_valid",
     "put_each",
     "reduce_oracle",
+    "required_binary",
     "wait_until",
 ]
 
@@ -70,6 +73,18 @@ CLUSTER_FLAGS = (
     "--max-restarts",
     "0",
 )
+
+
+def required_binary(name: str, missing: str) -> str:
+    """The path of ``name`` on PATH; skips the test without it, fails with CI=true
+    (CI installs what the tests need, so a missing one there is a CI bug)."""
+    path = shutil.which(name)
+    if path is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true but this test cannot run: {missing}")
+        pytest.skip(missing)
+    return path
+
 
 # --------------------------------------------------------------------------- time
 

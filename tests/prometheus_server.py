@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import re
-import shutil
 import subprocess
 import urllib.error
 import urllib.parse
@@ -29,9 +27,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
-from helpers import wait_until
+from helpers import required_binary, wait_until
 
 __all__ = ["PROJECT_CONFIG", "Prometheus", "local_config", "prometheus_binary"]
 
@@ -43,12 +40,7 @@ _HTTP_TIMEOUT_S = 10.0
 
 def prometheus_binary() -> str:
     """The path of the ``prometheus`` binary; skips the test without one (fails with CI=true)."""
-    path = shutil.which("prometheus")
-    if path is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true but the Prometheus test cannot run: {MISSING}")
-        pytest.skip(MISSING)
-    return path
+    return required_binary("prometheus", MISSING)
 
 
 def local_config(

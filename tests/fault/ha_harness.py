@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 from etcd_server import EtcdServer
-from harness import HEARTBEAT_S, LEASE_S, OP_TIMEOUT_S, Daemon, TcpProxy, _spawn, free_port
+from harness import TIMING_FLAGS, ClusterViews, Daemon, TcpProxy, _spawn, free_port
 from helpers import wait_until
 
 import collectives
@@ -48,7 +48,7 @@ def stored_state(etcd: EtcdServer, cluster_name: str) -> dict:
     return json.loads(base64.b64decode(kvs[0]["value"]))
 
 
-class HaCluster:
+class HaCluster(ClusterViews):
     def __init__(
         self, tmp: Path, workers: int = 3, min_workers: int = 2, coordinators: int = 3
     ) -> None:
@@ -92,12 +92,7 @@ class HaCluster:
                 str(self.min_workers),
                 "--max-workers",
                 str(self.max_workers),
-                "--heartbeat",
-                str(HEARTBEAT_S),
-                "--lease",
-                str(LEASE_S),
-                "--op-timeout-s",
-                str(OP_TIMEOUT_S),
+                *TIMING_FLAGS,
             ],
         )
         self.coordinators[i] = daemon
@@ -150,21 +145,3 @@ class HaCluster:
             return (i,) if i is not None and i != other_than else None
 
         return wait_until(agreed, timeout_s, f"a coordinator other than {other_than} to lead")[0]
-
-    def members(self) -> list:
-        return sorted((w for w in self.client.workers() if w.rank >= 0), key=lambda w: w.rank)
-
-    def wait_ready(self, size: int, after_generation: int = 0, timeout_s: float = 30.0) -> list:
-        def ready():
-            members = self.members()
-            return (
-                self.client.generation > after_generation
-                and len(members) == size
-                and all(w.state == "ready" for w in members)
-                and members
-            )
-
-        return wait_until(ready, timeout_s, f"{size} ready workers after gen {after_generation}")
-
-    def daemon_at(self, address: str) -> Daemon:
-        return next(d for d in self.workers if d.address == address)

@@ -86,7 +86,43 @@ def _spawn(name: str, args: list[str], timeout_s: float = 60.0) -> Daemon:
     return Daemon(name, proc, first[0].strip(), drain)
 
 
-class FaultCluster:
+class ClusterViews:
+    """What every process cluster of the fault tests offers: members, readiness, daemons."""
+
+    client: collectives.Cluster
+    workers: list[Daemon]
+
+    def members(self) -> list:
+        return sorted((w for w in self.client.workers() if w.rank >= 0), key=lambda w: w.rank)
+
+    def wait_ready(self, size: int, after_generation: int = 0, timeout_s: float = 30.0) -> list:
+        def ready():
+            members = self.members()
+            return (
+                self.client.generation > after_generation
+                and len(members) == size
+                and all(w.state == "ready" for w in members)
+                and members
+            )
+
+        return wait_until(ready, timeout_s, f"{size} ready workers after gen {after_generation}")
+
+    def daemon_at(self, address: str) -> Daemon:
+        return next(d for d in self.workers if d.address == address)
+
+
+# The timing flags every coordinator of the fault tests runs with.
+TIMING_FLAGS = (
+    "--heartbeat",
+    str(HEARTBEAT_S),
+    "--lease",
+    str(LEASE_S),
+    "--op-timeout-s",
+    str(OP_TIMEOUT_S),
+)
+
+
+class FaultCluster(ClusterViews):
     def __init__(
         self,
         workers: int,
@@ -114,36 +150,13 @@ class FaultCluster:
                 str(self.min_workers),
                 "--max-workers",
                 str(self.max_workers),
-                "--heartbeat",
-                str(HEARTBEAT_S),
-                "--lease",
-                str(LEASE_S),
-                "--op-timeout-s",
-                str(OP_TIMEOUT_S),
+                *TIMING_FLAGS,
             ],
         )
 
     def start_worker(self, *extra: str) -> Daemon:
         argv = ["worker", "--coordinator", f"127.0.0.1:{self.port}", *self.worker_args, *extra]
         return _spawn("worker", argv)
-
-    def members(self) -> list:
-        return sorted((w for w in self.client.workers() if w.rank >= 0), key=lambda w: w.rank)
-
-    def wait_ready(self, size: int, after_generation: int = 0, timeout_s: float = 30.0) -> list:
-        def ready():
-            members = self.members()
-            return (
-                self.client.generation > after_generation
-                and len(members) == size
-                and all(w.state == "ready" for w in members)
-                and members
-            )
-
-        return wait_until(ready, timeout_s, f"{size} ready workers after gen {after_generation}")
-
-    def daemon_at(self, address: str) -> Daemon:
-        return next(d for d in self.workers if d.address == address)
 
     def close(self) -> None:
         self.client.close()

@@ -32,3 +32,19 @@ def test_example_runs_against_a_running_cluster(
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "equal" in done.stdout
+
+
+def test_ha_failover_example_starts_etcd_and_survives_its_leader_kill() -> None:
+    """examples/ha_failover.py brings its own etcd, coordinators and workers."""
+    from etcd_server import etcd_binary
+
+    etcd_binary()  # skips without etcd (fails with CI=true)
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "ha_failover.py"), "--seconds", "2"],
+        cwd=EXAMPLES,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "leads after" in done.stdout and "equal to torch's" in done.stdout

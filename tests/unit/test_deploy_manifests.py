@@ -261,7 +261,7 @@ def test_coordinator_store_matches_the_overlay(overlay: Overlay, tmp_path: Path)
         assert args.cluster_name == "collectives"
     else:
         assert args.store == "memory"
-        assert args.cluster_name is None
+        assert args.cluster_name == "default"  # unused with the memory store
 
 
 def test_world_size_is_the_number_of_workers(overlay: Overlay, tmp_path: Path) -> None:

@@ -117,7 +117,10 @@
     const formed = document.getElementById("formed");
     formed.dataset.ok = c.formed ? (c.ready ? "true" : "partial") : "false";
     setText("formed", c.formed ? (c.ready ? "formed · ready" : "formed · joining") : "not formed");
-    setText("version", `op timeout ${num(c.op_timeout_s)} s`);
+    // An HA set on etcd: which coordinator leads (none during a failover).
+    const lead = c.store === "etcd" ? ` · leader ${c.coordinator_leader || "none (electing)"}` : "";
+    setText("version", `op timeout ${num(c.op_timeout_s)} s${lead}`);
+    formed.dataset.leader = c.coordinator_leader || "";
     formed.title = `membership version ${c.version}`;
     setText("status-text", c.status || "");
     const counts = {};
