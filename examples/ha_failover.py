@@ -106,10 +106,10 @@ def main() -> int:
         try:
             wait_for(
                 "etcd",
-                lambda: json.load(urllib.request.urlopen(f"{client_url}/health", timeout=1))[
-                    "health"
-                ]
-                == "true",
+                lambda: (
+                    json.load(urllib.request.urlopen(f"{client_url}/health", timeout=1))["health"]
+                    == "true"
+                ),
                 30,
             )
             store = "etcd://" + client_url.removeprefix("http://")
