@@ -151,7 +151,9 @@ class EtcdLeadership:
         self.url = url
         self.identity = identity
         self.ttl_s = ttl_s
-        self._etcd = _Etcd(parse_etcd_url(url))
+        endpoints = parse_etcd_url(url)
+        self._etcd = _Etcd(endpoints)  # the election thread's
+        self._writer = _Etcd(endpoints)  # the servicer's (persist, load): its own connections
         self._leader_key = f"{_PREFIX}/{cluster}/leader"
         self._state_key = f"{_PREFIX}/{cluster}/state"
         self.on_change = on_change
@@ -215,7 +217,7 @@ class EtcdLeadership:
 
     def load(self) -> dict[str, Any] | None:
         """The stored document (None if there is none yet)."""
-        kv = self._etcd.range(self._state_key)
+        kv = self._writer.range(self._state_key)
         return None if kv is None else json.loads(kv["value"])
 
     def persist(self, doc: dict[str, Any]) -> None:
@@ -242,7 +244,7 @@ class EtcdLeadership:
             ],
             "failure": [],
         }
-        if not self._etcd.txn(body).get("succeeded"):
+        if not self._writer.txn(body).get("succeeded"):
             # The caller holds its own lock: the election thread tells it (on_change).
             self._lose("a write was refused: another coordinator holds the leadership", False)
             raise NotLeaderError("the leadership moved to another coordinator")

@@ -90,22 +90,34 @@ class Replication:
             )
             # Above every version any coordinator handed out (see Coordinator.start).
             membership._version = max(membership.version, time.time_ns() // 1000)
-        self.held = None
+        self.held = self.published = None
         return membership
 
     def persist(
-        self, membership: Membership, leases: LeaseBook, message: Callable[[], Any]
+        self,
+        membership: Membership,
+        leases: LeaseBook,
+        message: Callable[[], Any],
+        *,
+        retry: bool = True,
     ) -> bool:
         """Writes the state; False when it must wait (etcd away) or we no longer lead.
 
-        ``message`` builds the Cluster message readers may now see.
+        ``message`` builds the Cluster message readers may now see. While a change
+        already waits for etcd, only a ``retry`` (the ticker's) tries again: an
+        unreachable etcd can take a whole request timeout to say so, and the
+        caller holds the servicer's lock.
         """
+        if self.held is not None and not retry:
+            return False
         doc = export_state(membership, leases, now=self._clock(), unix_now=time.time())
         try:
             self.leadership.persist(doc)
         except StoreUnavailableError as exc:
             if self.held is None:
-                self.held = self.published
+                # Readers keep the last recorded state (right after a takeover: the
+                # restored one, which is what etcd holds).
+                self.held = self.published if self.published is not None else message()
                 log.warning("membership change waits for etcd: %s", exc)
             return False
         except NotLeaderError:

@@ -108,7 +108,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 if not self._replication.leading:
                     return  # a standby's copy changes only with the leader's document
                 if self._replication.held is not None:
-                    self._persist()
+                    self._persist(retry=True)
             self._apply(self._membership.tick(self._clock()))
             if self._membership.events["lost"] != self._lost_seen:
                 self.guard.reap(self._membership)
@@ -140,7 +140,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 except (StoreUnavailableError, KeyError, ValueError) as exc:
                     failed = exc
                 else:
-                    self._persist()
+                    self._persist(retry=True)
                     log.info("leading: %s", self._membership.status)
             streams = [] if leading else list(self._heartbeat_streams)
             self._notify_if_changed()
@@ -466,10 +466,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         held = self._replication.held if self._replication is not None else None
         return held.version if held is not None else self._membership.version
 
-    def _persist(self) -> None:
+    def _persist(self, retry: bool = False) -> None:
         """Leader with an etcd store: records the state before anyone sees it."""
         assert self._replication is not None
-        self._replication.persist(self._membership, self.guard.leases, self._cluster)
+        self._replication.persist(self._membership, self.guard.leases, self._cluster, retry=retry)
 
     def _check_open(self, context: grpc.ServicerContext) -> None:
         if self._closed:
