@@ -11,8 +11,7 @@ from typing import Any
 
 from collectives_server.cli_common import byte_size, positive_float, positive_int
 from collectives_server.rpc_limits import RpcLimits
-from collectives_server.worker.bulk import BulkLimits
-from collectives_server.worker.shm_service import ShmLimits
+from collectives_server.worker.limits import BulkLimits, ShmLimits
 
 __all__ = ["add_data_plane_flags", "data_plane_args", "data_plane_from_args"]
 

@@ -109,8 +109,10 @@ def test_huge_fields_are_refused_and_the_cluster_stays_usable(fresh_cluster) -> 
             )
             assert "limit" in details
         # A worker's status over 64 KiB is refused as well (the heartbeat, not the lease).
+        # (A current worker: it hosts its own rendezvous store. One that hosts none
+        # makes the coordinator start its own, importing torch: a one-time +190 MiB.)
         registered = stub.Register(
-            pb.RegisterRequest(address="127.0.0.1:2", devices=["cpu"], pid=8),
+            pb.RegisterRequest(address="127.0.0.1:2", devices=["cpu"], pid=8, store_port=2),
             timeout=10,
             metadata=WORKER,
         )
@@ -146,12 +148,14 @@ def test_waiting_workers_are_capped(fresh_cluster) -> None:
         for i in range(2):  # the cluster is full (2 of 2): these wait for a place
             waiting.append(
                 stub.Register(
-                    pb.RegisterRequest(address=f"127.0.0.1:{100 + i}", devices=["cpu"], pid=i),
+                    pb.RegisterRequest(
+                        address=f"127.0.0.1:{100 + i}", devices=["cpu"], pid=i, store_port=9
+                    ),
                     timeout=10,
                     metadata=WORKER,
                 )
             )
-        extra = pb.RegisterRequest(address="127.0.0.1:200", devices=["cpu"], pid=99)
+        extra = pb.RegisterRequest(address="127.0.0.1:200", devices=["cpu"], pid=99, store_port=9)
         _refused(
             lambda: stub.Register(extra, timeout=10, metadata=WORKER),
             grpc.StatusCode.RESOURCE_EXHAUSTED,

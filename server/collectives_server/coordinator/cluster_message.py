@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from collectives.v1 import coordinator_pb2, status_pb2
 from collectives_server.coordinator.model import ClusterView, WorkerState
 
@@ -32,10 +34,16 @@ def status_key(status: status_pb2.WorkerStatus) -> bytes:
 
 
 def cluster_to_proto(
-    view: ClusterView, *, store_address: str, op_timeout_s: float, unix_offset_s: float = 0.0
+    view: ClusterView,
+    *,
+    store_address: str | Callable[[], str],
+    op_timeout_s: float,
+    unix_offset_s: float = 0.0,
 ) -> coordinator_pb2.Cluster:
     """Builds the Cluster message from a membership snapshot.
 
+    ``store_address`` is the coordinator's own store (or a function starting it),
+    used only when rank 0 hosts none (see :func:`rendezvous_address`);
     ``unix_offset_s`` turns the membership's clock into Unix time (history).
     """
     msg = coordinator_pb2.Cluster(
@@ -78,7 +86,7 @@ def cluster_to_proto(
     return msg
 
 
-def rendezvous_address(view: ClusterView, coordinator_store: str) -> str:
+def rendezvous_address(view: ClusterView, coordinator_store: str | Callable[[], str]) -> str:
     """Where the generation's process groups meet: the store its rank 0 hosts.
 
     Workers host a TCPStore each, so a generation's store lives as long as the
@@ -86,7 +94,9 @@ def rendezvous_address(view: ClusterView, coordinator_store: str) -> str:
     A rank 0 that hosts none (an older worker) uses the coordinator's.
     """
     rank0 = next((w for w in view.workers if w.rank == 0), None)
-    if rank0 is None or not rank0.store_port:
-        return coordinator_store
+    if rank0 is None:
+        return ""  # no generation: no process group to meet
+    if not rank0.store_port:
+        return coordinator_store() if callable(coordinator_store) else coordinator_store
     host = rank0.address.rsplit(":", 1)[0]
     return f"{host}:{rank0.store_port}"

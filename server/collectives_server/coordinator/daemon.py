@@ -167,6 +167,7 @@ class Coordinator:
         self._clock = clock
         self._store: Any = None  # torch.distributed.TCPStore; imported lazily (slow import)
         self._store_port = 0
+        self._store_lock = threading.Lock()
         self._server: ServerHandle | None = None
         self._servicer: CoordinatorServicer | None = None
         self._stop_ticker = threading.Event()
@@ -201,8 +202,8 @@ class Coordinator:
         if self._server is not None:
             raise RuntimeError("coordinator already started")
         cfg = self.config
-        store_host = cfg.store_host if cfg.store_host is not None else cfg.host
-        self._store, self._store_port = start_store(store_host, cfg.store_port, cfg.op_timeout_s)
+        if cfg.store_port:  # asked for by port: it listens from the start
+            self._rendezvous_store()
         membership = Membership(
             cfg.min_workers,
             cfg.max_workers,
@@ -217,7 +218,7 @@ class Coordinator:
         replication = self._replication_for(cfg, membership)
         self._servicer = CoordinatorServicer(
             membership,
-            store_address=self.store_address,
+            store_address=self._rendezvous_store,
             heartbeat_s=cfg.heartbeat_s,
             op_timeout_s=cfg.op_timeout_s,
             clock=self._clock,
@@ -282,9 +283,10 @@ class Coordinator:
         )
         self._ticker.start()
         log.info(
-            "coordinator listening on %s (store %s, min %d, max %d, heartbeat %gs, lease %gs)",
+            "coordinator listening on %s (membership in %s, min %d, max %d, heartbeat %gs, "
+            "lease %gs)",
             self.address,
-            self.store_address,
+            cfg.store,
             cfg.min_workers,
             cfg.max_workers,
             cfg.heartbeat_s,
@@ -362,8 +364,23 @@ class Coordinator:
 
     @property
     def store_address(self) -> str:
-        """``host:port`` of the rendezvous TCPStore (the same host as :attr:`address`)."""
-        return format_address(self.config.advertised_host, self._store_port)
+        """``host:port`` of this coordinator's rendezvous TCPStore (started if it is not)."""
+        return self._rendezvous_store()
+
+    def _rendezvous_store(self) -> str:
+        """Starts the coordinator's TCPStore on first use; its ``host:port``.
+
+        Workers host a store each and a generation meets in its rank 0's, so the
+        coordinator's serves only a worker that hosts none (an older version), or
+        ``--store-port`` when given. Started lazily, the coordinator never imports
+        torch otherwise: it starts in a fraction of a second.
+        """
+        with self._store_lock:
+            if self._store is None:
+                cfg = self.config
+                host = cfg.store_host if cfg.store_host is not None else cfg.host
+                self._store, self._store_port = start_store(host, cfg.store_port, cfg.op_timeout_s)
+            return format_address(self.config.advertised_host, self._store_port)
 
     def cluster(self) -> coordinator_pb2.Cluster:
         """The current Cluster message, as GetCluster would answer."""

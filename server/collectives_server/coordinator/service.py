@@ -65,7 +65,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self,
         membership: Membership,
         *,
-        store_address: str,
+        store_address: str | Callable[[], str],
         heartbeat_s: float,
         op_timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
@@ -79,7 +79,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._identity = identity
         # With an etcd store: leader or standby of an HA set (see .replication).
         self._replication = replication
-        self._store_address = store_address
+        # This coordinator's own rendezvous store (lazily started: see the daemon).
+        self._store_address = store_address if callable(store_address) else lambda: store_address
         self._heartbeat_s = heartbeat_s
         self._op_timeout_s = op_timeout_s
         self._clock = clock
@@ -224,6 +225,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.guard.check_worker(context, "Register")
         if self._standby():
             return self._replication.forward("Register", request, context)  # type: ignore[union-attr]
+        store_address = ""
+        if not request.store_port:
+            # An older worker (no store of its own) meets in the coordinator's store,
+            # started now if it is not: only for a request the guard accepts, before
+            # its lease starts, and outside the lock (the first start imports torch).
+            with self._cond:
+                self._check_open(context)
+                self.guard.check_register(context, request, self._membership)
+            store_address = self._store_address()
         with self._cond:
             self._check_open(context)
             self.guard.check_register(context, request, self._membership)
@@ -249,7 +259,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             lease_secret=secret,
             heartbeat_interval_s=self._heartbeat_s,
             lease_s=self._membership.lease_s,
-            store_address=self._store_address,
+            store_address=store_address,
             op_timeout_s=self._op_timeout_s,
         )
 

@@ -40,28 +40,11 @@ from collectives.wire.bulk_frames import (
     TICKET_BYTES,
 )
 from collectives.wire.codec import tensor_memoryview
+from collectives_server.worker.limits import BulkLimits
 
 __all__ = ["BulkLimits", "BulkListener", "PRELUDE_BYTES"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class BulkLimits:
-    """What one bulk connection may hold (issue 16: M2, M4, L3); flags in ``cli_bulk``."""
-
-    # A ticket not presented within this long is void; a GET ticket pins its
-    # tensor at most this long.
-    ticket_ttl_s: float = 30.0
-    # The whole prelude (magic + ticket) must arrive within this, in total.
-    prelude_timeout_s: float = 5.0
-    # A kept connection is closed after this long without a transfer (the SDK
-    # drops its idle connections sooner, so it never sends on one being closed),
-    # and a transfer that moves no byte for this long fails.
-    idle_s: float = 60.0
-    # Connections served at once, in all and from one peer host; more are closed at once.
-    max_connections: int = 256
-    max_connections_per_peer: int = 64
 
 
 @dataclass

@@ -8,8 +8,7 @@ from collectives.wire.security import PLAINTEXT, ChannelSecurity
 from collectives_server.rpc_limits import RpcLimits
 from collectives_server.security import ServerSecurity
 from collectives_server.worker.archive_config import ModelUploadConfig
-from collectives_server.worker.bulk import BulkLimits
-from collectives_server.worker.shm_segments import ShmLimits
+from collectives_server.worker.limits import BulkLimits, ShmLimits
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,15 +21,11 @@ import torch
 from collectives import shm
 from collectives.errors import FailedPrecondition, ResourceExhausted
 from collectives.wire import shm_names
+from collectives_server.worker.limits import ShmLimits
 
 __all__ = ["ShmLimits", "WorkerSegments"]
 
-
-@dataclass(frozen=True)
-class ShmLimits:
-    max_segments: int = 64
-    max_bytes: int = 2 << 30
-    ttl_s: float = 30.0
+_DEFAULT_LIMITS = ShmLimits()
 
 
 class WorkerSegments:
@@ -38,7 +33,7 @@ class WorkerSegments:
 
     def __init__(
         self,
-        limits: ShmLimits = ShmLimits(),
+        limits: ShmLimits = _DEFAULT_LIMITS,
         clock: Callable[[], float] = time.monotonic,
         quota: Any = None,
     ) -> None:
