@@ -24,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from types import TracebackType
@@ -136,6 +137,9 @@ class _ClusterCore:
         self._op_executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="collectives-op"
         )
+        # Ops of this client queued on or running in the op thread, or inline.
+        self._ordered_lock = threading.Lock()
+        self._ordered_pending = 0
         self._io_executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=IO_THREADS, thread_name_prefix="collectives-io"
         )
@@ -380,10 +384,21 @@ class _ClusterCore:
             CollectiveError: (sync) what ``fn`` raised.
         """
         self._check_open()
+        if not async_op and self._enter_inline():
+            # Nothing of this client's is queued or running: run it in the caller's
+            # thread (two thread hand-offs less per small op), as the op thread would.
+            try:
+                return fn()
+            finally:
+                self._leave_ordered()
+        with self._ordered_lock:
+            self._ordered_pending += 1
         try:
             future = self._op_executor.submit(fn)
         except RuntimeError:  # shut down concurrently by close()
+            self._leave_ordered()
             raise Unavailable(f"the connection to {self._address} is closed") from None
+        future.add_done_callback(lambda _: self._leave_ordered())
         if async_op:
             return Work(future, what, record)
         try:
@@ -399,6 +414,18 @@ class _ClusterCore:
             return future.result()
         except concurrent.futures.CancelledError:
             raise Unavailable(f"{what} never ran: the cluster was closed first") from None
+
+    def _enter_inline(self) -> bool:
+        """True (and counted as running) when no op of this client is queued or running."""
+        with self._ordered_lock:
+            if self._ordered_pending:
+                return False
+            self._ordered_pending = 1
+            return True
+
+    def _leave_ordered(self) -> None:
+        with self._ordered_lock:
+            self._ordered_pending -= 1
 
     def _fan_out(self, what: str, fns: dict[int, Callable[[], R]]) -> dict[int, R]:
         """Runs one call per rank in parallel; waits for all, then raises the lowest rank's error.

@@ -189,11 +189,14 @@ def test_sdk_retries_a_full_queue_within_the_generation_and_every_op_runs_once(
 
     The queue is filled deterministically: the follower is stopped (SIGSTOP) so the
     leader's first op blocks; two more fill its queue of 2; the rest are refused with
-    QUEUE_FULL and retried by the SDK; the follower resumes well inside its lease."""
+    QUEUE_FULL and retried by the SDK; the follower resumes well inside its lease. The
+    operands (128 KiB) are too large to travel inline, so the leader never fuses queued
+    ops into one run (``worker/fusion.py``): whatever order they arrive in, one runs
+    and two wait."""
     client, channels = clean
     follower_pid = _pids(channels)[1]
     names = [uname(f"r{i}") for i in range(6)]
-    parts = {n: [torch.randn(1 << 10, generator=gen) for _ in range(2)] for n in names}
+    parts = {n: [torch.randn(1 << 15, generator=gen) for _ in range(2)] for n in names}
     for n in names:
         for rank in range(2):
             client.put(n, parts[n][rank], rank=rank)

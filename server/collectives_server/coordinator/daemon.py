@@ -23,6 +23,7 @@ from types import TracebackType
 from typing import Any
 
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
+from collectives_server import heap
 from collectives_server.coordinator.control import ControlGuard, ControlLimits
 from collectives_server.coordinator.dashboard import DashboardServer
 from collectives_server.coordinator.etcd_store import (
@@ -410,6 +411,7 @@ def run_coordinator(config: CoordinatorConfig) -> int:
         try:
             sys.stdout.write(f"{coordinator.address}\n")
             sys.stdout.flush()
+            heap.settle()
             while not stop.wait(timeout_s=60.0):
                 pass
             log.info("signal %d: stopping the coordinator", stop.received or 0)

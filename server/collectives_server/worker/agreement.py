@@ -21,6 +21,7 @@ from collectives_server.worker.validation import INFO_BYTES, INFO_LEN, OperandIn
 
 __all__ = [
     "exchange",
+    "exchange_fused",
     "Exchanged",
     "exchange_infos",
     "agree",
@@ -87,7 +88,23 @@ def exchange(
     ``operand`` travels when it fits (otherwise only its info). ``before``: see
     :func:`all_gather_rows`."""
     row = torch.empty(INFO_BYTES + capacity, dtype=torch.uint8)
-    view = tensor_memoryview(row)
+    _fill_row(tensor_memoryview(row), row, values, operand, capacity)
+    rows = all_gather_rows(pg, row, size, before)
+    raw = tensor_memoryview(rows)
+    stride = row.numel()
+    infos = [decode_info(list(_INFO.unpack_from(raw, r * stride))) for r in range(size)]
+    return Exchanged(infos, rows)
+
+
+def _fill_row(
+    view: memoryview,
+    row: torch.Tensor,
+    values: list[int],
+    operand: torch.Tensor | None,
+    capacity: int,
+) -> None:
+    """Packs one op's info ``values`` and, when it fits ``capacity``, ``operand``'s bytes
+    into ``row`` (a uint8 tensor of INFO_BYTES + capacity bytes; ``view`` is its memory)."""
     _INFO.pack_into(view, 0, *values)
     if capacity:
         n = 0
@@ -99,11 +116,36 @@ def exchange(
             else:
                 n = 0
         view[INFO_BYTES + n :] = bytes(capacity - n)  # no stray memory on the wire
+
+
+def exchange_fused(
+    pg: dist.ProcessGroup,
+    size: int,
+    parts: list[tuple[list[int], torch.Tensor | None, int]],
+    before=None,
+) -> list[Exchanged]:
+    """:func:`exchange` of several ops in one all-gather: ``parts`` holds each op's
+    (info values, operand, inline capacity), every rank listing the same ops with the
+    same capacities; returns each op's :class:`Exchanged`, as if exchanged alone."""
+    widths = [INFO_BYTES + capacity for _, _, capacity in parts]
+    row = torch.empty(sum(widths), dtype=torch.uint8)
+    offsets = []
+    start = 0
+    for (values, operand, capacity), width in zip(parts, widths, strict=True):
+        piece = row[start : start + width]
+        _fill_row(tensor_memoryview(piece), piece, values, operand, capacity)
+        offsets.append(start)
+        start += width
     rows = all_gather_rows(pg, row, size, before)
     raw = tensor_memoryview(rows)
     stride = row.numel()
-    infos = [decode_info(list(_INFO.unpack_from(raw, r * stride))) for r in range(size)]
-    return Exchanged(infos, rows)
+    out = []
+    for offset, width in zip(offsets, widths, strict=True):
+        infos = [
+            decode_info(list(_INFO.unpack_from(raw, r * stride + offset))) for r in range(size)
+        ]
+        out.append(Exchanged(infos, rows[:, offset : offset + width]))
+    return out
 
 
 def exchange_infos(pg: dist.ProcessGroup, info: torch.Tensor, size: int) -> list[OperandInfo]:

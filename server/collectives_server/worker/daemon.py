@@ -29,6 +29,7 @@ import torch.distributed as dist
 import collectives_server
 from collectives.errors import CollectiveError
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2
+from collectives_server import heap
 from collectives_server.control_protocol import worker_metadata
 from collectives_server.metrics import MetricsServer
 from collectives_server.rpc import GRPC_OPTIONS, start_server
@@ -379,6 +380,7 @@ class WorkerDaemon:
             rebuild_after_s=self._lease_s + 2 * self._heartbeat_s,
             models=self.ctx.models,
             on_data_collectives=self._data_collectives_done,
+            on_fused=self._fused_run_done,
             sync_models=lambda op_ctx: sync_models(op_ctx, self.ctx.uploads),
         ).start()
 
@@ -387,6 +389,12 @@ class WorkerDaemon:
         with stats.lock:
             stats.data_collectives += collectives
             stats.gradient_buckets_reduced += gradient_buckets
+
+    def _fused_run_done(self, ops: int) -> None:
+        stats = self.ctx.stats
+        with stats.lock:
+            stats.fused_runs += 1
+            stats.fused_ops += ops
 
     def _joined(self, generation: int) -> None:
         with self._lock:
@@ -424,6 +432,7 @@ def run_worker(config: WorkerConfig) -> int:
             return 1
         sys.stdout.write(f"{daemon.address}\n")
         sys.stdout.flush()
+        heap.settle()
         while not stop.wait(None):
             pass
     log.info("stopping worker %s", daemon.worker_id)

@@ -7,8 +7,12 @@ a descriptor is data, not code.
 
 The slot's header also carries the op's *inline capacity*: how many bytes of
 operand data each rank appends to its operand description in the exchange
-that follows (0: none; see ``runtime.GenerationRuntime._collective``). The
-leader picks it, so every rank sizes that exchange identically.
+that follows (0: none; see ``handlers.tensor_ops``). The leader picks it, so
+every rank sizes that exchange identically.
+
+A *fused* announcement (``announce_batch``: several small ops queued together,
+see ``fusion``) has a negative count where the capacity goes, and a body of
+``count`` entries, each its own (length, capacity + 1) header and descriptor.
 """
 
 from __future__ import annotations
@@ -21,11 +25,12 @@ import torch.distributed as dist
 from collectives.v1 import worker_pb2
 from collectives.wire.codec import tensor_memoryview
 
-__all__ = ["announce", "receive", "Announced", "SLOT_BYTES"]
+__all__ = ["announce", "announce_batch", "receive", "receive_batch", "Announced", "SLOT_BYTES"]
 
 SLOT_BYTES = 1024
 _HEAD = struct.Struct("<qq")  # body length, inline capacity + 1 (0: no inline data)
 _MAX_BODY = 1 << 20
+_MAX_BATCH = 1024
 
 
 def _start_broadcast(pg: dist.ProcessGroup, t: torch.Tensor) -> dist.Work:
@@ -66,7 +71,28 @@ def announce(
     every rank of ``pg`` (the leader is rank 0). With ``wait=False`` the returned
     handle must be waited on (its tensors stay alive with it)."""
     body = desc.SerializeToString()
-    head = _HEAD.pack(len(body), 0 if inline is None else inline + 1)
+    return _send(pg, body, 0 if inline is None else inline + 1, wait)
+
+
+def announce_batch(
+    pg: dist.ProcessGroup,
+    items: list[tuple[worker_pb2.OpDescriptor, int | None]],
+    wait: bool = True,
+) -> Announced:
+    """Leader side: announces several ops at once (each with its inline capacity); the
+    followers' :func:`receive_batch` returns them in this order."""
+    if not 1 <= len(items) <= _MAX_BATCH:
+        raise ValueError(f"a fused announcement holds 1 to {_MAX_BATCH} ops, not {len(items)}")
+    parts = []
+    for desc, inline in items:
+        body = desc.SerializeToString()
+        parts.append(_HEAD.pack(len(body), 0 if inline is None else inline + 1))
+        parts.append(body)
+    return _send(pg, b"".join(parts), -len(items), wait)
+
+
+def _send(pg: dist.ProcessGroup, body: bytes, second: int, wait: bool) -> Announced:
+    head = _HEAD.pack(len(body), second)
     head += body[: SLOT_BYTES - _HEAD.size]
     slot = torch.zeros(SLOT_BYTES, dtype=torch.uint8)
     tensor_memoryview(slot)[: len(head)] = head
@@ -81,19 +107,44 @@ def announce(
 
 
 def receive(pg: dist.ProcessGroup) -> tuple[worker_pb2.OpDescriptor, int | None]:
-    """Follower side: waits for the leader's next descriptor; returns it and its inline capacity."""
+    """Follower side: waits for the leader's next descriptor; returns it and its inline
+    capacity (a fused announcement is refused: use :func:`receive_batch`)."""
+    items = receive_batch(pg)
+    if len(items) != 1:
+        raise ValueError(f"expected one op, the leader announced {len(items)} together")
+    return items[0]
+
+
+def receive_batch(pg: dist.ProcessGroup) -> list[tuple[worker_pb2.OpDescriptor, int | None]]:
+    """Follower side: waits for the leader's next announcement; returns its ops (one,
+    or several fused) with their inline capacities, in the leader's order."""
     slot = torch.empty(SLOT_BYTES, dtype=torch.uint8)
     _broadcast(pg, slot)
     raw = tensor_memoryview(slot)
-    length, inline = _HEAD.unpack_from(raw)
-    if not 0 <= length <= _MAX_BODY or inline < 0:
-        raise ValueError(f"malformed op announcement (length {length}, inline {inline})")
+    length, second = _HEAD.unpack_from(raw)
+    if not 0 <= length <= _MAX_BODY or second < -_MAX_BATCH:
+        raise ValueError(f"malformed op announcement (length {length}, field {second})")
     body = raw[_HEAD.size : _HEAD.size + length].tobytes()
     missing = length - len(body)
     if missing > 0:
         rest = torch.empty(missing, dtype=torch.uint8)
         _broadcast(pg, rest)
         body += tensor_memoryview(rest).tobytes()
+    if second >= 0:
+        return [(_parse(body), second - 1 if second else None)]
+    items = []
+    offset = 0
+    for _ in range(-second):
+        size, inline = _HEAD.unpack_from(body, offset)
+        offset += _HEAD.size
+        if size < 0 or offset + size > len(body) or inline < 0:
+            raise ValueError("malformed fused op announcement")
+        items.append((_parse(body[offset : offset + size]), inline - 1 if inline else None))
+        offset += size
+    return items
+
+
+def _parse(body: bytes) -> worker_pb2.OpDescriptor:
     desc = worker_pb2.OpDescriptor()
     desc.ParseFromString(body)
-    return desc, (inline - 1 if inline else None)
+    return desc

@@ -40,6 +40,7 @@ def _collect(ctx: WorkerContext) -> Iterator[Metric]:
     with stats.lock:
         by_status = dict(stats.ops_by_status)
         heartbeats = (stats.heartbeats_sent, stats.heartbeat_failures)
+        fused = (stats.fused_runs, stats.fused_ops)
     runtime = ctx.runtime
 
     yield build_info(collectives_server.__version__, torch.__version__, ctx.backend)
@@ -67,6 +68,10 @@ def _collect(ctx: WorkerContext) -> Iterator[Metric]:
     moved.add_metric(["received"], status.bytes_received)
     moved.add_metric(["sent"], status.bytes_sent)
     yield moved
+    yield _counter(
+        "collectives_fused_runs", "Announcements that carried several queued small ops", fused[0]
+    )
+    yield _counter("collectives_fused_ops", "Ops that ran inside a fused announcement", fused[1])
     yield _gauge("collectives_queue_depth", "Ops waiting in the leader's queue", status.queue_depth)
     yield _gauge("collectives_tensors_held", "Named tensors stored", status.tensors_held)
     yield _gauge("collectives_tensors_held_bytes", "Bytes of stored tensors", status.bytes_held)

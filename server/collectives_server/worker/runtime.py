@@ -22,7 +22,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import grpc
 import torch
@@ -31,9 +31,11 @@ import torch.distributed as dist
 from collectives.errors import CollectiveError, Reason, Unavailable, error_for_code
 from collectives.op_specs import OpKind, kind_name, subject
 from collectives.v1 import worker_pb2
-from collectives_server.worker import descriptor, op_failures
+from collectives_server.worker import descriptor, fusion, op_failures
 from collectives_server.worker.collective_ops import Spares
+from collectives_server.worker.descriptor import Announced
 from collectives_server.worker.handlers import handler_for
+from collectives_server.worker.handlers.fused_ops import run_fused
 from collectives_server.worker.handlers.group_ops import missing_group
 from collectives_server.worker.handlers.model_ops import ModelOpResult
 from collectives_server.worker.handlers.publish_ops import PublishResult
@@ -55,6 +57,7 @@ __all__ = ["GenerationRuntime"]
 log = logging.getLogger(__name__)
 
 Outcome = OpResult | ModelOpResult | PublishResult | CollectiveError
+_Item = tuple[worker_pb2.OpDescriptor, int | None]  # an op and its inline capacity
 
 
 class GenerationRuntime:
@@ -77,6 +80,7 @@ class GenerationRuntime:
         models: ModelRegistry | None = None,
         on_data_collectives: Callable[[int, int], None] | None = None,
         sync_models: Callable[[OpContext], int] | None = None,
+        on_fused: Callable[[int], None] | None = None,
     ) -> None:
         self.generation = generation
         self.rank = rank
@@ -94,6 +98,7 @@ class GenerationRuntime:
         # Run by every rank once its group formed, before it reports joined (model_sync).
         self._sync_models = sync_models
         self._on_data_collectives = on_data_collectives
+        self._on_fused = on_fused  # called with the op count of each fused run
         self._rebuild_after_s = rebuild_after_s
         # Replaced results kept for reuse stay well inside a store limit, if any.
         limit = store.limit_bytes
@@ -180,6 +185,30 @@ class GenerationRuntime:
                 self._cond.wait(wait)
             return None
 
+    def _take_run(self, ctx: OpContext, first: Ticket) -> tuple[list[Ticket], fusion.Run]:
+        """``first`` and the queued ops that can run fused with it (``fusion``)."""
+        run = fusion.Run()
+        inline = inline_capacity(ctx, first.desc)
+        tickets = [first]
+        if not run.admits(first.desc, inline):
+            run.add(first.desc, inline)
+            return tickets, run
+        run.add(first.desc, inline)
+        while True:
+            with self._cond:
+                ticket = None if self._stopping else self._seq.peek()
+            if ticket is None:
+                break
+            inline = inline_capacity(ctx, ticket.desc)
+            if not run.admits(ticket.desc, inline):
+                break
+            with self._cond:
+                if not self._seq.take(ticket):
+                    break
+            run.add(ticket.desc, inline)
+            tickets.append(ticket)
+        return tickets, run
+
     def _drain(self, why: str) -> None:
         with self._cond:
             self._seq.drain(why)
@@ -264,68 +293,78 @@ class GenerationRuntime:
         )
         return ctx
 
-    def _next(self, ctx: OpContext) -> tuple[Ticket | None, worker_pb2.OpDescriptor, Announcement]:
-        """Leader: takes and announces the next op (or a tick); follower: receives it."""
+    def _next(self, ctx: OpContext) -> tuple[list[Ticket], list[_Item], Announced | None]:
+        """Leader: takes and announces the next op, or run of fused ops, or a tick;
+        follower: receives it. Returns (the leader's tickets, the ops, the leader's
+        pending announcement)."""
         if not self.is_leader:
-            desc, inline = ctx.call(descriptor.receive, ctx.control)
-            return None, desc, Announcement(inline)
-        ticket = self._take()
-        if ticket is None:
+            return [], ctx.call(descriptor.receive_batch, ctx.control), None
+        first = self._take()
+        if first is None:
             kind = OpKind.STOP if self._stopping else OpKind.NOOP
             desc = worker_pb2.OpDescriptor(kind=kind, generation=self.generation)
             ctx.call(descriptor.announce, ctx.control, desc)
-            ann = Announcement()
+            items: list[_Item] = [(desc, None)]
+            tickets, pending = [], None
         else:
-            desc = ticket.desc
-            inline = inline_capacity(ctx, desc)
+            tickets, run = self._take_run(ctx, first)
+            items = run.items
             # Not waited for here: the op's first exchange is issued before the
             # leader waits for its own send (see handlers).
-            ann = Announcement(
-                inline, ctx.call(descriptor.announce, ctx.control, desc, inline, False)
-            )
+            if len(items) == 1:
+                desc, inline = items[0]
+                pending = ctx.call(descriptor.announce, ctx.control, desc, inline, False)
+            else:
+                pending = ctx.call(descriptor.announce_batch, ctx.control, items, False)
         with self._cond:
             self._seq.announced()
-        return ticket, desc, ann
+        return tickets, items, pending
 
     def _run_epoch(self, epoch: int) -> str | None:
         """Returns None when retired cleanly, else why the group broke."""
-        current: Ticket | None = None
+        current: list[Ticket] = []
         try:
             ctx = self._join(epoch)
             while True:
-                current, desc, ann = self._next(ctx)
-                if desc.kind == OpKind.STOP:
+                current, items, pending = self._next(ctx)
+                kind = items[0][0].kind
+                if kind == OpKind.STOP:
                     return None
-                if desc.kind == OpKind.NOOP:
+                if kind == OpKind.NOOP:
                     self._spares.clear()  # idle: give kept memory back
                     continue
-                outcome = self._execute(ctx, desc, ann)
-                if current is not None:
-                    if isinstance(outcome, CollectiveError):
-                        current.future.set_exception(outcome)
-                    else:
-                        current.future.set_result(outcome)
-                    current = None
+                if len(items) == 1:
+                    desc, inline = items[0]
+                    outcomes = iter([self._execute(ctx, desc, Announcement(inline, pending))])
+                else:
+                    outcomes = self._execute_fused(ctx, items, pending)
+                for i, outcome in enumerate(outcomes):
+                    if i < len(current):
+                        if isinstance(outcome, CollectiveError):
+                            current[i].future.set_exception(outcome)
+                        else:
+                            current[i].future.set_result(outcome)
+                current = []
         except GroupBroken as exc:
             return self._broken(exc, current)
         except Exception as exc:  # a bug: never take the daemon down with it
             log.exception("generation %d: unexpected error", self.generation)
-            if current is not None:
-                message = op_failures.internal_message(f"generation {self.generation}", exc)
-                current.fail(error_for_code(grpc.StatusCode.INTERNAL, message))
+            message = op_failures.internal_message(f"generation {self.generation}", exc)
+            for ticket in current:
+                ticket.fail(error_for_code(grpc.StatusCode.INTERNAL, message))
             self._drain(f"generation {self.generation} hit an internal error")
             return "internal error (see the worker's log)"
 
-    def _broken(self, exc: GroupBroken, current: Ticket | None) -> str | None:
+    def _broken(self, exc: GroupBroken, current: list[Ticket]) -> str | None:
         self.ready.clear()
         with self._cond:
             superseded = self._stopping
             self.failure = str(exc)
         if not superseded:
             log.warning("generation %d: %s", self.generation, exc)
-        if current is not None:
-            desc = current.desc
-            current.fail(
+        for ticket in current:
+            desc = ticket.desc
+            ticket.fail(
                 Unavailable(
                     f"op {desc.op_id} ({kind_name(desc.kind)}) failed in generation "
                     f"{self.generation}: {exc}. A worker was probably lost; the cluster "
@@ -348,7 +387,23 @@ class GenerationRuntime:
             result = missing_group(ctx, desc, ann) or handler_for(desc.kind)(ctx, desc, ann)
         finally:
             self.busy = False
-        latency = time.perf_counter() - started
+        return self._conclude(desc, result, time.perf_counter() - started)
+
+    def _execute_fused(
+        self, ctx: OpContext, items: list[_Item], pending: Announced | None
+    ) -> Iterator[Outcome]:
+        """Each op's outcome of a fused run, as it finishes (``handlers.fused_ops``)."""
+        started = time.perf_counter()
+        if self._on_fused is not None:
+            self._on_fused(len(items))
+        self.busy = True
+        try:
+            for (desc, _), result in zip(items, run_fused(ctx, items, pending), strict=False):
+                yield self._conclude(desc, result, time.perf_counter() - started)
+        finally:
+            self.busy = False
+
+    def _conclude(self, desc: worker_pb2.OpDescriptor, result: Outcome, latency: float) -> Outcome:
         if isinstance(result, CollectiveError):
             # Every rank words the failure the same way, with the op id the
             # worker logs carry, so a client's error can be found in them.

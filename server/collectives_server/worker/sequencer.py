@@ -132,24 +132,39 @@ class Sequencer:
     def next(self) -> Ticket | None:
         """The next op to announce (marked started), or None when none is queued.
         Ops whose deadline passed while queued are failed and skipped."""
+        ticket = self.peek()
+        if ticket is not None:
+            self.take(ticket)
+        return ticket
+
+    def peek(self) -> Ticket | None:
+        """The op :meth:`next` would return, left queued. Ops whose deadline passed
+        while queued are failed and dropped."""
         now = self._clock()
         while self._queue and not self.closed:
-            ticket = self._queue.popleft()
-            if now >= ticket.deadline:
-                ticket.fail(
-                    DeadlineExceeded(
-                        f"op {ticket.desc.op_id} ({kind_name(ticket.desc.kind)}) did not start "
-                        f"before its deadline (queue depth {len(self._queue)}); it was dropped",
-                        executed=False,
-                        generation=self.generation,
-                        op_id=ticket.desc.op_id,
-                        reason=Reason.TIMEOUT,
-                    )
+            ticket = self._queue[0]
+            if now < ticket.deadline:
+                return ticket
+            self._queue.popleft()
+            ticket.fail(
+                DeadlineExceeded(
+                    f"op {ticket.desc.op_id} ({kind_name(ticket.desc.kind)}) did not start "
+                    f"before its deadline (queue depth {len(self._queue)}); it was dropped",
+                    executed=False,
+                    generation=self.generation,
+                    op_id=ticket.desc.op_id,
+                    reason=Reason.TIMEOUT,
                 )
-                continue
-            ticket.started = True
-            return ticket
+            )
         return None
+
+    def take(self, ticket: Ticket) -> bool:
+        """Starts ``ticket`` if it is still at the head of the queue (from :meth:`peek`)."""
+        if self.closed or not self._queue or self._queue[0] is not ticket:
+            return False
+        self._queue.popleft()
+        ticket.started = True
+        return True
 
     def tick_in(self) -> float:
         """Seconds until an idle tick is due (<= 0: due now)."""

@@ -65,6 +65,9 @@ class WorkerStats:
     )
     data_collectives: int = 0
     gradient_buckets_reduced: int = 0
+    # Fused announcements (several queued small ops in one exchange) and their ops.
+    fused_runs: int = 0
+    fused_ops: int = 0
     heartbeats_sent: int = 0
     heartbeat_failures: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)

@@ -18,6 +18,7 @@ any rank right after the leader answered sees the result; no barrier per op.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -37,7 +38,15 @@ from collectives_server.worker.op_context import (
 )
 from collectives_server.worker.store import Fence
 
-__all__ = ["run_tensor_op", "inline_capacity", "INLINE_MAX_BYTES", "INLINE_MAX_TOTAL_BYTES"]
+__all__ = [
+    "run_tensor_op",
+    "prepare",
+    "finish",
+    "Prepared",
+    "inline_capacity",
+    "INLINE_MAX_BYTES",
+    "INLINE_MAX_TOTAL_BYTES",
+]
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +79,30 @@ def inline_capacity(ctx: OpContext, desc: worker_pb2.OpDescriptor) -> int | None
     return -(-nbytes // 16) * 16  # rows stay 16-byte aligned for every dtype
 
 
-def run_tensor_op(
-    ctx: OpContext, desc: worker_pb2.OpDescriptor, ann: Announcement
-) -> OpResult | CollectiveError:
+@dataclass
+class Prepared:
+    """One rank's part of a tensor op before its exchange: what it contributes, where
+    its result goes, and the fence it holds (shared by the single and the fused path)."""
+
+    desc: worker_pb2.OpDescriptor
+    inline: int | None
+    group: GroupEntry
+    member: bool
+    target: str
+    stores_here: bool
+    operand: torch.Tensor | None
+    values: list[int]
+    fence: Fence | None = None
+
+    def release(self) -> None:
+        if self.fence is not None:
+            self.fence.release()
+            self.fence = None
+
+
+def prepare(ctx: OpContext, desc: worker_pb2.OpDescriptor, inline: int | None) -> Prepared:
+    """This rank's operand info (and, with inline data, the fence on its target: the
+    exchange is then the op's last one)."""
     op = spec(desc.kind)
     args = desc.tensor
     group = ctx.groups[desc.group_id]
@@ -82,42 +112,56 @@ def run_tensor_op(
     operand = ctx.operand(args.name) if member and op.operand is not Operand.NONE else None
     quota = ctx.store.quota_state(target) if member else (0, -1)
     values = validation.info_values(operand, member, quota)
-    fence: Fence | None = None
+    prepared = Prepared(desc, inline, group, member, target, stores_here, operand, values)
+    if inline is not None and stores_here:
+        prepared.fence = ctx.store.fence(target, 2 * ctx.timeout_s)
+    return prepared
+
+
+def run_tensor_op(
+    ctx: OpContext, desc: worker_pb2.OpDescriptor, ann: Announcement
+) -> OpResult | CollectiveError:
+    prepared = prepare(ctx, desc, ann.inline)
     try:
-        if ann.inline is not None and stores_here:
-            fence = ctx.store.fence(target, 2 * ctx.timeout_s)  # the exchange is the last one
         exchanged = ctx.call(
             agreement.exchange,
             ctx.control,
             ctx.world_size,
-            values,
-            operand,
+            prepared.values,
+            prepared.operand,
             ann.inline or 0,
             ann.pending,
         )
         ann.pending = None
-        reduce_op = ReduceOp.from_wire(args.op)
-        members = group.ranks
-        plan = validation.decide(
-            op, args.name, members, exchanged.infos, args.root, reduce_op, target
-        )
-        if isinstance(plan, validation.OpError):
-            return error_for_code(plan.code, plan.message, reason=plan.reason, ranks=plan.ranks)
-        contributors = op.contributors(members, args.root)
-        if ann.inline is not None and all(
-            exchanged.infos[r].nbytes <= ann.inline for r in contributors
-        ):
-            if member and contributors:
-                result = _inline_member(ctx, desc, group, exchanged, contributors, reduce_op)
-                ctx.count_data_collectives(1)
-                _commit(ctx, target, result)
-            return _describe(ctx, desc, group, plan, target)
-        if fence is None and stores_here:
-            fence = ctx.store.fence(target, 2 * ctx.timeout_s)  # the agreement is the last one
-        return _data_path(ctx, desc, group, operand, plan, reduce_op, target)
+        return finish(ctx, prepared, exchanged)
     finally:
-        if fence is not None:
-            fence.release()
+        prepared.release()
+
+
+def finish(
+    ctx: OpContext, prepared: Prepared, exchanged: agreement.Exchanged
+) -> OpResult | CollectiveError:
+    """The rest of the op after its exchange: decide, then inline or the data path."""
+    desc = prepared.desc
+    op = spec(desc.kind)
+    args = desc.tensor
+    group, target = prepared.group, prepared.target
+    reduce_op = ReduceOp.from_wire(args.op)
+    members = group.ranks
+    plan = validation.decide(op, args.name, members, exchanged.infos, args.root, reduce_op, target)
+    if isinstance(plan, validation.OpError):
+        return error_for_code(plan.code, plan.message, reason=plan.reason, ranks=plan.ranks)
+    contributors = op.contributors(members, args.root)
+    inline = prepared.inline
+    if inline is not None and all(exchanged.infos[r].nbytes <= inline for r in contributors):
+        if prepared.member and contributors:
+            result = _inline_member(ctx, desc, group, exchanged, contributors, reduce_op)
+            ctx.count_data_collectives(1)
+            _commit(ctx, target, result)
+        return _describe(ctx, desc, group, plan, target)
+    if prepared.fence is None and prepared.stores_here:
+        prepared.fence = ctx.store.fence(target, 2 * ctx.timeout_s)  # the agreement is last
+    return _data_path(ctx, desc, group, prepared.operand, plan, reduce_op, target)
 
 
 def _data_path(
