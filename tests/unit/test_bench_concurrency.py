@@ -167,3 +167,22 @@ def test_discover_orders_the_new_rows() -> None:
     names = entry.discover()
     assert names.index("latency") < names.index("concurrency") < names.index("inference")
     assert names.index("publish") < names.index("scaling")
+
+
+def test_run_direct_takes_one_repeat_count_per_size(monkeypatch) -> None:
+    from bench import direct_gloo
+
+    seen: list[list[str]] = []
+
+    def fake_spawn(module: str, world: int, args: list[str]) -> dict:
+        seen.append(args)
+        return {"seconds": {"all_reduce:4": [1.0], "all_reduce:8": [2.0]}}
+
+    monkeypatch.setattr(direct_gloo, "spawn_ranks", fake_spawn)
+    got = direct_gloo.run_direct(["all_reduce"], 2, [4, 8], [100, 5])
+    assert got == {("all_reduce", 4): [1.0], ("all_reduce", 8): [2.0]}
+    assert seen[0][seen[0].index("--repeats") + 1] == "100,5"
+    direct_gloo.run_direct(["all_reduce"], 2, [4, 8], 7)
+    assert seen[1][seen[1].index("--repeats") + 1] == "7"
+    with pytest.raises(ValueError):
+        direct_gloo.run_direct(["all_reduce"], 2, [4, 8], [1, 2, 3])
