@@ -27,9 +27,9 @@ WORLD = 2
 
 
 def plan(ctx: BenchContext) -> Plan:
-    """Quick: 2 rounds of 0.75 s; full: 3 rounds of 2 s (per client count)."""
+    """Quick: 2 rounds of 0.5 s; full: 3 rounds of 2 s (per client count)."""
     if ctx.quick:
-        return Plan(rounds=2, duration_s=0.75, max_ops=5_000)
+        return Plan(rounds=2, duration_s=0.5, max_ops=5_000)
     return Plan(rounds=3, duration_s=2.0, max_ops=20_000)
 
 

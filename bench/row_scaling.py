@@ -81,7 +81,7 @@ def _rate_row(world: int, run: ConcurrentResult, single: ConcurrentResult, where
 def _world_rows(ctx: BenchContext, world: int) -> list[Row]:
     big = MiB if ctx.quick else 64 * MiB
     small_plan = (
-        Plan(rounds=1, duration_s=1.0, max_ops=2_000)
+        Plan(rounds=1, duration_s=0.75, max_ops=2_000)
         if ctx.quick
         else Plan(rounds=2, duration_s=1.5, max_ops=10_000)
     )
