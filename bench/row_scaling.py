@@ -83,7 +83,7 @@ def _world_rows(ctx: BenchContext, world: int) -> list[Row]:
     small_plan = (
         Plan(rounds=1, duration_s=0.75, max_ops=2_000)
         if ctx.quick
-        else Plan(rounds=2, duration_s=1.5, max_ops=10_000)
+        else Plan(rounds=2, duration_s=1.0, max_ops=10_000)
     )
     big_plan = Plan(rounds=1, duration_s=60.0, max_ops=ctx.repeats, warmup=1)
     where = _cores(world)
