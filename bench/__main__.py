@@ -26,12 +26,14 @@ ORDER = [
     "collectives",
     "coalesced",
     "latency",
+    "concurrency",
     "inference",
     "training",
     "coordinator",
     "memory",
     "gpu",
     "publish",
+    "scaling",
 ]
 
 COLUMNS = [

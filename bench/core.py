@@ -28,6 +28,7 @@ __all__ = [
     "MiB",
     "GiB",
     "shared_cluster",
+    "close_shared_cluster",
     "close_shared_clusters",
 ]
 
@@ -214,26 +215,43 @@ def local_cluster(workers: int, *extra: str) -> Iterator[str]:
             proc.wait()
 
 
-_shared: dict[tuple[str, ...], str] = {}
-_shared_stack = contextlib.ExitStack()
+_shared: dict[tuple[str, ...], tuple[str, contextlib.ExitStack]] = {}
+
+
+def _shared_key(workers: int, extra: tuple[str, ...]) -> tuple[str, ...]:
+    # Every shared cluster may build the server's model-zoo factories (rows 5 and 10 do).
+    return (str(workers), "--allow-factory", "collectives_server.model_zoo", *extra)
 
 
 def shared_cluster(workers: int, *extra: str) -> str:
     """The address of a ``local_cluster(workers, *extra)`` shared by every row that asks for
     the same arguments (starting a cluster costs ~10-20 s on 2 cores); it lives until
-    :func:`close_shared_clusters` (called by ``python -m bench`` after the rows, after a
-    failed row, and at exit). Rows must delete what they store on it."""
-    # Every shared cluster may build the server's model-zoo factories (rows 5 and 10 do).
-    extra = ("--allow-factory", "collectives_server.model_zoo", *extra)
-    key = (str(workers), *extra)
+    :func:`close_shared_cluster` or :func:`close_shared_clusters` (called by ``python -m
+    bench`` after the rows, after a failed row, and at exit). Rows must delete what they
+    store on it."""
+    key = _shared_key(workers, extra)
     if key not in _shared:
-        _shared[key] = _shared_stack.enter_context(local_cluster(workers, *extra))
-    return _shared[key]
+        stack = contextlib.ExitStack()
+        address = stack.enter_context(local_cluster(workers, *key[1:]))
+        _shared[key] = (address, stack)
+    return _shared[key][0]
+
+
+def close_shared_cluster(workers: int, *extra: str) -> bool:
+    """Stops the shared cluster ``shared_cluster(workers, *extra)`` started, if it runs
+    (a later ``shared_cluster`` call starts a fresh one); returns whether one ran."""
+    entry = _shared.pop(_shared_key(workers, extra), None)
+    if entry is not None:
+        entry[1].close()
+    return entry is not None
 
 
 def close_shared_clusters() -> None:
-    _shared.clear()
-    _shared_stack.close()
+    """Stops every shared cluster (each one even when stopping another raised)."""
+    with contextlib.ExitStack() as all_of_them:
+        for _, stack in _shared.values():
+            all_of_them.push(stack)
+        _shared.clear()
 
 
 atexit.register(close_shared_clusters)

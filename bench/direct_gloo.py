@@ -74,12 +74,16 @@ def spawn_ranks(module: str, world: int, args: list[str], timeout: float = _TIME
 
 
 def run_direct(
-    ops: list[str], world: int, sizes: list[int], repeats: int, warmup: int = 2
+    ops: list[str], world: int, sizes: list[int], repeats: int | list[int], warmup: int = 2
 ) -> dict[tuple[str, int], list[float]]:
     """Seconds per op with direct gloo for every (op, nbytes) pair (float32 tensors),
-    one figure per op; one set of ``world`` processes measures them all."""
+    one figure per op; one set of ``world`` processes measures them all. ``repeats``:
+    one count for every size, or one per size (e.g. many small ops, few large ones)."""
+    counts = repeats if isinstance(repeats, list) else [repeats]
+    if len(counts) not in (1, len(sizes)):
+        raise ValueError(f"{len(counts)} repeat counts for {len(sizes)} sizes")
     args = ["--op", ",".join(ops), "--bytes", ",".join(map(str, sizes))]
-    args += ["--repeats", str(repeats), "--warmup", str(warmup)]
+    args += ["--repeats", ",".join(map(str, counts)), "--warmup", str(warmup)]
     seconds = spawn_ranks("bench.direct_gloo", world, args)["seconds"]
     return {(op, n): seconds[f"{op}:{n}"] for op in ops for n in sizes}
 
@@ -108,7 +112,7 @@ def _main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--op", required=True, help="comma-separated, of " + ", ".join(OPS))
     parser.add_argument("--bytes", required=True, help="comma-separated sizes")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", default="5", help="one count, or one per size")
     parser.add_argument("--warmup", type=int, default=2)
     a = parser.parse_args()
 
@@ -116,11 +120,14 @@ def _main() -> None:
 
     store, pg = gloo_group(a.rank, a.world, a.port)
     results: dict[str, list[float]] = {}
-    for nbytes in (int(b) for b in a.bytes.split(",")):
+    sizes = [int(b) for b in a.bytes.split(",")]
+    counts = [int(r) for r in a.repeats.split(",")]
+    counts = counts * len(sizes) if len(counts) == 1 else counts
+    for nbytes, repeats in zip(sizes, counts, strict=True):
         t = torch.full((max(1, nbytes // 4),), float(a.rank + 1), dtype=torch.float32)
         parts = [torch.empty_like(t) for _ in range(a.world)]
         for op in a.op.split(","):
-            results[f"{op}:{nbytes}"] = time_op(pg, op, t, parts, a.warmup, a.repeats)
+            results[f"{op}:{nbytes}"] = time_op(pg, op, t, parts, a.warmup, repeats)
     pg.barrier().wait()
     if a.rank == 0:
         print(json.dumps({"seconds": results}), flush=True)

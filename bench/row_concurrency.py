@@ -1,0 +1,84 @@
+"""Row 4b: small ops under concurrency, ``cluster.all_reduce`` of 4 bytes at world 2.
+
+Measured on the ``shared_cluster(2)``: 1, 8 and 32 SDK clients (threads of this
+process, each with its own ``collectives.connect`` and its own tensor name;
+bench/concurrent_clients.py) each issue an in-place ``all_reduce(op="sum")`` of
+a 4-byte float32 tensor back to back for a few timed rounds, all clients started
+together by a barrier. Every op's result is checked (chained in-place sums of
+different random values per rank, one ``get`` per rank per chain); a wrong value
+fails the row.
+
+Rows and anchors (both measured in the same run, on the same cluster):
+- 8 clients' aggregate ops/s against the single client's ops/s; target >= 4x
+  (the service overlaps or fuses independent small ops instead of running them
+  one at a time).
+- 8 clients' per-op latency p50 against the single client's p50; target <= 2x.
+- 32 clients' aggregate ops/s against the single client's ops/s; no target (scaling).
+"""
+
+from __future__ import annotations
+
+from .concurrent_clients import ConcurrentResult, Plan, run_clients
+from .core import BenchContext, Row, shared_cluster
+
+NAME = "concurrency"
+GROUP = "4b concurrency"
+WORLD = 2
+
+
+def plan(ctx: BenchContext) -> Plan:
+    """Quick: 2 rounds of 0.5 s; full: 3 rounds of 2 s (per client count)."""
+    if ctx.quick:
+        return Plan(rounds=2, duration_s=0.5, max_ops=5_000)
+    return Plan(rounds=3, duration_s=2.0, max_ops=20_000)
+
+
+def _note(run: ConcurrentResult, single: ConcurrentResult) -> str:
+    return (
+        f"{run.summary()}; anchor {single.summary()}; clients are threads of one process "
+        "(its CPU use shows the Python client is not the limit)"
+    )
+
+
+def run(ctx: BenchContext) -> list[Row]:
+    address = shared_cluster(WORLD)
+    p = plan(ctx)
+    prefix = "bench/concurrency"
+    single = run_clients(address, WORLD, 1, p, prefix=f"{prefix}/1")
+    eight = run_clients(address, WORLD, 8, p, prefix=f"{prefix}/8")
+    many = run_clients(address, WORLD, 32, p, prefix=f"{prefix}/32")
+    anchor_rate = single.ops_per_s()
+    return [
+        Row(
+            group=GROUP,
+            what="all_reduce 4 B world 2: 8 clients aggregate ops/s",
+            service=eight.ops_per_s(),
+            anchor_name="1 client ops/s (same cluster, same run)",
+            anchor=anchor_rate,
+            target=">= 4",
+            note=_note(eight, single),
+            extra={"service": eight.as_extra(), "anchor": single.as_extra()},
+        ),
+        Row(
+            group=GROUP,
+            what="all_reduce 4 B world 2: 8 clients per-client p50",
+            service=eight.latency(),
+            anchor_name="1 client p50",
+            anchor=single.latency(),
+            target="<= 2",
+            note=(
+                "p50/p99 over every op of every client; each client's own p50 "
+                f"{min(eight.client_p50s) * 1e3:.3g}-{max(eight.client_p50s) * 1e3:.3g} ms"
+            ),
+            extra={"service": eight.as_extra(), "anchor": single.as_extra()},
+        ),
+        Row(
+            group=GROUP,
+            what="all_reduce 4 B world 2: 32 clients aggregate ops/s",
+            service=many.ops_per_s(),
+            anchor_name="1 client ops/s (same cluster, same run)",
+            anchor=anchor_rate,
+            note=_note(many, single),
+            extra={"service": many.as_extra(), "anchor": single.as_extra()},
+        ),
+    ]
