@@ -1,8 +1,10 @@
 """Data placement: ``put``, ``get``, ``delete`` and ``scatter`` of named tensors.
 
 Bulk data goes straight to the worker holding each rank, over that worker's own
-channel, in parallel across ranks; nothing passes through the leader or the
-coordinator. All four calls are idempotent, so each rank's call is retried on
+channel, in parallel across ranks; nothing passes through the coordinator. The
+one exception is a large ``put`` on every rank: sent once to the leader, which
+broadcasts it to the other workers (``_replicate``), so the client sends each
+byte once. All four calls are idempotent, so each rank's call is retried on
 ``UNAVAILABLE`` after refreshing the cluster (which re-resolves rank to
 address), within the call's deadline.
 """
@@ -21,6 +23,7 @@ import torch
 from collectives import shm
 from collectives._core import _ClusterCore, annotate
 from collectives._progress import Deferred, Progress, progress
+from collectives._replicate import REPLICATE_MIN_BYTES, UseParallelPuts, replicate
 from collectives._transport import (
     DataPath,
     WorkerEndpoint,
@@ -57,8 +60,13 @@ class _DataPlane(_ClusterCore):
     ) -> None:
         """Stores ``t`` under ``name`` on ``rank``, or on every rank when ``rank`` is None.
 
-        A tensor already stored under the name is replaced. Uploads to several
-        ranks run in parallel; the tensor is sent as-is (dtype, shape), in 4 MiB chunks.
+        A tensor already stored under the name is replaced; the tensor is sent
+        as-is (dtype, shape). With ``rank=None`` on two or more ranks, a tensor of
+        at least 1 MiB is sent once, to the leader, and the workers broadcast it
+        among themselves (a sequenced op: every rank stores it, or, if it fails
+        anywhere, e.g. over some rank's quota, none does and every old value
+        stays); smaller tensors, and a client using shared memory with same-host
+        workers, upload to every rank in parallel.
 
         Raises:
             InvalidArgument: bad name, rank, tensor type or dtype (before any RPC).
@@ -78,6 +86,13 @@ class _DataPlane(_ClusterCore):
         # One CPU copy shared by all uploads (and the shared-memory segment).
         wire = _wire_layout(t) if len(ranks) > 1 or use_shm else t
         nbytes = wire.numel() * wire.element_size()
+        if rank is None and len(ranks) > 1 and not use_shm and nbytes >= REPLICATE_MIN_BYTES:
+            try:
+                with progress(f"put {name!r}", nbytes, self._progress) as bar:
+                    replicate(self, name, wire, deadline, bar)
+                return
+            except UseParallelPuts:
+                ranks = self._target_ranks(rank, deadline)  # as below, every rank in parallel
         segment = None
         if use_shm:
             segment = self._shm_pool.acquire(nbytes)

@@ -70,6 +70,7 @@ class OpKind(enum.IntEnum):
     ALL_GATHER_COALESCED = worker_pb2.OP_KIND_ALL_GATHER_COALESCED
     ALL_TO_ALL_UNEVEN = worker_pb2.OP_KIND_ALL_TO_ALL_UNEVEN
     PUBLISH_MODEL = worker_pb2.OP_KIND_PUBLISH_MODEL
+    REPLICATE = worker_pb2.OP_KIND_REPLICATE
 
 
 class Operand(enum.Enum):
@@ -243,6 +244,16 @@ SPECS: dict[OpKind, OpSpec] = {
         ),
         OpSpec(OpKind.DESTROY_GROUP, "destroy_group", args="destroy_group"),
         OpSpec(OpKind.PUBLISH_MODEL, "publish", args="publish"),
+        # put(name, t) on every rank, sent once: the leader's upload (the root's
+        # operand) is stored by every member, the root included (it adopts it).
+        OpSpec(
+            OpKind.REPLICATE,
+            "replicate",
+            args="replicate",
+            operand=Operand.ROOT,
+            stores=Stores.MEMBERS,
+            root_role="src",
+        ),
         OpSpec(
             OpKind.ALL_REDUCE_COALESCED,
             "all_reduce_coalesced",
@@ -366,6 +377,8 @@ def subject(desc: worker_pb2.OpDescriptor) -> str:
     field = desc.WhichOneof("args")
     if field in ("tensor", "uneven", "exchange"):
         return getattr(desc, field).name
+    if field == "replicate":
+        return desc.replicate.out
     if field == "coalesced":
         names = list(desc.coalesced.names)
         return names[0] if len(names) == 1 else f"{names[0]} (+{len(names) - 1})" if names else ""

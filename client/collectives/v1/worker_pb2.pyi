@@ -32,6 +32,7 @@ class OpKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OP_KIND_ALL_GATHER_COALESCED: _ClassVar[OpKind]
     OP_KIND_ALL_TO_ALL_UNEVEN: _ClassVar[OpKind]
     OP_KIND_PUBLISH_MODEL: _ClassVar[OpKind]
+    OP_KIND_REPLICATE: _ClassVar[OpKind]
 OP_KIND_UNSPECIFIED: OpKind
 OP_KIND_NOOP: OpKind
 OP_KIND_STOP: OpKind
@@ -53,6 +54,7 @@ OP_KIND_BROADCAST_COALESCED: OpKind
 OP_KIND_ALL_GATHER_COALESCED: OpKind
 OP_KIND_ALL_TO_ALL_UNEVEN: OpKind
 OP_KIND_PUBLISH_MODEL: OpKind
+OP_KIND_REPLICATE: OpKind
 
 class PutTensorRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -728,6 +730,16 @@ class PublishModelRequest(_message.Message):
     cast: bool
     def __init__(self, options: _Optional[_Union[OpOptions, _Mapping]] = ..., model: _Optional[str] = ..., prefix: _Optional[str] = ..., strict: _Optional[bool] = ..., cast: _Optional[bool] = ...) -> None: ...
 
+class ReplicateTensorRequest(_message.Message):
+    __slots__ = ("options", "upload", "name")
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    options: OpOptions
+    upload: str
+    name: str
+    def __init__(self, options: _Optional[_Union[OpOptions, _Mapping]] = ..., upload: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
 class PublishModelResponse(_message.Message):
     __slots__ = ("op_id", "generation", "version", "tensors", "bytes", "latency_s")
     OP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -847,7 +859,7 @@ class TrainStepArgs(_message.Message):
     def __init__(self, model: _Optional[str] = ..., inputs: _Optional[str] = ..., targets: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[str] = ..., hyper_json: _Optional[str] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
 
 class OpDescriptor(_message.Message):
-    __slots__ = ("op_id", "generation", "group_id", "timeout_s", "kind", "tensor", "new_group", "gradients", "train_step", "coalesced", "uneven", "exchange", "destroy_group", "publish")
+    __slots__ = ("op_id", "generation", "group_id", "timeout_s", "kind", "tensor", "new_group", "gradients", "train_step", "coalesced", "uneven", "exchange", "destroy_group", "publish", "replicate")
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -862,6 +874,7 @@ class OpDescriptor(_message.Message):
     EXCHANGE_FIELD_NUMBER: _ClassVar[int]
     DESTROY_GROUP_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_FIELD_NUMBER: _ClassVar[int]
+    REPLICATE_FIELD_NUMBER: _ClassVar[int]
     op_id: int
     generation: int
     group_id: int
@@ -876,4 +889,5 @@ class OpDescriptor(_message.Message):
     exchange: ExchangeArgs
     destroy_group: DestroyGroupArgs
     publish: PublishArgs
-    def __init__(self, op_id: _Optional[int] = ..., generation: _Optional[int] = ..., group_id: _Optional[int] = ..., timeout_s: _Optional[float] = ..., kind: _Optional[_Union[OpKind, str]] = ..., tensor: _Optional[_Union[TensorOpArgs, _Mapping]] = ..., new_group: _Optional[_Union[NewGroupArgs, _Mapping]] = ..., gradients: _Optional[_Union[GradientsArgs, _Mapping]] = ..., train_step: _Optional[_Union[TrainStepArgs, _Mapping]] = ..., coalesced: _Optional[_Union[CoalescedArgs, _Mapping]] = ..., uneven: _Optional[_Union[UnevenAllToAllArgs, _Mapping]] = ..., exchange: _Optional[_Union[ExchangeArgs, _Mapping]] = ..., destroy_group: _Optional[_Union[DestroyGroupArgs, _Mapping]] = ..., publish: _Optional[_Union[PublishArgs, _Mapping]] = ...) -> None: ...
+    replicate: TensorOpArgs
+    def __init__(self, op_id: _Optional[int] = ..., generation: _Optional[int] = ..., group_id: _Optional[int] = ..., timeout_s: _Optional[float] = ..., kind: _Optional[_Union[OpKind, str]] = ..., tensor: _Optional[_Union[TensorOpArgs, _Mapping]] = ..., new_group: _Optional[_Union[NewGroupArgs, _Mapping]] = ..., gradients: _Optional[_Union[GradientsArgs, _Mapping]] = ..., train_step: _Optional[_Union[TrainStepArgs, _Mapping]] = ..., coalesced: _Optional[_Union[CoalescedArgs, _Mapping]] = ..., uneven: _Optional[_Union[UnevenAllToAllArgs, _Mapping]] = ..., exchange: _Optional[_Union[ExchangeArgs, _Mapping]] = ..., destroy_group: _Optional[_Union[DestroyGroupArgs, _Mapping]] = ..., publish: _Optional[_Union[PublishArgs, _Mapping]] = ..., replicate: _Optional[_Union[TensorOpArgs, _Mapping]] = ...) -> None: ...

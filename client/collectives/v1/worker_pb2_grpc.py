@@ -204,6 +204,11 @@ class WorkerStub:
                 request_serializer=collectives_dot_v1_dot_worker__pb2.PublishModelRequest.SerializeToString,
                 response_deserializer=collectives_dot_v1_dot_worker__pb2.PublishModelResponse.FromString,
                 _registered_method=True)
+        self.ReplicateTensor = channel.unary_unary(
+                '/collectives.v1.Worker/ReplicateTensor',
+                request_serializer=collectives_dot_v1_dot_worker__pb2.ReplicateTensorRequest.SerializeToString,
+                response_deserializer=collectives_dot_v1_dot_worker__pb2.CollectiveResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -466,6 +471,19 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReplicateTensor(self, request, context):
+        """Leader only: stores the tensor uploaded under `upload` on every rank under
+        `name` (put with rank=None, sent once by the client), at one point of the
+        op order, on every rank or on none. Errors: INVALID_ARGUMENT (bad names),
+        NOT_FOUND (nothing under `upload` on the leader: put it first),
+        RESOURCE_EXHAUSTED (the tensor does not fit in some rank's quota: nothing
+        is stored anywhere; or the queue is full: retry), UNAVAILABLE (not the
+        leader, generation changed: upload again to the new leader and retry).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -638,6 +656,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.PublishModel,
                     request_deserializer=collectives_dot_v1_dot_worker__pb2.PublishModelRequest.FromString,
                     response_serializer=collectives_dot_v1_dot_worker__pb2.PublishModelResponse.SerializeToString,
+            ),
+            'ReplicateTensor': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReplicateTensor,
+                    request_deserializer=collectives_dot_v1_dot_worker__pb2.ReplicateTensorRequest.FromString,
+                    response_serializer=collectives_dot_v1_dot_worker__pb2.CollectiveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1558,6 +1581,33 @@ class Worker:
             '/collectives.v1.Worker/PublishModel',
             collectives_dot_v1_dot_worker__pb2.PublishModelRequest.SerializeToString,
             collectives_dot_v1_dot_worker__pb2.PublishModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReplicateTensor(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/collectives.v1.Worker/ReplicateTensor',
+            collectives_dot_v1_dot_worker__pb2.ReplicateTensorRequest.SerializeToString,
+            collectives_dot_v1_dot_worker__pb2.CollectiveResponse.FromString,
             options,
             channel_credentials,
             insecure,

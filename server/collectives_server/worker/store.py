@@ -36,11 +36,12 @@ __all__ = [
     "UPLOAD_PREFIX",
     "UPLOAD_IDLE_S",
     "quota_message",
+    "upload_prefix",
 ]
 
-# Publish uploads (``__publish/<id>/<key>``) wait on the leader for their publish
-# op, which removes them; those of a client that died before publishing are
-# dropped once no put under their id came for UPLOAD_IDLE_S.
+# Publish and replicated-put uploads (``__publish/<id>/<key>``) wait on the leader
+# for their op, which removes them; those of a client that died before calling it
+# are dropped once no put under their id came for UPLOAD_IDLE_S.
 UPLOAD_IDLE_S = 300.0
 
 
@@ -225,12 +226,28 @@ class TensorStore:
                 self._tensors[name] = t
                 self._bytes += _nbytes(t)
                 if name.startswith(UPLOAD_PREFIX):
-                    self._uploads[_upload_of(name)] = time.monotonic()
+                    self._uploads[upload_prefix(name)] = time.monotonic()
 
     def replace(self, name: str, t: torch.Tensor) -> torch.Tensor | None:
         """Commits ``t`` under ``name`` without a quota check (a collective's commit: its
         quota was judged on every rank before the op); returns the value replaced."""
         with self._lock:
+            old = self._tensors.get(name)
+            if old is not None:
+                self._bytes -= _nbytes(old)
+            self._tensors[name] = t
+            self._bytes += _nbytes(t)
+        return old
+
+    def adopt(self, name: str, t: torch.Tensor, upload: str) -> torch.Tensor | None:
+        """Commits ``t`` under ``name`` as :meth:`replace` does and, in the same step,
+        drops ``upload`` if it still holds ``t``: a replicated put's commit on the
+        leader keeps the uploaded tensor itself (no copy, never counted twice).
+        Returns the value replaced under ``name``."""
+        with self._lock:
+            if self._tensors.get(upload) is t:
+                del self._tensors[upload]
+                self._bytes -= _nbytes(t)
             old = self._tensors.get(name)
             if old is not None:
                 self._bytes -= _nbytes(old)
@@ -307,7 +324,7 @@ class TensorStore:
             return len(self._tensors), self._bytes
 
 
-def _upload_of(name: str) -> str:
+def upload_prefix(name: str) -> str:
     """``__publish/<id>/<key>`` -> ``__publish/<id>/``."""
     head, _, rest = name[len(UPLOAD_PREFIX) :].partition("/")
     return f"{UPLOAD_PREFIX}{head}/" if rest else name

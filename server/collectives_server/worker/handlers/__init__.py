@@ -11,7 +11,8 @@ does on a rank is its handler's business:
 * ``all_reduce_gradients`` and ``train_step``: ``model_ops.run_model_op``;
 * coalesced all_reduce, broadcast, all_gather: ``coalesced_ops.run_coalesced``
   (its buckets in ``coalesced_buckets``);
-* ``publish`` (a new model version): ``publish_ops.run_publish``.
+* ``publish`` (a new model version): ``publish_ops.run_publish``;
+* ``replicate`` (``put`` on every rank, sent once): ``replicate_ops.run_replicate``.
 
 Every handler returns the same outcome on every rank (an agreement or a pure
 decision over exchanged data precedes every commit) and raises
@@ -30,6 +31,7 @@ from collectives_server.worker.handlers.exchange_ops import run_exchange
 from collectives_server.worker.handlers.group_ops import run_destroy_group, run_new_group
 from collectives_server.worker.handlers.model_ops import ModelOpResult, run_model_op
 from collectives_server.worker.handlers.publish_ops import PublishResult, run_publish
+from collectives_server.worker.handlers.replicate_ops import run_replicate
 from collectives_server.worker.handlers.tensor_ops import run_tensor_op
 from collectives_server.worker.handlers.uneven_ops import run_uneven_all_to_all
 from collectives_server.worker.op_context import Announcement, OpContext, OpResult
@@ -56,6 +58,7 @@ HANDLERS: dict[OpKind, Handler] = {
     OpKind.BROADCAST_COALESCED: run_coalesced,
     OpKind.ALL_GATHER_COALESCED: run_coalesced,
     OpKind.PUBLISH_MODEL: run_publish,
+    OpKind.REPLICATE: run_replicate,
 }
 
 
