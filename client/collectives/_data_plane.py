@@ -62,7 +62,7 @@ class _DataPlane(_ClusterCore):
 
         A tensor already stored under the name is replaced; the tensor is sent
         as-is (dtype, shape). With ``rank=None`` on two or more ranks, a tensor of
-        at least 1 MiB is sent once, to the leader, and the workers broadcast it
+        at least 4 MiB is sent once, to the leader, and the workers broadcast it
         among themselves (a sequenced op: every rank stores it, or, if it fails
         anywhere, e.g. over some rank's quota, none does and every old value
         stays); smaller tensors, and a client using shared memory with same-host

@@ -38,10 +38,12 @@ if TYPE_CHECKING:
 
 __all__ = ["replicate", "REPLICATE_MIN_BYTES", "UseParallelPuts"]
 
-# put(rank=None) of at least this many bytes takes the replicated op (below it,
-# parallel puts answer sooner: one RPC per rank against an upload plus a
-# sequenced op). Measured: see docs/design.md "Execution on the workers".
-REPLICATE_MIN_BYTES = 1 << 20
+# put(rank=None) of at least this many bytes takes the replicated op. Below it,
+# parallel puts answer sooner (one RPC per rank, against an upload plus a
+# sequenced op of three control rounds); from here on the two take about as long
+# on loopback, and the replicated op sends world x fewer bytes. Measured: see
+# docs/design.md "Execution on the workers".
+REPLICATE_MIN_BYTES = 4 << 20
 
 
 class UseParallelPuts(Exception):
