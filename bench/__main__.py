@@ -22,6 +22,7 @@ from .core import BenchContext, Row, Skip, close_shared_clusters, machine
 # The row order; row modules not listed here come after, by name.
 ORDER = [
     "putget",
+    "replicate",
     "shm",
     "collectives",
     "coalesced",

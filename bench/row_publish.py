@@ -12,8 +12,8 @@ The anchor, measured in the same run: one ``cluster.put`` of the same number of
 bytes (one tensor) to rank 0 of the same cluster, plus one direct gloo broadcast
 of those bytes among ``world`` fresh processes (bench/direct_gloo.py). Its
 p50 / p99 / worst are the sums of the two parts' (the parts are in ``extra``).
-The issue's target, publish 256 MiB at world 3 <= 1.5x the anchor, is the
-world-3 row's.
+The issue's target, publish 256 MiB at world 3 <= 1.3x the anchor (it was
+1.5x), is the world-3 row's.
 
 Client egress: the TCP payload bytes this process's sockets had acknowledged
 during each timed publish (bench/egress.py), over the state dict's bytes; the
@@ -43,7 +43,7 @@ WIDTH = 4096  # depth 3: four 4096 x 4096 Linear layers, 256 MiB + 64 KiB of bia
 QUICK_WIDTH = 1024  # 16 MiB
 DEPTH = 3
 TARGET_WORLD = 3
-TARGET = "<= 1.5"  # the issue: publish 256 MiB at world 3 <= 1.5x (put + direct broadcast)
+TARGET = "<= 1.3"  # the issue: publish 256 MiB at world 3 <= 1.3x (put + direct broadcast)
 EGRESS_TARGET = "<= 1.01"  # the issue: client egress = 1x the bytes (framing and RPCs: < 1 %)
 
 

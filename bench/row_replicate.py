@@ -1,0 +1,130 @@
+"""Row 1b: ``cluster.put(name, t)`` on every rank of 256 MiB at world 3, and the client's egress.
+
+A float32 tensor of 256 MiB (quick: 16 MiB at world 2) is put with
+``rank=None`` on a ``shared_cluster(world)``; each repetition fills it with fresh
+random values (not timed), then times the put: the upload once to the leader
+(its bulk port) and the replicate op, in which the workers broadcast the bytes
+among themselves (one gloo broadcast) and every rank commits.
+
+The anchor, measured in the same run (as row 10's for publish): one
+``cluster.put`` of the same tensor to rank 0 of the same cluster, plus one direct
+gloo broadcast of those bytes among ``world`` fresh processes
+(bench/direct_gloo.py). Its p50 / p99 / worst are the sums of the two parts'
+(the parts are in ``extra``). The issue's target: <= 1.3x the anchor at world 3.
+
+Client egress: the TCP payload bytes this process's sockets had acknowledged
+during each timed put (bench/egress.py), over the tensor's bytes; the issue
+asks for 1x (each byte sent once, to the leader only; parallel puts to every
+rank sent world x).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import collectives
+
+from . import egress
+from .core import BenchContext, MiB, Row, Stat, shared_cluster, stat_of, timed
+from .direct_gloo import run_direct
+from .row_publish import summed
+
+__all__ = ["run", "FULL_BYTES", "QUICK_BYTES"]
+
+NAME = "replicate"
+GROUP = "1b replicated put"
+PUT_NAME = "bench/replicate/x"
+ANCHOR_NAME = "bench/replicate/anchor"
+FULL_BYTES = 256 * MiB
+QUICK_BYTES = 16 * MiB
+TARGET_WORLD = 3
+TARGET = "<= 1.3"  # the issue: put(rank=None) of 256 MiB at world 3 <= 1.3x (put + broadcast)
+EGRESS_TARGET = "<= 1.01"  # the issue: client egress = 1x the bytes (framing and RPCs: < 1 %)
+
+
+def _service(world: int, nbytes: int, repeats: int) -> dict:
+    """Replicated-put and put-to-rank-0 seconds, egress bytes and closed-socket counts on
+    a world-``world`` cluster; its tensors are gone from it afterwards."""
+    t = torch.empty(nbytes // 4, dtype=torch.float32)
+    counting = egress.available()
+    counter = egress.TcpEgress()
+    out: dict = {"replicate": [], "put": [], "egress": [], "closed": 0}
+
+    def refill() -> None:  # fresh values every time: nothing can be skipped as unchanged
+        t.uniform_(-1.0, 1.0)
+        if counting:
+            counter.start()
+
+    def counted(_i: int) -> None:
+        if counting:
+            got = counter.stop()
+            out["egress"].append(got.nbytes)
+            out["closed"] += got.closed
+
+    with collectives.connect(shared_cluster(world), timeout=300.0) as cluster:
+        try:
+            out["replicate"] = timed(repeats, 1, refill, lambda: cluster.put(PUT_NAME, t), counted)
+            for rank in range(world):
+                if not torch.equal(cluster.get(PUT_NAME, rank=rank), t):
+                    raise AssertionError(f"rank {rank} does not hold the tensor put last")
+            cluster.delete(PUT_NAME)
+            out["put"] = timed(
+                repeats, 1, lambda: t.uniform_(), lambda: cluster.put(ANCHOR_NAME, t, rank=0)
+            )
+        finally:  # the cluster is shared with other rows
+            cluster.delete(PUT_NAME, missing_ok=True)
+            cluster.delete(ANCHOR_NAME, missing_ok=True)
+    return out
+
+
+def _rows(world: int, nbytes: int, repeats: int, quick: bool) -> list[Row]:
+    service = _service(world, nbytes, repeats)
+    bcast = run_direct(["broadcast"], world, [nbytes], repeats)[("broadcast", nbytes)]
+    put, replicated = service["put"], service["replicate"]
+    label = f"{nbytes / MiB:.0f} MiB"
+    extra = {
+        "world": world,
+        "bytes": nbytes,
+        "put_s": put,
+        "broadcast_s": bcast,
+        "replicate_s": replicated,
+        "put": stat_of(put, "s").text(),
+        "broadcast": stat_of(bcast, "s").text(),
+    }
+    rows = [
+        Row(
+            group=GROUP,
+            what=f"put {label} on every rank (rank=None), world {world}",
+            service=stat_of(replicated, "s"),
+            anchor_name=f"put {label} to rank 0 + direct gloo broadcast, {world} processes",
+            anchor=stat_of(summed(put, bcast), "s"),
+            target=TARGET if world == TARGET_WORLD and not quick else "",
+            note=f"anchor = put {stat_of(put, 's').text()} + broadcast "
+            f"{stat_of(bcast, 's').text()}"
+            + ("" if service["egress"] else "; client egress not measured (no ss or /proc)"),
+            extra=extra,
+        )
+    ]
+    sent = service["egress"]
+    if sent:
+        closed = service["closed"]
+        rows.append(
+            Row(
+                group=GROUP,
+                what=f"client egress per put of {label} on every rank, world {world}",
+                service=stat_of([n / MiB for n in sent], "MiB"),
+                anchor_name="the tensor's bytes",
+                anchor=Stat(nbytes / MiB, nbytes / MiB, nbytes / MiB, "MiB", 1),
+                target=EGRESS_TARGET,
+                note="TCP bytes acked on this process's sockets (ss); "
+                + (f"{closed} socket(s) closed mid-put: a lower bound" if closed else "exact"),
+                extra={"world": world, "bytes": nbytes, "egress_bytes": sent, "closed": closed},
+            )
+        )
+    return rows
+
+
+def run(ctx: BenchContext) -> list[Row]:
+    if ctx.quick:
+        return _rows(2, QUICK_BYTES, 3, True)
+    return _rows(TARGET_WORLD, FULL_BYTES, ctx.repeats, False)
