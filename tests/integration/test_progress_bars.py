@@ -15,7 +15,7 @@ def test_a_large_put_and_get_draw_bars_to_100_percent(
     t = torch.rand(PROGRESS_MIN_BYTES // 4, generator=gen)  # float32: 256 MiB
     with collectives.connect(cluster2_address, progress=True) as client:
         try:
-            client.put(name, t)  # both ranks: one bar of 512 MiB
+            client.put(name, t)  # both ranks, sent once (to the leader): one bar of 256 MiB
             back = client.get(name, rank=1)
         finally:
             client.delete(name, missing_ok=True)
@@ -23,5 +23,5 @@ def test_a_large_put_and_get_draw_bars_to_100_percent(
     err = capsys.readouterr().err
     puts = [line for line in err.replace("\r", "\n").splitlines() if f"put {name!r}" in line]
     gets = [line for line in err.replace("\r", "\n").splitlines() if f"get {name!r}" in line]
-    assert puts and "100%" in puts[-1] and "512M/512M" in puts[-1], err[-2000:]
+    assert puts and "100%" in puts[-1] and "256M/256M" in puts[-1], err[-2000:]
     assert gets and "100%" in gets[-1] and "256M/256M" in gets[-1], err[-2000:]
