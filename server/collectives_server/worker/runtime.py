@@ -52,7 +52,14 @@ from collectives_server.worker.process_groups import build_groups
 from collectives_server.worker.sequencer import Sequencer, Ticket
 from collectives_server.worker.store import TensorStore
 
-__all__ = ["GenerationRuntime"]
+__all__ = ["GenerationRuntime", "SPARES_IDLE_S"]
+
+# Replaced results kept for reuse (``collective_ops.Spares``) are given back once
+# the generation has run no op for this long. Not at the first idle tick: a
+# client that prepares its next tensor (new weights, a batch) for a second
+# between ops would then have every op land in fresh pages, which cost a 256 MiB
+# broadcast among 3 workers 2x its time (docs/design.md, the replicated put).
+SPARES_IDLE_S = 10.0
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +111,7 @@ class GenerationRuntime:
         limit = store.limit_bytes
         self._spares = Spares(max_bytes=min(512 << 20, limit // 4) if limit else 512 << 20)
         self._cond = threading.Condition()
+        self._last_op_end = time.monotonic()
         self._seq = Sequencer(generation, queue_size, min(1.0, op_timeout_s / 4))
         self._stopping = False
         self._next_group_id = 1
@@ -331,7 +339,8 @@ class GenerationRuntime:
                 if kind == OpKind.STOP:
                     return None
                 if kind == OpKind.NOOP:
-                    self._spares.clear()  # idle: give kept memory back
+                    if time.monotonic() - self._last_op_end >= SPARES_IDLE_S:
+                        self._spares.clear()  # idle for a while: give kept memory back
                     continue
                 if len(items) == 1:
                     desc, inline = items[0]
@@ -345,6 +354,7 @@ class GenerationRuntime:
                         else:
                             current[i].future.set_result(outcome)
                 current = []
+                self._last_op_end = time.monotonic()
         except GroupBroken as exc:
             return self._broken(exc, current)
         except Exception as exc:  # a bug: never take the daemon down with it
