@@ -101,12 +101,13 @@ class _DataPlane(_ClusterCore):
         try:
             if segment is not None:
                 segment.write(wire)
-            path = segment.path if segment is not None else None
+            # A put to one worker may leave the tensor in the segment (hand it over).
+            hand_over = len(ranks) == 1
             self._fan_out(
                 f"put {name!r}",
                 {
                     r: self._rank_call(
-                        r, deadline, f"put {name!r}", self._put(name, wire, path, bar)
+                        r, deadline, f"put {name!r}", self._put(name, wire, segment, bar, hand_over)
                     )
                     for r in ranks
                 },
@@ -254,7 +255,12 @@ class _DataPlane(_ClusterCore):
             return self._rank_call(rank, deadline, what, get_on)()
 
     def _put(
-        self, name: str, t: torch.Tensor, segment: str | None, bar: Progress
+        self,
+        name: str,
+        t: torch.Tensor,
+        segment: shm.Segment | None,
+        bar: Progress,
+        hand_over: bool = False,
     ) -> Callable[[WorkerEndpoint, float], None]:
         nbytes = t.numel() * t.element_size()
 
@@ -264,7 +270,7 @@ class _DataPlane(_ClusterCore):
             if route.path is DataPath.SHM:
                 assert segment is not None
                 try:
-                    put_tensor_shm(endpoint, name, t, segment, remaining)
+                    put_tensor_shm(endpoint, name, t, segment, remaining, self._shm_pool, hand_over)
                     bar.advance(nbytes)
                     return
                 except CollectiveError as err:

@@ -289,16 +289,55 @@ def _check_not_shm(route: Route, what: str) -> None:
 
 
 def put_tensor_shm(
-    endpoint: WorkerEndpoint, name: str, t: torch.Tensor, path: str, timeout: float
+    endpoint: WorkerEndpoint,
+    name: str,
+    t: torch.Tensor,
+    segment: shm.Segment,
+    timeout: float,
+    pool: shm.SegmentPool | None = None,
+    hand_over: bool = False,
 ) -> worker_pb2.PutTensorResponse:
-    """Stores ``t`` (already written to the segment at ``path``) through shared memory.
+    """Stores ``t`` (already written to ``segment``) through shared memory.
+
+    With ``hand_over`` (a put to this worker alone) the segment is offered to
+    the worker, which may keep the tensor in it (see ``SegmentPool.hand_over``);
+    the request also asks which segments handed over earlier came back. A
+    segment the worker did not take is the caller's again; one whose call
+    failed stays handed over until a later answer says otherwise.
 
     Raises:
         CollectiveError: the worker refused the tensor or the segment, or the call failed.
     """
     what = f"PutTensorShm {name!r} to {endpoint.address}"
-    request = worker_pb2.PutTensorShmRequest(header=codec.make_header(name, t), path=path)
-    return call_unary(endpoint.stub.PutTensorShm, request, timeout, what)
+    worker = endpoint.address
+    nbytes = t.numel() * t.element_size()
+    offered = hand_over and pool is not None and pool.hand_over(segment, worker, nbytes)
+    request = worker_pb2.PutTensorShmRequest(
+        header=codec.make_header(name, t),
+        path=segment.path,
+        hand_over=offered,
+        lent=pool.handed_over(worker, but=segment.path) if pool is not None else (),
+    )
+    try:
+        response = call_unary(endpoint.stub.PutTensorShm, request, timeout, what)
+    except CollectiveError as err:
+        if offered and pool is not None and err.code in _REFUSED_BEFORE_READING:
+            pool.take_back(worker, [segment.path], current=segment)
+        raise
+    if pool is not None:
+        taken = [] if response.adopted else [segment.path]
+        pool.take_back(worker, [*taken, *response.returned], current=segment)
+    return response
+
+
+# What a worker answers before it touches a put's segment: it cannot hold it.
+_REFUSED_BEFORE_READING = frozenset(
+    {
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.PERMISSION_DENIED,
+    }
+)
 
 
 def get_tensor_shm(

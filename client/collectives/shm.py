@@ -28,6 +28,7 @@ import os
 import stat
 import threading
 import weakref
+from collections.abc import Iterable
 
 import torch
 
@@ -59,6 +60,11 @@ __all__ = [
 
 # pread/write move at most this much per system call (Linux caps one at ~2 GiB).
 _IO_BYTES = 1 << 30
+# Handing a segment over to a worker (see SegmentPool.hand_over): at most this
+# many per worker at once, for tensors of at least this many bytes (smaller
+# ones are cheaper to copy than to keep a segment for).
+MAX_HANDED_OVER = 2
+HAND_OVER_MIN_BYTES = 1 << 20
 
 
 def available() -> bool:
@@ -145,6 +151,10 @@ class Segment:
     def __init__(self, path: str, fd: int) -> None:
         self.path = path
         self.fd = fd
+        # The worker (address) this segment is handed over to: a stored tensor may
+        # lie in it, so nothing writes into it, truncates it or reuses it until
+        # that worker gives it back (see SegmentPool.hand_over).
+        self.holder: str | None = None
         self._map: mmap.mmap | None = None
         self._bytes: torch.Tensor | None = None  # uint8 view of the whole mapping
 
@@ -239,15 +249,25 @@ class SegmentPool:
     grown, else a new one), so the pool holds about one segment per concurrent call;
     ``release`` returns it, or destroys it when more than ``keep_bytes`` would
     sit idle. ``close`` (and process exit) unlinks every segment.
+
+    A put to one worker may *hand over* its segment (:meth:`hand_over`): a worker
+    running as this user then keeps the stored tensor in the segment's pages
+    instead of copying them. Such a segment leaves the pool (``release`` skips
+    it) until a later put's response says the worker no longer holds it
+    (:meth:`take_back`). At most :data:`MAX_HANDED_OVER` segments per worker are
+    out at once, so a client storing many tensors makes at most that many new
+    segments before its puts copy again.
     """
 
     def __init__(self, keep_bytes: int = 1 << 30) -> None:
         self._keep = keep_bytes
         self._lock = threading.Lock()
         self._free: list[tuple[int, Segment]] = []
+        self._lent: dict[str, dict[str, Segment]] = {}  # worker -> path -> segment handed over
         self._closed = False
-        # Unlinks the free segments when the pool is closed, collected, or at exit.
-        self._finalizer = weakref.finalize(self, _destroy_all, self._free)
+        # Unlinks the free segments (and the names of those handed over: a worker's
+        # mapping outlives the name) when the pool is closed, collected, or at exit.
+        self._finalizer = weakref.finalize(self, _destroy_all, self._free, self._lent)
 
     def acquire(self, nbytes: int | None = None) -> Segment | None:
         """A segment of at least ``nbytes`` (created if none is free); with None,
@@ -270,7 +290,47 @@ class SegmentPool:
                 grow.destroy()
         return Segment.create(max(nbytes, 1))
 
+    def hand_over(self, segment: Segment, worker: str, nbytes: int) -> bool:
+        """Marks ``segment`` (holding ``nbytes`` for a put to ``worker`` alone) as
+        handed over, when worth it: a large tensor, a segment not much larger, and
+        fewer than :data:`MAX_HANDED_OVER` segments out with that worker. Returns
+        whether it is (already handed over to ``worker``: a retry, True)."""
+        if nbytes < HAND_OVER_MIN_BYTES or segment.size > 2 * nbytes:
+            return False
+        with self._lock:
+            if segment.holder is not None:
+                return segment.holder == worker
+            lent = self._lent.setdefault(worker, {})
+            if self._closed or len(lent) >= MAX_HANDED_OVER:
+                return False
+            lent[segment.path] = segment
+            segment.holder = worker
+        return True
+
+    def handed_over(self, worker: str, but: str = "") -> list[str]:
+        """The paths of the segments handed over to ``worker`` (except ``but``)."""
+        with self._lock:
+            return [path for path in self._lent.get(worker, ()) if path != but]
+
+    def take_back(self, worker: str, paths: Iterable[str], current: Segment | None = None) -> None:
+        """``worker`` no longer holds these segments: back to the pool, except
+        ``current`` (the caller's lease, which its caller releases)."""
+        back = []
+        with self._lock:
+            lent = self._lent.get(worker, {})
+            for path in paths:
+                segment = lent.pop(path, None)
+                if segment is not None:
+                    segment.holder = None
+                    if segment is not current:
+                        back.append(segment)
+        for segment in back:
+            self.release(segment)
+
     def release(self, segment: Segment) -> None:
+        """Returns a leased segment; one handed over to a worker stays out of the pool."""
+        if segment.holder is not None:
+            return
         size = segment.size
         with self._lock:
             if self._closed:
@@ -290,9 +350,12 @@ class SegmentPool:
         self._finalizer()
 
 
-def _destroy_all(free: list[tuple[int, Segment]]) -> None:
+def _destroy_all(free: list[tuple[int, Segment]], lent: dict[str, dict[str, Segment]]) -> None:
     while free:
         free.pop()[1].destroy()
+    while lent:
+        for segment in lent.popitem()[1].values():
+            segment.destroy()  # the worker's mapping keeps the pages until it drops the tensor
 
 
 def read_segment(fd: int, offset: int, meta: CheckedHeader) -> torch.Tensor:

@@ -65,12 +65,16 @@ class PutTensorRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
 
 class PutTensorResponse(_message.Message):
-    __slots__ = ("name", "nbytes")
+    __slots__ = ("name", "nbytes", "adopted", "returned")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    ADOPTED_FIELD_NUMBER: _ClassVar[int]
+    RETURNED_FIELD_NUMBER: _ClassVar[int]
     name: str
     nbytes: int
-    def __init__(self, name: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    adopted: bool
+    returned: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., nbytes: _Optional[int] = ..., adopted: _Optional[bool] = ..., returned: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetTensorRequest(_message.Message):
     __slots__ = ("name", "consume")
@@ -89,14 +93,18 @@ class GetTensorResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
 
 class PutTensorShmRequest(_message.Message):
-    __slots__ = ("header", "path", "offset")
+    __slots__ = ("header", "path", "offset", "hand_over", "lent")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    HAND_OVER_FIELD_NUMBER: _ClassVar[int]
+    LENT_FIELD_NUMBER: _ClassVar[int]
     header: _tensor_pb2.TensorHeader
     path: str
     offset: int
-    def __init__(self, header: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+    hand_over: bool
+    lent: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, header: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ..., hand_over: _Optional[bool] = ..., lent: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetTensorShmRequest(_message.Message):
     __slots__ = ("name", "consume", "path", "offset")

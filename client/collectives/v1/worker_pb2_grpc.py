@@ -234,7 +234,9 @@ class WorkerServicer:
         """Same-host fast path: the payload is read from a /dev/shm file the client
         wrote. Errors: as PutTensor; INVALID_ARGUMENT (path not a regular file
         directly under /dev/shm, or smaller than offset + nbytes),
-        FAILED_PRECONDITION (the caller is not on a loopback connection). Safe to retry.
+        FAILED_PRECONDITION (the caller is not on a loopback connection),
+        PERMISSION_DENIED (the file is not the caller's). Safe to retry, with the
+        same segment still handed over (a retry may find it adopted already).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -3,7 +3,9 @@
 A client maps or copies a segment at once (a mapping outlives the name), so
 each one is unlinked after ``ShmLimits.ttl_s``; their number and bytes are
 bounded, their bytes count against the store's quota while they exist, and
-stale ones of dead workers are swept at start (L2). Used by :mod:`shm_service`.
+stale ones of dead workers are swept at start (L2). It also owns the client
+segments the worker adopted for puts (:mod:`shm_adopt`), reaped on the same
+beat. Used by :mod:`shm_service`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collectives import shm
 from collectives.errors import FailedPrecondition, ResourceExhausted
 from collectives.wire import shm_names
 from collectives_server.worker.limits import ShmLimits
+from collectives_server.worker.shm_adopt import AdoptedSegments
 
 __all__ = ["ShmLimits", "WorkerSegments"]
 
@@ -44,6 +47,8 @@ class WorkerSegments:
         self._lock = threading.Lock()
         self._held: OrderedDict[str, tuple[int, float]] = OrderedDict()  # path -> (bytes, expiry)
         self._holds: dict[str, Any] = {}
+        # Client segments holding stored tensors of same-user puts (zero copy).
+        self.adopted = AdoptedSegments()
 
     @property
     def held(self) -> tuple[int, int]:
@@ -104,6 +109,7 @@ class WorkerSegments:
             shm.unlink(path)
         for hold in holds:
             hold.release()
+        self.adopted.reap()
         return len(expired)
 
     def close(self) -> None:
@@ -114,6 +120,7 @@ class WorkerSegments:
             shm.unlink(path)
         for hold in holds:
             hold.release()
+        self.adopted.close()
 
     @staticmethod
     def sweep_stale() -> int:

@@ -5,11 +5,16 @@ on it itself:
 
 * ``PutTensorShm`` reads the client's segment only if the file is owned by the
   uid that owns the client's end of the connection (:mod:`peer_identity`); a
-  root-only file named by an unprivileged client is PERMISSION_DENIED (H4);
+  root-only file named by an unprivileged client is PERMISSION_DENIED (H4).
+  A segment the client hands over is *adopted* (mapped, the stored tensor lies
+  in it, no copy) only when that uid is also the worker's own
+  (:mod:`shm_adopt` says why that is no escalation); otherwise it is copied
+  out with ``preadv``, never mapped;
 * ``GetTensorShm`` writes into a segment the client names only under the same
   rule, so a client cannot overwrite another user's segment (H5); otherwise it
   writes a segment it creates for that call (``O_EXCL``, mode 0600, given to
-  the peer's uid when the worker runs as root);
+  the peer's uid when the worker runs as root), and never into a segment that
+  holds a stored tensor;
 * the segments the worker creates are bounded in number and bytes and
   unlinked after a TTL (a client maps or copies them at once; a mapping
   outlives the name), and stale ones of dead workers are swept at start (L2;
@@ -24,15 +29,18 @@ import os
 import torch
 
 from collectives import shm
-from collectives.errors import PermissionDenied
+from collectives.errors import InvalidArgument, PermissionDenied
 from collectives.names import validate_name
 from collectives.v1 import worker_pb2
-from collectives.wire import codec
+from collectives.wire import codec, shm_names
 from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.peer_identity import loopback_peer_uid
 from collectives_server.worker.shm_segments import ShmLimits, WorkerSegments
 
 __all__ = ["ShmLimits", "WorkerSegments", "get_tensor_shm", "put_tensor_shm"]
+
+# At most this many of a request's lent segments are answered.
+_MAX_LENT = 64
 
 
 def _check_owner(fd: int, uid: int, path: str) -> None:
@@ -51,15 +59,42 @@ def put_tensor_shm(
     validate_name(request.header.name)
     meta = codec.check_header(request.header)
     ctx.store.check_quota(meta.name, meta.nbytes)
-    fd = shm.open_checked(request.path, request.offset, meta.nbytes)
+    adopted = ctx.shm_segments.adopted
+    fd, writable = _open_put_segment(request, meta.nbytes, uid)
     try:
         _check_owner(fd, uid, request.path)
-        tensor = shm.read_segment(fd, request.offset, meta)
+        size = os.fstat(fd).st_size
+        adopt = writable and adopted.eligible(uid, meta.nbytes, size, request.offset)
+        if adopt:
+            tensor = adopted.adopt(fd, request.path, request.offset, meta)
+        else:
+            tensor = shm.read_segment(fd, request.offset, meta)
     finally:
         os.close(fd)
-    ctx.store.put(meta.name, tensor)
+    ctx.store.put(meta.name, tensor)  # frees the tensor it replaces (and its segment)
+    del tensor
     ctx.stats.add_bytes(received=meta.nbytes)
-    return worker_pb2.PutTensorResponse(name=meta.name, nbytes=meta.nbytes)
+    lent = list(request.lent[:_MAX_LENT])
+    # Only segments of the worker's own user are ever adopted.
+    returned = adopted.returned(lent) if uid == os.geteuid() else lent
+    return worker_pb2.PutTensorResponse(
+        name=meta.name, nbytes=meta.nbytes, adopted=adopt, returned=returned
+    )
+
+
+def _open_put_segment(
+    request: worker_pb2.PutTensorShmRequest, nbytes: int, uid: int
+) -> tuple[int, bool]:
+    """The put's segment, open read-write when it may be adopted (handed over by
+    the worker's own user, named ``collectives-*``), else read-only; and which."""
+    if (
+        request.hand_over
+        and uid == os.geteuid()
+        and shm_names.is_ours(os.path.basename(request.path))
+    ):
+        with contextlib.suppress(InvalidArgument):  # e.g. a read-only file: copy it
+            return shm.open_checked(request.path, request.offset, nbytes, write=True), True
+    return shm.open_checked(request.path, request.offset, nbytes), False
 
 
 def get_tensor_shm(
@@ -73,7 +108,7 @@ def get_tensor_shm(
         wire = wire.cpu()
     wire = wire.resolve_conj().resolve_neg().contiguous()
     header = codec.make_header(request.name, wire)
-    path = request.path if request.path and _write_into(request, wire, uid) else ""
+    path = request.path if request.path and _write_into(ctx, request, wire, uid) else ""
     if not path:
         path = ctx.shm_segments.create(wire, uid)
     ctx.stats.add_bytes(sent=header.nbytes)
@@ -83,7 +118,9 @@ def get_tensor_shm(
     return worker_pb2.GetTensorShmResponse(header=header, path=path, offset=offset)
 
 
-def _write_into(request: worker_pb2.GetTensorShmRequest, wire: torch.Tensor, uid: int) -> bool:
+def _write_into(
+    ctx: WorkerContext, request: worker_pb2.GetTensorShmRequest, wire: torch.Tensor, uid: int
+) -> bool:
     """Writes into the client's own segment when it is large enough (False: it is not,
     or it is gone); PERMISSION_DENIED when the segment is not the client's."""
     nbytes = wire.numel() * wire.element_size()
@@ -94,6 +131,8 @@ def _write_into(request: worker_pb2.GetTensorShmRequest, wire: torch.Tensor, uid
         _check_owner(fd, uid, request.path)
         if os.fstat(fd).st_size < request.offset + nbytes:
             return False
+        if ctx.shm_segments.adopted.holds_inode(fd):
+            return False  # it holds a stored tensor: never written behind the store's back
         shm.write_into(fd, wire, request.offset)
         return True
     finally:
