@@ -1,12 +1,14 @@
 """Row 2: put and get through shared memory, against raw TCP loopback and memcpy.
 
 A client on the worker's host connected with ``shared_memory=True``: the payload
-goes through a file in ``/dev/shm`` (one copy in, one copy out) and only a
-handle goes over gRPC. One local worker; each size is put to rank 0 and read
-back, ``repeats`` times. The anchors, in the same run: raw TCP loopback into a
-preallocated buffer (the ratio's anchor, target >= 1.5x) and ``dst.copy_(src)``
-memcpy (in ``extra`` and the note: the ceiling, since each direction costs one
-memcpy into tmpfs plus one out, plus page allocation on both sides).
+goes through a file in ``/dev/shm`` and only a handle goes over gRPC (a put is
+the client's copy into a pooled segment, which a worker of the same user keeps
+the tensor in; a get is the worker's copy into a pooled segment). One local
+worker; each size is put to rank 0 and read back, ``repeats`` times. The
+anchors, in the same run: raw TCP loopback into a preallocated buffer (the
+ratio's anchor, target >= 1.5x) and ``dst.copy_(src)`` memcpy (in ``extra`` and
+the note: the ceiling, since each direction costs at least one memcpy into
+tmpfs).
 """
 
 from __future__ import annotations

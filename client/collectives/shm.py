@@ -2,13 +2,20 @@
 
 Like Triton's system shared memory: the payload goes through a file in
 ``/dev/shm`` (tmpfs, i.e. RAM), and only a handle (path, offset, header) goes
-over gRPC. Each side copies the bytes once. The worker uses plain ``pread(2)``
-and ``pwrite(2)`` on segments a client names, never ``mmap``: a file truncated
-by someone else mid-copy is then a short read (an error), never a ``SIGBUS``
-that would kill the daemon. The SDK maps its *own* segments (created 0600 under
-a random name, never truncated while mapped) and copies with ``Tensor.copy_``,
-which runs at memcpy speed (~18 GB/s measured) where ``write(2)`` into tmpfs
-manages ~7 GB/s; the mapping lives as long as the segment.
+over gRPC. The SDK maps its *own* segments (created 0600 under a random name,
+never truncated while mapped) and copies with ``Tensor.copy_``, which runs at
+memcpy speed (~18 GB/s measured) where ``write(2)`` into tmpfs manages ~7 GB/s;
+the mapping lives as long as the segment.
+
+The copies: a put is the SDK's one copy into a pooled segment. Put to one
+worker, the segment is *handed over* (:meth:`SegmentPool.hand_over`): a worker
+running as this same user keeps the stored tensor in it (maps it; no copy)
+and returns it once that tensor is gone; any other worker copies it out with
+``preadv``. A get is the worker's one ``pwrite`` into a segment of the pool,
+and the SDK returns a tensor over it (no copy). A worker maps a client's file
+only when the client is its own user: a file truncated while mapped is a
+``SIGBUS`` that kills the daemon, which only that user could cause anyway;
+for other users it uses ``pread``/``pwrite`` (a truncation is a short read).
 
 Lifetime: a segment belongs to whoever created it, who unlinks it: the SDK
 keeps its segments in a :class:`SegmentPool` (reused between calls, so tmpfs
@@ -17,6 +24,9 @@ and at exit), and takes over the segments a worker created for a get (the
 response hands them over). A get returns a tensor *over* the segment the
 worker wrote (zero copies on the client, like Triton's output regions); the
 segment returns to the pool when that tensor and every view of it are freed.
+A segment handed over to a worker stays out of the pool until a later put's
+response returns it; closing the pool unlinks it (the worker's mapping keeps
+the bytes of a tensor stored in it).
 """
 
 from __future__ import annotations
