@@ -64,7 +64,11 @@ def put_tensor_shm(
     try:
         _check_owner(fd, uid, request.path)
         size = os.fstat(fd).st_size
-        adopt = writable and adopted.eligible(uid, meta.nbytes, size, request.offset)
+        adopt = (
+            writable
+            and ctx.store.device.type == "cpu"  # else the store copies it to its device
+            and adopted.eligible(uid, meta.nbytes, size, request.offset)
+        )
         if adopt:
             tensor = adopted.adopt(fd, request.path, request.offset, meta)
         else:
@@ -74,6 +78,8 @@ def put_tensor_shm(
     ctx.store.put(meta.name, tensor)  # frees the tensor it replaces (and its segment)
     del tensor
     ctx.stats.add_bytes(received=meta.nbytes)
+    # Kept only if the stored tensor still lies in it (e.g. not replaced meanwhile).
+    adopt = adopt and not adopted.returned([request.path])
     lent = list(request.lent[:_MAX_LENT])
     # Only segments of the worker's own user are ever adopted.
     returned = adopted.returned(lent) if uid == os.geteuid() else lent
