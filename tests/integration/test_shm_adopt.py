@@ -26,7 +26,8 @@ MiB = 1 << 20
 
 
 def _our_segments() -> set[str]:
-    return set(glob.glob(os.path.join(shm.SHM_DIR, "collectives-*")))
+    """This process's segments (other processes on the host may be making theirs)."""
+    return set(glob.glob(os.path.join(shm.SHM_DIR, f"collectives-seg-{os.getpid()}-*")))
 
 
 class _Answers:
