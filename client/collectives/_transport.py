@@ -376,8 +376,8 @@ def get_tensor_shm(
                     return shm.read_segment(fd, response.offset, meta)
                 finally:
                     os.close(fd)
-            shm.open_checked(response.path, response.offset, meta.nbytes)  # validate it
-            adopted = shm.Segment.adopt(response.path)
+            os.close(shm.open_checked(response.path, response.offset, meta.nbytes))  # validate it
+            adopted = shm.Segment.adopt(response.path)  # renamed to one of our names
             if adopted is None:
                 fd = shm.open_checked(response.path, response.offset, meta.nbytes)
                 try:
@@ -385,7 +385,11 @@ def get_tensor_shm(
                 finally:
                     os.close(fd)
                     shm.unlink(response.path)
-            return adopted.lend(pool, response.offset, meta)
+            try:
+                return adopted.lend(pool, response.offset, meta)
+            except BaseException:
+                adopted.destroy()
+                raise
         except InvalidArgument as err:
             if shm.is_worker_segment(response.path) and response.path != request.path:
                 shm.unlink(response.path)

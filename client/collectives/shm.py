@@ -165,6 +165,9 @@ class Segment:
         # lie in it, so nothing writes into it, truncates it or reuses it until
         # that worker gives it back (see SegmentPool.hand_over).
         self.holder: str | None = None
+        # False when ``path`` no longer names this file (so the segment is never
+        # handed to a worker again, nor unlinked by us): used once, then dropped.
+        self.named = True
         self._map: mmap.mmap | None = None
         self._bytes: torch.Tensor | None = None  # uint8 view of the whole mapping
 
@@ -236,12 +239,33 @@ class Segment:
 
     @classmethod
     def adopt(cls, path: str) -> Segment | None:
-        """Takes over a file a worker created for us; None when we cannot write it."""
+        """Takes over a file a worker created for us; None when we cannot write it.
+
+        The file is renamed to one of our own names: the worker unlinks the name
+        it made after a TTL, and a pooled segment must keep a name for puts to
+        send. When the rename fails (the name is already gone), the segment is
+        used for this get only.
+        """
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             return None
-        return cls(path, fd)
+        own = new_path(CLIENT_SEGMENT)
+        try:
+            os.rename(path, own)
+        except OSError:
+            segment = cls(path, fd)
+            segment.named = False
+            return segment
+        try:
+            renamed = os.stat(own, follow_symlinks=False)
+            opened = os.fstat(fd)
+            ours = (renamed.st_dev, renamed.st_ino) == (opened.st_dev, opened.st_ino)
+        except OSError:
+            ours = False
+        segment = cls(own if ours else path, fd)
+        segment.named = ours  # else the name was swapped under us: not ours to keep
+        return segment
 
     def destroy(self) -> None:
         self._unmap()
@@ -249,7 +273,8 @@ class Segment:
         if fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(fd)
-            unlink(self.path)
+            if self.named:
+                unlink(self.path)
 
 
 class SegmentPool:
@@ -343,7 +368,7 @@ class SegmentPool:
             return
         size = segment.size
         with self._lock:
-            if self._closed:
+            if self._closed or not segment.named:
                 evicted = [segment]
             else:
                 self._free.append((size, segment))

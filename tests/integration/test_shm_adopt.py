@@ -99,3 +99,21 @@ def test_a_put_to_every_rank_is_copied(cluster2_address, gen, monkeypatch):
             assert torch.equal(client.get("adopt/all", rank=rank), t)
         assert answers.adopted == [False] * client.world_size
         client.delete("adopt/all")
+
+
+def test_a_segment_the_worker_made_for_a_get_is_renamed_before_the_pool_reuses_it(
+    cluster2_address, gen
+):
+    """With every pooled segment handed over, a get gets a segment the worker made; the
+    worker unlinks that name after its TTL, so the client renames it to one of its own
+    before a later put hands the path to a worker."""
+    with collectives.connect(cluster2_address, timeout=TIMEOUT_S, shared_memory=True) as client:
+        first, second = torch.randn(MiB, generator=gen), torch.randn(MiB, generator=gen)
+        client.put("adopt/a", first, rank=0)  # the only segment is handed over
+        assert torch.equal(client.get("adopt/a", rank=0), first)
+        free = [segment for _, segment in client._shm_pool._free]
+        assert free and all(s.named and s.path in _our_segments() for s in free)
+        client.put("adopt/b", second, rank=0)
+        assert torch.equal(client.get("adopt/b", rank=0), second)
+        client.delete("adopt/a", rank=0)
+        client.delete("adopt/b", rank=0)

@@ -203,3 +203,20 @@ def test_a_file_of_another_owner_is_still_refused(pool, gen, monkeypatch) -> Non
 
 def test_module_constants_agree() -> None:
     assert shm.HAND_OVER_MIN_BYTES >= shm_adopt.MIN_ADOPT_BYTES
+
+
+def test_a_worker_segment_whose_name_is_gone_is_used_once(monkeypatch) -> None:
+    path = shm.create_segment(torch.arange(4, dtype=torch.int32), kind="get")
+
+    def gone(src, dst):
+        raise FileNotFoundError(src)
+
+    monkeypatch.setattr(shm.os, "rename", gone)
+    segment = shm.Segment.adopt(path)
+    monkeypatch.undo()
+    assert segment is not None and not segment.named
+    pool = shm.SegmentPool()
+    pool.release(segment)  # dropped, not pooled, and the path is not ours to unlink
+    assert pool.acquire(None) is None and os.path.exists(path)
+    shm.unlink(path)
+    pool.close()
