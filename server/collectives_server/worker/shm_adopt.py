@@ -33,7 +33,7 @@ import mmap
 import os
 import threading
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import torch
@@ -68,11 +68,16 @@ class AdoptedSegments:
         self._maps: OrderedDict[_Key, _Mapping] = OrderedDict()  # least recently used first
         self._paths: dict[str, int] = {}  # path -> live buffers over it (only while > 0)
         self._closed = False
+        # Buffers freed since the last call. A finalizer may run in any thread at any
+        # allocation (the garbage collector), even one holding the lock: it only
+        # appends here, and every method applies these first, under the lock.
+        self._freed: deque[tuple[_Key, _Mapping]] = deque()
 
     def eligible(self, uid: int, nbytes: int, file_size: int, offset: int) -> bool:
         """Whether a segment of ``uid`` may be adopted: the worker's own user, a large
         tensor, and a file not much larger than it (its pages stay pinned while held)."""
         with self._lock:
+            self._apply_freed_locked()
             held = len(self._paths)
         return (
             uid == os.geteuid()
@@ -86,13 +91,14 @@ class AdoptedSegments:
         """A tensor of ``meta`` over bytes ``[offset, offset + nbytes)`` of the open
         segment ``fd`` (opened read-write); the segment is held until it is freed."""
         with self._lock:
+            self._apply_freed_locked()
             key, mapping = self._mapping_locked(fd, path, offset + meta.nbytes)
             # A ctypes array over the mapping: every tensor and view over it keeps it
             # alive, and its finalizer gives the segment back.
             window = (ctypes.c_ubyte * meta.nbytes).from_buffer(mapping.map, offset)
             mapping.tensors += 1
             self._paths[path] = self._paths.get(path, 0) + 1
-            weakref.finalize(window, self._release, key, mapping)
+            weakref.finalize(window, self._freed.append, (key, mapping))
         return torch.frombuffer(window, dtype=torch.uint8).view(meta.dtype).reshape(meta.shape)
 
     def _mapping_locked(self, fd: int, path: str, end: int) -> tuple[_Key, _Mapping]:
@@ -117,29 +123,33 @@ class AdoptedSegments:
         info = os.fstat(fd)
         key = (info.st_dev, info.st_ino)
         with self._lock:
+            self._apply_freed_locked()
             mapping = self._maps.get(key)
             return mapping is not None and mapping.tensors > 0
 
     def returned(self, lent: list[str]) -> list[str]:
         """Those of ``lent`` that hold no tensor (any more): the client may reuse them."""
         with self._lock:
+            self._apply_freed_locked()
             return [path for path in lent if path not in self._paths]
 
-    def _release(self, key: _Key, mapping: _Mapping) -> None:
-        with self._lock:
+    def _apply_freed_locked(self) -> None:
+        """Gives back the segments whose last buffer was freed."""
+        while self._freed:
+            key, mapping = self._freed.popleft()
             mapping.tensors -= 1
             left = self._paths.pop(mapping.path, 1) - 1
             if left > 0:
                 self._paths[mapping.path] = left
             if mapping.tensors > 0:
-                return
+                continue
             current = self._maps.get(key) is mapping
             if current and not self._closed and _exists(mapping, key):
-                self._trim_locked()  # kept: the client will hand this segment over again
-                return
+                continue  # kept: the client will hand this segment over again
             if current:
                 del self._maps[key]
             _close(mapping)
+        self._trim_locked()
 
     def _trim_locked(self) -> None:
         idle = [k for k, m in self._maps.items() if m.tensors == 0]
@@ -149,6 +159,7 @@ class AdoptedSegments:
     def reap(self) -> int:
         """Unmaps idle mappings whose file was unlinked (its client closed); how many."""
         with self._lock:
+            self._apply_freed_locked()
             gone = [k for k, m in self._maps.items() if m.tensors == 0 and not _exists(m, k)]
             for key in gone:
                 _close(self._maps.pop(key))
@@ -159,6 +170,7 @@ class AdoptedSegments:
         """Unmaps every idle mapping; those holding tensors go when their tensors do."""
         with self._lock:
             self._closed = True
+            self._apply_freed_locked()
             idle = [k for k, m in self._maps.items() if m.tensors == 0]
             for key in idle:
                 _close(self._maps.pop(key))
@@ -167,6 +179,7 @@ class AdoptedSegments:
     def counts(self) -> tuple[int, int]:
         """(segments holding tensors, mappings cached)."""
         with self._lock:
+            self._apply_freed_locked()
             return len(self._paths), len(self._maps)
 
 
