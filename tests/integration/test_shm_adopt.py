@@ -11,7 +11,11 @@ outlives the client that put it (the worker's mapping outlives the name).
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -23,6 +27,7 @@ pytestmark = pytest.mark.skipif(not shm.available(), reason="no writable /dev/sh
 
 TIMEOUT_S = 30.0
 MiB = 1 << 20
+NOBODY = 65534
 
 
 def _our_segments() -> set[str]:
@@ -117,3 +122,52 @@ def test_a_segment_the_worker_made_for_a_get_is_renamed_before_the_pool_reuses_i
         assert torch.equal(client.get("adopt/b", rank=0), second)
         client.delete("adopt/a", rank=0)
         client.delete("adopt/b", rank=0)
+
+
+# Run as uid nobody: writes a segment, hands it over, then truncates it while the
+# worker would be reading it if it had mapped it; prints adopted and the bytes' hash.
+_OTHER_USER_CLIENT = """
+import hashlib, os, sys
+import grpc, torch
+from collectives import shm
+from collectives.v1 import worker_pb2, worker_pb2_grpc
+from collectives.wire import codec
+address, name = sys.argv[1], sys.argv[2]
+t = torch.frombuffer(bytearray(os.urandom(4 << 20)), dtype=torch.uint8)
+segment = shm.Segment.create(t.numel())
+segment.write(t)
+request = worker_pb2.PutTensorShmRequest(
+    header=codec.make_header(name, t), path=segment.path, hand_over=True
+)
+with grpc.insecure_channel(address) as channel:
+    reply = worker_pb2_grpc.WorkerStub(channel).PutTensorShm(request, timeout=30)
+os.ftruncate(segment.fd, 0)
+segment.destroy()
+print(reply.adopted, hashlib.sha256(t.numpy().tobytes()).hexdigest())
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running a client as another user needs root")
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs util-linux's setpriv")
+def test_another_users_segment_is_copied_so_truncating_it_cannot_crash_the_worker(
+    cluster2_address, cluster2
+):
+    """A root worker serving uid nobody never maps that user's files: the truncation
+    that would be a SIGBUS in a mapping leaves the worker serving the bytes it copied."""
+    client_dir = os.path.dirname(os.path.dirname(os.path.abspath(shm.__file__)))
+    worker = max(cluster2.workers(), key=lambda w: w.rank)
+    name = f"adopt/nobody-{os.getpid()}"
+    child = subprocess.run(
+        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+         sys.executable, "-c", _OTHER_USER_CLIENT, worker.address, name],
+        env={"PYTHONPATH": client_dir, "PATH": os.environ.get("PATH", "")},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    if child.returncode != 0 and "ModuleNotFoundError" in child.stderr + child.stdout:
+        pytest.skip(f"user nobody cannot import the SDK here: {child.stderr[-300:]}")
+    assert child.returncode == 0, child.stderr
+    adopted, digest = child.stdout.split()
+    assert adopted == "False", "the worker mapped another user's segment"
+    back = cluster2.get(name, rank=worker.rank)
+    assert hashlib.sha256(back.numpy().tobytes()).hexdigest() == digest
+    cluster2.delete(name, rank=worker.rank)
