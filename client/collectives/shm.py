@@ -11,8 +11,9 @@ The copies: a put is the SDK's one copy into a pooled segment. Put to one
 worker, the segment is *handed over* (:meth:`SegmentPool.hand_over`): a worker
 running as this same user keeps the stored tensor in it (maps it; no copy)
 and returns it once that tensor is gone; any other worker copies it out with
-``preadv``. A get is the worker's one ``pwrite`` into a segment of the pool,
-and the SDK returns a tensor over it (no copy). A worker maps a client's file
+``preadv``. A get is the worker's one copy into a segment of the pool (through
+a mapping for its own user, else ``pwrite``), and the SDK returns a tensor
+over it (no copy). A worker maps a client's file
 only when the client is its own user: a file truncated while mapped is a
 ``SIGBUS`` that kills the daemon, which only that user could cause anyway;
 for other users it uses ``pread``/``pwrite`` (a truncation is a short read).

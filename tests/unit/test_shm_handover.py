@@ -220,3 +220,25 @@ def test_a_worker_segment_whose_name_is_gone_is_used_once(monkeypatch) -> None:
     assert pool.acquire(None) is None and os.path.exists(path)
     shm.unlink(path)
     pool.close()
+
+
+@pytest.mark.parametrize("same_user", [True, False])
+def test_a_get_into_the_clients_segment_is_exact(pool, gen, monkeypatch, same_user) -> None:
+    """The worker's own user: written through a cached mapping; another user: pwrite."""
+    me = os.geteuid()
+    monkeypatch.setattr(shm_service, "loopback_peer_uid", lambda peer, port: me)
+    if not same_user:
+        monkeypatch.setattr(shm_service.os, "geteuid", lambda: me + 1)
+    store, segments = TensorStore(torch.device("cpu")), WorkerSegments()
+    t = torch.randn(MiB, generator=gen)
+    store.put("g", t)
+    lease = pool.acquire(t.numel() * t.element_size())
+    assert lease is not None
+    lease.write(torch.zeros_like(t))
+    got = shm_service.get_tensor_shm(
+        _ctx(store, segments), worker_pb2.GetTensorShmRequest(name="g", path=lease.path), "x"
+    )
+    assert got.path == lease.path
+    assert torch.equal(lease.read(0, codec.check_header(got.header)), t)
+    assert segments.adopted.counts == (0, 1 if same_user else 0)
+    segments.close()

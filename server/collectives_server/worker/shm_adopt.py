@@ -19,10 +19,12 @@ anyway, so the mapping gives it nothing new. The SDK never truncates, writes
 or reuses a segment it handed over. A worker serving other users (root) keeps
 copying with ``preadv``.
 
-Mappings are cached by inode (a pool's segments come back again and again, and
-a fresh mapping of a 64 MiB file costs ~16k page-table entries when touched);
-a cached mapping whose file is gone, or beyond :data:`MAX_IDLE_MAPPINGS`
-unused ones, is unmapped once no tensor lies in it.
+The same rule lets a get write into a same-user client's pooled segment
+through a mapping (:meth:`AdoptedSegments.copy_into`, a memcpy) instead of
+``pwrite``. Mappings are cached by inode (a pool's segments come back again
+and again, and a fresh mapping of a 64 MiB file costs ~16k page faults when
+touched); a cached mapping whose file is gone, or beyond
+:data:`MAX_IDLE_MAPPINGS` unused ones, is unmapped once no tensor lies in it.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from collectives.wire.codec import CheckedHeader
+from collectives.wire.codec import CheckedHeader, tensor_memoryview
 
 __all__ = ["AdoptedSegments", "MAX_IDLE_MAPPINGS", "MIN_ADOPT_BYTES"]
 
@@ -100,6 +102,21 @@ class AdoptedSegments:
             self._paths[path] = self._paths.get(path, 0) + 1
             weakref.finalize(window, self._freed.append, (key, mapping))
         return torch.frombuffer(window, dtype=torch.uint8).view(meta.dtype).reshape(meta.shape)
+
+    def copy_into(self, fd: int, path: str, offset: int, wire: torch.Tensor) -> None:
+        """Copies a contiguous CPU tensor into the open segment ``fd`` (read-write, of
+        the worker's own user, at least ``offset + nbytes`` long, holding no stored
+        tensor) through its cached mapping: a get into a client's pooled segment at
+        memcpy speed, about twice ``pwrite``'s into tmpfs. Safe for the reason
+        :meth:`adopt` is."""
+        nbytes = wire.numel() * wire.element_size()
+        if nbytes == 0:
+            return
+        with self._lock:
+            self._apply_freed_locked()
+            _, mapping = self._mapping_locked(fd, path, offset + nbytes)
+            target = torch.frombuffer(mapping.map, dtype=torch.uint8, count=nbytes, offset=offset)
+        target.copy_(torch.frombuffer(tensor_memoryview(wire), dtype=torch.uint8))
 
     def _mapping_locked(self, fd: int, path: str, end: int) -> tuple[_Key, _Mapping]:
         """The cached mapping of the open file ``fd`` covering ``[0, end)``; made (or

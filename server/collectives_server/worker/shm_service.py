@@ -11,7 +11,9 @@ on it itself:
   (:mod:`shm_adopt` says why that is no escalation); otherwise it is copied
   out with ``preadv``, never mapped;
 * ``GetTensorShm`` writes into a segment the client names only under the same
-  rule, so a client cannot overwrite another user's segment (H5); otherwise it
+  rule, so a client cannot overwrite another user's segment (H5): through a
+  cached mapping when the client is the worker's own user, else with
+  ``pwrite``; otherwise it
   writes a segment it creates for that call (``O_EXCL``, mode 0600, given to
   the peer's uid when the worker runs as root), and never into a segment that
   holds a stored tensor;
@@ -35,6 +37,7 @@ from collectives.v1 import worker_pb2
 from collectives.wire import codec, shm_names
 from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.peer_identity import loopback_peer_uid
+from collectives_server.worker.shm_adopt import MIN_ADOPT_BYTES
 from collectives_server.worker.shm_segments import ShmLimits, WorkerSegments
 
 __all__ = ["ShmLimits", "WorkerSegments", "get_tensor_shm", "put_tensor_shm"]
@@ -139,7 +142,11 @@ def _write_into(
             return False
         if ctx.shm_segments.adopted.holds_inode(fd):
             return False  # it holds a stored tensor: never written behind the store's back
-        shm.write_into(fd, wire, request.offset)
+        if uid == os.geteuid() and nbytes >= MIN_ADOPT_BYTES:
+            # The worker's own user: through a cached mapping, at memcpy speed (~2x pwrite).
+            ctx.shm_segments.adopted.copy_into(fd, request.path, request.offset, wire)
+        else:
+            shm.write_into(fd, wire, request.offset)  # never map another user's file
         return True
     finally:
         with contextlib.suppress(OSError):
