@@ -112,7 +112,9 @@ class _Models(_PeerToPeer):
         """Loads a model on every worker, replacing one of the same name.
 
         Either ``module`` with ``example_inputs`` (shipped as a torch.export
-        archive with dim 0 dynamic), or ``factory="pkg.module:fn"`` with JSON
+        archive with dim 0 dynamic; one of 4 MiB or more on two or more workers
+        is sent once and broadcast among them, a smaller one streamed to each
+        worker), or ``factory="pkg.module:fn"`` with JSON
         ``kwargs`` (the workers must allow it with ``--allow-factory``).
         ``state_dict`` then loads weights (tensors, never pickle).
 
