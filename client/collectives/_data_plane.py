@@ -44,7 +44,7 @@ from collectives._validation import (
 )
 from collectives.errors import CollectiveError, InvalidArgument, NotFound, Reason, Unavailable
 from collectives.groups import Group
-from collectives.names import UPLOAD_PREFIX
+from collectives.names import UPLOAD_PREFIX, reserved_prefix
 from collectives.v1 import worker_pb2
 
 __all__: list[str] = []
@@ -75,9 +75,11 @@ class _DataPlane(_ClusterCore):
             DeadlineExceeded: not done within ``timeout`` seconds.
         """
         check_name(name)
-        if name.startswith(UPLOAD_PREFIX):
+        reserved = reserved_prefix(name)
+        if reserved is not None:
             raise InvalidArgument(
-                f"tensor names under {UPLOAD_PREFIX!r} are reserved for publish's uploads"
+                f"tensor names under {reserved!r} are reserved for "
+                f"{'publish' if reserved == UPLOAD_PREFIX else 'load_model'}'s uploads"
             )
         check_tensor(t)
         deadline = self._deadline(timeout)

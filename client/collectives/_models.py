@@ -2,7 +2,9 @@
 
 Models are cluster-wide named resources: ``load_model`` ships a
 ``torch.export`` archive (batch dimension dynamic; no pickle) or names a
-server-side factory, to every worker in parallel. Per-worker calls (step,
+server-side factory, to every worker in parallel (an archive of 4 MiB or more on
+two or more ranks is sent once and broadcast among the workers:
+``_archive_staging``). Per-worker calls (step,
 zero_grad, state) fan out to every rank; the calls that need the process group
 (``all_reduce_gradients``, ``train_step``) go to the leader, which sequences
 them with every other collective.
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 from collectives import _publish
+from collectives._archive_staging import load_staged, stage_archive
 from collectives._core import GenerationBinding, server_timeout_s
 from collectives._model_transport import get_model_tensors, load_model_on
 from collectives._p2p import _PeerToPeer
@@ -109,7 +112,9 @@ class _Models(_PeerToPeer):
         """Loads a model on every worker, replacing one of the same name.
 
         Either ``module`` with ``example_inputs`` (shipped as a torch.export
-        archive with dim 0 dynamic), or ``factory="pkg.module:fn"`` with JSON
+        archive with dim 0 dynamic; one of 4 MiB or more on two or more workers
+        is sent once and broadcast among them, a smaller one streamed to each
+        worker), or ``factory="pkg.module:fn"`` with JSON
         ``kwargs`` (the workers must allow it with ``--allow-factory``).
         ``state_dict`` then loads weights (tensors, never pickle).
 
@@ -138,16 +143,26 @@ class _Models(_PeerToPeer):
             spec = worker_pb2.ModelSpec(name=name, factory=factory, factory_kwargs_json=kwargs_json)
         endpoints = self._member_endpoints(deadline)
         what = f"load_model {name!r}"
-        with progress(what, len(archive) * len(endpoints), self._progress) as bar:
-            responses = self._fan_out(
-                what,
-                {
-                    rank: (
-                        lambda e=e: load_model_on(e, spec, archive, self._remaining(deadline), bar)
-                    )
-                    for rank, e in endpoints.items()
-                },
-            )
+        staged = None
+        if archive:
+            use_shm = self._shm_wanted(sorted(endpoints), deadline)
+            with progress(what, len(archive), self._progress) as bar:
+                staged = stage_archive(self, archive, len(endpoints), use_shm, deadline, bar)
+        if staged is None:
+            with progress(what, len(archive) * len(endpoints), self._progress) as bar:
+                responses = self._fan_out(
+                    what,
+                    {
+                        rank: (
+                            lambda e=e: load_model_on(
+                                e, spec, archive, self._remaining(deadline), bar
+                            )
+                        )
+                        for rank, e in endpoints.items()
+                    },
+                )
+        else:
+            responses = load_staged(self, what, spec, archive, staged, endpoints, deadline)
         info = _model_info(responses[min(responses)].model)
         if state_dict is not None:
             version = self.load_state_dict(name, state_dict, timeout=self._remaining(deadline))

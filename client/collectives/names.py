@@ -6,11 +6,14 @@ import re
 
 from collectives.errors import InvalidArgument
 
-__all__ = ["validate_name", "MAX_NAME_LENGTH", "UPLOAD_PREFIX"]
+__all__ = ["validate_name", "MAX_NAME_LENGTH", "UPLOAD_PREFIX", "ARCHIVE_PREFIX", "reserved_prefix"]
 
 MAX_NAME_LENGTH = 256
 # Reserved: a publish's uploads wait on the leader under "__publish/<id>/<key>".
 UPLOAD_PREFIX = "__publish/"
+# Reserved: load_model stages a model archive on every rank as "__archive/<id>"
+# (a replicated put), then each worker's LoadModel reads and deletes it.
+ARCHIVE_PREFIX = "__archive/"
 _NAME_RE = re.compile(r"[A-Za-z0-9_.:/-]{1,256}")
 
 
@@ -30,3 +33,11 @@ def validate_name(name: object, what: str = "tensor name") -> str:
             f"{what} {name[:64]!r} contains {''.join(bad)!r}; allowed are A-Z a-z 0-9 _ . : / -"
         )
     return name
+
+
+def reserved_prefix(name: str) -> str | None:
+    """The reserved prefix ``name`` starts with (a user's put may not), else None."""
+    for prefix in (UPLOAD_PREFIX, ARCHIVE_PREFIX):
+        if name.startswith(prefix):
+            return prefix
+    return None

@@ -423,16 +423,18 @@ class GetStateResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., generation: _Optional[int] = ..., is_leader: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., tensors_held: _Optional[int] = ..., bytes_held: _Optional[int] = ..., ops_completed: _Optional[int] = ..., ops_failed: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., status: _Optional[_Union[_status_pb2.WorkerStatus, _Mapping]] = ..., address: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ...) -> None: ...
 
 class ModelSpec(_message.Message):
-    __slots__ = ("name", "factory", "factory_kwargs_json", "archive_nbytes")
+    __slots__ = ("name", "factory", "factory_kwargs_json", "archive_nbytes", "archive_tensor")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FACTORY_FIELD_NUMBER: _ClassVar[int]
     FACTORY_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     ARCHIVE_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    ARCHIVE_TENSOR_FIELD_NUMBER: _ClassVar[int]
     name: str
     factory: str
     factory_kwargs_json: str
     archive_nbytes: int
-    def __init__(self, name: _Optional[str] = ..., factory: _Optional[str] = ..., factory_kwargs_json: _Optional[str] = ..., archive_nbytes: _Optional[int] = ...) -> None: ...
+    archive_tensor: str
+    def __init__(self, name: _Optional[str] = ..., factory: _Optional[str] = ..., factory_kwargs_json: _Optional[str] = ..., archive_nbytes: _Optional[int] = ..., archive_tensor: _Optional[str] = ...) -> None: ...
 
 class LoadModelRequest(_message.Message):
     __slots__ = ("spec", "archive_chunk")

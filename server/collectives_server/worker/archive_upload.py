@@ -17,15 +17,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from collectives.errors import InvalidArgument, PermissionDenied, ResourceExhausted
-from collectives.names import validate_name
+from collectives.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from collectives.names import ARCHIVE_PREFIX, validate_name
 from collectives_server.worker.archive import check_archive
 from collectives_server.worker.archive_canary import trial_load
 from collectives_server.worker.archive_config import ModelUploadConfig
+
+if TYPE_CHECKING:
+    from collectives_server.worker.store import TensorStore
 
 __all__ = ["ModelUploadConfig", "ModelUploads", "ReceivedModel"]
 
@@ -67,8 +71,15 @@ class ModelUploads:
             )
 
     @contextmanager
-    def receive(self, request_iterator) -> Iterator[ReceivedModel]:
-        """Reads LoadModel's stream; the archive (if any) lives on disk until the block ends."""
+    def receive(
+        self, request_iterator, store: TensorStore | None = None
+    ) -> Iterator[ReceivedModel]:
+        """Reads LoadModel's stream; the archive (if any) lives on disk until the block ends.
+
+        A spec naming ``archive_tensor`` carries no chunks: the archive is that
+        tensor of ``store`` (staged by a replicated put), copied to the same kind
+        of temp file as streamed chunks and deleted from the store, so every
+        check after this one is the streamed archive's."""
         spec = None
         path: Path | None = None
         out = None
@@ -93,6 +104,10 @@ class ModelUploads:
                         raise InvalidArgument("LoadModel stream must start with a spec")
                     if spec.factory:
                         raise InvalidArgument("send either a factory or an archive, not both")
+                    if spec.archive_tensor:
+                        raise InvalidArgument(
+                            "send either archive chunks or an archive_tensor, not both"
+                        )
                     chunk = part.archive_chunk
                     written += len(chunk)
                     if written > spec.archive_nbytes:
@@ -103,6 +118,11 @@ class ModelUploads:
                     out.write(chunk)
             if spec is None:
                 raise InvalidArgument("LoadModel stream was empty: send a spec first")
+            if spec.archive_tensor:
+                if spec.factory:
+                    raise InvalidArgument("send either a factory or an archive, not both")
+                path = self._from_store(spec, store)
+                written = spec.archive_nbytes
             if out is not None:
                 out.close()
                 out = None
@@ -116,6 +136,39 @@ class ModelUploads:
                 out.close()
             if path is not None:
                 path.unlink(missing_ok=True)
+
+    def _from_store(self, spec, store: TensorStore | None) -> Path:
+        """Copies the staged archive tensor to a temp file, then deletes it from the store."""
+        name = spec.archive_tensor
+        validate_name(name, "archive_tensor")
+        if not name.startswith(ARCHIVE_PREFIX):
+            raise InvalidArgument(
+                f"archive_tensor {name[:64]!r} must be a staged archive under {ARCHIVE_PREFIX!r}"
+            )
+        if store is None:
+            raise InvalidArgument("this LoadModel cannot read an archive_tensor")
+        t = store.peek(name)
+        if t is None:
+            raise NotFound(f"no staged archive {name!r} on this worker (expired or deleted?)")
+        if t.dtype != torch.uint8 or t.dim() != 1 or t.numel() != spec.archive_nbytes:
+            raise InvalidArgument(
+                f"archive_tensor {name!r} must be a 1-D uint8 tensor of archive_nbytes="
+                f"{spec.archive_nbytes} bytes; it is {str(t.dtype).removeprefix('torch.')} "
+                f"of shape {tuple(t.shape)}"
+            )
+        data = t.detach().to("cpu").contiguous().numpy()
+        fd, tmp = tempfile.mkstemp(suffix=".upload", dir=self.dir)
+        path = Path(tmp)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                out.write(memoryview(data))
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        # Read: the bytes now live in the temp file (as streamed chunks would), so
+        # the store need not hold them through the checks and the load.
+        store.delete_if_same(name, t)
+        return path
 
     def load(self, upload: Path, keep: Path | None = None) -> nn.Module:
         """Checks, rewrites, (sandbox-)loads the uploaded archive; the module.

@@ -37,7 +37,7 @@ class ModelRpcs:
     @_counted("load_model")
     def LoadModel(self, request_iterator, context) -> worker_pb2.LoadModelResponse:
         models, uploads = self._ctx.models, self._ctx.uploads
-        with uploads.receive(request_iterator) as received:
+        with uploads.receive(request_iterator, self._ctx.store) as received:
             spec = received.spec
             if spec.factory:
                 module = build_from_factory(

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from collectives.errors import NotFound, ResourceExhausted
-from collectives.names import UPLOAD_PREFIX
+from collectives.names import ARCHIVE_PREFIX, UPLOAD_PREFIX
 
 __all__ = [
     "Fence",
@@ -225,8 +225,7 @@ class TensorStore:
                     self._bytes -= _nbytes(old)
                 self._tensors[name] = t
                 self._bytes += _nbytes(t)
-                if name.startswith(UPLOAD_PREFIX):
-                    self._uploads[upload_prefix(name)] = time.monotonic()
+                self._touch_staged(name)
 
     def replace(self, name: str, t: torch.Tensor) -> torch.Tensor | None:
         """Commits ``t`` under ``name`` without a quota check (a collective's commit: its
@@ -237,7 +236,16 @@ class TensorStore:
                 self._bytes -= _nbytes(old)
             self._tensors[name] = t
             self._bytes += _nbytes(t)
+            self._touch_staged(name)
         return old
+
+    def _touch_staged(self, name: str) -> None:
+        """Under the lock: a publish upload or a staged model archive expires once
+        idle for ``UPLOAD_IDLE_S`` (its client may have died before using it)."""
+        if name.startswith(UPLOAD_PREFIX):
+            self._uploads[upload_prefix(name)] = time.monotonic()
+        elif name.startswith(ARCHIVE_PREFIX):
+            self._uploads[name] = time.monotonic()
 
     def adopt(self, name: str, t: torch.Tensor, upload: str) -> torch.Tensor | None:
         """Commits ``t`` under ``name`` as :meth:`replace` does and, in the same step,
@@ -253,6 +261,7 @@ class TensorStore:
                 self._bytes -= _nbytes(old)
             self._tensors[name] = t
             self._bytes += _nbytes(t)
+            self._touch_staged(name)
         return old
 
     def get(self, name: str) -> torch.Tensor:
@@ -272,6 +281,8 @@ class TensorStore:
 
     def delete(self, name: str) -> bool:
         with self._lock:
+            if name.startswith(ARCHIVE_PREFIX):
+                self._uploads.pop(name, None)
             t = self._tensors.pop(name, None)
             if t is None:
                 return False
@@ -283,6 +294,8 @@ class TensorStore:
         with self._lock:
             if self._tensors.get(name) is not t:
                 return False
+            if name.startswith(ARCHIVE_PREFIX):
+                self._uploads.pop(name, None)
             del self._tensors[name]
             self._bytes -= _nbytes(t)
             return True
@@ -302,7 +315,7 @@ class TensorStore:
             return sorted((n, t) for n, t in self._tensors.items() if n.startswith(prefix))
 
     def expire_uploads(self, idle_s: float = UPLOAD_IDLE_S, now: float | None = None) -> int:
-        """Drops publish uploads that got no put for ``idle_s``; returns how many tensors."""
+        """Drops publish uploads and staged archives idle for ``idle_s``; how many tensors."""
         now = time.monotonic() if now is None else now
         with self._lock:
             stale = [p for p, at in self._uploads.items() if now - at >= idle_s]
