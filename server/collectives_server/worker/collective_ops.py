@@ -207,52 +207,7 @@ def all_reduce(
     pg: dist.ProcessGroup, t: torch.Tensor, op: ReduceOp, size: int, alloc: Alloc = fresh
 ) -> torch.Tensor:
     """The reduction of every member's ``t``, identical on every member."""
-    t = t.detach()
-    nbytes = t.numel() * t.element_size()
-    if nbytes >= PIPELINE_MIN_BYTES and _memmove_ok(t) and t.dtype in _PIPELINED_DTYPES:
-        buf = alloc(t.shape, t.dtype, t.device)
-        _copy_and_reduce(pg, buf, t, op)
-        return buf
     return reduce_buffer(pg, private_copy(t, alloc), op, size)
-
-
-# A large all_reduce copies its operand into the result's buffer in chunks, each
-# chunk's reduction issued as soon as it is copied, so the private copy overlaps
-# the communication instead of preceding it (measured at 64 MiB, world 2:
-# copy then reduce 1.5x a bare gloo all_reduce, chunked 1.03x).
-PIPELINE_MIN_BYTES = 8 << 20
-PIPELINE_CHUNKS = 8
-_PIPELINED_DTYPES = frozenset(
-    {
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-    }
-)
-
-
-def _copy_and_reduce(
-    pg: dist.ProcessGroup, buf: torch.Tensor, src: torch.Tensor, op: ReduceOp
-) -> None:
-    """``buf`` = the all-reduce of every member's ``src``: chunk i is copied, then its
-    reduction issued before chunk i + 1 is copied; every member splits alike."""
-    flat_buf, flat_src = buf.view(-1), src.reshape(-1)
-    step = -(-flat_src.numel() // PIPELINE_CHUNKS)
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = _NATIVE[op]
-    works = []
-    for start in range(0, flat_src.numel(), step):
-        part = flat_buf[start : start + step]
-        copy_into(part, flat_src[start : start + step])
-        works.append(pg.allreduce([part], opts))
-    for work in works:
-        work.wait()
 
 
 def reduce_buffer(
