@@ -29,8 +29,9 @@ import collectives
 from collectives_server.model_zoo import mlp
 
 from . import egress
-from .core import BenchContext, MiB, Row, Stat, shared_cluster, stat_of, timed
+from .core import BenchContext, MiB, Row, shared_cluster, stat_of, timed
 from .direct_gloo import run_direct
+from .sent_once import sent_once_rows
 
 __all__ = ["run", "WIDTH", "QUICK_WIDTH", "DEPTH"]
 
@@ -57,13 +58,6 @@ def _nbytes(sd: dict[str, torch.Tensor]) -> int:
 
 def _label(nbytes: int) -> str:
     return f"{nbytes / MiB:.0f} MiB"
-
-
-def summed(a: list[float], b: list[float]) -> list[float]:
-    """The sums of ``a``'s and ``b``'s order statistics (sorted, element by element,
-    the shorter list's length): the anchor whose median, p99 and worst are the sums of
-    its two independently measured parts'."""
-    return [x + y for x, y in zip(sorted(a), sorted(b), strict=False)]
 
 
 def _service(world: int, width: int, repeats: int) -> dict:
@@ -128,37 +122,22 @@ def _rows(world: int, width: int, repeats: int, quick: bool) -> list[Row]:
         "broadcast": stat_of(bcast, "s").text(),
     }
     full_target = world == TARGET_WORLD and not quick
-    rows = [
-        Row(
-            group=GROUP,
-            what=f"publish {label} state dict, world {world}",
-            service=stat_of(publish, "s"),
-            anchor_name=f"put {label} to rank 0 + direct gloo broadcast, {world} processes",
-            anchor=stat_of(summed(put, bcast), "s"),
-            target=TARGET if full_target else "",
-            note=f"anchor = put {stat_of(put, 's').text()} + broadcast "
-            f"{stat_of(bcast, 's').text()}"
-            + ("" if service["egress"] else "; client egress not measured (no ss or /proc)"),
-            extra=extra,
-        )
-    ]
-    sent = service["egress"]
-    if sent:
-        closed = service["closed"]
-        rows.append(
-            Row(
-                group=GROUP,
-                what=f"client egress per publish of {label}, world {world}",
-                service=stat_of([n / MiB for n in sent], "MiB"),
-                anchor_name="the state dict's bytes",
-                anchor=Stat(nbytes / MiB, nbytes / MiB, nbytes / MiB, "MiB", 1),
-                target=EGRESS_TARGET,
-                note="TCP bytes acked on this process's sockets (ss); "
-                + (f"{closed} socket(s) closed mid-publish: a lower bound" if closed else "exact"),
-                extra={"world": world, "bytes": nbytes, "egress_bytes": sent, "closed": closed},
-            )
-        )
-    return rows
+    return sent_once_rows(
+        group=GROUP,
+        what=f"publish {label} state dict, world {world}",
+        egress_what=f"client egress per publish of {label}, world {world}",
+        bytes_name="the state dict's bytes",
+        service_s=publish,
+        put=put,
+        bcast=bcast,
+        world=world,
+        nbytes=nbytes,
+        target=TARGET if full_target else "",
+        egress_target=EGRESS_TARGET,
+        egress=service["egress"],
+        closed=service["closed"],
+        extra=extra,
+    )
 
 
 def run(ctx: BenchContext) -> list[Row]:

@@ -25,9 +25,9 @@ import torch
 import collectives
 
 from . import egress
-from .core import BenchContext, MiB, Row, Stat, shared_cluster, stat_of, timed
+from .core import BenchContext, MiB, Row, shared_cluster, stat_of, timed
 from .direct_gloo import run_direct
-from .row_publish import summed
+from .sent_once import sent_once_rows
 
 __all__ = ["run", "FULL_BYTES", "QUICK_BYTES"]
 
@@ -91,37 +91,22 @@ def _rows(world: int, nbytes: int, repeats: int, quick: bool) -> list[Row]:
         "put": stat_of(put, "s").text(),
         "broadcast": stat_of(bcast, "s").text(),
     }
-    rows = [
-        Row(
-            group=GROUP,
-            what=f"put {label} on every rank (rank=None), world {world}",
-            service=stat_of(replicated, "s"),
-            anchor_name=f"put {label} to rank 0 + direct gloo broadcast, {world} processes",
-            anchor=stat_of(summed(put, bcast), "s"),
-            target=TARGET if world == TARGET_WORLD and not quick else "",
-            note=f"anchor = put {stat_of(put, 's').text()} + broadcast "
-            f"{stat_of(bcast, 's').text()}"
-            + ("" if service["egress"] else "; client egress not measured (no ss or /proc)"),
-            extra=extra,
-        )
-    ]
-    sent = service["egress"]
-    if sent:
-        closed = service["closed"]
-        rows.append(
-            Row(
-                group=GROUP,
-                what=f"client egress per put of {label} on every rank, world {world}",
-                service=stat_of([n / MiB for n in sent], "MiB"),
-                anchor_name="the tensor's bytes",
-                anchor=Stat(nbytes / MiB, nbytes / MiB, nbytes / MiB, "MiB", 1),
-                target=EGRESS_TARGET,
-                note="TCP bytes acked on this process's sockets (ss); "
-                + (f"{closed} socket(s) closed mid-put: a lower bound" if closed else "exact"),
-                extra={"world": world, "bytes": nbytes, "egress_bytes": sent, "closed": closed},
-            )
-        )
-    return rows
+    return sent_once_rows(
+        group=GROUP,
+        what=f"put {label} on every rank (rank=None), world {world}",
+        egress_what=f"client egress per put of {label} on every rank, world {world}",
+        bytes_name="the tensor's bytes",
+        service_s=replicated,
+        put=put,
+        bcast=bcast,
+        world=world,
+        nbytes=nbytes,
+        target=TARGET if world == TARGET_WORLD and not quick else "",
+        egress_target=EGRESS_TARGET,
+        egress=service["egress"],
+        closed=service["closed"],
+        extra=extra,
+    )
 
 
 def run(ctx: BenchContext) -> list[Row]:

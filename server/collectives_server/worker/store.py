@@ -220,23 +220,23 @@ class TensorStore:
                 if enforce_quota:
                     self.check_quota(name, _nbytes(t))
             for name, t in tensors.items():
-                old = self._tensors.get(name)
-                if old is not None:
-                    self._bytes -= _nbytes(old)
-                self._tensors[name] = t
-                self._bytes += _nbytes(t)
-                self._touch_staged(name)
+                self._set(name, t)
+
+    def _set(self, name: str, t: torch.Tensor) -> torch.Tensor | None:
+        """With the lock held: stores ``t`` under ``name``; returns the value it replaced."""
+        old = self._tensors.get(name)
+        if old is not None:
+            self._bytes -= _nbytes(old)
+        self._tensors[name] = t
+        self._bytes += _nbytes(t)
+        self._touch_staged(name)
+        return old
 
     def replace(self, name: str, t: torch.Tensor) -> torch.Tensor | None:
         """Commits ``t`` under ``name`` without a quota check (a collective's commit: its
         quota was judged on every rank before the op); returns the value replaced."""
         with self._lock:
-            old = self._tensors.get(name)
-            if old is not None:
-                self._bytes -= _nbytes(old)
-            self._tensors[name] = t
-            self._bytes += _nbytes(t)
-            self._touch_staged(name)
+            old = self._set(name, t)
         return old
 
     def _touch_staged(self, name: str) -> None:
@@ -256,12 +256,7 @@ class TensorStore:
             if self._tensors.get(upload) is t:
                 del self._tensors[upload]
                 self._bytes -= _nbytes(t)
-            old = self._tensors.get(name)
-            if old is not None:
-                self._bytes -= _nbytes(old)
-            self._tensors[name] = t
-            self._bytes += _nbytes(t)
-            self._touch_staged(name)
+            old = self._set(name, t)
         return old
 
     def get(self, name: str) -> torch.Tensor:
