@@ -148,7 +148,7 @@ def test_discover_lists_the_publish_row() -> None:
 
 
 def test_publish_anchor_sums_the_parts_order_statistics() -> None:
-    from bench.row_publish import summed
+    from bench.sent_once import summed
 
     put, bcast = [0.3, 0.1, 0.2, 1.0], [0.05, 0.04, 0.06]
     assert summed(put, bcast) == pytest.approx([0.14, 0.25, 0.36])
