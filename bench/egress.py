@@ -26,7 +26,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-__all__ = ["TcpEgress", "EgressCount", "own_tcp_bytes_acked", "available"]
+__all__ = ["TcpEgress", "EgressCount", "EgressLog", "own_tcp_bytes_acked", "available"]
 
 _INODE = re.compile(r"\bino:(\d+)")
 _ACKED = re.compile(r"\bbytes_acked:(\d+)")
@@ -96,3 +96,25 @@ class TcpEgress:
         sent = sum(n - self._before.get(ino, 0) for ino, n in after.items())
         closed = len(set(self._before) - set(after))
         return EgressCount(sent, closed)
+
+
+class EgressLog:
+    """The egress of each timed call of ``core.timed``: :meth:`start` at the end of its
+    ``prepare``, :meth:`record` as its ``after`` (both outside the timed region). Does
+    nothing where :func:`available` is False (``sent`` then stays empty)."""
+
+    def __init__(self) -> None:
+        self.counting = available()
+        self._counter = TcpEgress()
+        self.sent: list[int] = []
+        self.closed = 0
+
+    def start(self) -> None:
+        if self.counting:
+            self._counter.start()
+
+    def record(self, _i: int = 0) -> None:
+        if self.counting:
+            got = self._counter.stop()
+            self.sent.append(got.nbytes)
+            self.closed += got.closed

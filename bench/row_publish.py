@@ -65,28 +65,20 @@ def _service(world: int, width: int, repeats: int) -> dict:
     cluster; the model and the put tensor are gone from it afterwards."""
     sd = {k: v.detach().clone() for k, v in mlp(**_kwargs(width)).state_dict().items()}
     nbytes = _nbytes(sd)
-    counting = egress.available()
-    counter = egress.TcpEgress()
+    log = egress.EgressLog()
     out: dict = {"publish": [], "put": [], "egress": [], "closed": 0, "nbytes": nbytes}
 
     def refill() -> None:  # fresh values every time: nothing can be skipped as unchanged
         for t in sd.values():
             t.uniform_(-1.0, 1.0)
-        if counting:
-            counter.start()
-
-    def counted(_i: int) -> None:
-        if counting:
-            got = counter.stop()
-            out["egress"].append(got.nbytes)
-            out["closed"] += got.closed
+        log.start()
 
     with collectives.connect(shared_cluster(world), timeout=300.0) as cluster:
         cluster.load_model(MODEL, factory=FACTORY, kwargs=_kwargs(width))
         try:
             versions: list[int] = []
             out["publish"] = timed(
-                repeats, 1, refill, lambda: versions.append(cluster.publish(MODEL, sd)), counted
+                repeats, 1, refill, lambda: versions.append(cluster.publish(MODEL, sd)), log.record
             )
             if versions != list(range(versions[0], versions[0] + len(versions))):
                 raise AssertionError(f"publish versions are not consecutive: {versions}")
@@ -101,6 +93,7 @@ def _service(world: int, width: int, repeats: int) -> dict:
         finally:  # the cluster is shared with other rows
             cluster.unload_model(MODEL, missing_ok=True)
             cluster.delete(PUT_NAME, missing_ok=True)
+    out["egress"], out["closed"] = log.sent, log.closed
     return out
 
 

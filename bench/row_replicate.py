@@ -46,24 +46,18 @@ def _service(world: int, nbytes: int, repeats: int) -> dict:
     """Replicated-put and put-to-rank-0 seconds, egress bytes and closed-socket counts on
     a world-``world`` cluster; its tensors are gone from it afterwards."""
     t = torch.empty(nbytes // 4, dtype=torch.float32)
-    counting = egress.available()
-    counter = egress.TcpEgress()
+    log = egress.EgressLog()
     out: dict = {"replicate": [], "put": [], "egress": [], "closed": 0}
 
     def refill() -> None:  # fresh values every time: nothing can be skipped as unchanged
         t.uniform_(-1.0, 1.0)
-        if counting:
-            counter.start()
-
-    def counted(_i: int) -> None:
-        if counting:
-            got = counter.stop()
-            out["egress"].append(got.nbytes)
-            out["closed"] += got.closed
+        log.start()
 
     with collectives.connect(shared_cluster(world), timeout=300.0) as cluster:
         try:
-            out["replicate"] = timed(repeats, 1, refill, lambda: cluster.put(PUT_NAME, t), counted)
+            out["replicate"] = timed(
+                repeats, 1, refill, lambda: cluster.put(PUT_NAME, t), log.record
+            )
             for rank in range(world):
                 if not torch.equal(cluster.get(PUT_NAME, rank=rank), t):
                     raise AssertionError(f"rank {rank} does not hold the tensor put last")
@@ -74,6 +68,7 @@ def _service(world: int, nbytes: int, repeats: int) -> dict:
         finally:  # the cluster is shared with other rows
             cluster.delete(PUT_NAME, missing_ok=True)
             cluster.delete(ANCHOR_NAME, missing_ok=True)
+    out["egress"], out["closed"] = log.sent, log.closed
     return out
 
 
