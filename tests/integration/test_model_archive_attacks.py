@@ -112,7 +112,11 @@ def test_zip_bomb_refused_with_flat_worker_memory(sandboxed, gen, uname):
         f"zip bomb ({len(bomb) / 1024:.0f} KiB, 768 MiB entry): worker peak RSS "
         f"+{grown / MiB:.1f} MiB"
     )
-    assert grown < 64 * MiB, f"worker peak RSS grew by {grown / MiB:.0f} MiB"
+    # Held once, the archive alone would be +256 MiB (M3 held it twice). What the
+    # worker holds while streaming it to disk is what gRPC's transport has received
+    # ahead of the handler, which its flow-control window decides: measured +17 to
+    # +50 MiB in 6 runs alone, +68 and +72 MiB in 2 of ~8 runs of the whole suite.
+    assert grown < 128 * MiB, f"worker peak RSS grew by {grown / MiB:.0f} MiB"
     after.check()
 
 
@@ -176,5 +180,9 @@ def test_m3_a_large_upload_is_streamed_to_disk_not_buffered(sandboxed, gen, unam
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     grown = peak.peak - baseline
     print(f"\n{len(archive) / MiB:.0f} MiB upload: worker peak RSS +{grown / MiB:.1f} MiB")
-    assert grown < 64 * MiB, f"worker peak RSS grew by {grown / MiB:.0f} MiB"
+    # Held once, the archive alone would be +256 MiB (M3 held it twice). What the
+    # worker holds while streaming it to disk is what gRPC's transport has received
+    # ahead of the handler, which its flow-control window decides: measured +17 to
+    # +50 MiB in 6 runs alone, +68 and +72 MiB in 2 of ~8 runs of the whole suite.
+    assert grown < 128 * MiB, f"worker peak RSS grew by {grown / MiB:.0f} MiB"
     after.check()
