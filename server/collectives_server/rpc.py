@@ -31,6 +31,7 @@ from collectives_server.security import ServerSecurity, TokenAuthInterceptor
 __all__ = [
     "GRPC_OPTIONS",
     "SMALL_MESSAGE_OPTIONS",
+    "WORKER_OPTIONS",
     "ServerHandle",
     "ServerSecurity",
     "start_server",
@@ -48,6 +49,16 @@ GRPC_OPTIONS: list[tuple[str, int]] = [
 # heartbeat, doubling the coordinator's wakeups per message (measured: 14 -> 7
 # context switches, ~390 -> ~290 us of CPU per heartbeat on a 2-core VM).
 SMALL_MESSAGE_OPTIONS: list[tuple[str, int]] = [("grpc.http2.bdp_probe", 0)]
+
+# For a worker: bulk bytes take the bulk port, and what still streams over gRPC
+# (--no-bulk, TLS, model archives) is written out as each message arrives. With
+# BDP probing on, a stream's window grew with the handler's own stalls (a slow
+# disk write read as a long RTT): the transport then received up to ~70 MiB
+# ahead of a LoadModel handler (peak RSS +17..+72 MiB over a 256 MiB upload,
+# +6..+7 MiB without it). Off, the stream put of 256 MiB kept its speed
+# (0.56 -> 0.65 GB/s) and a 4 B all_reduce lost one PING round trip per call
+# (p50 3.3..3.5 -> 2.6..3.1 ms on a 2-core VM).
+WORKER_OPTIONS: list[tuple[str, int]] = [("grpc.http2.bdp_probe", 0)]
 
 
 class ServerHandle:

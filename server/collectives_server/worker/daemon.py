@@ -32,7 +32,7 @@ from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2
 from collectives_server import heap
 from collectives_server.control_protocol import worker_metadata
 from collectives_server.metrics import MetricsServer
-from collectives_server.rpc import GRPC_OPTIONS, start_server
+from collectives_server.rpc import GRPC_OPTIONS, WORKER_OPTIONS, start_server
 from collectives_server.signals import StopSignal
 from collectives_server.store_socket import start_store
 from collectives_server.worker.archive_upload import ModelUploads
@@ -134,6 +134,7 @@ class WorkerDaemon:
             [SERVICE_NAME],
             security=self.config.security,
             limits=self.config.rpc_limits,
+            options=WORKER_OPTIONS,
         )
         host = self.config.advertise_host or self.config.host
         if host in ("0.0.0.0", "::", ""):
