@@ -161,32 +161,40 @@ def finish(
         return _describe(ctx, desc, group, plan, target)
     if prepared.fence is None and prepared.stores_here:
         prepared.fence = ctx.store.fence(target, 2 * ctx.timeout_s)  # the agreement is last
-    return _data_path(ctx, desc, group, prepared.operand, plan, reduce_op, target)
+    # The data path owns the operand from here: once the collective read it, no
+    # reference is left, so an in-place op's replaced value can be a spare buffer.
+    held, prepared.operand = [prepared.operand], None
+    return _data_path(ctx, desc, group, held, plan, reduce_op, target)
 
 
 def _data_path(
     ctx: OpContext,
     desc: worker_pb2.OpDescriptor,
     group: GroupEntry,
-    operand: torch.Tensor | None,
+    held: list[torch.Tensor | None],
     plan: validation.Plan,
     reduce_op: ReduceOp,
     target: str,
 ) -> OpResult | CollectiveError:
-    """The data collective, an agreement on every rank's outcome, then the commit."""
+    """The data collective, an agreement on every rank's outcome, then the commit.
+
+    ``held`` is a one-item list holding the operand, emptied once the collective
+    ran: the commit then finds no reference to the value it replaces but its own,
+    and keeps that memory for the next result (``collective_ops.Spares``)."""
     result: torch.Tensor | None = None
     code, message = grpc.StatusCode.OK, ""
+    dtype = held[0].dtype if held[0] is not None else None
     if ctx.rank in group.ranks:
         try:
-            result = _run_member(ctx, desc, group, operand, plan, reduce_op)
+            result = _run_member(ctx, desc, group, held.pop(), plan, reduce_op)
             ctx.count_data_collectives(1)
         except GroupBroken:
             raise
         except CollectiveError as exc:
             code, message = exc.code, exc.message
         except Exception as exc:  # local to this rank: the op fails, the group stays
-            dtype = operand.dtype if operand is not None else None
             code, message = op_failures.local_failure(exc, spec(desc.kind).name, dtype)
+    held.clear()
     failures = ctx.call(agreement.agree, ctx.control, ctx.world_size, code, message)
     if failures:
         return ctx.fail_all(failures)
