@@ -57,3 +57,19 @@ def test_watchdog_cuts_idle_streams_and_long_calls_but_not_busy_ones() -> None:
     expired, next_deadline = dog.expire()
     assert {w.key for w in expired} == {busy.key, unary.key} and next_deadline is None
     assert all("--max-rpc-s 10" in w.reason for w in expired)
+
+
+def test_watchdog_heap_stays_proportional_to_live_calls() -> None:
+    """Ended unary calls must not pile up until their max_s deadline (at hundreds of
+    small ops per second that was hundreds of thousands of entries)."""
+    clock = Clock()
+    dog = Watchdog(idle_s=2.0, max_s=300.0, clock=clock, start_thread=False)
+    cancelled: list[str] = []
+    live = [dog.watch(lambda: cancelled.append("live"), idle=False) for _ in range(10)]
+    for _ in range(10_000):
+        dog.watch(lambda: cancelled.append("ended"), idle=False).done()
+        clock.now += 0.001
+    assert dog.heap_size <= 2 * len(live) + 64 + 1
+    clock.now += 300.0
+    expired, _ = dog.expire()
+    assert {w.key for w in expired} == {w.key for w in live} and cancelled == []
