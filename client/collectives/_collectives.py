@@ -22,7 +22,8 @@ from typing import Any, TypeVar, cast
 import torch
 
 from collectives._coalesced import _Coalesced, is_coalesced
-from collectives._core import GenerationBinding, annotate, is_not_executed, server_timeout_s
+from collectives._core import annotate, server_timeout_s
+from collectives._generation_binding import GenerationBinding, is_not_executed
 from collectives._transport import call_unary
 from collectives._validation import (
     check_group,

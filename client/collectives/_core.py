@@ -44,7 +44,6 @@ from collectives.errors import (
     CollectiveError,
     DeadlineExceeded,
     InvalidArgument,
-    Reason,
     Unavailable,
     annotate,
 )
@@ -465,65 +464,3 @@ def server_timeout_s(remaining_s: float) -> float:
 
 def _left(deadline: float) -> float:
     return max(deadline - time.monotonic(), 0.0)
-
-
-class GenerationBinding:
-    """Binds one collective to the generation it was first sent in.
-
-    A collective names per-rank operands that the caller placed on the ranks of
-    one membership. If that generation ends before the op commits, "never
-    started" does not make a retry safe: on the new generation the same call
-    would reduce over other contributors, a different answer that looks right.
-    So a never-started op is retried only while the generation is unchanged
-    (leader busy, a transient transport error); across a change the error is
-    surfaced, naming both generations.
-    """
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-        self.generation: int | None = None
-        self._moved = False
-        self._last: CollectiveError | None = None
-
-    def bind(self, generation: int) -> None:
-        """Called by every attempt with the generation it is about to send for.
-
-        Raises:
-            Unavailable: an earlier attempt was sent for another generation.
-        """
-        if self.generation is None:
-            self.generation = generation
-            return
-        if generation == self.generation:
-            return
-        self._moved = True
-        cause = f" (the leader said: {self._last.message})" if self._last is not None else ""
-        raise Unavailable(
-            f"{self.what} was issued for generation {self.generation} and did not run there"
-            f"{cause}; the cluster is now at generation {generation}. Nothing was committed. "
-            f"It is not retried on the new membership: its operands were placed on the ranks "
-            f"of generation {self.generation}; place them again and reissue it",
-            executed=False,
-            generation=self.generation,
-            reason=Reason.GENERATION_CHANGED,
-        )
-
-    def retryable(self, err: CollectiveError) -> bool:
-        """The retry predicate: never-started ops, while the generation has not moved."""
-        if err.generation is None:
-            err.generation = self.generation
-        self._last = err
-        return not self._moved and is_not_executed(err)
-
-
-def is_not_executed(err: CollectiveError) -> bool:
-    """Collectives are retried only when the server says they never started and a retry
-    can succeed: ``UNAVAILABLE`` (not the leader, a transient transport error) or the
-    leader's queue being full (it drains); always within the call's deadline.
-
-    Other codes marked not executed (operands missing) would fail the same way
-    again, so they are the caller's to handle.
-    """
-    if err.executed is not False:
-        return False
-    return isinstance(err, Unavailable) or err.reason == Reason.QUEUE_FULL

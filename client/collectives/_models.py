@@ -25,7 +25,8 @@ from torch import nn
 
 from collectives import _publish
 from collectives._archive_staging import load_staged, stage_archive
-from collectives._core import GenerationBinding, server_timeout_s
+from collectives._core import server_timeout_s
+from collectives._generation_binding import GenerationBinding
 from collectives._model_transport import get_model_tensors, load_model_on
 from collectives._p2p import _PeerToPeer
 from collectives._progress import progress

@@ -14,7 +14,8 @@ import time
 from typing import Any, cast
 
 from collectives._collectives import _Collectives
-from collectives._core import is_not_executed, server_timeout_s
+from collectives._core import server_timeout_s
+from collectives._generation_binding import is_not_executed
 from collectives._transport import call_unary
 from collectives._validation import check_group, check_name, check_out
 from collectives.errors import InvalidArgument, NotFound
