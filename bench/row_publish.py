@@ -29,7 +29,7 @@ import collectives
 from collectives_server.model_zoo import mlp
 
 from . import egress
-from .core import BenchContext, MiB, Row, shared_cluster, stat_of, timed
+from .core import BenchContext, MiB, Row, shared_cluster, timed
 from .direct_gloo import run_direct
 from .sent_once import sent_once_rows
 
@@ -103,17 +103,7 @@ def _rows(world: int, width: int, repeats: int, quick: bool) -> list[Row]:
     bcast = run_direct(["broadcast"], world, [nbytes], repeats)[("broadcast", nbytes)]
     put, publish = service["put"], service["publish"]
     label = _label(nbytes)
-    extra = {
-        "world": world,
-        "bytes": nbytes,
-        "width": width,
-        "depth": DEPTH,
-        "put_s": put,
-        "broadcast_s": bcast,
-        "publish_s": publish,
-        "put": stat_of(put, "s").text(),
-        "broadcast": stat_of(bcast, "s").text(),
-    }
+    extra = {"width": width, "depth": DEPTH, "publish_s": publish}
     full_target = world == TARGET_WORLD and not quick
     return sent_once_rows(
         group=GROUP,

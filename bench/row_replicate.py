@@ -25,7 +25,7 @@ import torch
 import collectives
 
 from . import egress
-from .core import BenchContext, MiB, Row, shared_cluster, stat_of, timed
+from .core import BenchContext, MiB, Row, shared_cluster, timed
 from .direct_gloo import run_direct
 from .sent_once import sent_once_rows
 
@@ -77,15 +77,7 @@ def _rows(world: int, nbytes: int, repeats: int, quick: bool) -> list[Row]:
     bcast = run_direct(["broadcast"], world, [nbytes], repeats)[("broadcast", nbytes)]
     put, replicated = service["put"], service["replicate"]
     label = f"{nbytes / MiB:.0f} MiB"
-    extra = {
-        "world": world,
-        "bytes": nbytes,
-        "put_s": put,
-        "broadcast_s": bcast,
-        "replicate_s": replicated,
-        "put": stat_of(put, "s").text(),
-        "broadcast": stat_of(bcast, "s").text(),
-    }
+    extra = {"replicate_s": replicated}
     return sent_once_rows(
         group=GROUP,
         what=f"put {label} on every rank (rank=None), world {world}",

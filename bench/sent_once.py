@@ -33,8 +33,12 @@ def sent_once_rows(
     extra: dict,
 ) -> list[Row]:
     """The timed row (service against put + broadcast) and, when egress was counted,
-    the client-egress row (bytes sent per call against ``nbytes``)."""
+    the client-egress row (bytes sent per call against ``nbytes``). The timed row's
+    extra holds the world, size and both anchor parts, then the row's own ``extra``."""
     label = f"{nbytes / MiB:.0f} MiB"
+    put_text, bcast_text = stat_of(put, "s").text(), stat_of(bcast, "s").text()
+    timed_extra = {"world": world, "bytes": nbytes, "put_s": put, "broadcast_s": bcast}
+    timed_extra |= {"put": put_text, "broadcast": bcast_text, **extra}
     rows = [
         Row(
             group=group,
@@ -43,10 +47,9 @@ def sent_once_rows(
             anchor_name=f"put {label} to rank 0 + direct gloo broadcast, {world} processes",
             anchor=stat_of(summed(put, bcast), "s"),
             target=target,
-            note=f"anchor = put {stat_of(put, 's').text()} + broadcast "
-            f"{stat_of(bcast, 's').text()}"
+            note=f"anchor = put {put_text} + broadcast {bcast_text}"
             + ("" if egress else "; client egress not measured (no ss or /proc)"),
-            extra=extra,
+            extra=timed_extra,
         )
     ]
     if egress:
