@@ -22,6 +22,7 @@ from collectives.errors import CollectiveError, error_for_code
 from collectives_server.worker import op_failures
 from collectives_server.worker.agreement import RankOutcome
 from collectives_server.worker.collective_ops import Spares
+from collectives_server.worker.control_channel import ControlChannel
 from collectives_server.worker.descriptor import Announced
 from collectives_server.worker.models import ModelRegistry
 from collectives_server.worker.process_groups import GroupHandles
@@ -83,7 +84,7 @@ class OpContext:
     store: TensorStore
     models: ModelRegistry
     groups: dict[int, GroupEntry]
-    control: dist.ProcessGroup
+    control: dist.ProcessGroup | ControlChannel  # announcements, exchanges, agreement
     spares: Spares = field(default_factory=Spares)
     max_groups: int = 64
     on_data_collectives: Callable[[int, int], None] | None = None

@@ -33,6 +33,7 @@ from collectives.op_specs import OpKind, kind_name, subject
 from collectives.v1 import worker_pb2
 from collectives_server.worker import descriptor, fusion, op_failures
 from collectives_server.worker.collective_ops import Spares
+from collectives_server.worker.control_channel import ControlChannel
 from collectives_server.worker.descriptor import Announced
 from collectives_server.worker.handlers import handler_for
 from collectives_server.worker.handlers.fused_ops import run_fused
@@ -110,6 +111,7 @@ class GenerationRuntime:
         # Replaced results kept for reuse stay well inside a store limit, if any.
         limit = store.limit_bytes
         self._spares = Spares(max_bytes=min(512 << 20, limit // 4) if limit else 512 << 20)
+        self._channel: ControlChannel | None = None  # this epoch's control rounds
         self._cond = threading.Condition()
         self._last_op_end = time.monotonic()
         self._seq = Sequencer(generation, queue_size, min(1.0, op_timeout_s / 4))
@@ -272,6 +274,13 @@ class GenerationRuntime:
                 self._device,
                 self._host,
             )
+            self._channel = ControlChannel.connect(
+                dist.PrefixStore(f"{prefix}/ctlsock", self._tcp_store),
+                self.rank,
+                self.world_size,
+                self._timeout_s,
+                self._host,
+            )
         except Exception as exc:
             raise GroupBroken(f"could not form the process group: {exc}") from exc
         self.groups = {0: GroupEntry(0, list(range(self.world_size)), handles)}
@@ -287,7 +296,7 @@ class GenerationRuntime:
             store=self.store,
             models=self.models,
             groups=self.groups,
-            control=handles.control,
+            control=self._channel,
             spares=self._spares,
             max_groups=self.max_groups,
             on_data_collectives=self._on_data_collectives,
@@ -364,6 +373,11 @@ class GenerationRuntime:
                 ticket.fail(error_for_code(grpc.StatusCode.INTERNAL, message))
             self._drain(f"generation {self.generation} hit an internal error")
             return "internal error (see the worker's log)"
+        finally:
+            # Peers blocked on this rank learn at once that its group is gone.
+            if self._channel is not None:
+                self._channel.close()
+                self._channel = None
 
     def _broken(self, exc: GroupBroken, current: list[Ticket]) -> str | None:
         self.ready.clear()
