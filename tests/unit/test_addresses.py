@@ -11,6 +11,7 @@ import pytest
 
 import collectives
 from collectives.addresses import REFUSED_GRACE_S, parse_address, refused_within
+from collectives_server import hosts
 
 
 @pytest.mark.parametrize(
@@ -82,3 +83,15 @@ def test_the_cli_does_not_import_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
     )
     assert done.stdout.strip().splitlines()[-1] == "False", done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("host", ["", "0.0.0.0", "::", "[::]", None])
+def test_every_wildcard_host_is_dialled_by_this_machines_name(host: str | None) -> None:
+    assert hosts.is_wildcard(host)
+    assert hosts.dialled_name(host) == socket.gethostname()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1", "worker-3.cluster.local"])
+def test_a_named_host_is_dialled_as_it_is(host: str) -> None:
+    assert not hosts.is_wildcard(host)
+    assert hosts.dialled_name(host) == host

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import socket
 import sys
 import threading
 import time
@@ -35,6 +34,7 @@ from collectives_server.coordinator.membership import Membership
 from collectives_server.coordinator.metrics import coordinator_registry
 from collectives_server.coordinator.replication import Replication
 from collectives_server.coordinator.service import SERVICE_NAME, CoordinatorServicer
+from collectives_server.hosts import dialled_name
 from collectives_server.metrics import MetricsServer
 from collectives_server.rpc import SMALL_MESSAGE_OPTIONS, ServerHandle, start_server
 from collectives_server.security import ServerSecurity
@@ -45,7 +45,6 @@ __all__ = ["Coordinator", "CoordinatorConfig", "format_address", "run_coordinato
 
 log = logging.getLogger(__name__)
 
-_WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]"}
 # gRPC threads: WatchCluster streams may hold up to --max-watch-streams of them; these
 # stay free for Register/Heartbeat. Each HeartbeatStream holds one more (see
 # heartbeat_stream_limit); the pool starts its threads only as calls need them.
@@ -145,7 +144,7 @@ class CoordinatorConfig:
     def advertised_host(self) -> str:
         if self.advertise_host:
             return self.advertise_host
-        return socket.gethostname() if self.host in _WILDCARD_HOSTS else self.host
+        return dialled_name(self.host)
 
 
 def format_address(host: str, port: int) -> str:

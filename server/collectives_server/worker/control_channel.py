@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from collectives.wire.codec import tensor_memoryview
+from collectives_server.hosts import dialled_name, is_wildcard
 
 __all__ = ["ControlChannel"]
 
@@ -243,9 +244,9 @@ def _tune(sock: socket.socket) -> socket.socket:
 def _listen_host(host: str | None) -> tuple[str, str]:
     """(address to bind, address the followers dial): the worker's own host, or on a
     wildcard host every interface and this machine's name, as gloo's device does."""
-    if host and host not in ("0.0.0.0", "::", ""):
-        return host, host
-    return ("::" if host == "::" else ""), socket.gethostname()
+    if not is_wildcard(host):
+        return host, dialled_name(host)
+    return ("::" if host in ("::", "[::]") else ""), dialled_name(host)
 
 
 def _accept_followers(

@@ -31,6 +31,7 @@ from collectives.errors import CollectiveError
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2
 from collectives_server import heap
 from collectives_server.control_protocol import worker_metadata
+from collectives_server.hosts import dialled_name
 from collectives_server.metrics import MetricsServer
 from collectives_server.rpc import GRPC_OPTIONS, WORKER_OPTIONS, start_server
 from collectives_server.signals import StopSignal
@@ -136,9 +137,7 @@ class WorkerDaemon:
             limits=self.config.rpc_limits,
             options=WORKER_OPTIONS,
         )
-        host = self.config.advertise_host or self.config.host
-        if host in ("0.0.0.0", "::", ""):
-            host = socket.gethostname()
+        host = dialled_name(self.config.advertise_host or self.config.host)
         self.ctx.port = self._server.port
         self.ctx.address = f"{host}:{self.config.advertise_port or self._server.port}"
         if self.config.bulk_port is not None and not self.config.security.tls:

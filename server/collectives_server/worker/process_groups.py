@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from collectives_server.hosts import is_wildcard
+
 __all__ = ["GroupHandles", "build_groups"]
 
 
@@ -28,7 +30,7 @@ class GroupHandles:
 
 def _gloo(store: dist.Store, rank: int, size: int, timeout_s: float, host: str | None):
     timeout = datetime.timedelta(seconds=timeout_s)
-    if host and host not in ("0.0.0.0", "::", ""):
+    if not is_wildcard(host):
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
