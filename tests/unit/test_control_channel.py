@@ -253,34 +253,52 @@ def test_a_rank_that_never_connects_fails_the_leader_in_time() -> None:
     assert "rank 0" in str(follower)  # no answer from the leader within its timeout
 
 
-def test_calls_complete_in_issue_order_whatever_order_they_are_waited_in() -> None:
-    """As on a process group: the leader may issue an all-gather, then a broadcast, and
-    wait for them the other way round; every follower still sees them in issue order."""
+@pytest.mark.parametrize("length", [0, 1, 1023, 1024, 70_000])
+def test_announcements_of_any_length_arrive_whole_and_rows_arrive_aligned(length: int) -> None:
+    """The channel's own interface: one message of any length (over gloo a second
+    broadcast carries what does not fit the slot), then a table whose rows start
+    16-byte aligned, so that tensors can view the operands inside it."""
     size = 3
     store = _store()
     chans = channels(store, size)
-    rows = [torch.randint(0, 256, (6,), dtype=torch.uint8) for _ in range(size)]
-    payload = torch.randint(0, 256, (33,), dtype=torch.uint8)
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
+    message = bytes(torch.randint(0, 256, (length,), dtype=torch.uint8).tolist())
+    rows = [bytes(torch.randint(0, 256, (48,), dtype=torch.uint8).tolist()) for _ in range(size)]
 
-    def body(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        out = torch.empty(size * 6, dtype=torch.uint8)
-        got = payload.clone() if rank == 0 else torch.empty(33, dtype=torch.uint8)
-        gather = chans[rank]._allgather_base(out, rows[rank])
-        cast = chans[rank].broadcast([got], opts)
-        cast.wait()
-        gather.wait()
-        return out.view(size, 6), got
+    def body(rank: int) -> tuple[bytes, memoryview]:
+        if rank == 0:
+            assert chans[0].announce(message) is None  # sent when it returns
+            got = message
+        else:
+            got = chans[rank].receive_announcement(len(message))
+        return got, chans[rank].all_gather(rows[rank])
 
     try:
         results = run_ranks(size, body)
     finally:
         for ch in chans:
             ch.close()
-    for out, got in results:
-        assert torch.equal(out, torch.stack(rows))
-        assert torch.equal(got, payload)
+    for got, table in results:
+        assert got == message
+        assert bytes(table) == b"".join(rows)
+        assert torch.frombuffer(table, dtype=torch.uint8).data_ptr() % 16 == 0
+
+
+def test_an_announcement_longer_than_the_receiver_allows_is_refused() -> None:
+    store = _store()
+    chans = channels(store, 2)
+
+    def body(rank: int) -> None:
+        if rank == 0:
+            chans[0].announce(b"x" * 100)
+        else:
+            chans[1].receive_announcement(99)
+
+    try:
+        with pytest.raises(RuntimeError, match="announcement of at most 99 bytes, got a broadcast"):
+            run_ranks(2, body)
+    finally:
+        for ch in chans:
+            ch.close()
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::"])

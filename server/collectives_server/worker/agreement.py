@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import grpc
 import torch
-import torch.distributed as dist
 
 from collectives.errors import Reason
 from collectives.wire.codec import tensor_memoryview
+from collectives_server.worker.control_rounds import rounds_of
 from collectives_server.worker.validation import INFO_BYTES, INFO_LEN, OperandInfo, decode_info
 
 __all__ = [
@@ -47,37 +47,43 @@ class RankOutcome:
     reason: str | None = None
 
 
-def all_gather_rows(
-    pg: dist.ProcessGroup, row: torch.Tensor, size: int, before=None
-) -> torch.Tensor:
-    """``torch.stack`` of every rank's ``row`` (a contiguous 1-D tensor), in rank order.
+def all_gather_rows(pg: object, row: torch.Tensor, size: int, before=None) -> torch.Tensor:
+    """``torch.stack`` of every rank's ``row`` (a contiguous 1-D CPU tensor), in rank
+    order, over ``pg`` (a ``ControlChannel`` or a process group).
 
     ``before`` (something with ``wait()``, e.g. the leader's pending announcement)
     is waited on after this all-gather was issued and before it is waited on."""
-    out = torch.empty((size, row.numel()), dtype=row.dtype)
-    work = pg._allgather_base(out.view(-1), row)
-    if before is not None:
-        before.wait()
-    work.wait()
-    return out
+    table = rounds_of(pg).all_gather(tensor_memoryview(row.contiguous()), before)
+    if not len(table):
+        return torch.empty((size, row.numel()), dtype=row.dtype)
+    return torch.frombuffer(table, dtype=row.dtype).view(size, row.numel())
 
 
 @dataclass(frozen=True)
 class Exchanged:
-    """What one exchange gave every rank: each rank's operand info and its row."""
+    """What one exchange gave every rank: each rank's operand info, and the table of
+    every rank's row (this op's row starts ``offset`` bytes into each ``stride``)."""
 
     infos: list[OperandInfo]
-    rows: torch.Tensor  # uint8 [size, INFO_BYTES + capacity]
+    table: memoryview
+    stride: int
+    offset: int = 0
 
     def payload(self, rank: int, info: OperandInfo) -> torch.Tensor:
-        """``rank``'s inline operand (its bytes must have fit), as ``info`` describes it."""
+        """``rank``'s inline operand (its bytes must have fit), as ``info`` describes it
+        (a view of the table: copy it before keeping it)."""
         assert info.dtype is not None
-        raw = self.rows[rank, INFO_BYTES : INFO_BYTES + info.nbytes]
-        return raw.view(info.dtype).reshape(info.shape)
+        if not info.nbytes:
+            return torch.empty(info.shape, dtype=info.dtype)
+        start = rank * self.stride + self.offset + INFO_BYTES
+        count = info.nbytes // info.dtype.itemsize
+        return torch.frombuffer(self.table, dtype=info.dtype, count=count, offset=start).view(
+            info.shape
+        )
 
 
 def exchange(
-    pg: dist.ProcessGroup,
+    pg: object,
     size: int,
     values: list[int],
     operand: torch.Tensor | None = None,
@@ -87,39 +93,39 @@ def exchange(
     """All-gathers every rank's info ``values`` followed by ``capacity`` bytes in which
     ``operand`` travels when it fits (otherwise only its info). ``before``: see
     :func:`all_gather_rows`."""
-    row = torch.empty(INFO_BYTES + capacity, dtype=torch.uint8)
-    _fill_row(tensor_memoryview(row), row, values, operand, capacity)
-    rows = all_gather_rows(pg, row, size, before)
-    raw = tensor_memoryview(rows)
-    stride = row.numel()
-    infos = [decode_info(list(_INFO.unpack_from(raw, r * stride))) for r in range(size)]
-    return Exchanged(infos, rows)
+    row = bytearray(INFO_BYTES + capacity)
+    _fill_row(row, 0, values, operand, capacity)
+    table = rounds_of(pg).all_gather(row, before)
+    stride = len(row)
+    infos = [decode_info(list(_INFO.unpack_from(table, r * stride))) for r in range(size)]
+    return Exchanged(infos, table, stride)
 
 
 def _fill_row(
-    view: memoryview,
-    row: torch.Tensor,
-    values: list[int],
-    operand: torch.Tensor | None,
-    capacity: int,
+    row: bytearray, at: int, values: list[int], operand: torch.Tensor | None, capacity: int
 ) -> None:
     """Packs one op's info ``values`` and, when it fits ``capacity``, ``operand``'s bytes
-    into ``row`` (a uint8 tensor of INFO_BYTES + capacity bytes; ``view`` is its memory)."""
-    _INFO.pack_into(view, 0, *values)
-    if capacity:
-        n = 0
-        if operand is not None:
-            n = operand.numel() * operand.element_size()
-            if n <= capacity:
-                flat = operand.reshape(-1) if operand.device.type == "cpu" else operand.cpu()
-                row[INFO_BYTES : INFO_BYTES + n] = flat.reshape(-1).view(torch.uint8)
-            else:
-                n = 0
-        view[INFO_BYTES + n :] = bytes(capacity - n)  # no stray memory on the wire
+    into ``row`` from byte ``at`` (INFO_BYTES + capacity bytes, zeroed: no stray memory
+    goes on the wire)."""
+    _INFO.pack_into(row, at, *values)
+    if capacity and operand is not None:
+        n = operand.numel() * operand.element_size()
+        if 0 < n <= capacity:
+            start = at + INFO_BYTES
+            row[start : start + n] = tensor_memoryview(_plain(operand))
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous CPU tensor whose memory holds its values."""
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    return t.contiguous()
 
 
 def exchange_fused(
-    pg: dist.ProcessGroup,
+    pg: object,
     size: int,
     parts: list[tuple[list[int], torch.Tensor | None, int]],
     before=None,
@@ -128,33 +134,31 @@ def exchange_fused(
     (info values, operand, inline capacity), every rank listing the same ops with the
     same capacities; returns each op's :class:`Exchanged`, as if exchanged alone."""
     widths = [INFO_BYTES + capacity for _, _, capacity in parts]
-    row = torch.empty(sum(widths), dtype=torch.uint8)
+    row = bytearray(sum(widths))
     offsets = []
     start = 0
     for (values, operand, capacity), width in zip(parts, widths, strict=True):
-        piece = row[start : start + width]
-        _fill_row(tensor_memoryview(piece), piece, values, operand, capacity)
+        _fill_row(row, start, values, operand, capacity)
         offsets.append(start)
         start += width
-    rows = all_gather_rows(pg, row, size, before)
-    raw = tensor_memoryview(rows)
-    stride = row.numel()
+    table = rounds_of(pg).all_gather(row, before)
+    stride = len(row)
     out = []
-    for offset, width in zip(offsets, widths, strict=True):
+    for offset in offsets:
         infos = [
-            decode_info(list(_INFO.unpack_from(raw, r * stride + offset))) for r in range(size)
+            decode_info(list(_INFO.unpack_from(table, r * stride + offset))) for r in range(size)
         ]
-        out.append(Exchanged(infos, rows[:, offset : offset + width]))
+        out.append(Exchanged(infos, table, stride, offset))
     return out
 
 
-def exchange_infos(pg: dist.ProcessGroup, info: torch.Tensor, size: int) -> list[OperandInfo]:
+def exchange_infos(pg: object, info: torch.Tensor, size: int) -> list[OperandInfo]:
     """All-gathers each rank's encoded operand info (``validation.encode_info``)."""
     return exchange(pg, size, [int(v) for v in info.tolist()]).infos
 
 
 def agree(
-    pg: dist.ProcessGroup,
+    pg: object,
     size: int,
     code: grpc.StatusCode,
     message: str = "",
@@ -165,7 +169,7 @@ def agree(
 
 
 def agree_with(
-    pg: dist.ProcessGroup,
+    pg: object,
     size: int,
     code: grpc.StatusCode,
     message: str = "",
@@ -176,18 +180,16 @@ def agree_with(
     (every rank passes as many); returns (the failed ranks' outcomes, the values by rank)."""
     values = extra or []
     row_bytes = _STATUS_BYTES + 8 * len(values)
-    mine = torch.zeros(row_bytes, dtype=torch.uint8)
+    mine = bytearray(row_bytes)
     encoded = message.encode("utf-8", "replace")[: _STATUS_BYTES - _HEAD]
-    view = tensor_memoryview(mine)
-    view[0] = code.value[0]
-    view[1] = _REASONS.index(Reason(reason)) + 1 if reason in _REASONS else 0
-    view[2] = len(encoded) & 0xFF
-    view[3] = len(encoded) >> 8
-    view[_HEAD : _HEAD + len(encoded)] = encoded
+    mine[0] = code.value[0]
+    mine[1] = _REASONS.index(Reason(reason)) + 1 if reason in _REASONS else 0
+    mine[2] = len(encoded) & 0xFF
+    mine[3] = len(encoded) >> 8
+    mine[_HEAD : _HEAD + len(encoded)] = encoded
     extras_format = struct.Struct(f"<{len(values)}d")
-    extras_format.pack_into(view, _STATUS_BYTES, *values)
-    out = all_gather_rows(pg, mine, size)
-    raw = tensor_memoryview(out)
+    extras_format.pack_into(mine, _STATUS_BYTES, *values)
+    raw = rounds_of(pg).all_gather(mine)
     failures = []
     extras = []
     for rank in range(size):
@@ -205,7 +207,7 @@ def agree_with(
 
 
 def exchange_rows(
-    pg: dist.ProcessGroup, size: int, rows: torch.Tensor, before=None
+    pg: object, size: int, rows: torch.Tensor, before=None
 ) -> list[list[OperandInfo]]:
     """All-gathers every rank's ``rows`` (an int64 [n, INFO_LEN] matrix of info values,
     the same n on every rank) in one round; returns ``infos[rank][row]``. For ops on

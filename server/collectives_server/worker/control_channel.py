@@ -9,13 +9,16 @@ again), which on a busy host is most of a small op's time. Measured on the
 and 4.4-7.5 ms p99; the same bytes over a socket the calling thread reads and
 writes itself, 46-49 µs p50 and 86-96 µs p99.
 
-:class:`ControlChannel` offers the two calls the control plane makes on a
-process group, ``broadcast([t], opts)`` from rank 0 and ``_allgather_base(out,
-row)``, with the same meaning and the same issue-order guarantee, so
-``descriptor`` and ``agreement`` run on either. Rank 0 (the leader, which
-announces every op) is the hub of a star: a broadcast is the leader writing
-the bytes to each follower; an all-gather is each follower writing its row to
-the leader, who answers each with the whole table.
+:class:`ControlChannel` speaks the control rounds' byte interface
+(``control_rounds.ControlRounds``): the leader's announcement of a message
+of any length, and an all-gather of equal-length rows. Each call completes
+before it returns, so calls complete in issue order on every rank. Rank 0
+(the leader, which announces every op) is the hub of a star: an announcement
+is the leader writing the bytes to each follower; an all-gather is each
+follower writing its row to the leader, who answers each with the whole
+table. No tensor is involved: the rows are ``bytearray`` s, which on a 4 B op
+saves the dozen small tensor calls that packing and unpacking through
+tensors cost at every rank.
 
 Rendezvous goes through the generation's store, as gloo's does: the leader
 listens on the worker's host and publishes its address, port and a random
@@ -31,20 +34,20 @@ teardown makes the peers' next read fail at once instead of at their timeout.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import datetime
 import secrets
 import socket
 import struct
 import time
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import torch
 import torch.distributed as dist
 
-from collectives.wire.codec import tensor_memoryview
 from collectives_server.hosts import dialled_name, is_wildcard
+
+if TYPE_CHECKING:
+    from collectives_server.worker.control_rounds import Buffer, Waitable
 
 __all__ = ["ControlChannel"]
 
@@ -52,30 +55,10 @@ _FRAME = struct.Struct("<BQ")  # kind, payload bytes
 _HELLO = struct.Struct("<q16s")  # rank, token
 _BROADCAST, _ROW, _TABLE = 1, 2, 3
 _KIND_NAMES = {_BROADCAST: "broadcast", _ROW: "row", _TABLE: "table"}
+_ALIGN = 16
 _SMALL = 64 * 1024  # frames up to this size go out in one send
 _TOKEN_BYTES = 16
-
-
-class _Work:
-    """What a channel call returns: :meth:`wait` completes it (and, first, every call
-    this rank issued before it)."""
-
-    __slots__ = ("_channel", "_finish", "done")
-
-    def __init__(self, channel: ControlChannel, finish: Callable[[], None] | None) -> None:
-        self._channel = channel
-        self._finish = finish
-        self.done = finish is None
-
-    def wait(self) -> bool:
-        self._channel._complete_through(self)
-        return True
-
-    def _run(self) -> None:
-        if self._finish is not None:
-            finish, self._finish = self._finish, None
-            finish()
-        self.done = True
+_SLACK_S = 0.1  # a read may outlast its deadline by this much (see _read_exact)
 
 
 class ControlChannel:
@@ -87,8 +70,9 @@ class ControlChannel:
         self.timeout_s = timeout_s
         self._peers = peers  # leader: every follower's socket; follower: {0: the leader's}
         self._followers = sorted(peers) if rank == 0 else []
-        self._pending: collections.deque[_Work] = collections.deque()
         self._closed = False
+        for sock in peers.values():
+            sock.settimeout(timeout_s)  # once: each read or send is bounded by it
 
     # -- forming it ---------------------------------------------------------
 
@@ -111,62 +95,50 @@ class ControlChannel:
             with contextlib.suppress(OSError):  # already closed by the peer
                 sock.shutdown(socket.SHUT_RDWR)
             sock.close()
-        self._pending.clear()
 
-    # -- the process-group calls the control plane makes --------------------
+    # -- the control rounds (``control_rounds.ControlRounds``) ----------------
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> _Work:
-        """``tensors[0]`` of the leader into ``tensors[0]`` of every rank (root 0 only)."""
-        if opts.rootRank != 0 or len(tensors) != 1:
-            raise ValueError("the control channel broadcasts one tensor from rank 0 only")
-        self._drain()
-        t = tensors[0]
-        if self.rank == 0:
-            view = _bytes(t)
-            for r in self._followers:
-                self._send(r, _BROADCAST, view)
-            return _Work(self, None)
-        return self._issue(lambda: self._recv(0, _BROADCAST, _bytes(t)))
-
-    def _allgather_base(self, out: torch.Tensor, row: torch.Tensor) -> _Work:
-        """Every rank's ``row`` into ``out`` (``size`` rows, rank order), on every rank."""
-        if out.numel() != row.numel() * self.size or out.dtype != row.dtype:
-            raise ValueError("all-gather output must hold size x the row, same dtype")
-        self._drain()
-        table = _bytes(out)
-        width = row.numel() * row.element_size()
-        if width:
-            table[self.rank * width : (self.rank + 1) * width] = _bytes(row)
+    def announce(self, message: bytes) -> None:
+        """Leader: ``message`` to every follower (sent when this returns)."""
         if self.rank != 0:
-            self._send(0, _ROW, table[self.rank * width : (self.rank + 1) * width])
-            return self._issue(lambda: self._recv(0, _TABLE, table))
+            raise ValueError("only the leader (rank 0) announces")
+        for r in self._followers:
+            self._send(r, _BROADCAST, message)
 
-        def gather_and_answer() -> None:
-            for r in self._followers:
-                self._recv(r, _ROW, table[r * width : (r + 1) * width])
-            for r in self._followers:
-                self._send(r, _TABLE, table)
+    def receive_announcement(self, max_bytes: int) -> bytes:
+        """Follower: the leader's next announcement (at most ``max_bytes``)."""
+        sock = self._sock(0)
+        deadline = time.monotonic() + self.timeout_s
+        head = bytearray(_FRAME.size)
+        _read_exact(sock, memoryview(head), deadline, 0, self.timeout_s)
+        kind, nbytes = _FRAME.unpack(head)
+        if kind != _BROADCAST or nbytes > max_bytes:
+            raise RuntimeError(
+                f"control channel out of step with rank 0: expected an announcement of at "
+                f"most {max_bytes} bytes, got a {_KIND_NAMES.get(kind, kind)} of {nbytes}"
+            )
+        body = bytearray(nbytes)
+        _read_exact(sock, memoryview(body), deadline, 0, self.timeout_s)
+        return bytes(body)
 
-        return self._issue(gather_and_answer)
-
-    # -- issue order --------------------------------------------------------
-
-    def _issue(self, finish: Callable[[], None]) -> _Work:
-        work = _Work(self, finish)
-        self._pending.append(work)
-        return work
-
-    def _drain(self) -> None:
-        """Completes every call issued so far: each call's bytes go out, and come in, in
-        issue order on every rank, as on a process group."""
-        while self._pending:
-            self._pending.popleft()._run()
-
-    def _complete_through(self, work: _Work) -> None:
-        while not work.done:
-            if not self._pending:
-                raise RuntimeError("control channel: waited on a call that was never issued")
-            self._pending.popleft()._run()
+    def all_gather(self, row: Buffer, before: Waitable | None = None) -> memoryview:
+        """Every rank's ``row`` (the same length on every rank), in rank order, on every
+        rank: a fresh table of ``size`` rows. ``before``: waited on first."""
+        if before is not None:
+            before.wait()
+        mine = memoryview(row).cast("B")
+        width = len(mine)
+        if self.rank != 0:
+            self._send(0, _ROW, mine)
+            return self._recv(0, _TABLE, width * self.size)
+        table = bytearray(width * self.size)
+        view = memoryview(table)
+        view[:width] = mine
+        for r in self._followers:
+            view[r * width : (r + 1) * width] = self._recv(r, _ROW, width)
+        for r in self._followers:
+            self._send(r, _TABLE, view)
+        return view
 
     # -- framing ------------------------------------------------------------
 
@@ -175,11 +147,10 @@ class ControlChannel:
             raise RuntimeError("control channel: connection closed (the group was torn down)")
         return self._peers[peer]
 
-    def _send(self, peer: int, kind: int, payload: memoryview) -> None:
+    def _send(self, peer: int, kind: int, payload: Buffer) -> None:
         sock = self._sock(peer)
         head = _FRAME.pack(kind, len(payload))
         try:
-            sock.settimeout(self.timeout_s)
             if len(payload) <= _SMALL:
                 sock.sendall(head + payload)
             else:
@@ -192,47 +163,69 @@ class ControlChannel:
         except OSError as exc:
             raise RuntimeError(f"control channel: connection to rank {peer} failed: {exc}") from exc
 
-    def _recv(self, peer: int, kind: int, into: memoryview) -> None:
+    def _recv(self, peer: int, kind: int, nbytes: int) -> memoryview:
+        """The payload of ``peer``'s next frame, which must be a ``kind`` of ``nbytes``
+        (header and payload read together: one system call when it has all arrived)."""
         sock = self._sock(peer)
         deadline = time.monotonic() + self.timeout_s
-        head = bytearray(_FRAME.size)
-        _read_exact(sock, memoryview(head), deadline, peer, self.timeout_s)
-        got_kind, nbytes = _FRAME.unpack(head)
-        if got_kind != kind or nbytes != len(into):
+        # The header ends where the payload starts 16-byte aligned: tensors view it.
+        frame = memoryview(bytearray(_ALIGN + nbytes))[_ALIGN - _FRAME.size :]
+        got = _read_exact(sock, frame, deadline, peer, self.timeout_s, _FRAME.size)
+        got_kind, got_bytes = _FRAME.unpack(frame[: _FRAME.size])
+        if got_kind != kind or got_bytes != nbytes:
             raise RuntimeError(
                 f"control channel out of step with rank {peer}: expected a "
-                f"{_KIND_NAMES.get(kind)} of {len(into)} bytes, got a "
-                f"{_KIND_NAMES.get(got_kind, got_kind)} of {nbytes}"
+                f"{_KIND_NAMES.get(kind)} of {nbytes} bytes, got a "
+                f"{_KIND_NAMES.get(got_kind, got_kind)} of {got_bytes}"
             )
-        _read_exact(sock, into, deadline, peer, self.timeout_s)
-
-
-def _bytes(t: torch.Tensor) -> memoryview:
-    if not t.is_contiguous() or t.device.type != "cpu":
-        raise ValueError("the control channel moves contiguous CPU tensors only")
-    return tensor_memoryview(t)
+        _read_exact(sock, frame, deadline, peer, self.timeout_s, start=got)
+        return frame[_FRAME.size :]
 
 
 def _read_exact(
-    sock: socket.socket, into: memoryview, deadline: float, peer: int, timeout_s: float
-) -> None:
-    got = 0
-    while got < len(into):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise RuntimeError(
-                f"control channel: timed out after {timeout_s:g}s waiting for rank {peer}"
-            )
-        try:
-            sock.settimeout(left)
-            n = sock.recv_into(into[got:])
-        except TimeoutError:
-            continue  # the deadline check above reports it
-        except OSError as exc:
-            raise RuntimeError(f"control channel: connection to rank {peer} failed: {exc}") from exc
-        if n == 0:
-            raise RuntimeError(f"control channel: connection closed by rank {peer}")
-        got += n
+    sock: socket.socket,
+    into: memoryview,
+    deadline: float,
+    peer: int,
+    timeout_s: float,
+    until: int | None = None,
+    start: int = 0,
+) -> int:
+    """Fills ``into`` from ``start`` until ``until`` bytes of it (all of it by default)
+    are filled, by ``deadline``; returns how many are (it may read beyond ``until``,
+    never beyond ``into``). The socket's own timeout bounds each read; it is lowered
+    to what is left only when that is shorter by more than ``_SLACK_S`` (setting it
+    costs a system call), and put back afterwards."""
+    need = len(into) if until is None else until
+    got = start
+    preset = sock.gettimeout()
+    lowered = False
+    try:
+        while got < need:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(
+                    f"control channel: timed out after {timeout_s:g}s waiting for rank {peer}"
+                )
+            if lowered or preset is None or preset > left + _SLACK_S:
+                sock.settimeout(left)
+                lowered = True
+            try:
+                n = sock.recv_into(into[got:])
+            except TimeoutError:
+                continue  # the deadline check above reports it
+            except OSError as exc:
+                raise RuntimeError(
+                    f"control channel: connection to rank {peer} failed: {exc}"
+                ) from exc
+            if n == 0:
+                raise RuntimeError(f"control channel: connection closed by rank {peer}")
+            got += n
+    finally:
+        if lowered:
+            with contextlib.suppress(OSError):
+                sock.settimeout(preset)
+    return got
 
 
 def _tune(sock: socket.socket) -> socket.socket:

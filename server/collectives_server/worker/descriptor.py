@@ -1,14 +1,12 @@
-"""Op announcements through the process group itself.
+"""Op announcements through the group's control rounds (``control_rounds``).
 
-The leader broadcasts each op as a length-prefixed, protobuf-encoded
-``OpDescriptor`` inside a fixed-size uint8 tensor (one broadcast for every
-descriptor that fits, a second one for the rest). Protobuf, never pickle:
-a descriptor is data, not code.
+The leader sends each op as a header and its protobuf-encoded
+``OpDescriptor``. Protobuf, never pickle: a descriptor is data, not code.
 
-The slot's header also carries the op's *inline capacity*: how many bytes of
-operand data each rank appends to its operand description in the exchange
-that follows (0: none; see ``handlers.tensor_ops``). The leader picks it, so
-every rank sizes that exchange identically.
+The header carries the body's length and the op's *inline capacity*: how many
+bytes of operand data each rank appends to its operand description in the
+exchange that follows (0: none; see ``handlers.tensor_ops``). The leader picks
+it, so every rank sizes that exchange identically.
 
 A *fused* announcement (``announce_batch``: several small ops queued together,
 see ``fusion``) has a negative count where the capacity goes, and a body of
@@ -19,63 +17,48 @@ from __future__ import annotations
 
 import struct
 
-import torch
-import torch.distributed as dist
-
 from collectives.v1 import worker_pb2
-from collectives.wire.codec import tensor_memoryview
+from collectives_server.worker.control_rounds import SLOT_BYTES, Waitable, rounds_of
 
 __all__ = ["announce", "announce_batch", "receive", "receive_batch", "Announced", "SLOT_BYTES"]
 
-SLOT_BYTES = 1024
 _HEAD = struct.Struct("<qq")  # body length, inline capacity + 1 (0: no inline data)
 _MAX_BODY = 1 << 20
 _MAX_BATCH = 1024
 
 
-def _start_broadcast(pg: dist.ProcessGroup, t: torch.Tensor) -> dist.Work:
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
-    return pg.broadcast([t], opts)
-
-
-def _broadcast(pg: dist.ProcessGroup, t: torch.Tensor) -> None:
-    _start_broadcast(pg, t).wait()
-
-
 class Announced:
-    """The leader's pending broadcasts of one descriptor: :meth:`wait` before relying on
-    their delivery. The leader may issue the op's next exchange first (the backend runs
-    them in issue order on every rank), so it need not wait for its own send."""
+    """The leader's announcement of one op or run: :meth:`wait` before relying on its
+    delivery. Over a process group the leader may issue the op's next exchange first
+    (the backend runs them in issue order on every rank); over the control channel
+    the message is already sent and waiting costs nothing."""
 
-    __slots__ = ("_tensors", "_works")
+    __slots__ = ("_pending",)
 
-    def __init__(self, works: list[dist.Work], tensors: list[torch.Tensor]) -> None:
-        self._works = works
-        self._tensors = tensors  # alive until sent
+    def __init__(self, pending: Waitable | None) -> None:
+        self._pending = pending
 
     def wait(self) -> None:
-        works, self._works = self._works, []
-        for work in works:
-            work.wait()
-        self._tensors = []
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
 
 
 def announce(
-    pg: dist.ProcessGroup,
+    pg: object,
     desc: worker_pb2.OpDescriptor,
     inline: int | None = None,
     wait: bool = True,
 ) -> Announced:
     """Leader side: sends ``desc`` (and its inline capacity, None: no inline data) to
-    every rank of ``pg`` (the leader is rank 0). With ``wait=False`` the returned
-    handle must be waited on (its tensors stay alive with it)."""
+    every rank of ``pg`` (a ``ControlChannel`` or a process group; the leader is rank
+    0). With ``wait=False`` the returned handle must be waited on."""
     body = desc.SerializeToString()
-    return _send(pg, body, 0 if inline is None else inline + 1, wait)
+    return _send(pg, _HEAD.pack(len(body), 0 if inline is None else inline + 1) + body, wait)
 
 
 def announce_batch(
-    pg: dist.ProcessGroup,
+    pg: object,
     items: list[tuple[worker_pb2.OpDescriptor, int | None]],
     wait: bool = True,
 ) -> Announced:
@@ -88,25 +71,18 @@ def announce_batch(
         body = desc.SerializeToString()
         parts.append(_HEAD.pack(len(body), 0 if inline is None else inline + 1))
         parts.append(body)
-    return _send(pg, b"".join(parts), -len(items), wait)
+    body = b"".join(parts)
+    return _send(pg, _HEAD.pack(len(body), -len(items)) + body, wait)
 
 
-def _send(pg: dist.ProcessGroup, body: bytes, second: int, wait: bool) -> Announced:
-    head = _HEAD.pack(len(body), second)
-    head += body[: SLOT_BYTES - _HEAD.size]
-    slot = torch.zeros(SLOT_BYTES, dtype=torch.uint8)
-    tensor_memoryview(slot)[: len(head)] = head
-    tensors = [slot]
-    rest = body[SLOT_BYTES - _HEAD.size :]
-    if rest:
-        tensors.append(torch.frombuffer(bytearray(rest), dtype=torch.uint8))
-    announced = Announced([_start_broadcast(pg, t) for t in tensors], tensors)
+def _send(pg: object, message: bytes, wait: bool) -> Announced:
+    announced = Announced(rounds_of(pg).announce(message))
     if wait:
         announced.wait()
     return announced
 
 
-def receive(pg: dist.ProcessGroup) -> tuple[worker_pb2.OpDescriptor, int | None]:
+def receive(pg: object) -> tuple[worker_pb2.OpDescriptor, int | None]:
     """Follower side: waits for the leader's next descriptor; returns it and its inline
     capacity (a fused announcement is refused: use :func:`receive_batch`)."""
     items = receive_batch(pg)
@@ -115,21 +91,16 @@ def receive(pg: dist.ProcessGroup) -> tuple[worker_pb2.OpDescriptor, int | None]
     return items[0]
 
 
-def receive_batch(pg: dist.ProcessGroup) -> list[tuple[worker_pb2.OpDescriptor, int | None]]:
+def receive_batch(pg: object) -> list[tuple[worker_pb2.OpDescriptor, int | None]]:
     """Follower side: waits for the leader's next announcement; returns its ops (one,
     or several fused) with their inline capacities, in the leader's order."""
-    slot = torch.empty(SLOT_BYTES, dtype=torch.uint8)
-    _broadcast(pg, slot)
-    raw = tensor_memoryview(slot)
-    length, second = _HEAD.unpack_from(raw)
-    if not 0 <= length <= _MAX_BODY or second < -_MAX_BATCH:
+    message = rounds_of(pg).receive_announcement(_HEAD.size + _MAX_BODY)
+    if len(message) < _HEAD.size:
+        raise ValueError(f"malformed op announcement ({len(message)} bytes)")
+    length, second = _HEAD.unpack_from(message)
+    body = message[_HEAD.size :]
+    if length != len(body) or second < -_MAX_BATCH:
         raise ValueError(f"malformed op announcement (length {length}, field {second})")
-    body = raw[_HEAD.size : _HEAD.size + length].tobytes()
-    missing = length - len(body)
-    if missing > 0:
-        rest = torch.empty(missing, dtype=torch.uint8)
-        _broadcast(pg, rest)
-        body += tensor_memoryview(rest).tobytes()
     if second >= 0:
         return [(_parse(body), second - 1 if second else None)]
     items = []
