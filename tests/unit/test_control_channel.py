@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from collectives.v1 import worker_pb2
-from collectives_server.worker import agreement, descriptor, op_failures
+from collectives_server.worker import agreement, descriptor, op_failures, validation
 from collectives_server.worker.control_channel import ControlChannel
 
 TIMEOUT_S = 10.0
@@ -299,6 +299,57 @@ def test_an_announcement_longer_than_the_receiver_allows_is_refused() -> None:
     finally:
         for ch in chans:
             ch.close()
+
+
+def _operand(gen: torch.Generator, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    if dtype.is_complex or dtype.is_floating_point:
+        return torch.randn(shape, generator=gen, dtype=dtype)
+    return torch.randint(-100, 100, shape, generator=gen, dtype=dtype)
+
+
+FUSED_DTYPES = (torch.float64, torch.complex128, torch.int16, torch.bool, torch.bfloat16)
+
+
+def test_fused_exchanges_give_what_gloo_gives_and_operands_read_back_as_put() -> None:
+    """Several ops' infos and inline operands in one row (as a fused run exchanges
+    them), over the channel and over gloo: the same infos, and every rank reads back
+    each rank's operand exactly, whatever its dtype's alignment needs."""
+    size = 3
+    store = _store()
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    shapes = [(3,), (2, 2), (5,), (7,), (1, 3)]
+    operands = [
+        [_operand(gen, dtype, shape) for dtype, shape in zip(FUSED_DTYPES, shapes, strict=True)]
+        for _ in range(size)
+    ]
+    capacity = [-(-t.numel() * t.element_size() // 16) * 16 for t in operands[0]]
+
+    def body(pg: Any, rank: int) -> list[agreement.Exchanged]:
+        parts = [
+            (validation.info_values(t, True, (rank, 1 << 20)), t, cap)
+            for t, cap in zip(operands[rank], capacity, strict=True)
+        ]
+        return agreement.exchange_fused(pg, size, parts)
+
+    chans = channels(store, size)
+    groups = gloo_groups(store, size)
+    try:
+        ours = run_ranks(size, lambda r: body(chans[r], r))
+        theirs = run_ranks(size, lambda r: body(groups[r], r))
+    finally:
+        for ch in chans:
+            ch.close()
+    for rank in range(size):
+        for i, (got, want) in enumerate(zip(ours[rank], theirs[rank], strict=True)):
+            assert got.infos == want.infos
+            for src in range(size):
+                info = got.infos[src]
+                assert info.held == src
+                value = got.payload(src, info)
+                assert value.dtype == FUSED_DTYPES[i] and torch.equal(value, operands[src][i])
+                assert torch.equal(value, want.payload(src, want.infos[src]))
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::"])
