@@ -53,7 +53,8 @@ def all_gather_rows(pg: object, row: torch.Tensor, size: int, before=None) -> to
 
     ``before`` (something with ``wait()``, e.g. the leader's pending announcement)
     is waited on after this all-gather was issued and before it is waited on."""
-    table = rounds_of(pg).all_gather(tensor_memoryview(row.contiguous()), before)
+    mine = row.contiguous()  # held here: the view below does not keep it alive
+    table = rounds_of(pg).all_gather(tensor_memoryview(mine), before)
     if not len(table):
         return torch.empty((size, row.numel()), dtype=row.dtype)
     return torch.frombuffer(table, dtype=row.dtype).view(size, row.numel())
@@ -112,7 +113,8 @@ def _fill_row(
         n = operand.numel() * operand.element_size()
         if 0 < n <= capacity:
             start = at + INFO_BYTES
-            row[start : start + n] = tensor_memoryview(_plain(operand))
+            plain = _plain(operand)  # held here: the view below does not keep it alive
+            row[start : start + n] = tensor_memoryview(plain)
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
