@@ -43,6 +43,7 @@ import collectives
 
 from .anchors import percentile
 from .core import Stat, stat_of
+from .cpu import CpuMeter
 
 __all__ = [
     "Plan",
@@ -127,6 +128,10 @@ class ConcurrentResult:
     checks: int
     client_cpu_s: float
     extra: dict = field(default_factory=dict)
+    # CPU seconds each cluster process (``server_pids`` of run_clients) spent in the
+    # rounds, and its label ("rank 0", "launcher", ...).
+    server_cpu_s: dict[int, float] = field(default_factory=dict)
+    server_labels: dict[int, str] = field(default_factory=dict)
 
     @property
     def rates(self) -> list[float]:
@@ -154,6 +159,25 @@ class ConcurrentResult:
     def client_cpu_cores(self) -> float:
         """The client process's CPU seconds per second of the rounds (~1.0: GIL-bound)."""
         return self.client_cpu_s / self.span_s if self.span_s > 0 else float("nan")
+
+    @property
+    def cpu_per_op_s(self) -> float:
+        """CPU seconds per op of this process (the clients) and every cluster process."""
+        cpu = self.client_cpu_s + sum(self.server_cpu_s.values())
+        return cpu / self.ops if self.ops else float("nan")
+
+    def cpu_ceiling(self, cores: int) -> float:
+        """The most ops/s ``cores`` could run at this CPU per op, whatever overlaps."""
+        return cores / self.cpu_per_op_s
+
+    def cpu_breakdown(self) -> str:
+        """``client 0.41 ms, rank 0 0.93 ms, ...``: CPU per op of each process."""
+        if not self.ops:
+            return "no ops"
+        parts = [("client", self.client_cpu_s)] + [
+            (self.server_labels.get(pid, f"pid {pid}"), s) for pid, s in self.server_cpu_s.items()
+        ]
+        return ", ".join(f"{label} {s / self.ops * 1e3:.2f} ms" for label, s in parts)
 
     def ops_per_s(self) -> Stat:
         """Aggregate ops/s, one figure per round."""
@@ -185,6 +209,10 @@ class ConcurrentResult:
             "client_p50s_ms": [x * 1e3 for x in self.client_p50s],
             "chains_checked": self.checks,
             "client_cpu_cores": self.client_cpu_cores,
+            "cpu_per_op_ms": self.cpu_per_op_s * 1e3,
+            "server_cpu_s": {
+                self.server_labels.get(pid, str(pid)): s for pid, s in self.server_cpu_s.items()
+            },
         }
 
 
@@ -307,10 +335,12 @@ def run_clients(
     *,
     nbytes: int = 4,
     prefix: str = "bench/concurrent",
+    server_pids: dict[int, str] | None = None,
 ) -> ConcurrentResult:
     """Runs ``clients`` concurrent checked all_reduce loops on ``nbytes`` float32 tensors
     (names ``prefix/0`` ...) against the cluster at ``address``; raises the first client's
-    error (e.g. :class:`WrongResult`)."""
+    error (e.g. :class:`WrongResult`). ``server_pids`` (pid: label): the cluster's
+    processes, whose CPU time over the rounds the result reports."""
     numel = max(1, nbytes // 4)
     shared = _Shared(
         threading.Barrier(clients + 1, timeout=_BARRIER_TIMEOUT_S),
@@ -330,11 +360,14 @@ def run_clients(
     for t in threads:
         t.start()
     cpu = 0.0
+    servers = CpuMeter(server_pids or {})
     try:
         for _ in range(plan.rounds):
             shared.start.wait()
             cpu_started = time.process_time()
+            servers.start()
             shared.done.wait()
+            servers.stop()
             cpu += time.process_time() - cpu_started
     except threading.BrokenBarrierError:
         pass
@@ -346,4 +379,13 @@ def run_clients(
     if any(t.is_alive() for t in threads) or len(checks) != clients:
         raise RuntimeError(f"{clients} clients: {len(checks)} finished within the time limit")
     rounds = [[outs[c][r] for c in range(clients)] for r in range(plan.rounds)]
-    return ConcurrentResult(clients, world, numel * 4, rounds, sum(checks), cpu)
+    return ConcurrentResult(
+        clients,
+        world,
+        numel * 4,
+        rounds,
+        sum(checks),
+        cpu,
+        server_cpu_s=dict(servers.spent),
+        server_labels=dict(server_pids or {}),
+    )

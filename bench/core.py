@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
+from . import cpu
+
 __all__ = [
     "Stat",
     "Row",
@@ -30,6 +32,7 @@ __all__ = [
     "shared_cluster",
     "close_shared_cluster",
     "close_shared_clusters",
+    "cluster_processes",
 ]
 
 MiB = 1024 * 1024
@@ -201,12 +204,15 @@ def local_cluster(workers: int, *extra: str) -> Iterator[str]:
         stdin=subprocess.DEVNULL,
         text=True,
     )
+    address = ""
     try:
         address = proc.stdout.readline().strip() if proc.stdout else ""
         if not address:
             raise RuntimeError("collectives-server local did not start")
+        _launchers[address] = proc.pid
         yield address
     finally:
+        _launchers.pop(address, None)
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(30)
@@ -216,6 +222,27 @@ def local_cluster(workers: int, *extra: str) -> Iterator[str]:
 
 
 _shared: dict[tuple[str, ...], tuple[str, contextlib.ExitStack]] = {}
+# address: pid of the ``collectives-server local`` process serving it
+_launchers: dict[str, int] = {}
+
+
+def cluster_processes(address: str) -> dict[int, str]:
+    """pid: label of every process of the :func:`local_cluster` at ``address``: the
+    launcher, each worker ("rank r", from the SDK's worker list) and the coordinator
+    (the launcher's one other child); empty when unknown or without ``/proc``."""
+    import collectives
+
+    root = _launchers.get(address)
+    if root is None or not cpu.available():
+        return {}
+    with collectives.connect(address, timeout=60.0) as cluster:
+        ranks = {w.pid: f"rank {w.rank}" for w in cluster.workers()}
+    pids = cpu.tree(root)
+    others = [pid for pid in pids if pid != root and pid not in ranks]
+    labels = {root: "launcher", **ranks}
+    for pid in others:
+        labels[pid] = "coordinator" if len(others) == 1 else f"pid {pid}"
+    return {pid: labels[pid] for pid in pids}
 
 
 def _shared_key(workers: int, extra: tuple[str, ...]) -> tuple[str, ...]:

@@ -8,12 +8,18 @@ each of which builds ``ProcessGroupGloo(PrefixStore("g", TCPStore(...)), rank, w
 timeout)`` (the workers' configuration, see docs/design.md "Execution on the
 workers"), runs the op a few times as warmup, then times ``K`` ops one by one.
 Rank 0 prints ``{"seconds": [...]}`` (one figure per op) on stdout.
+
+Besides the service's ops (``OPS``), ``all_reduce_copy`` copies the operand into a
+pre-faulted buffer (one memmove, as the workers do) and all-reduces the copy: the
+fastest a gloo all_reduce can be when the operand must stay as it was (an
+``out=`` name, or an op that may still fail), measured beside plain gloo.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import os
 import socket
@@ -24,9 +30,18 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-__all__ = ["OPS", "free_port", "spawn_ranks", "run_direct", "gloo_group", "time_op"]
+__all__ = [
+    "OPS",
+    "ANCHOR_OPS",
+    "free_port",
+    "spawn_ranks",
+    "run_direct",
+    "gloo_group",
+    "time_op",
+]
 
 OPS = ("all_reduce", "broadcast", "all_gather")
+ANCHOR_OPS = (*OPS, "all_reduce_copy")
 _ROOT = Path(__file__).resolve().parent.parent
 _TIMEOUT_S = 120.0
 
@@ -110,7 +125,7 @@ def _main() -> None:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--op", required=True, help="comma-separated, of " + ", ".join(OPS))
+    parser.add_argument("--op", required=True, help="comma-separated, of " + ", ".join(ANCHOR_OPS))
     parser.add_argument("--bytes", required=True, help="comma-separated sizes")
     parser.add_argument("--repeats", default="5", help="one count, or one per size")
     parser.add_argument("--warmup", type=int, default=2)
@@ -139,11 +154,19 @@ def _main() -> None:
 def time_op(pg, op: str, t, parts, warmup: int, repeats: int) -> list[float]:
     import torch.distributed as dist
 
-    if op not in OPS:
+    if op not in ANCHOR_OPS:
         raise SystemExit(f"unknown op {op!r}")
+    copy = None
+    if op == "all_reduce_copy":
+        copy = t.clone()  # written once: its pages are faulted in before the timing
 
     def once() -> None:
-        if op == "all_reduce":
+        if copy is not None:
+            ctypes.memmove(copy.data_ptr(), t.data_ptr(), t.numel() * t.element_size())
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.SUM
+            pg.allreduce([copy], opts).wait()
+        elif op == "all_reduce":
             opts = dist.AllreduceOptions()
             opts.reduceOp = dist.ReduceOp.SUM
             pg.allreduce([t], opts).wait()

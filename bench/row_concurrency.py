@@ -14,12 +14,19 @@ Rows and anchors (both measured in the same run, on the same cluster):
   one at a time).
 - 8 clients' per-op latency p50 against the single client's p50; target <= 2x.
 - 32 clients' aggregate ops/s against the single client's ops/s; no target (scaling).
+- What bounds the 8 clients: the ops/s this machine's cores could run at the CPU
+  per op the 8-client rounds cost (the client process and every cluster process,
+  from /proc; bench/cpu.py), against the single client's ops/s. No target: it is
+  the highest ratio the first row could reach on this machine, however the
+  service overlapped or fused its ops.
 """
 
 from __future__ import annotations
 
+import os
+
 from .concurrent_clients import ConcurrentResult, Plan, run_clients
-from .core import BenchContext, Row, shared_cluster
+from .core import BenchContext, Row, cluster_processes, shared_cluster, stat_of
 
 NAME = "concurrency"
 GROUP = "4b concurrency"
@@ -44,11 +51,12 @@ def run(ctx: BenchContext) -> list[Row]:
     address = shared_cluster(WORLD)
     p = plan(ctx)
     prefix = "bench/concurrency"
-    single = run_clients(address, WORLD, 1, p, prefix=f"{prefix}/1")
-    eight = run_clients(address, WORLD, 8, p, prefix=f"{prefix}/8")
-    many = run_clients(address, WORLD, 32, p, prefix=f"{prefix}/32")
+    pids = cluster_processes(address)
+    single = run_clients(address, WORLD, 1, p, prefix=f"{prefix}/1", server_pids=pids)
+    eight = run_clients(address, WORLD, 8, p, prefix=f"{prefix}/8", server_pids=pids)
+    many = run_clients(address, WORLD, 32, p, prefix=f"{prefix}/32", server_pids=pids)
     anchor_rate = single.ops_per_s()
-    return [
+    rows = [
         Row(
             group=GROUP,
             what="all_reduce 4 B world 2: 8 clients aggregate ops/s",
@@ -82,3 +90,24 @@ def run(ctx: BenchContext) -> list[Row]:
             extra={"service": many.as_extra(), "anchor": single.as_extra()},
         ),
     ]
+    if pids:
+        rows.append(_ceiling_row(eight, single, anchor_rate))
+    return rows
+
+
+def _ceiling_row(eight: ConcurrentResult, single: ConcurrentResult, anchor_rate) -> Row:
+    cores = os.cpu_count() or 1
+    return Row(
+        group=GROUP,
+        what="all_reduce 4 B world 2: ops/s the cores allow at 8 clients' CPU per op",
+        service=stat_of([eight.cpu_ceiling(cores)], "/s"),
+        anchor_name="1 client ops/s (same cluster, same run)",
+        anchor=anchor_rate,
+        note=(
+            f"{cores} cores / {eight.cpu_per_op_s * 1e3:.2f} ms CPU per op over "
+            f"{eight.ops} ops ({eight.cpu_breakdown()}); 1 client: "
+            f"{single.cpu_per_op_s * 1e3:.2f} ms ({single.cpu_breakdown()}). The ratio is "
+            "the most the 8-client ratio could reach on this machine"
+        ),
+        extra={"cores": cores, "service": eight.as_extra(), "anchor": single.as_extra()},
+    )
