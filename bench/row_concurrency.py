@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 
 from .concurrent_clients import ConcurrentResult, Plan, run_clients
-from .core import BenchContext, Row, cluster_processes, shared_cluster, stat_of
+from .core import BenchContext, Row, Stat, cluster_processes, shared_cluster, stat_of
 
 NAME = "concurrency"
 GROUP = "4b concurrency"
@@ -95,7 +95,7 @@ def run(ctx: BenchContext) -> list[Row]:
     return rows
 
 
-def _ceiling_row(eight: ConcurrentResult, single: ConcurrentResult, anchor_rate) -> Row:
+def _ceiling_row(eight: ConcurrentResult, single: ConcurrentResult, anchor_rate: Stat) -> Row:
     cores = os.cpu_count() or 1
     return Row(
         group=GROUP,
