@@ -128,10 +128,9 @@ class ConcurrentResult:
     checks: int
     client_cpu_s: float
     extra: dict = field(default_factory=dict)
-    # CPU seconds each cluster process (``server_pids`` of run_clients) spent in the
-    # rounds, and its label ("rank 0", "launcher", ...).
-    server_cpu_s: dict[int, float] = field(default_factory=dict)
-    server_labels: dict[int, str] = field(default_factory=dict)
+    # CPU seconds each cluster process spent in the rounds, by its label ("rank 0",
+    # "coordinator", ...: the labels of run_clients' ``server_pids``).
+    server_cpu_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def rates(self) -> list[float]:
@@ -174,9 +173,7 @@ class ConcurrentResult:
         """``client 0.41 ms, rank 0 0.93 ms, ...``: CPU per op of each process."""
         if not self.ops:
             return "no ops"
-        parts = [("client", self.client_cpu_s)] + [
-            (self.server_labels.get(pid, f"pid {pid}"), s) for pid, s in self.server_cpu_s.items()
-        ]
+        parts = [("client", self.client_cpu_s), *self.server_cpu_s.items()]
         return ", ".join(f"{label} {s / self.ops * 1e3:.2f} ms" for label, s in parts)
 
     def ops_per_s(self) -> Stat:
@@ -210,9 +207,7 @@ class ConcurrentResult:
             "chains_checked": self.checks,
             "client_cpu_cores": self.client_cpu_cores,
             "cpu_per_op_ms": self.cpu_per_op_s * 1e3,
-            "server_cpu_s": {
-                self.server_labels.get(pid, str(pid)): s for pid, s in self.server_cpu_s.items()
-            },
+            "server_cpu_s": self.server_cpu_s,
         }
 
 
@@ -360,7 +355,8 @@ def run_clients(
     for t in threads:
         t.start()
     cpu = 0.0
-    servers = CpuMeter(server_pids or {})
+    labels = server_pids or {}
+    servers = CpuMeter(labels)
     try:
         for _ in range(plan.rounds):
             shared.start.wait()
@@ -386,6 +382,5 @@ def run_clients(
         rounds,
         sum(checks),
         cpu,
-        server_cpu_s=dict(servers.spent),
-        server_labels=dict(server_pids or {}),
+        server_cpu_s={labels[pid]: s for pid, s in servers.spent.items()},
     )

@@ -50,7 +50,8 @@ def cpu_seconds(pids: Iterable[int]) -> dict[int, float]:
 
 
 def tree(root: int) -> list[int]:
-    """``root`` and every live descendant of it (parent links from ``/proc/*/stat``)."""
+    """``root`` (live or not) and every live descendant of it (parent links from
+    ``/proc/*/stat``)."""
     children: dict[int, list[int]] = {}
     for entry in _PROC.iterdir():
         if not entry.name.isdigit():
@@ -86,7 +87,3 @@ class CpuMeter:
             self.spent[pid] += seconds
         self._started = {}
         return span
-
-    @property
-    def total(self) -> float:
-        return sum(self.spent.values())

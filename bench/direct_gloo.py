@@ -161,15 +161,12 @@ def time_op(pg, op: str, t, parts, warmup: int, repeats: int) -> list[float]:
         copy = t.clone()  # written once: its pages are faulted in before the timing
 
     def once() -> None:
-        if copy is not None:
-            ctypes.memmove(copy.data_ptr(), t.data_ptr(), t.numel() * t.element_size())
+        if op in ("all_reduce", "all_reduce_copy"):
+            if copy is not None:
+                ctypes.memmove(copy.data_ptr(), t.data_ptr(), t.numel() * t.element_size())
             opts = dist.AllreduceOptions()
             opts.reduceOp = dist.ReduceOp.SUM
-            pg.allreduce([copy], opts).wait()
-        elif op == "all_reduce":
-            opts = dist.AllreduceOptions()
-            opts.reduceOp = dist.ReduceOp.SUM
-            pg.allreduce([t], opts).wait()
+            pg.allreduce([t if copy is None else copy], opts).wait()
         elif op == "broadcast":
             opts = dist.BroadcastOptions()
             opts.rootRank = 0
