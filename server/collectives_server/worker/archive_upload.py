@@ -147,9 +147,15 @@ class ModelUploads:
             )
         if store is None:
             raise InvalidArgument("this LoadModel cannot read an archive_tensor")
-        t = store.peek(name)
-        if t is None:
-            raise NotFound(f"no staged archive {name!r} on this worker (expired or deleted?)")
+        # The fenced read: a follower commits the replicated put that staged the archive
+        # a moment after the leader answered it; peek() could miss it, and the client
+        # would then stream the archive and leave the staged copy behind.
+        try:
+            t = store.get(name)
+        except NotFound:
+            raise NotFound(
+                f"no staged archive {name!r} on this worker (expired or deleted?)"
+            ) from None
         if t.dtype != torch.uint8 or t.dim() != 1 or t.numel() != spec.archive_nbytes:
             raise InvalidArgument(
                 f"archive_tensor {name!r} must be a 1-D uint8 tensor of archive_nbytes="
