@@ -143,6 +143,9 @@ def test_metrics_agree_with_the_workload(fresh_cluster):
         assert value(m, "collectives_tensors_held") == 1, what
         assert value(m, "collectives_tensors_held_bytes") == nbytes, what
         assert value(m, "collectives_queue_depth") == 0, what
+        # Nothing held open between calls (the flood test counts a held flood).
+        assert value(m, "collectives_data_streams_active") == 0, what
+        assert value(m, "collectives_bulk_connections_refused_total") == 0, what
         assert value(m, "collectives_device_memory_used_bytes", device="cpu") > 0, what
         assert value(m, "collectives_device_memory_total_bytes", device="cpu") > 0, what
         assert value(m, "collectives_models_loaded") == 0, what

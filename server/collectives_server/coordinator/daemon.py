@@ -270,7 +270,7 @@ class Coordinator:
                 raise OSError(f"dashboard on {where}: {exc}") from exc
         if cfg.metrics_port is not None:
             try:
-                registry = coordinator_registry(servicer)
+                registry = coordinator_registry(servicer, self._dashboard)
                 self._metrics = MetricsServer(
                     registry, cfg.metrics_host, cfg.metrics_port, "coordinator"
                 )

@@ -158,6 +158,11 @@ class DashboardServer:
         return self._httpd.open_connections if self._httpd is not None else 0
 
     @property
+    def refused_connections(self) -> int:
+        """Connections answered 503 and closed for the connection cap (a counter)."""
+        return self._httpd.refused_connections if self._httpd is not None else 0
+
+    @property
     def port(self) -> int:
         if self._httpd is None:
             raise RuntimeError("dashboard not started")

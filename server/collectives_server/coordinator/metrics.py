@@ -17,6 +17,7 @@ from collectives_server.coordinator.model import WorkerState
 from collectives_server.metrics import FunctionCollector, build_info, new_registry
 
 if TYPE_CHECKING:
+    from collectives_server.coordinator.dashboard import DashboardServer
     from collectives_server.coordinator.service import CoordinatorServicer
 
 __all__ = ["MEMBERSHIP_REASONS", "coordinator_registry"]
@@ -103,8 +104,26 @@ def _control(servicer: CoordinatorServicer) -> Iterator[Metric]:
     )
 
 
-def coordinator_registry(servicer: CoordinatorServicer) -> CollectorRegistry:
-    """A registry (of its own) serving the coordinator's metrics."""
+def _dashboard(dashboard: DashboardServer) -> Iterator[Metric]:
+    """The dashboard's connections: the count its cap bounds (issue 16)."""
+    yield GaugeMetricFamily(
+        "collectives_dashboard_connections_open",
+        "Dashboard connections being served (--dashboard-max-connections)",
+        value=dashboard.open_connections,
+    )
+    yield CounterMetricFamily(
+        "collectives_dashboard_connections_refused",
+        "Dashboard connections answered 503 and closed for the connection cap",
+        value=dashboard.refused_connections,
+    )
+
+
+def coordinator_registry(
+    servicer: CoordinatorServicer, dashboard: DashboardServer | None = None
+) -> CollectorRegistry:
+    """A registry (of its own) serving the coordinator's metrics (and its dashboard's)."""
     registry = new_registry()
     registry.register(FunctionCollector(lambda: _collect(servicer)))
+    if dashboard is not None:
+        registry.register(FunctionCollector(lambda: _dashboard(dashboard)))
     return registry

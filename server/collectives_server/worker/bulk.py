@@ -78,6 +78,7 @@ class BulkListener:
         self._lock = threading.Condition()
         self._transfers: dict[bytes, _Transfer] = {}
         self._connections: Counter[str] = Counter()
+        self.refused_connections = 0  # closed at once for a connection cap (a counter)
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name="bulk-accept", daemon=True)
         self._thread.start()
@@ -203,11 +204,19 @@ class BulkListener:
                 target=self._serve, args=(conn, peer), name="bulk-conn", daemon=True
             ).start()
 
+    @property
+    def open_connections(self) -> int:
+        """Connections being served now (admitted, not yet closed)."""
+        with self._lock:
+            return sum(self._connections.values())
+
     def _admit(self, peer: str) -> bool:
         with self._lock:
-            if sum(self._connections.values()) >= self.limits.max_connections:
-                return False
-            if self._connections[peer] >= self.limits.max_connections_per_peer:
+            if (
+                sum(self._connections.values()) >= self.limits.max_connections
+                or self._connections[peer] >= self.limits.max_connections_per_peer
+            ):
+                self.refused_connections += 1
                 return False
             self._connections[peer] += 1
             return True

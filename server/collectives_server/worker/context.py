@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
+from collectives_server.rpc_limits import StreamSlots
 from collectives_server.worker.archive_upload import ModelUploads
 from collectives_server.worker.bulk import BulkListener
 from collectives_server.worker.config import WorkerConfig
@@ -81,6 +82,8 @@ class WorkerContext:
     op_timeout_s: float
     # The bulk data plane; None without one (TLS, or --no-bulk) and before start.
     bulk: BulkListener | None = None
+    # The data-plane calls in progress (--max-data-streams); None before start.
+    data_streams: StreamSlots | None = None
     # The port the gRPC server is bound to (0 before it starts) and the address
     # peers and clients use.
     port: int = 0

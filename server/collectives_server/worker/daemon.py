@@ -139,6 +139,7 @@ class WorkerDaemon:
         )
         host = dialled_name(self.config.advertise_host or self.config.host)
         self.ctx.port = self._server.port
+        self.ctx.data_streams = self._server.limits.slots if self._server.limits else None
         self.ctx.address = f"{host}:{self.config.advertise_port or self._server.port}"
         if self.config.bulk_port is not None and not self.config.security.tls:
             self.ctx.bulk = BulkListener(

@@ -73,6 +73,7 @@ def _collect(ctx: WorkerContext) -> Iterator[Metric]:
     )
     yield _counter("collectives_fused_ops", "Ops that ran inside a fused announcement", fused[1])
     yield _gauge("collectives_queue_depth", "Ops waiting in the leader's queue", status.queue_depth)
+    yield from _connections(ctx)
     yield _gauge("collectives_tensors_held", "Named tensors stored", status.tensors_held)
     yield _gauge("collectives_tensors_held_bytes", "Bytes of stored tensors", status.bytes_held)
     used = GaugeMetricFamily(
@@ -122,6 +123,27 @@ def _collect(ctx: WorkerContext) -> Iterator[Metric]:
         "Gradient buckets all-reduced",
         status.gradient_buckets_reduced,
     )
+
+
+def _connections(ctx: WorkerContext) -> Iterator[Metric]:
+    """What clients hold open on the data plane: the counts the caps bound (issue 16)."""
+    if ctx.data_streams is not None:
+        yield _gauge(
+            "collectives_data_streams_active",
+            "Data-plane calls in progress (put/get/bulk/shm/forward; --max-data-streams)",
+            ctx.data_streams.active,
+        )
+    if ctx.bulk is not None:
+        yield _gauge(
+            "collectives_bulk_connections_open",
+            "Bulk-port connections being served (--max-bulk-connections)",
+            ctx.bulk.open_connections,
+        )
+        yield _counter(
+            "collectives_bulk_connections_refused",
+            "Bulk-port connections closed at once for a connection cap",
+            ctx.bulk.refused_connections,
+        )
 
 
 def worker_registry(ctx: WorkerContext) -> CollectorRegistry:
