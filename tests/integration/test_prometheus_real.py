@@ -116,7 +116,13 @@ def _regex_value(value: str) -> str:
 def test_every_dashboard_query_returns_series(fresh_cluster, gen, uname, tmp_path) -> None:
     binary = prometheus_binary()  # skips (fails with CI=true) before starting anything
     local, cluster = fresh_cluster(
-        2, "--metrics-port", "0", "--allow-factory", MODEL_FACTORY.split(":")[0]
+        2,
+        "--metrics-port",
+        "0",
+        "--dashboard-port",  # as docker/compose.yaml runs it: its gauges are queried
+        "0",
+        "--allow-factory",
+        MODEL_FACTORY.split(":")[0],
     )
     endpoints = wait_until(
         lambda: metrics_endpoints(local.log_path, 2), STARTUP_S, "metrics endpoints in the log"

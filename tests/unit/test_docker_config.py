@@ -57,6 +57,12 @@ CONTRACT = {
     "collectives_data_collectives_total",
     "collectives_gradient_buckets_total",
     "collectives_build_info",
+    # connections held and refused at a cap (worker; coordinator with a dashboard)
+    "collectives_data_streams_active",
+    "collectives_bulk_connections_open",
+    "collectives_bulk_connections_refused_total",
+    "collectives_dashboard_connections_open",
+    "collectives_dashboard_connections_refused_total",
 }
 
 
