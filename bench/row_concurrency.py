@@ -19,14 +19,21 @@ Rows and anchors (both measured in the same run, on the same cluster):
   from /proc; bench/cpu.py), against the single client's ops/s. No target: it is
   the highest ratio the first row could reach on this machine, however the
   service overlapped or fused its ops.
+- And what bounds any service built on gRPC here: 8 threads of this process
+  issuing empty health Check calls to the leader's gRPC server, in the same
+  rounds (bench/empty_calls.py), against the single client's ops/s. No target:
+  an op that is one such call can only add to it.
 """
 
 from __future__ import annotations
 
 import os
 
+import collectives
+
 from .concurrent_clients import ConcurrentResult, Plan, run_clients
 from .core import BenchContext, Row, Stat, cluster_processes, shared_cluster, stat_of
+from .empty_calls import empty_call_rates
 
 NAME = "concurrency"
 GROUP = "4b concurrency"
@@ -92,7 +99,28 @@ def run(ctx: BenchContext) -> list[Row]:
     ]
     if pids:
         rows.append(_ceiling_row(eight, single, anchor_rate))
+    rows.append(_empty_call_row(address, p, anchor_rate))
     return rows
+
+
+def _empty_call_row(address: str, p: Plan, anchor_rate: Stat) -> Row:
+    with collectives.connect(address, timeout=60.0) as cluster:
+        leader = next(w for w in cluster.workers() if w.rank == 0)
+    rates = empty_call_rates(leader.address, 8, p)
+    return Row(
+        group=GROUP,
+        what="8 clients' empty gRPC calls/s to the leader (no op)",
+        service=stat_of(rates, "/s"),
+        anchor_name="1 client ops/s (same cluster, same run)",
+        anchor=anchor_rate,
+        note=(
+            "8 threads of this process, each with its own channel, call grpc.health.v1 "
+            "Check on the leader's server back to back in the same rounds as the clients; "
+            "a service op that is one unary call to that server can only add work, so this "
+            "ratio is the most the 8-client ratio could reach with gRPC on this machine"
+        ),
+        extra={"rates": rates, "leader": leader.address},
+    )
 
 
 def _ceiling_row(eight: ConcurrentResult, single: ConcurrentResult, anchor_rate: Stat) -> Row:
