@@ -16,7 +16,7 @@ import ctypes
 import math
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -290,12 +290,26 @@ def allocate_bytes(nbytes: int, pin_memory: bool = False) -> torch.Tensor:
         ) from None
 
 
-class TensorAssembler:
-    """Receives one tensor's chunks into a single preallocated buffer."""
+def typed(buffer: torch.Tensor, meta: CheckedHeader) -> torch.Tensor:
+    """The tensor ``meta`` describes on ``buffer``'s memory (``meta.nbytes`` uint8):
+    a tensor of its own on that storage, not a view of ``buffer``, so that its
+    owner can tell that nothing else holds the memory."""
+    return torch.empty(0, dtype=meta.dtype, device=buffer.device).set_(
+        buffer.untyped_storage(), 0, meta.shape
+    )
 
-    def __init__(self, header: tensor_pb2.TensorHeader) -> None:
+
+class TensorAssembler:
+    """Receives one tensor's chunks into a single preallocated buffer (``alloc(nbytes)``:
+    a uint8 tensor of that size; :func:`allocate_bytes` unless given)."""
+
+    def __init__(
+        self,
+        header: tensor_pb2.TensorHeader,
+        alloc: Callable[[int], torch.Tensor] | None = None,
+    ) -> None:
         self.meta = check_header(header)
-        self._buffer = allocate_bytes(self.meta.nbytes)
+        self._buffer = (alloc or allocate_bytes)(self.meta.nbytes)
         self._view = tensor_memoryview(self._buffer)
         self._filled = 0
 
@@ -320,7 +334,9 @@ class TensorAssembler:
                 f"tensor {self.meta.name!r}: stream ended after {self._filled} of "
                 f"{self.meta.nbytes} declared bytes"
             )
-        return self._buffer.view(self.meta.dtype).reshape(self.meta.shape)
+        tensor = typed(self._buffer, self.meta)
+        self._buffer = self._view = None  # the tensor alone holds the memory now
+        return tensor
 
 
 def tensor_to_proto(t: torch.Tensor) -> tensor_pb2.Tensor:
@@ -337,7 +353,7 @@ def tensor_from_bytes(data: bytes | memoryview, meta: CheckedHeader) -> torch.Te
     buffer = allocate_bytes(meta.nbytes)
     if meta.nbytes:
         tensor_memoryview(buffer)[:] = data
-    return buffer.view(meta.dtype).reshape(meta.shape)
+    return typed(buffer, meta)
 
 
 def tensor_from_proto(msg: tensor_pb2.Tensor) -> torch.Tensor:

@@ -48,6 +48,7 @@ __all__ = [
     "copy_into",
     "Spares",
     "fresh",
+    "reusable",
 ]
 
 Alloc = Callable[[Sequence[int], torch.dtype, torch.device], torch.Tensor]
@@ -63,6 +64,25 @@ def _storage_refs(t: torch.Tensor) -> int | None:
     if count is None:
         return None
     return int(count(t.untyped_storage()._cdata)) - 1  # less the look-up's own reference
+
+
+def reusable(t: torch.Tensor, refs: int, max_bytes: int) -> bool:
+    """Whether ``t``'s memory may be reused once its callers drop the ``refs``
+    references to ``t`` they hold (their locals and arguments): a CPU tensor of
+    ``_SPARE_MIN_BYTES`` to ``max_bytes`` that owns its whole storage, with no other
+    Python reference and no other tensor (view, detach) on that storage."""
+    nbytes = t.numel() * t.element_size()
+    return not (
+        nbytes < _SPARE_MIN_BYTES
+        or nbytes > max_bytes
+        or t.device.type != "cpu"
+        or t._base is not None
+        or t.requires_grad
+        or t.storage_offset() != 0
+        or t.untyped_storage().nbytes() != nbytes
+        or sys.getrefcount(t) - 1 - refs != 1  # less getrefcount's own: the caller's t
+        or _storage_refs(t) != 1
+    )
 
 
 class Spares:
@@ -85,18 +105,8 @@ class Spares:
     def offer(self, t: torch.Tensor, refs: int = 1) -> bool:
         """Keeps ``t``'s memory if the caller's ``refs`` references to ``t`` (besides
         the argument) are all there are; the caller then drops them."""
-        nbytes = t.numel() * t.element_size()
-        if (
-            nbytes < _SPARE_MIN_BYTES
-            or nbytes > self._max_bytes
-            or t.device.type != "cpu"
-            or t._base is not None
-            or t.requires_grad
-            or t.storage_offset() != 0
-            or t.untyped_storage().nbytes() != nbytes
-            or sys.getrefcount(t) - 2 != refs  # less the argument and getrefcount's own
-            or _storage_refs(t) != 1
-        ):
+        # +1: this frame's own reference (the argument) on top of the caller's.
+        if not reusable(t, refs + 1, self._max_bytes):
             return False
         self._kept.append(t.untyped_storage())
         while len(self._kept) > self._max_buffers or (

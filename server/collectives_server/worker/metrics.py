@@ -74,6 +74,11 @@ def _collect(ctx: WorkerContext) -> Iterator[Metric]:
     yield _counter("collectives_fused_ops", "Ops that ran inside a fused announcement", fused[1])
     yield _gauge("collectives_queue_depth", "Ops waiting in the leader's queue", status.queue_depth)
     yield from _connections(ctx)
+    yield _counter(
+        "collectives_put_buffers_reused",
+        "Puts received into memory a replaced put left (no fresh pages to fault in)",
+        ctx.receive_pool.reused,
+    )
     yield _gauge("collectives_tensors_held", "Named tensors stored", status.tensors_held)
     yield _gauge("collectives_tensors_held_bytes", "Bytes of stored tensors", status.bytes_held)
     used = GaugeMetricFamily(

@@ -76,7 +76,7 @@ class WorkerService(ModelRpcs, PeerRpcs):
                     # Quota reserved before the assembler preallocates the buffer.
                     meta = codec.check_header(value)
                     reservation = self._ctx.store.reserve(meta.name, meta.nbytes, "put")
-                    assembler = codec.TensorAssembler(value)
+                    assembler = codec.TensorAssembler(value, self._receive_buffer)
                 elif kind == "chunk":
                     if assembler is None:
                         raise InvalidArgument("PutTensor stream must start with a header")
@@ -92,7 +92,7 @@ class WorkerService(ModelRpcs, PeerRpcs):
             drop_partial(exc)
             raise
         reservation.release()
-        self._ctx.store.put(assembler.name, tensor)
+        self._store(assembler.name, tensor)
         self._ctx.stats.add_bytes(received=assembler.meta.nbytes)
         return worker_pb2.PutTensorResponse(name=assembler.name, nbytes=assembler.meta.nbytes)
 
@@ -129,7 +129,7 @@ class WorkerService(ModelRpcs, PeerRpcs):
             bulk.refuse(request.ticket)
             raise
         try:
-            buffer = _receive_buffer(meta.nbytes, self._ctx.store.device)
+            buffer = self._receive_buffer(meta.nbytes)
             bulk.receive(request.ticket, buffer, _remaining_s(context, self._ctx.op_timeout_s))
         except BaseException as exc:
             bulk.refuse(request.ticket)
@@ -138,7 +138,9 @@ class WorkerService(ModelRpcs, PeerRpcs):
             raise
         finally:
             reservation.release()
-        self._ctx.store.put(meta.name, buffer.view(meta.dtype).reshape(meta.shape))
+        tensor = codec.typed(buffer, meta)
+        del buffer  # the stored tensor alone holds the memory (see receive_pool.py)
+        self._store(meta.name, tensor)
         self._ctx.stats.add_bytes(received=meta.nbytes)
         return worker_pb2.PutTensorResponse(name=meta.name, nbytes=meta.nbytes)
 
@@ -171,6 +173,21 @@ class WorkerService(ModelRpcs, PeerRpcs):
         if request.consume:
             self._ctx.store.delete_if_same(request.name, tensor)
         return response
+
+    def _receive_buffer(self, nbytes: int) -> torch.Tensor:
+        """Where a put lands: memory a put of the same size just replaced (no fresh
+        pages to fault in), else a new buffer: pinned host memory for a CUDA store
+        (its copy to the device is then a DMA at full bus speed)."""
+        if self._ctx.store.device.type == "cuda":
+            return codec.allocate_bytes(nbytes, pin_memory=True)
+        kept = self._ctx.receive_pool.take(nbytes)
+        return kept if kept is not None else codec.allocate_bytes(nbytes)
+
+    def _store(self, name: str, tensor: torch.Tensor) -> None:
+        """Stores a received put; the value it replaced is kept for the next put."""
+        old = self._ctx.store.put(name, tensor)
+        if old is not None:
+            self._ctx.receive_pool.offer(old)
 
     def _bulk(self) -> BulkListener:
         bulk = self._ctx.bulk
@@ -404,12 +421,6 @@ def _group_of(runtime: GenerationRuntime, group_id: int):
     if group is None:
         raise group_not_found(group_id, runtime.generation)
     return group
-
-
-def _receive_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
-    """Where a bulk put lands: pinned host memory for a CUDA store (its copy to
-    the device is then a DMA at full bus speed), huge-page memory otherwise."""
-    return codec.allocate_bytes(nbytes, pin_memory=device.type == "cuda")
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:

@@ -208,11 +208,14 @@ class TensorStore:
         with self._lock:
             return self._waiting
 
-    def put(self, name: str, t: torch.Tensor) -> None:
-        """Stores ``t`` (moved to the store's device) under ``name``, replacing any."""
+    def put(self, name: str, t: torch.Tensor) -> torch.Tensor | None:
+        """Stores ``t`` (moved to the store's device) under ``name``; returns the value
+        it replaced, if any."""
         if t.device != self.device:
             t = t.to(self.device)
-        self.put_many({name: t})
+        with self._lock:
+            self.check_quota(name, _nbytes(t))
+            return self._set(name, t)
 
     def put_many(self, tensors: dict[str, torch.Tensor], enforce_quota: bool = True) -> None:
         with self._lock:
