@@ -63,6 +63,8 @@ def run(ctx: BenchContext) -> list[Row]:
             back = cluster.get(name, rank=0)
             if not torch.equal(back.view(torch.int32), t.view(torch.int32)):
                 raise AssertionError(f"get returned different bytes than put ({_label(nbytes)})")
+            if nbytes == largest:
+                rows.append(_get_out_row(cluster, name, t, n, anchors[nbytes]))
             cluster.delete(name, missing_ok=True)
             target = ">= 0.6" if nbytes == TARGET_SIZE else ""
             extra = {
@@ -88,6 +90,27 @@ def run(ctx: BenchContext) -> list[Row]:
                 )
     rows += _stream_rows(largest, anchors[largest], repeats(largest))
     return rows
+
+
+def _get_out_row(cluster, name: str, t: torch.Tensor, n: int, anchor) -> Row:
+    """get(out=) into one preallocated tensor, as the anchor receives: no target of its
+    own (the plain get row carries it); the difference is the fresh buffer's pages."""
+    nbytes = t.numel() * t.element_size()
+    out = torch.zeros_like(t)  # touched once, as the anchor's buffer is
+    stat = measure(
+        partial(cluster.get, name, rank=0, out=out), n, unit="GB/s", per=_per_gbps(nbytes)
+    )
+    if not torch.equal(out.view(torch.int32), t.view(torch.int32)):
+        raise AssertionError(f"get(out=) returned different bytes than put ({_label(nbytes)})")
+    return Row(
+        group="1 put/get",
+        what=f"get {_label(nbytes)} into out= (a preallocated tensor)",
+        service=stat,
+        anchor_name="raw TCP loopback, preallocated recv buffer",
+        anchor=anchor,
+        note="like for like with the anchor: both receive into memory already touched",
+        extra={"bytes": nbytes},
+    )
 
 
 def _stream_rows(nbytes: int, anchor, n: int) -> list[Row]:

@@ -46,6 +46,7 @@ from collectives.errors import CollectiveError, InvalidArgument, NotFound, Reaso
 from collectives.groups import Group
 from collectives.names import UPLOAD_PREFIX, reserved_prefix
 from collectives.v1 import worker_pb2
+from collectives.wire import codec
 
 __all__: list[str] = []
 
@@ -119,19 +120,35 @@ class _DataPlane(_ClusterCore):
             if segment is not None:
                 self._shm_pool.release(segment)
 
-    def get(self, name: str, rank: int = 0, timeout: float | None = None) -> torch.Tensor:
+    def get(
+        self,
+        name: str,
+        rank: int = 0,
+        timeout: float | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Downloads the tensor stored under ``name`` on ``rank``: a CPU tensor, same dtype/shape.
 
+        With ``out`` (a contiguous CPU tensor of the stored dtype and shape), the bytes
+        are received straight into it and ``out`` is returned: no new memory, which for
+        large tensors saves the page faults of a fresh buffer (a model's parameter, or
+        the buffer of the previous get). If the get fails after data started to
+        arrive, ``out`` holds a mix of old and new bytes.
+
         Raises:
-            InvalidArgument: bad name or rank (before any RPC).
+            InvalidArgument: bad name or rank (before any RPC), or ``out`` does not fit
+                (not a contiguous CPU tensor, requires grad, or another dtype or shape
+                than the stored tensor; ``out`` is then left as it was).
             NotFound: ``rank`` holds no tensor under ``name``.
             Unavailable: the worker stayed unreachable (retried until the deadline).
             DeadlineExceeded: not done within ``timeout`` seconds.
         """
         check_name(name)
+        if out is not None:
+            codec.check_out(out)
         deadline = self._deadline(timeout)
         rank = check_rank(rank, self._formed_snapshot(deadline).world_size)
-        return self._get_rank(name, rank, deadline)
+        return self._get_rank(name, rank, deadline, out)
 
     def delete(
         self,
@@ -237,7 +254,9 @@ class _DataPlane(_ClusterCore):
             return list(range(world_size))
         return [check_rank(rank, world_size)]
 
-    def _get_rank(self, name: str, rank: int, deadline: float) -> torch.Tensor:
+    def _get_rank(
+        self, name: str, rank: int, deadline: float, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         what = f"get {name!r}"
 
         def get_on(endpoint: WorkerEndpoint, remaining: float) -> torch.Tensor:
@@ -245,12 +264,14 @@ class _DataPlane(_ClusterCore):
             route = choose_path(endpoint, remaining, nbytes=None, shared_memory=shared)
             if route.path is DataPath.SHM:
                 try:
-                    return get_tensor_shm(endpoint, name, remaining, self._shm_pool)
+                    mapped = get_tensor_shm(endpoint, name, remaining, self._shm_pool)
                 except CollectiveError as err:
                     if not self._shm_refused_by(endpoint.address, err):
                         raise
+                else:
+                    return mapped if out is None else _copied_out(name, mapped, out)
                 route = choose_path(endpoint, remaining, nbytes=None)  # refused: not shm
-            return get_tensor(endpoint, name, remaining, route=route, progress=bar.start)
+            return get_tensor(endpoint, name, remaining, route=route, progress=bar.start, out=out)
 
         # A bar once the size is known (shared memory: none, it is one copy).
         with Deferred(what, self._progress) as bar:
@@ -367,3 +388,10 @@ def _wire_layout(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cpu":
         t = t.cpu()
     return t.resolve_conj().resolve_neg().contiguous()
+
+
+def _copied_out(name: str, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``t`` (a get through shared memory) copied into the caller's ``out``."""
+    nbytes = t.numel() * t.element_size()
+    codec.check_out(out, codec.CheckedHeader(name, t.dtype, tuple(t.shape), nbytes))
+    return out.copy_(t)

@@ -226,23 +226,29 @@ def get_tensor(
     consume: bool = False,
     route: Route | None = None,
     progress: Callable[[int], Progress] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Downloads the tensor stored under ``name`` into one preallocated CPU buffer,
-    through the worker's bulk port or streamed over gRPC as ``route`` (default:
-    :func:`choose_path` without shared memory) says. ``progress(nbytes)``, called
-    once the size is known, gives what counts the bytes received.
+    """Downloads the tensor stored under ``name`` into one preallocated CPU buffer
+    (``out`` when given, see ``Cluster.get``), through the worker's bulk port or
+    streamed over gRPC as ``route`` (default: :func:`choose_path` without shared
+    memory) says. ``progress(nbytes)``, called once the size is known, gives what
+    counts the bytes received.
 
     Raises:
         NotFound: the worker holds no tensor under ``name``.
         CollectiveError: the call failed, or the worker sent a malformed stream.
     """
+    if out is not None and consume:
+        raise ValueError("get_tensor: out= with consume would lose the tensor on a mismatch")
     if route is None:
         route = choose_path(endpoint, timeout, nbytes=None)
     _check_not_shm(route, f"GetTensor {name!r} from {endpoint.address}")
     if route.path is DataPath.BULK:
         started = time.monotonic()
         try:
-            return bulk.get_tensor_bulk(endpoint, route.bulk_port, name, timeout, consume, progress)
+            return bulk.get_tensor_bulk(
+                endpoint, route.bulk_port, name, timeout, consume, progress, out
+            )
         except bulk.BulkUnreachable:
             endpoint.bulk.suspend()  # full or refusing: the gRPC stream carries it
             timeout -= time.monotonic() - started
@@ -262,7 +268,7 @@ def get_tensor(
             if isinstance(value, tensor_pb2.TensorHeader):
                 if assembler is not None:
                     raise InvalidArgument("a second header arrived mid-stream")
-                assembler = codec.TensorAssembler(value)
+                assembler = codec.TensorAssembler(value, out=out)
                 if progress is not None:
                     received = progress(assembler.meta.nbytes)
             elif kind == "chunk" and value is not None:
@@ -275,6 +281,9 @@ def get_tensor(
         return assembler.finish()
     except grpc.RpcError as err:
         raise _from_rpc_error(err, what) from None
+    except codec.OutMismatch:
+        call.cancel()  # the caller's out= does not fit: theirs to fix
+        raise
     except InvalidArgument as err:
         # Our request was fine; the worker's answer was not. Not the caller's fault.
         call.cancel()

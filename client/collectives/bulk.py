@@ -31,7 +31,13 @@ from typing import TYPE_CHECKING, Protocol
 import grpc
 import torch
 
-from collectives.errors import DeadlineExceeded, InvalidArgument, Unavailable, error_for_code
+from collectives.errors import (
+    CollectiveError,
+    DeadlineExceeded,
+    InvalidArgument,
+    Unavailable,
+    error_for_code,
+)
 from collectives.errors import from_rpc_error as _from_rpc_error
 from collectives.v1 import worker_pb2
 from collectives.wire import codec
@@ -312,8 +318,10 @@ def get_tensor_bulk(
     timeout: float,
     consume: bool = False,
     progress: Callable[[int], codec.Advance] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Downloads ``name``: inline when small, else over the bulk port into one buffer.
+    """Downloads ``name``: inline when small, else over the bulk port into one buffer
+    (``out`` when given: returned, holding the tensor; see ``Cluster.get``).
 
     ``progress(nbytes)``, called once the size is known (not for inline data),
     gives what to advance by the bytes as they arrive.
@@ -337,14 +345,26 @@ def get_tensor_bulk(
         raise error_for_code(
             grpc.StatusCode.INTERNAL, f"{what}: malformed header: {err.message}"
         ) from None
+    if out is not None:
+        try:
+            codec.check_out(out, meta)
+        except codec.OutMismatch:
+            if response.ticket:  # present it and hang up: the worker drops it at once
+                with contextlib.suppress(CollectiveError, OSError):
+                    _connect(endpoint, port, response.ticket, 1.0).close()
+            raise
     if not response.ticket:
         if len(response.inline_data) != meta.nbytes:
             raise error_for_code(
                 grpc.StatusCode.INTERNAL,
                 f"{what}: {len(response.inline_data)} inline bytes for a {meta.nbytes}-byte tensor",
             )
-        return codec.tensor_from_bytes(response.inline_data, meta)
-    buffer = empty_bytes(meta.nbytes)
+        if out is None:
+            return codec.tensor_from_bytes(response.inline_data, meta)
+        if meta.nbytes:
+            codec.tensor_memoryview(out)[:] = response.inline_data
+        return out
+    buffer = empty_bytes(meta.nbytes) if out is None else out
     view = codec.tensor_memoryview(buffer)
     got = 0
     sock = _connect(endpoint, port, response.ticket, max(deadline - time.monotonic(), 0.001))
@@ -378,4 +398,4 @@ def get_tensor_bulk(
             f"{what}: the bulk connection closed after {got} of {meta.nbytes} bytes "
             "(the ticket expired, or the worker stopped)"
         )
-    return buffer.view(meta.dtype).reshape(meta.shape)
+    return out if out is not None else codec.typed(buffer, meta)

@@ -51,7 +51,7 @@ _E = inspect.Parameter.empty
 # (name, default) of every parameter after self, as the contract fixes them.
 EXPECTED_SIGNATURES: dict[str, list[tuple[str, object]]] = {
     "put": [("name", _E), ("t", _E), ("rank", None), ("timeout", None)],
-    "get": [("name", _E), ("rank", 0), ("timeout", None)],
+    "get": [("name", _E), ("rank", 0), ("timeout", None), ("out", None)],
     "delete": [("name", _E), ("rank", None), ("missing_ok", False), ("timeout", None)],
     "scatter": [
         ("name", _E), ("t", _E), ("dim", 0), ("chunk_sizes", None), ("timeout", None),

@@ -49,6 +49,9 @@ __all__ = [
     "tensor_from_proto",
     "tensor_from_bytes",
     "wire_tensor",
+    "typed",
+    "check_out",
+    "OutMismatch",
 ]
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian torch builds in use
@@ -292,24 +295,50 @@ def allocate_bytes(nbytes: int, pin_memory: bool = False) -> torch.Tensor:
 
 def typed(buffer: torch.Tensor, meta: CheckedHeader) -> torch.Tensor:
     """The tensor ``meta`` describes on ``buffer``'s memory (``meta.nbytes`` uint8):
-    a tensor of its own on that storage, not a view of ``buffer``, so that its
-    owner can tell that nothing else holds the memory."""
-    return torch.empty(0, dtype=meta.dtype, device=buffer.device).set_(
-        buffer.untyped_storage(), 0, meta.shape
-    )
+    a tensor of its own on that storage when ``buffer`` is all of it (so that its
+    owner can tell that nothing else holds the memory), else a view of ``buffer``."""
+    storage = buffer.untyped_storage()
+    if buffer.storage_offset() != 0 or storage.nbytes() != meta.nbytes:
+        return buffer.view(meta.dtype).reshape(meta.shape)
+    return torch.empty(0, dtype=meta.dtype, device=buffer.device).set_(storage, 0, meta.shape)
+
+
+class OutMismatch(InvalidArgument):
+    """A get's ``out=`` tensor cannot hold the tensor the worker holds."""
+
+
+def check_out(out: torch.Tensor, meta: CheckedHeader | None = None) -> None:
+    """Raises :class:`OutMismatch` unless ``out`` can receive ``meta``'s bytes in place: a
+    contiguous CPU tensor that does not require grad (checked before any call, with
+    ``meta`` None) of the same dtype and shape (checked once the header is known)."""
+    if out.device.type != "cpu" or not out.is_contiguous():
+        raise OutMismatch(f"out must be a contiguous CPU tensor, not {out.device} "
+                          f"{'contiguous' if out.is_contiguous() else 'strided'}")  # fmt: skip
+    if out.requires_grad:
+        raise OutMismatch("out must not require grad (it is written in place)")
+    if meta is not None and (out.dtype != meta.dtype or tuple(out.shape) != meta.shape):
+        raise OutMismatch(
+            f"out is {out.dtype} {list(out.shape)}, but {meta.name!r} is {meta.dtype} "
+            f"{list(meta.shape)}"
+        )
 
 
 class TensorAssembler:
-    """Receives one tensor's chunks into a single preallocated buffer (``alloc(nbytes)``:
-    a uint8 tensor of that size; :func:`allocate_bytes` unless given)."""
+    """Receives one tensor's chunks into a single preallocated buffer: ``out`` (checked
+    against the header), else ``alloc(nbytes)``, a uint8 tensor of that size
+    (:func:`allocate_bytes` unless given)."""
 
     def __init__(
         self,
         header: tensor_pb2.TensorHeader,
         alloc: Callable[[int], torch.Tensor] | None = None,
+        out: torch.Tensor | None = None,
     ) -> None:
         self.meta = check_header(header)
-        self._buffer = (alloc or allocate_bytes)(self.meta.nbytes)
+        if out is not None:
+            check_out(out, self.meta)
+        self._out = out
+        self._buffer = out if out is not None else (alloc or allocate_bytes)(self.meta.nbytes)
         self._view = tensor_memoryview(self._buffer)
         self._filled = 0
 
@@ -334,8 +363,8 @@ class TensorAssembler:
                 f"tensor {self.meta.name!r}: stream ended after {self._filled} of "
                 f"{self.meta.nbytes} declared bytes"
             )
-        tensor = typed(self._buffer, self.meta)
-        self._buffer = self._view = None  # the tensor alone holds the memory now
+        tensor = self._out if self._out is not None else typed(self._buffer, self.meta)
+        self._buffer = self._view = self._out = None  # the tensor alone holds the memory now
         return tensor
 
 
