@@ -44,3 +44,23 @@ def test_puts_reuse_replaced_memory_and_every_value_reads_back(
     # The first three puts found nothing kept (the third is the first to replace
     # a value); each later one found the memory the put before it replaced.
     assert _reused(port) - before == 2 * ROUNDS - 3
+
+
+def test_a_replicated_put_lands_in_the_leaders_previous_upload(fresh_cluster, gen, uname) -> None:
+    """put(name, t) to every rank uploads to the leader, which keeps the upload as its
+    value: the value it replaces is what the next upload of that size lands in."""
+    local, client = fresh_cluster(2, "--metrics-port", "0")
+    addresses = wait_until(
+        lambda: metrics_endpoints(local.log_path, 2), 30, "the workers' metrics endpoints"
+    )["worker"]
+    ports = [int(a.rsplit(":", 1)[1]) for a in addresses]
+    leader = next(p for p in ports if value(scrape(p), "collectives_worker_rank") == 0)
+    before = _reused(leader)
+    name = uname("everywhere")
+    for _ in range(ROUNDS):  # no get in between: a GET in flight would pin a value
+        t = torch.randn(8 * MiB // 4, generator=gen)  # 8 MiB: a replicated put
+        client.put(name, t)
+    for rank in range(client.world_size):
+        assert torch.equal(client.get(name, rank=rank), t), rank
+    # Uploads 1 and 2 found nothing kept; each later one the upload two before it.
+    assert _reused(leader) - before == ROUNDS - 2

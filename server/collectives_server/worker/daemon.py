@@ -389,6 +389,7 @@ class WorkerDaemon:
             on_data_collectives=self._data_collectives_done,
             on_fused=self._fused_run_done,
             sync_models=lambda op_ctx: sync_models(op_ctx, self.ctx.uploads),
+            receive_pool=self.ctx.receive_pool,
         ).start()
 
     def _data_collectives_done(self, collectives: int, gradient_buckets: int) -> None:

@@ -26,6 +26,7 @@ from collectives_server.worker.control_channel import ControlChannel
 from collectives_server.worker.descriptor import Announced
 from collectives_server.worker.models import ModelRegistry
 from collectives_server.worker.process_groups import GroupHandles
+from collectives_server.worker.receive_pool import ReceivePool
 from collectives_server.worker.store import TensorStore
 
 __all__ = ["OpContext", "GroupEntry", "GroupBroken", "OpResult", "Announcement"]
@@ -86,6 +87,9 @@ class OpContext:
     groups: dict[int, GroupEntry]
     control: dist.ProcessGroup | ControlChannel  # announcements, exchanges, agreement
     spares: Spares = field(default_factory=Spares)
+    # Where memory goes that the worker's next put of its size should land in (the
+    # leader's replaced value after a replicated put, whose next upload is a put).
+    receive_pool: ReceivePool | None = None
     max_groups: int = 64
     on_data_collectives: Callable[[int, int], None] | None = None
 

@@ -50,6 +50,7 @@ from collectives_server.worker.op_context import (
     OpResult,
 )
 from collectives_server.worker.process_groups import build_groups
+from collectives_server.worker.receive_pool import ReceivePool
 from collectives_server.worker.sequencer import Sequencer, Ticket
 from collectives_server.worker.store import TensorStore
 
@@ -89,6 +90,7 @@ class GenerationRuntime:
         on_data_collectives: Callable[[int, int], None] | None = None,
         sync_models: Callable[[OpContext], int] | None = None,
         on_fused: Callable[[int], None] | None = None,
+        receive_pool: ReceivePool | None = None,
     ) -> None:
         self.generation = generation
         self.rank = rank
@@ -110,6 +112,7 @@ class GenerationRuntime:
         self._rebuild_after_s = rebuild_after_s
         # Replaced results kept for reuse stay well inside a store limit, if any.
         limit = store.limit_bytes
+        self._receive_pool = receive_pool
         self._spares = Spares(max_bytes=min(512 << 20, limit // 4) if limit else 512 << 20)
         self._channel: ControlChannel | None = None  # this epoch's control rounds
         self._cond = threading.Condition()
@@ -298,6 +301,7 @@ class GenerationRuntime:
             groups=self.groups,
             control=self._channel,
             spares=self._spares,
+            receive_pool=self._receive_pool,
             max_groups=self.max_groups,
             on_data_collectives=self._on_data_collectives,
         )
