@@ -74,22 +74,26 @@ def run(ctx: BenchContext) -> list[Row]:
                 "memcpy_bytes": largest,
             }
             for what, stat in (("put", put), ("get", get)):
+                note = f"memcpy {memcpy.text()}" if (what, nbytes) == ("put", largest) else ""
                 rows.append(
-                    Row(
-                        group="1 put/get",
-                        what=f"{what} {_label(nbytes)}",
-                        service=stat,
-                        anchor_name="raw TCP loopback, preallocated recv buffer",
-                        anchor=anchors[nbytes],
-                        target=target,
-                        note=f"memcpy {memcpy.text()}"
-                        if (what, nbytes) == ("put", largest)
-                        else "",
-                        extra=dict(extra),
-                    )
+                    _row(f"{what} {_label(nbytes)}", stat, anchors[nbytes], note, extra, target)
                 )
     rows += _stream_rows(largest, anchors[largest], repeats(largest))
     return rows
+
+
+def _row(what: str, stat, anchor, note: str, extra: dict, target: str = "") -> Row:
+    """A row of this group, against raw TCP into a preallocated buffer."""
+    return Row(
+        group="1 put/get",
+        what=what,
+        service=stat,
+        anchor_name="raw TCP loopback, preallocated recv buffer",
+        anchor=anchor,
+        target=target,
+        note=note,
+        extra=dict(extra),
+    )
 
 
 def _get_out_row(cluster, name: str, t: torch.Tensor, n: int, anchor) -> Row:
@@ -102,14 +106,12 @@ def _get_out_row(cluster, name: str, t: torch.Tensor, n: int, anchor) -> Row:
     )
     if not torch.equal(out.view(torch.int32), t.view(torch.int32)):
         raise AssertionError(f"get(out=) returned different bytes than put ({_label(nbytes)})")
-    return Row(
-        group="1 put/get",
-        what=f"get {_label(nbytes)} into out= (a preallocated tensor)",
-        service=stat,
-        anchor_name="raw TCP loopback, preallocated recv buffer",
-        anchor=anchor,
-        note="like for like with the anchor: both receive into memory already touched",
-        extra={"bytes": nbytes},
+    return _row(
+        f"get {_label(nbytes)} into out= (a preallocated tensor)",
+        stat,
+        anchor,
+        "like for like with the anchor: both receive into memory already touched",
+        {"bytes": nbytes},
     )
 
 
@@ -125,14 +127,12 @@ def _stream_rows(nbytes: int, anchor, n: int) -> list[Row]:
             raise AssertionError("stream get returned different bytes than put")
         cluster.delete(name, missing_ok=True)
     return [
-        Row(
-            group="1 put/get",
-            what=f"{what} {_label(nbytes)}, gRPC stream (--no-bulk, as under TLS)",
-            service=stat,
-            anchor_name="raw TCP loopback, preallocated recv buffer",
-            anchor=anchor,
-            note="bound: grpcio copies each 4 MiB message twice, partly under the GIL",
-            extra={"bytes": nbytes},
+        _row(
+            f"{what} {_label(nbytes)}, gRPC stream (--no-bulk, as under TLS)",
+            stat,
+            anchor,
+            "bound: grpcio copies each 4 MiB message twice, partly under the GIL",
+            {"bytes": nbytes},
         )
         for what, stat in (("put", put), ("get", get))
     ]

@@ -151,7 +151,12 @@ class BulkPort:
             if now - since < _IDLE_KEEP_S and _looks_open(sock):
                 return sock
             sock.close()
-        return socket.create_connection((host, port), timeout=timeout)
+        sock = socket.create_connection((host, port), timeout=timeout)
+        # A prelude, then a payload whose last segment is short: with Nagle's
+        # algorithm that segment waits for the ACK of the previous ones, which the
+        # worker delays (40 ms on Linux). Measured: 4 MiB puts at p50 43 ms, not 8.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
 
     def keep(self, sock: socket.socket) -> None:
         """Keeps a connection whose last transfer completed, for the next one."""

@@ -57,3 +57,13 @@ def test_forget_closes_kept_connections_and_none_are_kept_without_a_port() -> No
         assert other.fileno() == -1
         server.close()
         server2.close()
+
+
+def test_new_connections_send_without_nagle_delay() -> None:
+    """A payload's short last segment must not wait for a delayed ACK (40 ms on Linux):
+    without TCP_NODELAY, 4 MiB puts took 43 ms at p50 instead of 5-8."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client, server = _pair(listener, _known(listener.getsockname()[1]))
+        assert client.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+        client.close()
+        server.close()

@@ -200,6 +200,8 @@ class BulkListener:
                 conn.close()  # over a cap: closed at once, holding nothing
                 continue
             conn.settimeout(None)
+            # Replies (acks, a GET's payload) leave at once, not after a delayed ACK.
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(
                 target=self._serve, args=(conn, peer), name="bulk-conn", daemon=True
             ).start()
