@@ -312,8 +312,8 @@ def check_out(out: torch.Tensor, meta: CheckedHeader | None = None) -> None:
     contiguous CPU tensor that does not require grad (checked before any call, with
     ``meta`` None) of the same dtype and shape (checked once the header is known)."""
     if out.device.type != "cpu" or not out.is_contiguous():
-        raise OutMismatch(f"out must be a contiguous CPU tensor, not {out.device} "
-                          f"{'contiguous' if out.is_contiguous() else 'strided'}")  # fmt: skip
+        layout = "contiguous" if out.is_contiguous() else "strided"
+        raise OutMismatch(f"out must be a contiguous CPU tensor, not a {layout} {out.device} one")
     if out.requires_grad:
         raise OutMismatch("out must not require grad (it is written in place)")
     if meta is not None and (out.dtype != meta.dtype or tuple(out.shape) != meta.shape):
