@@ -47,6 +47,7 @@ CONTRACT = {
     "collectives_queue_depth",
     "collectives_tensors_held",
     "collectives_tensors_held_bytes",
+    "collectives_replaced_memory_bytes",
     "collectives_device_memory_used_bytes",
     "collectives_device_memory_total_bytes",
     "collectives_worker_generation",

@@ -33,12 +33,12 @@ from collectives.errors import CollectiveError
 from collectives.op_specs import OpKind
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
-from collectives_server.worker.collective_ops import Spares
 from collectives_server.worker.handlers.model_ops import ModelOpResult
 from collectives_server.worker.op_context import GroupBroken, OpResult
+from collectives_server.worker.replaced_memory import ReplacedMemory
 
 
-class FailingSpares(Spares):
+class FailingSpares(ReplacedMemory):
     """A rank whose result allocation fails (after or before its data collective)."""
 
     def __init__(self, exc: BaseException) -> None:
@@ -235,7 +235,7 @@ def test_a_local_failure_after_the_data_collective_fails_the_op_and_keeps_the_gr
     for res in results:
         assert type(res) is type(first) and (res.message, res.ranks) == (first.message, (1,))
     assert cl.stored("y") == [None] * 3
-    cl.ctxs[1].spares = Spares()  # the group is intact: the next op succeeds
+    cl.ctxs[1].spares = ReplacedMemory()  # the group is intact: the next op succeeds
     check_collective(cl, OpKind.ALL_REDUCE, xs, large=True, out="z")
 
 

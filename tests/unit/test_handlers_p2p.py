@@ -22,9 +22,9 @@ from collectives.errors import CollectiveError, InvalidArgument
 from collectives.op_args import check_pairs
 from collectives.op_specs import OpKind
 from collectives.v1 import worker_pb2
-from collectives_server.worker.collective_ops import Spares
 from collectives_server.worker.handlers.group_ops import missing_group
 from collectives_server.worker.op_context import Announcement, GroupBroken, OpResult
+from collectives_server.worker.replaced_memory import ReplacedMemory
 
 Pairs = list[tuple[int, int]]
 DTYPES = [torch.float16, torch.int32, torch.complex64, torch.bool, torch.bfloat16]
@@ -173,7 +173,7 @@ def test_a_rank_lost_in_the_middle_fails_every_rank_with_nothing_committed(seed:
     assert all(cl.ctxs[r].store.peek("x") is xs[r] for r in range(3))
 
 
-class DyingSpares(Spares):
+class DyingSpares(ReplacedMemory):
     """Kills ``rank`` in ``world`` when it allocates its receive buffer."""
 
     def __init__(self, world: FakeWorld, rank: int) -> None:

@@ -21,7 +21,7 @@ from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.enrolment import bounded_status
 from collectives_server.worker.metrics import worker_registry
 from collectives_server.worker.models import ModelRegistry
-from collectives_server.worker.receive_pool import ReceivePool
+from collectives_server.worker.replaced_memory import ReplacedMemory
 from collectives_server.worker.shm_segments import WorkerSegments
 from collectives_server.worker.stats import WorkerStats
 from collectives_server.worker.status import (
@@ -49,7 +49,7 @@ def _context() -> WorkerContext:
         uploads=ModelUploads(config.model_upload),
         shm_segments=WorkerSegments(config.shm_limits, quota=store),
         stats=WorkerStats(),
-        receive_pool=ReceivePool(),
+        spares=ReplacedMemory(),
         op_timeout_s=30.0,
     )
 

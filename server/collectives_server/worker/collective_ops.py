@@ -46,7 +46,7 @@ __all__ = [
     "fold",
     "private_copy",
     "copy_into",
-    "Spares",
+    "REUSE_MIN_BYTES",
     "fresh",
     "reusable",
 ]
@@ -66,14 +66,17 @@ def _storage_refs(t: torch.Tensor) -> int | None:
     return int(count(t.untyped_storage()._cdata)) - 1  # less the look-up's own reference
 
 
+REUSE_MIN_BYTES = 1 << 20  # below this, allocations come from the heap and cost nothing
+
+
 def reusable(t: torch.Tensor, refs: int, max_bytes: int) -> bool:
     """Whether ``t``'s memory may be reused once its callers drop the ``refs``
     references to ``t`` they hold (their locals and arguments): a CPU tensor of
-    ``_SPARE_MIN_BYTES`` to ``max_bytes`` that owns its whole storage, with no other
+    ``REUSE_MIN_BYTES`` to ``max_bytes`` that owns its whole storage, with no other
     Python reference and no other tensor (view, detach) on that storage."""
     nbytes = t.numel() * t.element_size()
     return not (
-        nbytes < _SPARE_MIN_BYTES
+        nbytes < REUSE_MIN_BYTES
         or nbytes > max_bytes
         or t.device.type != "cpu"
         or t._base is not None
@@ -84,59 +87,6 @@ def reusable(t: torch.Tensor, refs: int, max_bytes: int) -> bool:
         or _storage_refs(t) != 1
     )
 
-
-class Spares:
-    """Memory of results this rank just replaced, reused for its next result of the
-    same size (this rank's executor thread only).
-
-    Every collective result is a fresh allocation, and a fresh allocation of
-    megabytes costs page faults that clear every page (measured: a 16 MiB copy
-    into fresh memory 2.6 ms, into reused memory 0.8 ms). A replaced value is
-    reused only when nothing else can still see it: no other Python reference
-    to the tensor, no other tensor (view, detach) on its storage, not itself a
-    view. At most ``max_buffers`` and ``max_bytes`` are kept, and they are
-    dropped whenever the generation is idle (:meth:`clear` on a no-op tick)."""
-
-    def __init__(self, max_buffers: int = 2, max_bytes: int = 512 << 20) -> None:
-        self._max_buffers = max_buffers
-        self._max_bytes = max_bytes
-        self._kept: list[torch.UntypedStorage] = []
-
-    def offer(self, t: torch.Tensor, refs: int = 1) -> bool:
-        """Keeps ``t``'s memory if the caller's ``refs`` references to ``t`` (besides
-        the argument) are all there are; the caller then drops them."""
-        # +1: this frame's own reference (the argument) on top of the caller's.
-        if not reusable(t, refs + 1, self._max_bytes):
-            return False
-        self._kept.append(t.untyped_storage())
-        while len(self._kept) > self._max_buffers or (
-            sum(s.nbytes() for s in self._kept) > self._max_bytes
-        ):
-            self._kept.pop(0)
-        return True
-
-    def empty(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """An uninitialised tensor, on kept memory of exactly its size when there is one."""
-        shape = tuple(shape)
-        numel = 1
-        for d in shape:
-            numel *= d
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        if device.type == "cpu":
-            for i, storage in enumerate(self._kept):
-                if storage.nbytes() == nbytes:
-                    del self._kept[i]
-                    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
-        return fresh(shape, dtype, device)
-
-    def clear(self) -> None:
-        self._kept.clear()
-
-    def __len__(self) -> int:
-        return len(self._kept)
-
-
-_SPARE_MIN_BYTES = 1 << 20  # below this, allocations come from the heap and cost nothing
 
 _NATIVE = {
     ReduceOp.SUM: dist.ReduceOp.SUM,

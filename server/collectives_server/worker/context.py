@@ -30,7 +30,7 @@ from collectives_server.worker.archive_upload import ModelUploads
 from collectives_server.worker.bulk import BulkListener
 from collectives_server.worker.config import WorkerConfig
 from collectives_server.worker.models import ModelRegistry
-from collectives_server.worker.receive_pool import ReceivePool
+from collectives_server.worker.replaced_memory import ReplacedMemory
 from collectives_server.worker.shm_segments import WorkerSegments
 from collectives_server.worker.stats import WorkerStats
 from collectives_server.worker.store import TensorStore
@@ -79,8 +79,9 @@ class WorkerContext:
     uploads: ModelUploads
     shm_segments: WorkerSegments
     stats: WorkerStats
-    # Memory puts replaced, reused by the next put of the same size (receive_pool.py).
-    receive_pool: ReceivePool
+    # Memory of replaced values, reused by the next put or op result of its size
+    # (replaced_memory.py).
+    spares: ReplacedMemory
     # The collective timeout: --op-timeout-s, else the coordinator's (on registration).
     op_timeout_s: float
     # The bulk data plane; None without one (TLS, or --no-bulk) and before start.

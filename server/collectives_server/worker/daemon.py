@@ -45,7 +45,7 @@ from collectives_server.worker.heartbeats import HeartbeatStream, reply_interval
 from collectives_server.worker.model_sync import sync_models
 from collectives_server.worker.models import ModelRegistry
 from collectives_server.worker.op_context import OpResult
-from collectives_server.worker.receive_pool import ReceivePool
+from collectives_server.worker.replaced_memory import ReplacedMemory, pool_bytes
 from collectives_server.worker.runtime import GenerationRuntime
 from collectives_server.worker.service import SERVICE_NAME, WorkerService, add_worker_service
 from collectives_server.worker.shm_segments import WorkerSegments
@@ -94,10 +94,8 @@ class WorkerDaemon:
             # /dev/shm segments created for clients' gets: bounded, reaped after a TTL.
             shm_segments=WorkerSegments(config.shm_limits, quota=store),
             stats=WorkerStats(),
-            # Kept memory stays well inside a store limit, if any (as the op Spares).
-            receive_pool=ReceivePool(
-                max_bytes=min(512 << 20, store.limit_bytes // 4) if store.limit_bytes else 512 << 20
-            ),
+            # Kept memory stays well inside a store limit, if any.
+            spares=ReplacedMemory(max_bytes=pool_bytes(store.limit_bytes)),
             op_timeout_s=config.op_timeout_s or 30.0,
         )
         WorkerSegments.sweep_stale()
@@ -244,7 +242,7 @@ class WorkerDaemon:
             self.ctx.models.expire_graphs()
             self.ctx.store.expire_uploads()
             self.ctx.shm_segments.reap()
-            self.ctx.receive_pool.expire()
+            self.ctx.spares.expire()
             runtime = self.runtime
             request = coordinator_pb2.HeartbeatRequest(
                 worker_id=self.worker_id,
@@ -389,7 +387,7 @@ class WorkerDaemon:
             on_data_collectives=self._data_collectives_done,
             on_fused=self._fused_run_done,
             sync_models=lambda op_ctx: sync_models(op_ctx, self.ctx.uploads),
-            receive_pool=self.ctx.receive_pool,
+            spares=self.ctx.spares,
         ).start()
 
     def _data_collectives_done(self, collectives: int, gradient_buckets: int) -> None:

@@ -21,12 +21,11 @@ import torch.distributed as dist
 from collectives.errors import CollectiveError, error_for_code
 from collectives_server.worker import op_failures
 from collectives_server.worker.agreement import RankOutcome
-from collectives_server.worker.collective_ops import Spares
 from collectives_server.worker.control_channel import ControlChannel
 from collectives_server.worker.descriptor import Announced
 from collectives_server.worker.models import ModelRegistry
 from collectives_server.worker.process_groups import GroupHandles
-from collectives_server.worker.receive_pool import ReceivePool
+from collectives_server.worker.replaced_memory import ReplacedMemory
 from collectives_server.worker.store import TensorStore
 
 __all__ = ["OpContext", "GroupEntry", "GroupBroken", "OpResult", "Announcement"]
@@ -86,10 +85,9 @@ class OpContext:
     models: ModelRegistry
     groups: dict[int, GroupEntry]
     control: dist.ProcessGroup | ControlChannel  # announcements, exchanges, agreement
-    spares: Spares = field(default_factory=Spares)
-    # Where memory goes that the worker's next put of its size should land in (the
-    # leader's replaced value after a replicated put, whose next upload is a put).
-    receive_pool: ReceivePool | None = None
+    # The worker's memory of replaced values: results are allocated from it and the
+    # values they replace are offered to it (replaced_memory.py).
+    spares: ReplacedMemory = field(default_factory=ReplacedMemory)
     max_groups: int = 64
     on_data_collectives: Callable[[int, int], None] | None = None
 

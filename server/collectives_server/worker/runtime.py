@@ -32,7 +32,6 @@ from collectives.errors import CollectiveError, Reason, Unavailable, error_for_c
 from collectives.op_specs import OpKind, kind_name, subject
 from collectives.v1 import worker_pb2
 from collectives_server.worker import descriptor, fusion, op_failures
-from collectives_server.worker.collective_ops import Spares
 from collectives_server.worker.control_channel import ControlChannel
 from collectives_server.worker.descriptor import Announced
 from collectives_server.worker.handlers import handler_for
@@ -50,18 +49,11 @@ from collectives_server.worker.op_context import (
     OpResult,
 )
 from collectives_server.worker.process_groups import build_groups
-from collectives_server.worker.receive_pool import ReceivePool
+from collectives_server.worker.replaced_memory import ReplacedMemory
 from collectives_server.worker.sequencer import Sequencer, Ticket
 from collectives_server.worker.store import TensorStore
 
-__all__ = ["GenerationRuntime", "SPARES_IDLE_S"]
-
-# Replaced results kept for reuse (``collective_ops.Spares``) are given back once
-# the generation has run no op for this long. Not at the first idle tick: a
-# client that prepares its next tensor (new weights, a batch) for a second
-# between ops would then have every op land in fresh pages, which cost a 256 MiB
-# broadcast among 3 workers 2x its time (docs/design.md, the replicated put).
-SPARES_IDLE_S = 10.0
+__all__ = ["GenerationRuntime"]
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +82,7 @@ class GenerationRuntime:
         on_data_collectives: Callable[[int, int], None] | None = None,
         sync_models: Callable[[OpContext], int] | None = None,
         on_fused: Callable[[int], None] | None = None,
-        receive_pool: ReceivePool | None = None,
+        spares: ReplacedMemory | None = None,
     ) -> None:
         self.generation = generation
         self.rank = rank
@@ -110,13 +102,10 @@ class GenerationRuntime:
         self._on_data_collectives = on_data_collectives
         self._on_fused = on_fused  # called with the op count of each fused run
         self._rebuild_after_s = rebuild_after_s
-        # Replaced results kept for reuse stay well inside a store limit, if any.
-        limit = store.limit_bytes
-        self._receive_pool = receive_pool
-        self._spares = Spares(max_bytes=min(512 << 20, limit // 4) if limit else 512 << 20)
+        # The worker's replaced memory, shared with its puts (replaced_memory.py).
+        self._spares = spares if spares is not None else ReplacedMemory()
         self._channel: ControlChannel | None = None  # this epoch's control rounds
         self._cond = threading.Condition()
-        self._last_op_end = time.monotonic()
         self._seq = Sequencer(generation, queue_size, min(1.0, op_timeout_s / 4))
         self._stopping = False
         self._next_group_id = 1
@@ -258,7 +247,6 @@ class GenerationRuntime:
                     failure,
                 )
         finally:
-            self._spares.clear()
             # Drop every group of this generation now: their sockets and threads go with them.
             self.groups = {0: GroupEntry(0, list(range(self.world_size)), None)}
             self.finished.set()
@@ -301,7 +289,6 @@ class GenerationRuntime:
             groups=self.groups,
             control=self._channel,
             spares=self._spares,
-            receive_pool=self._receive_pool,
             max_groups=self.max_groups,
             on_data_collectives=self._on_data_collectives,
         )
@@ -352,8 +339,6 @@ class GenerationRuntime:
                 if kind == OpKind.STOP:
                     return None
                 if kind == OpKind.NOOP:
-                    if time.monotonic() - self._last_op_end >= SPARES_IDLE_S:
-                        self._spares.clear()  # idle for a while: give kept memory back
                     continue
                 if len(items) == 1:
                     desc, inline = items[0]
@@ -367,7 +352,6 @@ class GenerationRuntime:
                         else:
                             current[i].future.set_result(outcome)
                 current = []
-                self._last_op_end = time.monotonic()
         except GroupBroken as exc:
             return self._broken(exc, current)
         except Exception as exc:  # a bug: never take the daemon down with it

@@ -139,7 +139,7 @@ class WorkerService(ModelRpcs, PeerRpcs):
         finally:
             reservation.release()
         tensor = codec.typed(buffer, meta)
-        del buffer  # the stored tensor alone holds the memory (see receive_pool.py)
+        del buffer  # the stored tensor alone holds the memory (see replaced_memory.py)
         self._store(meta.name, tensor)
         self._ctx.stats.add_bytes(received=meta.nbytes)
         return worker_pb2.PutTensorResponse(name=meta.name, nbytes=meta.nbytes)
@@ -180,14 +180,14 @@ class WorkerService(ModelRpcs, PeerRpcs):
         (its copy to the device is then a DMA at full bus speed)."""
         if self._ctx.store.device.type == "cuda":
             return codec.allocate_bytes(nbytes, pin_memory=True)
-        kept = self._ctx.receive_pool.take(nbytes)
+        kept = self._ctx.spares.take(nbytes)
         return kept if kept is not None else codec.allocate_bytes(nbytes)
 
     def _store(self, name: str, tensor: torch.Tensor) -> None:
         """Stores a received put; the value it replaced is kept for the next put."""
         old = self._ctx.store.put(name, tensor)
         if old is not None:
-            self._ctx.receive_pool.offer(old)
+            self._ctx.spares.offer(old)
 
     def _bulk(self) -> BulkListener:
         bulk = self._ctx.bulk

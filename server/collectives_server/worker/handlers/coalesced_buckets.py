@@ -124,8 +124,9 @@ def _unpack(b: Bucketing, indices: list[int], flat: torch.Tensor, rows: int = 0)
         plan = b.plans[i]
         assert plan.dtype is not None
         shape = (rows, *plan.shape) if rows else plan.shape
-        # Spares keep only results of a MiB or more; below, skip their size look-up.
-        alloc = b.alloc if n * max(rows, 1) >= 1 << 20 else collective_ops.fresh
+        # Only results of a MiB or more are kept for reuse; below, skip the look-up.
+        big = n * max(rows, 1) >= collective_ops.REUSE_MIN_BYTES
+        alloc = b.alloc if big else collective_ops.fresh
         out = alloc(shape, plan.dtype, b.device)
         for r in range(max(rows, 1)):
             _copy_bytes(out, r * n, flat, r * stride + at, n)

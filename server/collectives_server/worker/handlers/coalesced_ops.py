@@ -176,7 +176,7 @@ def _data_path(
         except Exception as exc:  # local to this rank: the op fails, the group stays
             code, message = op_failures.local_failure(exc, spec(desc.kind).name)
     # The last references to the operands (the caller passed this list): an in-place
-    # op's replaced values can then be kept for the next results (Spares).
+    # op's replaced values can then be kept for the next results (ctx.spares).
     operands.clear()
     failures = ctx.call(agreement.agree, ctx.control, ctx.world_size, code, message)
     if failures:

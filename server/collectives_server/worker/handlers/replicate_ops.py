@@ -107,18 +107,13 @@ def _replicate(
         if ctx.rank == root:
             assert upload is not None
             old = ctx.store.adopt(target, upload, args.name)
-            # The root's next value of this size comes as an upload (a put), not as
-            # an op result: its memory is for the put's pool. Kept where nothing
-            # allocates, it only held memory that the next upload then faulted in
-            # elsewhere (a 256 MiB replicated put at world 3 took 1.4x as long).
-            pool = ctx.receive_pool
-            if old is not None and pool is not None:
-                pool.offer(old)
         else:
             assert received is not None
             old = ctx.store.replace(target, received)
-            if old is not None:
-                ctx.spares.offer(old)
+        # The root's next upload of this size (a put) lands in it, a follower's next
+        # broadcast result likewise (replaced_memory.py).
+        if old is not None:
+            ctx.spares.offer(old)
         del old
     finally:
         if fence is not None:

@@ -180,7 +180,7 @@ def _data_path(
 
     ``held`` is a one-item list holding the operand, emptied once the collective
     ran: the commit then finds no reference to the value it replaces but its own,
-    and keeps that memory for the next result (``collective_ops.Spares``)."""
+    and keeps that memory for the next result (``replaced_memory.py``)."""
     result: torch.Tensor | None = None
     code, message = grpc.StatusCode.OK, ""
     dtype = held[0].dtype if held[0] is not None else None
