@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -53,6 +53,7 @@ __all__ = [
     "chain_limit",
     "chain_expected",
     "round_rate",
+    "timed_round",
     "run_clients",
 ]
 
@@ -103,6 +104,25 @@ def chain_expected(base_sum: torch.Tensor, world: int, ops: int) -> torch.Tensor
     if ops < 1:
         raise ValueError("a chain is checked after at least one op")
     return base_sum.double() * float(world) ** (ops - 1)
+
+
+def timed_round(
+    plan: Plan, op: Callable[[], object], between: Callable[[], object] | None = None
+) -> ClientRound:
+    """Calls ``op`` back to back, timing each call, until ``plan.max_ops`` calls (at least
+    one) or ``plan.duration_s`` is used up; ``between`` runs untimed before each call."""
+    started = time.perf_counter()
+    deadline = started + plan.duration_s
+    latencies: list[float] = []
+    while len(latencies) < max(1, plan.max_ops) and (
+        not latencies or time.perf_counter() < deadline
+    ):
+        if between is not None:
+            between()
+        began = time.perf_counter()
+        op()
+        latencies.append(time.perf_counter() - began)
+    return ClientRound(len(latencies), started, time.perf_counter(), tuple(latencies))
 
 
 def round_rate(rounds: Sequence[ClientRound]) -> float:
@@ -261,6 +281,11 @@ class _Chain:
         self.check()
         self.start()
 
+    def restart_if_full(self) -> None:
+        """Checks a full chain and starts a fresh one (before an op that would overflow)."""
+        if self.full:
+            self.restart()
+
 
 @dataclass
 class _Shared:
@@ -291,26 +316,12 @@ def _client(
             try:
                 chain.start()
                 for _ in range(plan.warmup):
-                    if chain.full:
-                        chain.restart()
+                    chain.restart_if_full()
                     chain.op()
                 for _ in range(plan.rounds):
-                    if chain.full:
-                        chain.restart()
+                    chain.restart_if_full()
                     shared.start.wait()
-                    started = time.perf_counter()
-                    deadline = started + plan.duration_s
-                    latencies: list[float] = []
-                    while len(latencies) < max(1, plan.max_ops) and (
-                        not latencies or time.perf_counter() < deadline
-                    ):
-                        if chain.full:
-                            chain.restart()
-                        began = time.perf_counter()
-                        chain.op()
-                        latencies.append(time.perf_counter() - began)
-                    finished = time.perf_counter()
-                    out.append(ClientRound(len(latencies), started, finished, tuple(latencies)))
+                    out.append(timed_round(plan, chain.op, between=chain.restart_if_full))
                     shared.done.wait()
                 chain.check()
                 checks.append(chain.checks)

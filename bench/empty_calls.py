@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 
-from .concurrent_clients import ClientRound, Plan, round_rate
+from .concurrent_clients import ClientRound, Plan, round_rate, timed_round
 
 __all__ = ["empty_call_rates"]
 
@@ -39,15 +39,7 @@ def _caller(
                 stub.Check(request, timeout=_TIMEOUT_S)
             for _ in range(plan.rounds):
                 start.wait()
-                started = time.perf_counter()
-                deadline = started + plan.duration_s
-                calls = 0
-                while calls < max(1, plan.max_ops) and (
-                    not calls or time.perf_counter() < deadline
-                ):
-                    stub.Check(request, timeout=_TIMEOUT_S)
-                    calls += 1
-                out.append(ClientRound(calls, started, time.perf_counter()))
+                out.append(timed_round(plan, lambda: stub.Check(request, timeout=_TIMEOUT_S)))
                 done.wait()
     except threading.BrokenBarrierError:
         pass  # another caller failed; its error is reported

@@ -49,7 +49,7 @@ from collectives_server.worker.op_context import (
     OpResult,
 )
 from collectives_server.worker.process_groups import build_groups
-from collectives_server.worker.replaced_memory import ReplacedMemory
+from collectives_server.worker.replaced_memory import ReplacedMemory, pool_bytes
 from collectives_server.worker.sequencer import Sequencer, Ticket
 from collectives_server.worker.store import TensorStore
 
@@ -103,7 +103,9 @@ class GenerationRuntime:
         self._on_fused = on_fused  # called with the op count of each fused run
         self._rebuild_after_s = rebuild_after_s
         # The worker's replaced memory, shared with its puts (replaced_memory.py).
-        self._spares = spares if spares is not None else ReplacedMemory()
+        if spares is None:
+            spares = ReplacedMemory(max_bytes=pool_bytes(store.limit_bytes))
+        self._spares = spares
         self._channel: ControlChannel | None = None  # this epoch's control rounds
         self._cond = threading.Condition()
         self._seq = Sequencer(generation, queue_size, min(1.0, op_timeout_s / 4))
