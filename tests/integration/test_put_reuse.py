@@ -8,15 +8,21 @@ value. Every stored value must read back exactly as last put, and the worker's
 ``collectives_put_buffers_reused_total`` must count each reuse. A replicated put
 reuses memory on every rank: the leader's upload lands where its previous
 upload was, a follower's broadcast result where its previous result was
-(``collectives_result_buffers_reused_total``).
+(``collectives_result_buffers_reused_total``). Puts, reads and in-place ops of
+one size running together share the one pool, and no read is ever torn (a
+pool that kept memory still being sent fails it: checked by breaking it).
 """
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
 from helpers import metrics_endpoints, wait_until
 from test_metrics import scrape, value
+
+import collectives
 
 MiB = 1 << 20
 ROUNDS = 4  # puts per name
@@ -73,3 +79,71 @@ def test_a_replicated_put_lands_in_the_memory_each_rank_replaced(fresh_cluster, 
     assert _reused(leader) - before == ROUNDS - 2
     # Likewise the follower's broadcast results, each into the result two before it.
     assert _reused(follower, "result") - results_before == ROUNDS - 2
+
+
+def test_puts_reads_and_in_place_ops_of_one_size_share_the_pool_and_every_value_holds(
+    fresh_cluster, gen, uname
+) -> None:
+    """One pool serves the puts (RPC threads) and the op results (the generation's
+    thread) at once. Three clients run together on 2 MiB tensors: one puts and reads
+    back a name, one runs in-place all_reduces on another, and one reads that name
+    while the ops replace it. A read must be one of the values the chain of sums
+    went through, whole: memory still being sent must never be reused."""
+    local, client = fresh_cluster(2, "--metrics-port", "0")
+    ports = [
+        int(a.rsplit(":", 1)[1])
+        for a in wait_until(
+            lambda: metrics_endpoints(local.log_path, 2), 30, "the workers' metrics endpoints"
+        )["worker"]
+    ]
+    before = {p: _reused(p) + _reused(p, "result") for p in ports}
+    numel, rounds = 2 * MiB // 4, 32
+    put_name, op_name = uname("put"), uname("reduced")
+    parts = [torch.randn(numel, generator=gen) for _ in range(client.world_size)]
+    for rank, part in enumerate(parts):
+        client.put(op_name, part, rank=rank)
+    # What rank 0 holds before op k (k = 0: its own part); the sums double exactly.
+    total = parts[0] + parts[1]  # float32, as torch sums
+    states = [parts[0]] + [total * float(2**k) for k in range(rounds)]
+    puts = [torch.randn(numel, generator=gen) for _ in range(rounds)]
+    errors: list[BaseException] = []
+    ops_done = threading.Event()
+
+    def putting() -> None:
+        with collectives.connect(local.address, timeout=60) as own:
+            for i, t in enumerate(puts):
+                own.put(put_name, t, rank=i % 2)
+                assert torch.equal(own.get(put_name, rank=i % 2), t), f"put {i}"
+
+    def reading() -> None:
+        with collectives.connect(local.address, timeout=60) as own:
+            for i in range(4 * rounds):  # bounded; stops early once the ops are done
+                got = own.get(op_name, rank=0)
+                assert any(torch.equal(got, s) for s in states), f"read {i}: a torn value"
+                if ops_done.is_set():
+                    break
+
+    def guarded(body):
+        def run() -> None:
+            try:
+                body()
+            except BaseException as exc:  # reported by the main thread
+                errors.append(exc)
+
+        return threading.Thread(target=run, name=body.__name__)
+
+    threads = [guarded(putting), guarded(reading)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(rounds):
+            client.all_reduce(op_name)
+    finally:
+        ops_done.set()
+        for t in threads:
+            t.join(120)
+    assert not any(t.is_alive() for t in threads), "a client thread did not finish"
+    assert not errors, errors
+    for rank in range(client.world_size):
+        assert torch.equal(client.get(op_name, rank=rank), states[-1]), rank
+    assert all(_reused(p) + _reused(p, "result") > before[p] for p in ports)
