@@ -184,7 +184,7 @@ class WorkerService(ModelRpcs, PeerRpcs):
         return kept if kept is not None else codec.allocate_bytes(nbytes)
 
     def _store(self, name: str, tensor: torch.Tensor) -> None:
-        """Stores a received put; the value it replaced is kept for the next put."""
+        """Stores a received put; the memory of the value it replaced is kept for reuse."""
         old = self._ctx.store.put(name, tensor)
         if old is not None:
             self._ctx.spares.offer(old)
