@@ -72,19 +72,22 @@ class ReplacedMemory:
                 self._kept.pop(0)
         return True
 
-    def _pop(self, nbytes: int) -> torch.UntypedStorage | None:
-        with self._lock:
+    def _pop(self, nbytes: int, for_put: bool) -> torch.UntypedStorage | None:
+        with self._lock:  # the counters too: puts come from many threads at once
             for i in range(len(self._kept) - 1, -1, -1):  # newest first
                 if self._kept[i][1].nbytes() == nbytes:
+                    if for_put:
+                        self.puts_reused += 1
+                    else:
+                        self.results_reused += 1
                     return self._kept.pop(i)[1]
         return None
 
     def take(self, nbytes: int) -> torch.Tensor | None:
         """A ``uint8`` tensor of ``nbytes`` on kept memory, or None (a put's buffer)."""
-        storage = self._pop(nbytes)
+        storage = self._pop(nbytes, for_put=True)
         if storage is None:
             return None
-        self.puts_reused += 1
         return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,))
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -95,10 +98,9 @@ class ReplacedMemory:
             numel = 1
             for d in shape:
                 numel *= d
-            nbytes = numel * torch.empty((), dtype=dtype).element_size()
-            storage = self._pop(nbytes) if nbytes >= REUSE_MIN_BYTES else None
+            nbytes = numel * dtype.itemsize
+            storage = self._pop(nbytes, for_put=False) if nbytes >= REUSE_MIN_BYTES else None
             if storage is not None:
-                self.results_reused += 1
                 return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
         return fresh(shape, dtype, device)
 
@@ -113,10 +115,6 @@ class ReplacedMemory:
             del stale  # the last references: the memory is freed here
             trim()
         return dropped
-
-    def clear(self) -> None:
-        with self._lock:
-            self._kept.clear()
 
     @property
     def held_bytes(self) -> int:
