@@ -275,3 +275,40 @@ def test_random_sequences_keep_the_queue_invariants(capacity: int, steps: list[S
             assert ticket.started
         else:
             assert not ticket.started
+
+
+def test_a_submitter_may_claim_its_op_only_from_a_parked_loop_with_nothing_else_queued() -> None:
+    seq, _ = make()
+    first = seq.admit(desc(), TIMEOUT_S)
+    assert not seq.claim(first)  # the loop is not parked: it takes the op itself
+    assert seq.next() is first
+    seq.loop_parked = True
+    alone = seq.admit(desc(), TIMEOUT_S)
+    assert seq.claim(alone) and alone.driven and seq.driven
+    second = seq.admit(desc(), TIMEOUT_S)  # while one is claimed: never a second
+    assert not seq.claim(second) and not second.driven
+    assert seq.next() is alone  # the claimer takes its op as the loop would
+    assert seq.cancel(second)
+    assert not seq.release()  # parked with nothing queued: the loop sleeps on ...
+    assert not seq.driven
+    third = seq.admit(desc(), TIMEOUT_S)
+    assert seq.claim(third) and seq.next() is third
+    seq.admit(desc(), TIMEOUT_S)
+    assert seq.release()  # ... unless ops are queued for it ...
+    seq.next()
+    fourth = seq.admit(desc(), TIMEOUT_S)
+    assert seq.claim(fourth) and seq.next() is fourth
+    seq.loop_parked = False  # (its idle tick woke it: it waits for the claimer)
+    assert seq.release()  # ... or it is awake
+
+
+def test_a_claim_needs_the_op_alone_at_the_head_and_an_open_queue() -> None:
+    seq, _ = make()
+    seq.loop_parked = True
+    a, b = seq.admit(desc(), TIMEOUT_S), seq.admit(desc(), TIMEOUT_S)
+    assert not seq.claim(a) and not seq.claim(b)  # two queued: the loop runs them
+    seq.drain("test")
+    c = seq.admit(desc(), TIMEOUT_S)
+    seq.close("retired")
+    assert not seq.claim(c)
+    assert seq.release()  # closed: the loop must wake to stop

@@ -23,7 +23,18 @@ import secrets
 import grpc
 import torch.distributed as dist
 
-__all__ = ["backend_message", "is_transport_failure", "local_failure", "internal_message"]
+from collectives.errors import CollectiveError, Reason, Unavailable, error_for_code
+from collectives.op_specs import kind_name, subject
+from collectives.v1 import worker_pb2
+
+__all__ = [
+    "backend_message",
+    "is_transport_failure",
+    "local_failure",
+    "internal_message",
+    "worded",
+    "lost_with_group",
+]
 
 log = logging.getLogger("collectives_server.worker.runtime")
 
@@ -109,3 +120,32 @@ def local_failure(exc: BaseException, what: str, dtype=None) -> tuple[grpc.Statu
         log.warning("%s failed locally: %r", what, exc)
         return grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {backend_message(exc)}"
     return grpc.StatusCode.FAILED_PRECONDITION, f"{what} failed: {internal_message(what, exc)}"
+
+
+def worded(
+    desc: worker_pb2.OpDescriptor, generation: int, error: CollectiveError
+) -> CollectiveError:
+    """``error`` as every rank words it, with the op id the worker logs carry (so a
+    client's error can be found in them), the generation, the kind and the tensor."""
+    fields = error.fields()
+    fields.update(op_id=desc.op_id, generation=generation, kind=kind_name(desc.kind))
+    fields["tensor"] = fields["tensor"] or subject(desc) or None
+    return error_for_code(
+        error.code,
+        f"op {desc.op_id} ({kind_name(desc.kind)}, generation {generation}): {error.message}",
+        **fields,
+    )
+
+
+def lost_with_group(desc: worker_pb2.OpDescriptor, generation: int, why: object) -> Unavailable:
+    """The error of an op that was running when its generation's group broke (``why``)."""
+    return Unavailable(
+        f"op {desc.op_id} ({kind_name(desc.kind)}) failed in generation {generation}: {why}. "
+        "A worker was probably lost; the cluster re-forms without it. The op did not "
+        "complete; nothing was committed unless every rank agreed it succeeded.",
+        generation=generation,
+        op_id=desc.op_id,
+        kind=kind_name(desc.kind),
+        tensor=subject(desc) or None,
+        reason=Reason.PEER_LOST,
+    )

@@ -7,7 +7,12 @@ that keeps followers inside their receive timeout and proves the group alive)
 and announces it through the control group; on followers it receives the
 descriptors. Every rank then runs the op's handler (``handlers``), the same op
 in the same order, which is what torch.distributed requires and what
-concurrent clients could never guarantee by themselves. What an op does is
+concurrent clients could never guarantee by themselves.
+
+On the leader one thread at a time runs ops: the loop, or, for an op on small
+operands submitted while the loop is parked with nothing queued, the
+submitter's own thread (``drive``: the RPC thread announces and runs it, two
+thread hand-offs fewer), while the loop waits for it. What an op does is
 its handler's business; this module only sequences, dispatches, and turns a
 broken process group into a retired or rebuilt one.
 
@@ -28,8 +33,8 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from collectives.errors import CollectiveError, Reason, Unavailable, error_for_code
-from collectives.op_specs import OpKind, kind_name, subject
+from collectives.errors import CollectiveError, error_for_code
+from collectives.op_specs import OpKind
 from collectives.v1 import worker_pb2
 from collectives_server.worker import descriptor, fusion, op_failures
 from collectives_server.worker.control_channel import ControlChannel
@@ -58,6 +63,16 @@ __all__ = ["GenerationRuntime"]
 log = logging.getLogger(__name__)
 
 Outcome = OpResult | ModelOpResult | PublishResult | CollectiveError
+
+
+class _DrivenEnd(Exception):
+    """A submitter's op (``GenerationRuntime.drive``) ended the epoch with ``failure``."""
+
+    def __init__(self, failure: str | None) -> None:
+        super().__init__(failure)
+        self.failure = failure
+
+
 _Item = tuple[worker_pb2.OpDescriptor, int | None]  # an op and its inline capacity
 
 
@@ -111,6 +126,10 @@ class GenerationRuntime:
         self._seq = Sequencer(generation, queue_size, min(1.0, op_timeout_s / 4))
         self._stopping = False
         self._next_group_id = 1
+        # Leader: the epoch's context while ops may run (a submitter may run a small
+        # op itself, see drive), and, when such an op ended the epoch, its failure.
+        self._ctx: OpContext | None = None
+        self._driven_end: tuple[str | None] | None = None
         # The world group exists from the start so that ops can queue while the
         # process group forms; its handles arrive when it is built.
         self.groups: dict[int, GroupEntry] = {0: GroupEntry(0, list(range(world_size)), None)}
@@ -156,16 +175,57 @@ class GenerationRuntime:
         desc: worker_pb2.OpDescriptor,
         timeout_s: float | None = None,
         expected_generation: int = 0,
+        drive: bool = False,
     ) -> Ticket:
         """Admits ``desc`` (raises UNAVAILABLE / RESOURCE_EXHAUSTED when it cannot be);
-        the ticket's future gets the outcome on this rank."""
+        the ticket's future gets the outcome on this rank.
+
+        With ``drive``, a small op that finds the loop idle and nothing queued is
+        marked ``driven``: the caller must then run it with :meth:`drive`."""
         with self._cond:
             ticket = self._seq.admit(
                 desc, timeout_s if timeout_s is not None else 2 * self._timeout_s,
                 expected_generation,
             )  # fmt: skip
-            self._cond.notify_all()
+            # Only an op on small operands: its run is bounded by the control rounds.
+            small = drive and self._ctx is not None and inline_capacity(self._ctx, desc) is not None
+            if not (small and self._seq.claim(ticket)):
+                self._cond.notify_all()
         return ticket
+
+    def drive(self, ticket: Ticket) -> None:
+        """Runs the driven ``ticket`` (and what fuses with it) on the calling thread, as
+        the loop would have, and sets its outcome: two thread hand-offs fewer per op.
+
+        The loop stays parked until it is done; a broken group or an internal error
+        ends the epoch here as in the loop, which then rebuilds or retires it."""
+        assert ticket.driven and self._seq.driven
+        ctx = self._ctx
+        assert ctx is not None
+        current: list[Ticket] = []
+        try:
+            with self._cond:
+                first = self._seq.next()
+            if first is not None:
+                current, run = self._take_run(ctx, first)
+                pending = self._announce(ctx, run.items)
+                self._step(ctx, current, run.items, pending)
+                current = []
+        except GroupBroken as exc:
+            self._end_driven(self._broken(exc, current))
+        except Exception as exc:  # a bug: fail this run, end the epoch as the loop would
+            self._end_driven(self._internal_error(exc, current))
+        finally:
+            with self._cond:
+                # A loop parked with nothing to do sleeps on (its tick is not due:
+                # this op was announced); otherwise it goes on from here.
+                if self._seq.release() or self._driven_end is not None:
+                    self._cond.notify_all()
+
+    def _end_driven(self, failure: str | None) -> None:
+        with self._cond:
+            self._ctx = None  # nobody runs an op in this epoch again
+            self._driven_end = (failure,)
 
     def check_generation(self, expected: int) -> None:
         """Raises UNAVAILABLE unless ``expected`` is 0 or this generation."""
@@ -177,17 +237,29 @@ class GenerationRuntime:
             return self._seq.cancel(ticket)
 
     def _take(self) -> Ticket | None:
-        """The next op, or None when a tick is due or the generation is stopping."""
+        """The next op, or None when a tick is due or the generation is stopping.
+        Waits while a submitter runs an op (:meth:`drive`); raises
+        :class:`_DrivenEnd` when that op ended the epoch."""
         with self._cond:
-            while not self._stopping:
+            while True:
+                if self._seq.driven:
+                    self._cond.wait()
+                    continue
+                if self._driven_end is not None:
+                    raise _DrivenEnd(self._driven_end[0])
+                if self._stopping:
+                    return None
                 ticket = self._seq.next()
                 if ticket is not None:
                     return ticket
                 wait = self._seq.tick_in()
                 if wait <= 0:
                     return None
-                self._cond.wait(wait)
-            return None
+                self._seq.loop_parked = True
+                try:
+                    self._cond.wait(wait)
+                finally:
+                    self._seq.loop_parked = False
 
     def _take_run(self, ctx: OpContext, first: Ticket) -> tuple[list[Ticket], fusion.Run]:
         """``first`` and the queued ops that can run fused with it (``fusion``)."""
@@ -303,71 +375,93 @@ class GenerationRuntime:
         )
         return ctx
 
-    def _next(self, ctx: OpContext) -> tuple[list[Ticket], list[_Item], Announced | None]:
-        """Leader: takes and announces the next op, or run of fused ops, or a tick;
-        follower: receives it. Returns (the leader's tickets, the ops, the leader's
-        pending announcement)."""
+    def _next(self, ctx: OpContext) -> tuple[list[Ticket], list[_Item]]:
+        """Leader: takes the next op, or run of fused ops, or a tick (a no-op, or a
+        stop); follower: receives what the leader announced. Returns (the leader's
+        tickets, the ops)."""
         if not self.is_leader:
-            return [], ctx.call(descriptor.receive_batch, ctx.control), None
+            return [], ctx.call(descriptor.receive_batch, ctx.control)
         first = self._take()
         if first is None:
             kind = OpKind.STOP if self._stopping else OpKind.NOOP
-            desc = worker_pb2.OpDescriptor(kind=kind, generation=self.generation)
-            ctx.call(descriptor.announce, ctx.control, desc)
-            items: list[_Item] = [(desc, None)]
-            tickets, pending = [], None
+            return [], [(worker_pb2.OpDescriptor(kind=kind, generation=self.generation), None)]
+        tickets, run = self._take_run(ctx, first)
+        return tickets, run.items
+
+    def _announce(self, ctx: OpContext, items: list[_Item]) -> Announced | None:
+        """Leader: announces ``items``; returns the pending announcement of ops (not
+        waited for here: the op's first exchange is issued before the leader waits
+        for its own send, see handlers)."""
+        if len(items) > 1:
+            pending = ctx.call(descriptor.announce_batch, ctx.control, items, False)
+        elif items[0][0].kind in (OpKind.NOOP, OpKind.STOP):
+            ctx.call(descriptor.announce, ctx.control, items[0][0])
+            pending = None
         else:
-            tickets, run = self._take_run(ctx, first)
-            items = run.items
-            # Not waited for here: the op's first exchange is issued before the
-            # leader waits for its own send (see handlers).
-            if len(items) == 1:
-                desc, inline = items[0]
-                pending = ctx.call(descriptor.announce, ctx.control, desc, inline, False)
-            else:
-                pending = ctx.call(descriptor.announce_batch, ctx.control, items, False)
+            desc, inline = items[0]
+            pending = ctx.call(descriptor.announce, ctx.control, desc, inline, False)
         with self._cond:
             self._seq.announced()
-        return tickets, items, pending
+        return pending
 
     def _run_epoch(self, epoch: int) -> str | None:
         """Returns None when retired cleanly, else why the group broke."""
         current: list[Ticket] = []
         try:
             ctx = self._join(epoch)
+            with self._cond:
+                self._ctx, self._driven_end = ctx, None
             while True:
-                current, items, pending = self._next(ctx)
+                current, items = self._next(ctx)
+                pending = self._announce(ctx, items) if self.is_leader else None
                 kind = items[0][0].kind
                 if kind == OpKind.STOP:
                     return None
                 if kind == OpKind.NOOP:
                     continue
-                if len(items) == 1:
-                    desc, inline = items[0]
-                    outcomes = iter([self._execute(ctx, desc, Announcement(inline, pending))])
-                else:
-                    outcomes = self._execute_fused(ctx, items, pending)
-                for i, outcome in enumerate(outcomes):
-                    if i < len(current):
-                        if isinstance(outcome, CollectiveError):
-                            current[i].future.set_exception(outcome)
-                        else:
-                            current[i].future.set_result(outcome)
+                self._step(ctx, current, items, pending)
                 current = []
+        except _DrivenEnd as end:
+            return end.failure
         except GroupBroken as exc:
             return self._broken(exc, current)
         except Exception as exc:  # a bug: never take the daemon down with it
-            log.exception("generation %d: unexpected error", self.generation)
-            message = op_failures.internal_message(f"generation {self.generation}", exc)
-            for ticket in current:
-                ticket.fail(error_for_code(grpc.StatusCode.INTERNAL, message))
-            self._drain(f"generation {self.generation} hit an internal error")
-            return "internal error (see the worker's log)"
+            return self._internal_error(exc, current)
         finally:
+            with self._cond:
+                self._ctx = None
             # Peers blocked on this rank learn at once that its group is gone.
             if self._channel is not None:
                 self._channel.close()
                 self._channel = None
+
+    def _step(
+        self,
+        ctx: OpContext,
+        tickets: list[Ticket],
+        items: list[_Item],
+        pending: Announced | None,
+    ) -> None:
+        """Runs announced ops (one, or a fused run) and sets their tickets' outcomes."""
+        if len(items) == 1:
+            desc, inline = items[0]
+            outcomes = iter([self._execute(ctx, desc, Announcement(inline, pending))])
+        else:
+            outcomes = self._execute_fused(ctx, items, pending)
+        for i, outcome in enumerate(outcomes):
+            if i < len(tickets):
+                if isinstance(outcome, CollectiveError):
+                    tickets[i].future.set_exception(outcome)
+                else:
+                    tickets[i].future.set_result(outcome)
+
+    def _internal_error(self, exc: Exception, current: list[Ticket]) -> str:
+        log.exception("generation %d: unexpected error", self.generation)
+        message = op_failures.internal_message(f"generation {self.generation}", exc)
+        for ticket in current:
+            ticket.fail(error_for_code(grpc.StatusCode.INTERNAL, message))
+        self._drain(f"generation {self.generation} hit an internal error")
+        return "internal error (see the worker's log)"
 
     def _broken(self, exc: GroupBroken, current: list[Ticket]) -> str | None:
         self.ready.clear()
@@ -377,20 +471,7 @@ class GenerationRuntime:
         if not superseded:
             log.warning("generation %d: %s", self.generation, exc)
         for ticket in current:
-            desc = ticket.desc
-            ticket.fail(
-                Unavailable(
-                    f"op {desc.op_id} ({kind_name(desc.kind)}) failed in generation "
-                    f"{self.generation}: {exc}. A worker was probably lost; the cluster "
-                    "re-forms without it. The op did not complete; nothing was committed "
-                    "unless every rank agreed it succeeded.",
-                    generation=self.generation,
-                    op_id=desc.op_id,
-                    kind=kind_name(desc.kind),
-                    tensor=subject(desc) or None,
-                    reason=Reason.PEER_LOST,
-                )
-            )
+            ticket.fail(op_failures.lost_with_group(ticket.desc, self.generation, exc))
         self._drain(f"the process group of generation {self.generation} broke")
         return None if superseded else str(exc)
 
@@ -419,17 +500,7 @@ class GenerationRuntime:
 
     def _conclude(self, desc: worker_pb2.OpDescriptor, result: Outcome, latency: float) -> Outcome:
         if isinstance(result, CollectiveError):
-            # Every rank words the failure the same way, with the op id the
-            # worker logs carry, so a client's error can be found in them.
-            fields = result.fields()
-            fields.update(op_id=desc.op_id, generation=self.generation, kind=kind_name(desc.kind))
-            fields["tensor"] = fields["tensor"] or subject(desc) or None
-            result = error_for_code(
-                result.code,
-                f"op {desc.op_id} ({kind_name(desc.kind)}, generation {self.generation}): "
-                f"{result.message}",
-                **fields,
-            )
+            result = op_failures.worded(desc, self.generation, result)
         else:
             result = dataclasses.replace(result, latency_s=latency)
         self._on_op_done(desc, result, latency)

@@ -19,6 +19,10 @@ Rules:
   started, with ``DEADLINE_EXCEEDED`` (the client has given up on it).
 * **Ticks.** When nothing was announced for ``tick_s``, a no-op is due: it
   keeps followers inside their receive timeout and proves the group alive.
+* **Claims.** While the loop is parked with nothing to do, the submitter of
+  an op that is all that is queued may claim it and run it on its own thread
+  (``GenerationRuntime.drive``); one claim at a time, and the loop waits for
+  it to be released.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ class Ticket:
     deadline: float
     future: Future = field(default_factory=Future)
     started: bool = False
+    # The submitting thread runs this op itself (``GenerationRuntime.drive``).
+    driven: bool = False
 
     def fail(self, error: CollectiveError) -> None:
         if not self.future.done():
@@ -72,6 +78,10 @@ class Sequencer:
         self._next_op_id = 1
         self._last_announced = clock()
         self.closed_because: str | None = None
+        # Who runs the next op: the generation loop, or, while the loop is parked
+        # with nothing queued, the submitter of a small op (``claim``).
+        self.loop_parked = False
+        self.driven = False
 
     @property
     def depth(self) -> int:
@@ -108,6 +118,21 @@ class Sequencer:
         ticket = Ticket(desc, self._clock() + timeout_s)
         self._queue.append(ticket)
         return ticket
+
+    def claim(self, ticket: Ticket) -> bool:
+        """Lets ``ticket``'s submitter run it on its own thread (two thread hand-offs
+        fewer): only while the loop is parked, no other submitter runs one, and
+        ``ticket`` is all that is queued. The loop waits until :meth:`release`."""
+        alone = len(self._queue) == 1 and self._queue[0] is ticket
+        if self.loop_parked and not self.driven and not self.closed and alone:
+            self.driven = ticket.driven = True
+        return ticket.driven
+
+    def release(self) -> bool:
+        """The claimed op is done; returns whether the loop must wake (it is not
+        parked, or ops or a close are waiting for it)."""
+        self.driven = False
+        return not self.loop_parked or bool(self._queue) or self.closed
 
     def check_generation(self, expected: int) -> None:
         """Raises UNAVAILABLE unless ``expected`` is 0 or this generation."""

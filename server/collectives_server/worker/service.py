@@ -314,7 +314,9 @@ class WorkerService(ModelRpcs, PeerRpcs):
             if limit is not None:
                 budget = min(budget, limit)
         budget = max(budget, 0.0)
-        ticket = runtime.submit(desc, budget, options.generation)
+        ticket = runtime.submit(desc, budget, options.generation, drive=True)
+        if ticket.driven:
+            runtime.drive(ticket)  # the loop was idle: this thread runs the op
         try:
             return ticket.future.result(timeout=budget)
         except FutureTimeout:

@@ -1,0 +1,115 @@
+"""Two real generation runtimes of one generation (a leader and a follower) in one
+process: real gloo groups and control channels over a real TCPStore on loopback,
+real tensor stores whose commits a test can hold at the door."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+
+import torch
+import torch.distributed as dist
+from helpers import wait_until
+
+from collectives.errors import CollectiveError
+from collectives.op_specs import spec_named
+from collectives.v1 import worker_pb2
+from collectives_server.worker.runtime import GenerationRuntime
+from collectives_server.worker.sequencer import Ticket
+from collectives_server.worker.store import TensorStore
+
+__all__ = ["TIMEOUT_S", "GatedStore", "Pair", "descriptor"]
+
+TIMEOUT_S = 20.0
+
+
+class GatedStore(TensorStore):
+    """A real tensor store whose commits can be held at the door: the test sees a rank
+    between its last exchange of an op and its commit (``replace`` is the commit)."""
+
+    def __init__(self, device: torch.device, limit: int | None) -> None:
+        super().__init__(device, limit)
+        self.hold_commits = False
+        self.held = threading.Event()
+        self.release = threading.Event()
+
+    def replace(self, name: str, tensor: torch.Tensor):
+        if self.hold_commits:
+            self.held.set()
+            assert self.release.wait(TIMEOUT_S)
+        return super().replace(name, tensor)
+
+
+def descriptor(kind: str, **args) -> worker_pb2.OpDescriptor:
+    return worker_pb2.OpDescriptor(
+        kind=spec_named(kind).kind, tensor=worker_pb2.TensorOpArgs(**args)
+    )
+
+
+class Pair:
+    """A leader (rank 0) and a follower (rank 1) of one generation."""
+
+    def __init__(
+        self,
+        limits: tuple[int | None, int | None] = (None, None),
+        rebuild_after_s: float = 10.0,
+    ) -> None:
+        self.stores = [GatedStore(torch.device("cpu"), limit) for limit in limits]
+        self.done: list[list[worker_pb2.OpDescriptor]] = [[], []]
+        self.threads: list[list[str]] = [[], []]  # the thread that concluded each op
+        self._rebuild_after_s = rebuild_after_s
+        master = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=TIMEOUT_S),
+        )  # fmt: skip
+        client = dist.TCPStore(
+            "127.0.0.1", master.port, is_master=False,
+            timeout=datetime.timedelta(seconds=TIMEOUT_S),
+        )  # fmt: skip
+        self._tcp = [master, client]
+        self.runtimes = [self._runtime(rank) for rank in range(2)]
+        for rt in self.runtimes:
+            rt.start()
+        for rt in self.runtimes:
+            assert rt.ready.wait(TIMEOUT_S), "the generation did not form"
+
+    def _runtime(self, rank: int) -> GenerationRuntime:
+        return GenerationRuntime(
+            generation=1,
+            rank=rank,
+            world_size=2,
+            tcp_store=self._tcp[rank],
+            store=self.stores[rank],
+            op_timeout_s=TIMEOUT_S,
+            device=torch.device("cpu"),
+            host="127.0.0.1",
+            queue_size=8,
+            on_joined=lambda generation: None,
+            on_op_done=lambda desc, outcome, latency, rank=rank: self._done(rank, desc),
+            rebuild_after_s=self._rebuild_after_s,
+        )
+
+    def _done(self, rank: int, desc: worker_pb2.OpDescriptor) -> None:
+        self.threads[rank].append(threading.current_thread().name)
+        self.done[rank].append(desc)
+
+    def submit(self, kind: str, drive: bool = False, **args) -> Ticket:
+        """Admits an op on the leader; with ``drive``, as the RPC handler does (the
+        caller then runs a ticket marked ``driven`` with ``runtimes[0].drive``)."""
+        return self.runtimes[0].submit(descriptor(kind, **args), drive=drive)
+
+    def run(self, kind: str, **args):
+        """Runs an op; returns once the leader answered *and* the follower finished it
+        (so that ``peek`` on either store shows the outcome)."""
+        try:
+            result = self.submit(kind, **args).future.result(TIMEOUT_S)
+        except CollectiveError as err:
+            result = err
+        wait_until(lambda: len(self.done[1]) == len(self.done[0]), 10, "the follower")
+        return result
+
+    def close(self) -> None:
+        self.stores[1].release.set()
+        self.runtimes[0].stop()
+        for rt in self.runtimes:
+            rt.finished.wait(TIMEOUT_S)

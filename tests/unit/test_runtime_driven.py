@@ -1,0 +1,184 @@
+"""Small ops run on the submitting thread while the leader's loop is idle
+(``GenerationRuntime.drive``), on two real runtimes (``runtime_pair``).
+
+What is checked: a small op submitted to a parked loop runs on the caller's
+thread and gives torch's result; a large op never does; an op submitted while
+another is driven waits for it and runs after it on the loop, in order; and a
+group that breaks under a driven op fails that op as the loop would, after
+which the generation rebuilds and runs ops again.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+from helpers import wait_until
+from runtime_pair import TIMEOUT_S, Pair
+
+from collectives.errors import Reason, Unavailable
+from collectives.reduce_ops import ReduceOp
+from collectives_server.worker.handlers.tensor_ops import INLINE_MAX_BYTES
+from collectives_server.worker.sequencer import Ticket
+
+LOOP = "generation-1"  # the name of generation 1's loop thread
+SUM = ReduceOp.SUM.wire
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    p = Pair(rebuild_after_s=1.0)
+    yield p
+    p.close()
+
+
+def _put(pair: Pair, name: str, numel: int, gen: torch.Generator) -> list[torch.Tensor]:
+    parts = [torch.randn(numel, generator=gen) for _ in pair.stores]
+    for store, t in zip(pair.stores, parts, strict=True):
+        store.put(name, t.clone())
+    return parts
+
+
+def _submit_to_parked_loop(pair: Pair, kind: str, before=None, **args) -> Ticket:
+    """Submits with ``drive`` at a moment the leader's loop is parked with nothing to
+    do, checked under the runtime's lock (so no idle tick can slip in between);
+    ``before`` runs under that lock just before the submit."""
+    leader = pair.runtimes[0]
+    for _ in range(50):  # the loop parks again within a tick (1 s) of any wake-up
+        wait_until(lambda: leader._seq.loop_parked, TIMEOUT_S, "the leader's loop to park")
+        with leader._cond:  # re-entrant: submit takes it again
+            if leader._seq.loop_parked:
+                if before is not None:
+                    before()
+                return pair.submit(kind, drive=True, **args)
+    raise AssertionError("the leader's loop never stayed parked")
+
+
+def _loop_waits_for_the_driver(pair: Pair) -> bool:
+    """The leader's loop is awake (not parked) and waits inside ``_take``."""
+    loop = next(t for t in threading.enumerate() if t.name == LOOP)
+    frame = sys._current_frames().get(loop.ident or -1)
+    stack = []
+    while frame is not None:
+        stack.append(frame.f_code.co_name)
+        frame = frame.f_back
+    return (
+        bool(stack)
+        and stack[0] == "wait"
+        and "_take" in stack
+        and not (pair.runtimes[0]._seq.loop_parked)
+    )
+
+
+def _follower_caught_up(pair: Pair) -> None:
+    wait_until(lambda: len(pair.done[1]) == len(pair.done[0]), TIMEOUT_S, "the follower")
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "reduce_scatter", "all_gather", "broadcast"])
+def test_a_small_op_on_a_parked_loop_runs_on_the_callers_thread_with_torchs_result(
+    pair: Pair, kind: str
+) -> None:
+    gen = torch.Generator().manual_seed(11)
+    parts = _put(pair, "x", 8, gen)
+    target = "x" if kind == "broadcast" else "y"  # a broadcast has no out name
+    args = {"root": 1} if kind == "broadcast" else {"out": "y", "op": SUM}
+    ticket = _submit_to_parked_loop(pair, kind, name="x", **args)
+    assert ticket.driven
+    pair.runtimes[0].drive(ticket)
+    assert ticket.future.done()  # set by drive itself, before it returned
+    result = ticket.future.result(0)
+    assert pair.threads[0][-1] == threading.current_thread().name
+    _follower_caught_up(pair)
+    assert pair.threads[1][-1] == LOOP  # followers run every op on their loop
+    expected = {
+        "all_reduce": [parts[0] + parts[1]] * 2,
+        "reduce_scatter": list((parts[0] + parts[1]).chunk(2)),
+        "all_gather": [torch.stack(parts)] * 2,
+        "broadcast": [parts[1]] * 2,
+    }[kind]
+    assert result.result_name == target
+    for store, want in zip(pair.stores, expected, strict=True):
+        assert torch.equal(store.peek(target), want)
+
+
+def test_a_large_op_is_not_driven_and_runs_on_the_loop(pair: Pair) -> None:
+    gen = torch.Generator().manual_seed(12)
+    parts = _put(pair, "big", INLINE_MAX_BYTES // 4 + 4, gen)
+    ticket = _submit_to_parked_loop(pair, "all_reduce", name="big", op=SUM)
+    assert not ticket.driven
+    ticket.future.result(TIMEOUT_S)
+    assert pair.threads[0][-1] == LOOP
+    _follower_caught_up(pair)
+    for store in pair.stores:
+        assert torch.equal(store.peek("big"), parts[0] + parts[1])
+
+
+def test_an_op_submitted_while_one_is_driven_waits_and_runs_after_it_on_the_loop(
+    pair: Pair,
+) -> None:
+    gen = torch.Generator().manual_seed(13)
+    parts = _put(pair, "c", 6, gen)
+    first = _submit_to_parked_loop(pair, "all_reduce", name="c", op=SUM)
+    assert first.driven
+    leader_store = pair.stores[0]
+    leader_store.hold_commits = True  # the driven op stops at the leader's commit
+    driver = threading.Thread(target=pair.runtimes[0].drive, args=(first,), name="driver")
+    driver.start()
+    assert leader_store.held.wait(TIMEOUT_S)
+    second = pair.submit("all_reduce", drive=True, name="c", op=SUM)
+    assert not second.driven  # one op at a time: the loop will run it
+    # The submit woke the loop, which waits for the driven op instead of taking it.
+    wait_until(lambda: _loop_waits_for_the_driver(pair), TIMEOUT_S, "the loop to wait")
+    assert not second.future.done() and not second.started
+    leader_store.hold_commits = False
+    leader_store.release.set()
+    driver.join(TIMEOUT_S)
+    assert not driver.is_alive()
+    second.future.result(TIMEOUT_S)
+    assert first.future.result(0).op_id < second.future.result(0).op_id
+    assert pair.threads[0][-2:] == ["driver", LOOP]
+    _follower_caught_up(pair)
+    once = parts[0] + parts[1]
+    for store in pair.stores:  # both sums, in order, on both ranks
+        assert torch.equal(store.peek("c"), once + once)
+
+
+def test_a_group_broken_under_a_driven_op_fails_it_and_the_generation_rebuilds(
+    pair: Pair,
+) -> None:
+    gen = torch.Generator().manual_seed(14)
+    _put(pair, "b", 5, gen)
+    follower = pair.runtimes[1]
+    assert follower._channel is not None
+    # The follower's control connection goes down while the leader's loop is parked:
+    # only the driven op can notice it.
+    ticket = _submit_to_parked_loop(pair, "all_reduce", before=follower._channel.close, name="b")
+    assert ticket.driven
+    leader = pair.runtimes[0]
+    leader.drive(ticket)
+    error = ticket.future.exception(0)
+    assert isinstance(error, Unavailable), error
+    assert error.reason == str(Reason.PEER_LOST)
+    assert "failed in generation 1" in str(error)
+    assert not leader.ready.is_set()  # the epoch ended with the driven op
+    # Nobody runs an op in the broken epoch again: the next one waits for the group
+    # to be rebuilt (after rebuild_after_s, 1 s) and then runs on the loop.
+    parts = _put(pair, "after", 7, gen)
+    queued = pair.submit("all_reduce", drive=True, name="after", op=SUM)
+    assert not queued.driven
+    queued.future.result(TIMEOUT_S)
+    assert pair.threads[0][-1] == LOOP
+    # Both ranks rebuilt the generation's group (epoch 1); driven ops run again.
+    assert leader.ready.is_set()
+    wait_until(follower.ready.is_set, TIMEOUT_S, "the follower to rebuild its group")
+    again = _submit_to_parked_loop(pair, "all_reduce", name="after", op=SUM)
+    assert again.driven
+    leader.drive(again)
+    again.future.result(0)
+    _follower_caught_up(pair)
+    once = parts[0] + parts[1]
+    for store in pair.stores:  # both sums, in order, on both ranks
+        assert torch.equal(store.peek("after"), once + once)
