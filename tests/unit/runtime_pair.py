@@ -30,6 +30,7 @@ class GatedStore(TensorStore):
     def __init__(self, device: torch.device, limit: int | None) -> None:
         super().__init__(device, limit)
         self.hold_commits = False
+        self.fail_commits_of: str | None = None  # a commit of this name raises
         self.held = threading.Event()
         self.release = threading.Event()
 
@@ -37,6 +38,8 @@ class GatedStore(TensorStore):
         if self.hold_commits:
             self.held.set()
             assert self.release.wait(TIMEOUT_S)
+        if name == self.fail_commits_of:
+            raise RuntimeError(f"test: the commit of {name!r} fails")
         return super().replace(name, tensor)
 
 
