@@ -1,11 +1,16 @@
-"""Small ops run on the submitting thread while the leader's loop is idle
-(``GenerationRuntime.drive``), on two real runtimes (``runtime_pair``).
+"""Who runs the leader's ops and how they are answered, on two real runtimes
+(``runtime_pair``).
 
-What is checked: a small op submitted to a parked loop runs on the caller's
-thread and gives torch's result; a large op never does; an op submitted while
-another is driven waits for it and runs after it on the loop, in order; and a
-group that breaks under a driven op fails that op as the loop would, after
-which the generation rebuilds and runs ops again.
+Small ops run on the submitting thread while the leader's loop is idle
+(``GenerationRuntime.drive``): a small op submitted to a parked loop runs on the
+caller's thread and gives torch's result; a large op never does; an op
+submitted while another is driven waits for it and runs after it on the loop,
+in order; and a group that breaks under a driven op fails that op as the loop
+would, after which the generation rebuilds and runs ops again.
+
+A fused run's outcomes are set together when the run ends
+(``GenerationRuntime._step``): an op that finished before a later one raised
+still gets its own result, never the error that ended the run.
 """
 
 from __future__ import annotations
@@ -14,12 +19,13 @@ import sys
 import threading
 from collections.abc import Iterator
 
+import grpc
 import pytest
 import torch
 from helpers import wait_until
 from runtime_pair import TIMEOUT_S, Pair
 
-from collectives.errors import Reason, Unavailable
+from collectives.errors import CollectiveError, Reason, Unavailable
 from collectives.reduce_ops import ReduceOp
 from collectives_server.worker.handlers.tensor_ops import INLINE_MAX_BYTES
 from collectives_server.worker.sequencer import Ticket
@@ -182,3 +188,38 @@ def test_a_group_broken_under_a_driven_op_fails_it_and_the_generation_rebuilds(
     once = parts[0] + parts[1]
     for store in pair.stores:  # both sums, in order, on both ranks
         assert torch.equal(store.peek("after"), once + once)
+
+
+def test_ops_that_finished_before_a_later_op_raised_keep_their_results(pair: Pair) -> None:
+    gen = torch.Generator().manual_seed(21)
+    names = [f"a{i}" for i in range(4)]
+    parts = {n: [torch.randn(6, generator=gen) for _ in pair.stores] for n in names}
+    for n in names:
+        for store, t in zip(pair.stores, parts[n], strict=True):
+            store.put(n, t.clone())
+    leader = pair.stores[0]
+    leader.hold_commits = True  # the loop stops at the first op's commit ...
+    first = pair.submit("all_reduce", name="a0", op=SUM)
+    assert leader.held.wait(TIMEOUT_S)
+    # ... while three small ops on distinct names queue: one fused run once released.
+    run = [pair.submit("all_reduce", name=n, op=SUM) for n in names[1:]]
+    leader.fail_commits_of = "a2"  # the run's second op raises on the leader
+    leader.hold_commits = False
+    leader.release.set()
+    first.future.result(TIMEOUT_S)
+    answered = run[0].future.result(TIMEOUT_S)  # finished before a2 raised: its result
+    assert answered.result_name == "a1"
+    assert torch.equal(leader.peek("a1"), parts["a1"][0] + parts["a1"][1])
+    for ticket in run[1:]:  # the op that raised and the one after it, in the same run
+        error = ticket.future.exception(TIMEOUT_S)
+        assert isinstance(error, CollectiveError), error
+        assert error.code == grpc.StatusCode.INTERNAL
+    assert torch.equal(leader.peek("a3"), parts["a3"][0])  # never ran on the leader
+    # The run's error ended the epoch on the leader; both ranks rebuild the group
+    # and the next op runs there.
+    leader.fail_commits_of = None
+    after = [torch.randn(3, generator=gen) for _ in pair.stores]
+    for store, t in zip(pair.stores, after, strict=True):
+        store.put("after", t.clone())
+    pair.submit("all_reduce", name="after", op=SUM).future.result(TIMEOUT_S)
+    assert torch.equal(leader.peek("after"), after[0] + after[1])

@@ -18,9 +18,8 @@ import torch
 import torch.distributed as dist
 
 from collectives_server.hosts import is_wildcard
-from collectives_server.worker.control_channel import ControlChannel
 
-__all__ = ["GroupHandles", "build_groups", "form_epoch"]
+__all__ = ["GroupHandles", "build_groups"]
 
 
 @dataclass
@@ -57,19 +56,3 @@ def build_groups(
     torch.cuda.set_device(device)
     data = dist.ProcessGroupNCCL(dist.PrefixStore(f"{prefix}/nccl", tcp_store), rank, size, opts)
     return GroupHandles(control, data)
-
-
-def form_epoch(
-    tcp_store: dist.Store,
-    prefix: str,
-    rank: int,
-    size: int,
-    timeout_s: float,
-    device: torch.device,
-    host: str | None,
-) -> tuple[GroupHandles, ControlChannel]:
-    """One epoch's process groups and control channel under ``prefix``, once every
-    rank joined (or raises when they cannot form within ``timeout_s``)."""
-    handles = build_groups(tcp_store, prefix, rank, size, timeout_s, device, host)
-    store = dist.PrefixStore(f"{prefix}/ctlsock", tcp_store)
-    return handles, ControlChannel.connect(store, rank, size, timeout_s, host)

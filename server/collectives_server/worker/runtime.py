@@ -53,7 +53,7 @@ from collectives_server.worker.op_context import (
     OpContext,
     OpResult,
 )
-from collectives_server.worker.process_groups import form_epoch
+from collectives_server.worker.process_groups import build_groups
 from collectives_server.worker.replaced_memory import ReplacedMemory, pool_bytes
 from collectives_server.worker.sequencer import Sequencer, Ticket
 from collectives_server.worker.store import TensorStore
@@ -66,11 +66,8 @@ Outcome = OpResult | ModelOpResult | PublishResult | CollectiveError
 
 
 class _DrivenEnd(Exception):
-    """A submitter's op (``GenerationRuntime.drive``) ended the epoch with ``failure``."""
-
-    def __init__(self, failure: str | None) -> None:
-        super().__init__(failure)
-        self.failure = failure
+    """A submitter's op (``GenerationRuntime.drive``) ended the epoch (``args[0]``: why,
+    or None when it was retired)."""
 
 
 _Item = tuple[worker_pb2.OpDescriptor, int | None]  # an op and its inline capacity
@@ -328,7 +325,10 @@ class GenerationRuntime:
         prefix = f"g{self.generation}" if epoch == 0 else f"g{self.generation}e{epoch}"
         where = (self._tcp_store, prefix, self.rank, self.world_size, self._timeout_s)
         try:
-            handles, self._channel = form_epoch(*where, self._device, self._host)
+            handles = build_groups(*where, self._device, self._host)
+            self._channel = ControlChannel.connect(
+                dist.PrefixStore(f"{prefix}/ctlsock", self._tcp_store), *where[2:], self._host
+            )
         except Exception as exc:
             raise GroupBroken(f"could not form the process group: {exc}") from exc
         self.groups = {0: GroupEntry(0, list(range(self.world_size)), handles)}
@@ -405,7 +405,7 @@ class GenerationRuntime:
                 self._step(ctx, current, items, pending)
                 current = []
         except _DrivenEnd as end:
-            return end.failure
+            return end.args[0]
         except GroupBroken as exc:
             return self._broken(exc, current)
         except Exception as exc:  # a bug: never take the daemon down with it
