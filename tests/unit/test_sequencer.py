@@ -280,10 +280,11 @@ def test_random_sequences_keep_the_queue_invariants(capacity: int, steps: list[S
 def test_a_submitter_may_claim_its_op_only_from_a_parked_loop_with_nothing_else_queued() -> None:
     seq, _ = make()
     first = seq.admit(desc(), TIMEOUT_S)
-    assert not seq.claim(first)  # the loop is not parked: it takes the op itself
+    assert not seq.may_claim(first) and not seq.claim(first)  # the loop takes it itself
     assert seq.next() is first
     seq.loop_parked = True
     alone = seq.admit(desc(), TIMEOUT_S)
+    assert seq.may_claim(alone) and not alone.driven  # asking claims nothing
     assert seq.claim(alone) and alone.driven and seq.driven
     second = seq.admit(desc(), TIMEOUT_S)  # while one is claimed: never a second
     assert not seq.claim(second) and not second.driven

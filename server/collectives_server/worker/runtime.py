@@ -184,9 +184,11 @@ class GenerationRuntime:
                 desc, timeout_s if timeout_s is not None else 2 * self._timeout_s,
                 expected_generation,
             )  # fmt: skip
-            # Only an op on small operands: its run is bounded by the control rounds.
-            small = drive and self._ctx is not None and inline_capacity(self._ctx, desc) is not None
-            if not (small and self._seq.claim(ticket)):
+            ctx = self._ctx  # small operands only, judged only when the op is claimable
+            claimable = drive and ctx is not None and self._seq.may_claim(ticket)
+            if claimable and inline_capacity(ctx, desc) is not None:
+                self._seq.claim(ticket)
+            else:
                 self._cond.notify_all()
         return ticket
 

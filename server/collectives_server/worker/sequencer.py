@@ -119,12 +119,17 @@ class Sequencer:
         self._queue.append(ticket)
         return ticket
 
-    def claim(self, ticket: Ticket) -> bool:
-        """Lets ``ticket``'s submitter run it on its own thread (two thread hand-offs
-        fewer): only while the loop is parked, no other submitter runs one, and
-        ``ticket`` is all that is queued. The loop waits until :meth:`release`."""
+    def may_claim(self, ticket: Ticket) -> bool:
+        """Whether ``ticket``'s submitter may run it on its own thread (two thread
+        hand-offs fewer): only while the loop is parked, no other submitter runs
+        one, and ``ticket`` is all that is queued."""
         alone = len(self._queue) == 1 and self._queue[0] is ticket
-        if self.loop_parked and not self.driven and not self.closed and alone:
+        return self.loop_parked and not self.driven and not self.closed and alone
+
+    def claim(self, ticket: Ticket) -> bool:
+        """Claims ``ticket`` for its submitter when :meth:`may_claim`; the loop then
+        waits until :meth:`release`."""
+        if self.may_claim(ticket):
             self.driven = ticket.driven = True
         return ticket.driven
 
