@@ -1,12 +1,14 @@
-"""Both paths an op can take on the workers, through the SDK on real clusters.
+"""Every path an op can take on the workers, through the SDK on real clusters.
 
 Operands up to ``INLINE_MAX_BYTES`` per rank travel inside the operand
 exchange and every rank computes its result from them; larger ones take a data
-collective and an outcome agreement. ``test_collectives`` covers every op and
-dtype on small tensors (the inline path); this module runs the same checks on
-operands just above the limit (the data-collective path), on an operand that
-is small on the leader but large on the src, and checks read-your-writes on a
-follower right after each call (no barrier per op: followers fence the result).
+collective and an outcome agreement, and sums and products of ``RING_MIN_BYTES``
+or more a ring all-reduce that reads the operand in place.
+``test_collectives`` covers every op and dtype on small tensors (the inline
+path); this module runs the same checks on operands just above each limit, on
+an operand that is small on the leader but large on the src, and checks
+read-your-writes on a follower right after each call (no barrier per op:
+followers fence the result).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pytest
 import torch
 from helpers import assert_tensor, get_each, make_input, put_each, reduce_oracle
 
+from collectives_server.worker.collective_ops import RING_MIN_BYTES
 from collectives_server.worker.handlers.tensor_ops import INLINE_MAX_BYTES
 
 TIMEOUT_S = 60.0
@@ -65,6 +68,42 @@ def test_large_all_reduce_and_reduce(cluster, gen, uname, dtype, op) -> None:
     dst = cluster.world_size - 1
     got = cluster.reduce(name, dst=dst, op=op, out=out + "/r", timeout=TIMEOUT_S)
     assert_tensor(got, expected, exact=_exact(dtype, op), what="reduce")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32], ids=["float64", "int32"])
+def test_ring_sized_sums_and_products(cluster, gen, uname, dtype) -> None:
+    """Over ``RING_MIN_BYTES`` per rank, with a row count the world does not divide:
+    all_reduce (to ``out`` and in place), reduce and reduce_scatter against torch's
+    result, every rank's bits the same, the operand left as it was."""
+    world = cluster.world_size
+    cols = 64
+    rows = RING_MIN_BYTES // (cols * dtype.itemsize) + 1
+    rows += 1 if rows % world == 0 else 0
+    name, out = uname(), uname("out")
+    for op in ("sum", "product"):
+        inputs = [make_input(dtype, (rows, cols), gen) for _ in range(world)]
+        if op == "product" and dtype.is_floating_point:  # powers of two: exact in any order
+            inputs = [torch.pow(2.0, (t * 2).round().clamp(-4, 4)).to(dtype) for t in inputs]
+        put_each(cluster, name, inputs)
+        expected = reduce_oracle(op, inputs)
+        cluster.all_reduce(name, op=op, out=out, timeout=TIMEOUT_S)
+        results = get_each(cluster, out)
+        for rank, got in enumerate(results):
+            assert_tensor(got, expected, exact=_exact(dtype, op), what=f"{op} rank {rank}")
+            assert torch.equal(got, results[0])
+        assert all(torch.equal(a, b) for a, b in zip(get_each(cluster, name), inputs, strict=True))
+        got = cluster.reduce(name, dst=world - 1, op=op, out=out + "/r", timeout=TIMEOUT_S)
+        assert torch.equal(got, results[0])
+        cluster.all_reduce(name, op=op, timeout=TIMEOUT_S)
+        assert all(torch.equal(got, results[0]) for got in get_each(cluster, name))
+
+    even = rows - rows % world
+    inputs = [make_input(dtype, (even, cols), gen) for _ in range(world)]
+    put_each(cluster, name, inputs)
+    cluster.reduce_scatter(name, op="sum", out=out + "/rs", timeout=TIMEOUT_S)
+    total = reduce_oracle("sum", inputs)
+    for rank, got in enumerate(get_each(cluster, out + "/rs")):
+        assert_tensor(got, total.chunk(world)[rank], exact=_exact(dtype, "sum"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))

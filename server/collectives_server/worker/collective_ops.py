@@ -1,8 +1,8 @@
 """The data collectives themselves, on one process group.
 
 Each function runs on a member of the group with the operand that validation
-already checked, works on private buffers (never on the stored tensor), and
-returns the tensor this rank should commit, or None. Data-movement ops
+already checked, never writes the stored tensor (results go to private
+buffers), and returns the tensor this rank should commit, or None. Data-movement ops
 (broadcast, gather, all_gather, all_to_all) move raw bytes, so every dtype
 works whatever the backend supports; reductions map what gloo lacks onto
 what it has:
@@ -12,7 +12,10 @@ what it has:
 * complex: sum/avg on the real view; product by an all-gather and a local
   product in rank order (identical on every rank);
 * reduce and reduce_scatter: an all-reduce, then each rank keeps its part
-  (gloo's reduce_scatter does not cover every dtype and op).
+  (gloo's reduce_scatter does not cover every dtype and op);
+* a sum or product of 1 MiB or more of a plain dtype: a ring all-reduce over
+  point-to-point sends that reads the operand where it is, instead of copying
+  it for gloo's in-place all-reduce (:func:`_ring_all_reduce`).
 
 :func:`fold` reduces operands that travelled inside the operand exchange (see
 ``handlers/tensor_kinds.py``): the same arithmetic on the same bytes in rank
@@ -167,7 +170,67 @@ def all_reduce(
     pg: dist.ProcessGroup, t: torch.Tensor, op: ReduceOp, size: int, alloc: Alloc = fresh
 ) -> torch.Tensor:
     """The reduction of every member's ``t``, identical on every member."""
+    if size >= 2 and _ring_reducible(t, op):
+        return _ring_all_reduce(pg, t, op, alloc)
     return reduce_buffer(pg, private_copy(t, alloc), op, size)
+
+
+# Operands of this size and more are reduced by the ring below; under it the copy
+# costs little and gloo's one collective takes fewer messages.
+RING_MIN_BYTES = 1 << 20
+_RING_FOLD = {ReduceOp.SUM: torch.Tensor.add_, ReduceOp.PRODUCT: torch.Tensor.mul_}
+_RING_DTYPES = frozenset(
+    {torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+)
+_RING_TAGS = (0x5A11, 0x5A12)  # one op at a time on a group: fixed tags cannot cross
+
+
+def _ring_reducible(t: torch.Tensor, op: ReduceOp) -> bool:
+    return (
+        op in _RING_FOLD
+        and t.dtype in _RING_DTYPES
+        and t.numel() * t.element_size() >= RING_MIN_BYTES
+        and _memmove_ok(t)
+    )
+
+
+def _ring_all_reduce(
+    pg: dist.ProcessGroup, t: torch.Tensor, op: ReduceOp, alloc: Alloc
+) -> torch.Tensor:
+    """:func:`all_reduce` of large operands without copying ``t`` first.
+
+    gloo reduces only in place, so the general path copies the operand into the
+    result and all-reduces the copy: on 2 cores that copy is a fifth of a 64 MiB
+    all-reduce. This is the ring all-reduce gloo itself runs, over its
+    point-to-point sends, with ``t`` only read: the result is split in ``size``
+    chunks; in each of ``size - 1`` steps a member sends a chunk to the next
+    member and receives one from the previous straight into the result, then
+    folds its own operand's chunk into it (its first send comes from ``t``
+    itself); each member then holds one chunk reduced over every member, and
+    ``size - 1`` more steps pass the reduced chunks round. Every chunk is
+    reduced on one member and copied as bytes to the others, so every member
+    holds the same bits. Measured on the 2-core VM, 64 MiB float32, interleaved
+    with the copy path: 38-42 ms against 56 ms at 2 members (gloo alone:
+    42-49), 71-73 ms against 80-81 ms at 3."""
+    me, size = pg.rank(), pg.size()
+    right, left = (me + 1) % size, (me - 1) % size
+    out = alloc(t.shape, t.dtype, t.device)
+    src = t.reshape(-1).tensor_split(size)
+    dst = out.reshape(-1).tensor_split(size)
+    for step in range(size - 1):  # reduce-scatter
+        give, take = (me - step) % size, (me - step - 1) % size
+        received = pg.recv([dst[take]], left, _RING_TAGS[0])
+        sent = pg.send([src[give] if step == 0 else dst[give]], right, _RING_TAGS[0])
+        received.wait()
+        _RING_FOLD[op](dst[take], src[take])
+        sent.wait()
+    for step in range(size - 1):  # all-gather: chunk me + 1 is reduced here
+        give, take = (me + 1 - step) % size, (me - step) % size
+        received = pg.recv([dst[take]], left, _RING_TAGS[1])
+        sent = pg.send([dst[give]], right, _RING_TAGS[1])
+        received.wait()
+        sent.wait()
+    return out
 
 
 def reduce_buffer(

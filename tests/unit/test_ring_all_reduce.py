@@ -1,0 +1,157 @@
+"""The ring all-reduce of large sums and products (``collective_ops._ring_all_reduce``).
+
+Real gloo groups, one per rank thread over one ``HashStore``, as the workers' data
+groups (gloo point-to-point sends); fresh random operands of 1 MiB and more, sizes
+that do not divide evenly by the group, against what torch computes locally on the
+same inputs. Float operands are random multiples of 1/16 (sums) or random signed
+powers of two (products), so every order of reduction gives the same bits and the
+results must equal torch's exactly. The operand is only read: it is checked to be
+unchanged. Over ``tests/fake_pg.py``'s world, the calls show which path ran and a
+dead peer fails the op on the others with the operand intact.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import operator
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from fake_pg import FakeWorld, run_ranks
+
+from collectives.reduce_ops import ReduceOp
+from collectives_server.worker import collective_ops
+
+SIZES = (2, 3, 4)
+DTYPES = (torch.float32, torch.float64, torch.int64, torch.int32, torch.uint8)
+RING_OPS = {ReduceOp.SUM: operator.add, ReduceOp.PRODUCT: operator.mul}
+
+
+@pytest.fixture(scope="module")
+def gloo() -> Callable[[int], Any]:
+    """``gloo(size)``: a world of real gloo groups, built once per size for the module."""
+    worlds: dict[int, Any] = {}
+
+    def get(size: int) -> Any:
+        if size not in worlds:
+            store = dist.HashStore()
+            timeout = datetime.timedelta(seconds=20)
+            shim = SimpleNamespace(size=size, pg=lambda rank: None)
+            pgs = run_ranks(shim, lambda r, _: dist.ProcessGroupGloo(store, r, size, timeout))
+            assert all(isinstance(pg, dist.ProcessGroupGloo) for pg in pgs), pgs
+            worlds[size] = SimpleNamespace(size=size, pg=pgs.__getitem__)
+        return worlds[size]
+
+    return get
+
+
+def _operand(gen: torch.Generator, dtype: torch.dtype, op: ReduceOp, numel: int) -> torch.Tensor:
+    if dtype.is_floating_point:
+        if op is ReduceOp.SUM:
+            return torch.randn(numel, generator=gen, dtype=dtype).mul(16).round().div(16)
+        exponent = torch.randint(-3, 4, (numel,), generator=gen).to(dtype)
+        sign = torch.randint(0, 2, (numel,), generator=gen).to(dtype).mul(2).sub(1)
+        return sign * torch.pow(2.0, exponent).to(dtype)
+    if dtype == torch.uint8:
+        return torch.randint(0, 256, (numel,), generator=gen, dtype=dtype)
+    return torch.randint(-1000, 1001, (numel,), generator=gen, dtype=dtype)
+
+
+def _numel(dtype: torch.dtype, size: int) -> int:
+    """Just over the ring's threshold, and not a multiple of the group's size."""
+    numel = collective_ops.RING_MIN_BYTES // dtype.itemsize + 1
+    return numel + (1 if numel % size == 0 else 0)
+
+
+@pytest.mark.parametrize("op", list(RING_OPS), ids=lambda o: o.name)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("size", SIZES)
+def test_large_sums_and_products_equal_torchs_on_every_rank(
+    gloo, gen, size: int, dtype: torch.dtype, op: ReduceOp
+) -> None:
+    numel = _numel(dtype, size)
+    xs = [_operand(gen, dtype, op, numel).view(-1, 1) for _ in range(size)]
+    before = [x.clone() for x in xs]
+    expected = functools.reduce(RING_OPS[op], xs)
+
+    results = run_ranks(
+        gloo(size), lambda r, pg: collective_ops.all_reduce(pg, xs[r], op, size), timeout_s=60
+    )
+    for rank, got in enumerate(results):
+        assert isinstance(got, torch.Tensor), f"rank {rank}: {got!r}"
+        assert got.dtype == dtype and got.shape == (numel, 1)
+        assert torch.equal(got, expected), f"rank {rank}"
+        assert torch.equal(xs[rank], before[rank]), f"rank {rank}'s operand was written"
+        assert got.untyped_storage().data_ptr() != xs[rank].untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_reduce_scatter_of_a_large_operand_keeps_each_ranks_part(gloo, gen, size: int) -> None:
+    rows = size * 70_000  # 4 columns of float32: over 1 MiB per rank
+    xs = [_operand(gen, torch.float32, ReduceOp.SUM, rows * 4).view(rows, 4) for _ in range(size)]
+    total = functools.reduce(operator.add, xs)
+
+    def fn(rank: int, pg: Any) -> torch.Tensor:
+        return collective_ops.reduce_scatter(pg, xs[rank], ReduceOp.SUM, size, rank)
+
+    for rank, got in enumerate(run_ranks(gloo(size), fn, timeout_s=60)):
+        assert torch.equal(got, total.chunk(size)[rank]), f"rank {rank}"
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "dtype", "op", "ring"),
+    [
+        (collective_ops.RING_MIN_BYTES, torch.float32, ReduceOp.SUM, True),
+        (collective_ops.RING_MIN_BYTES - 4, torch.float32, ReduceOp.SUM, False),
+        (collective_ops.RING_MIN_BYTES, torch.float32, ReduceOp.MAX, False),
+        (collective_ops.RING_MIN_BYTES, torch.float16, ReduceOp.SUM, False),
+        (collective_ops.RING_MIN_BYTES, torch.complex64, ReduceOp.SUM, False),
+    ],
+    ids=["ring", "below-threshold", "max", "float16", "complex"],
+)
+def test_which_path_runs(gen, nbytes: int, dtype: torch.dtype, op: ReduceOp, ring: bool) -> None:
+    """Only large sums and products of the plain dtypes take the ring; the rest copy
+    the operand and run gloo's all-reduce, with the same results."""
+    size = 3
+    numel = nbytes // dtype.itemsize
+    xs = [torch.randn(numel, generator=gen).to(dtype) for _ in range(size)]
+    world = FakeWorld(size, timeout_s=30)
+    results = run_ranks(
+        world, lambda r, pg: collective_ops.all_reduce(pg, xs[r], op, size), timeout_s=60
+    )
+    for rank in range(size):
+        assert isinstance(results[rank], torch.Tensor), results[rank]
+        assert torch.equal(results[rank], results[0])
+        calls = dict(world.calls[rank])
+        if ring:
+            assert calls == {"send": 2 * (size - 1), "recv": 2 * (size - 1)}
+        else:
+            assert calls.get("allreduce", 0) + calls.get("allgather", 0) == 1, calls
+            assert "send" not in calls
+
+
+def test_a_dead_peer_fails_the_ring_on_every_other_rank_and_leaves_operands_as_they_were(
+    gen,
+) -> None:
+    size = 3
+    numel = _numel(torch.float32, size)
+    xs = [_operand(gen, torch.float32, ReduceOp.SUM, numel) for _ in range(size)]
+    before = [x.clone() for x in xs]
+    world = FakeWorld(size, timeout_s=10)
+    world.kill(2)
+
+    def fn(rank: int, pg: Any) -> Any:
+        if rank == 2:
+            return None  # dead: it never calls
+        return collective_ops.all_reduce(pg, xs[rank], ReduceOp.SUM, size)
+
+    results = run_ranks(world, fn, timeout_s=30)
+    for rank in (0, 1):
+        assert isinstance(results[rank], RuntimeError), results[rank]
+        assert "rank 2" in str(results[rank])
+        assert torch.equal(xs[rank], before[rank])
