@@ -12,8 +12,10 @@ directly in ``world`` fresh processes built like the workers' groups
 The largest all_reduce has a second row, against direct gloo that first copies
 the operand (``all_reduce_copy``): the service leaves ``bench/x`` as it was and
 writes ``bench/y`` (and an op that fails leaves every value as it was), and
-gloo only reduces in place, so each rank copies its operand before the
-collective. That row shows how much of the first row's ratio is the copy.
+gloo only reduces in place, so every rank used to copy its operand before the
+collective. A sum of 1 MiB or more now runs a ring of gloo sends that reads
+the operand where it is (``collective_ops._ring_all_reduce``); the row shows
+the copy it saves (min, max and other dtypes still copy).
 """
 
 from __future__ import annotations
@@ -116,9 +118,10 @@ def _copy_row(world: int, nbytes: int, service: dict, anchor: dict) -> Row:
         anchor_name=f"direct gloo: memmove the operand, all_reduce the copy, {world} processes",
         anchor=stat_of(anchor[("all_reduce_copy", nbytes)], "s"),
         note=(
-            "no target: what bounds the row above. The service keeps the operand as it was "
-            "(out= name; a failed op changes nothing) and gloo reduces only in place, so "
-            "every rank copies its operand first, as this anchor does"
+            "no target. The service keeps the operand as it was (out= name; a failed op "
+            "changes nothing) and gloo reduces only in place, so it used to copy the operand "
+            "first, as this anchor does; a sum this large now runs a ring of gloo sends that "
+            "reads the operand in place (min, max and other dtypes still copy)"
         ),
         extra={"world": world, "bytes": nbytes},
     )
