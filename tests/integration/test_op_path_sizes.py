@@ -71,7 +71,7 @@ def test_large_all_reduce_and_reduce(cluster, gen, uname, dtype, op) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int32], ids=["float64", "int32"])
-def test_ring_sized_sums_and_products(cluster, gen, uname, dtype) -> None:
+def test_ring_sized_sums_averages_and_products(cluster, gen, uname, dtype) -> None:
     """Over ``RING_MIN_BYTES`` per rank, with a row count the world does not divide:
     all_reduce (to ``out`` and in place), reduce and reduce_scatter against torch's
     result, every rank's bits the same, the operand left as it was."""
@@ -80,7 +80,7 @@ def test_ring_sized_sums_and_products(cluster, gen, uname, dtype) -> None:
     rows = RING_MIN_BYTES // (cols * dtype.itemsize) + 1
     rows += 1 if rows % world == 0 else 0
     name, out = uname(), uname("out")
-    for op in ("sum", "product"):
+    for op in ("sum", "product", "avg") if dtype.is_floating_point else ("sum", "product"):
         inputs = [make_input(dtype, (rows, cols), gen) for _ in range(world)]
         if op == "product" and dtype.is_floating_point:  # powers of two: exact in any order
             inputs = [torch.pow(2.0, (t * 2).round().clamp(-4, 4)).to(dtype) for t in inputs]

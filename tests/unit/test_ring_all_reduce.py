@@ -1,13 +1,14 @@
-"""The ring all-reduce of large sums and products (``collective_ops._ring_all_reduce``).
+"""The ring all-reduce of large sums, averages and products (``collective_ops._ring_all_reduce``).
 
 Real gloo groups, one per rank thread over one ``HashStore``, as the workers' data
 groups (gloo point-to-point sends); fresh random operands of 1 MiB and more, sizes
 that do not divide evenly by the group, against what torch computes locally on the
-same inputs. Float operands are random multiples of 1/16 (sums) or random signed
-powers of two (products), so every order of reduction gives the same bits and the
-results must equal torch's exactly. The operand is only read: it is checked to be
-unchanged. Over ``tests/fake_pg.py``'s world, the calls show which path ran and a
-dead peer fails the op on the others with the operand intact.
+same inputs. Float operands are random multiples of 1/16 (sums, averages) or random
+signed powers of two (products), so every order of reduction gives the same bits and
+the results must equal torch's exactly (an average: the exact sum divided once). The
+operand is only read: it is checked to be unchanged. Over ``tests/fake_pg.py``'s world,
+the calls show which path ran and a dead peer fails the op on the others with the
+operand intact.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from collectives_server.worker import collective_ops
 
 SIZES = (2, 3, 4)
 DTYPES = (torch.float32, torch.float64, torch.int64, torch.int32, torch.uint8)
-RING_OPS = {ReduceOp.SUM: operator.add, ReduceOp.PRODUCT: operator.mul}
+RING_OPS = {ReduceOp.SUM: operator.add, ReduceOp.PRODUCT: operator.mul, ReduceOp.AVG: operator.add}
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,7 @@ def gloo() -> Callable[[int], Any]:
 
 def _operand(gen: torch.Generator, dtype: torch.dtype, op: ReduceOp, numel: int) -> torch.Tensor:
     if dtype.is_floating_point:
-        if op is ReduceOp.SUM:
+        if op in (ReduceOp.SUM, ReduceOp.AVG):
             return torch.randn(numel, generator=gen, dtype=dtype).mul(16).round().div(16)
         exponent = torch.randint(-3, 4, (numel,), generator=gen).to(dtype)
         sign = torch.randint(0, 2, (numel,), generator=gen).to(dtype).mul(2).sub(1)
@@ -68,16 +69,23 @@ def _numel(dtype: torch.dtype, size: int) -> int:
     return numel + (1 if numel % size == 0 else 0)
 
 
-@pytest.mark.parametrize("op", list(RING_OPS), ids=lambda o: o.name)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+# An average is for floating dtypes only (validation refuses the others).
+CASES = [
+    (d, op) for d in DTYPES for op in RING_OPS if d.is_floating_point or op is not ReduceOp.AVG
+]
+
+
+@pytest.mark.parametrize(("dtype", "op"), CASES, ids=[f"{d}-{o.name}" for d, o in CASES])
 @pytest.mark.parametrize("size", SIZES)
-def test_large_sums_and_products_equal_torchs_on_every_rank(
+def test_large_reductions_equal_torchs_on_every_rank(
     gloo, gen, size: int, dtype: torch.dtype, op: ReduceOp
 ) -> None:
     numel = _numel(dtype, size)
     xs = [_operand(gen, dtype, op, numel).view(-1, 1) for _ in range(size)]
     before = [x.clone() for x in xs]
     expected = functools.reduce(RING_OPS[op], xs)
+    if op is ReduceOp.AVG:
+        expected = expected / size
 
     results = run_ranks(
         gloo(size), lambda r, pg: collective_ops.all_reduce(pg, xs[r], op, size), timeout_s=60
@@ -107,12 +115,13 @@ def test_reduce_scatter_of_a_large_operand_keeps_each_ranks_part(gloo, gen, size
     ("nbytes", "dtype", "op", "ring"),
     [
         (collective_ops.RING_MIN_BYTES, torch.float32, ReduceOp.SUM, True),
+        (collective_ops.RING_MIN_BYTES, torch.float64, ReduceOp.AVG, True),
         (collective_ops.RING_MIN_BYTES - 4, torch.float32, ReduceOp.SUM, False),
         (collective_ops.RING_MIN_BYTES, torch.float32, ReduceOp.MAX, False),
         (collective_ops.RING_MIN_BYTES, torch.float16, ReduceOp.SUM, False),
         (collective_ops.RING_MIN_BYTES, torch.complex64, ReduceOp.SUM, False),
     ],
-    ids=["ring", "below-threshold", "max", "float16", "complex"],
+    ids=["ring", "avg", "below-threshold", "max", "float16", "complex"],
 )
 def test_which_path_runs(gen, nbytes: int, dtype: torch.dtype, op: ReduceOp, ring: bool) -> None:
     """Only large sums and products of the plain dtypes take the ring; the rest copy
