@@ -98,17 +98,32 @@ def test_large_reductions_equal_torchs_on_every_rank(
         assert got.untyped_storage().data_ptr() != xs[rank].untyped_storage().data_ptr()
 
 
+@pytest.mark.parametrize("op", list(RING_OPS), ids=lambda o: o.name)
 @pytest.mark.parametrize("size", SIZES)
-def test_reduce_scatter_of_a_large_operand_keeps_each_ranks_part(gloo, gen, size: int) -> None:
+def test_reduce_scatter_of_a_large_operand_keeps_each_ranks_part(
+    gloo, gen, size: int, op: ReduceOp
+) -> None:
+    """Half a ring: each rank sends and receives ``size - 1`` parts, once each."""
     rows = size * 70_000  # 4 columns of float32: over 1 MiB per rank
-    xs = [_operand(gen, torch.float32, ReduceOp.SUM, rows * 4).view(rows, 4) for _ in range(size)]
-    total = functools.reduce(operator.add, xs)
+    xs = [_operand(gen, torch.float32, op, rows * 4).view(rows, 4) for _ in range(size)]
+    before = [x.clone() for x in xs]
+    total = functools.reduce(RING_OPS[op], xs)
+    if op is ReduceOp.AVG:
+        total = total / size
 
     def fn(rank: int, pg: Any) -> torch.Tensor:
-        return collective_ops.reduce_scatter(pg, xs[rank], ReduceOp.SUM, size, rank)
+        return collective_ops.reduce_scatter(pg, xs[rank], op, size, rank)
 
     for rank, got in enumerate(run_ranks(gloo(size), fn, timeout_s=60)):
+        assert isinstance(got, torch.Tensor), f"rank {rank}: {got!r}"
+        assert got.shape == (rows // size, 4) and got.is_contiguous()
         assert torch.equal(got, total.chunk(size)[rank]), f"rank {rank}"
+        assert torch.equal(xs[rank], before[rank]), f"rank {rank}'s operand was written"
+    world = FakeWorld(size, timeout_s=30)
+    fake = run_ranks(world, fn, timeout_s=60)
+    for rank in range(size):
+        assert torch.equal(fake[rank], total.chunk(size)[rank])
+        assert dict(world.calls[rank]) == {"send": size - 1, "recv": size - 1}
 
 
 @pytest.mark.parametrize(

@@ -241,6 +241,37 @@ def _ring_all_reduce(
     return out
 
 
+def _ring_reduce_scatter(
+    pg: dist.ProcessGroup, t: torch.Tensor, op: ReduceOp, alloc: Alloc
+) -> torch.Tensor:
+    """:func:`reduce_scatter` as the first half of :func:`_ring_all_reduce` alone: each
+    member ends holding its own part reduced over every member, having sent and
+    received ``(size - 1) / size`` of the operand once (the all-reduce and a copy of
+    the part: twice that, and the whole result's memory). The ring is shifted by
+    one so that the part a member completes is its own; a step receives into the
+    result or, for all but the last step (``size`` of 3 and more), into one
+    scratch part, so that the last step's receive lands in the result."""
+    me, size = pg.rank(), pg.size()
+    right, left = (me + 1) % size, (me - 1) % size
+    src = t.reshape(-1).tensor_split(size)
+    out = alloc((t.shape[0] // size, *t.shape[1:]), t.dtype, t.device)
+    scratch = fresh(out.shape, out.dtype, out.device) if size > 2 else out
+    buffers = [out.view(-1), scratch.view(-1)]
+    previous = None
+    for step in range(size - 1):
+        give, take = (me - step - 1) % size, (me - step - 2) % size
+        into = buffers[(size - 2 - step) % 2]  # the last step's is the result
+        received = pg.recv([into], left, _RING_TAGS[0])
+        sent = pg.send([src[give] if previous is None else previous], right, _RING_TAGS[0])
+        received.wait()
+        _RING_FOLD[op](into, src[take])
+        sent.wait()
+        previous = into
+    if op is ReduceOp.AVG:
+        out.div_(size)
+    return out
+
+
 def reduce_buffer(
     pg: dist.ProcessGroup, buf: torch.Tensor, op: ReduceOp, size: int
 ) -> torch.Tensor:
@@ -276,6 +307,9 @@ def reduce_scatter(
     index: int,
     alloc: Alloc = fresh,
 ) -> torch.Tensor:
+    """Member ``index``'s part (dim 0 in ``size`` equal parts) of the reduction."""
+    if size >= 2 and _ring_reducible(t, op):
+        return _ring_reduce_scatter(pg, t, op, alloc)
     reduced = all_reduce(pg, t, op, size)
     return (
         private_copy(reduced.chunk(size, dim=0)[index], alloc)
