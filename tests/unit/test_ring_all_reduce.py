@@ -126,6 +126,40 @@ def test_reduce_scatter_of_a_large_operand_keeps_each_ranks_part(
         assert dict(world.calls[rank]) == {"send": size - 1, "recv": size - 1}
 
 
+@pytest.mark.parametrize("op", list(RING_OPS), ids=lambda o: o.name)
+@pytest.mark.parametrize("size", SIZES)
+def test_reduce_of_a_large_operand_sends_each_part_to_the_root_once(
+    gloo, gen, size: int, op: ReduceOp
+) -> None:
+    numel = _numel(torch.float64, size)
+    xs = [_operand(gen, torch.float64, op, numel).view(-1, 1) for _ in range(size)]
+    before = [x.clone() for x in xs]
+    total = functools.reduce(RING_OPS[op], xs)
+    if op is ReduceOp.AVG:
+        total = total / size
+    root = size - 1
+
+    def fn(rank: int, pg: Any) -> torch.Tensor | None:
+        return collective_ops.reduce(pg, xs[rank], op, size, root=root)
+
+    for ranks in (run_ranks(gloo(size), fn, timeout_s=60), run_ranks(FakeWorld(size), fn)):
+        for rank, got in enumerate(ranks):
+            if rank == root:
+                assert isinstance(got, torch.Tensor) and torch.equal(got, total), got
+            else:
+                assert got is None, f"rank {rank}: {got!r}"
+            assert torch.equal(xs[rank], before[rank]), f"rank {rank}'s operand was written"
+    world = FakeWorld(size)
+    run_ranks(world, fn)
+    for rank in range(size):
+        sends, recvs = size - 1, size - 1  # the reduce-scatter half of the ring
+        if rank == root:
+            recvs += size - 1  # every other member's part
+        else:
+            sends += 1  # its own part, to the root
+        assert dict(world.calls[rank]) == {"send": sends, "recv": recvs}
+
+
 @pytest.mark.parametrize(
     ("nbytes", "dtype", "op", "ring"),
     [

@@ -15,7 +15,8 @@ what it has:
   (gloo's reduce_scatter does not cover every dtype and op);
 * a sum, average or product of 1 MiB or more of a plain dtype: a ring all-reduce over
   point-to-point sends that reads the operand where it is, instead of copying
-  it for gloo's in-place all-reduce (:func:`_ring_all_reduce`).
+  it for gloo's in-place all-reduce (:func:`_ring_all_reduce`); reduce_scatter
+  and reduce run only its first half, then each part goes where it belongs.
 
 :func:`fold` reduces operands that travelled inside the operand exchange (see
 ``handlers/tensor_kinds.py``): the same arithmetic on the same bytes in rank
@@ -244,23 +245,50 @@ def _ring_all_reduce(
 def _ring_reduce_scatter(
     pg: dist.ProcessGroup, t: torch.Tensor, op: ReduceOp, alloc: Alloc
 ) -> torch.Tensor:
-    """:func:`reduce_scatter` as the first half of :func:`_ring_all_reduce` alone: each
-    member ends holding its own part reduced over every member, having sent and
-    received ``(size - 1) / size`` of the operand once (the all-reduce and a copy of
-    the part: twice that, and the whole result's memory). The ring is shifted by
-    one so that the part a member completes is its own; a step receives into the
-    result or, for all but the last step (``size`` of 3 and more), into one
-    scratch part, so that the last step's receive lands in the result."""
+    """:func:`reduce_scatter` as the first half of the ring alone (see
+    :func:`_ring_own_part`): this member's part, allocated alone."""
+    out = alloc((t.shape[0] // pg.size(), *t.shape[1:]), t.dtype, t.device)
+    _ring_own_part(pg, t, op, out.view(-1))
+    return out
+
+
+def _ring_reduce(
+    pg: dist.ProcessGroup, t: torch.Tensor, op: ReduceOp, root: int, alloc: Alloc
+) -> torch.Tensor | None:
+    """:func:`reduce` as the first half of the ring, then every member's reduced part
+    sent to ``root`` (which returns the whole; the others None): the parts travel
+    once to the root instead of round the ring to every member."""
+    me, size = pg.rank(), pg.size()
+    if me != root:
+        own = fresh((t.reshape(-1).tensor_split(size)[me].numel(),), t.dtype, t.device)
+        _ring_own_part(pg, t, op, own)
+        pg.send([own], root, _RING_TAGS[1]).wait()
+        return None
+    out = alloc(t.shape, t.dtype, t.device)
+    parts = out.reshape(-1).tensor_split(size)
+    _ring_own_part(pg, t, op, parts[me])
+    received = [pg.recv([parts[r]], r, _RING_TAGS[1]) for r in range(size) if r != me]
+    for work in received:
+        work.wait()
+    return out
+
+
+def _ring_own_part(pg: dist.ProcessGroup, t: torch.Tensor, op: ReduceOp, own: torch.Tensor) -> None:
+    """The reduce-scatter half of :func:`_ring_all_reduce`, shifted by one so that the
+    part a member completes is its own: ``own`` (flat, the length of this member's
+    part of ``t`` split in ``size``) gets that part reduced over every member. Each
+    member sends and receives ``(size - 1) / size`` of the operand once. A step
+    receives into a scratch part (two alternate from 4 members on: a step sends
+    what the step before received) and the last one into ``own``."""
     me, size = pg.rank(), pg.size()
     right, left = (me + 1) % size, (me - 1) % size
     src = t.reshape(-1).tensor_split(size)
-    out = alloc((t.shape[0] // size, *t.shape[1:]), t.dtype, t.device)
-    scratch = fresh(out.shape, out.dtype, out.device) if size > 2 else out
-    buffers = [out.view(-1), scratch.view(-1)]
+    longest = max(part.numel() for part in src)
+    scratch = [fresh((longest,), t.dtype, t.device) for _ in range(min(2, size - 2))]
     previous = None
     for step in range(size - 1):
         give, take = (me - step - 1) % size, (me - step - 2) % size
-        into = buffers[(size - 2 - step) % 2]  # the last step's is the result
+        into = own if step == size - 2 else scratch[step % 2][: src[take].numel()]
         received = pg.recv([into], left, _RING_TAGS[0])
         sent = pg.send([src[give] if previous is None else previous], right, _RING_TAGS[0])
         received.wait()
@@ -268,8 +296,7 @@ def _ring_reduce_scatter(
         sent.wait()
         previous = into
     if op is ReduceOp.AVG:
-        out.div_(size)
-    return out
+        own.div_(size)
 
 
 def reduce_buffer(
@@ -294,8 +321,17 @@ def reduce_buffer(
 
 
 def reduce(
-    pg: dist.ProcessGroup, t: torch.Tensor, op: ReduceOp, size: int, alloc: Alloc = fresh
-) -> torch.Tensor:
+    pg: dist.ProcessGroup,
+    t: torch.Tensor,
+    op: ReduceOp,
+    size: int,
+    alloc: Alloc = fresh,
+    root: int | None = None,
+) -> torch.Tensor | None:
+    """The reduction on member ``root`` (None there elsewhere); with ``root`` None,
+    on every member."""
+    if root is not None and size >= 2 and _ring_reducible(t, op):
+        return _ring_reduce(pg, t, op, root, alloc)
     return all_reduce(pg, t, op, size, alloc)
 
 

@@ -70,7 +70,7 @@ def _broadcast(m: Member) -> torch.Tensor | None:
 
 
 def _reduce(m: Member) -> torch.Tensor | None:
-    reduced = ops.reduce(m.pg, _operand(m), m.op, m.size, m.alloc)
+    reduced = ops.reduce(m.pg, _operand(m), m.op, m.size, m.alloc, m.root_index)
     return reduced if m.is_root else None
 
 
