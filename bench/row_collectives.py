@@ -14,7 +14,7 @@ the operand (``all_reduce_copy``): the service leaves ``bench/x`` as it was and
 writes ``bench/y`` (and an op that fails leaves every value as it was), and
 gloo only reduces in place, so every rank used to copy its operand before the
 collective. A sum of 1 MiB or more now runs a ring of gloo sends that reads
-the operand where it is (``collective_ops._ring_all_reduce``); the row shows
+the operand where it is (``worker/ring_reductions.py``); the row shows
 the copy it saves (min, max and other dtypes still copy).
 """
 

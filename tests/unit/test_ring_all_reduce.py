@@ -1,4 +1,4 @@
-"""The ring all-reduce of large sums, averages and products (``collective_ops._ring_all_reduce``).
+"""The ring reductions of large sums, averages and products (``worker/ring_reductions.py``).
 
 Real gloo groups, one per rank thread over one ``HashStore``, as the workers' data
 groups (gloo point-to-point sends); fresh random operands of 1 MiB and more, sizes
@@ -27,6 +27,7 @@ from fake_pg import FakeWorld, run_ranks
 
 from collectives.reduce_ops import ReduceOp
 from collectives_server.worker import collective_ops
+from collectives_server.worker.ring_reductions import RING_MIN_BYTES
 
 SIZES = (2, 3, 4)
 DTYPES = (torch.float32, torch.float64, torch.int64, torch.int32, torch.uint8)
@@ -65,7 +66,7 @@ def _operand(gen: torch.Generator, dtype: torch.dtype, op: ReduceOp, numel: int)
 
 def _numel(dtype: torch.dtype, size: int) -> int:
     """Just over the ring's threshold, and not a multiple of the group's size."""
-    numel = collective_ops.RING_MIN_BYTES // dtype.itemsize + 1
+    numel = RING_MIN_BYTES // dtype.itemsize + 1
     return numel + (1 if numel % size == 0 else 0)
 
 
@@ -163,12 +164,12 @@ def test_reduce_of_a_large_operand_sends_each_part_to_the_root_once(
 @pytest.mark.parametrize(
     ("nbytes", "dtype", "op", "ring"),
     [
-        (collective_ops.RING_MIN_BYTES, torch.float32, ReduceOp.SUM, True),
-        (collective_ops.RING_MIN_BYTES, torch.float64, ReduceOp.AVG, True),
-        (collective_ops.RING_MIN_BYTES - 4, torch.float32, ReduceOp.SUM, False),
-        (collective_ops.RING_MIN_BYTES, torch.float32, ReduceOp.MAX, False),
-        (collective_ops.RING_MIN_BYTES, torch.float16, ReduceOp.SUM, False),
-        (collective_ops.RING_MIN_BYTES, torch.complex64, ReduceOp.SUM, False),
+        (RING_MIN_BYTES, torch.float32, ReduceOp.SUM, True),
+        (RING_MIN_BYTES, torch.float64, ReduceOp.AVG, True),
+        (RING_MIN_BYTES - 4, torch.float32, ReduceOp.SUM, False),
+        (RING_MIN_BYTES, torch.float32, ReduceOp.MAX, False),
+        (RING_MIN_BYTES, torch.float16, ReduceOp.SUM, False),
+        (RING_MIN_BYTES, torch.complex64, ReduceOp.SUM, False),
     ],
     ids=["ring", "avg", "below-threshold", "max", "float16", "complex"],
 )

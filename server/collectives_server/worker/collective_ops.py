@@ -15,8 +15,8 @@ what it has:
   (gloo's reduce_scatter does not cover every dtype and op);
 * a sum, average or product of 1 MiB or more of a plain dtype: a ring all-reduce over
   point-to-point sends that reads the operand where it is, instead of copying
-  it for gloo's in-place all-reduce (:func:`_ring_all_reduce`); reduce_scatter
-  and reduce run only its first half, then each part goes where it belongs.
+  it for gloo's in-place all-reduce (``ring_reductions``); reduce_scatter and
+  reduce run only its first half, then each part goes where it belongs.
 
 :func:`fold` reduces operands that travelled inside the operand exchange (see
 ``handlers/tensor_kinds.py``): the same arithmetic on the same bytes in rank
@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from collectives.reduce_ops import ReduceOp
+from collectives_server.worker import ring_reductions as ring
 
 __all__ = [
     "broadcast",
@@ -171,132 +172,9 @@ def all_reduce(
     pg: dist.ProcessGroup, t: torch.Tensor, op: ReduceOp, size: int, alloc: Alloc = fresh
 ) -> torch.Tensor:
     """The reduction of every member's ``t``, identical on every member."""
-    if size >= 2 and _ring_reducible(t, op):
-        return _ring_all_reduce(pg, t, op, alloc)
+    if size >= 2 and ring.reducible(t, op):
+        return ring.all_reduce(pg, t, op, alloc)
     return reduce_buffer(pg, private_copy(t, alloc), op, size)
-
-
-# Operands of this size and more are reduced by the ring below; under it the copy
-# costs little and gloo's one collective takes fewer messages.
-RING_MIN_BYTES = 1 << 20
-_RING_FOLD = {
-    ReduceOp.SUM: torch.Tensor.add_,
-    ReduceOp.AVG: torch.Tensor.add_,  # then divided once, where each chunk is complete
-    ReduceOp.PRODUCT: torch.Tensor.mul_,
-}
-_RING_DTYPES = frozenset(
-    {torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
-)
-_RING_TAGS = (0x5A11, 0x5A12)  # one op at a time on a group: fixed tags cannot cross
-
-
-def _ring_reducible(t: torch.Tensor, op: ReduceOp) -> bool:
-    return (
-        op in _RING_FOLD
-        and t.dtype in _RING_DTYPES
-        and (op is not ReduceOp.AVG or t.dtype.is_floating_point)
-        and t.numel() * t.element_size() >= RING_MIN_BYTES
-        and _memmove_ok(t)
-    )
-
-
-def _ring_all_reduce(
-    pg: dist.ProcessGroup, t: torch.Tensor, op: ReduceOp, alloc: Alloc
-) -> torch.Tensor:
-    """:func:`all_reduce` of large operands without copying ``t`` first.
-
-    gloo reduces only in place, so the general path copies the operand into the
-    result and all-reduces the copy: on 2 cores that copy is a fifth of a 64 MiB
-    all-reduce. This is the ring all-reduce gloo itself runs, over its
-    point-to-point sends, with ``t`` only read: the result is split in ``size``
-    chunks; in each of ``size - 1`` steps a member sends a chunk to the next
-    member and receives one from the previous straight into the result, then
-    folds its own operand's chunk into it (its first send comes from ``t``
-    itself); each member then holds one chunk reduced over every member (an
-    average divides it there, once), and ``size - 1`` more steps pass the
-    reduced chunks round. Every chunk is
-    reduced on one member and copied as bytes to the others, so every member
-    holds the same bits. Measured on the 2-core VM, 64 MiB float32, interleaved
-    with the copy path: 38-42 ms against 56 ms at 2 members (gloo alone:
-    42-49), 71-73 ms against 80-81 ms at 3."""
-    me, size = pg.rank(), pg.size()
-    right, left = (me + 1) % size, (me - 1) % size
-    out = alloc(t.shape, t.dtype, t.device)
-    src = t.reshape(-1).tensor_split(size)
-    dst = out.reshape(-1).tensor_split(size)
-    for step in range(size - 1):  # reduce-scatter
-        give, take = (me - step) % size, (me - step - 1) % size
-        received = pg.recv([dst[take]], left, _RING_TAGS[0])
-        sent = pg.send([src[give] if step == 0 else dst[give]], right, _RING_TAGS[0])
-        received.wait()
-        _RING_FOLD[op](dst[take], src[take])
-        sent.wait()
-    if op is ReduceOp.AVG:
-        dst[(me + 1) % size].div_(size)
-    for step in range(size - 1):  # all-gather: chunk me + 1 is reduced here
-        give, take = (me + 1 - step) % size, (me - step) % size
-        received = pg.recv([dst[take]], left, _RING_TAGS[1])
-        sent = pg.send([dst[give]], right, _RING_TAGS[1])
-        received.wait()
-        sent.wait()
-    return out
-
-
-def _ring_reduce_scatter(
-    pg: dist.ProcessGroup, t: torch.Tensor, op: ReduceOp, alloc: Alloc
-) -> torch.Tensor:
-    """:func:`reduce_scatter` as the first half of the ring alone (see
-    :func:`_ring_own_part`): this member's part, allocated alone."""
-    out = alloc((t.shape[0] // pg.size(), *t.shape[1:]), t.dtype, t.device)
-    _ring_own_part(pg, t, op, out.view(-1))
-    return out
-
-
-def _ring_reduce(
-    pg: dist.ProcessGroup, t: torch.Tensor, op: ReduceOp, root: int, alloc: Alloc
-) -> torch.Tensor | None:
-    """:func:`reduce` as the first half of the ring, then every member's reduced part
-    sent to ``root`` (which returns the whole; the others None): the parts travel
-    once to the root instead of round the ring to every member."""
-    me, size = pg.rank(), pg.size()
-    if me != root:
-        own = fresh((t.reshape(-1).tensor_split(size)[me].numel(),), t.dtype, t.device)
-        _ring_own_part(pg, t, op, own)
-        pg.send([own], root, _RING_TAGS[1]).wait()
-        return None
-    out = alloc(t.shape, t.dtype, t.device)
-    parts = out.reshape(-1).tensor_split(size)
-    _ring_own_part(pg, t, op, parts[me])
-    received = [pg.recv([parts[r]], r, _RING_TAGS[1]) for r in range(size) if r != me]
-    for work in received:
-        work.wait()
-    return out
-
-
-def _ring_own_part(pg: dist.ProcessGroup, t: torch.Tensor, op: ReduceOp, own: torch.Tensor) -> None:
-    """The reduce-scatter half of :func:`_ring_all_reduce`, shifted by one so that the
-    part a member completes is its own: ``own`` (flat, the length of this member's
-    part of ``t`` split in ``size``) gets that part reduced over every member. Each
-    member sends and receives ``(size - 1) / size`` of the operand once. A step
-    receives into a scratch part (two alternate from 4 members on: a step sends
-    what the step before received) and the last one into ``own``."""
-    me, size = pg.rank(), pg.size()
-    right, left = (me + 1) % size, (me - 1) % size
-    src = t.reshape(-1).tensor_split(size)
-    longest = max(part.numel() for part in src)
-    scratch = [fresh((longest,), t.dtype, t.device) for _ in range(min(2, size - 2))]
-    previous = None
-    for step in range(size - 1):
-        give, take = (me - step - 1) % size, (me - step - 2) % size
-        into = own if step == size - 2 else scratch[step % 2][: src[take].numel()]
-        received = pg.recv([into], left, _RING_TAGS[0])
-        sent = pg.send([src[give] if previous is None else previous], right, _RING_TAGS[0])
-        received.wait()
-        _RING_FOLD[op](into, src[take])
-        sent.wait()
-        previous = into
-    if op is ReduceOp.AVG:
-        own.div_(size)
 
 
 def reduce_buffer(
@@ -330,8 +208,8 @@ def reduce(
 ) -> torch.Tensor | None:
     """The reduction on member ``root`` (None there elsewhere); with ``root`` None,
     on every member."""
-    if root is not None and size >= 2 and _ring_reducible(t, op):
-        return _ring_reduce(pg, t, op, root, alloc)
+    if root is not None and size >= 2 and ring.reducible(t, op):
+        return ring.reduce(pg, t, op, root, alloc)
     return all_reduce(pg, t, op, size, alloc)
 
 
@@ -344,8 +222,8 @@ def reduce_scatter(
     alloc: Alloc = fresh,
 ) -> torch.Tensor:
     """Member ``index``'s part (dim 0 in ``size`` equal parts) of the reduction."""
-    if size >= 2 and _ring_reducible(t, op):
-        return _ring_reduce_scatter(pg, t, op, alloc)
+    if size >= 2 and ring.reducible(t, op):
+        return ring.reduce_scatter(pg, t, op, alloc)
     reduced = all_reduce(pg, t, op, size)
     return (
         private_copy(reduced.chunk(size, dim=0)[index], alloc)
