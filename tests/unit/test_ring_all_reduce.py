@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import functools
 import operator
+import time
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -214,3 +215,20 @@ def test_a_dead_peer_fails_the_ring_on_every_other_rank_and_leaves_operands_as_t
         assert isinstance(results[rank], RuntimeError), results[rank]
         assert "rank 2" in str(results[rank])
         assert torch.equal(xs[rank], before[rank])
+
+
+def test_a_silent_peer_fails_the_ring_within_the_groups_timeout(gen) -> None:
+    """A stopped peer (it never sends or receives) fails the op at the group's timeout
+    on real gloo, as gloo's own all_reduce would: nothing waits longer."""
+    timeout_s = 1.5
+    store = dist.HashStore()
+    shim = SimpleNamespace(size=2, pg=lambda rank: None)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    pgs = run_ranks(shim, lambda r, _: dist.ProcessGroupGloo(store, r, 2, timeout))
+    x = _operand(gen, torch.float32, ReduceOp.SUM, _numel(torch.float32, 2))
+    before = x.clone()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?i)timed out|timeout"):
+        collective_ops.all_reduce(pgs[0], x, ReduceOp.SUM, 2)
+    assert time.monotonic() - started < timeout_s + 5.0
+    assert torch.equal(x, before)
