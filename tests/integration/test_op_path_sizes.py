@@ -50,6 +50,20 @@ CASES = [(d, op) for d in DTYPES for op in _ops(d)]
 CASE_IDS = [f"{d}-{o}".replace("torch.", "") for d, o in CASES]
 
 
+def _all_reduce_checked(cluster, name: str, out: str, op: str, inputs) -> tuple:
+    """``all_reduce(name, out=out)`` against torch's result on every rank, every rank's
+    bits the same and the operand left as it was; returns (torch's result, rank 0's)."""
+    dtype = inputs[0].dtype
+    expected = reduce_oracle(op, inputs)
+    cluster.all_reduce(name, op=op, out=out, timeout=TIMEOUT_S)
+    results = get_each(cluster, out)
+    for rank, got in enumerate(results):
+        assert_tensor(got, expected, exact=_exact(dtype, op), what=f"{op} rank {rank}")
+        assert torch.equal(got, results[0])
+    assert all(torch.equal(a, b) for a, b in zip(get_each(cluster, name), inputs, strict=True))
+    return expected, results[0]
+
+
 @pytest.mark.parametrize(("dtype", "op"), CASES, ids=CASE_IDS)
 def test_large_all_reduce_and_reduce(cluster, gen, uname, dtype, op) -> None:
     name, out = uname(), uname("out")
@@ -58,13 +72,7 @@ def test_large_all_reduce_and_reduce(cluster, gen, uname, dtype, op) -> None:
         for _ in range(cluster.world_size)
     ]
     put_each(cluster, name, inputs)
-    expected = reduce_oracle(op, inputs)
-    cluster.all_reduce(name, op=op, out=out, timeout=TIMEOUT_S)
-    results = get_each(cluster, out)
-    for rank, got in enumerate(results):
-        assert_tensor(got, expected, exact=_exact(dtype, op), what=f"rank {rank}")
-        assert torch.equal(got, results[0])
-    assert all(torch.equal(a, b) for a, b in zip(get_each(cluster, name), inputs, strict=True))
+    expected, _ = _all_reduce_checked(cluster, name, out, op, inputs)
     dst = cluster.world_size - 1
     got = cluster.reduce(name, dst=dst, op=op, out=out + "/r", timeout=TIMEOUT_S)
     assert_tensor(got, expected, exact=_exact(dtype, op), what="reduce")
@@ -85,17 +93,11 @@ def test_ring_sized_sums_averages_and_products(cluster, gen, uname, dtype) -> No
         if op == "product" and dtype.is_floating_point:  # powers of two: exact in any order
             inputs = [torch.pow(2.0, (t * 2).round().clamp(-4, 4)).to(dtype) for t in inputs]
         put_each(cluster, name, inputs)
-        expected = reduce_oracle(op, inputs)
-        cluster.all_reduce(name, op=op, out=out, timeout=TIMEOUT_S)
-        results = get_each(cluster, out)
-        for rank, got in enumerate(results):
-            assert_tensor(got, expected, exact=_exact(dtype, op), what=f"{op} rank {rank}")
-            assert torch.equal(got, results[0])
-        assert all(torch.equal(a, b) for a, b in zip(get_each(cluster, name), inputs, strict=True))
+        _, result = _all_reduce_checked(cluster, name, out, op, inputs)
         got = cluster.reduce(name, dst=world - 1, op=op, out=out + "/r", timeout=TIMEOUT_S)
-        assert torch.equal(got, results[0])
+        assert torch.equal(got, result)
         cluster.all_reduce(name, op=op, timeout=TIMEOUT_S)
-        assert all(torch.equal(got, results[0]) for got in get_each(cluster, name))
+        assert all(torch.equal(got, result) for got in get_each(cluster, name))
 
     even = rows - rows % world
     inputs = [make_input(dtype, (even, cols), gen) for _ in range(world)]

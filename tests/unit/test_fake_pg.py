@@ -9,13 +9,13 @@ import datetime
 import threading
 import time
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from fake_pg import FakeProcessGroup, FakeWorld, run_ranks
+from gloo_world import GlooWorlds
 
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
@@ -27,21 +27,9 @@ OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR")
 
 
 @pytest.fixture(scope="module")
-def gloo() -> Callable[[int], Any]:
+def gloo() -> GlooWorlds:
     """``gloo(size)``: a world of real gloo groups, built once per size for the module."""
-    worlds: dict[int, Any] = {}
-
-    def get(size: int) -> Any:
-        if size not in worlds:
-            store = dist.HashStore()
-            timeout = datetime.timedelta(seconds=10)
-            shim = SimpleNamespace(size=size, pg=lambda rank: None)
-            pgs = run_ranks(shim, lambda r, _: dist.ProcessGroupGloo(store, r, size, timeout))
-            assert all(isinstance(pg, dist.ProcessGroupGloo) for pg in pgs), pgs
-            worlds[size] = SimpleNamespace(size=size, pg=pgs.__getitem__)
-        return worlds[size]
-
-    return get
+    return GlooWorlds(timeout_s=10)
 
 
 def _inputs(gen: torch.Generator, size: int, dtype: torch.dtype, shape: tuple[int, ...]):

@@ -13,18 +13,15 @@ operand intact.
 
 from __future__ import annotations
 
-import datetime
 import functools
 import operator
 import time
-from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from fake_pg import FakeWorld, run_ranks
+from gloo_world import GlooWorlds, gloo_groups
 
 from collectives.reduce_ops import ReduceOp
 from collectives_server.worker import collective_ops
@@ -36,21 +33,9 @@ RING_OPS = {ReduceOp.SUM: operator.add, ReduceOp.PRODUCT: operator.mul, ReduceOp
 
 
 @pytest.fixture(scope="module")
-def gloo() -> Callable[[int], Any]:
+def gloo() -> GlooWorlds:
     """``gloo(size)``: a world of real gloo groups, built once per size for the module."""
-    worlds: dict[int, Any] = {}
-
-    def get(size: int) -> Any:
-        if size not in worlds:
-            store = dist.HashStore()
-            timeout = datetime.timedelta(seconds=20)
-            shim = SimpleNamespace(size=size, pg=lambda rank: None)
-            pgs = run_ranks(shim, lambda r, _: dist.ProcessGroupGloo(store, r, size, timeout))
-            assert all(isinstance(pg, dist.ProcessGroupGloo) for pg in pgs), pgs
-            worlds[size] = SimpleNamespace(size=size, pg=pgs.__getitem__)
-        return worlds[size]
-
-    return get
+    return GlooWorlds(timeout_s=20)
 
 
 def _operand(gen: torch.Generator, dtype: torch.dtype, op: ReduceOp, numel: int) -> torch.Tensor:
@@ -221,10 +206,7 @@ def test_a_silent_peer_fails_the_ring_within_the_groups_timeout(gen) -> None:
     """A stopped peer (it never sends or receives) fails the op at the group's timeout
     on real gloo, as gloo's own all_reduce would: nothing waits longer."""
     timeout_s = 1.5
-    store = dist.HashStore()
-    shim = SimpleNamespace(size=2, pg=lambda rank: None)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    pgs = run_ranks(shim, lambda r, _: dist.ProcessGroupGloo(store, r, 2, timeout))
+    pgs = gloo_groups(2, timeout_s)
     x = _operand(gen, torch.float32, ReduceOp.SUM, _numel(torch.float32, 2))
     before = x.clone()
     started = time.monotonic()
