@@ -8,9 +8,11 @@ value. Every stored value must read back exactly as last put, and the worker's
 ``collectives_put_buffers_reused_total`` must count each reuse. A replicated put
 reuses memory on every rank: the leader's upload lands where its previous
 upload was, a follower's broadcast result where its previous result was
-(``collectives_result_buffers_reused_total``). Puts, reads and in-place ops of
-one size running together share the one pool, and no read is ever torn (a
-pool that kept memory still being sent fails it: checked by breaking it).
+(``collectives_result_buffers_reused_total``), and a publish's uploads on the
+leader where the weights the publish before replaced were. Puts, reads and
+in-place ops of one size running together share the one pool, and no read is
+ever torn (a pool that kept memory still being sent fails it: checked by
+breaking it).
 """
 
 from __future__ import annotations
@@ -147,3 +149,36 @@ def test_puts_reads_and_in_place_ops_of_one_size_share_the_pool_and_every_value_
     for rank in range(client.world_size):
         assert torch.equal(client.get(op_name, rank=rank), states[-1]), rank
     assert all(_reused(p) + _reused(p, "result") > before[p] for p in ports)
+
+
+def test_a_publish_lands_on_the_leader_in_the_weights_the_one_before_replaced(
+    fresh_cluster, gen, uname
+) -> None:
+    """The leader adopts a publish's uploads as the new weights, so the weights they
+    replace are what the next publish's uploads are received into (the leader's put
+    pool counts each); every rank then serves exactly the weights published last."""
+    local, client = fresh_cluster(
+        2, "--metrics-port", "0", "--allow-factory", "collectives_server.model_zoo"
+    )
+    addresses = wait_until(
+        lambda: metrics_endpoints(local.log_path, 2), 30, "the workers' metrics endpoints"
+    )["worker"]
+    ports = [int(a.rsplit(":", 1)[1]) for a in addresses]
+    leader = next(p for p in ports if value(scrape(p), "collectives_worker_rank") == 0)
+    name = uname("model")
+    # Three 1 MiB weight matrices (512 x 512 float32) and three small biases.
+    kwargs = {"in_features": 512, "hidden": 512, "out_features": 512, "depth": 2, "seed": 3}
+    client.load_model(name, factory="collectives_server.model_zoo:mlp", kwargs=kwargs)
+    like = client.state_dict(name, rank=0)
+    large = sum(1 for t in like.values() if t.numel() * t.element_size() >= MiB)
+    assert large == 3
+    before = _reused(leader)
+    for _ in range(ROUNDS):
+        weights = {k: torch.randn(v.shape, generator=gen) for k, v in like.items()}
+        client.publish(name, weights)
+    for rank in range(client.world_size):
+        served = client.state_dict(name, rank=rank)
+        assert all(torch.equal(served[k], weights[k]) for k in weights), rank
+    # Publish 1 replaced the factory's weights, which publish 2's uploads landed in,
+    # and so on: every publish after the first, each of its large weights.
+    assert _reused(leader) - before == large * (ROUNDS - 1)

@@ -15,7 +15,11 @@ the announcement:
      the same buckets as a coalesced broadcast), received into fresh tensors
      beside the live weights, then cast and placed on the model's device;
   3. a second agreement on every rank's outcome, and only then the commit
-     (``model_versions.commit``) at version max(every rank's version) + 1.
+     (``model_versions.commit``) at version max(every rank's version) + 1. The
+     weights it replaces are kept for the next publish to land in: on the
+     others, as its broadcast's receive buffers; on the leader, whose new
+     weights are the uploads themselves, in the puts' pool the next uploads
+     are received into (``ReplacedMemory``).
 
 A failed op, or a broken group, drops the staged tensors: every rank keeps
 serving the version it had. The leader removes the uploads whatever happens.
@@ -119,10 +123,17 @@ def _publish(
     with model.lock:
         old_version = model.version
         replaced = model_versions.commit(model, staged, new_version)
-        if ctx.rank != args.root and not any(
-            g.version == old_version for g in model.graphs.values()
-        ):
+        retained = any(g.version == old_version for g in model.graphs.values())
+        if ctx.rank != args.root and not retained:
             model_versions.keep_for_reuse(model, replaced, ctx.store)
+    if ctx.rank == args.root and not retained:
+        # The root's new weights are the client's uploads (bulk puts): the next
+        # publish's uploads land in the weights these replaced, through the puts'
+        # pool, which keeps each only if nothing else still holds it.
+        while replaced:
+            old = replaced.pop()
+            ctx.spares.offer(old)
+            del old
     nbytes = sum(e.nbytes for e in entries)
     return PublishResult(desc.op_id, ctx.generation, new_version, len(entries), nbytes, 0.0)
 
