@@ -172,9 +172,14 @@ def all_reduce(
     pg: dist.ProcessGroup, t: torch.Tensor, op: ReduceOp, size: int, alloc: Alloc = fresh
 ) -> torch.Tensor:
     """The reduction of every member's ``t``, identical on every member."""
-    if size >= 2 and ring.reducible(t, op):
+    if _by_ring(t, op, size):
         return ring.all_reduce(pg, t, op, alloc)
     return reduce_buffer(pg, private_copy(t, alloc), op, size)
+
+
+def _by_ring(t: torch.Tensor, op: ReduceOp, size: int) -> bool:
+    """Whether a reduction of ``t`` runs over ``ring_reductions`` (large, plain, CPU)."""
+    return size >= 2 and _memmove_ok(t) and ring.reducible(t, op)
 
 
 def reduce_buffer(
@@ -208,7 +213,7 @@ def reduce(
 ) -> torch.Tensor | None:
     """The reduction on member ``root`` (None there elsewhere); with ``root`` None,
     on every member."""
-    if root is not None and size >= 2 and ring.reducible(t, op):
+    if root is not None and _by_ring(t, op, size):
         return ring.reduce(pg, t, op, root, alloc)
     return all_reduce(pg, t, op, size, alloc)
 
@@ -222,7 +227,7 @@ def reduce_scatter(
     alloc: Alloc = fresh,
 ) -> torch.Tensor:
     """Member ``index``'s part (dim 0 in ``size`` equal parts) of the reduction."""
-    if size >= 2 and ring.reducible(t, op):
+    if _by_ring(t, op, size):
         return ring.reduce_scatter(pg, t, op, alloc)
     reduced = all_reduce(pg, t, op, size)
     return (

@@ -12,16 +12,17 @@ operands validated alike (same dtype and shape), one op at a time per group.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from collectives.reduce_ops import ReduceOp
 
-__all__ = ["RING_MIN_BYTES", "reducible", "all_reduce", "reduce_scatter", "reduce"]
+if TYPE_CHECKING:
+    from collectives_server.worker.collective_ops import Alloc
 
-Alloc = Callable[[Sequence[int], torch.dtype, torch.device], torch.Tensor]
+__all__ = ["RING_MIN_BYTES", "reducible", "all_reduce", "reduce_scatter", "reduce"]
 
 # Operands of this size and more take the ring; under it the copy costs little and
 # gloo's one collective takes fewer messages.
@@ -38,12 +39,13 @@ _TAGS = (0x5A11, 0x5A12)  # one op at a time on a group: fixed tags cannot cross
 
 
 def reducible(t: torch.Tensor, op: ReduceOp) -> bool:
+    """Whether the ring takes ``t`` and ``op`` (the caller checks that ``t`` is a
+    contiguous CPU tensor: ``collective_ops``)."""
     return (
         op in _FOLD
         and t.dtype in _DTYPES
         and (op is not ReduceOp.AVG or t.dtype.is_floating_point)
         and t.numel() * t.element_size() >= RING_MIN_BYTES
-        and _plain(t)
     )
 
 
@@ -92,7 +94,7 @@ def reduce_scatter(
     """``collective_ops.reduce_scatter`` as the first half of the ring alone (see
     :func:`_own_part`): this member's part, allocated alone."""
     out = alloc((t.shape[0] // pg.size(), *t.shape[1:]), t.dtype, t.device)
-    _own_part(pg, t, op, out.view(-1))
+    _own_part(pg, t.reshape(-1).tensor_split(pg.size()), op, out.view(-1))
     return out
 
 
@@ -103,34 +105,35 @@ def reduce(
     reduced part sent to ``root`` (which returns the whole; the others None): the
     parts travel once to the root instead of round the ring to every member."""
     me, size = pg.rank(), pg.size()
+    src = t.reshape(-1).tensor_split(size)
     if me != root:
-        own = torch.empty(_part_numel(t, size, me), dtype=t.dtype, device=t.device)
-        _own_part(pg, t, op, own)
+        own = torch.empty(src[me].numel(), dtype=t.dtype, device=t.device)
+        _own_part(pg, src, op, own)
         pg.send([own], root, _TAGS[1]).wait()
         return None
     out = alloc(t.shape, t.dtype, t.device)
     parts = out.reshape(-1).tensor_split(size)
-    _own_part(pg, t, op, parts[me])
+    _own_part(pg, src, op, parts[me])
     received = [pg.recv([parts[r]], r, _TAGS[1]) for r in range(size) if r != me]
     for work in received:
         work.wait()
     return out
 
 
-def _own_part(pg: dist.ProcessGroup, t: torch.Tensor, op: ReduceOp, own: torch.Tensor) -> None:
+def _own_part(
+    pg: dist.ProcessGroup, src: tuple[torch.Tensor, ...], op: ReduceOp, own: torch.Tensor
+) -> None:
     """The reduce-scatter half of :func:`all_reduce`, shifted by one so that the
-    part a member completes is its own: ``own`` (flat, the length of this member's
-    part of ``t`` split in ``size``) gets that part reduced over every member. Each
+    part a member completes is its own: ``src`` is the flat operand split in
+    ``size`` parts, and ``own`` (flat, this member's part's length) gets this
+    member's part reduced over every member. Each
     member sends and receives ``(size - 1) / size`` of the operand once. A step
     receives into a scratch part (two alternate from 4 members on: a step sends
     what the step before received) and the last one into ``own``."""
     me, size = pg.rank(), pg.size()
     right, left = (me + 1) % size, (me - 1) % size
-    src = t.reshape(-1).tensor_split(size)
     longest = max(part.numel() for part in src)
-    scratch = [
-        torch.empty(longest, dtype=t.dtype, device=t.device) for _ in range(min(2, size - 2))
-    ]
+    scratch = [torch.empty(longest, dtype=own.dtype) for _ in range(min(2, size - 2))]
     previous = None
     for step in range(size - 1):
         give, take = (me - step - 1) % size, (me - step - 2) % size
@@ -143,12 +146,3 @@ def _own_part(pg: dist.ProcessGroup, t: torch.Tensor, op: ReduceOp, own: torch.T
         previous = into
     if op is ReduceOp.AVG:
         own.div_(size)
-
-
-def _part_numel(t: torch.Tensor, size: int, index: int) -> int:
-    """How many elements part ``index`` of ``t`` split in ``size`` holds."""
-    return t.reshape(-1).tensor_split(size)[index].numel()
-
-
-def _plain(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg())
