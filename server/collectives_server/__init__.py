@@ -10,3 +10,14 @@ __version__ = "0.1.0"
 # fresh allocation; with 4 KiB pages the kernel's per-page faults cost more than
 # the copy itself (0.6-2 GB/s vs 10-20 GB/s measured). Set it to 0 to opt out.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+# grpcio's sockets through its classic poller instead of its EventEngine: with
+# the EventEngine, every message wakes one of its threads, which then wakes the
+# server's polling thread and the handler's, ~7.5 context switches per heartbeat
+# against ~3. grpc reads this once, when it is first imported, so it is set here,
+# before any daemon module imports grpc; a value the user exported is kept (an
+# empty one restores grpc's defaults). Measured on the 2-core VM, bench row 7,
+# three alternated pairs: the coordinator at 1,000 workers 0.208-0.232 of a core
+# -> 0.154-0.168. See docs/design.md "gRPC without its EventEngine".
+GRPC_EXPERIMENTS = "-event_engine_listener,-event_engine_for_all_other_endpoints"
+os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)
