@@ -14,9 +14,12 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 # grpcio's sockets through its classic poller instead of its EventEngine: with
 # the EventEngine, every message wakes one of its threads, which then wakes the
 # server's polling thread and the handler's, ~7.5 context switches per heartbeat
-# against ~3. grpc reads this once, when it is first imported, so it is set here,
-# before any daemon module imports grpc; a value the user exported is kept (an
-# empty one restores grpc's defaults). Measured on the 2-core VM, bench row 7,
+# against ~3. grpc reads this once, when it is first imported, so it is set here:
+# the package runs first under both entry points (``python -m collectives_server``
+# and the ``collectives-server`` script), before any of its modules imports grpc.
+# A value the user exported is kept (an empty one restores grpc's defaults). A
+# program that imports collectives_server itself before grpc gets it too; one
+# that imported grpc first keeps grpc's defaults. Measured on the 2-core VM, bench row 7,
 # three alternated pairs: the coordinator at 1,000 workers 0.208-0.232 of a core
 # -> 0.154-0.168. See docs/design.md "gRPC without its EventEngine".
 GRPC_EXPERIMENTS = "-event_engine_listener,-event_engine_for_all_other_endpoints"
