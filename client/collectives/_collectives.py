@@ -357,7 +357,9 @@ class _Collectives(_Coalesced):
                 snapshot = self._leader_snapshot(time.monotonic() + remaining)
                 leader = snapshot.leader_address or ""
                 options = worker_pb2.OpOptions(
-                    generation=snapshot.generation, timeout_s=server_timeout_s(remaining)
+                    generation=snapshot.generation,
+                    timeout_s=server_timeout_s(remaining),
+                    membership_digest=snapshot.membership_digest,
                 )
                 resp = call_unary(
                     self._endpoint(leader).stub.NewGroup,
@@ -414,7 +416,10 @@ class _Collectives(_Coalesced):
             record.generation = generation
             leader = snapshot.leader_address or ""
             options = worker_pb2.OpOptions(
-                group_id=group_id, generation=generation, timeout_s=server_timeout_s(remaining)
+                group_id=group_id,
+                generation=generation,
+                timeout_s=server_timeout_s(remaining),
+                membership_digest=snapshot.digest_of(generation),
             )
             stub_method = getattr(self._endpoint(leader).stub, method)
             return call_unary(stub_method, request(options), remaining, f"{what} on {leader}")

@@ -430,7 +430,9 @@ class _Models(_PeerToPeer):
             binding.bind(snapshot.generation)
             record.generation = snapshot.generation
             options = worker_pb2.OpOptions(
-                generation=snapshot.generation, timeout_s=server_timeout_s(remaining)
+                generation=snapshot.generation,
+                timeout_s=server_timeout_s(remaining),
+                membership_digest=snapshot.membership_digest,
             )
             leader = snapshot.leader_address or ""
             stub_method = getattr(self._endpoint(leader).stub, method)

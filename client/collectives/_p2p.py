@@ -109,6 +109,7 @@ class _PeerToPeer(_Collectives):
                 group_id=group.id,
                 generation=group.generation,
                 timeout_s=server_timeout_s(remaining),
+                membership_digest=snapshot.digest_of(group.generation),
             )
             request = worker_pb2.DestroyGroupRequest(options=options)
             stub = self._endpoint(leader).stub

@@ -87,6 +87,7 @@ def publish(
             options = worker_pb2.OpOptions(
                 generation=snapshot.generation,
                 timeout_s=server_timeout_s(deadline - time.monotonic()),
+                membership_digest=snapshot.membership_digest,
             )
             request = worker_pb2.PublishModelRequest(
                 options=options, model=name, prefix=prefix, strict=strict, cast=cast

@@ -106,6 +106,8 @@ class GenerationRecord:
     reason: str
     # The coordinator that sealed it (with an HA set on etcd: the leader then).
     sealed_by: str = ""
+    # The digest of its member ids in rank order (see ClusterSnapshot.membership_digest).
+    membership_digest: str = ""
 
     @classmethod
     def from_proto(cls, msg: coordinator_pb2.GenerationRecord) -> GenerationRecord:
@@ -116,6 +118,7 @@ class GenerationRecord:
             members=tuple(msg.members),
             reason=msg.reason,
             sealed_by=msg.sealed_by,
+            membership_digest=msg.membership_digest,
         )
 
 
@@ -316,6 +319,10 @@ class ClusterSnapshot:
     # and where membership lives ("memory" or "etcd").
     coordinator_leader: str = ""
     store: str = "memory"
+    # Which membership the generation is: the digest of the members' ids in rank
+    # order (collectives.wire.membership); sent with every op, so a worker whose
+    # group is another membership refuses it. "" while not formed.
+    membership_digest: str = ""
     # Members indexed by rank, derived from ``workers``.
     _by_rank: dict[int, WorkerInfo] = field(default_factory=dict, repr=False, compare=False)
 
@@ -339,7 +346,13 @@ class ClusterSnapshot:
             history=tuple(GenerationRecord.from_proto(r) for r in msg.history),
             coordinator_leader=msg.leader,
             store=msg.store or "memory",
+            membership_digest=msg.membership_digest,
         )
+
+    def digest_of(self, generation: int) -> str:
+        """The membership digest of ``generation`` if it is this snapshot's, else ""
+        (a group's older or newer generation: its generation check decides)."""
+        return self.membership_digest if generation == self.generation else ""
 
     @property
     def members(self) -> list[WorkerInfo]:

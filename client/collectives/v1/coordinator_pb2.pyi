@@ -54,23 +54,25 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., address: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., devices: _Optional[_Iterable[str]] = ..., joined_generation: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., backend: _Optional[str] = ..., uptime_s: _Optional[float] = ..., version: _Optional[str] = ..., status: _Optional[_Union[_status_pb2.WorkerStatus, _Mapping]] = ...) -> None: ...
 
 class GenerationRecord(_message.Message):
-    __slots__ = ("generation", "sealed_unix_time_s", "world_size", "members", "reason", "sealed_by")
+    __slots__ = ("generation", "sealed_unix_time_s", "world_size", "members", "reason", "sealed_by", "membership_digest")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SEALED_UNIX_TIME_S_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     SEALED_BY_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_DIGEST_FIELD_NUMBER: _ClassVar[int]
     generation: int
     sealed_unix_time_s: float
     world_size: int
     members: _containers.RepeatedScalarFieldContainer[str]
     reason: str
     sealed_by: str
-    def __init__(self, generation: _Optional[int] = ..., sealed_unix_time_s: _Optional[float] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., sealed_by: _Optional[str] = ...) -> None: ...
+    membership_digest: str
+    def __init__(self, generation: _Optional[int] = ..., sealed_unix_time_s: _Optional[float] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., sealed_by: _Optional[str] = ..., membership_digest: _Optional[str] = ...) -> None: ...
 
 class Cluster(_message.Message):
-    __slots__ = ("generation", "formed", "world_size", "workers", "store_address", "version", "min_workers", "max_workers", "status", "op_timeout_s", "ready", "history", "leader", "store")
+    __slots__ = ("generation", "formed", "world_size", "workers", "store_address", "version", "min_workers", "max_workers", "status", "op_timeout_s", "ready", "history", "leader", "store", "membership_digest")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     FORMED_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +87,7 @@ class Cluster(_message.Message):
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
     STORE_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_DIGEST_FIELD_NUMBER: _ClassVar[int]
     generation: int
     formed: bool
     world_size: int
@@ -99,7 +102,8 @@ class Cluster(_message.Message):
     history: _containers.RepeatedCompositeFieldContainer[GenerationRecord]
     leader: str
     store: str
-    def __init__(self, generation: _Optional[int] = ..., formed: _Optional[bool] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., store_address: _Optional[str] = ..., version: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., status: _Optional[str] = ..., op_timeout_s: _Optional[float] = ..., ready: _Optional[bool] = ..., history: _Optional[_Iterable[_Union[GenerationRecord, _Mapping]]] = ..., leader: _Optional[str] = ..., store: _Optional[str] = ...) -> None: ...
+    membership_digest: str
+    def __init__(self, generation: _Optional[int] = ..., formed: _Optional[bool] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., store_address: _Optional[str] = ..., version: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., status: _Optional[str] = ..., op_timeout_s: _Optional[float] = ..., ready: _Optional[bool] = ..., history: _Optional[_Iterable[_Union[GenerationRecord, _Mapping]]] = ..., leader: _Optional[str] = ..., store: _Optional[str] = ..., membership_digest: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("address", "hostname", "pid", "devices", "backend", "version", "last_generation", "retry_key", "store_port")

@@ -207,14 +207,16 @@ class ListTensorsResponse(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ...) -> None: ...
 
 class OpOptions(_message.Message):
-    __slots__ = ("group_id", "generation", "timeout_s")
+    __slots__ = ("group_id", "generation", "timeout_s", "membership_digest")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_DIGEST_FIELD_NUMBER: _ClassVar[int]
     group_id: int
     generation: int
     timeout_s: float
-    def __init__(self, group_id: _Optional[int] = ..., generation: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    membership_digest: str
+    def __init__(self, group_id: _Optional[int] = ..., generation: _Optional[int] = ..., timeout_s: _Optional[float] = ..., membership_digest: _Optional[str] = ...) -> None: ...
 
 class BroadcastRequest(_message.Message):
     __slots__ = ("options", "name", "src", "names")
@@ -387,7 +389,7 @@ class GetStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStateResponse(_message.Message):
-    __slots__ = ("worker_id", "rank", "generation", "is_leader", "queue_depth", "tensors_held", "bytes_held", "ops_completed", "ops_failed", "devices", "backend", "status", "address", "hostname", "pid", "uptime_s")
+    __slots__ = ("worker_id", "rank", "generation", "is_leader", "queue_depth", "tensors_held", "bytes_held", "ops_completed", "ops_failed", "devices", "backend", "status", "address", "hostname", "pid", "uptime_s", "world_size", "membership_digest")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -404,6 +406,8 @@ class GetStateResponse(_message.Message):
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_DIGEST_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     rank: int
     generation: int
@@ -420,7 +424,9 @@ class GetStateResponse(_message.Message):
     hostname: str
     pid: int
     uptime_s: float
-    def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., generation: _Optional[int] = ..., is_leader: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., tensors_held: _Optional[int] = ..., bytes_held: _Optional[int] = ..., ops_completed: _Optional[int] = ..., ops_failed: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., status: _Optional[_Union[_status_pb2.WorkerStatus, _Mapping]] = ..., address: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+    world_size: int
+    membership_digest: str
+    def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., generation: _Optional[int] = ..., is_leader: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., tensors_held: _Optional[int] = ..., bytes_held: _Optional[int] = ..., ops_completed: _Optional[int] = ..., ops_failed: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., status: _Optional[_Union[_status_pb2.WorkerStatus, _Mapping]] = ..., address: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., world_size: _Optional[int] = ..., membership_digest: _Optional[str] = ...) -> None: ...
 
 class ModelSpec(_message.Message):
     __slots__ = ("name", "factory", "factory_kwargs_json", "archive_nbytes", "archive_tensor")
@@ -869,7 +875,7 @@ class TrainStepArgs(_message.Message):
     def __init__(self, model: _Optional[str] = ..., inputs: _Optional[str] = ..., targets: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[str] = ..., hyper_json: _Optional[str] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
 
 class OpDescriptor(_message.Message):
-    __slots__ = ("op_id", "generation", "group_id", "timeout_s", "kind", "tensor", "new_group", "gradients", "train_step", "coalesced", "uneven", "exchange", "destroy_group", "publish", "replicate")
+    __slots__ = ("op_id", "generation", "group_id", "timeout_s", "kind", "tensor", "new_group", "gradients", "train_step", "coalesced", "uneven", "exchange", "destroy_group", "publish", "replicate", "membership_digest")
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -885,6 +891,7 @@ class OpDescriptor(_message.Message):
     DESTROY_GROUP_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_FIELD_NUMBER: _ClassVar[int]
     REPLICATE_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_DIGEST_FIELD_NUMBER: _ClassVar[int]
     op_id: int
     generation: int
     group_id: int
@@ -900,4 +907,5 @@ class OpDescriptor(_message.Message):
     destroy_group: DestroyGroupArgs
     publish: PublishArgs
     replicate: TensorOpArgs
-    def __init__(self, op_id: _Optional[int] = ..., generation: _Optional[int] = ..., group_id: _Optional[int] = ..., timeout_s: _Optional[float] = ..., kind: _Optional[_Union[OpKind, str]] = ..., tensor: _Optional[_Union[TensorOpArgs, _Mapping]] = ..., new_group: _Optional[_Union[NewGroupArgs, _Mapping]] = ..., gradients: _Optional[_Union[GradientsArgs, _Mapping]] = ..., train_step: _Optional[_Union[TrainStepArgs, _Mapping]] = ..., coalesced: _Optional[_Union[CoalescedArgs, _Mapping]] = ..., uneven: _Optional[_Union[UnevenAllToAllArgs, _Mapping]] = ..., exchange: _Optional[_Union[ExchangeArgs, _Mapping]] = ..., destroy_group: _Optional[_Union[DestroyGroupArgs, _Mapping]] = ..., publish: _Optional[_Union[PublishArgs, _Mapping]] = ..., replicate: _Optional[_Union[TensorOpArgs, _Mapping]] = ...) -> None: ...
+    membership_digest: str
+    def __init__(self, op_id: _Optional[int] = ..., generation: _Optional[int] = ..., group_id: _Optional[int] = ..., timeout_s: _Optional[float] = ..., kind: _Optional[_Union[OpKind, str]] = ..., tensor: _Optional[_Union[TensorOpArgs, _Mapping]] = ..., new_group: _Optional[_Union[NewGroupArgs, _Mapping]] = ..., gradients: _Optional[_Union[GradientsArgs, _Mapping]] = ..., train_step: _Optional[_Union[TrainStepArgs, _Mapping]] = ..., coalesced: _Optional[_Union[CoalescedArgs, _Mapping]] = ..., uneven: _Optional[_Union[UnevenAllToAllArgs, _Mapping]] = ..., exchange: _Optional[_Union[ExchangeArgs, _Mapping]] = ..., destroy_group: _Optional[_Union[DestroyGroupArgs, _Mapping]] = ..., publish: _Optional[_Union[PublishArgs, _Mapping]] = ..., replicate: _Optional[_Union[TensorOpArgs, _Mapping]] = ..., membership_digest: _Optional[str] = ...) -> None: ...

@@ -17,7 +17,8 @@ reading these modules and ``protos/``.
 * :mod:`.shm_names`: where shared-memory segments live and how they are named;
 * :mod:`.security`: channel security (TLS, bearer token) and token checks;
 * :mod:`.pytree`: nested inputs and outputs as the wire's ``Value``;
-* :mod:`.memory`: receive buffers that fault in huge pages.
+* :mod:`.memory`: receive buffers that fault in huge pages;
+* :mod:`.membership`: the digest naming which membership a generation is.
 
 Nothing is imported here, so ``import collectives.wire.security`` (no torch)
 stays cheap.

@@ -57,6 +57,7 @@ def cluster_to_proto(
         status=view.status,
         op_timeout_s=op_timeout_s,
         ready=view.ready,
+        membership_digest=view.membership_digest,
     )
     for w in view.workers:
         msg.workers.add(
@@ -82,6 +83,7 @@ def cluster_to_proto(
             members=record.members,
             reason=record.reason,
             sealed_by=record.sealed_by,
+            membership_digest=record.membership_digest,
         )
     return msg
 

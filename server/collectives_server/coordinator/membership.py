@@ -33,6 +33,12 @@ Rules (docs: ARCHITECTURE.md, "Membership, failure, time"):
   change, or after ``status_refresh_s`` at the latest.
 * The last :data:`HISTORY_LEN` sealed generations are kept (time, size, members,
   reason), and ``events`` counts workers joined, lost and left, for metrics.
+* One generation number names one membership: only :meth:`Membership._seal`
+  assigns a generation its members, and only a *deciding* membership seals. A
+  standby's copy of the leader's state (``deciding=False``, see
+  :mod:`.membership_state`) takes no events and never runs the decision, so it
+  shows exactly the membership the leader recorded. Each sealed generation
+  carries the digest of its ordered member ids (``membership_digest``).
 
 Cost: a heartbeat is O(log N) (N workers): leases sit in a heap by last
 heartbeat (``worker_records.LeaseHeap``); the generation decision, which scans
@@ -46,6 +52,7 @@ from __future__ import annotations
 import collections
 from typing import Any
 
+from collectives.wire.membership import membership_digest
 from collectives_server.coordinator.model import (
     ClusterView,
     GenerationRecord,
@@ -107,8 +114,11 @@ class Membership:
         id_prefix: str = "w",
         initial_version: int = 1,
         status_refresh_s: float = STATUS_REFRESH_S,
+        deciding: bool = True,
     ) -> None:
         check_limits(min_workers, max_workers, lease_s, join_window_s)
+        # False for a standby's read-only copy: events raise, no decision runs.
+        self.deciding = deciding
         self.min_workers = min_workers
         self.max_workers = max_workers
         self.lease_s = lease_s
@@ -125,6 +135,7 @@ class Membership:
         self._generation = 0
         self._members: list[str] = []  # current generation's ranks; survivors when not formed
         self._formed = False
+        self._digest = ""  # membership_digest of _members while formed
         # >= 1 so that WatchCluster(after_version=0) gets the first state at once.
         self._version = max(1, initial_version)
         self._status = ""
@@ -215,7 +226,13 @@ class Membership:
             status=self._status,
             ready=self.ready,
             history=tuple(self._history),
+            membership_digest=self._digest,
         )
+
+    @property
+    def membership_digest(self) -> str:
+        """The digest of the current generation's member ids; "" while not formed."""
+        return self._digest
 
     # ---- events ----------------------------------------------------------------
 
@@ -240,6 +257,7 @@ class Membership:
         (Over gRPC, :class:`~.control.ControlGuard` refuses that case with
         ALREADY_EXISTS before it gets here, unless the caller proves it is a retry.)
         """
+        self._check_deciding("register")
         devices = tuple(devices)
         validate_registration(address, devices)
         if last_generation > self._generation and not self._members:
@@ -302,6 +320,7 @@ class Membership:
         the lease is renewed all the same, so a confused worker is never declared lost
         for it, and the reason says so.
         """
+        self._check_deciding("heartbeat")
         expired = self._expire(now)
         w = self._live(worker_id)
         if w is None:  # unknown, or its own lease ran out before this call arrived
@@ -334,6 +353,7 @@ class Membership:
 
     def leave(self, now: float, worker_id: str) -> Outcome:
         """Removes a worker at once. Raises :class:`UnknownWorkerError`."""
+        self._check_deciding("leave")
         expired = self._expire(now)
         w = self._live(worker_id)
         if w is None:
@@ -346,13 +366,30 @@ class Membership:
         return self._finish(now, True, "; ".join([*expired, f"{worker_id} at {w.address} left"]))
 
     def tick(self, now: float) -> Outcome:
-        """Applies the passage of time: lease expiry, the join window, pruning."""
+        """Applies the passage of time: lease expiry, the join window, pruning.
+
+        A copy that does not decide (a standby's) ignores time: it changes only
+        when the leader's next state replaces it."""
+        if not self.deciding:
+            return Outcome(changed=False, reason="tick")
         expired = self._expire(now)
         if not expired and not self._time_changes_decision(now):
             return Outcome(changed=False, reason="tick")
         return self._finish(now, bool(expired), "; ".join(expired) or "tick")
 
+    def resume(self, now: float, reason: str) -> Outcome:
+        """A new leader's first decision on a restored state (see :mod:`.membership_state`)."""
+        self._check_deciding("resume")
+        return self._finish(now, True, reason)
+
     # ---- decisions -------------------------------------------------------------
+
+    def _check_deciding(self, event: str) -> None:
+        if not self.deciding:
+            raise RuntimeError(
+                f"{event} on a membership copy that does not decide (a standby's): "
+                "only the leader's membership takes events"
+            )
 
     def _live(self, worker_id: str) -> WorkerRecord | None:
         w = self._workers.get(worker_id)
@@ -415,12 +452,10 @@ class Membership:
 
     def _finish(self, now: float, changed: bool, reason: str) -> Outcome:
         """Runs the generation decision after an event and bumps ``version`` if visible."""
+        assert self.deciding, "only a deciding membership runs the generation decision"
         sealed, decision = self._decide(now)
         changed = prune_lost(self._workers, now) or changed or sealed
-        self._member_set = frozenset(self._members)
-        self._joined_n = sum(
-            1 for m in self._members if self._workers[m].joined_generation == self._generation
-        )
+        self._settle(now)
         changed = self._update_status() or changed
         if decision:
             reason = f"{reason}; {decision}"
@@ -433,6 +468,7 @@ class Membership:
                     members=tuple(self._workers[m].address for m in self._members),
                     reason=reason,
                     sealed_by=self.sealer,
+                    membership_digest=self._digest,
                 )
             )
         if changed:
@@ -441,13 +477,22 @@ class Membership:
         lost, self._newly_lost = tuple(self._newly_lost), []
         if lost:
             self.events["lost"] += len(lost)
+        return Outcome(changed=changed, reason=reason, sealed=sealed, lost=lost)
+
+    def _settle(self, now: float) -> None:
+        """Recomputes what is derived from the state (counts, digest, what time can
+        change); decides nothing. Run after every decision and after a restore."""
+        self._member_set = frozenset(self._members)
+        self._joined_n = sum(
+            1 for m in self._members if self._workers[m].joined_generation == self._generation
+        )
+        self._digest = membership_digest(self._members) if self._formed else ""
         self._window_running = (
             self._last_registration is not None
             and now - self._last_registration < self.join_window_s
         )
         lost_times = [w.lost_at for w in self._workers.values() if w.lost_at is not None]
         self._oldest_lost_at = min(lost_times, default=None)
-        return Outcome(changed=changed, reason=reason, sealed=sealed, lost=lost)
 
     def _decide(self, now: float) -> tuple[bool, str]:
         live_members = [m for m in self._members if self._live(m) is not None]

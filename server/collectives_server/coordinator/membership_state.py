@@ -10,6 +10,13 @@ Times on the membership's monotonic clock travel as Unix times. Restoring gives
 every live worker a fresh lease: a new leader cannot know when it last heard
 from them, and declaring them all lost would break a healthy generation.
 
+Restoring decides nothing: the restored membership is exactly the recorded one
+(a standby serves it as it is; a new leader then calls ``Membership.resume``,
+whose decision it records before anyone sees it). The join window goes on from
+the last registration the document records, so a takeover does not seal early.
+The document carries each generation's membership digest, and a document whose
+digest does not match its member list is refused as unreadable.
+
 This module reads and sets :class:`~.membership.Membership`'s private state on
 purpose: it is that class's persistence, kept apart so the rules stay in one
 file of readable size.
@@ -22,6 +29,7 @@ import collections
 from typing import Any
 
 from collectives.v1 import status_pb2
+from collectives.wire.membership import membership_digest
 from collectives_server.coordinator.admission import LeaseBook
 from collectives_server.coordinator.membership import Membership
 from collectives_server.coordinator.model import GenerationRecord
@@ -68,6 +76,10 @@ def export_state(
         "generation": m._generation,
         "members": list(m._members),
         "formed": m._formed,
+        "membership_digest": m.membership_digest,
+        "last_registration_unix": (
+            None if m._last_registration is None else unix_now - (now - m._last_registration)
+        ),
         "version": m._version,
         "events": dict(m.events),
         "workers": [_worker(w, now, unix_now) for w in m._workers.values()],
@@ -79,6 +91,7 @@ def export_state(
                 "members": list(r.members),
                 "reason": r.reason,
                 "sealed_by": r.sealed_by,
+                "membership_digest": r.membership_digest,
             }
             for r in m._history
         ],
@@ -97,11 +110,20 @@ def restore_state(
 ) -> None:
     """Loads ``data`` into a fresh ``m`` (built with the same limits) and ``leases``.
 
-    ``m``'s version ends above the stored one, so watchers see the takeover.
-    Raises ValueError for a document of another format.
+    Decides nothing: ``m`` holds exactly the recorded membership, at the stored
+    version. Raises ValueError for a document of another format, or one whose
+    membership digest does not name its members.
     """
     if data.get("format") != FORMAT:
         raise ValueError(f"membership state of format {data.get('format')!r}; expected {FORMAT}")
+    members = list(data["members"])
+    formed = bool(data["formed"])
+    recorded = data.get("membership_digest")
+    if recorded is not None and recorded != (membership_digest(members) if formed else ""):
+        raise ValueError(
+            f"membership document names generation {data['generation']} with digest "
+            f"{recorded!r}, but its members {members} have digest {membership_digest(members)!r}"
+        )
 
     def mono(unix_time: float) -> float:
         return now - max(0.0, unix_now - unix_time)
@@ -109,9 +131,10 @@ def restore_state(
     m._id_prefix = data["id_prefix"]
     m._next_order = int(data["next_order"])
     m._generation = int(data["generation"])
-    m._members = list(data["members"])
-    m._formed = bool(data["formed"])
-    m._version = max(m._version, int(data["version"]) + 1)
+    m._members = members
+    m._formed = formed
+    m._version = int(data["version"])
+    m._reason = reason
     m.events = collections.Counter({k: int(v) for k, v in data["events"].items()})
     m._workers = {}
     m._live_n = 0
@@ -151,8 +174,11 @@ def restore_state(
                 members=tuple(r["members"]),
                 reason=r["reason"],
                 sealed_by=r.get("sealed_by", ""),
+                membership_digest=r.get("membership_digest", ""),
             )
         )
-    m._last_registration = None
+    last = data.get("last_registration_unix")
+    m._last_registration = None if last is None else mono(float(last))
     leases.restore(data.get("leases", {}))
-    m._finish(now, True, reason)
+    m._settle(now)
+    m._update_status()

@@ -90,6 +90,8 @@ class GenerationRecord:
     reason: str
     # The coordinator that sealed it (its address; "" for an unnamed one).
     sealed_by: str = ""
+    # The digest of its member ids in rank order (collectives.wire.membership).
+    membership_digest: str = ""
 
 
 @dataclass(frozen=True)
@@ -107,3 +109,5 @@ class ClusterView:
     ready: bool
     # The most recent sealed generations, oldest first (bounded).
     history: tuple[GenerationRecord, ...] = ()
+    # The digest of the members' ids in rank order; "" while not formed.
+    membership_digest: str = ""

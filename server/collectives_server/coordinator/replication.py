@@ -32,7 +32,7 @@ from collectives_server.coordinator.etcd_store import (
     NotLeaderError,
     StoreUnavailableError,
 )
-from collectives_server.coordinator.membership import Membership
+from collectives_server.coordinator.membership import Membership, Outcome
 from collectives_server.coordinator.membership_state import export_state, restore_state
 
 __all__ = ["Replication"]
@@ -74,24 +74,29 @@ class Replication:
 
     # ---- leader (lock) ----------------------------------------------------------
 
-    def take_over(self, leases: LeaseBook) -> Membership:
-        """A membership restored from etcd (or a fresh one) for a new leader."""
+    def take_over(
+        self, leases: LeaseBook, message: Callable[[Membership], Any]
+    ) -> tuple[Membership, Outcome]:
+        """A membership restored from etcd (or a fresh one) for a new leader, and
+        the outcome of its first decision on it.
+
+        What etcd holds is what readers keep seeing (``published``) until the
+        new leader's own decision is recorded: restoring decides nothing, so
+        ``message(membership)`` taken before :meth:`Membership.resume` is the
+        recorded state.
+        """
         doc = self.leadership.load()
         membership = self._new_membership()
         membership.sealer = self.leadership.identity
+        now = self._clock()
+        reason = f"{self.leadership.identity} took over as leader"
         if doc is not None:
-            restore_state(
-                doc,
-                membership,
-                leases,
-                now=self._clock(),
-                unix_now=time.time(),
-                reason=f"{self.leadership.identity} took over as leader",
-            )
+            restore_state(doc, membership, leases, now=now, unix_now=time.time(), reason=reason)
             # Above every version any coordinator handed out (see Coordinator.start).
             membership._version = max(membership.version, time.time_ns() // 1000)
-        self.held = self.published = None
-        return membership
+        self.held = None
+        self.published = message(membership) if doc is not None else None
+        return membership, membership.resume(now, reason)
 
     def persist(
         self,
@@ -113,14 +118,13 @@ class Replication:
         doc = export_state(membership, leases, now=self._clock(), unix_now=time.time())
         try:
             self.leadership.persist(doc)
-        except StoreUnavailableError as exc:
+        except (StoreUnavailableError, NotLeaderError) as exc:
+            # Nobody sees a change etcd has not recorded: readers keep the last
+            # recorded state (right after a takeover: the restored one). Without
+            # leadership the change is never recorded; the next leader decides.
             if self.held is None:
-                # Readers keep the last recorded state (right after a takeover: the
-                # restored one, which is what etcd holds).
                 self.held = self.published if self.published is not None else message()
-                log.warning("membership change waits for etcd: %s", exc)
-            return False
-        except NotLeaderError:
+                log.warning("membership change not recorded in etcd: %s", exc)
             return False
         if self.held is not None:
             log.info("etcd is back: the waiting membership change is recorded")
@@ -131,12 +135,14 @@ class Replication:
     # ---- standby (lock) ------------------------------------------------------------
 
     def replica(self, doc: dict[str, Any], leases: LeaseBook) -> Membership:
-        """A read-only copy of the leader's document, at the leader's version."""
+        """A read-only copy of the leader's document, at the leader's version: it
+        decides nothing (``deciding=False``), so it shows exactly what the leader
+        recorded."""
         membership = self._new_membership()
+        membership.deciding = False
         restore_state(
             doc, membership, leases, now=self._clock(), unix_now=time.time(), reason="replica"
         )
-        membership._version = int(doc["version"])
         self.held = None
         return membership
 

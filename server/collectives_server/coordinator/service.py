@@ -137,11 +137,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         with self._cond:
             if leading:
                 try:
-                    self._membership = self._replication.take_over(self.guard.leases)
+                    membership, outcome = self._replication.take_over(
+                        self.guard.leases, self._cluster_of
+                    )
                 except (StoreUnavailableError, KeyError, ValueError) as exc:
                     failed = exc
                 else:
+                    self._membership = membership
                     self._persist(retry=True)
+                    self._log_outcome(outcome)
                     log.info("leading: %s", self._membership.status)
             streams = [] if leading else list(self._heartbeat_streams)
             self._notify_if_changed()
@@ -430,15 +434,19 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         replication = self._replication
         if replication is not None and replication.held is not None:
             return replication.held
-        msg = self._build_cluster()
-        msg.leader = replication.leader if replication is not None else self._identity
-        msg.store = "etcd" if replication is not None else "memory"
+        return self._cluster_of(self._membership)
+
+    def _cluster_of(self, membership: Membership) -> coordinator_pb2.Cluster:
+        """The Cluster message of ``membership`` (not yet this servicer's own)."""
+        msg = self._build_cluster(membership)
+        msg.leader = self._replication.leader if self._replication is not None else self._identity
+        msg.store = "etcd" if self._replication is not None else "memory"
         return msg
 
-    def _build_cluster(self) -> coordinator_pb2.Cluster:
+    def _build_cluster(self, membership: Membership | None = None) -> coordinator_pb2.Cluster:
         now = self._clock()
         msg = cluster_to_proto(
-            self._membership.view(now),
+            (membership or self._membership).view(now),
             store_address=self._store_address,
             op_timeout_s=self._op_timeout_s,
             unix_offset_s=time.time() - now,
@@ -491,6 +499,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         """Logs an outcome and wakes the watch streams if the version moved."""
         if outcome.changed and self._replication is not None and self._replication.leading:
             self._persist()
+        self._log_outcome(outcome, quiet=quiet)
+        self._notify_if_changed()
+
+    def _log_outcome(self, outcome: Outcome, *, quiet: bool = False) -> None:
         if outcome.changed:
             loud = not quiet or outcome.sealed or outcome.lost
             log.log(
@@ -500,7 +512,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 self._membership.version,
                 self._membership.status,
             )
-        self._notify_if_changed()
 
     def _notify_if_changed(self) -> None:
         # Also after a failed Heartbeat or Leave: it may have expired leases (and sealed).

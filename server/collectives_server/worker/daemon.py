@@ -29,6 +29,7 @@ import torch.distributed as dist
 import collectives_server
 from collectives.errors import CollectiveError
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2
+from collectives.wire.membership import membership_digest
 from collectives_server import heap
 from collectives_server.control_protocol import worker_metadata
 from collectives_server.hosts import dialled_name
@@ -352,16 +353,28 @@ class WorkerDaemon:
                 self._store_address = cluster.store_address
             current = self.runtime
             if cluster.formed and me is not None:
-                if current is not None and current.generation == cluster.generation:
+                refusal = membership_refusal(cluster, members)
+                if refusal is not None:
+                    log.error("not joining generation %d: %s", cluster.generation, refusal)
+                    if current is not None:
+                        self._retire_runtime()
+                    return
+                digest = cluster.membership_digest
+                if current is not None and (current.generation, current.membership_digest) == (
+                    cluster.generation,
+                    digest,
+                ):
                     return
                 self._retire_runtime(superseded_by=cluster.generation)
                 self._set_runtime(
-                    self._new_runtime(cluster.generation, me.rank, cluster.world_size)
+                    self._new_runtime(cluster.generation, digest, me.rank, cluster.world_size)
                 )
             elif current is not None:
                 self._retire_runtime()
 
-    def _new_runtime(self, generation: int, rank: int, world_size: int) -> GenerationRuntime:
+    def _new_runtime(
+        self, generation: int, digest: str, rank: int, world_size: int
+    ) -> GenerationRuntime:
         host, port = self._store_address.rsplit(":", 1)
         tcp_store = dist.TCPStore(
             host,
@@ -371,6 +384,7 @@ class WorkerDaemon:
         )
         return GenerationRuntime(
             generation=generation,
+            membership_digest=digest,
             rank=rank,
             world_size=world_size,
             tcp_store=tcp_store,
@@ -420,6 +434,24 @@ class WorkerDaemon:
     # ---------------------------------------------------------------- state
     def state(self) -> worker_pb2.GetStateResponse:
         return worker_state(self.ctx)
+
+
+def membership_refusal(
+    cluster: coordinator_pb2.Cluster, members: list[coordinator_pb2.WorkerInfo]
+) -> str | None:
+    """Why a formed ``cluster`` must not be joined, or None: its members must hold
+    ranks 0..world_size-1 once each, and its membership digest must be theirs."""
+    ranks = sorted(w.rank for w in members)
+    if ranks != list(range(cluster.world_size)):
+        return f"its members hold ranks {ranks}, not 0..{cluster.world_size - 1}"
+    ordered = [w.worker_id for w in sorted(members, key=lambda w: w.rank)]
+    digest = membership_digest(ordered)
+    if cluster.membership_digest != digest:
+        return (
+            f"its record names membership {cluster.membership_digest or '(none)'}, but its "
+            f"members {ordered} have digest {digest}"
+        )
+    return None
 
 
 def run_worker(config: WorkerConfig) -> int:

@@ -81,6 +81,7 @@ class GenerationRuntime:
         rank: int,
         world_size: int,
         tcp_store: dist.Store,
+        membership_digest: str = "",
         store: TensorStore,
         op_timeout_s: float,
         device: torch.device,
@@ -97,6 +98,10 @@ class GenerationRuntime:
         spares: ReplacedMemory | None = None,
     ) -> None:
         self.generation = generation
+        # Which membership this generation is (collectives.wire.membership): the
+        # group forms under a store prefix that includes it, the leader stamps it
+        # on every op, and an op sent or announced for another one is refused.
+        self.membership_digest = membership_digest
         self.rank = rank
         self.world_size = world_size
         self.is_leader = rank == 0
@@ -120,7 +125,9 @@ class GenerationRuntime:
         self._spares = spares
         self._channel: ControlChannel | None = None  # this epoch's control rounds
         self._cond = threading.Condition()
-        self._seq = Sequencer(generation, queue_size, min(1.0, op_timeout_s / 4))
+        self._seq = Sequencer(
+            generation, queue_size, min(1.0, op_timeout_s / 4), membership_digest=membership_digest
+        )
         self._stopping = False
         self._next_group_id = 1
         # Leader: the epoch's context while ops may run (a submitter may run a small
@@ -173,6 +180,7 @@ class GenerationRuntime:
         timeout_s: float | None = None,
         expected_generation: int = 0,
         drive: bool = False,
+        expected_digest: str = "",
     ) -> Ticket:
         """Admits ``desc`` (raises UNAVAILABLE / RESOURCE_EXHAUSTED when it cannot be);
         the ticket's future gets the outcome on this rank.
@@ -182,7 +190,7 @@ class GenerationRuntime:
         with self._cond:
             ticket = self._seq.admit(
                 desc, timeout_s if timeout_s is not None else 2 * self._timeout_s,
-                expected_generation,
+                expected_generation, expected_digest,
             )  # fmt: skip
             ctx = self._ctx  # small operands only, judged only when the op is claimable
             claimable = drive and ctx is not None and self._seq.may_claim(ticket)
@@ -226,9 +234,10 @@ class GenerationRuntime:
             self._ctx = None  # nobody runs an op in this epoch again
             self._driven_end = (failure,)
 
-    def check_generation(self, expected: int) -> None:
-        """Raises UNAVAILABLE unless ``expected`` is 0 or this generation."""
-        self._seq.check_generation(expected)
+    def check_generation(self, expected: int, expected_digest: str = "") -> None:
+        """Raises UNAVAILABLE unless ``expected`` is 0 or this generation, and
+        ``expected_digest`` is "" or this generation's membership digest."""
+        self._seq.check_generation(expected, expected_digest)
 
     def cancel(self, ticket: Ticket) -> bool:
         """Removes a queued op; False if it already started."""
@@ -324,7 +333,11 @@ class GenerationRuntime:
                 self._seq.close(self.failure or "retired")
 
     def _join(self, epoch: int) -> OpContext:
-        prefix = f"g{self.generation}" if epoch == 0 else f"g{self.generation}e{epoch}"
+        # One generation number could name two memberships only through a bug
+        # elsewhere; the digest in the prefix keeps them from ever meeting.
+        prefix = f"g{self.generation}m{self.membership_digest}"
+        if epoch:
+            prefix += f"e{epoch}"
         where = (self._tcp_store, prefix, self.rank, self.world_size, self._timeout_s)
         try:
             handles = build_groups(*where, self._device, self._host)
@@ -365,13 +378,30 @@ class GenerationRuntime:
         stop); follower: receives what the leader announced. Returns (the leader's
         tickets, the ops)."""
         if not self.is_leader:
-            return [], ctx.call(descriptor.receive_batch, ctx.control)
+            items = ctx.call(descriptor.receive_batch, ctx.control)
+            for desc, _ in items:
+                self._check_announced(desc)
+            return [], items
         first = self._take()
         if first is None:
             kind = OpKind.STOP if self._stopping else OpKind.NOOP
-            return [], [(worker_pb2.OpDescriptor(kind=kind, generation=self.generation), None)]
+            tick = worker_pb2.OpDescriptor(
+                kind=kind, generation=self.generation, membership_digest=self.membership_digest
+            )
+            return [], [(tick, None)]
         tickets, run = self._take_run(ctx, first)
         return tickets, run.items
+
+    def _check_announced(self, desc: worker_pb2.OpDescriptor) -> None:
+        """Follower: an op announced for another generation or membership ends this
+        group before any data moves (the leader learns it when the channel closes)."""
+        if (desc.generation, desc.membership_digest) != (self.generation, self.membership_digest):
+            raise GroupBroken(
+                f"the leader announced op {desc.op_id} for generation {desc.generation} "
+                f"(membership {desc.membership_digest or 'none'}), but this rank's group is "
+                f"generation {self.generation} (membership {self.membership_digest or 'none'}); "
+                "the op was refused before any data moved"
+            )
 
     def _announce(self, ctx: OpContext, items: list[_Item]) -> Announced | None:
         """Leader: announces ``items``; returns the pending announcement of ops (not

@@ -69,8 +69,10 @@ class Sequencer:
         capacity: int,
         tick_s: float,
         clock: Callable[[], float] = time.monotonic,
+        membership_digest: str = "",
     ) -> None:
         self.generation = generation
+        self.membership_digest = membership_digest
         self.capacity = capacity
         self.tick_s = tick_s
         self._clock = clock
@@ -92,11 +94,16 @@ class Sequencer:
         return self.closed_because is not None
 
     def admit(
-        self, desc: worker_pb2.OpDescriptor, timeout_s: float, expected_generation: int = 0
+        self,
+        desc: worker_pb2.OpDescriptor,
+        timeout_s: float,
+        expected_generation: int = 0,
+        expected_digest: str = "",
     ) -> Ticket:
-        """Queues ``desc``; raises if the generation is over, not the one the client
-        expected, or the queue is full. Assigns the op id and the generation."""
-        self.check_generation(expected_generation)
+        """Queues ``desc``; raises if the generation is over, not the one (or not the
+        membership) the client expected, or the queue is full. Assigns the op id,
+        the generation and its membership digest."""
+        self.check_generation(expected_generation, expected_digest)
         if self.closed:
             raise Unavailable(
                 f"generation {self.generation} is over ({self.closed_because}); "
@@ -114,6 +121,7 @@ class Sequencer:
             )
         desc.op_id = self._next_op_id
         desc.generation = self.generation
+        desc.membership_digest = self.membership_digest
         self._next_op_id += 1
         ticket = Ticket(desc, self._clock() + timeout_s)
         self._queue.append(ticket)
@@ -139,8 +147,19 @@ class Sequencer:
         self.driven = False
         return not self.loop_parked or bool(self._queue) or self.closed
 
-    def check_generation(self, expected: int) -> None:
-        """Raises UNAVAILABLE unless ``expected`` is 0 or this generation."""
+    def check_generation(self, expected: int, expected_digest: str = "") -> None:
+        """Raises UNAVAILABLE unless ``expected`` is 0 or this generation, and
+        ``expected_digest`` is "" or this generation's membership digest."""
+        if expected_digest and expected_digest != self.membership_digest:
+            raise Unavailable(
+                f"membership mismatch: the request was for generation {expected or '?'} with "
+                f"membership {expected_digest}, but this leader's group is generation "
+                f"{self.generation} with membership {self.membership_digest or 'none'}; "
+                "nothing was run. Refresh the cluster and reissue it",
+                executed=False,
+                generation=expected or self.generation,
+                reason=Reason.GENERATION_CHANGED,
+            )
         if expected and expected != self.generation:
             raise Unavailable(
                 f"generation changed: the request was for generation {expected}, "

@@ -249,7 +249,7 @@ class WorkerService(ModelRpcs, PeerRpcs):
                 f"the cluster is not formed ({self._ctx.cluster_status}); retry once it is",
                 executed=False,
             )
-        runtime.check_generation(options.generation)
+        runtime.check_generation(options.generation, options.membership_digest)
         if not runtime.is_leader:
             raise Unavailable(
                 f"this worker is rank {runtime.rank} of generation {runtime.generation}, not the "
@@ -314,7 +314,9 @@ class WorkerService(ModelRpcs, PeerRpcs):
             if limit is not None:
                 budget = min(budget, limit)
         budget = max(budget, 0.0)
-        ticket = runtime.submit(desc, budget, options.generation, drive=True)
+        ticket = runtime.submit(
+            desc, budget, options.generation, drive=True, expected_digest=options.membership_digest
+        )
         if ticket.driven:
             runtime.drive(ticket)  # the loop was idle: this thread runs the op
         try:
