@@ -69,6 +69,7 @@ class Env:
         cluster = self.coordinator.GetCluster(coordinator_pb2.GetClusterRequest(), timeout=10)
         members = sorted((w for w in cluster.workers if w.rank >= 0), key=lambda w: w.rank)
         self.generation = cluster.generation
+        self.membership_digest = cluster.membership_digest
         self.world_size = len(members)
         self.channels = [grpc.insecure_channel(w.address) for w in members]
         self.stubs = [worker_pb2_grpc.WorkerStub(c) for c in self.channels]

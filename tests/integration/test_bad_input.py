@@ -43,6 +43,7 @@ from raw_grpc import stored as _stored
 from torch import nn
 
 from collectives.v1 import coordinator_pb2, tensor_pb2, worker_pb2
+from collectives.wire.membership import membership_digest
 from collectives_server.control_protocol import WORKER_TOKEN_METADATA
 
 OK = grpc.StatusCode.OK
@@ -142,6 +143,15 @@ class Row:
 def _not_executed(e: Env, err: grpc.RpcError) -> None:
     trailers = dict(err.trailing_metadata() or ())
     assert trailers.get("collectives-executed") == "no", trailers
+
+
+def _stale_digest(e: Env) -> str:
+    """The digest of the current members in another order: another membership."""
+    cluster = e.coordinator.GetCluster(coordinator_pb2.GetClusterRequest(), timeout=10)
+    ids = [w.worker_id for w in sorted(cluster.workers, key=lambda w: w.rank) if w.rank >= 0]
+    stale = membership_digest(list(reversed(ids)))
+    assert stale != e.membership_digest
+    return stale
 
 
 def _path_like_is_an_opaque_key(e: Env, name: str) -> None:
@@ -306,6 +316,20 @@ ROWS: list[Row] = [
     Row("generation-mismatch",
         lambda e: _all_reduce(e, _stored(e, torch.ones(2)), generation=e.generation + 1000),
         UNAVAILABLE, "generation changed", check=_not_executed),
+    # The right generation number with another membership's digest: a forged one,
+    # and the digest of a stale membership (the same members in another order).
+    Row("membership-digest-forged",
+        lambda e: _all_reduce(e, _stored(e, torch.ones(2)), generation=e.generation,
+                              membership_digest="0123456789abcdef"),
+        UNAVAILABLE, "membership 0123456789abcdef", check=_not_executed),
+    Row("membership-digest-stale",
+        lambda e: _all_reduce(e, _stored(e, torch.ones(2)), generation=e.generation,
+                              membership_digest=_stale_digest(e)),
+        UNAVAILABLE, "membership mismatch", check=_not_executed),
+    Row("membership-digest-current",
+        lambda e: _all_reduce(e, _stored(e, torch.ones(2)), generation=e.generation,
+                              membership_digest=e.membership_digest),
+        OK, ""),
     # ------------------------------------------------------------------ models
     Row("model-archive-not-zip", lambda e: _archive(e, b"this is not a zip file" * 10),
         INVALID, "not a zip file"),

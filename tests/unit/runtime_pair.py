@@ -14,13 +14,15 @@ from helpers import wait_until
 from collectives.errors import CollectiveError
 from collectives.op_specs import spec_named
 from collectives.v1 import worker_pb2
+from collectives.wire.membership import membership_digest
 from collectives_server.worker.runtime import GenerationRuntime
 from collectives_server.worker.sequencer import Ticket
 from collectives_server.worker.store import TensorStore
 
-__all__ = ["TIMEOUT_S", "GatedStore", "Pair", "descriptor"]
+__all__ = ["DIGEST", "TIMEOUT_S", "GatedStore", "Pair", "descriptor"]
 
 TIMEOUT_S = 20.0
+DIGEST = membership_digest(["t-1", "t-2"])
 
 
 class GatedStore(TensorStore):
@@ -79,6 +81,7 @@ class Pair:
     def _runtime(self, rank: int) -> GenerationRuntime:
         return GenerationRuntime(
             generation=1,
+            membership_digest=DIGEST,
             rank=rank,
             world_size=2,
             tcp_store=self._tcp[rank],
