@@ -6,6 +6,8 @@ Names are a contract with the Grafana dashboard (``docker/``); see
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -25,11 +27,19 @@ __all__ = ["MEMBERSHIP_REASONS", "coordinator_registry"]
 MEMBERSHIP_REASONS = ("joined", "lost", "left")
 
 
-def _collect(servicer: CoordinatorServicer) -> Iterator[Metric]:
-    import torch  # already loaded by the rendezvous store
+@functools.cache
+def _torch_version() -> str:
+    """torch's version from its package metadata: a coordinator that hosts no
+    rendezvous store never imports torch (hundreds of MB resident)."""
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
 
+
+def _collect(servicer: CoordinatorServicer) -> Iterator[Metric]:
     view, events, heartbeats = servicer.metrics_snapshot()
-    yield build_info(collectives_server.__version__, torch.__version__, "none")
+    yield build_info(collectives_server.__version__, _torch_version(), "none")
     yield GaugeMetricFamily(
         "collectives_coordinator_leader",
         "1 on the coordinator that decides membership (always, with the memory store); "
