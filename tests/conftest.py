@@ -21,6 +21,7 @@ from helpers import (
     CLUSTER_FLAGS,
     LocalCluster,
     connect_ready,
+    internal_lines,
     worker_token_file,
 )
 
@@ -63,6 +64,13 @@ def _start(tmp_dir: Path, workers: int, extra_args: tuple[str, ...]) -> LocalClu
     return cluster
 
 
+def _assert_no_internal(clusters: list[LocalCluster]) -> None:
+    """INTERNAL means a bug of ours: no daemon of a test cluster may log one, whatever
+    the tests sent it (hostile input, cancelled calls, expired deadlines)."""
+    found = [line for cluster in clusters for line in internal_lines(cluster.log_path)]
+    assert not found, "daemons logged INTERNAL:\n" + "\n".join(found[:20])
+
+
 @pytest.fixture(scope="session")
 def local_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., str]]:
     """``local_cluster(n, *extra_flags)`` starts a cluster of n workers for the
@@ -78,6 +86,7 @@ def local_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable
     yield start
     for cluster in reversed(started):
         cluster.stop()
+    _assert_no_internal(started)
 
 
 # The shared clusters let load_model(factory=...) use the factories shipped with the server.
@@ -132,3 +141,4 @@ def fresh_cluster(tmp_path: Path) -> Iterator[Callable[..., tuple[LocalCluster, 
         if client is not None:
             client.close()
         local.stop()
+    _assert_no_internal([local for local, _ in owned])

@@ -238,6 +238,18 @@ class LocalCluster:
         return code
 
 
+def internal_lines(log_path: Path) -> list[str]:
+    """The lines of a daemon log that report an INTERNAL status or error."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return []
+    marks = ("INTERNAL", "internal error (id")
+    return [
+        f"{log_path.name}: {line}" for line in text.splitlines() if any(m in line for m in marks)
+    ]
+
+
 # ------------------------------------------------------------------------ oracle
 
 REDUCE_OPS = ("sum", "product", "min", "max", "avg", "band", "bor", "bxor")

@@ -27,13 +27,13 @@ archive ended after 0 bytes).
 from __future__ import annotations
 
 import contextlib
-import time
 import uuid
 from typing import TYPE_CHECKING
 
 import grpc
 import torch
 
+from collectives._deadlines import time_left
 from collectives._model_transport import load_model_on
 from collectives._progress import NO_PROGRESS, Progress
 from collectives._replicate import REPLICATE_MIN_BYTES, UseParallelPuts, replicate
@@ -91,7 +91,7 @@ def load_staged(
     loaded: set[int] = set()
 
     def remaining() -> float:
-        return max(0.0, deadline - time.monotonic())
+        return time_left(deadline, f"load_model {spec.name!r}")
 
     def load_on(rank: int, e: WorkerEndpoint) -> worker_pb2.LoadModelResponse:
         try:

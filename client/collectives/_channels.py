@@ -13,7 +13,8 @@ from typing import Any, TypeVar
 
 import grpc
 
-from collectives.errors import Unavailable, error_for_code
+from collectives._deadlines import timeout_left
+from collectives.errors import Unavailable
 from collectives.errors import from_rpc_error as _from_rpc_error
 from collectives.wire.limits import MAX_MESSAGE_BYTES
 from collectives.wire.security import PLAINTEXT, ChannelSecurity
@@ -75,9 +76,4 @@ def call_unary(
 
 def deadline_s(timeout: float, what: str) -> float:
     """The remaining seconds as a gRPC timeout; no time left is DEADLINE_EXCEEDED."""
-    if timeout <= 0:
-        raise error_for_code(
-            grpc.StatusCode.DEADLINE_EXCEEDED,
-            f"{what}: the call's deadline passed before it could be sent",
-        )
-    return timeout
+    return timeout_left(timeout, what)

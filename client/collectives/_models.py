@@ -26,6 +26,7 @@ from torch import nn
 from collectives import _publish
 from collectives._archive_staging import load_staged, stage_archive
 from collectives._core import server_timeout_s
+from collectives._deadlines import time_left
 from collectives._generation_binding import GenerationBinding
 from collectives._model_transport import get_model_tensors, load_model_on
 from collectives._p2p import _PeerToPeer
@@ -390,7 +391,7 @@ class _Models(_PeerToPeer):
 
     # -------------------------------------------------------------- helpers
     def _remaining(self, deadline: float) -> float:
-        return deadline - time.monotonic()
+        return time_left(deadline, "the model call")
 
     def _member_endpoints(self, deadline: float) -> dict[int, WorkerEndpoint]:
         snapshot = self._formed_snapshot(deadline)

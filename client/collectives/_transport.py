@@ -35,6 +35,7 @@ from collectives._channels import (
     wait_channel_ready,
 )
 from collectives._channels import deadline_s as _deadline_s
+from collectives._deadlines import timeout_left
 from collectives._progress import NO_PROGRESS, Progress
 from collectives.errors import (
     CollectiveError,
@@ -195,6 +196,7 @@ def put_tensor(
         CollectiveError: the worker refused the tensor or the call failed.
     """
     what = f"PutTensor {name!r} to {endpoint.address}"
+    timeout = timeout_left(timeout, what)
     if route is None:
         route = choose_path(endpoint, timeout, nbytes=t.numel() * t.element_size())
     _check_not_shm(route, what)

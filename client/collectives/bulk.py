@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Protocol
 import grpc
 import torch
 
+from collectives._deadlines import time_left, timeout_left
 from collectives.errors import (
     CollectiveError,
     DeadlineExceeded,
@@ -205,10 +206,7 @@ def _looks_open(sock: socket.socket) -> bool:
 
 def _left(deadline: float, what: str, done: int, total: int) -> float:
     """Seconds left before ``deadline``; raises DeadlineExceeded once it passed."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise DeadlineExceeded(f"{what}: deadline exceeded after {done} of {total} bytes")
-    return left
+    return time_left(deadline, f"{what} (after {done} of {total} bytes)")
 
 
 def _host_of(address: str) -> str:
@@ -219,7 +217,13 @@ def _connect(
     endpoint: BulkEndpoint, port: int, ticket: bytes, timeout: float, acked: bool = False
 ) -> socket.socket:
     """A connection (kept or new) to the worker's bulk port, its prelude sent (and,
-    with ``acked``, the worker's acknowledgement of the ticket received)."""
+    with ``acked``, the worker's acknowledgement of the ticket received).
+
+    Raises:
+        DeadlineExceeded: ``timeout`` is already spent.
+        BulkUnreachable: the port refused the connection or closed it.
+    """
+    timeout = timeout_left(timeout, f"bulk connection to {endpoint.address}")
     try:
         sock = endpoint.bulk.connection(_host_of(endpoint.address), port, timeout)
     except OSError as exc:
@@ -372,7 +376,7 @@ def get_tensor_bulk(
     buffer = empty_bytes(meta.nbytes) if out is None else out
     view = codec.tensor_memoryview(buffer)
     got = 0
-    sock = _connect(endpoint, port, response.ticket, max(deadline - time.monotonic(), 0.001))
+    sock = _connect(endpoint, port, response.ticket, time_left(deadline, what))
     bar = progress(meta.nbytes) if progress is not None else None
     with contextlib.ExitStack() as unless_kept:
         unless_kept.callback(sock.close)

@@ -16,7 +16,6 @@ worker's ``--graph-ttl-s``).
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 import weakref
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from collectives._deadlines import time_left
 from collectives._transport import WorkerEndpoint, call_unary, get_tensor, put_tensor
 from collectives.errors import CollectiveError, InvalidArgument, Reason, Unavailable
 from collectives.names import validate_name
@@ -329,7 +329,7 @@ class _RemoteCall:
         return result
 
     def _left(self) -> float:
-        return self.deadline - time.monotonic()
+        return time_left(self.deadline, f"model {self.model!r}")
 
 
 class _GatherFromWorkers(torch.autograd.Function):

@@ -28,8 +28,10 @@ import argparse
 import random
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness import TIMING_FLAGS, Daemon, free_port
+from harness import TIMING_FLAGS, Daemon
 from helpers import wait_until
 
 import collectives
@@ -68,17 +70,18 @@ class FormationResult:
         return not self.problems
 
 
-def _popen(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "collectives_server", *args, "--log-level", "WARNING"],
-        stdout=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+def _popen(args: list[str], log: Path) -> subprocess.Popen:
+    with log.open("ab") as stderr:
+        return subprocess.Popen(
+            [sys.executable, "-m", "collectives_server", *args, "--log-level", "WARNING"],
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            stderr=stderr,
+            text=True,
+        )
 
 
-def _daemon(name: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> Daemon:
+def _daemon(name: str, proc: subprocess.Popen, log: Path, timeout_s: float = 60.0) -> Daemon:
     """Waits for the process's first line (its address) and drains the rest."""
     first: list[str] = []
     reader = threading.Thread(target=lambda: first.append(proc.stdout.readline()), daemon=True)
@@ -86,7 +89,11 @@ def _daemon(name: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> Daemo
     reader.join(timeout_s)
     if not first or not first[0].strip():
         proc.kill()
-        raise AssertionError(f"{name} did not print its address within {timeout_s} s")
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+        raise AssertionError(
+            f"{name} did not print its address within {timeout_s} s "
+            f"(exit code {proc.poll()}); its log ends:\n{tail}"
+        )
     drain = threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True)
     drain.start()
     return Daemon(name, proc, first[0].strip(), drain)
@@ -96,6 +103,7 @@ class Formation:
     """One formation: coordinators, three workers at ``offsets``, the checks, teardown."""
 
     def __init__(self, store: str, offsets: tuple[float, ...], etcd_url: str = "") -> None:
+        self.log = Path(tempfile.mkstemp(prefix="formation-", suffix=".log")[1])
         self.store = store
         self.offsets = offsets
         self.etcd_url = etcd_url
@@ -129,11 +137,11 @@ class Formation:
 
     # ---- processes ---------------------------------------------------------------
 
-    def _coordinator_args(self, port: int, cluster_name: str) -> list[str]:
+    def _coordinator_args(self, cluster_name: str) -> list[str]:
         args = [
             "coordinator",
             "--port",
-            str(port),
+            "0",
             "--min-workers",
             str(MIN_WORKERS),
             "--max-workers",
@@ -149,11 +157,10 @@ class Formation:
 
     def _start_coordinators(self) -> None:
         count = 3 if self.store == "etcd" else 1
-        ports = [free_port() for _ in range(count)]
-        name = f"stress-{ports[0]}"
-        procs = [_popen(self._coordinator_args(p, name)) for p in ports]
-        self.coordinators = [_daemon(f"coordinator-{i}", p) for i, p in enumerate(procs)]
-        self.addresses = [f"127.0.0.1:{p}" for p in ports]
+        name = f"stress-{uuid.uuid4().hex[:12]}"
+        procs = [_popen(self._coordinator_args(name), self.log) for _ in range(count)]
+        self.coordinators = [_daemon(f"coordinator-{i}", p, self.log) for i, p in enumerate(procs)]
+        self.addresses = [d.address for d in self.coordinators]
         if self.store == "etcd":
             wait_until(self._leader_elected, 20.0, "a coordinator to lead")
 
@@ -181,13 +188,14 @@ class Formation:
                 self.addresses[i % len(self.addresses) :]
                 + self.addresses[: i % len(self.addresses)]
             )
-            procs.append(_popen(["worker", "--coordinator", ",".join(rotated)]))
-        self.workers = [_daemon(f"worker-{i}", p) for i, p in enumerate(procs)]
+            procs.append(_popen(["worker", "--coordinator", ",".join(rotated)], self.log))
+        self.workers = [_daemon(f"worker-{i}", p, self.log) for i, p in enumerate(procs)]
 
     def close(self) -> None:
         for d in [*self.workers, *self.coordinators]:
             d.stop()
         self.workers, self.coordinators = [], []
+        self.log.unlink(missing_ok=True)
 
     # ---- checks ------------------------------------------------------------------
 

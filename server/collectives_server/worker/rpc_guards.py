@@ -9,6 +9,11 @@ unexpected becomes ``INTERNAL`` with only an error id
 (details in the log; see :mod:`collectives_server.rpc_errors`) without taking the
 worker down, and ``_counted`` records the outcome and latency in the worker's
 status and metrics.
+
+``INTERNAL`` means a bug of ours, never a client that went away: a call its
+client cancelled, or whose deadline passed, is ``CANCELLED`` or
+``DEADLINE_EXCEEDED`` in the log, the status and the metrics, with its tensor's
+name (:func:`departure`), whatever the handler raised when its stream broke.
 """
 
 from __future__ import annotations
@@ -19,12 +24,36 @@ import time
 
 import grpc
 
-from collectives.errors import CollectiveError
+from collectives.errors import CollectiveError, DeadlineExceeded, error_for_code
 from collectives.names import MAX_NAME_LENGTH
 from collectives_server.rpc_errors import abort_internal, abort_with_error, is_abort
 from collectives_server.worker.status import data_op_done
 
-__all__ = ["abort", "guard", "guard_stream", "counted"]
+__all__ = ["abort", "departure", "guard", "guard_stream", "counted"]
+
+_INTERNAL = "internal error (see the worker's log)"
+
+
+def departure(context: grpc.ServicerContext, tensor: str = "") -> CollectiveError | None:
+    """The client's end of the call, if the client ended it: DEADLINE_EXCEEDED once
+    its deadline passed (a stream cut off by it may even look half-closed here),
+    CANCELLED when it cancelled (or its connection went); None while the call is live."""
+    try:
+        remaining = context.time_remaining()
+        active = context.is_active()
+    except Exception:  # a context without these (not a live gRPC call)
+        return None
+    if active and (remaining is None or remaining > 0):
+        return None
+    if remaining is not None and remaining <= 0:
+        return DeadlineExceeded(
+            "the call's deadline passed before the worker finished it", tensor=tensor or None
+        )
+    return error_for_code(
+        grpc.StatusCode.CANCELLED,
+        "the client cancelled the call (or its connection closed) before it finished",
+        tensor=tensor or None,
+    )
 
 
 def abort(context: grpc.ServicerContext, err: CollectiveError, request: object = None) -> None:
@@ -43,6 +72,9 @@ def guard(method):
         except Exception as exc:
             if isinstance(exc, grpc.RpcError) or is_abort(context, exc):
                 raise
+            gone = departure(context, _named(request))
+            if gone is not None:
+                abort(context, gone, request)
             abort_internal(context, method.__name__, exc)
 
     wrapper.__name__ = method.__name__
@@ -62,7 +94,12 @@ def guard_stream(method):
 
 def _subject(request: object) -> str:
     """The tensor or model a request is about, for op records and logs."""
-    return getattr(request, "name", "") or getattr(request, "model", "")
+    header = getattr(request, "header", None)
+    return (
+        getattr(request, "name", "")
+        or getattr(request, "model", "")
+        or (getattr(header, "name", "") if header is not None else "")
+    )
 
 
 def _named(request: object) -> str:
@@ -92,11 +129,19 @@ def counted(kind: str):
                 name = getattr(response, "name", "")
                 return response
             except CollectiveError as err:
-                code, message = err.code, err.message
+                err = departure(context, err.tensor or "") or err
+                code, message, name = err.code, err.message, err.tensor or ""
                 raise _annotated(err, request, kind) from None
-            except Exception:
-                code, message = grpc.StatusCode.INTERNAL, "internal error (see the worker's log)"
-                raise
+            except Exception as exc:
+                gone = departure(context)
+                if gone is None:
+                    code, message = (
+                        grpc.StatusCode.INTERNAL,
+                        "internal error (see the worker's log)",
+                    )
+                    raise
+                code, message = gone.code, gone.message
+                raise _annotated(gone, request, kind) from exc
             finally:
                 name = name or _subject(request)
                 data_op_done(self._ctx, kind, name, code, message, time.perf_counter() - started)
@@ -106,14 +151,22 @@ def counted(kind: str):
             try:
                 yield from method(self, request, context)
             except CollectiveError as err:
+                err = departure(context, err.tensor or "") or err
                 code, message = err.code, err.message
                 raise _annotated(err, request, kind) from None
             except GeneratorExit:
                 code, message = grpc.StatusCode.CANCELLED, "the client cancelled the stream"
                 raise
-            except Exception:
-                code, message = grpc.StatusCode.INTERNAL, "internal error (see the worker's log)"
-                raise
+            except Exception as exc:
+                gone = departure(context)
+                if gone is None:
+                    code, message = (
+                        grpc.StatusCode.INTERNAL,
+                        "internal error (see the worker's log)",
+                    )
+                    raise
+                code, message = gone.code, gone.message
+                raise _annotated(gone, request, kind) from exc
             finally:
                 latency_s = time.perf_counter() - started
                 data_op_done(self._ctx, kind, _subject(request), code, message, latency_s)

@@ -42,6 +42,7 @@ from collectives_server.worker.model_service import ModelRpcs
 from collectives_server.worker.p2p_service import PeerRpcs
 from collectives_server.worker.replies import collective_response
 from collectives_server.worker.rpc_guards import counted as _counted
+from collectives_server.worker.rpc_guards import departure
 from collectives_server.worker.rpc_guards import guard as _guard
 from collectives_server.worker.rpc_guards import guard_stream as _guard_stream
 from collectives_server.worker.shm_service import get_tensor_shm, put_tensor_shm
@@ -66,6 +67,7 @@ class WorkerService(ModelRpcs, PeerRpcs):
     def PutTensor(self, request_iterator: Iterator[bytes], context) -> worker_pb2.PutTensorResponse:
         assembler: codec.TensorAssembler | None = None
         reservation = None
+        name = ""  # known once the header arrived: a put that breaks off is named
         try:
             for raw in request_iterator:
                 kind, value = codec.decode_part(raw)
@@ -73,6 +75,7 @@ class WorkerService(ModelRpcs, PeerRpcs):
                     if assembler is not None:
                         raise InvalidArgument("PutTensor stream carries a second header")
                     validate_name(value.name)
+                    name = value.name
                     # Quota reserved before the assembler preallocates the buffer.
                     meta = codec.check_header(value)
                     reservation = self._ctx.store.reserve(meta.name, meta.nbytes, "put")
@@ -90,6 +93,9 @@ class WorkerService(ModelRpcs, PeerRpcs):
             if reservation is not None:
                 reservation.release()
             drop_partial(exc)
+            gone = departure(context, name) if isinstance(exc, Exception) else None
+            if gone is not None:  # the client went: not its data's fault, nor ours
+                raise gone from exc
             raise
         reservation.release()
         self._store(assembler.name, tensor)
