@@ -23,10 +23,30 @@ from torch import nn
 __all__ = ["mlp", "two_heads", "Heads"]
 
 
+# Hidden layers an MLP may have: far more than any useful one, few enough that
+# building it (a Python loop) stays quick.
+MAX_DEPTH = 1024
+
+
+def _count(name: str, value: object, low: int = 1, high: int | None = None) -> int:
+    """``value`` as a count in [low, high]; ValueError naming the argument otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+    return value
+
+
 def mlp(
     in_features: int, hidden: int, out_features: int, depth: int = 2, seed: int = 0
 ) -> nn.Module:
     """A tanh MLP with ``depth`` hidden layers."""
+    for name, value in (("in_features", in_features), ("hidden", hidden)):
+        _count(name, value)
+    _count("out_features", out_features)
+    _count("depth", depth, 0, MAX_DEPTH)
+    _count("seed", seed, 0)
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
@@ -59,6 +79,8 @@ class TwoHeads(nn.Module):
 
 
 def two_heads(in_features: int, seed: int = 0) -> nn.Module:
+    _count("in_features", in_features)
+    _count("seed", seed, 0)
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:

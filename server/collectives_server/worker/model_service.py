@@ -41,7 +41,10 @@ class ModelRpcs:
             spec = received.spec
             if spec.factory:
                 module = build_from_factory(
-                    spec.factory, spec.factory_kwargs_json, models.allowed_factories
+                    spec.factory,
+                    spec.factory_kwargs_json,
+                    models.allowed_factories,
+                    max_bytes=uploads.config.max_bytes,
                 )
                 source = spec.factory
                 definition = ModelDefinition(spec.factory, spec.factory_kwargs_json or "{}")

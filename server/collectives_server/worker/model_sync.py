@@ -231,7 +231,12 @@ def _build_in_background(ctx: OpContext, uploads: ModelUploads, arrival: _Arriva
         try:
             src = arrival.src
             if src.factory:
-                module = build_from_factory(src.factory, src.kwargs_json, models.allowed_factories)
+                module = build_from_factory(
+                    src.factory,
+                    src.kwargs_json,
+                    models.allowed_factories,
+                    max_bytes=uploads.config.max_bytes,
+                )
             elif arrival.archive is not None:
                 module, archive = _load_archive(uploads, arrival.archive)
             else:

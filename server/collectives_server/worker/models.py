@@ -229,7 +229,22 @@ class HostedModel:
         return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
 
 
-def build_from_factory(factory: str, kwargs_json: str, allowed: tuple[str, ...]) -> nn.Module:
+def build_from_factory(
+    factory: str, kwargs_json: str, allowed: tuple[str, ...], max_bytes: int | None = None
+) -> nn.Module:
+    """Builds the model an allowed factory makes from JSON keyword arguments.
+
+    The factory first runs on the meta device, where nothing is allocated: its
+    arguments are refused there (``INVALID_ARGUMENT``, with the factory's own
+    words), and the weights' total size is known before any memory is taken
+    (``RESOURCE_EXHAUSTED`` over ``max_bytes``, the worker's --max-model-bytes).
+
+    Raises:
+        InvalidArgument: a malformed factory name or arguments the factory refuses.
+        PermissionDenied: the factory's module is not allowed on this worker.
+        NotFound: no such factory.
+        ResourceExhausted: the weights would exceed ``max_bytes``, or memory ran out.
+    """
     module_name, _, fn_name = factory.partition(":")
     if not module_name or not fn_name:
         raise InvalidArgument(f"factory {factory!r} must look like 'pkg.module:function'")
@@ -244,15 +259,44 @@ def build_from_factory(factory: str, kwargs_json: str, allowed: tuple[str, ...])
         fn = getattr(importlib.import_module(module_name), fn_name)
     except (ImportError, AttributeError) as exc:
         raise NotFound(f"factory {factory!r} not found on this worker: {exc}") from None
+    with torch.device("meta"):
+        outline = _call_factory(factory, fn, kwargs)
+    nbytes = sum(t.numel() * t.element_size() for t in (*outline.parameters(), *outline.buffers()))
+    del outline
+    if max_bytes is not None and nbytes > max_bytes:
+        raise ResourceExhausted(
+            f"factory {factory!r} with these arguments builds {nbytes} bytes of weights; "
+            f"this worker's --max-model-bytes is {max_bytes}"
+        )
+    try:
+        return _call_factory(factory, fn, kwargs)
+    except MemoryError:
+        raise ResourceExhausted(
+            f"factory {factory!r}: out of memory building {nbytes} bytes of weights"
+        ) from None
+
+
+def _call_factory(factory: str, fn: Any, kwargs: dict[str, Any]) -> nn.Module:
+    """``fn(**kwargs)``; what the factory refuses becomes INVALID_ARGUMENT with its
+    first line (torch's own messages go on with frames of C++ no client needs)."""
     try:
         module = fn(**kwargs)
-    except TypeError as exc:
-        raise InvalidArgument(f"factory {factory!r} rejected its arguments: {exc}") from None
+    except (TypeError, ValueError, OverflowError, RuntimeError, NotImplementedError) as exc:
+        if isinstance(exc, RuntimeError) and "alloc" in str(exc):
+            raise ResourceExhausted(f"factory {factory!r}: {_first_line(exc)}") from None
+        raise InvalidArgument(
+            f"factory {factory!r} rejected its arguments: {_first_line(exc)}"
+        ) from None
     if not isinstance(module, nn.Module):
         raise InvalidArgument(
             f"factory {factory!r} returned {type(module).__name__}, not a torch.nn.Module"
         )
     return module
+
+
+def _first_line(exc: BaseException, limit: int = 300) -> str:
+    line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 class ModelRegistry:
