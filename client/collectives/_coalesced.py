@@ -82,12 +82,7 @@ class _Coalesced(_DataPlane):
         async_op: bool,
         timeout: float | None,
     ) -> Work[None] | None:
-        checked, _ = check_coalesced_names(names)
-        if out is not None:
-            raise InvalidArgument(
-                "out is not supported with a list of names: a coalesced all_reduce stores "
-                "each result under its own name"
-            )
+        checked, outs = check_coalesced_names(names, _out_list(out))
         reduce_op = check_op(op)
         group = check_group(group)
         deadline = self._deadline(timeout)
@@ -95,7 +90,9 @@ class _Coalesced(_DataPlane):
         return self._collective(
             _what("all_reduce", checked),
             "AllReduce",
-            lambda o: worker_pb2.AllReduceRequest(options=o, names=checked, op=reduce_op.wire),
+            lambda o: worker_pb2.AllReduceRequest(
+                options=o, names=checked, outs=outs, op=reduce_op.wire
+            ),
             deadline,
             group,
             async_op,
@@ -109,12 +106,7 @@ class _Coalesced(_DataPlane):
         async_op: bool,
         timeout: float | None,
     ) -> list[list[torch.Tensor]] | Work[list[list[torch.Tensor]]]:
-        if out is not None and not is_coalesced(out):
-            raise InvalidArgument(
-                f"out must be None or a list of names (one per name) when names is a list, "
-                f"got {type(out).__name__}"
-            )
-        checked, outs = check_coalesced_names(names, out)
+        checked, outs = check_coalesced_names(names, _out_list(out))
         group = check_group(group)
         deadline = self._deadline(timeout)
         self._world(deadline)
@@ -133,6 +125,16 @@ class _Coalesced(_DataPlane):
             async_op,
             fetch,
         )
+
+
+def _out_list(out: object) -> object:
+    """``out`` of a coalesced op: None, or a list of names (checked by the caller)."""
+    if out is not None and not is_coalesced(out):
+        raise InvalidArgument(
+            f"out must be None or a list of names (one per name) when names is a list, "
+            f"got {type(out).__name__}"
+        )
+    return out
 
 
 def _first_rank(group: Group | None) -> int:

@@ -32,8 +32,9 @@ from collectives._validation import (
     check_op,
     check_out,
     check_root,
+    check_single,
 )
-from collectives.errors import CollectiveError, Reason, Unavailable
+from collectives.errors import CollectiveError, InvalidArgument, Reason, Unavailable
 from collectives.groups import Group
 from collectives.op_args import check_split_matrix
 from collectives.reduce_ops import ReduceOp
@@ -65,15 +66,25 @@ class _Collectives(_Coalesced):
         group: Group | None = None,
         async_op: bool = False,
         timeout: float | None = None,
+        out: str | Sequence[str] | None = None,
     ) -> Work[None] | None:
         """Copies ``name`` from global rank ``src`` to every rank of ``group``.
 
         Only ``src`` needs the tensor; the others' copies are created or replaced.
-        A list of names is one atomic op (see ``_coalesced``).
+        A list of names is one atomic op (see ``_coalesced``). Like
+        ``torch.distributed.broadcast`` it works in place: ``out`` is taken by
+        every op for uniformity and refused here with the reason.
 
         Raises:
+            InvalidArgument: ``out`` was given.
             NotFound: ``src`` holds no tensor under ``name``.
         """
+        if out is not None:
+            raise InvalidArgument(
+                "broadcast works in place, like torch.distributed.broadcast: src keeps "
+                "its tensor and the other ranks receive it under the same name, so out "
+                "is not supported; broadcast the name, then use it under that name"
+            )
         if is_coalesced(name):
             return self._broadcast_many(cast(Sequence[str], name), src, group, async_op, timeout)
         check_name(name)
@@ -94,13 +105,14 @@ class _Collectives(_Coalesced):
         name: str | Sequence[str],
         op: str | ReduceOp = "sum",
         group: Group | None = None,
-        out: str | None = None,
+        out: str | Sequence[str] | None = None,
         async_op: bool = False,
         timeout: float | None = None,
     ) -> Work[None] | None:
         """Reduces ``name`` across ranks; every rank stores the result under ``out`` or ``name``.
 
-        A list of names is one atomic op; each result replaces its name (no ``out``).
+        A list of names is one atomic op; each result goes under its name, or under
+        the matching name of ``out`` (a list of as many names).
 
         Raises:
             NotFound: no rank holds ``name``.
@@ -144,7 +156,7 @@ class _Collectives(_Coalesced):
             NotFound: no rank holds ``name``.
             FailedPrecondition: some ranks lack ``name`` or disagree on dtype/shape.
         """
-        check_name(name)
+        check_single("reduce", name)
         reduce_op = check_op(op)
         out_name = check_out(out)
         group = check_group(group)
@@ -221,7 +233,7 @@ class _Collectives(_Coalesced):
             NotFound: no rank holds ``name``.
             FailedPrecondition: some ranks lack ``name`` or disagree on dtype/shape.
         """
-        check_name(name)
+        check_single("gather", name)
         out_name = check_out(out)
         group = check_group(group)
         deadline = self._deadline(timeout)
@@ -256,7 +268,7 @@ class _Collectives(_Coalesced):
             NotFound: no rank holds ``name``.
             FailedPrecondition: some ranks lack ``name`` or disagree on dtype/shape.
         """
-        check_name(name)
+        check_single("reduce_scatter", name)
         reduce_op = check_op(op)
         out_name = check_out(out)
         group = check_group(group)
@@ -299,7 +311,7 @@ class _Collectives(_Coalesced):
             FailedPrecondition: some ranks lack ``name`` or disagree on dtype/shape
                 (with ``split_sizes``: on dtype or the dims after 0).
         """
-        check_name(name)
+        check_single("all_to_all", name)
         out_name = check_out(out)
         group = check_group(group)
         deadline = self._deadline(timeout)

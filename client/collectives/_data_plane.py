@@ -47,6 +47,7 @@ from collectives.groups import Group
 from collectives.names import UPLOAD_PREFIX, reserved_prefix
 from collectives.v1 import worker_pb2
 from collectives.wire import codec
+from collectives.work import Work
 
 __all__: list[str] = []
 
@@ -192,13 +193,18 @@ class _DataPlane(_ClusterCore):
         chunk_sizes: list[int] | None = None,
         timeout: float | None = None,
         group: Group | None = None,
-    ) -> None:
+        async_op: bool = False,
+    ) -> Work[None] | None:
         """Stores part i of ``t`` under ``name`` on rank i; uploads run in parallel.
 
         Part i is ``torch.tensor_split(t, n, dim)[i]``, or ``torch.split(t,
         chunk_sizes, dim)[i]`` when ``chunk_sizes`` is given, with ``n`` the world
         size; with ``group``, ``n`` is the group's size and part i goes to its i-th
         member in ascending global rank (other ranks are untouched).
+
+        With ``async_op`` the call returns a :class:`~collectives.Work` at once
+        (after the arguments are checked) and runs in this client's op order, as
+        the collectives do; ``t`` must not change until it completes.
 
         Raises:
             InvalidArgument: bad name, tensor, ``dim``, or ``chunk_sizes`` whose
@@ -221,14 +227,21 @@ class _DataPlane(_ClusterCore):
         parts = scatter_parts(_wire_layout(t), len(ranks), dim, chunk_sizes, of)
         what = f"scatter {name!r}"
         total = sum(p.numel() * p.element_size() for p in parts)
-        with progress(what, total, self._progress) as bar:
-            self._fan_out(
-                what,
-                {
-                    r: self._rank_call(r, deadline, what, _put_stream(name, p, bar))
-                    for r, p in zip(ranks, parts, strict=True)
-                },
-            )
+
+        def run() -> None:
+            with progress(what, total, self._progress) as bar:
+                self._fan_out(
+                    what,
+                    {
+                        r: self._rank_call(r, deadline, what, _put_stream(name, p, bar))
+                        for r, p in zip(ranks, parts, strict=True)
+                    },
+                )
+
+        if not async_op:
+            run()
+            return None
+        return self._ordered(what, run, deadline, async_op=True)
 
     def _group_members(self, group: Group, generation: int) -> list[int]:
         """``group``'s global ranks, for the calls the SDK runs itself (scatter).

@@ -17,7 +17,7 @@ from collectives._collectives import _Collectives
 from collectives._core import server_timeout_s
 from collectives._generation_binding import is_not_executed
 from collectives._transport import call_unary
-from collectives._validation import check_group, check_name, check_out
+from collectives._validation import check_group, check_out, check_single
 from collectives.errors import InvalidArgument, NotFound
 from collectives.groups import Group
 from collectives.op_args import check_pairs
@@ -139,7 +139,7 @@ class _PeerToPeer(_Collectives):
         async_op: bool,
         timeout: float | None,
     ) -> Work[None] | None:
-        check_name(name)
+        check_single(kind, name)
         out_name = check_out(out)
         group = check_group(group)
         deadline = self._deadline(timeout)

@@ -41,10 +41,26 @@ def check_name(name: object) -> str:
     return validate_name(name)
 
 
+def check_single(kind: str, name: object) -> str:
+    """``name`` for an op that takes one name; a list is refused, saying which take one."""
+    if isinstance(name, (list, tuple)):
+        raise InvalidArgument(
+            f"{kind} takes one name, got a list of {len(name)}: lists of names (one atomic "
+            "op) are taken by all_reduce, broadcast and all_gather; call "
+            f"{kind} once per name"
+        )
+    return validate_name(name)
+
+
 def check_out(out: object) -> str:
     """``out=None`` means "store under the input's name": the empty string on the wire."""
     if out is None:
         return ""
+    if isinstance(out, (list, tuple)):
+        raise InvalidArgument(
+            f"out is a list of {len(out)} names but the op has one name: give out one "
+            "name, or give a list of names with a list of out names of the same length"
+        )
     return validate_name(out, "out name")
 
 

@@ -55,10 +55,11 @@ EXPECTED_SIGNATURES: dict[str, list[tuple[str, object]]] = {
     "delete": [("name", _E), ("rank", None), ("missing_ok", False), ("timeout", None)],
     "scatter": [
         ("name", _E), ("t", _E), ("dim", 0), ("chunk_sizes", None), ("timeout", None),
-        ("group", None),
+        ("group", None), ("async_op", False),
     ],
     "broadcast": [
         ("name", _E), ("src", 0), ("group", None), ("async_op", False), ("timeout", None),
+        ("out", None),
     ],
     "all_reduce": [
         ("name", _E), ("op", "sum"), ("group", None), ("out", None), ("async_op", False),

@@ -231,18 +231,20 @@ class BroadcastRequest(_message.Message):
     def __init__(self, options: _Optional[_Union[OpOptions, _Mapping]] = ..., name: _Optional[str] = ..., src: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AllReduceRequest(_message.Message):
-    __slots__ = ("options", "name", "op", "out", "names")
+    __slots__ = ("options", "name", "op", "out", "names", "outs")
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
     OUT_FIELD_NUMBER: _ClassVar[int]
     NAMES_FIELD_NUMBER: _ClassVar[int]
+    OUTS_FIELD_NUMBER: _ClassVar[int]
     options: OpOptions
     name: str
     op: _tensor_pb2.ReduceOp
     out: str
     names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, options: _Optional[_Union[OpOptions, _Mapping]] = ..., name: _Optional[str] = ..., op: _Optional[_Union[_tensor_pb2.ReduceOp, str]] = ..., out: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
+    outs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, options: _Optional[_Union[OpOptions, _Mapping]] = ..., name: _Optional[str] = ..., op: _Optional[_Union[_tensor_pb2.ReduceOp, str]] = ..., out: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., outs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReduceRequest(_message.Message):
     __slots__ = ("options", "name", "dst", "op", "out")

@@ -349,7 +349,7 @@ class WorkerService(ModelRpcs, PeerRpcs):
     @_guard
     def AllReduce(self, r, context):
         if r.names:
-            return self._coalesced(context, OpKind.ALL_REDUCE_COALESCED, r, op=r.op)
+            return self._coalesced(context, OpKind.ALL_REDUCE_COALESCED, r, list(r.outs), op=r.op)
         args = worker_pb2.TensorOpArgs(name=r.name, out=r.out, op=r.op)
         return self._collective(context, OpKind.ALL_REDUCE, r.options, args)
 
