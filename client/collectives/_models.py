@@ -59,6 +59,8 @@ class ModelInfo:
     # 1 after load_model, +1 per publish (load_state_dict), step or train_step
     # with an optimizer; equal on every rank between ops.
     version: int = 1
+    # The mode forwards run in, like nn.Module.training (see set_model_mode).
+    training: bool = True
 
 
 def export_archive(module: nn.Module, example_inputs: tuple[Any, ...], dim: int = 0) -> bytes:
@@ -205,6 +207,39 @@ class _Models(_PeerToPeer):
             "models",
         )
         return [_model_info(m) for m in response.models]
+
+    def set_model_mode(
+        self, name: str, training: bool = True, timeout: float | None = None
+    ) -> ModelInfo:
+        """Sets the mode model ``name`` runs in on every worker, like
+        ``nn.Module.train(training)``: in train mode dropout is on and batch norm
+        normalises each shard with its own statistics (updating that worker's
+        running ones, as each replica of ``nn.DataParallel`` does); in eval mode
+        neither. ``DataParallel.train()`` / ``eval()`` call this.
+
+        Args:
+            name: the model.
+            training: True for train mode, False for eval mode.
+            timeout: seconds for the whole call.
+
+        Returns:
+            The model as rank 0 holds it now (``training`` says its mode).
+
+        Raises:
+            NotFound: the model is not loaded.
+            FailedPrecondition: the model's exported graph holds a mode-dependent
+                operator that cannot be switched (export it in the mode to run).
+            DeadlineExceeded: not done within ``timeout`` seconds.
+        """
+        validate_name(name, "model name")
+        deadline = self._deadline(timeout)
+        mode = worker_pb2.MODEL_MODE_TRAIN if training else worker_pb2.MODEL_MODE_EVAL
+        request = worker_pb2.SetModelModeRequest(name=name, mode=mode)
+        what = f"set_model_mode {name!r}"
+        answers = self._per_rank(
+            what, deadline, lambda e, left: call_unary(e.stub.SetModelMode, request, left, what)
+        )
+        return _model_info(answers[min(answers)].model)
 
     def data_parallel(self, name: str, dim: int = 0, timeout: float | None = None) -> DataParallel:
         """A callable that runs model ``name`` data-parallel over the workers (see DataParallel)."""
@@ -475,4 +510,5 @@ def _model_info(m: worker_pb2.ModelInfo) -> ModelInfo:
         optimizer=m.optimizer,
         steps=m.steps,
         version=m.version,
+        training=m.training,
     )

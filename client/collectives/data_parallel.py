@@ -26,7 +26,7 @@ import torch
 
 from collectives._deadlines import time_left
 from collectives._transport import WorkerEndpoint, call_unary, get_tensor, put_tensor
-from collectives.errors import CollectiveError, InvalidArgument, Reason, Unavailable
+from collectives.errors import CollectiveError, InvalidArgument, NotFound, Reason, Unavailable
 from collectives.names import validate_name
 from collectives.v1 import worker_pb2
 from collectives.wire.codec import tensor_from_proto, tensor_to_proto
@@ -145,10 +145,23 @@ def _release(state: _CallState) -> None:
 class _RemoteCall:
     """One data-parallel call: scatter, remote forward, gather; and its backward."""
 
-    def __init__(self, cluster: _Models, model: str, dim: int, timeout: float | None) -> None:
+    def __init__(
+        self,
+        cluster: _Models,
+        model: str,
+        dim: int,
+        timeout: float | None,
+        training: bool | None = None,
+    ) -> None:
         self.cluster = cluster
         self.model = model
         self.dim = dim
+        # The mode every shard runs in; None: each worker's mode for the model.
+        self.mode = {
+            None: worker_pb2.MODEL_MODE_UNSPECIFIED,
+            True: worker_pb2.MODEL_MODE_TRAIN,
+            False: worker_pb2.MODEL_MODE_EVAL,
+        }[training]
         self.deadline = cluster._deadline(timeout)
         self.call_id = f"__dp/{uuid.uuid4().hex}"
         self.version = 0  # the model version that computed the outputs, once known
@@ -197,6 +210,7 @@ class _RemoteCall:
                 input_grad_names=[f"{self.call_id}/in/{k}" for k in self.grad_leaf_ids],
                 inline_output_bytes=INLINE_BYTES,
                 version=version,
+                mode=self.mode,
             )
             response = call_unary(
                 shard.endpoint.stub.Forward, request, self._left(), f"forward of {self.model!r}"
@@ -350,6 +364,12 @@ class _GatherFromWorkers(torch.autograd.Function):
         return (None, None, None, *input_grads)
 
 
+# What nn.DataParallel has that a model on the workers cannot give locally.
+_REMOTE_ONLY = frozenset(
+    ("module", "parameters", "named_parameters", "buffers", "named_buffers", "state_dict")
+)
+
+
 class DataParallel:
     """A callable running a cluster model data-parallel, like ``torch.nn.DataParallel``.
 
@@ -371,6 +391,51 @@ class DataParallel:
         self.dim = dim
         self.timeout = timeout
         self._local = threading.local()
+        self._training: bool | None = None  # known once set or asked
+
+    @property
+    def training(self) -> bool:
+        """Whether the model runs in train mode (dropout on, batch norm on each
+        shard's statistics), as ``nn.Module.training``; asks rank 0 until this
+        callable set the mode itself.
+
+        Raises:
+            NotFound: the model is not loaded.
+        """
+        if self._training is None:
+            infos = {m.name: m for m in self.cluster.models(timeout=self.timeout)}
+            if self.name not in infos:
+                raise NotFound(f"model {self.name!r} is not loaded; load_model it first")
+            self._training = infos[self.name].training
+        return self._training
+
+    def train(self, mode: bool = True) -> DataParallel:
+        """Switches the model to train mode (``mode=False``: eval mode) on every
+        worker, like ``nn.Module.train``; every later call of this callable runs
+        every shard in that mode. Returns ``self``.
+
+        Raises:
+            NotFound: the model is not loaded.
+            FailedPrecondition: its exported graph cannot be switched (see
+                ``Cluster.set_model_mode``).
+        """
+        self.cluster.set_model_mode(self.name, bool(mode), timeout=self.timeout)
+        self._training = bool(mode)
+        return self
+
+    def eval(self) -> DataParallel:
+        """Switches the model to eval mode on every worker (``train(False)``). Returns ``self``."""
+        return self.train(False)
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr in _REMOTE_ONLY:
+            raise AttributeError(
+                f"DataParallel has no {attr!r}: the model {self.name!r} lives on the workers, "
+                f"not in this process. Its weights: cluster.state_dict({self.name!r}); "
+                f"its gradients: cluster.gradients({self.name!r}); an optimizer step: "
+                f"cluster.step({self.name!r}, ...); its info: cluster.models()"
+            )
+        raise AttributeError(f"'DataParallel' object has no attribute {attr!r}")
 
     @property
     def last_version(self) -> int:
@@ -384,7 +449,7 @@ class DataParallel:
         InvalidArgument: an input cannot be sent, or the model rejected the inputs.
         CollectiveError: a worker failed or the call timed out.
         """
-        call = _RemoteCall(self.cluster, self.name, self.dim, self.timeout)
+        call = _RemoteCall(self.cluster, self.name, self.dim, self.timeout, self._training)
         output = call.forward(inputs, kwargs)
         self._local.version = call.version
         return output

@@ -9,6 +9,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ModelMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODEL_MODE_UNSPECIFIED: _ClassVar[ModelMode]
+    MODEL_MODE_TRAIN: _ClassVar[ModelMode]
+    MODEL_MODE_EVAL: _ClassVar[ModelMode]
+
 class OpKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     OP_KIND_UNSPECIFIED: _ClassVar[OpKind]
@@ -33,6 +39,9 @@ class OpKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OP_KIND_ALL_TO_ALL_UNEVEN: _ClassVar[OpKind]
     OP_KIND_PUBLISH_MODEL: _ClassVar[OpKind]
     OP_KIND_REPLICATE: _ClassVar[OpKind]
+MODEL_MODE_UNSPECIFIED: ModelMode
+MODEL_MODE_TRAIN: ModelMode
+MODEL_MODE_EVAL: ModelMode
 OP_KIND_UNSPECIFIED: OpKind
 OP_KIND_NOOP: OpKind
 OP_KIND_STOP: OpKind
@@ -453,7 +462,7 @@ class LoadModelRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., archive_chunk: _Optional[bytes] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "parameters", "parameter_bytes", "devices", "source", "optimizer", "graphs_retained", "steps", "version")
+    __slots__ = ("name", "parameters", "parameter_bytes", "devices", "source", "optimizer", "graphs_retained", "steps", "version", "training")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     PARAMETER_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -463,6 +472,7 @@ class ModelInfo(_message.Message):
     GRAPHS_RETAINED_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_FIELD_NUMBER: _ClassVar[int]
     name: str
     parameters: int
     parameter_bytes: int
@@ -472,7 +482,22 @@ class ModelInfo(_message.Message):
     graphs_retained: int
     steps: int
     version: int
-    def __init__(self, name: _Optional[str] = ..., parameters: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., source: _Optional[str] = ..., optimizer: _Optional[str] = ..., graphs_retained: _Optional[int] = ..., steps: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+    training: bool
+    def __init__(self, name: _Optional[str] = ..., parameters: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., source: _Optional[str] = ..., optimizer: _Optional[str] = ..., graphs_retained: _Optional[int] = ..., steps: _Optional[int] = ..., version: _Optional[int] = ..., training: _Optional[bool] = ...) -> None: ...
+
+class SetModelModeRequest(_message.Message):
+    __slots__ = ("name", "mode")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    mode: ModelMode
+    def __init__(self, name: _Optional[str] = ..., mode: _Optional[_Union[ModelMode, str]] = ...) -> None: ...
+
+class SetModelModeResponse(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: ModelInfo
+    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ...) -> None: ...
 
 class LoadModelResponse(_message.Message):
     __slots__ = ("model",)
@@ -563,7 +588,7 @@ class NamedTupleValue(_message.Message):
     def __init__(self, type_name: _Optional[str] = ..., fields: _Optional[_Iterable[str]] = ..., values: _Optional[_Iterable[_Union[Value, _Mapping]]] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("model", "call_id", "args", "kwargs", "grad_enabled", "input_grad_names", "inline_output_bytes", "version")
+    __slots__ = ("model", "call_id", "args", "kwargs", "grad_enabled", "input_grad_names", "inline_output_bytes", "version", "mode")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     ARGS_FIELD_NUMBER: _ClassVar[int]
@@ -572,6 +597,7 @@ class ForwardRequest(_message.Message):
     INPUT_GRAD_NAMES_FIELD_NUMBER: _ClassVar[int]
     INLINE_OUTPUT_BYTES_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     model: str
     call_id: str
     args: Value
@@ -580,7 +606,8 @@ class ForwardRequest(_message.Message):
     input_grad_names: _containers.RepeatedScalarFieldContainer[str]
     inline_output_bytes: int
     version: int
-    def __init__(self, model: _Optional[str] = ..., call_id: _Optional[str] = ..., args: _Optional[_Union[Value, _Mapping]] = ..., kwargs: _Optional[_Union[Value, _Mapping]] = ..., grad_enabled: _Optional[bool] = ..., input_grad_names: _Optional[_Iterable[str]] = ..., inline_output_bytes: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+    mode: ModelMode
+    def __init__(self, model: _Optional[str] = ..., call_id: _Optional[str] = ..., args: _Optional[_Union[Value, _Mapping]] = ..., kwargs: _Optional[_Union[Value, _Mapping]] = ..., grad_enabled: _Optional[bool] = ..., input_grad_names: _Optional[_Iterable[str]] = ..., inline_output_bytes: _Optional[int] = ..., version: _Optional[int] = ..., mode: _Optional[_Union[ModelMode, str]] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
     __slots__ = ("output", "latency_s", "version")

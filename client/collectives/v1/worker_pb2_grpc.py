@@ -154,6 +154,11 @@ class WorkerStub:
                 request_serializer=collectives_dot_v1_dot_worker__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=collectives_dot_v1_dot_worker__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.SetModelMode = channel.unary_unary(
+                '/collectives.v1.Worker/SetModelMode',
+                request_serializer=collectives_dot_v1_dot_worker__pb2.SetModelModeRequest.SerializeToString,
+                response_deserializer=collectives_dot_v1_dot_worker__pb2.SetModelModeResponse.FromString,
+                _registered_method=True)
         self.Forward = channel.unary_unary(
                 '/collectives.v1.Worker/Forward',
                 request_serializer=collectives_dot_v1_dot_worker__pb2.ForwardRequest.SerializeToString,
@@ -395,6 +400,17 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetModelMode(self, request, context):
+        """Sets the mode forwards run in (train: dropout on, batch norm on each
+        shard's statistics; eval: neither), like nn.Module.train() / eval(); an
+        exported model gets the other mode's graph built from its own. Errors:
+        NOT_FOUND, INVALID_ARGUMENT (no mode), FAILED_PRECONDITION (the exported
+        graph holds a mode-dependent operator the switch does not know).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Forward(self, request, context):
         """Runs the model on tensors already stored (the SDK uploads the shard first).
         Errors: NOT_FOUND (model or input tensor), INVALID_ARGUMENT (the model
@@ -608,6 +624,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=collectives_dot_v1_dot_worker__pb2.ListModelsRequest.FromString,
                     response_serializer=collectives_dot_v1_dot_worker__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'SetModelMode': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetModelMode,
+                    request_deserializer=collectives_dot_v1_dot_worker__pb2.SetModelModeRequest.FromString,
+                    response_serializer=collectives_dot_v1_dot_worker__pb2.SetModelModeResponse.SerializeToString,
             ),
             'Forward': grpc.unary_unary_rpc_method_handler(
                     servicer.Forward,
@@ -1313,6 +1334,33 @@ class Worker:
             '/collectives.v1.Worker/ListModels',
             collectives_dot_v1_dot_worker__pb2.ListModelsRequest.SerializeToString,
             collectives_dot_v1_dot_worker__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetModelMode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/collectives.v1.Worker/SetModelMode',
+            collectives_dot_v1_dot_worker__pb2.SetModelModeRequest.SerializeToString,
+            collectives_dot_v1_dot_worker__pb2.SetModelModeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -26,18 +26,22 @@ from collectives_server.worker.store import TensorStore
 
 __all__ = ["forward", "backward", "release"]
 
+# ModelMode -> training (None: the model's own mode).
+_MODES = {worker_pb2.MODEL_MODE_TRAIN: True, worker_pb2.MODEL_MODE_EVAL: False}
 
-def _run(model: HostedModel, args: tuple, kwargs: dict) -> Any:
+
+def _run(model: HostedModel, args: tuple, kwargs: dict, training: bool | None) -> Any:
     devices = model.devices
+    module = model.runnable(training)
     if len(devices) > 1 and all(d.type == "cuda" for d in devices):
         return nn.parallel.data_parallel(
-            model.module,
+            module,
             args,
             device_ids=[d.index for d in devices],
             output_device=devices[0].index,
             module_kwargs=kwargs,
         )
-    return model.module(*args, **kwargs)
+    return module(*args, **kwargs)
 
 
 def forward(
@@ -76,7 +80,7 @@ def forward(
             torch.set_grad_enabled(request.grad_enabled),
         ):
             try:
-                output = _run(model, args, kwargs)
+                output = _run(model, args, kwargs, _MODES.get(request.mode))
             except (RuntimeError, TypeError, ValueError, IndexError) as exc:
                 raise InvalidArgument(
                     f"model {request.model!r} failed on these inputs: {backend_message(exc)}"

@@ -72,6 +72,16 @@ class ModelRpcs:
         return worker_pb2.UnloadModelResponse(unloaded=unloaded)
 
     @_guard
+    @_counted("set_model_mode")
+    def SetModelMode(self, request, context) -> worker_pb2.SetModelModeResponse:
+        validate_name(request.name, "model name")
+        if request.mode not in (worker_pb2.MODEL_MODE_TRAIN, worker_pb2.MODEL_MODE_EVAL):
+            raise InvalidArgument("SetModelMode needs mode MODEL_MODE_TRAIN or MODEL_MODE_EVAL")
+        model = self._ctx.models.get(request.name)
+        model.runnable(request.mode == worker_pb2.MODEL_MODE_TRAIN)  # builds (or refuses) it now
+        return worker_pb2.SetModelModeResponse(model=_model_info(model))
+
+    @_guard
     def ListModels(self, request, context) -> worker_pb2.ListModelsResponse:
         return worker_pb2.ListModelsResponse(
             models=[_model_info(m) for m in self._ctx.models.all()]
@@ -294,6 +304,7 @@ def _model_info(model) -> worker_pb2.ModelInfo:
         graphs_retained=len(model.graphs),
         steps=model.steps,
         version=model.version,
+        training=bool(model.training),
     )
 
 

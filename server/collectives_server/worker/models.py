@@ -27,6 +27,7 @@ from torch import nn
 from collectives.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from collectives.names import validate_name
 from collectives_server.json_input import parse_json_object
+from collectives_server.worker import model_modes
 from collectives_server.worker.store import Reservation, TensorStore
 
 __all__ = ["ModelRegistry", "HostedModel", "ModelDefinition", "RetainedGraph", "GradArena"]
@@ -202,10 +203,44 @@ class HostedModel:
     reusable: list[torch.Tensor] = field(default_factory=list)
     reusable_reservation: Reservation | None = None
     _arena: GradArena | None = None
+    # The mode forwards run in (model_modes); None: the loaded module's own.
+    training: bool | None = None
+    # The other mode's graph of an exported model, and what it was built from.
+    _switched: tuple[tuple[int, ...], nn.Module] | None = None
+    _captured: tuple[int, bool] | None = None  # (id of module, the mode it was captured in)
 
     def __post_init__(self) -> None:
         # Notified (under ``lock``) whenever ``version`` changes.
         self.version_changed = threading.Condition(self.lock)
+        if self.training is None:
+            self.training = model_modes.captured_mode(self.module)
+
+    def runnable(self, training: bool | None = None) -> nn.Module:
+        """The module to call, in ``training`` mode (kept as the model's mode) or, when
+        None, in the model's mode. An exported model's other-mode graph is built once
+        per set of weights (a publish may replace them) and shares them.
+
+        Raises:
+            FailedPrecondition: the exported graph cannot run in that mode.
+        """
+        with self.lock:
+            mode = bool(self.training if training is None else training)
+            runnable = self._in_mode(mode)
+            self.training = mode  # kept only once the mode could be had
+            return runnable
+
+    def _in_mode(self, mode: bool) -> nn.Module:
+        module = self.module
+        if not model_modes.is_graph(module):
+            return model_modes.for_mode(module, mode, self.name)
+        if self._captured is None or self._captured[0] != id(module):
+            self._captured = (id(module), model_modes.captured_mode(module))
+        if self._captured[1] == mode:
+            return module
+        key = (id(module), *map(id, module.parameters()), *map(id, module.buffers()))
+        if self._switched is None or self._switched[0] != key:
+            self._switched = (key, model_modes.for_mode(module, mode, self.name))
+        return self._switched[1]
 
     @property
     def parameters(self) -> list[tuple[str, nn.Parameter]]:

@@ -176,7 +176,7 @@ def _local_train(ctx: OpContext, model: HostedModel, args: ModelArgs) -> tuple[f
     seeded = arena.seed()
     try:
         with torch.enable_grad():
-            out = model.module(inputs)
+            out = model.runnable()(inputs)
             loss = loss_fn(out, targets)
             loss.backward()
     finally:

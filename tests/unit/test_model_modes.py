@@ -1,0 +1,82 @@
+"""Train and eval mode of exported graphs (model_modes), against torch's own modules.
+
+A graph captured in one mode, switched to the other, must compute what the
+original ``nn.Module`` computes in that mode, share its parameters and buffers,
+and refuse what it cannot switch.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import fx, nn
+
+from collectives.errors import FailedPrecondition
+from collectives_server.worker import model_modes
+
+
+def _captured(module: nn.Module, x: torch.Tensor) -> nn.Module:
+    program = torch.export.export(module, (x,), dynamic_shapes=({0: torch.export.Dim.DYNAMIC},))
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer)
+    buffer.seek(0)
+    return torch.export.load(buffer).module()
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(6, 12), nn.Dropout(0.5), nn.BatchNorm1d(12), nn.RReLU(), nn.Linear(12, 3)
+    )
+
+
+def test_a_graph_captured_in_train_mode_runs_in_eval_mode_as_torch_does() -> None:
+    x = torch.randn(10, 6)
+    module = _model()
+    graph = _captured(module, x)
+    assert model_modes.captured_mode(graph) is True
+    evaluating = model_modes.for_mode(graph, False, "m")
+    module.eval()
+    torch.testing.assert_close(evaluating(x), module(x), rtol=0, atol=0)
+    assert torch.equal(evaluating(x), evaluating(x))  # dropout and rrelu are off
+    # The buffers are shared and eval mode leaves them alone.
+    tracked = dict(graph.named_buffers())["2.num_batches_tracked"].clone()
+    evaluating(x)
+    assert torch.equal(dict(graph.named_buffers())["2.num_batches_tracked"], tracked)
+    assert (
+        dict(evaluating.named_parameters())["0.weight"]
+        is dict(graph.named_parameters())["0.weight"]
+    )
+    assert model_modes.for_mode(graph, True, "m") is graph
+
+
+def test_a_graph_captured_in_eval_mode_runs_batch_norm_on_the_batch_in_train_mode() -> None:
+    x = torch.randn(8, 6)
+    torch.manual_seed(1)
+    module = nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5), nn.InstanceNorm1d(5, True, True))
+    module.eval()
+    graph = _captured(module, x)
+    assert model_modes.captured_mode(graph) is False
+    training = model_modes.for_mode(graph, True, "m")
+    reference = nn.Sequential(*[m for m in module]).train()
+    before = module[1].running_mean.clone()
+    torch.testing.assert_close(training(x), reference(x.clone()))
+    assert not torch.equal(dict(graph.named_buffers())["1.running_mean"], before)
+
+
+def test_factory_modules_switch_with_train() -> None:
+    module = _model()
+    assert model_modes.for_mode(module, False, "m") is module and not module.training
+    assert model_modes.captured_mode(module) is False
+
+
+def test_an_unknown_mode_dependent_operator_is_refused() -> None:
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    out = graph.call_function(torch.ops.aten.native_dropout.default, (x, 0.5, True))
+    graph.output(out)
+    module = fx.GraphModule(nn.Module(), graph)
+    with pytest.raises(FailedPrecondition, match="native_dropout"):
+        model_modes.for_mode(module, False, "odd")
