@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -100,6 +101,20 @@ class _Models(_PeerToPeer):
         super().__init__(*args, **kwargs)
         # In-flight fire-and-forget ReleaseGraph calls (see _release_graph).
         self._releases: set[Any] = set()
+        # Models whose gradients on the workers came from a DataParallel backward of
+        # a loss over the whole batch (until zero_grad or train_step): their shards'
+        # gradients already add up to the full-batch gradient.
+        self._whole_batch_grads: set[str] = set()
+        self._grads_lock = threading.Lock()
+
+    def _note_remote_backward(self, name: str) -> None:
+        """A DataParallel backward of ``name`` accumulated gradients on the workers."""
+        with self._grads_lock:
+            self._whole_batch_grads.add(name)
+
+    def _forget_gradients(self, name: str) -> None:
+        with self._grads_lock:
+            self._whole_batch_grads.discard(name)
 
     # --------------------------------------------------------------- loading
     def load_model(
@@ -259,14 +274,33 @@ class _Models(_PeerToPeer):
         One collective per bucket; afterwards every replica holds bit-identical
         gradients. A worker that got no shard contributes zeros.
 
+        Which ``op``: after ``loss = f(dp(x)); loss.backward()`` (a loss over the
+        whole gathered batch) each worker holds its shard's part of the gradient
+        and the parts *add up* to the full-batch gradient: ``"sum"`` (the default)
+        is right, and ``"avg"`` would divide it by the world size, so this client
+        refuses ``"avg"`` until ``zero_grad``. ``"avg"`` is for gradients of
+        per-worker mean losses (what DDP averages), e.g. after local steps on
+        each worker's own data.
+
         Raises:
-            InvalidArgument: ``op`` is not sum/avg, or a bad bucket size.
+            InvalidArgument: ``op`` is not sum/avg, ``"avg"`` on gradients this
+                client computed with a DataParallel backward, or a bad bucket size.
             NotFound / FailedPrecondition: the model is missing on all / some ranks.
         """
         validate_name(name, "model name")
         reduce_op = parse_reduce_op(op)
         if reduce_op not in (ReduceOp.SUM, ReduceOp.AVG):
             raise InvalidArgument(f"all_reduce_gradients takes op 'sum' or 'avg', not {op!r}")
+        with self._grads_lock:
+            whole_batch = name in self._whole_batch_grads
+        if reduce_op is ReduceOp.AVG and whole_batch:
+            raise InvalidArgument(
+                f"all_reduce_gradients({name!r}, op='avg') would divide the gradient by the "
+                f"world size: the gradients of {name!r} come from a data_parallel backward of a "
+                "loss over the whole batch, so each worker holds its shard's part and their "
+                "sum is the full-batch gradient. Use op='sum' (the default). 'avg' is for "
+                "per-worker mean losses, as in DDP (see docs/api.md, 'Which reduction')"
+            )
         if bucket_bytes is not None and bucket_bytes <= 0:
             raise InvalidArgument(f"bucket_bytes must be positive, got {bucket_bytes}")
         deadline = self._deadline(timeout)
@@ -303,6 +337,7 @@ class _Models(_PeerToPeer):
         validate_name(name, "model name")
         validate_name(inputs, "inputs tensor name")
         validate_name(targets, "targets tensor name")
+        self._forget_gradients(name)  # it sets the gradients itself, averaged
         if loss not in _LOSSES:
             raise InvalidArgument(f"loss {loss!r} is not supported; use one of {_LOSSES}")
         if optimizer is not None and optimizer not in _OPTIMIZERS:
@@ -358,6 +393,7 @@ class _Models(_PeerToPeer):
             self._deadline(timeout),
             lambda e, t: call_unary(e.stub.ZeroGrad, request, t, f"zero_grad {name!r}"),
         )
+        self._forget_gradients(name)
 
     def gradients(
         self, name: str, rank: int = 0, timeout: float | None = None

@@ -279,6 +279,9 @@ class _RemoteCall:
             )
         self.state.finished = True
         self.deadline = self.cluster._deadline(None)
+        # Gradients of a whole-batch loss accumulate on the workers: their sum is
+        # the batch's gradient (all_reduce_gradients refuses "avg" on them).
+        self.cluster._note_remote_backward(self.model)
 
         def slices(j: int, grad: torch.Tensor) -> list[torch.Tensor]:
             parts = [s.outputs[j] for s in self.shards]
