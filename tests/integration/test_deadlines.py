@@ -33,7 +33,11 @@ _counter = itertools.count()
 
 @pytest.fixture(scope="module")
 def clients(local_cluster) -> Iterator[dict[str, collectives.Cluster]]:
-    address = local_cluster(2, "--allow-factory", "collectives_server.model_zoo")
+    # A lease far above the tests' usual 2 s: this module loads the machine with
+    # thousands of calls, and is about deadlines, not failure detection.
+    address = local_cluster(
+        2, "--allow-factory", "collectives_server.model_zoo", "--lease", "15", "--heartbeat", "0.5"
+    )
     plain = connect_ready(address, 2)
     shm = collectives.connect(address, timeout=_SETUP_S, shared_memory=True)
     plain.load_model(
