@@ -46,7 +46,7 @@ import time
 import grpc
 
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc, status_pb2
-from collectives_server.rpc import GRPC_OPTIONS
+from collectives_server.rpc.server import GRPC_OPTIONS
 from collectives_server.worker.heartbeats import ReplySchedule, reply_interval_s
 
 from .anchors import grpc_empty_rtt, percentile

@@ -6,7 +6,7 @@ A ~10.5 M-parameter MLP (quick: ~2.4 M) is loaded on a ``shared_cluster(2)``.
   aggregation call is timed) | one flat all-reduce of the same number of
   gradient bytes with direct gloo (bench/direct_gloo.py), target <= 1.1.
 * A full remote step driven by the client (zero_grad, ``dp(x)``, client-side
-  MSE loss, remote backward, ``all_reduce_gradients(op="avg")``, SGD ``step``)
+  MSE loss, remote backward, ``all_reduce_gradients()`` (a sum), SGD ``step``)
   and ``cluster.train_step`` on data already scattered to the workers | a torch
   DDP step in 2 fresh processes, same model and global batch (bench/direct_ddp.py),
   target <= 1.5.
@@ -58,7 +58,7 @@ def _measure(cluster, x, y, repeats: int, out: dict[str, list[float]]) -> None:
     def client_step() -> None:
         cluster.zero_grad(MODEL)
         F.mse_loss(dp(x), y).backward()
-        cluster.all_reduce_gradients(MODEL, op="avg")
+        cluster.all_reduce_gradients(MODEL)  # sum: the shards add up to the batch gradient
         cluster.step(MODEL, "sgd", lr=LR)
 
     out["step"] = timed(repeats, 1, lambda: None, client_step)

@@ -13,9 +13,9 @@ import contextlib
 import io
 from collections.abc import Sequence
 
-from collectives_server.cli import build_parser
-from collectives_server.cmd_coordinator import config_from_args as coordinator_config
-from collectives_server.cmd_worker import config_from_args as worker_config
+from collectives_server.cli.coordinator import config_from_args as coordinator_config
+from collectives_server.cli.main import build_parser
+from collectives_server.cli.worker import config_from_args as worker_config
 from collectives_server.coordinator.daemon import CoordinatorConfig
 from collectives_server.worker.config import WorkerConfig
 

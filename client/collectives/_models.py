@@ -278,7 +278,8 @@ class _Models(_PeerToPeer):
         whole gathered batch) each worker holds its shard's part of the gradient
         and the parts *add up* to the full-batch gradient: ``"sum"`` (the default)
         is right, and ``"avg"`` would divide it by the world size, so this client
-        refuses ``"avg"`` until ``zero_grad``. ``"avg"`` is for gradients of
+        refuses ``"avg"`` until ``zero_grad`` or a ``"sum"`` (after which every worker
+        holds the same full gradient, which "avg" leaves as it is). ``"avg"`` is for gradients of
         per-worker mean losses (what DDP averages), e.g. after local steps on
         each worker's own data.
 
@@ -301,6 +302,8 @@ class _Models(_PeerToPeer):
                 "sum is the full-batch gradient. Use op='sum' (the default). 'avg' is for "
                 "per-worker mean losses, as in DDP (see docs/api.md, 'Which reduction')"
             )
+        if reduce_op is ReduceOp.SUM:
+            self._forget_gradients(name)  # reduced: every rank holds the full gradient
         if bucket_bytes is not None and bucket_bytes <= 0:
             raise InvalidArgument(f"bucket_bytes must be positive, got {bucket_bytes}")
         deadline = self._deadline(timeout)

@@ -18,20 +18,17 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from typing import TYPE_CHECKING
 
 import grpc
 import torch
 
 from collectives._core import server_timeout_s
+from collectives._model_session import ModelSession
 from collectives._progress import progress
 from collectives._transport import WorkerEndpoint, call_unary, put_tensor
 from collectives.errors import CollectiveError, InvalidArgument, Reason
 from collectives.names import MAX_NAME_LENGTH, UPLOAD_PREFIX, validate_name
 from collectives.v1 import worker_pb2
-
-if TYPE_CHECKING:
-    from collectives._models import _Models
 
 __all__ = ["publish"]
 
@@ -62,7 +59,7 @@ def _retryable(err: CollectiveError) -> bool:
 
 
 def publish(
-    cluster: _Models,
+    cluster: ModelSession,
     name: str,
     state_dict: dict[str, torch.Tensor],
     strict: bool,

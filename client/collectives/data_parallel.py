@@ -20,11 +20,12 @@ import uuid
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from collectives._deadlines import time_left
+from collectives._model_session import ModelSession
 from collectives._transport import WorkerEndpoint, call_unary, get_tensor, put_tensor
 from collectives.errors import CollectiveError, InvalidArgument, NotFound, Reason, Unavailable
 from collectives.names import validate_name
@@ -38,9 +39,6 @@ from collectives.wire.pytree import (
     tensor_leaves,
     to_value,
 )
-
-if TYPE_CHECKING:
-    from collectives._models import _Models
 
 __all__ = ["DataParallel"]
 
@@ -128,7 +126,7 @@ class _Shard:
 class _CallState:
     """What the release finalizer needs; holds no reference to the autograd graph."""
 
-    cluster: _Models
+    cluster: ModelSession
     model: str
     call_id: str
     shards: list[_Shard]
@@ -147,7 +145,7 @@ class _RemoteCall:
 
     def __init__(
         self,
-        cluster: _Models,
+        cluster: ModelSession,
         model: str,
         dim: int,
         timeout: float | None,
@@ -387,7 +385,7 @@ class DataParallel:
     """
 
     def __init__(
-        self, cluster: _Models, name: str, dim: int = 0, timeout: float | None = None
+        self, cluster: ModelSession, name: str, dim: int = 0, timeout: float | None = None
     ) -> None:
         self.cluster = cluster
         self.name = validate_name(name, "model name")

@@ -16,7 +16,7 @@ the same code and message and one ``google.rpc.ErrorInfo`` (domain
 :data:`ERROR_DOMAIN`, ``reason``, string ``metadata`` such as ``op_id: "7"``,
 ``ranks: "0,2"``, ``executed: "no"``), so clients in any language can read
 them. :func:`to_grpc_status` builds it on the server (the error boundary in
-``collectives_server.rpc_errors`` calls it); :func:`from_rpc_error` reads it back.
+``collectives_server.rpc.errors`` calls it); :func:`from_rpc_error` reads it back.
 
 Attaching them, on either side::
 

@@ -5,7 +5,7 @@ Each op the leader sequences has one :class:`OpSpec`, keyed by its
 operand, who stores the result and in what shape, whether it reduces, whether
 small operands may travel inside the operand exchange, which argument carries
 its root rank, and its argument checks. The SDK's checks, the worker's
-servicer, the cross-rank validation (``collectives_server.worker.validation``)
+servicer, the cross-rank validation (``collectives_server.worker.engine.validation``)
 and the worker's handlers all read this table, so each rule has one wording
 wherever it is caught.
 

@@ -1,4 +1,25 @@
-"""Daemons of the collectives service: the coordinator, the workers, and a local launcher."""
+"""Daemons of the collectives service: the coordinator, the workers, and a local launcher.
+
+Modules:
+
+* ``cli/``: ``collectives-server``: one entry point, one module per subcommand
+* ``control_protocol``: what the coordinator and its workers agree on beyond the protos
+* ``coordinator/``: the coordinator: membership rules (:mod:`.membership`), gRPC servicer, daemon
+* ``gc_tuning``: the garbage collector in a long-running daemon
+* ``hosts``: which listening hosts mean "every interface", and the name peers dial then
+* ``json_input``: client JSON, parsed with bounds: size and nesting depth checked before
+  ``json.loads``
+* ``local``: a coordinator and N workers as child processes on one machine: the embedded default
+* ``logfmt``: log formats of the daemons: the classic text line, or one JSON object per line
+* ``metrics``: the Prometheus endpoint shared by the coordinator and the workers
+* ``model_zoo``: model factories shipped with the server, for ``load_model(factory=...)``
+* ``rpc/``: gRPC for every daemon: servers, the error boundary, call limits, health
+* ``security``: server-side security: TLS/mutual TLS credentials and bearer-token authentication
+* ``signals``: waiting for SIGTERM/SIGINT (or a nudge from another thread) without deadlocks
+* ``store_socket``: the rendezvous TCPStore (hosted by each worker, and by the coordinator for old
+  workers), listening only on the interface asked for
+* ``worker/``: a worker daemon: the composition root over its layers
+"""
 
 import os
 

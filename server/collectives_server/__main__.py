@@ -1,3 +1,3 @@
-from collectives_server.cli import main
+from collectives_server.cli.main import main
 
 raise SystemExit(main())

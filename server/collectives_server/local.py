@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-from collectives_server.cli_common import PARENT_PID_ENV
+from collectives_server.cli.common import PARENT_PID_ENV
 
 __all__ = ["Child", "LocalCluster", "assign_devices"]
 

@@ -1,7 +1,7 @@
 """Server-side security: TLS/mutual TLS credentials and bearer-token authentication.
 
 Kept free of torch so the CLIs can build it while parsing arguments. Used by
-:func:`collectives_server.rpc.start_server`; see ``docs/security.md``.
+:func:`collectives_server.rpc.server.start_server`; see ``docs/security.md``.
 """
 
 from __future__ import annotations

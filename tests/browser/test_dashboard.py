@@ -204,7 +204,7 @@ class _FakeSource:
 def test_dashboard_shows_markup_astext(browser):
     from selenium.webdriver.support.ui import WebDriverWait
 
-    from collectives_server.coordinator.dashboard import DashboardServer
+    from collectives_server.coordinator.dashboard.server import DashboardServer
 
     dashboard = DashboardServer(_FakeSource(), port=0, refresh_s=0.5).start()
     try:
@@ -258,7 +258,7 @@ def _versions_cluster():
 def test_dashboard_highlights_a_worker_behind_on_a_model_version(browser):
     from selenium.webdriver.support.ui import WebDriverWait
 
-    from collectives_server.coordinator.dashboard import DashboardServer
+    from collectives_server.coordinator.dashboard.server import DashboardServer
 
     dashboard = DashboardServer(page.FixedSource(_versions_cluster()), port=0, refresh_s=0.5)
     dashboard.start()

@@ -188,7 +188,7 @@ def test_dashboard_timeline_from_the_history(browser):
     a restart, every generation sealed, newest first, in one time format."""
     from selenium.webdriver.support.ui import WebDriverWait
 
-    from collectives_server.coordinator.dashboard import DashboardServer
+    from collectives_server.coordinator.dashboard.server import DashboardServer
 
     dashboard = DashboardServer(_HistorySource(), port=0, refresh_s=0.5).start()
     try:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from harness import RESULTS, SOAK_LINES, FaultCluster
+from harness import DAEMON_LOGS, RESULTS, SOAK_LINES, FaultCluster
+from helpers import internal_lines
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
@@ -39,3 +40,14 @@ def fault_cluster():
     yield start
     for cluster in clusters:
         cluster.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_daemon_logs_internal():
+    """INTERNAL means a bug of ours: no daemon of the fault suite may log one,
+    whatever was killed, stopped or cut under it."""
+    yield
+    found = [line for log in DAEMON_LOGS for line in internal_lines(log)]
+    for log in DAEMON_LOGS:
+        log.unlink(missing_ok=True)
+    assert not found, "daemons logged INTERNAL:\n" + "\n".join(found[:20])

@@ -73,7 +73,7 @@ class FormationResult:
 def _popen(args: list[str], log: Path) -> subprocess.Popen:
     with log.open("ab") as stderr:
         return subprocess.Popen(
-            [sys.executable, "-m", "collectives_server", *args, "--log-level", "WARNING"],
+            [sys.executable, "-m", "collectives_server", *args, "--log-level", "INFO"],
             stdout=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
             stderr=stderr,
@@ -132,6 +132,9 @@ class Formation:
         finally:
             if client is not None:
                 client.close()
+            if result.problems:  # what the daemons said, for the diagnosis
+                logged = self.log.read_text(errors="replace").splitlines()
+                result.problems += [f"log: {line}" for line in logged[-60:]]
             self.close()
         return result
 

@@ -14,8 +14,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from helpers import wait_until
@@ -67,13 +69,21 @@ class Daemon:
                 self.proc.wait(10)
 
 
+# Every daemon's log (its stderr), for the session's check that none logged INTERNAL.
+DAEMON_LOGS: list[Path] = []
+
+
 def _spawn(name: str, args: list[str], timeout_s: float = 60.0) -> Daemon:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "collectives_server", *args, "--log-level", "WARNING"],
-        stdout=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        text=True,
-    )
+    fd, log_name = tempfile.mkstemp(prefix=f"fault-{name}-", suffix=".log")
+    DAEMON_LOGS.append(Path(log_name))
+    with os.fdopen(fd, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "collectives_server", *args, "--log-level", "WARNING"],
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            stderr=log,
+            text=True,
+        )
     first: list[str] = []
     reader = threading.Thread(target=lambda: first.append(proc.stdout.readline()), daemon=True)
     reader.start()

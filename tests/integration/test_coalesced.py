@@ -199,8 +199,10 @@ def test_out_names_must_match_the_names(cluster2, uname):
         with pytest.raises(collectives.InvalidArgument, match=words) as err:
             cluster2.all_gather(names, out=out)
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    with pytest.raises(collectives.InvalidArgument, match="out is not supported"):
-        cluster2.all_reduce(names, out=uname())
+    # all_reduce of a list takes a list of out names, checked alike.
+    for out, words in (([uname()], "one per name"), ([uname()] * 2, "distinct"), (uname(), "list")):
+        with pytest.raises(collectives.InvalidArgument, match=words):
+            cluster2.all_reduce(names, out=out)
 
 
 RAW = {  # the servicer checks the same (other clients exist)

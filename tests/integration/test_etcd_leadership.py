@@ -16,7 +16,7 @@ import pytest
 from etcd_server import EtcdServer
 from helpers import wait_until
 
-from collectives_server.coordinator.etcd_store import (
+from collectives_server.coordinator.ha.etcd_store import (
     EtcdLeadership,
     NotLeaderError,
     StoreUnavailableError,

@@ -17,7 +17,7 @@ from helpers import CONNECT_TIMEOUT_S, wait_until
 import collectives
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2, worker_pb2_grpc
 from collectives.wire import codec
-from collectives_server.cli_common import byte_size
+from collectives_server.cli.common import byte_size
 
 QUOTA = 8 << 20  # bytes per worker
 QUEUE = 2

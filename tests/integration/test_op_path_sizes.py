@@ -17,8 +17,8 @@ import pytest
 import torch
 from helpers import assert_tensor, get_each, make_input, put_each, reduce_oracle
 
-from collectives_server.worker.handlers.tensor_ops import INLINE_MAX_BYTES
-from collectives_server.worker.ring_reductions import RING_MIN_BYTES
+from collectives_server.worker.engine.handlers.tensor_ops import INLINE_MAX_BYTES
+from collectives_server.worker.kernels.ring_reductions import RING_MIN_BYTES
 
 TIMEOUT_S = 60.0
 DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex64)

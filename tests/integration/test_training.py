@@ -181,7 +181,7 @@ def test_collectives_per_all_reduce_gradients_equal_buckets(
     cluster2.load_model(name, model, example_inputs=(torch.randn(4, 8),))
     cluster2.data_parallel(name)(torch.randn(6, 8, generator=gen)).sum().backward()
     before = _counters(cluster2)
-    cluster2.all_reduce_gradients(name, op="avg", bucket_bytes=bucket_bytes)
+    cluster2.all_reduce_gradients(name, op="sum", bucket_bytes=bucket_bytes)
     after = _counters(cluster2)
     expected = _expected_buckets(model, bucket_bytes or 25 * 1024 * 1024)
     assert expected < 50

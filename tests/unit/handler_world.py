@@ -20,12 +20,17 @@ from collectives.errors import CollectiveError
 from collectives.op_specs import OpKind, spec
 from collectives.reduce_ops import ReduceOp, check_op_for_dtype
 from collectives.v1 import worker_pb2
-from collectives_server.worker.handlers import handler_for
-from collectives_server.worker.handlers.tensor_ops import INLINE_MAX_BYTES, inline_capacity
-from collectives_server.worker.models import ModelRegistry
-from collectives_server.worker.op_context import Announcement, GroupEntry, OpContext, OpResult
-from collectives_server.worker.process_groups import GroupHandles
-from collectives_server.worker.store import TensorStore
+from collectives_server.worker.data.store import TensorStore
+from collectives_server.worker.engine.handlers import handler_for
+from collectives_server.worker.engine.handlers.tensor_ops import INLINE_MAX_BYTES, inline_capacity
+from collectives_server.worker.engine.op_context import (
+    Announcement,
+    GroupEntry,
+    OpContext,
+    OpResult,
+)
+from collectives_server.worker.engine.process_groups import GroupHandles
+from collectives_server.worker.models.registry import ModelRegistry
 
 TIMEOUT_S = 5.0
 RUN_TIMEOUT_S = 30.0

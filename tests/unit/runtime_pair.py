@@ -15,9 +15,9 @@ from collectives.errors import CollectiveError
 from collectives.op_specs import spec_named
 from collectives.v1 import worker_pb2
 from collectives.wire.membership import membership_digest
-from collectives_server.worker.runtime import GenerationRuntime
-from collectives_server.worker.sequencer import Ticket
-from collectives_server.worker.store import TensorStore
+from collectives_server.worker.data.store import TensorStore
+from collectives_server.worker.engine.generation import GenerationRuntime
+from collectives_server.worker.engine.sequencer import Ticket
 
 __all__ = ["DIGEST", "TIMEOUT_S", "GatedStore", "Pair", "descriptor"]
 

@@ -10,8 +10,8 @@ import torch
 from hostile_archives import SmallModel, legit_archive, rewrite
 
 from collectives.errors import DeadlineExceeded, InvalidArgument
-from collectives_server.worker.archive import ArchiveLimits, check_archive
-from collectives_server.worker.archive_canary import _world_can_reach, trial_load
+from collectives_server.worker.models.archive.canary import _world_can_reach, trial_load
+from collectives_server.worker.models.archive.checks import ArchiveLimits, check_archive
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from collectives_server.cli import build_parser
-from collectives_server.cli_archive import archive_worker_args
-from collectives_server.cmd_worker import config_from_args
+from collectives_server.cli.archive import archive_worker_args
+from collectives_server.cli.main import build_parser
+from collectives_server.cli.worker import config_from_args
 
 GiB, MiB = 1 << 30, 1 << 20
 

@@ -25,8 +25,8 @@ from hostile_archives import (
 )
 
 from collectives.errors import InvalidArgument
-from collectives_server.worker.archive import ArchiveLimits, check_archive
-from collectives_server.worker.archive_graph import check_expr
+from collectives_server.worker.models.archive.checks import ArchiveLimits, check_archive
+from collectives_server.worker.models.archive.graph import check_expr
 
 MiB = 1 << 20
 
@@ -149,7 +149,7 @@ def test_symbolic_expressions_beyond_arithmetic_refused(expr):
 def test_dtype_sizes_match_torch():
     from torch._export.serde.serialize import _SERIALIZE_TO_TORCH_DTYPE
 
-    from collectives_server.worker.archive import _DTYPE_BYTES
+    from collectives_server.worker.models.archive.checks import _DTYPE_BYTES
 
     assert {int(k): v.itemsize for k, v in _SERIALIZE_TO_TORCH_DTYPE.items()} == _DTYPE_BYTES
 

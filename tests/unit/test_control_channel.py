@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 
 from collectives.v1 import worker_pb2
-from collectives_server.worker import agreement, descriptor, op_failures, validation
-from collectives_server.worker.control_channel import ControlChannel
+from collectives_server.worker.engine import agreement, descriptor, validation
+from collectives_server.worker.engine.control_channel import ControlChannel
+from collectives_server.worker.kernels import op_failures
 
 TIMEOUT_S = 10.0
 HOST = "127.0.0.1"

@@ -20,8 +20,8 @@ import pytest
 from collectives.v1 import coordinator_pb2 as pb
 from collectives.v1 import coordinator_pb2_grpc as pb_grpc
 from collectives.v1 import status_pb2
-from collectives_server.cli import build_parser
-from collectives_server.cmd_coordinator import config_from_args
+from collectives_server.cli.coordinator import config_from_args
+from collectives_server.cli.main import build_parser
 from collectives_server.control_protocol import FIELD_LIMITS, WORKER_TOKEN_METADATA
 from collectives_server.coordinator import Coordinator, CoordinatorConfig
 from collectives_server.coordinator.admission import LeaseBook, WorkerAdmission

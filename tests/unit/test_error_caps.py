@@ -22,10 +22,11 @@ from collectives.op_specs import spec_named
 from collectives.v1 import tensor_pb2, worker_pb2
 from collectives.wire import codec
 from collectives.wire import pytree as _pytree
-from collectives_server import rpc
 from collectives_server.json_input import MAX_JSON_DEPTH, json_depth, parse_json, parse_json_object
-from collectives_server.worker import op_failures, validation
-from collectives_server.worker.group_cap import check_group_cap, subgroup_count
+from collectives_server.rpc import server as rpc
+from collectives_server.worker.engine import validation
+from collectives_server.worker.engine.group_cap import check_group_cap, subgroup_count
+from collectives_server.worker.kernels import op_failures
 
 F32 = tensor_pb2.DTYPE_FLOAT32
 
@@ -269,7 +270,7 @@ def _call(channel, method, payload=b"", stream=False):
 
 
 def test_unexpected_exceptions_are_internal_with_only_an_id(server, caplog) -> None:
-    caplog.set_level(logging.ERROR, logger="collectives_server.rpc_errors")
+    caplog.set_level(logging.ERROR, logger="collectives_server.rpc.errors")
     for method, stream in (("Boom", False), ("BoomStream", True)):
         with pytest.raises(grpc.RpcError) as info:
             _call(server, method, stream=stream)

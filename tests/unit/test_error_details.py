@@ -30,8 +30,8 @@ from collectives.errors import (
     from_rpc_error,
 )
 from collectives.v1 import worker_pb2
-from collectives_server import rpc
-from collectives_server.worker.rpc_guards import guard, guard_stream
+from collectives_server.rpc import server as rpc
+from collectives_server.worker.rpc.guards import guard, guard_stream
 
 FIELDS = {
     "op_id": 7,

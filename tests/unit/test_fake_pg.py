@@ -19,7 +19,8 @@ from gloo_world import GlooWorlds
 
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
-from collectives_server.worker import agreement, collective_ops, descriptor
+from collectives_server.worker.engine import agreement, descriptor
+from collectives_server.worker.kernels import collective_ops
 
 SIZES = (2, 3)
 DTYPES = (torch.float32, torch.float64, torch.int64, torch.uint8, torch.bool)

@@ -15,9 +15,9 @@ from test_sequencer import FakeClock
 
 from collectives.op_specs import OpKind
 from collectives.v1 import worker_pb2
-from collectives_server.worker import agreement, descriptor, fusion
-from collectives_server.worker.sequencer import Sequencer
-from collectives_server.worker.validation import INFO_BYTES, info_values
+from collectives_server.worker.engine import agreement, descriptor, fusion
+from collectives_server.worker.engine.sequencer import Sequencer
+from collectives_server.worker.engine.validation import INFO_BYTES, info_values
 
 
 def op(kind: OpKind = OpKind.ALL_REDUCE, name: str = "x", out: str = "", group: int = 0):

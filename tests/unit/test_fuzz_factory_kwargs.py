@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from collectives.errors import InvalidArgument, ResourceExhausted
-from collectives_server.worker.models import build_from_factory
+from collectives_server.worker.models.registry import build_from_factory
 
 ZOO = ("collectives_server.model_zoo",)
 MAX_BYTES = 4 << 20

@@ -17,8 +17,8 @@ from collectives.dtypes import SUPPORTED_DTYPES, from_wire, to_wire
 from collectives.names import MAX_NAME_LENGTH, validate_name
 from collectives.op_specs import SPECS
 from collectives.reduce_ops import parse_reduce_op
-from collectives_server.worker import validation
-from collectives_server.worker.validation import (
+from collectives_server.worker.engine import validation
+from collectives_server.worker.engine.validation import (
     ABSENT,
     INFO_LEN,
     NOT_MEMBER,

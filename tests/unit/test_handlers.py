@@ -33,9 +33,9 @@ from collectives.errors import CollectiveError
 from collectives.op_specs import OpKind
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
-from collectives_server.worker.handlers.model_ops import ModelOpResult
-from collectives_server.worker.op_context import GroupBroken, OpResult
-from collectives_server.worker.replaced_memory import ReplacedMemory
+from collectives_server.worker.data.replaced_memory import ReplacedMemory
+from collectives_server.worker.engine.handlers.model_ops import ModelOpResult
+from collectives_server.worker.engine.op_context import GroupBroken, OpResult
 
 
 class FailingSpares(ReplacedMemory):

@@ -19,9 +19,9 @@ from collectives.errors import CollectiveError
 from collectives.op_specs import OpKind
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
-from collectives_server.worker.handlers import coalesced_buckets
-from collectives_server.worker.handlers.coalesced_ops import CoalescedResult
-from collectives_server.worker.op_context import GroupBroken
+from collectives_server.worker.engine.handlers import coalesced_buckets
+from collectives_server.worker.engine.handlers.coalesced_ops import CoalescedResult
+from collectives_server.worker.engine.op_context import GroupBroken
 
 # name -> (dtype, shape): every dtype family, 0-dim and empty tensors among them
 MIXED = {

@@ -22,9 +22,9 @@ from collectives.errors import CollectiveError, InvalidArgument
 from collectives.op_args import check_pairs
 from collectives.op_specs import OpKind
 from collectives.v1 import worker_pb2
-from collectives_server.worker.handlers.group_ops import missing_group
-from collectives_server.worker.op_context import Announcement, GroupBroken, OpResult
-from collectives_server.worker.replaced_memory import ReplacedMemory
+from collectives_server.worker.data.replaced_memory import ReplacedMemory
+from collectives_server.worker.engine.handlers.group_ops import missing_group
+from collectives_server.worker.engine.op_context import Announcement, GroupBroken, OpResult
 
 Pairs = list[tuple[int, int]]
 DTYPES = [torch.float16, torch.int32, torch.complex64, torch.bool, torch.bfloat16]

@@ -124,3 +124,160 @@ def test_choose_path_streams_to_a_worker_without_a_bulk_port() -> None:
     endpoint = _Endpoint(bulk_port=0)
     assert choose_path(endpoint, 5.0, nbytes=BULK_MIN_BYTES).path is DataPath.STREAM
     assert choose_path(endpoint, 5.0, nbytes=None).path is DataPath.STREAM
+
+
+# ----------------------------------------------------------- the tree is the map
+def _modules(base: Path, package: str) -> dict[str, Path]:
+    """Dotted module name -> file, for every module under ``base/package``."""
+    found = {}
+    for path in (base / package).rglob("*.py"):
+        parts = list(path.relative_to(base).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def import_graph(base: Path, package: str) -> dict[str, set[str]]:
+    """Module -> the modules of ``package`` it imports, anywhere in its body (lazy and
+    ``TYPE_CHECKING`` imports included). ``from pkg import sub`` is an edge to the
+    submodule ``sub`` when it is one, else to ``pkg``."""
+    modules = _modules(base, package)
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                subs = [f"{node.module}.{alias.name}" for alias in node.names]
+                names = [s for s in subs if s in modules]
+                if len(names) < len(subs):
+                    names.append(node.module)
+            for name in names:
+                while name and name not in modules:
+                    name = name.rpartition(".")[0]
+                if name and name != module:
+                    deps.add(name)
+        graph[module] = deps
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+@pytest.mark.parametrize(
+    ("base", "package"), [(ROOT / "client", "collectives"), (ROOT / "server", "collectives_server")]
+)
+def test_no_import_cycles(base: Path, package: str) -> None:
+    assert cycles(import_graph(base, package)) == []
+
+
+def test_the_cycle_check_finds_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert cycles(graph) == [["a", "b", "c"]]
+
+
+# The worker's layers, lowest first (see collectives_server/worker/__init__.py): a
+# module imports from its own layer and the ones below only.
+_WORKER = "collectives_server.worker"
+_STATE = ("config", "context", "stats", "status", "metrics")
+_DAEMON = ("daemon", "enrolment", "heartbeats")
+WORKER_LAYERS = ("data", "kernels", "models", "engine", _STATE, "rpc", _DAEMON)
+
+
+def worker_layer(module: str) -> int | None:
+    """The layer of a worker module (None: not a worker module)."""
+    if not module.startswith(_WORKER + "."):
+        return None
+    top = module.removeprefix(_WORKER + ".").split(".")[0]
+    for i, layer in enumerate(WORKER_LAYERS):
+        if top == layer or (isinstance(layer, tuple) and top in layer):
+            return i
+    raise AssertionError(f"{module} is in no layer of WORKER_LAYERS: place it")
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for module, deps in sorted(graph.items()):
+        mine = worker_layer(module)
+        if mine is None:
+            continue
+        for dep in sorted(deps):
+            theirs = worker_layer(dep)
+            if theirs is not None and theirs > mine:
+                bad.append(f"{module} ({mine}) imports {dep} ({theirs})")
+    return bad
+
+
+def test_the_worker_layers_hold() -> None:
+    assert layer_violations(import_graph(ROOT / "server", "collectives_server")) == []
+
+
+def test_the_layer_check_finds_an_upward_import() -> None:
+    graph = {
+        f"{_WORKER}.data.store": {f"{_WORKER}.engine.sequencer"},
+        f"{_WORKER}.engine.sequencer": {f"{_WORKER}.data.store"},
+    }
+    assert layer_violations(graph) == [
+        f"{_WORKER}.data.store (0) imports {_WORKER}.engine.sequencer (3)"
+    ]
+
+
+def test_the_worker_root_is_only_its_composition_root() -> None:
+    root = SERVER / "worker"
+    files = {p.stem for p in root.glob("*.py")} - {"__init__"}
+    assert files == set(_STATE) | set(_DAEMON)
+
+
+@pytest.mark.parametrize(
+    "init", sorted(SERVER.rglob("__init__.py")), ids=lambda p: str(p.parent.relative_to(SERVER))
+)
+def test_every_package_has_its_module_table(init: Path) -> None:
+    """Each package's docstring names each of its modules and subpackages once."""
+    doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+    package = init.parent
+    names = {p.stem for p in package.glob("*.py")} - {"__init__", "__main__"}
+    names |= {f"{p.name}/" for p in package.iterdir() if (p / "__init__.py").exists()}
+    missing = sorted(n for n in names if f"``{n}``" not in doc)
+    assert not missing, f"{init.relative_to(ROOT)}: add {missing} to its module table"

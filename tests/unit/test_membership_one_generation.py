@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 
 from collectives.wire.membership import membership_digest
 from collectives_server.coordinator.admission import LeaseBook
+from collectives_server.coordinator.ha.membership_state import export_state, restore_state
 from collectives_server.coordinator.membership import Membership, UnknownWorkerError
-from collectives_server.coordinator.membership_state import export_state, restore_state
 
 LEASE_S = 5.0
 WINDOW_S = 0.5

@@ -14,7 +14,7 @@ import torch
 from torch import fx, nn
 
 from collectives.errors import FailedPrecondition
-from collectives_server.worker import model_modes
+from collectives_server.worker.models import modes as model_modes
 
 
 def _captured(module: nn.Module, x: torch.Tensor) -> nn.Module:

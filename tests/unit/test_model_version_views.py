@@ -15,21 +15,21 @@ from collectives import _status_tables as status_tables
 from collectives.v1 import coordinator_pb2, status_pb2
 from collectives.workers import ClusterSnapshot
 from collectives_server.control_protocol import FIELD_LIMITS
-from collectives_server.worker.archive_upload import ModelUploads
 from collectives_server.worker.config import WorkerConfig
 from collectives_server.worker.context import WorkerContext
+from collectives_server.worker.data.replaced_memory import ReplacedMemory
+from collectives_server.worker.data.shm_segments import WorkerSegments
+from collectives_server.worker.data.store import TensorStore
 from collectives_server.worker.enrolment import bounded_status
 from collectives_server.worker.metrics import worker_registry
-from collectives_server.worker.models import ModelRegistry
-from collectives_server.worker.replaced_memory import ReplacedMemory
-from collectives_server.worker.shm_segments import WorkerSegments
+from collectives_server.worker.models.archive.upload import ModelUploads
+from collectives_server.worker.models.registry import ModelRegistry
 from collectives_server.worker.stats import WorkerStats
 from collectives_server.worker.status import (
     MODEL_VERSIONS_BUDGET_BYTES,
     add_model_versions,
     collect_status,
 )
-from collectives_server.worker.store import TensorStore
 
 CPU = torch.device("cpu")
 

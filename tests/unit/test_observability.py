@@ -15,9 +15,9 @@ from collectives import _status_tables as status_tables
 from collectives import cli as client_cli
 from collectives.v1 import coordinator_pb2, status_pb2
 from collectives.workers import ClusterSnapshot, DeviceMemory, OpCount, RecentError
-from collectives_server.cli import build_parser
-from collectives_server.cmd_coordinator import config_from_args as coordinator_config
-from collectives_server.cmd_worker import config_from_args as worker_config
+from collectives_server.cli.coordinator import config_from_args as coordinator_config
+from collectives_server.cli.main import build_parser
+from collectives_server.cli.worker import config_from_args as worker_config
 from collectives_server.coordinator.cluster_message import status_key
 from collectives_server.coordinator.membership import HISTORY_LEN, Membership
 from collectives_server.local import LocalCluster

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from collectives.errors import InvalidArgument
-from collectives_server.worker.models import HostedModel
-from collectives_server.worker.optimizers import install, plan_optimizer
+from collectives_server.worker.models.optimizers import install, plan_optimizer
+from collectives_server.worker.models.registry import HostedModel
 
 
 def _hosted(gen: torch.Generator) -> HostedModel:

@@ -14,9 +14,9 @@ import torch
 
 from collectives.v1 import tensor_pb2
 from collectives.wire import codec
-from collectives_server.worker.collective_ops import copy_into, private_copy
-from collectives_server.worker.replaced_memory import ReplacedMemory, pool_bytes
-from collectives_server.worker.store import TensorStore
+from collectives_server.worker.data.replaced_memory import ReplacedMemory, pool_bytes
+from collectives_server.worker.data.store import TensorStore
+from collectives_server.worker.kernels.collective_ops import copy_into, private_copy
 
 MiB = 1 << 20
 CPU = torch.device("cpu")

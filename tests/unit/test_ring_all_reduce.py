@@ -24,8 +24,8 @@ from fake_pg import FakeWorld, run_ranks
 from gloo_world import GlooWorlds, gloo_groups
 
 from collectives.reduce_ops import ReduceOp
-from collectives_server.worker import collective_ops
-from collectives_server.worker.ring_reductions import RING_MIN_BYTES
+from collectives_server.worker.kernels import collective_ops
+from collectives_server.worker.kernels.ring_reductions import RING_MIN_BYTES
 
 SIZES = (2, 3, 4)
 DTYPES = (torch.float32, torch.float64, torch.int64, torch.int32, torch.uint8)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from collectives_server.rpc_limits import RpcLimits, StreamSlots, Watchdog, peer_host, pool_size
+from collectives_server.rpc.limits import RpcLimits, StreamSlots, Watchdog, peer_host, pool_size
 
 
 @pytest.mark.parametrize(

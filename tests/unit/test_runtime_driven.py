@@ -27,8 +27,8 @@ from runtime_pair import TIMEOUT_S, Pair
 
 from collectives.errors import CollectiveError, Reason, Unavailable
 from collectives.reduce_ops import ReduceOp
-from collectives_server.worker.handlers.tensor_ops import INLINE_MAX_BYTES
-from collectives_server.worker.sequencer import Ticket
+from collectives_server.worker.engine.handlers.tensor_ops import INLINE_MAX_BYTES
+from collectives_server.worker.engine.sequencer import Ticket
 
 LOOP = "generation-1"  # the name of generation 1's loop thread
 SUM = ReduceOp.SUM.wire

@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import wait_until
 
-from collectives_server.worker.store import TensorStore
+from collectives_server.worker.data.store import TensorStore
 
 
 def _reader(store: TensorStore, name: str, method: str = "get") -> tuple[threading.Thread, list]:

@@ -28,7 +28,7 @@ from runtime_pair import TIMEOUT_S, Pair
 from collectives.errors import CollectiveError
 from collectives.op_specs import kind_name
 from collectives.reduce_ops import ReduceOp
-from collectives_server.worker.handlers.tensor_ops import INLINE_MAX_BYTES
+from collectives_server.worker.engine.handlers.tensor_ops import INLINE_MAX_BYTES
 
 
 @pytest.fixture

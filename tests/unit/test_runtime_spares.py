@@ -11,7 +11,7 @@ from handler_world import Cluster
 
 from collectives.op_specs import OpKind
 from collectives.v1 import worker_pb2
-from collectives_server.worker.op_context import OpResult
+from collectives_server.worker.engine.op_context import OpResult
 
 MiB = 1 << 20
 

@@ -301,7 +301,7 @@ def test_status_cli_table_and_json(
 
 
 @pytest.mark.skipif(
-    importlib.util.find_spec("collectives_server.cli") is None,
+    importlib.util.find_spec("collectives_server.cli.main") is None,
     reason="needs the collectives-server CLI (python -m collectives_server coordinator)",
 )
 def test_status_console_script_against_a_real_coordinator() -> None:

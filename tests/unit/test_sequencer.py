@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from collectives.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from collectives.op_specs import OpKind
 from collectives.v1 import worker_pb2
-from collectives_server.worker.sequencer import Sequencer, Ticket
+from collectives_server.worker.engine.sequencer import Sequencer, Ticket
 
 GENERATION = 7
 TIMEOUT_S = 10.0

@@ -22,10 +22,11 @@ from collectives import shm
 from collectives.errors import PermissionDenied
 from collectives.v1 import worker_pb2
 from collectives.wire import codec
-from collectives_server.worker import shm_adopt, shm_service
-from collectives_server.worker.shm_adopt import AdoptedSegments
-from collectives_server.worker.shm_segments import WorkerSegments
-from collectives_server.worker.store import TensorStore
+from collectives_server.worker.data import shm_adopt
+from collectives_server.worker.data.shm_adopt import AdoptedSegments
+from collectives_server.worker.data.shm_segments import WorkerSegments
+from collectives_server.worker.data.store import TensorStore
+from collectives_server.worker.rpc import shm_service
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm")
 

@@ -12,7 +12,7 @@ import time
 import torch
 
 from collectives.names import ARCHIVE_PREFIX, UPLOAD_PREFIX, reserved_prefix
-from collectives_server.worker.store import UPLOAD_IDLE_S, TensorStore
+from collectives_server.worker.data.store import UPLOAD_IDLE_S, TensorStore
 
 
 def _store() -> TensorStore:

@@ -28,7 +28,7 @@ from collectives.errors import CollectiveError, InvalidArgument
 from collectives.op_args import check_split_matrix, split_rows
 from collectives.op_specs import OpKind
 from collectives.v1 import worker_pb2
-from collectives_server.worker.op_context import GroupBroken, OpResult
+from collectives_server.worker.engine.op_context import GroupBroken, OpResult
 
 Matrix = list[list[int]]
 

@@ -8,7 +8,7 @@ import torch
 
 from collectives.op_specs import spec_named
 from collectives.reduce_ops import ReduceOp
-from collectives_server.worker.validation import (
+from collectives_server.worker.engine.validation import (
     NOT_MEMBER,
     OperandInfo,
     OpError,

@@ -5,7 +5,7 @@ plain TCP beside gRPC. A connection opens with a prelude, ``MAGIC`` or
 ``MAGIC_ACKED`` followed by a ``TICKET_BYTES``-byte ticket that travelled in the
 gRPC call authorising the transfer; after ``MAGIC_ACKED`` the worker answers
 ``ACK`` before any payload byte is sent. The SDK's client side is
-:mod:`collectives.bulk`, the worker's listener ``collectives_server.worker.bulk``.
+:mod:`collectives.bulk`, the worker's listener ``collectives_server.worker.data.bulk``.
 """
 
 from __future__ import annotations

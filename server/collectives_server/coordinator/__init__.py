@@ -1,4 +1,28 @@
-"""The coordinator: membership rules (:mod:`.membership`), gRPC servicer, daemon."""
+"""The coordinator: membership rules (:mod:`.membership`), gRPC servicer, daemon.
+
+Modules:
+
+* ``admission``: who may call the coordinator's worker-only RPCs, and for which worker
+* ``cluster_message``: the Cluster message, built from a membership snapshot (and the status key
+  heartbeats use)
+* ``control``: the coordinator's guard: roles, lease secrets, size limits and stream caps, in one
+  place
+* ``daemon``: the coordinator daemon: gRPC server, rendezvous TCPStore and lease ticker in one
+  object
+* ``dashboard/``: the coordinator's web dashboard
+* ``ha/``: coordinators in an HA set on etcd: one leader decides, standbys follow
+* ``membership``: membership and generations of a cluster, as pure decisions
+* ``metrics``: the coordinator's Prometheus metrics, computed at scrape time from the membership
+* ``model``: the coordinator's domain types: worker states, snapshots, outcomes and errors
+* ``registration``: size limits on what a worker may store in the coordinator, checked before
+  anything is stored
+* ``service``: the ``collectives.v1.Coordinator`` gRPC servicer: protobuf in, membership calls,
+  protobuf out
+* ``worker_records``: what the coordinator keeps per worker, and the small pure pieces of the
+  membership decision that do not need the whole registry: a worker's row in the Cluster message,
+  the lease heap, the status text and registration checks (``membership.py`` holds the decisions
+  themselves)
+"""
 
 from collectives_server.coordinator.daemon import (
     Coordinator,

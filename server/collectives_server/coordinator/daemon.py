@@ -1,7 +1,7 @@
 """The coordinator daemon: gRPC server, rendezvous TCPStore and lease ticker in one object.
 
 :class:`Coordinator` owns the three moving parts: the ``collectives.v1.Coordinator``
-gRPC server (with health and reflection, via :func:`collectives_server.rpc.start_server`),
+gRPC server (with health and reflection, via :func:`collectives_server.rpc.server.start_server`),
 a ``torch.distributed.TCPStore`` that workers use to build each generation's process
 group (under the key prefix ``g<generation>/``, their choice), and a ticker thread
 that applies lease expiry and the join window even when no RPC arrives. Tests and
@@ -22,21 +22,21 @@ from types import TracebackType
 from typing import Any
 
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
-from collectives_server import heap
+from collectives_server import gc_tuning as heap
 from collectives_server.coordinator.control import ControlGuard, ControlLimits
-from collectives_server.coordinator.dashboard import DashboardServer
-from collectives_server.coordinator.etcd_store import (
+from collectives_server.coordinator.dashboard.server import DashboardServer
+from collectives_server.coordinator.ha.etcd_store import (
     EtcdLeadership,
     StoreUnavailableError,
     parse_etcd_url,
 )
+from collectives_server.coordinator.ha.replication import Replication
 from collectives_server.coordinator.membership import Membership
 from collectives_server.coordinator.metrics import coordinator_registry
-from collectives_server.coordinator.replication import Replication
 from collectives_server.coordinator.service import SERVICE_NAME, CoordinatorServicer
 from collectives_server.hosts import dialled_name
 from collectives_server.metrics import MetricsServer
-from collectives_server.rpc import SMALL_MESSAGE_OPTIONS, ServerHandle, start_server
+from collectives_server.rpc.server import SMALL_MESSAGE_OPTIONS, ServerHandle, start_server
 from collectives_server.security import ServerSecurity
 from collectives_server.signals import StopSignal
 from collectives_server.store_socket import start_store

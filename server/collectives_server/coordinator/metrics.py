@@ -19,7 +19,7 @@ from collectives_server.coordinator.model import WorkerState
 from collectives_server.metrics import FunctionCollector, build_info, new_registry
 
 if TYPE_CHECKING:
-    from collectives_server.coordinator.dashboard import DashboardServer
+    from collectives_server.coordinator.dashboard.server import DashboardServer
     from collectives_server.coordinator.service import CoordinatorServicer
 
 __all__ = ["MEMBERSHIP_REASONS", "coordinator_registry"]

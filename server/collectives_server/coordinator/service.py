@@ -38,7 +38,8 @@ import grpc
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
 from collectives_server.coordinator.cluster_message import cluster_to_proto, status_key
 from collectives_server.coordinator.control import ControlGuard
-from collectives_server.coordinator.etcd_store import StoreUnavailableError
+from collectives_server.coordinator.ha.etcd_store import StoreUnavailableError
+from collectives_server.coordinator.ha.replication import Replication
 from collectives_server.coordinator.membership import (
     ClusterView,
     InvalidRequestError,
@@ -46,7 +47,6 @@ from collectives_server.coordinator.membership import (
     Outcome,
     UnknownWorkerError,
 )
-from collectives_server.coordinator.replication import Replication
 
 __all__ = ["SERVICE_NAME", "CoordinatorServicer"]
 

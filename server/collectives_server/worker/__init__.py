@@ -1,0 +1,25 @@
+"""A worker daemon: the composition root over its layers.
+
+Layers, lowest first; a module imports only from its own layer and the ones
+below it (``tests/unit/test_layering.py`` enforces it):
+
+``data`` < ``kernels`` < ``models`` < ``engine`` < the shared state here
+(``config``, ``context``, ``stats``, ``status``, ``metrics``) < ``rpc`` <
+the daemon here (``daemon``, ``enrolment``, ``heartbeats``).
+
+Modules:
+
+* ``data/``: where tensors live and how their bytes arrive
+* ``kernels/``: the data collectives on one process group
+* ``models/``: hosted models: registry, execution, modes, versions, optimizers, archives
+* ``engine/``: one generation's op pipeline: sequencing, announcing, agreeing, the handlers
+* ``rpc/``: the gRPC servicers of the Worker service and their guards
+* ``config``: the worker's configuration: one frozen dataclass
+* ``context``: what handlers, status and metrics read: one WorkerContext
+* ``stats``: counters: ops by kind and outcome, latencies, bytes, heartbeats
+* ``status``: what a worker reports about itself (WorkerStatus, GetState, op logs)
+* ``metrics``: the Prometheus metrics, computed at scrape time
+* ``daemon``: registration, heartbeats, following generations, serving
+* ``enrolment``: registration with the coordinator (token, retry key, lease secret)
+* ``heartbeats``: the worker's end of the coordinator's heartbeat stream
+"""

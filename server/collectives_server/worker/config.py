@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from collectives.wire.security import PLAINTEXT, ChannelSecurity
-from collectives_server.rpc_limits import RpcLimits
+from collectives_server.rpc.limits import RpcLimits
 from collectives_server.security import ServerSecurity
-from collectives_server.worker.archive_config import ModelUploadConfig
-from collectives_server.worker.limits import BulkLimits, ShmLimits
+from collectives_server.worker.data.limits import BulkLimits, ShmLimits
+from collectives_server.worker.models.archive.config import ModelUploadConfig
 
 
 @dataclass(frozen=True)

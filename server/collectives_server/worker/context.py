@@ -25,15 +25,15 @@ from typing import Any, Protocol
 
 import torch
 
-from collectives_server.rpc_limits import StreamSlots
-from collectives_server.worker.archive_upload import ModelUploads
-from collectives_server.worker.bulk import BulkListener
+from collectives_server.rpc.limits import StreamSlots
 from collectives_server.worker.config import WorkerConfig
-from collectives_server.worker.models import ModelRegistry
-from collectives_server.worker.replaced_memory import ReplacedMemory
-from collectives_server.worker.shm_segments import WorkerSegments
+from collectives_server.worker.data.bulk import BulkListener
+from collectives_server.worker.data.replaced_memory import ReplacedMemory
+from collectives_server.worker.data.shm_segments import WorkerSegments
+from collectives_server.worker.data.store import TensorStore
+from collectives_server.worker.models.archive.upload import ModelUploads
+from collectives_server.worker.models.registry import ModelRegistry
 from collectives_server.worker.stats import WorkerStats
-from collectives_server.worker.store import TensorStore
 
 __all__ = ["RuntimeView", "WorkerContext"]
 

@@ -30,29 +30,29 @@ import collectives_server
 from collectives.errors import CollectiveError
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2
 from collectives.wire.membership import membership_digest
-from collectives_server import heap
+from collectives_server import gc_tuning as heap
 from collectives_server.control_protocol import worker_metadata
 from collectives_server.hosts import dialled_name
 from collectives_server.metrics import MetricsServer
-from collectives_server.rpc import GRPC_OPTIONS, WORKER_OPTIONS, start_server
+from collectives_server.rpc.server import GRPC_OPTIONS, WORKER_OPTIONS, start_server
 from collectives_server.signals import StopSignal
 from collectives_server.store_socket import start_store
-from collectives_server.worker.archive_upload import ModelUploads
-from collectives_server.worker.bulk import BulkListener
 from collectives_server.worker.config import WorkerConfig
 from collectives_server.worker.context import WorkerContext
+from collectives_server.worker.data.bulk import BulkListener
+from collectives_server.worker.data.replaced_memory import ReplacedMemory, pool_bytes
+from collectives_server.worker.data.shm_segments import WorkerSegments
+from collectives_server.worker.data.store import TensorStore
+from collectives_server.worker.engine.generation import GenerationRuntime
+from collectives_server.worker.engine.model_sync import sync_models
+from collectives_server.worker.engine.op_context import OpResult
 from collectives_server.worker.enrolment import bounded_status, register
 from collectives_server.worker.heartbeats import HeartbeatStream, reply_interval_s
-from collectives_server.worker.model_sync import sync_models
-from collectives_server.worker.models import ModelRegistry
-from collectives_server.worker.op_context import OpResult
-from collectives_server.worker.replaced_memory import ReplacedMemory, pool_bytes
-from collectives_server.worker.runtime import GenerationRuntime
-from collectives_server.worker.service import SERVICE_NAME, WorkerService, add_worker_service
-from collectives_server.worker.shm_segments import WorkerSegments
+from collectives_server.worker.models.archive.upload import ModelUploads
+from collectives_server.worker.models.registry import ModelRegistry
+from collectives_server.worker.rpc.service import SERVICE_NAME, WorkerService, add_worker_service
 from collectives_server.worker.stats import WorkerStats
 from collectives_server.worker.status import heartbeat_status, op_done, worker_state
-from collectives_server.worker.store import TensorStore
 
 __all__ = ["WorkerDaemon", "run_worker", "resolve_devices"]
 

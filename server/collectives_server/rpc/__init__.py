@@ -1,0 +1,9 @@
+"""gRPC for every daemon: servers, the error boundary, call limits, health.
+
+Modules:
+
+* ``server``: gRPC server construction shared by the coordinator and the workers
+* ``errors``: the error boundary every servicer sits behind
+* ``limits``: bounds on what one call may hold: a slot, a thread, time
+* ``health``: grpc.health.v1 without the library servicer's shutdown deadlock
+"""

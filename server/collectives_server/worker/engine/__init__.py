@@ -1,0 +1,19 @@
+"""One generation's op pipeline (above ``models``).
+
+Modules:
+
+* ``handlers/``: one handler per op kind
+* ``generation``: one generation's loop on one worker: sequence, announce, dispatch
+* ``sequencer``: the leader's op queue: admission, order, ticks (pure)
+* ``fusion``: which queued ops run together (pure)
+* ``descriptor``: op announcements through the control rounds
+* ``control_channel``: the control collectives over plain TCP
+* ``control_rounds``: what announcements and agreements need from a group
+* ``agreement``: exchanges and outcome agreements that keep every rank's view identical
+* ``op_context``: what a handler sees of its rank and generation, and returns
+* ``validation``: cross-rank operand validation (pure)
+* ``uneven_validation``: the verdict of an uneven all_to_all (pure)
+* ``process_groups``: building a generation's process groups
+* ``group_cap``: the bound on a generation's sub-groups
+* ``model_sync``: a generation's first step: every rank serves the newest model versions
+"""

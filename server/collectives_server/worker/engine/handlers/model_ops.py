@@ -1,0 +1,319 @@
+"""Cluster-wide model ops the leader sequences: gradient aggregation and train steps.
+
+``all_reduce_gradients`` reduces every parameter's gradient in buckets
+(<= ``bucket_bytes``, one dtype each, parameters in reverse registration order
+as DDP does, since that is roughly the order backward produces them), one
+all-reduce per bucket: the number of data collectives equals the number of
+buckets, not of parameters. Gradients live in the model's gradient arena
+(``models.GradArena``, DDP's gradient-as-bucket-view), so a bucket is reduced
+in place, without a flattening copy or a copy back. A rank that has no
+gradient for a parameter (it got no shard) contributes zeros; a parameter with
+no gradient on any rank keeps none. Every rank ends with bit-identical
+gradients because all-reduce gives every rank the same bytes.
+
+Like DDP's, the reduction is in place: an all_reduce_gradients that fails
+part-way (a worker lost) leaves this rank's gradients undefined; compute them
+again (zero_grad, forward, backward) before the next step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import grpc
+import torch
+import torch.distributed as dist
+from torch.nn import functional
+
+from collectives.errors import CollectiveError, NotFound, error_for_code
+from collectives.reduce_ops import ReduceOp
+from collectives.v1 import worker_pb2
+from collectives_server.json_input import parse_json_object
+from collectives_server.worker.engine import agreement
+from collectives_server.worker.engine.op_context import Announcement, OpContext
+from collectives_server.worker.kernels import op_failures
+from collectives_server.worker.kernels.collective_ops import copy_into
+from collectives_server.worker.models import versions as model_versions
+from collectives_server.worker.models.optimizers import OptimizerPlan, install, plan_optimizer
+from collectives_server.worker.models.registry import HostedModel
+
+__all__ = ["ModelOpResult", "run_model_op", "ModelArgs", "DEFAULT_BUCKET_BYTES"]
+
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+_LOSSES = {"mse": functional.mse_loss, "cross_entropy": functional.cross_entropy}
+_INFO = 6  # present, signature, has inputs, has targets, all parameters have a gradient, 0
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """The arguments of either model op (all_reduce_gradients, train_step), from the
+    descriptor's payload."""
+
+    is_train: bool
+    name: str
+    op: int = 0
+    bucket_bytes: int = 0
+    inputs: str = ""
+    targets: str = ""
+    loss: str = ""
+    optimizer: str = ""
+    hyper_json: str = ""
+
+    @classmethod
+    def of(cls, desc: worker_pb2.OpDescriptor) -> ModelArgs:
+        if desc.WhichOneof("args") == "train_step":
+            t = desc.train_step
+            return cls(
+                True, t.model, 0, t.bucket_bytes, t.inputs, t.targets, t.loss, t.optimizer,
+                t.hyper_json,
+            )  # fmt: skip
+        g = desc.gradients
+        return cls(False, g.model, g.op, g.bucket_bytes)
+
+
+@dataclass(frozen=True)
+class ModelOpResult:
+    op_id: int
+    generation: int
+    buckets: int
+    nbytes: int
+    loss: float
+    rank_losses: list[float]
+    latency_s: float
+
+
+def _buckets(params: list[torch.nn.Parameter], active: list[int], bucket_bytes: int):
+    """Indices (into ``params``) per bucket: the ``active`` parameters in reverse order,
+    one dtype per bucket, <= bucket_bytes (a larger parameter gets a bucket alone)."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    dtype = None
+    for i in reversed(active):
+        p = params[i]
+        nbytes = p.numel() * p.element_size()
+        if current and (p.dtype != dtype or size + nbytes > bucket_bytes):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += nbytes
+        dtype = p.dtype
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def reduce_gradients(
+    ctx: OpContext, model: HostedModel, op: ReduceOp, bucket_bytes: int, mask: list[bool]
+) -> tuple[int, int]:
+    """Bucketed all-reduce of the gradients of the parameters ``mask`` marks (those with a
+    gradient on some rank) on this rank; returns (buckets, bytes). The caller holds the
+    model's lock.
+
+    Gradients live in the model's arena (``models.GradArena``): a bucket of
+    consecutive parameters is reduced in place in its slice; only a bucket whose
+    parameters are not consecutive there (a parameter between them has no
+    gradient anywhere) goes through a flat copy."""
+    pg = ctx.groups[0].handles.data  # type: ignore[union-attr]
+    arena = model.grad_arena()
+    params = arena.params
+    active = [i for i, m in enumerate(mask) if m]
+    for i in active:
+        arena.adopt(i)  # no gradient here: zeros, as the other ranks expect
+    buckets = _buckets(params, active, bucket_bytes)
+    native = dist.ReduceOp.AVG if op is ReduceOp.AVG else dist.ReduceOp.SUM
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = native
+    total = 0
+    for bucket in buckets:
+        flat = arena.flat(bucket)
+        if flat is not None:
+            ctx.call(lambda flat=flat: pg.allreduce([flat], opts).wait())
+        else:
+            views = [arena.view(i) for i in bucket]
+            flat = torch.empty(sum(v.numel() for v in views), dtype=views[0].dtype)
+            offset = 0
+            for v in views:
+                copy_into(flat.narrow(0, offset, v.numel()), v.reshape(-1))
+                offset += v.numel()
+            ctx.call(lambda flat=flat: pg.allreduce([flat], opts).wait())
+            offset = 0
+            for v in views:
+                copy_into(v, flat.narrow(0, offset, v.numel()).view(v.shape))
+                offset += v.numel()
+        total += flat.numel() * flat.element_size()
+    ctx.count_data_collectives(len(buckets), len(buckets))
+    return len(buckets), total
+
+
+def _any_rank_has_grad(ctx: OpContext, flags: list[bool]) -> list[bool]:
+    """Which parameters have a gradient on at least one rank (control group, not data)."""
+    if not flags:
+        return []
+    mine = torch.tensor(flags, dtype=torch.uint8)
+    control = ctx.groups[0].handles.control  # type: ignore[union-attr]
+    every = ctx.call(agreement.all_gather_rows, control, mine, ctx.world_size)
+    return [bool(v) for v in every.amax(0).tolist()]
+
+
+def _mask(ctx: OpContext, flags: list[bool], everywhere: bool) -> list[bool]:
+    """The parameters to reduce. ``everywhere``: every rank said all its parameters have
+    a gradient (told in an exchange the op needed anyway), so no extra round."""
+    return [True] * len(flags) if everywhere else _any_rank_has_grad(ctx, flags)
+
+
+def _local_train(ctx: OpContext, model: HostedModel, args: ModelArgs) -> tuple[float, int]:
+    # peek, not get: the executor never waits on a commit fence (every rank
+    # checked these names are present before this point).
+    inputs = ctx.store.peek(args.inputs)
+    targets = ctx.store.peek(args.targets)
+    if inputs is None or targets is None:
+        raise NotFound(f"tensor {args.inputs if inputs is None else args.targets!r} vanished")
+    loss_fn = _LOSSES[args.loss]
+    for p in model.module.parameters():
+        p.grad = None
+    arena = model.grad_arena()
+    seeded = arena.seed()
+    try:
+        with torch.enable_grad():
+            out = model.runnable()(inputs)
+            loss = loss_fn(out, targets)
+            loss.backward()
+    finally:
+        arena.settle(seeded)
+    return float(loss.detach()), int(inputs.shape[0]) if inputs.dim() else 1
+
+
+def run_model_op(ctx: OpContext, desc: worker_pb2.OpDescriptor, ann: Announcement):
+    """Runs one model op on this rank; returns ModelOpResult or CollectiveError (same on all).
+
+    Control rounds (besides the announcement): all_reduce_gradients exchanges one
+    info row (model present, signature, "every parameter has a gradient") and then
+    reduces; train_step exchanges the info row, trains locally, and agrees on the
+    outcome with each rank's loss, batch and gradient flag in the same row. A rank
+    holds the model's lock from before its first exchange until the op is done, so
+    no backward slips in between deciding what to reduce and reducing it, and a
+    read of its gradients waits until they are final."""
+    ann.wait(ctx)
+    args = ModelArgs.of(desc)
+    model = ctx.models.peek(args.name)
+    lock = model.lock if model is not None else contextlib.nullcontext()
+    with lock:
+        return _run_model_op(ctx, model, args, desc.op_id)
+
+
+@dataclass
+class _Local:
+    """This rank's local phase of a model op: its outcome and what it computed."""
+
+    code: grpc.StatusCode = grpc.StatusCode.OK
+    message: str = ""
+    loss: float = 0.0
+    batch: int = 0
+    plan: OptimizerPlan | None = None
+
+
+def _info_rows(
+    ctx: OpContext, model: HostedModel | None, args: ModelArgs
+) -> tuple[list[list[int]], list[bool]]:
+    """Every rank's info row (model present, signature, inputs, targets, all grads), and
+    this rank's per-parameter "has a gradient" flags."""
+    info = torch.zeros(_INFO, dtype=torch.int64)
+    flags: list[bool] = []
+    if model is not None:
+        info[0] = 1
+        info[1] = model.signature()
+        if not args.is_train:
+            flags = [p.grad is not None for _, p in model.parameters]
+            info[4] = int(all(flags))
+    if args.is_train:
+        info[2] = int(ctx.store.peek(args.inputs) is not None)
+        info[3] = int(ctx.store.peek(args.targets) is not None)
+    rows = ctx.call(agreement.all_gather_rows, ctx.control, info, ctx.world_size).tolist()
+    return rows, flags
+
+
+def _local_phase(ctx: OpContext, model: HostedModel, args: ModelArgs) -> _Local:
+    """The optimizer plan and the local training step: the only parts that can fail
+    here; every rank agrees on their outcome before gradients move."""
+    local = _Local()
+    try:
+        if args.optimizer:
+            hyper = parse_json_object(args.hyper_json, "optimizer hyperparameters")
+            local.plan = plan_optimizer(model, args.optimizer, hyper)  # installed once all agreed
+        if args.is_train:
+            local.loss, local.batch = _local_train(ctx, model, args)
+    except CollectiveError as exc:
+        local.code, local.message = exc.code, exc.message
+    except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+        local.code = grpc.StatusCode.INVALID_ARGUMENT
+        local.message = op_failures.backend_message(exc)
+    return local
+
+
+def _weighted_loss(extras: list[list[float]]) -> tuple[float, list[float]]:
+    """The global loss (per-rank losses weighted by batch size) and every rank's loss."""
+    losses = [e[0] for e in extras]
+    weights = [e[1] for e in extras]
+    total = sum(weights)
+    if not total:
+        return math.nan, losses
+    return sum(loss * w for loss, w in zip(losses, weights, strict=True)) / total, losses
+
+
+def _run_model_op(
+    ctx: OpContext,
+    model: HostedModel | None,
+    args: ModelArgs,
+    op_id: int,
+):
+    rows, flags = _info_rows(ctx, model, args)
+    verdict = _decide(args, rows)
+    if verdict is not None:
+        return verdict
+    assert model is not None
+    local = _local_phase(ctx, model, args)
+    if args.is_train:
+        flags = [p.grad is not None for _, p in model.parameters]
+    rank_losses: list[float] = []
+    global_loss = 0.0
+    everywhere = all(row[4] for row in rows)
+    if args.is_train or args.optimizer:
+        extra = [local.loss, float(local.batch), float(all(flags))]
+        failures, extras = ctx.call(
+            agreement.agree_with, ctx.control, ctx.world_size, local.code, local.message, extra
+        )
+        if failures:
+            return ctx.fail_all(failures)
+        everywhere = all(e[2] for e in extras)
+        if args.is_train:
+            global_loss, rank_losses = _weighted_loss(extras)
+    op = ReduceOp.AVG if args.is_train else ReduceOp.from_wire(args.op)
+    bucket_bytes = args.bucket_bytes or DEFAULT_BUCKET_BYTES
+    buckets, nbytes = reduce_gradients(ctx, model, op, bucket_bytes, _mask(ctx, flags, everywhere))
+    if local.plan is not None:
+        install(model, local.plan).step()
+        model.steps += 1
+        model_versions.bump(model)
+    return ModelOpResult(op_id, ctx.generation, buckets, nbytes, global_loss, rank_losses, 0.0)
+
+
+def _decide(args: ModelArgs, rows: list[list[int]]) -> CollectiveError | None:
+    ranks = range(len(rows))
+    absent = model_versions.presence_error(
+        args.name, [bool(row[0]) for row in rows], [row[1] for row in rows]
+    )
+    if absent is not None:
+        return absent
+    if args.is_train:
+        for column, what in ((2, args.inputs), (3, args.targets)):
+            lacking = [r for r in ranks if not rows[r][column]]
+            if lacking:
+                return error_for_code(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"train_step needs tensor {what!r} on every rank; missing on rank(s) "
+                    f"{', '.join(map(str, lacking))} (place it with scatter or put)",
+                )
+    return None

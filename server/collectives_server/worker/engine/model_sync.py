@@ -1,0 +1,283 @@
+"""A generation's first step: every rank serves the newest version of every model.
+
+A worker that joins a later generation has no models; a survivor of a failed
+publish might (in a narrow window) have missed a commit its peers made. Before
+a rank reports itself joined, every rank of the new generation exchanges its
+model inventory (name, version, signature, how to build it, its entries) and,
+for each model some rank lacks or holds at an older version, the lowest rank
+holding the newest version sends it to the others over the process group:
+
+  1. an exported model's checked archive, to ranks that lack the model or hold
+     a different one (a factory model travels as its factory's name);
+  2. the weights, broadcast in buckets (``coalesced_buckets``).
+
+Only then does each rank work alone: a rank that held the model at an older
+version commits the weights at once (``model_versions.commit``); a rank that
+must build it does so in a background thread, because checking and loading an
+archive (in the load sandbox) can take longer than peers may wait in a
+collective. Until it is hosted, the model is *expected* there: a forward on it
+waits for it (within its deadline), and a publish is refused with UNAVAILABLE,
+which the SDK retries. The archive is checked again by the receiver as any
+upload is (nothing in it is ever unpickled); a factory must be allowed there.
+
+The client sends nothing: a new worker's models come from a peer. A rank that
+cannot host a model (its factory is not allowed there, its quota is full) logs
+why and stays without it: a later op on the model names that rank. A broken
+group here breaks the generation, like any op.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from collectives.dtypes import from_wire, to_wire
+from collectives.op_specs import OpKind, spec
+from collectives.reduce_ops import ReduceOp
+from collectives_server.worker.engine import agreement
+from collectives_server.worker.engine.handlers import coalesced_buckets
+from collectives_server.worker.engine.op_context import GroupBroken, OpContext
+from collectives_server.worker.engine.validation import Plan
+from collectives_server.worker.kernels import collective_ops, op_failures
+from collectives_server.worker.models import versions as model_versions
+from collectives_server.worker.models.archive.upload import ModelUploads
+from collectives_server.worker.models.registry import (
+    HostedModel,
+    ModelDefinition,
+    build_from_factory,
+)
+
+__all__ = ["sync_models"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Held:
+    """One rank's copy of one model, as the inventory tells it."""
+
+    version: int
+    signature: int
+    factory: str
+    kwargs_json: str
+    archive_bytes: int
+    entries: list[tuple[str, int, list[int]]]  # key, wire dtype, shape
+
+
+def sync_models(ctx: OpContext, uploads: ModelUploads) -> int:
+    """Brings every rank to the newest version of every model; returns how many models
+    this rank is receiving (hosted now, or being built in the background)."""
+    everyone = [
+        {name: _Held(**held) for name, held in inventory.items()}
+        for inventory in _all_gather_json(ctx, _inventory(ctx))
+    ]
+    arrivals: list[_Arrival] = []
+    for name in sorted({n for inventory in everyone for n in inventory}):
+        holders = {r: inv[name] for r, inv in enumerate(everyone) if name in inv}
+        newest = max(h.version for h in holders.values())
+        source = min(r for r, h in holders.items() if h.version == newest)
+        src = holders[source]
+        behind = [
+            r
+            for r in range(ctx.world_size)
+            if r not in holders
+            or (holders[r].version, holders[r].signature) != (newest, src.signature)
+        ]
+        if not behind:
+            continue
+        rebuild = [r for r in behind if r not in holders or holders[r].signature != src.signature]
+        archive = None
+        if src.archive_bytes and rebuild:
+            archive = _broadcast_archive(ctx, name, src, source)
+        weights = _broadcast_weights(ctx, name, src, source)
+        if ctx.rank in behind:
+            arrivals.append(_Arrival(name, src, newest, weights, archive, ctx.rank in rebuild))
+    for arrival in arrivals:
+        if arrival.rebuild:
+            _build_in_background(ctx, uploads, arrival)
+        else:
+            _commit(ctx.models.peek(arrival.name), arrival)
+    return len(arrivals)
+
+
+@dataclass
+class _Arrival:
+    """A model this rank is behind on, as received: its weights (and archive)."""
+
+    name: str
+    src: _Held
+    version: int
+    weights: dict[str, torch.Tensor]
+    archive: torch.Tensor | None
+    rebuild: bool
+
+
+def _inventory(ctx: OpContext) -> dict[str, dict]:
+    out = {}
+    for model in ctx.models.all():
+        with model.lock:
+            d = model.definition
+            archive = (
+                d.archive.stat().st_size if d.archive is not None and d.archive.exists() else 0
+            )
+            out[model.name] = {
+                "version": model.version,
+                "signature": model.signature(),
+                "factory": d.factory,
+                "kwargs_json": d.kwargs_json,
+                "archive_bytes": archive,
+                "entries": [
+                    (k, to_wire(t.dtype), list(t.shape))
+                    for k, t in model.module.state_dict().items()
+                ],
+            }
+    return out
+
+
+def _all_gather_json(ctx: OpContext, value: object) -> list[dict]:
+    data = json.dumps(value).encode()
+    sizes = ctx.call(
+        agreement.all_gather_rows,
+        ctx.control,
+        torch.tensor([len(data)], dtype=torch.int64),
+        ctx.world_size,
+    )
+    longest = int(sizes.max())
+    row = torch.zeros(longest, dtype=torch.uint8)
+    if data:
+        row[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    rows = ctx.call(agreement.all_gather_rows, ctx.control, row, ctx.world_size)
+    return [json.loads(bytes(rows[r, : int(sizes[r])].tolist())) for r in range(ctx.world_size)]
+
+
+def _broadcast_archive(ctx: OpContext, name: str, src: _Held, source: int) -> torch.Tensor:
+    t = torch.zeros(src.archive_bytes, dtype=torch.uint8)
+    if ctx.rank == source:
+        model = ctx.models.peek(name)
+        path = model.definition.archive if model is not None else None
+        data = path.read_bytes() if path is not None else b""
+        if len(data) == src.archive_bytes:  # else zeros: the receivers' check refuses them
+            t.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    world = ctx.groups[0].handles
+    assert world is not None
+    opts = dist.BroadcastOptions()
+    opts.rootRank = source
+    ctx.call(lambda: world.data.broadcast([t], opts).wait())
+    return t
+
+
+def _broadcast_weights(
+    ctx: OpContext, name: str, src: _Held, source: int
+) -> dict[str, torch.Tensor]:
+    """The source's weights, on every rank (the source's own: its live tensors)."""
+    entries = [model_versions.Entry(k, from_wire(d), tuple(s)) for k, d, s in src.entries]
+    operands: list[torch.Tensor | None] = [None] * len(entries)
+    held = ctx.models.peek(name) if ctx.rank == source else None
+    if held is not None:
+        held.lock.acquire()  # no step may change the weights while they are sent
+    try:
+        if held is not None:
+            state = held.module.state_dict()
+            operands = [state[e.key].detach() for e in entries]
+        world = ctx.groups[0].handles
+        assert world is not None
+        bucketing = coalesced_buckets.Bucketing(
+            pg=world.data,
+            operands=operands,
+            plans=[Plan(e.dtype, e.shape) for e in entries],
+            size=ctx.world_size,
+            index=ctx.rank,
+            root_index=source,
+            device=ctx.device,
+            alloc=collective_ops.fresh,
+        )
+        try:
+            got, count = coalesced_buckets.move(bucketing, spec(OpKind.BROADCAST), ReduceOp.SUM)
+        except Exception as exc:
+            raise GroupBroken(op_failures.backend_message(exc)) from exc
+        ctx.count_data_collectives(count)
+    finally:
+        if held is not None:
+            held.lock.release()
+    return {e.key: t for e, t in zip(entries, got, strict=True) if t is not None}
+
+
+def _commit(held: HostedModel | None, arrival: _Arrival) -> bool:
+    """Makes the received weights live at the source's version; False (logged) if not."""
+    if held is None:
+        log.error("model %r vanished on this rank before its weights arrived", arrival.name)
+        return False
+    try:
+        with held.lock:
+            staged = model_versions.prepare(held, arrival.weights)
+            model_versions.commit(held, staged, arrival.version)
+    except Exception as exc:
+        log.error("cannot take model %r at version %d: %s", arrival.name, arrival.version, exc)
+        return False
+    log.info("received model %r at version %d from a peer", arrival.name, arrival.version)
+    return True
+
+
+def _build_in_background(ctx: OpContext, uploads: ModelUploads, arrival: _Arrival) -> None:
+    models = ctx.models
+    expected = models.expect(arrival.name)
+    replacing = models.peek(arrival.name)  # a different model under the same name, or None
+    if expected is None and replacing is None:
+        return  # already on its way (an earlier generation's sync is building it)
+
+    def build() -> None:
+        archive: Path | None = None
+        try:
+            src = arrival.src
+            if src.factory:
+                module = build_from_factory(
+                    src.factory,
+                    src.kwargs_json,
+                    models.allowed_factories,
+                    max_bytes=uploads.config.max_bytes,
+                )
+            elif arrival.archive is not None:
+                module, archive = _load_archive(uploads, arrival.archive)
+            else:
+                raise ValueError("its source holds neither a factory nor an archive for it")
+            still_wanted = (
+                models.is_expected(arrival.name, expected)
+                if expected is not None
+                else models.peek(arrival.name) is replacing
+            )
+            if not still_wanted:  # a client loaded it meanwhile: theirs wins
+                if archive is not None:
+                    archive.unlink(missing_ok=True)
+                return
+            definition = ModelDefinition(src.factory, src.kwargs_json, archive)
+            hosted = models.add(arrival.name, module, src.factory or "export", definition)
+            _commit(hosted, arrival)
+        except Exception as exc:
+            log.error("cannot host model %r sent by a peer: %s", arrival.name, exc)
+        finally:
+            if expected is not None:
+                models.give_up(arrival.name, expected)  # a no-op once hosted
+
+    threading.Thread(target=build, name=f"model-sync-{arrival.name}", daemon=True).start()
+
+
+def _load_archive(uploads: ModelUploads, archive: torch.Tensor) -> tuple[nn.Module, Path]:
+    """Checks and loads a peer's archive like a client's upload (kept for the next joiner)."""
+    upload = uploads.kept_path(".upload")
+    upload.write_bytes(archive.numpy().tobytes())
+    kept = uploads.kept_path()
+    try:
+        module = uploads.load(upload, keep=kept)
+    except BaseException:
+        kept.unlink(missing_ok=True)
+        raise
+    finally:
+        upload.unlink(missing_ok=True)
+    return module, kept

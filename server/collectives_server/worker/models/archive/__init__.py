@@ -1,0 +1,10 @@
+"""Model archives: the one layout a worker accepts, checked before torch reads it.
+
+Modules:
+
+* ``checks``: the archive's layout and entries, checked without torch
+* ``graph``: checks on the serialized export graph
+* ``canary``: a checked archive is first loaded in a short-lived child
+* ``config``: the --allow-model-upload flags as a dataclass
+* ``upload``: LoadModel's upload, streamed to a private file and counted
+"""

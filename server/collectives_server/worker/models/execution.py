@@ -1,0 +1,180 @@
+"""Forward and backward of hosted models on tensors in the worker's store.
+
+The SDK uploads each worker's shard of the inputs as named tensors
+(``<call_id>/in/<i>``) and sends the nested structure as a ``Value``; the
+worker runs the model (over its local devices when it has several, like
+``torch.nn.DataParallel``), stores the output leaves as ``<call_id>/out/<i>``
+for the SDK to stream back (and consume), and, when autograd is on, keeps the
+graph for the client's backward.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from collectives.errors import InvalidArgument, NotFound
+from collectives.v1 import worker_pb2
+from collectives.wire.pytree import from_value, to_value
+from collectives_server.worker.data.store import TensorStore
+from collectives_server.worker.kernels.op_failures import backend_message
+from collectives_server.worker.models import versions as model_versions
+from collectives_server.worker.models.registry import HostedModel, ModelRegistry, RetainedGraph
+
+__all__ = ["forward", "backward", "release"]
+
+# ModelMode -> training (None: the model's own mode).
+_MODES = {worker_pb2.MODEL_MODE_TRAIN: True, worker_pb2.MODEL_MODE_EVAL: False}
+
+
+def _run(model: HostedModel, args: tuple, kwargs: dict, training: bool | None) -> Any:
+    devices = model.devices
+    module = model.runnable(training)
+    if len(devices) > 1 and all(d.type == "cuda" for d in devices):
+        return nn.parallel.data_parallel(
+            module,
+            args,
+            device_ids=[d.index for d in devices],
+            output_device=devices[0].index,
+            module_kwargs=kwargs,
+        )
+    return module(*args, **kwargs)
+
+
+def forward(
+    registry: ModelRegistry,
+    store: TensorStore,
+    request: worker_pb2.ForwardRequest,
+    timeout_s: float,
+) -> worker_pb2.ForwardResponse:
+    """Runs the model at the version the request names (``model_versions.serving``),
+    waiting at most ``timeout_s`` for a version committed elsewhere but not yet here."""
+    started = time.perf_counter()
+    model = registry.get(request.model, wait_s=timeout_s)  # a peer may still be sending it
+    registry.expire_graphs()
+    call_id = request.call_id
+    if not call_id:
+        raise InvalidArgument("forward needs a call_id")
+    wanted = list(request.input_grad_names)
+    leaves: dict[str, torch.Tensor] = {}
+
+    def load(name: str) -> torch.Tensor:
+        t = store.get(name)
+        if name in wanted and request.grad_enabled:
+            if not (t.dtype.is_floating_point or t.dtype.is_complex):
+                raise InvalidArgument(f"input {name!r} of dtype {t.dtype} cannot require grad")
+            t = leaves.setdefault(name, t.detach().requires_grad_(True))
+        return t
+
+    try:
+        args = from_value(request.args, load) if request.HasField("args") else ()
+        kwargs = from_value(request.kwargs, load) if request.HasField("kwargs") else {}
+        if not isinstance(args, tuple) or not isinstance(kwargs, dict):
+            raise InvalidArgument("forward args must be a tuple value and kwargs a dict value")
+        deadline = time.monotonic() + timeout_s
+        with (
+            model_versions.serving(model, request.version, deadline) as version,
+            torch.set_grad_enabled(request.grad_enabled),
+        ):
+            try:
+                output = _run(model, args, kwargs, _MODES.get(request.mode))
+            except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+                raise InvalidArgument(
+                    f"model {request.model!r} failed on these inputs: {backend_message(exc)}"
+                ) from None
+        stored: dict[str, torch.Tensor] = {}
+
+        def store_leaf(t: torch.Tensor) -> str:
+            name = f"{call_id}/out/{len(stored)}"
+            stored[name] = t
+            store.put(name, t.detach())
+            return name
+
+        try:
+            value = to_value(output, store_leaf)
+        except InvalidArgument as exc:
+            raise InvalidArgument(
+                f"model {request.model!r} returned an output that cannot travel: {exc.message}"
+            ) from None
+        if request.grad_enabled and any(t.requires_grad for t in stored.values()):
+            with model.lock:
+                model.graphs[call_id] = RetainedGraph(
+                    outputs=stored,
+                    inputs={n: leaves[n] for n in wanted if n in leaves},
+                    expires_at=time.monotonic() + registry.graph_ttl_s,
+                    version=version,
+                )
+    finally:
+        store.delete_prefix(f"{call_id}/in/")
+    return worker_pb2.ForwardResponse(
+        output=value, latency_s=time.perf_counter() - started, version=version
+    )
+
+
+def backward(
+    registry: ModelRegistry, store: TensorStore, request: worker_pb2.BackwardRequest
+) -> worker_pb2.BackwardResponse:
+    started = time.perf_counter()
+    model = registry.get(request.model)
+    call_id = request.call_id
+    try:
+        with model.lock:
+            graph = model.graphs.pop(call_id, None)
+        if graph is None:
+            raise NotFound(
+                f"no retained graph {call_id!r} for model {request.model!r}: it was already "
+                f"used, released, or expired after {registry.graph_ttl_s:.0f}s without backward"
+            )
+        if len(request.output_names) != len(request.grad_names):
+            raise InvalidArgument("backward needs one grad name per output name")
+        tensors, grads = [], []
+        for out_name, grad_name in zip(request.output_names, request.grad_names, strict=True):
+            out = graph.outputs.get(out_name)
+            if out is None:
+                raise InvalidArgument(f"{out_name!r} is not an output of call {call_id!r}")
+            if not grad_name or not out.requires_grad:
+                continue
+            grad = store.get(grad_name)
+            if grad.shape != out.shape:
+                raise InvalidArgument(
+                    f"gradient for {out_name!r} has shape {list(grad.shape)}, "
+                    f"the output has {list(out.shape)}"
+                )
+            tensors.append(out)
+            grads.append(grad.to(out.device, out.dtype))
+        with model.lock:
+            if tensors:
+                # Gradients accumulate straight into the model's gradient arena, so
+                # all_reduce_gradients reduces them in place (models.GradArena).
+                arena = model.grad_arena()
+                seeded = arena.seed()
+                try:
+                    torch.autograd.backward(tensors, grads)
+                finally:
+                    arena.settle(seeded)
+        names = []
+        for i, (name, leaf) in enumerate(graph.inputs.items()):
+            if leaf.grad is None:
+                names.append("")
+                continue
+            grad_name = f"{call_id}/igrad/{i}"
+            store.put(grad_name, leaf.grad)
+            names.append(grad_name)
+            del name
+    finally:
+        store.delete_prefix(f"{call_id}/grad/")
+    return worker_pb2.BackwardResponse(
+        input_grad_names=names, latency_s=time.perf_counter() - started
+    )
+
+
+def release(registry: ModelRegistry, store: TensorStore, model_name: str, call_id: str) -> bool:
+    model = registry.peek(model_name)
+    store.delete_prefix(f"{call_id}/")
+    if model is None:
+        return False
+    with model.lock:
+        return model.graphs.pop(call_id, None) is not None

@@ -1,0 +1,488 @@
+"""Models hosted by a worker: loading, retained autograd graphs, optimizer state.
+
+Models arrive as ``torch.export`` archives (JSON graph + raw weight bytes,
+checked against an allowlist in :mod:`archive` and loaded by
+:mod:`archive_upload`; nothing in them is ever unpickled)
+or are built by a server-side factory that the operator allowed with
+``--allow-factory pkg.module``. A forward run with autograd keeps its graph
+until the client's backward, an explicit release, or ``graph_ttl_s`` — so a
+client that never calls backward cannot leak a worker's memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import importlib
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from collectives.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from collectives.names import validate_name
+from collectives_server.json_input import parse_json_object
+from collectives_server.worker.data.store import Reservation, TensorStore
+from collectives_server.worker.models import modes as model_modes
+
+__all__ = ["ModelRegistry", "HostedModel", "ModelDefinition", "RetainedGraph", "GradArena"]
+
+
+@dataclass
+class RetainedGraph:
+    outputs: dict[str, torch.Tensor]  # stored output name -> output tensor (with grad_fn)
+    inputs: dict[str, torch.Tensor]  # input name -> leaf tensor whose grad the client wants
+    expires_at: float
+    version: int = 1  # the model version whose weights the graph holds
+
+
+def _zero(t: torch.Tensor) -> None:
+    """Zeroes ``t`` (one plain memset on contiguous CPU memory: no OpenMP threads)."""
+    if t.device.type == "cpu" and t.is_contiguous():
+        nbytes = t.numel() * t.element_size()
+        if nbytes:
+            ctypes.memset(t.data_ptr(), 0, nbytes)
+    else:
+        t.zero_()
+
+
+class GradArena:
+    """One model's gradients in flat buffers, one per (dtype, device), parameters in
+    reverse registration order (DDP's bucket order), ``.grad`` being views into them.
+
+    This is DDP's ``gradient_as_bucket_view``: backward accumulates straight into
+    the buffers (:meth:`seed` gives parameters without a gradient a zeroed view
+    before backward; :meth:`settle` takes it away again from those backward did
+    not reach, so "has a gradient" keeps its meaning), and a bucket of
+    consecutive parameters is a slice of a buffer that the all-reduce reduces in
+    place: no flattening copy, no copy back. A gradient that is not a view (set
+    some other way) is copied into its slot by :meth:`adopt`.
+
+    Callers hold the model's lock.
+    """
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+        self._slots: list[tuple[tuple[torch.dtype, torch.device], int, int]] = [
+            ((p.dtype, p.device), 0, 0) for p in params
+        ]
+        self.position = [0] * len(params)  # place in arena order
+        for pos, i in enumerate(reversed(range(len(params)))):
+            p = params[i]
+            key = (p.dtype, p.device)
+            offset = sizes.get(key, 0)
+            self._slots[i] = (key, offset, p.numel())
+            sizes[key] = offset + p.numel()
+            self.position[i] = pos
+        self.buffers = {
+            key: torch.zeros(n, dtype=key[0], device=key[1]) for key, n in sizes.items()
+        }
+        self._touched: set[int] = set()
+        for i, p in enumerate(params):
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(functools.partial(self._reached, i))
+
+    def _reached(self, i: int, _param: torch.Tensor) -> None:
+        self._touched.add(i)
+
+    def view(self, i: int) -> torch.Tensor:
+        key, offset, n = self._slots[i]
+        return self.buffers[key].narrow(0, offset, n).view(self.params[i].shape)
+
+    def holds(self, i: int) -> bool:
+        """Whether parameter ``i``'s gradient is its slot in the arena."""
+        g = self.params[i].grad
+        if g is None:
+            return False
+        key, offset, _ = self._slots[i]
+        buf = self.buffers[key]
+        return (
+            g.device == buf.device
+            and g.dtype == buf.dtype
+            and g.shape == self.params[i].shape
+            and g.is_contiguous()
+            and g.data_ptr() == buf.data_ptr() + offset * buf.element_size()
+        )
+
+    def adopt(self, i: int) -> None:
+        """Makes parameter ``i``'s gradient its slot, keeping its value (None: zeros)."""
+        if self.holds(i):
+            return
+        p = self.params[i]
+        slot = self.view(i)
+        if p.grad is None:
+            _zero(slot)
+        else:
+            from collectives_server.worker.kernels.collective_ops import copy_into
+
+            copy_into(slot, p.grad.detach())
+        p.grad = slot
+
+    def seed(self) -> list[int]:
+        """Before a backward: a zeroed slot as the gradient of every parameter without one."""
+        seeded = []
+        for i, p in enumerate(self.params):
+            if p.requires_grad and p.grad is None:
+                slot = self.view(i)
+                _zero(slot)
+                p.grad = slot
+                seeded.append(i)
+        self._touched.clear()
+        return seeded
+
+    def settle(self, seeded: list[int]) -> None:
+        """After the backward: parameters it did not reach have no gradient again."""
+        for i in seeded:
+            if i not in self._touched and self.holds(i):
+                self.params[i].grad = None
+        self._touched.clear()
+
+    def flat(self, indices: list[int]) -> torch.Tensor | None:
+        """The buffer slice holding these parameters' slots, if they are consecutive in
+        arena order (as a bucket of consecutive parameters is); else None."""
+        if not indices:
+            return None
+        key = self._slots[indices[0]][0]
+        positions = [self.position[i] for i in indices]
+        first = min(positions)
+        if sorted(positions) != list(range(first, first + len(indices))):
+            return None
+        if any(self._slots[i][0] != key for i in indices):
+            return None
+        start = min(self._slots[i][1] for i in indices)
+        total = sum(self._slots[i][2] for i in indices)
+        return self.buffers[key].narrow(0, start, total)
+
+
+@dataclass(frozen=True)
+class ModelDefinition:
+    """How to build the model again (a peer catching up on it, ``model_sync``)."""
+
+    factory: str = ""
+    kwargs_json: str = ""
+    archive: Path | None = None  # the checked torch.export archive, kept on disk
+
+    def discard(self) -> None:
+        if self.archive is not None:
+            self.archive.unlink(missing_ok=True)
+
+
+def _retire(model: HostedModel) -> None:
+    """A model no longer hosted: its kept archive and kept memory go."""
+    model.definition.discard()
+    model.reusable = []
+    if model.reusable_reservation is not None:
+        model.reusable_reservation.release()
+        model.reusable_reservation = None
+
+
+@dataclass
+class HostedModel:
+    name: str
+    module: nn.Module
+    source: str
+    devices: list[torch.device]
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    graphs: dict[str, RetainedGraph] = field(default_factory=dict)
+    # Set by optimizers.install only (the rule for keeping its state is there).
+    optimizer: torch.optim.Optimizer | None = None
+    optimizer_kind: str = ""
+    optimizer_hyper: dict[str, Any] = field(default_factory=dict)
+    steps: int = 0
+    # 1 after loading, +1 per committed publish or optimizer step (model_versions).
+    version: int = 1
+    definition: ModelDefinition = field(default_factory=ModelDefinition)
+    # The previous version's memory, kept for the next publish to receive into
+    # (model_versions.keep_for_reuse), and its quota reservation.
+    reusable: list[torch.Tensor] = field(default_factory=list)
+    reusable_reservation: Reservation | None = None
+    _arena: GradArena | None = None
+    # The mode forwards run in (model_modes); None: the loaded module's own.
+    training: bool | None = None
+    # The other mode's graph of an exported model, and what it was built from.
+    _switched: tuple[tuple[int, ...], nn.Module] | None = None
+    _captured: tuple[int, bool] | None = None  # (id of module, the mode it was captured in)
+
+    def __post_init__(self) -> None:
+        # Notified (under ``lock``) whenever ``version`` changes.
+        self.version_changed = threading.Condition(self.lock)
+        if self.training is None:
+            self.training = model_modes.captured_mode(self.module)
+
+    def runnable(self, training: bool | None = None) -> nn.Module:
+        """The module to call, in ``training`` mode (kept as the model's mode) or, when
+        None, in the model's mode. An exported model's other-mode graph is built once
+        per set of weights (a publish may replace them) and shares them.
+
+        Raises:
+            FailedPrecondition: the exported graph cannot run in that mode.
+        """
+        with self.lock:
+            mode = bool(self.training if training is None else training)
+            runnable = self._in_mode(mode)
+            self.training = mode  # kept only once the mode could be had
+            return runnable
+
+    def _in_mode(self, mode: bool) -> nn.Module:
+        module = self.module
+        if not model_modes.is_graph(module):
+            return model_modes.for_mode(module, mode, self.name)
+        if self._captured is None or self._captured[0] != id(module):
+            self._captured = (id(module), model_modes.captured_mode(module))
+        if self._captured[1] == mode:
+            return module
+        key = (id(module), *map(id, module.parameters()), *map(id, module.buffers()))
+        if self._switched is None or self._switched[0] != key:
+            self._switched = (key, model_modes.for_mode(module, mode, self.name))
+        return self._switched[1]
+
+    @property
+    def parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.module.named_parameters())
+
+    def grad_arena(self) -> GradArena:
+        """The model's gradient arena (built on first use; the caller holds ``lock``)."""
+        params = [p for _, p in self.parameters]
+        arena = self._arena
+        if (
+            arena is None
+            or len(arena.params) != len(params)
+            or any(a is not b for a, b in zip(arena.params, params, strict=True))
+        ):
+            arena = self._arena = GradArena(params)
+        return arena
+
+    def signature(self) -> int:
+        """A hash of parameter names, dtypes and shapes: equal on every rank that loaded it."""
+        text = ";".join(f"{n}:{p.dtype}:{tuple(p.shape)}" for n, p in self.parameters)
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+
+
+def build_from_factory(
+    factory: str, kwargs_json: str, allowed: tuple[str, ...], max_bytes: int | None = None
+) -> nn.Module:
+    """Builds the model an allowed factory makes from JSON keyword arguments.
+
+    The factory first runs on the meta device, where nothing is allocated: its
+    arguments are refused there (``INVALID_ARGUMENT``, with the factory's own
+    words), and the weights' total size is known before any memory is taken
+    (``RESOURCE_EXHAUSTED`` over ``max_bytes``, the worker's --max-model-bytes).
+
+    Raises:
+        InvalidArgument: a malformed factory name or arguments the factory refuses.
+        PermissionDenied: the factory's module is not allowed on this worker.
+        NotFound: no such factory.
+        ResourceExhausted: the weights would exceed ``max_bytes``, or memory ran out.
+    """
+    module_name, _, fn_name = factory.partition(":")
+    if not module_name or not fn_name:
+        raise InvalidArgument(f"factory {factory!r} must look like 'pkg.module:function'")
+    if not any(module_name == a or module_name.startswith(a + ".") for a in allowed):
+        raise PermissionDenied(
+            f"factory module {module_name!r} is not allowed on this worker; start it with "
+            f"--allow-factory {module_name}"
+            + (f" (allowed: {', '.join(allowed)})" if allowed else " (none allowed)")
+        )
+    kwargs = parse_json_object(kwargs_json, "factory kwargs")
+    try:
+        fn = getattr(importlib.import_module(module_name), fn_name)
+    except (ImportError, AttributeError) as exc:
+        raise NotFound(f"factory {factory!r} not found on this worker: {exc}") from None
+    with torch.device("meta"):
+        outline = _call_factory(factory, fn, kwargs)
+    nbytes = sum(t.numel() * t.element_size() for t in (*outline.parameters(), *outline.buffers()))
+    del outline
+    if max_bytes is not None and nbytes > max_bytes:
+        raise ResourceExhausted(
+            f"factory {factory!r} with these arguments builds {nbytes} bytes of weights; "
+            f"this worker's --max-model-bytes is {max_bytes}"
+        )
+    try:
+        return _call_factory(factory, fn, kwargs)
+    except MemoryError:
+        raise ResourceExhausted(
+            f"factory {factory!r}: out of memory building {nbytes} bytes of weights"
+        ) from None
+
+
+def _call_factory(factory: str, fn: Any, kwargs: dict[str, Any]) -> nn.Module:
+    """``fn(**kwargs)``; what the factory refuses becomes INVALID_ARGUMENT with its
+    first line (torch's own messages go on with frames of C++ no client needs)."""
+    try:
+        module = fn(**kwargs)
+    except (TypeError, ValueError, OverflowError, RuntimeError, NotImplementedError) as exc:
+        if isinstance(exc, RuntimeError) and "alloc" in str(exc):
+            raise ResourceExhausted(f"factory {factory!r}: {_first_line(exc)}") from None
+        raise InvalidArgument(
+            f"factory {factory!r} rejected its arguments: {_first_line(exc)}"
+        ) from None
+    if not isinstance(module, nn.Module):
+        raise InvalidArgument(
+            f"factory {factory!r} returned {type(module).__name__}, not a torch.nn.Module"
+        )
+    return module
+
+
+def _first_line(exc: BaseException, limit: int = 300) -> str:
+    line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+class ModelRegistry:
+    def __init__(
+        self,
+        devices: list[torch.device],
+        allowed_factories: tuple[str, ...] = (),
+        graph_ttl_s: float = 60.0,
+        quota: TensorStore | None = None,
+    ) -> None:
+        self.devices = devices
+        self.allowed_factories = allowed_factories
+        self.graph_ttl_s = graph_ttl_s
+        # Model weights count against the tensor store's quota (issue 16, L5).
+        self._quota = quota
+        # Per model: the reservations that together cover its weights' bytes.
+        self._reservations: dict[str, list[Reservation]] = {}
+        self._models: dict[str, HostedModel] = {}
+        # Models a peer is sending this rank (model_sync): set once hosted or given up.
+        self._pending: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+
+    def add(
+        self,
+        name: str,
+        module: nn.Module,
+        source: str,
+        definition: ModelDefinition | None = None,
+    ) -> HostedModel:
+        """Hosts ``module`` under ``name`` (replacing any).
+
+        Raises:
+            ResourceExhausted: its parameters and buffers do not fit in the quota.
+        """
+        validate_name(name, "model name")
+        try:
+            reservation = self._reserve(name, module)
+        except BaseException:
+            if definition is not None:
+                definition.discard()
+            raise
+        module = module.to(self.devices[0])
+        hosted = HostedModel(
+            name, module, source, list(self.devices), definition=definition or ModelDefinition()
+        )
+        with self._lock:
+            replaced = self._models.get(name)
+            if replaced is not None:
+                _retire(replaced)
+            self._models[name] = hosted
+            arrived = self._pending.pop(name, None)
+            if arrived is not None:
+                arrived.set()
+            held = self._reservations.pop(name, [])
+            if reservation is not None:
+                # The replaced model's bytes (held) plus what this one needs beyond them.
+                self._reservations[name] = [*held, reservation]
+        if reservation is None:
+            for r in held:
+                r.release()
+        return hosted
+
+    def _reserve(self, name: str, module: nn.Module) -> Reservation | None:
+        if self._quota is None:
+            return None
+        nbytes = sum(t.numel() * t.element_size() for t in module.parameters())
+        nbytes += sum(t.numel() * t.element_size() for t in module.buffers())
+        with self._lock:
+            credit = sum(r.nbytes for r in self._reservations.get(name, []))
+        # A model replacing one of the same name may use the bytes it frees.
+        try:
+            return self._quota.reserve(f"model {name}", max(nbytes - credit, 0), "model")
+        except ResourceExhausted as exc:
+            raise ResourceExhausted(
+                f"model {name!r} needs {nbytes} bytes of weights: {exc.message}"
+            ) from None
+
+    def expect(self, name: str) -> threading.Event | None:
+        """Marks ``name`` as on its way from a peer (None if already hosted or expected);
+        the event is set once it is hosted (``add``) or given up (``give_up``)."""
+        with self._lock:
+            if name in self._models or name in self._pending:
+                return None
+            event = self._pending[name] = threading.Event()
+            return event
+
+    def give_up(self, name: str, event: threading.Event) -> None:
+        with self._lock:
+            if self._pending.get(name) is event:
+                del self._pending[name]
+        event.set()
+
+    def is_expected(self, name: str, event: threading.Event) -> bool:
+        with self._lock:
+            return self._pending.get(name) is event
+
+    def pending(self, name: str) -> bool:
+        with self._lock:
+            return name in self._pending
+
+    def get(self, name: str, wait_s: float = 0.0) -> HostedModel:
+        """The model; one a peer is still sending is waited for, at most ``wait_s``."""
+        with self._lock:
+            model = self._models.get(name)
+            arriving = self._pending.get(name)
+        if model is None and arriving is not None and arriving.wait(wait_s):
+            with self._lock:
+                model = self._models.get(name)
+        if model is None:
+            raise NotFound(f"model {name!r} is not loaded on this worker; load_model it first")
+        return model
+
+    def peek(self, name: str) -> HostedModel | None:
+        with self._lock:
+            return self._models.get(name)
+
+    def remove(self, name: str) -> bool:
+        with self._lock:
+            model = self._models.pop(name, None)
+            removed = model is not None
+            reservations = self._reservations.pop(name, [])
+        if model is not None:
+            _retire(model)
+        for reservation in reservations:
+            reservation.release()
+        return removed
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._models)
+
+    def all(self) -> list[HostedModel]:
+        with self._lock:
+            return list(self._models.values())
+
+    def graphs_retained(self) -> int:
+        return sum(len(m.graphs) for m in self.all())
+
+    def expire_graphs(self, now: float | None = None) -> int:
+        """Drops graphs whose backward never came within ``graph_ttl_s``."""
+        now = time.monotonic() if now is None else now
+        dropped = 0
+        for model in self.all():
+            # Never wait on a busy model (a long forward, a publish): the heartbeat
+            # calls this, and must not miss its lease; the next call gets it.
+            if not model.lock.acquire(blocking=False):
+                continue
+            try:
+                for call_id in [c for c, g in model.graphs.items() if g.expires_at <= now]:
+                    del model.graphs[call_id]
+                    dropped += 1
+            finally:
+                model.lock.release()
+        return dropped

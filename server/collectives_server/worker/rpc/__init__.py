@@ -1,0 +1,11 @@
+"""The gRPC surface of a worker (above the shared state).
+
+Modules:
+
+* ``service``: the Worker servicer: data plane and collectives
+* ``model_service``: the model RPCs
+* ``p2p_service``: point-to-point, replication and group teardown
+* ``shm_service``: same-host shared-memory transfers
+* ``guards``: domain errors to gRPC statuses; each call counted
+* ``replies``: the reply of a committed collective
+"""

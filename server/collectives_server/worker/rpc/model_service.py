@@ -1,0 +1,341 @@
+"""The model RPCs of the Worker service (loading, forward/backward, optimizer, state).
+
+A mixin of :class:`~collectives_server.worker.rpc.service.WorkerService`: thin
+translation between protobuf and :mod:`models` / :mod:`model_exec` /
+:mod:`handlers.model_ops`. State dicts and gradients travel raw-framed like
+PutTensor/GetTensor; the model name of LoadStateDict is request metadata.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from collectives.errors import InvalidArgument, NotFound
+from collectives.names import validate_name
+from collectives.op_specs import SPECS, OpKind
+from collectives.reduce_ops import ReduceOp
+from collectives.v1 import worker_pb2
+from collectives.wire import codec, pytree
+from collectives_server.json_input import parse_json_object
+from collectives_server.worker.data.store import UPLOAD_PREFIX
+from collectives_server.worker.models import execution as model_exec
+from collectives_server.worker.models import versions as model_versions
+from collectives_server.worker.models.optimizers import install, plan_optimizer
+from collectives_server.worker.models.registry import ModelDefinition, build_from_factory
+from collectives_server.worker.rpc.guards import counted as _counted
+from collectives_server.worker.rpc.guards import guard as _guard
+from collectives_server.worker.rpc.guards import guard_stream as _guard_stream
+
+__all__ = ["ModelRpcs", "MODEL_METADATA_KEY"]
+
+MODEL_METADATA_KEY = "collectives-model"
+
+
+class ModelRpcs:
+    """Model RPCs; needs ``self._ctx`` (a WorkerContext), ``self._leader`` and ``self._wait``."""
+
+    @_guard
+    @_counted("load_model")
+    def LoadModel(self, request_iterator, context) -> worker_pb2.LoadModelResponse:
+        models, uploads = self._ctx.models, self._ctx.uploads
+        with uploads.receive(request_iterator, self._ctx.store) as received:
+            spec = received.spec
+            if spec.factory:
+                module = build_from_factory(
+                    spec.factory,
+                    spec.factory_kwargs_json,
+                    models.allowed_factories,
+                    max_bytes=uploads.config.max_bytes,
+                )
+                source = spec.factory
+                definition = ModelDefinition(spec.factory, spec.factory_kwargs_json or "{}")
+            else:
+                if received.archive is None:
+                    raise InvalidArgument("LoadModel carried neither a factory nor an archive")
+                kept = uploads.kept_path()
+                try:
+                    module = uploads.load(received.archive, keep=kept)
+                except BaseException:
+                    kept.unlink(missing_ok=True)
+                    raise
+                source = "export"
+                definition = ModelDefinition(archive=kept)
+        hosted = models.add(spec.name, module, source, definition)
+        return worker_pb2.LoadModelResponse(model=_model_info(hosted))
+
+    @_guard
+    @_counted("unload_model")
+    def UnloadModel(self, request, context) -> worker_pb2.UnloadModelResponse:
+        validate_name(request.name, "model name")
+        unloaded = self._ctx.models.remove(request.name)
+        if not unloaded and not request.missing_ok:
+            raise NotFound(f"model {request.name!r} is not loaded on this worker")
+        return worker_pb2.UnloadModelResponse(unloaded=unloaded)
+
+    @_guard
+    @_counted("set_model_mode")
+    def SetModelMode(self, request, context) -> worker_pb2.SetModelModeResponse:
+        validate_name(request.name, "model name")
+        if request.mode not in (worker_pb2.MODEL_MODE_TRAIN, worker_pb2.MODEL_MODE_EVAL):
+            raise InvalidArgument("SetModelMode needs mode MODEL_MODE_TRAIN or MODEL_MODE_EVAL")
+        model = self._ctx.models.get(request.name)
+        model.runnable(request.mode == worker_pb2.MODEL_MODE_TRAIN)  # builds (or refuses) it now
+        return worker_pb2.SetModelModeResponse(model=_model_info(model))
+
+    @_guard
+    def ListModels(self, request, context) -> worker_pb2.ListModelsResponse:
+        return worker_pb2.ListModelsResponse(
+            models=[_model_info(m) for m in self._ctx.models.all()]
+        )
+
+    @_guard
+    @_counted("forward")
+    def Forward(self, request, context) -> worker_pb2.ForwardResponse:
+        validate_name(request.model, "model name")
+        validate_name(request.call_id, "call id")
+        store = self._ctx.store
+        _store_inline(store, request.call_id, pytree.inline_leaves(request.args))
+        _store_inline(store, request.call_id, pytree.inline_leaves(request.kwargs))
+        left = context.time_remaining()
+        wait_s = self._ctx.op_timeout_s if left is None else min(left, self._ctx.op_timeout_s)
+        response = model_exec.forward(self._ctx.models, store, request, wait_s)
+        if request.inline_output_bytes:
+            _inline_outputs(store, response.output, request.inline_output_bytes)
+        return response
+
+    @_guard
+    @_counted("backward")
+    def Backward(self, request, context) -> worker_pb2.BackwardResponse:
+        validate_name(request.model, "model name")
+        store = self._ctx.store
+        _store_inline(store, request.call_id, list(request.inline_grads))
+        response = model_exec.backward(self._ctx.models, store, request)
+        budget = request.inline_output_bytes
+        for name in response.input_grad_names:
+            if not name:
+                continue
+            t = store.get(name)
+            nbytes = t.numel() * t.element_size()
+            if nbytes > budget:
+                break
+            budget -= nbytes
+            response.inline_input_grads.add(name=name, tensor=codec.tensor_to_proto(t))
+            store.delete_if_same(name, t)
+        return response
+
+    @_guard
+    @_counted("release_graph")
+    def ReleaseGraph(self, request, context) -> worker_pb2.ReleaseGraphResponse:
+        validate_name(request.call_id, "call id")
+        released = model_exec.release(
+            self._ctx.models, self._ctx.store, request.model, request.call_id
+        )
+        return worker_pb2.ReleaseGraphResponse(released=released)
+
+    @_guard
+    @_counted("zero_grad")
+    def ZeroGrad(self, request, context) -> worker_pb2.ZeroGradResponse:
+        model = self._ctx.models.get(request.model)
+        with model.lock:
+            model.module.zero_grad(set_to_none=True)
+        return worker_pb2.ZeroGradResponse()
+
+    @_guard
+    @_counted("step")
+    def Step(self, request, context) -> worker_pb2.StepResponse:
+        model = self._ctx.models.get(request.model)
+        hyper = _json_object(request.hyper_json, "optimizer hyperparameters")
+        with model.lock:
+            optimizer = install(model, plan_optimizer(model, request.optimizer, hyper))
+            optimizer.step()
+            model.steps += 1
+            model_versions.bump(model)
+            return worker_pb2.StepResponse(steps=model.steps)
+
+    @_guard_stream
+    @_counted("model_tensors")
+    def GetModelTensors(self, request, context) -> Iterator[bytes]:
+        model = self._ctx.models.get(request.model)
+        with model.lock:
+            if request.which == "gradients":
+                tensors = {
+                    n: p.grad.detach().clone()
+                    for n, p in model.module.named_parameters()
+                    if p.grad is not None
+                }
+            elif request.which == "state_dict":
+                tensors = {n: t.detach().clone() for n, t in model.module.state_dict().items()}
+            else:
+                raise InvalidArgument(f"which={request.which!r}; use 'gradients' or 'state_dict'")
+        for name, tensor in tensors.items():
+            yield from codec.encode_tensor_stream(name, tensor)
+
+    @_guard
+    @_counted("load_state_dict")
+    def LoadStateDict(self, request_iterator, context) -> worker_pb2.LoadStateDictResponse:
+        metadata = dict(context.invocation_metadata())
+        model = self._ctx.models.get(metadata.get(MODEL_METADATA_KEY, ""))
+        received: dict[str, object] = {}
+        assembler: codec.TensorAssembler | None = None
+        for raw in request_iterator:
+            kind, value = codec.decode_part(raw)
+            if kind == "header":
+                if assembler is not None:
+                    received[assembler.name] = assembler.finish()
+                assembler = codec.TensorAssembler(value)
+            elif kind == "chunk":
+                if assembler is None:
+                    raise InvalidArgument("LoadStateDict stream must start with a header")
+                assembler.add(value)
+        if assembler is not None:
+            received[assembler.name] = assembler.finish()
+        with model.lock:
+            current = model.module.state_dict()
+            unknown = sorted(set(received) - set(current))
+            missing = sorted(set(current) - set(received))
+            if unknown or missing:
+                raise InvalidArgument(
+                    f"state dict keys do not match model {model.name!r}: "
+                    f"unexpected {unknown[:5]}, missing {missing[:5]}"
+                )
+            for key, tensor in received.items():
+                if tuple(tensor.shape) != tuple(current[key].shape):
+                    raise InvalidArgument(
+                        f"state dict entry {key!r} has shape {list(tensor.shape)}; "
+                        f"the model has {list(current[key].shape)}"
+                    )
+            model.module.load_state_dict(received)
+            model_versions.bump(model)
+        return worker_pb2.LoadStateDictResponse(tensors=len(received))
+
+    @_guard
+    def PublishModel(self, r, context) -> worker_pb2.PublishModelResponse:
+        validate_name(r.model, "model name")
+        if not r.prefix.startswith(UPLOAD_PREFIX) or not r.prefix.endswith("/"):
+            raise InvalidArgument(
+                f"publish prefix {r.prefix[:64]!r} must look like '{UPLOAD_PREFIX}<id>/'"
+            )
+        validate_name(r.prefix + "x", "publish prefix")
+        runtime = self._leader(r.options)
+        uploads = self._ctx.store.under(r.prefix)
+        if not uploads:
+            raise NotFound(f"nothing was uploaded under {r.prefix!r} on this worker; put first")
+        args = worker_pb2.PublishArgs(
+            model=r.model, root=runtime.rank, prefix=r.prefix, strict=r.strict, cast=r.cast
+        )
+        for name, t in uploads:
+            args.entries.append(codec.make_header(name[len(r.prefix) :], t))
+        result = self._model_op(context, OpKind.PUBLISH_MODEL, r.options, args)
+        return worker_pb2.PublishModelResponse(
+            op_id=result.op_id,
+            generation=result.generation,
+            version=result.version,
+            tensors=result.tensors,
+            bytes=result.nbytes,
+            latency_s=result.latency_s,
+        )
+
+    def _model_op(self, context, kind: OpKind, options, args):
+        validate_name(args.model, "model name")
+        runtime = self._leader(options)
+        desc = worker_pb2.OpDescriptor(kind=kind, timeout_s=options.timeout_s)
+        getattr(desc, SPECS[kind].args).CopyFrom(args)
+        return self._wait(context, runtime, desc, options)
+
+    @_guard
+    def AllReduceGradients(self, r, context) -> worker_pb2.AllReduceGradientsResponse:
+        op = ReduceOp.from_wire(r.op)
+        if op not in (ReduceOp.SUM, ReduceOp.AVG):
+            raise InvalidArgument(
+                f"all_reduce_gradients takes op sum or avg, not {op.name.lower()}"
+            )
+        if r.bucket_bytes < 0:
+            raise InvalidArgument("bucket_bytes must be positive (0: the 25 MiB default)")
+        args = worker_pb2.GradientsArgs(model=r.model, op=r.op, bucket_bytes=r.bucket_bytes)
+        result = self._model_op(context, OpKind.ALL_REDUCE_GRADIENTS, r.options, args)
+        return worker_pb2.AllReduceGradientsResponse(
+            op_id=result.op_id,
+            generation=result.generation,
+            buckets=result.buckets,
+            bytes=result.nbytes,
+            latency_s=result.latency_s,
+        )
+
+    @_guard
+    def TrainStep(self, r, context) -> worker_pb2.TrainStepResponse:
+        validate_name(r.inputs, "inputs tensor name")
+        validate_name(r.targets, "targets tensor name")
+        if r.loss not in ("mse", "cross_entropy"):
+            raise InvalidArgument(f"loss {r.loss!r} is not supported; use 'mse' or 'cross_entropy'")
+        if r.optimizer:
+            _json_object(r.hyper_json, "optimizer hyperparameters")
+        args = worker_pb2.TrainStepArgs(
+            model=r.model,
+            inputs=r.inputs,
+            targets=r.targets,
+            loss=r.loss,
+            optimizer=r.optimizer,
+            hyper_json=r.hyper_json,
+            bucket_bytes=r.bucket_bytes,
+        )
+        result = self._model_op(context, OpKind.TRAIN_STEP, r.options, args)
+        return worker_pb2.TrainStepResponse(
+            op_id=result.op_id,
+            generation=result.generation,
+            loss=result.loss,
+            rank_losses=result.rank_losses,
+            buckets=result.buckets,
+            latency_s=result.latency_s,
+        )
+
+
+def _json_object(text: str, what: str) -> dict:
+    return parse_json_object(text, what)
+
+
+def _model_info(model) -> worker_pb2.ModelInfo:
+    params = [p for _, p in model.parameters]
+    return worker_pb2.ModelInfo(
+        name=model.name,
+        parameters=sum(p.numel() for p in params),
+        parameter_bytes=sum(p.numel() * p.element_size() for p in params),
+        devices=[str(d) for d in model.devices],
+        source=model.source,
+        optimizer=model.optimizer_kind,
+        graphs_retained=len(model.graphs),
+        steps=model.steps,
+        version=model.version,
+        training=bool(model.training),
+    )
+
+
+def _store_inline(store, call_id: str, tensors: list[worker_pb2.InlineTensor]) -> None:
+    """Stores a call's inline tensors under their names, which must lie under the call."""
+    for inline in tensors:
+        validate_name(inline.name)
+        if not inline.name.startswith(f"{call_id}/"):
+            raise InvalidArgument(
+                f"inline tensor {inline.name!r} must be named under its call {call_id!r}/"
+            )
+        try:
+            t = codec.tensor_from_proto(inline.tensor)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"inline tensor {inline.name!r}: {exc.message}") from None
+        store.put(inline.name, t)
+
+
+def _inline_outputs(store, output: worker_pb2.Value, budget: int) -> None:
+    """Moves output leaves from the store into the response, depth first, while
+    they fit in ``budget`` bytes (a retained graph holds its outputs itself)."""
+    for leaf in pytree.leaf_values(output):
+        if not leaf.HasField("tensor"):
+            continue
+        name = leaf.tensor
+        t = store.get(name)
+        nbytes = t.numel() * t.element_size()
+        if nbytes > budget:
+            return
+        budget -= nbytes
+        leaf.inline_tensor.name = name  # replaces the oneof's tensor name
+        leaf.inline_tensor.tensor.CopyFrom(codec.tensor_to_proto(t))
+        store.delete_if_same(name, t)
