@@ -115,6 +115,27 @@ def _annotated(err: CollectiveError, request: object, kind: str | None = None) -
     return copy.copy(err).with_context(kind=kind, tensor=_named(request))
 
 
+def _counted_failure(context: grpc.ServicerContext, exc: Exception) -> CollectiveError:
+    """What a failed call counts as: the client's departure when it went (whatever
+    the handler raised as its stream broke), else the domain error as raised, else
+    INTERNAL (a bug of ours; the exception itself goes on to the error boundary)."""
+    tensor = exc.tensor or "" if isinstance(exc, CollectiveError) else ""
+    gone = departure(context, tensor)
+    if gone is not None:
+        return gone
+    if isinstance(exc, CollectiveError):
+        return exc
+    return error_for_code(grpc.StatusCode.INTERNAL, _INTERNAL)
+
+
+def _reraise(failure: CollectiveError, exc: Exception, request: object, kind: str) -> None:
+    """Raises what the call ends with: ``exc`` itself when it is a bug (INTERNAL),
+    else ``failure`` annotated with the request's tensor and the call's kind."""
+    if failure.code is grpc.StatusCode.INTERNAL and not isinstance(exc, CollectiveError):
+        raise exc
+    raise _annotated(failure, request, kind) from (None if failure is exc else exc)
+
+
 def counted(kind: str):
     """Counts a data-plane call in the worker's status and metrics: outcome and latency.
 
@@ -128,20 +149,11 @@ def counted(kind: str):
                 response = method(self, request, context)
                 name = getattr(response, "name", "")
                 return response
-            except CollectiveError as err:
-                err = departure(context, err.tensor or "") or err
-                code, message, name = err.code, err.message, err.tensor or ""
-                raise _annotated(err, request, kind) from None
             except Exception as exc:
-                gone = departure(context)
-                if gone is None:
-                    code, message = (
-                        grpc.StatusCode.INTERNAL,
-                        "internal error (see the worker's log)",
-                    )
-                    raise
-                code, message = gone.code, gone.message
-                raise _annotated(gone, request, kind) from exc
+                failure = _counted_failure(context, exc)
+                code, message = failure.code, failure.message
+                name = failure.tensor or ""
+                _reraise(failure, exc, request, kind)
             finally:
                 name = name or _subject(request)
                 data_op_done(self._ctx, kind, name, code, message, time.perf_counter() - started)
@@ -150,23 +162,13 @@ def counted(kind: str):
             started, code, message = time.perf_counter(), None, ""
             try:
                 yield from method(self, request, context)
-            except CollectiveError as err:
-                err = departure(context, err.tensor or "") or err
-                code, message = err.code, err.message
-                raise _annotated(err, request, kind) from None
             except GeneratorExit:
                 code, message = grpc.StatusCode.CANCELLED, "the client cancelled the stream"
                 raise
             except Exception as exc:
-                gone = departure(context)
-                if gone is None:
-                    code, message = (
-                        grpc.StatusCode.INTERNAL,
-                        "internal error (see the worker's log)",
-                    )
-                    raise
-                code, message = gone.code, gone.message
-                raise _annotated(gone, request, kind) from exc
+                failure = _counted_failure(context, exc)
+                code, message = failure.code, failure.message
+                _reraise(failure, exc, request, kind)
             finally:
                 latency_s = time.perf_counter() - started
                 data_op_done(self._ctx, kind, _subject(request), code, message, latency_s)
