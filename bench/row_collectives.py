@@ -10,9 +10,9 @@ directly in ``world`` fresh processes built like the workers' groups
 (bench/direct_gloo.py), measured in the same run.
 
 The largest all_reduce has a second row, against direct gloo that first copies
-the operand (``all_reduce_copy``): the service leaves ``bench/x`` as it was and
-writes ``bench/y`` (and an op that fails leaves every value as it was), and
-gloo only reduces in place, so every rank used to copy its operand before the
+the operand (``all_reduce_copy``): the service leaves the input tensor as it
+was and writes the result under another name (and an op that fails leaves every
+value as it was), and gloo only reduces in place, so every rank used to copy its operand before the
 collective. A sum of 1 MiB or more now runs a ring of gloo sends that reads
 the operand where it is (``worker/ring_reductions.py``); the row shows
 the copy it saves (min, max and other dtypes still copy).
