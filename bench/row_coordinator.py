@@ -30,7 +30,7 @@ cost ~700 us (~25 switches), and used to add O(N) membership work per beat
 imported (``GRPC_EXPERIMENTS=-event_engine_listener,-event_engine_for_all_other_endpoints``)
 cuts the switches to ~3 and the cost to ~160 us at N=1,000 (~430 us at N=100);
 the daemons now do so on import (``collectives_server.GRPC_EXPERIMENTS``, kept
-when the user exported a value), see docs/design.md "gRPC without its EventEngine".
+when the user exported a value), see docs/perf-log.md "gRPC without its EventEngine".
 """
 
 from __future__ import annotations

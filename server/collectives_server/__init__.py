@@ -42,6 +42,6 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 # program that imports collectives_server itself before grpc gets it too; one
 # that imported grpc first keeps grpc's defaults. Measured on the 2-core VM, bench row 7,
 # three alternated pairs: the coordinator at 1,000 workers 0.208-0.232 of a core
-# -> 0.154-0.168. See docs/design.md "gRPC without its EventEngine".
+# -> 0.154-0.168. See docs/perf-log.md "gRPC without its EventEngine".
 GRPC_EXPERIMENTS = "-event_engine_listener,-event_engine_for_all_other_endpoints"
 os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)

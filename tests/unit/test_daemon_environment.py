@@ -49,7 +49,7 @@ def test_a_daemon_runs_grpc_without_its_event_engine_and_grpc_knows_the_names() 
     assert out == ["True", repr(collectives_server.GRPC_EXPERIMENTS), "'1'"]
     assert "-event_engine_listener" in collectives_server.GRPC_EXPERIMENTS
     # A grpcio that no longer has these experiments says so at start-up: then the
-    # setting does nothing and should go (docs/design.md, "gRPC without its EventEngine").
+    # setting does nothing and should go (docs/perf-log.md, "gRPC without its EventEngine").
     assert "Unknown experiment" not in err, err
 
 

@@ -4,7 +4,7 @@ gloo reduces only in place, so ``collective_ops`` copies an operand into its
 result and all-reduces the copy. A ring all-reduce needs no such copy: each
 step receives a chunk straight into the result and folds the operand's own
 chunk into it, so the operand is only read (see :func:`all_reduce`, and
-docs/design.md "Round two, continued: large reductions read the operand where
+docs/perf-log.md "Round two, continued: large reductions read the operand where
 it is"). reduce_scatter and reduce run only the ring's first half
 (:func:`_own_part`). Every function runs on every member of the group, with
 operands validated alike (same dtype and shape), one op at a time per group.
