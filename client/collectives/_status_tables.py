@@ -187,6 +187,16 @@ def _cut(line: str, width: int) -> str:
     return line if len(line) <= width else line[: max(width - 1, 0)] + "…"
 
 
+def forming_line(snapshot: ClusterSnapshot) -> str:
+    """What a cluster that is not formed yet waits for, and how to wait for it."""
+    live = sum(1 for w in snapshot.workers if w.state != "lost")
+    return (
+        f"forming: {live} of {snapshot.min_workers} workers registered "
+        f"(min {snapshot.min_workers}, max {snapshot.max_workers}); wait with "
+        "`collectives status --watch`, or `collectives.connect(address, timeout=...)`"
+    )
+
+
 def format_table(address: str, snapshot: ClusterSnapshot, width: int | None = None) -> str:
     """The human-readable status: header lines, one aligned row per worker, history, errors."""
     width = terminal_width() if width is None else width
@@ -200,8 +210,8 @@ def format_table(address: str, snapshot: ClusterSnapshot, width: int | None = No
     rows = [_status_row(w, lagging.get(w.address, {})) for w in snapshot.workers]
     lines = [_cut(line, width) for line in header]
     lines += fit_table(STATUS_COLUMNS, rows, STATUS_DROP_ORDER, width)
-    if not snapshot.workers:
-        lines.append("(no workers registered)")
+    if not snapshot.formed:
+        lines.append(_cut(forming_line(snapshot), width))
     if lagging:
         lines.append(_cut(_lagging_line(snapshot, lagging), width))
     if snapshot.history:

@@ -257,3 +257,13 @@ def test_local_metrics_port_range_is_checked(capsys) -> None:
     with pytest.raises(SystemExit):
         args.run(args)
     assert "leaves no room for 3 workers" in capsys.readouterr().err
+
+
+def test_a_cluster_still_forming_says_what_it_waits_for_and_how_to_wait() -> None:
+    empty = ClusterSnapshot.from_proto(
+        coordinator_pb2.Cluster(version=1, min_workers=2, max_workers=2, status="waiting")
+    )
+    table = status_tables.format_table("c:1", empty, width=1000)
+    assert "forming: 0 of 2 workers registered" in table and "--watch" in table
+    formed = ClusterSnapshot.from_proto(_cluster_with_status())
+    assert "forming" not in status_tables.format_table("c:1", formed, width=1000)
