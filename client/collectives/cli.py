@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -59,6 +60,18 @@ _SIGNAL_POLL_S = 0.1
 _STOP_JOIN_S = 2.0
 
 
+def _add_coordinator(command: argparse.ArgumentParser) -> None:
+    """``--coordinator``, or ``COLLECTIVES_COORDINATOR`` when the flag is not given."""
+    from_env = os.environ.get("COLLECTIVES_COORDINATOR") or None
+    command.add_argument(
+        "--coordinator",
+        required=from_env is None,
+        default=from_env,
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="the coordinator(s) (default: $COLLECTIVES_COORDINATOR)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="collectives", description="Client-side tools for a collectives cluster."
@@ -67,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     status = commands.add_parser(
         "status", help="show the cluster's generation and workers, as the coordinator sees them"
     )
-    status.add_argument("--coordinator", required=True, metavar="HOST:PORT[,HOST:PORT...]")
+    _add_coordinator(status)
     status.add_argument("--json", action="store_true", help="print one JSON object instead")
     status.add_argument(
         "--wide", action="store_true", help="every column, however wide the terminal"
@@ -85,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
         help="deadline for reaching the coordinator (default 5)",
     )
     top = commands.add_parser("top", help="live per-worker view: ops/s, queue, memory, tensors")
-    top.add_argument("--coordinator", required=True, metavar="HOST:PORT[,HOST:PORT...]")
+    _add_coordinator(top)
     top.add_argument(
         "--interval", type=float, default=1.0, metavar="SECONDS", help="refresh (default 1)"
     )

@@ -322,3 +322,15 @@ def test_status_cli_against_nothing_exits_2(capsys: pytest.CaptureFixture[str]) 
     assert code == 2 and time.monotonic() - start < 3
     captured = capsys.readouterr()
     assert captured.out == "" and "cannot reach the coordinator" in captured.err
+
+
+def test_status_cli_takes_the_coordinator_from_the_environment(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    address = f"127.0.0.1:{_unused_port()}"
+    monkeypatch.setenv("COLLECTIVES_COORDINATOR", address)
+    assert cli_main(["status", "--timeout", "1"]) == 2
+    assert address in capsys.readouterr().err  # it dialled the variable's address
+    monkeypatch.delenv("COLLECTIVES_COORDINATOR")
+    with pytest.raises(SystemExit):
+        cli_main(["status", "--timeout", "1"])  # neither flag nor variable: a usage error
