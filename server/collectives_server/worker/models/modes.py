@@ -30,7 +30,7 @@ from torch import fx, nn
 
 from collectives.errors import FailedPrecondition
 
-__all__ = ["captured_mode", "for_mode"]
+__all__ = ["captured_mode", "for_mode", "is_graph"]
 
 _aten = torch.ops.aten
 # Operator -> index of its mode argument (True: train).
