@@ -18,7 +18,7 @@ from functools import partial
 import torch
 
 import collectives
-from collectives import shm
+from collectives.wire import shm
 
 from .anchors import TcpSink, memcpy_gbps
 from .core import BenchContext, MiB, Row, local_cluster, measure

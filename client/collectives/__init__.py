@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from collectives.cluster import Cluster, connect
     from collectives.groups import Group
     from collectives.reduce_ops import ReduceOp
+    from collectives.wire.cluster_state import WorkerInfo, WorkerState
     from collectives.work import Work
-    from collectives.workers import WorkerInfo, WorkerState
 
 # Imported on first use (PEP 562): they need torch, and importing torch costs
 # ~1.5 s, which tools that only need the generated stubs (the daemons' --help,
@@ -41,8 +41,8 @@ _LAZY = {
     "Group": "collectives.groups",
     "ReduceOp": "collectives.reduce_ops",
     "Work": "collectives.work",
-    "WorkerInfo": "collectives.workers",
-    "WorkerState": "collectives.workers",
+    "WorkerInfo": "collectives.wire.cluster_state",
+    "WorkerState": "collectives.wire.cluster_state",
 }
 
 

@@ -39,8 +39,8 @@ from collectives._progress import NO_PROGRESS, Progress
 from collectives._replicate import REPLICATE_MIN_BYTES, UseParallelPuts, replicate
 from collectives._transport import WorkerEndpoint
 from collectives.errors import CollectiveError
-from collectives.names import ARCHIVE_PREFIX
 from collectives.v1 import worker_pb2
+from collectives.wire.names import ARCHIVE_PREFIX
 
 if TYPE_CHECKING:
     from collectives._core import _ClusterCore

@@ -7,7 +7,7 @@ name fails the whole op and changes nothing), the quota is judged for the op's
 results together, and the data moves in as few collectives as the dtypes allow
 (buckets of up to 25 MiB, like DDP's). Names may differ in dtype and shape; they
 must be distinct, 1 to ``op_args.MAX_COALESCED`` of them (the rule and its
-wording live in :func:`collectives.op_args.check_coalesced_names`, which the
+wording live in :func:`collectives.wire.op_args.check_coalesced_names`, which the
 worker applies too).
 
 This module holds the plumbing; the public methods in ``_collectives`` pass a
@@ -25,9 +25,9 @@ from collectives._data_plane import _DataPlane
 from collectives._validation import check_group, check_op, check_root
 from collectives.errors import InvalidArgument
 from collectives.groups import Group
-from collectives.op_args import check_coalesced_names
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
+from collectives.wire.op_args import check_coalesced_names
 from collectives.work import Work
 
 __all__: list[str] = []

@@ -36,9 +36,9 @@ from collectives._validation import (
 )
 from collectives.errors import CollectiveError, InvalidArgument, Reason, Unavailable
 from collectives.groups import Group
-from collectives.op_args import check_split_matrix
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
+from collectives.wire.op_args import check_split_matrix
 from collectives.work import OpRecord, Work
 
 __all__: list[str] = []

@@ -47,9 +47,14 @@ from collectives.errors import (
     Unavailable,
     annotate,
 )
+from collectives.wire.cluster_state import (
+    ClusterNotFormed,
+    ClusterSnapshot,
+    GenerationRecord,
+    WorkerInfo,
+)
 from collectives.wire.security import ChannelSecurity
 from collectives.work import OpRecord, Work
-from collectives.workers import ClusterNotFormed, ClusterSnapshot, GenerationRecord, WorkerInfo
 
 __all__ = ["DEFAULT_CONNECT_TIMEOUT_S", "OP_TIMEOUT_MARGIN_S"]
 

@@ -44,9 +44,9 @@ from collectives._validation import (
 )
 from collectives.errors import CollectiveError, InvalidArgument, NotFound, Reason, Unavailable
 from collectives.groups import Group
-from collectives.names import UPLOAD_PREFIX, reserved_prefix
 from collectives.v1 import worker_pb2
 from collectives.wire import codec
+from collectives.wire.names import UPLOAD_PREFIX, reserved_prefix
 from collectives.work import Work
 
 __all__: list[str] = []
@@ -88,7 +88,7 @@ class _DataPlane(_ClusterCore):
         ranks = self._target_ranks(rank, deadline)
         use_shm = self._shm_wanted(ranks, deadline)
         # One CPU copy shared by all uploads (and the shared-memory segment).
-        wire = _wire_layout(t) if len(ranks) > 1 or use_shm else t
+        wire = codec.wire_tensor(t) if len(ranks) > 1 or use_shm else t
         nbytes = wire.numel() * wire.element_size()
         if rank is None and len(ranks) > 1 and not use_shm and nbytes >= REPLICATE_MIN_BYTES:
             try:
@@ -224,7 +224,7 @@ class _DataPlane(_ClusterCore):
             ranks, of = list(range(snapshot.world_size)), "the world size"
         else:
             ranks, of = self._group_members(group, snapshot.generation), "the group size"
-        parts = scatter_parts(_wire_layout(t), len(ranks), dim, chunk_sizes, of)
+        parts = scatter_parts(codec.wire_tensor(t), len(ranks), dim, chunk_sizes, of)
         what = f"scatter {name!r}"
         total = sum(p.numel() * p.element_size() for p in parts)
 
@@ -393,14 +393,6 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def _wire_layout(t: torch.Tensor) -> torch.Tensor:
-    """CPU, C-contiguous, conjugation/negation resolved: what the codec sends (no copy if so)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return t.resolve_conj().resolve_neg().contiguous()
 
 
 def _copied_out(name: str, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

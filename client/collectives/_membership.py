@@ -2,7 +2,7 @@
 
 The SDK needs the current generation, world size and leader for every call,
 and must not pay a ``GetCluster`` round trip for each. So one daemon thread
-keeps a :class:`~collectives.workers.ClusterSnapshot` current: it opens
+keeps a :class:`~collectives.wire.cluster_state.ClusterSnapshot` current: it opens
 ``WatchCluster(after_version=<last version seen>)``, replaces the snapshot on
 every message, and re-opens the stream when it ends or fails, backing off
 (1/10 s doubling to 2 s, waiting on the stop event so ``close()`` is immediate).
@@ -27,7 +27,7 @@ import grpc
 from collectives._transport import call_unary
 from collectives.errors import Unavailable
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
-from collectives.workers import ClusterSnapshot
+from collectives.wire.cluster_state import ClusterSnapshot
 
 __all__ = ["Membership"]
 

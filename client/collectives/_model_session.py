@@ -14,7 +14,7 @@ from typing import Any, Protocol, TypeVar
 
 from collectives._transport import WorkerEndpoint
 from collectives.errors import CollectiveError
-from collectives.workers import ClusterSnapshot
+from collectives.wire.cluster_state import ClusterSnapshot
 
 __all__ = ["ModelSession"]
 

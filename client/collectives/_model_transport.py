@@ -19,9 +19,8 @@ from collectives.errors import from_rpc_error as _from_rpc_error
 from collectives.v1 import tensor_pb2, worker_pb2
 from collectives.wire import codec
 
-__all__ = ["load_model_on", "get_model_tensors", "MODEL_METADATA_KEY"]
+__all__ = ["load_model_on", "get_model_tensors"]
 
-MODEL_METADATA_KEY = "collectives-model"
 _GET_MODEL_TENSORS = "/collectives.v1.Worker/GetModelTensors"
 
 

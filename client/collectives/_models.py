@@ -35,15 +35,12 @@ from collectives._progress import progress
 from collectives._transport import WorkerEndpoint, call_unary, is_retryable_read
 from collectives.data_parallel import DataParallel
 from collectives.errors import CollectiveError, InvalidArgument, NotFound
-from collectives.names import validate_name
 from collectives.reduce_ops import ReduceOp, parse_reduce_op
 from collectives.v1 import worker_pb2
+from collectives.wire.names import BUILTIN_LOSSES, OPTIMIZERS, validate_name
 from collectives.work import OpRecord
 
 __all__ = ["ModelInfo"]
-
-_LOSSES = ("mse", "cross_entropy")
-_OPTIMIZERS = ("sgd", "adam", "adamw")
 
 
 @dataclass(frozen=True)
@@ -341,10 +338,10 @@ class _Models(_PeerToPeer):
         validate_name(inputs, "inputs tensor name")
         validate_name(targets, "targets tensor name")
         self._forget_gradients(name)  # it sets the gradients itself, averaged
-        if loss not in _LOSSES:
-            raise InvalidArgument(f"loss {loss!r} is not supported; use one of {_LOSSES}")
-        if optimizer is not None and optimizer not in _OPTIMIZERS:
-            raise InvalidArgument(f"optimizer {optimizer!r} is not one of {_OPTIMIZERS}")
+        if loss not in BUILTIN_LOSSES:
+            raise InvalidArgument(f"loss {loss!r} is not supported; use one of {BUILTIN_LOSSES}")
+        if optimizer is not None and optimizer not in OPTIMIZERS:
+            raise InvalidArgument(f"optimizer {optimizer!r} is not one of {OPTIMIZERS}")
         hyper_json = _hyper_json(hyper)
         deadline = self._deadline(timeout)
         return self._leader_op(
@@ -376,8 +373,8 @@ class _Models(_PeerToPeer):
             InvalidArgument: unknown optimizer or hyperparameter.
         """
         validate_name(name, "model name")
-        if optimizer not in _OPTIMIZERS:
-            raise InvalidArgument(f"optimizer {optimizer!r} is not one of {_OPTIMIZERS}")
+        if optimizer not in OPTIMIZERS:
+            raise InvalidArgument(f"optimizer {optimizer!r} is not one of {OPTIMIZERS}")
         request = worker_pb2.StepRequest(
             model=name, optimizer=optimizer, hyper_json=_hyper_json(hyper)
         )

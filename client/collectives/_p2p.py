@@ -20,8 +20,8 @@ from collectives._transport import call_unary
 from collectives._validation import check_group, check_out, check_single
 from collectives.errors import InvalidArgument, NotFound
 from collectives.groups import Group
-from collectives.op_args import check_pairs
 from collectives.v1 import worker_pb2
+from collectives.wire.op_args import check_pairs
 from collectives.work import Work
 
 __all__: list[str] = []

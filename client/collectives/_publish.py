@@ -27,8 +27,8 @@ from collectives._model_session import ModelSession
 from collectives._progress import progress
 from collectives._transport import WorkerEndpoint, call_unary, put_tensor
 from collectives.errors import CollectiveError, InvalidArgument, Reason
-from collectives.names import MAX_NAME_LENGTH, UPLOAD_PREFIX, validate_name
 from collectives.v1 import worker_pb2
+from collectives.wire.names import MAX_NAME_LENGTH, UPLOAD_PREFIX, validate_name
 
 __all__ = ["publish"]
 

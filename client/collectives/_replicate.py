@@ -30,8 +30,8 @@ from collectives._core import server_timeout_s
 from collectives._progress import Progress
 from collectives._transport import WorkerEndpoint, call_unary, put_tensor
 from collectives.errors import CollectiveError, Reason
-from collectives.names import UPLOAD_PREFIX
 from collectives.v1 import worker_pb2
+from collectives.wire.names import UPLOAD_PREFIX
 
 if TYPE_CHECKING:
     from collectives._core import _ClusterCore

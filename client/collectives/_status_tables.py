@@ -17,7 +17,7 @@ import shutil
 import time
 from collections.abc import Container, Sequence
 
-from collectives.workers import ClusterSnapshot, WorkerInfo, WorkerState
+from collectives.wire.cluster_state import ClusterSnapshot, WorkerInfo, WorkerState
 
 __all__ = [
     "format_table",

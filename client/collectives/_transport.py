@@ -27,7 +27,7 @@ from typing import TypeVar
 import grpc
 import torch
 
-from collectives import bulk, shm
+from collectives import bulk
 from collectives._channels import (
     CHANNEL_OPTIONS,
     call_unary,
@@ -45,8 +45,9 @@ from collectives.errors import (
     error_for_code,
 )
 from collectives.errors import from_rpc_error as _from_rpc_error
+from collectives.shm import Segment, SegmentPool
 from collectives.v1 import tensor_pb2, worker_pb2, worker_pb2_grpc
-from collectives.wire import codec
+from collectives.wire import codec, shm
 from collectives.wire.bulk_frames import BULK_MIN_BYTES
 from collectives.wire.security import PLAINTEXT, ChannelSecurity
 
@@ -303,9 +304,9 @@ def put_tensor_shm(
     endpoint: WorkerEndpoint,
     name: str,
     t: torch.Tensor,
-    segment: shm.Segment,
+    segment: Segment,
     timeout: float,
-    pool: shm.SegmentPool | None = None,
+    pool: SegmentPool | None = None,
     hand_over: bool = False,
 ) -> worker_pb2.PutTensorResponse:
     """Stores ``t`` (already written to ``segment``) through shared memory.
@@ -355,7 +356,7 @@ def get_tensor_shm(
     endpoint: WorkerEndpoint,
     name: str,
     timeout: float,
-    pool: shm.SegmentPool,
+    pool: SegmentPool,
     consume: bool = False,
 ) -> torch.Tensor:
     """Downloads ``name`` through shared memory: the worker writes into a free
@@ -388,7 +389,7 @@ def get_tensor_shm(
                 finally:
                     os.close(fd)
             os.close(shm.open_checked(response.path, response.offset, meta.nbytes))  # validate it
-            adopted = shm.Segment.adopt(response.path)  # renamed to one of our names
+            adopted = Segment.adopt(response.path)  # renamed to one of our names
             if adopted is None:
                 fd = shm.open_checked(response.path, response.offset, meta.nbytes)
                 try:

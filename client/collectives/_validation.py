@@ -14,13 +14,13 @@ from collections.abc import Sequence
 
 import torch
 
-from collectives import op_specs
-from collectives.dtypes import to_wire
 from collectives.errors import InvalidArgument, Unavailable
 from collectives.groups import Group
-from collectives.names import validate_name
-from collectives.op_specs import check_rank
 from collectives.reduce_ops import ReduceOp, parse_reduce_op
+from collectives.wire import op_specs
+from collectives.wire.dtypes import to_wire
+from collectives.wire.names import validate_name
+from collectives.wire.op_specs import check_rank
 
 __all__ = [
     "check_group",
@@ -96,7 +96,7 @@ def check_group(group: object) -> Group | None:
 
 def check_root(kind: str, rank: object, world_size: int, group: Group | None) -> int:
     """``src``/``dst`` of op ``kind``: a global rank in ``[0, world_size)`` and a member of
-    ``group`` (the rule and its wording live in :mod:`collectives.op_specs`)."""
+    ``group`` (the rule and its wording live in :mod:`collectives.wire.op_specs`)."""
     members = list(group.ranks) if group is not None else None
     return op_specs.check_root(op_specs.spec_named(kind), rank, world_size, members)
 

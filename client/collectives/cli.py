@@ -41,8 +41,8 @@ from collectives._status_tables import (
 from collectives.addresses import REFUSED_GRACE_S, parse_addresses, refused_within
 from collectives.errors import CollectiveError
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
+from collectives.wire.cluster_state import ClusterSnapshot
 from collectives.wire.security import PLAINTEXT, ChannelSecurity, read_token_file
-from collectives.workers import ClusterSnapshot
 
 __all__ = ["fetch_status", "format_table", "format_top", "main"]
 

@@ -28,43 +28,21 @@ from collectives._deadlines import time_left
 from collectives._model_session import ModelSession
 from collectives._transport import WorkerEndpoint, call_unary, get_tensor, put_tensor
 from collectives.errors import CollectiveError, InvalidArgument, NotFound, Reason, Unavailable
-from collectives.names import validate_name
 from collectives.v1 import worker_pb2
 from collectives.wire.codec import tensor_from_proto, tensor_to_proto
+from collectives.wire.names import validate_name
 from collectives.wire.pytree import (
     from_value,
     gather,
     inline_leaves,
+    replace_tensors,
     scatter_kwargs,
     tensor_leaves,
+    tensors_in,
     to_value,
 )
 
 __all__ = ["DataParallel"]
-
-
-def _leaves(obj: Any) -> list[torch.Tensor]:
-    """Tensor leaves in the order ``to_value`` visits them."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for o in obj for t in _leaves(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _leaves(o)]
-    return []
-
-
-def _replace_leaves(obj: Any, leaves: list[torch.Tensor]) -> Any:
-    """``obj`` with its tensor leaves replaced, in order, by ``leaves`` (consumed)."""
-    if isinstance(obj, torch.Tensor):
-        return leaves.pop(0)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_replace_leaves(o, leaves) for o in obj))
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_replace_leaves(o, leaves) for o in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _replace_leaves(v, leaves)) for k, v in obj.items())
-    return obj
 
 
 def _namedtuple_types(obj: Any, found: dict[str, type] | None = None) -> dict[str, type]:
@@ -170,7 +148,7 @@ class _RemoteCall:
         members.sort(key=lambda w: w.rank)
         parts_args, parts_kwargs = scatter_kwargs(inputs, kwargs, len(members), self.dim)
         grad_on = torch.is_grad_enabled()
-        all_leaves = _leaves(inputs) + _leaves(kwargs)
+        all_leaves = tensors_in(inputs) + tensors_in(kwargs)
         self.grad_leaf_ids = [
             k
             for k, t in enumerate(all_leaves)
@@ -230,11 +208,11 @@ class _RemoteCall:
         if not grad_on:
             self.state.finished = True  # nothing retained on the workers
             return gathered
-        flat = _leaves(gathered)
+        flat = tensors_in(gathered)
         anchor = torch.empty(0, requires_grad=True)
         weakref.finalize(self, _release, self.state)
         outs = _GatherFromWorkers.apply(self, flat, anchor, *self.grad_leaves)
-        return _replace_leaves(gathered, list(outs))
+        return replace_tensors(gathered, list(outs))
 
     def _run_one_version(self, run: Callable[[int, int], tuple[Any, int]]) -> dict[int, Any]:
         """Every shard's output, all computed by one model version (then ``self.version``).

@@ -36,7 +36,6 @@ import contextlib
 import ctypes
 import mmap
 import os
-import stat
 import threading
 import weakref
 from collections.abc import Iterable
@@ -44,116 +43,26 @@ from collections.abc import Iterable
 import torch
 
 from collectives.errors import InvalidArgument
-from collectives.wire.codec import CheckedHeader, allocate_bytes, tensor_memoryview
+from collectives.wire.codec import CheckedHeader, tensor_memoryview
 from collectives.wire.memory import empty_bytes
-from collectives.wire.shm_names import (
+from collectives.wire.shm import (
     CLIENT_SEGMENT,
-    PREFIX,
-    PUT_SEGMENT,
-    SHM_DIR,
-    is_ours,
-    is_worker_segment,
+    available,
     new_path,
+    unlink,
 )
 
 __all__ = [
-    "SHM_DIR",
     "Segment",
     "SegmentPool",
     "available",
-    "write_into",
-    "create_segment",
-    "is_worker_segment",
-    "open_checked",
-    "read_segment",
-    "unlink",
 ]
 
-# pread/write move at most this much per system call (Linux caps one at ~2 GiB).
-_IO_BYTES = 1 << 30
 # Handing a segment over to a worker (see SegmentPool.hand_over): at most this
 # many per worker at once, for tensors of at least this many bytes (smaller
 # ones are cheaper to copy than to keep a segment for).
 MAX_HANDED_OVER = 2
 HAND_OVER_MIN_BYTES = 1 << 20
-
-
-def available() -> bool:
-    """True when ``/dev/shm`` exists and is writable by this process."""
-    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK | os.X_OK)
-
-
-def write_into(fd: int, t: torch.Tensor, offset: int = 0) -> None:
-    """Writes the bytes of a contiguous CPU tensor into an open segment at ``offset``."""
-    view = tensor_memoryview(t)
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done : done + _IO_BYTES], offset + done)
-
-
-def create_segment(t: torch.Tensor, kind: str = PUT_SEGMENT) -> str:
-    """Writes the bytes of a contiguous CPU tensor into a new file under ``/dev/shm``.
-
-    The file is created exclusively with mode 0600; the caller must :func:`unlink` it.
-    """
-    path = new_path(kind)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        write_into(fd, t)
-    except BaseException:
-        os.close(fd)
-        unlink(path)
-        raise
-    os.close(fd)
-    return path
-
-
-def open_checked(path: str, offset: int, nbytes: int, *, write: bool = False) -> int:
-    """Opens a peer-named segment after validating it; returns the fd.
-
-    With ``write``, the file must also be named ``collectives-*`` (a worker
-    writes only into segments made for this purpose), and is opened read-write.
-
-    Raises:
-        InvalidArgument: ``path`` is not an absolute path of a regular file
-            directly under ``/dev/shm`` (no links, no subdirectories), the offset
-            is negative, or the file is smaller than ``offset + nbytes``.
-    """
-    if not isinstance(path, str) or not path:
-        raise InvalidArgument("shared-memory path is empty")
-    if "\x00" in path:
-        raise InvalidArgument("shared-memory path contains a NUL byte")
-    if offset < 0:
-        raise InvalidArgument(f"shared-memory offset {offset} is negative")
-    base = os.path.basename(path)
-    if os.path.dirname(path) != SHM_DIR or base in ("", ".", ".."):
-        raise InvalidArgument(
-            f"shared-memory path {path!r} must name a file directly under {SHM_DIR}/"
-        )
-    if write and not is_ours(base):
-        raise InvalidArgument(
-            f"shared-memory path {path!r}: a segment to write into must be named {PREFIX}*"
-        )
-    mode = os.O_RDWR if write else os.O_RDONLY
-    try:
-        fd = os.open(path, mode | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as exc:
-        raise InvalidArgument(f"cannot open shared-memory path {path!r}: {exc.strerror}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise InvalidArgument(f"shared-memory path {path!r} is not a regular file")
-        if info.st_dev != os.stat(SHM_DIR).st_dev:
-            raise InvalidArgument(f"shared-memory path {path!r} is not on {SHM_DIR}")
-        if info.st_size < offset + nbytes:
-            raise InvalidArgument(
-                f"shared-memory file {path!r} holds {info.st_size} bytes; "
-                f"offset {offset} + {nbytes} bytes needed"
-            )
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 class Segment:
@@ -392,25 +301,3 @@ def _destroy_all(free: list[tuple[int, Segment]], lent: dict[str, dict[str, Segm
     while lent:
         for segment in lent.popitem()[1].values():
             segment.destroy()  # the worker's mapping keeps the pages until it drops the tensor
-
-
-def read_segment(fd: int, offset: int, meta: CheckedHeader) -> torch.Tensor:
-    """Copies ``meta.nbytes`` at ``offset`` of an open segment into a new tensor."""
-    buffer = allocate_bytes(meta.nbytes)
-    if meta.nbytes:
-        view = tensor_memoryview(buffer)
-        done = 0
-        while done < meta.nbytes:
-            n = os.preadv(fd, [view[done : done + _IO_BYTES]], offset + done)
-            if n <= 0:
-                raise InvalidArgument(
-                    f"shared-memory segment ended after {done} of {meta.nbytes} bytes"
-                )
-            done += n
-    return buffer.view(meta.dtype).reshape(meta.shape)
-
-
-def unlink(path: str) -> None:
-    """Removes a segment; a missing file is fine."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)

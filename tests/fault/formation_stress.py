@@ -46,7 +46,7 @@ from helpers import wait_until
 
 import collectives
 from collectives.v1 import worker_pb2, worker_pb2_grpc
-from collectives.workers import ClusterSnapshot
+from collectives.wire.cluster_state import ClusterSnapshot
 
 JOIN_WINDOW_S = 0.5
 MIN_WORKERS = 2

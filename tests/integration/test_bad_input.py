@@ -44,6 +44,7 @@ from torch import nn
 
 from collectives.v1 import coordinator_pb2, tensor_pb2, worker_pb2
 from collectives.wire.membership import membership_digest
+from collectives.wire.names import MODEL_METADATA_KEY
 from collectives_server.control_protocol import WORKER_TOKEN_METADATA
 
 OK = grpc.StatusCode.OK
@@ -115,7 +116,7 @@ def _state_dict(e: Env, tensors: dict[str, torch.Tensor]):
         response_deserializer=worker_pb2.LoadStateDictResponse.FromString,
     )
     frames = [f for key, t in tensors.items() for f in tensor_frames(key, t)]
-    return call(iter(frames), timeout=TIMEOUT_S, metadata=(("collectives-model", e.model),))
+    return call(iter(frames), timeout=TIMEOUT_S, metadata=((MODEL_METADATA_KEY, e.model),))
 
 
 def _good_state(e: Env) -> dict[str, torch.Tensor]:
@@ -396,7 +397,7 @@ ROWS: list[Row] = [
         lambda e: e.channels[0].stream_unary(
             "/collectives.v1.Worker/LoadStateDict", request_serializer=None,
             response_deserializer=worker_pb2.LoadStateDictResponse.FromString,
-        )(iter([]), timeout=TIMEOUT_S, metadata=(("collectives-model", "nomodel"),)),
+        )(iter([]), timeout=TIMEOUT_S, metadata=((MODEL_METADATA_KEY, "nomodel"),)),
         NOT_FOUND, "'nomodel' is not loaded"),
     Row("step-unknown-optimizer",
         lambda e: e.leader.Step(worker_pb2.StepRequest(model=e.model, optimizer="lbfgs2")),

@@ -19,9 +19,9 @@ import torch
 from helpers import CONNECT_TIMEOUT_S, wait_until
 
 import collectives
-from collectives.dtypes import to_wire
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2, worker_pb2_grpc
 from collectives.wire import bulk_frames, codec
+from collectives.wire.dtypes import to_wire
 
 MiB = 1 << 20
 

@@ -18,8 +18,8 @@ from helpers import assert_tensor, get_each, make_input, reduce_oracle
 from raw_grpc import assert_healthy, opts
 
 import collectives
-from collectives.op_args import MAX_COALESCED
 from collectives.v1 import worker_pb2, worker_pb2_grpc
+from collectives.wire.op_args import MAX_COALESCED
 
 # tag -> (dtype, shape): every dtype family of the issue, in differing shapes
 MIXED = {

@@ -20,7 +20,7 @@ import torch
 from helpers import get_each, put_each
 
 from collectives import InvalidArgument
-from collectives.op_specs import COALESCED_BASE, SPECS, Operand, Stores, spec
+from collectives.wire.op_specs import COALESCED_BASE, SPECS, Operand, Stores, spec
 
 TIMEOUT_S = 30.0
 ROWS = 2  # rows per member in each input's dim 0 (reduce_scatter, all_to_all split it)

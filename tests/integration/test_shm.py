@@ -19,8 +19,9 @@ import pytest
 import torch
 
 import collectives
-from collectives import _data_plane, shm
+from collectives import _data_plane
 from collectives.v1 import tensor_pb2, worker_pb2, worker_pb2_grpc
+from collectives.wire import shm
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm")
 

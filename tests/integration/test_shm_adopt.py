@@ -22,6 +22,7 @@ import torch
 
 import collectives
 from collectives import _data_plane, shm
+from collectives.wire.shm import SHM_DIR
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm")
 
@@ -32,7 +33,7 @@ NOBODY = 65534
 
 def _our_segments() -> set[str]:
     """This process's segments (other processes on the host may be making theirs)."""
-    return set(glob.glob(os.path.join(shm.SHM_DIR, f"collectives-seg-{os.getpid()}-*")))
+    return set(glob.glob(os.path.join(SHM_DIR, f"collectives-seg-{os.getpid()}-*")))
 
 
 class _Answers:

@@ -26,9 +26,8 @@ import pytest
 import torch
 from hostile import Aftermath, rss_bytes
 
-from collectives import shm
 from collectives.v1 import worker_pb2, worker_pb2_grpc
-from collectives.wire import codec
+from collectives.wire import codec, shm
 from collectives_server.worker.data.peer_identity import loopback_peer_uid
 
 pytestmark = pytest.mark.timeout(180)

@@ -19,7 +19,7 @@ from helpers import LEASE_S, wait_until
 import collectives
 import collectives_server
 from collectives.v1 import worker_pb2, worker_pb2_grpc
-from collectives.workers import OpCount
+from collectives.wire.cluster_state import OpCount
 
 STATUS_WAIT_S = 15.0
 

@@ -17,9 +17,9 @@ from fake_pg import FakeWorld, run_ranks
 from helpers import assert_tensor, make_input
 
 from collectives.errors import CollectiveError
-from collectives.op_specs import OpKind, spec
 from collectives.reduce_ops import ReduceOp, check_op_for_dtype
 from collectives.v1 import worker_pb2
+from collectives.wire.op_specs import OpKind, spec
 from collectives_server.worker.data.store import TensorStore
 from collectives_server.worker.engine.handlers import handler_for
 from collectives_server.worker.engine.handlers.tensor_ops import INLINE_MAX_BYTES, inline_capacity

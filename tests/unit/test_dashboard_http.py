@@ -18,7 +18,7 @@ import pytest
 
 from collectives.cli import _json_line as cli_json_line
 from collectives.v1 import coordinator_pb2, status_pb2
-from collectives.workers import ClusterSnapshot
+from collectives.wire.cluster_state import ClusterSnapshot
 from collectives_server.cli.coordinator import config_from_args
 from collectives_server.cli.main import build_parser
 from collectives_server.coordinator import Coordinator, CoordinatorConfig

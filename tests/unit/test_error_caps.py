@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from collectives.errors import InvalidArgument, NotFound, ResourceExhausted
-from collectives.op_specs import spec_named
 from collectives.v1 import tensor_pb2, worker_pb2
 from collectives.wire import codec
 from collectives.wire import pytree as _pytree
+from collectives.wire.op_specs import spec_named
 from collectives_server.json_input import MAX_JSON_DEPTH, json_depth, parse_json, parse_json_object
 from collectives_server.rpc import server as rpc
 from collectives_server.worker.engine import validation

@@ -13,8 +13,8 @@ from fake_pg import run_ranks
 from test_fake_pg import gloo  # noqa: F401  (fixture)
 from test_sequencer import FakeClock
 
-from collectives.op_specs import OpKind
 from collectives.v1 import worker_pb2
+from collectives.wire.op_specs import OpKind
 from collectives_server.worker.engine import agreement, descriptor, fusion
 from collectives_server.worker.engine.sequencer import Sequencer
 from collectives_server.worker.engine.validation import INFO_BYTES, info_values

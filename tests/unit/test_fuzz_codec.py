@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from collectives import InvalidArgument
-from collectives.dtypes import SUPPORTED_DTYPES
 from collectives.v1 import tensor_pb2
 from collectives.wire import codec
+from collectives.wire.dtypes import SUPPORTED_DTYPES
 
 FUZZ = settings(
     max_examples=150,

@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from collectives import InvalidArgument, ReduceOp
-from collectives.dtypes import SUPPORTED_DTYPES, from_wire, to_wire
-from collectives.names import MAX_NAME_LENGTH, validate_name
-from collectives.op_specs import SPECS
 from collectives.reduce_ops import parse_reduce_op
+from collectives.wire.dtypes import SUPPORTED_DTYPES, from_wire, to_wire
+from collectives.wire.names import MAX_NAME_LENGTH, validate_name
+from collectives.wire.op_specs import SPECS
 from collectives_server.worker.engine import validation
 from collectives_server.worker.engine.validation import (
     ABSENT,

@@ -30,9 +30,9 @@ from handler_world import (
 from helpers import assert_tensor
 
 from collectives.errors import CollectiveError
-from collectives.op_specs import OpKind
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
+from collectives.wire.op_specs import OpKind
 from collectives_server.worker.data.replaced_memory import ReplacedMemory
 from collectives_server.worker.engine.handlers.model_ops import ModelOpResult
 from collectives_server.worker.engine.op_context import GroupBroken, OpResult

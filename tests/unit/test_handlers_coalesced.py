@@ -16,9 +16,9 @@ from handler_world import EXCHANGE, TIMEOUT_S, Cluster, reference
 from helpers import assert_tensor, make_input
 
 from collectives.errors import CollectiveError
-from collectives.op_specs import OpKind
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
+from collectives.wire.op_specs import OpKind
 from collectives_server.worker.engine.handlers import coalesced_buckets
 from collectives_server.worker.engine.handlers.coalesced_ops import CoalescedResult
 from collectives_server.worker.engine.op_context import GroupBroken

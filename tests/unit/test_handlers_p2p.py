@@ -19,9 +19,9 @@ from handler_world import EXCHANGE, TIMEOUT_S, Cluster
 from helpers import make_input
 
 from collectives.errors import CollectiveError, InvalidArgument
-from collectives.op_args import check_pairs
-from collectives.op_specs import OpKind
 from collectives.v1 import worker_pb2
+from collectives.wire.op_args import check_pairs
+from collectives.wire.op_specs import OpKind
 from collectives_server.worker.data.replaced_memory import ReplacedMemory
 from collectives_server.worker.engine.handlers.group_ops import missing_group
 from collectives_server.worker.engine.op_context import Announcement, GroupBroken, OpResult

@@ -19,8 +19,8 @@ from handler_world import EXCHANGE, Cluster
 from helpers import make_input
 
 from collectives.errors import CollectiveError, Reason
-from collectives.op_specs import OpKind
 from collectives.v1 import worker_pb2
+from collectives.wire.op_specs import OpKind
 from collectives_server.worker.engine.op_context import OpResult
 
 UPLOAD = "__publish/0123abcd/put"

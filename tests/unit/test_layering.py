@@ -1,10 +1,10 @@
 """Who may import what: the wire package is what the SDK and the servers share.
 
-The servers import the SDK's public modules only (no ``collectives._*``); the
-worker imports nothing of the coordinator (what both need is in
-``collectives_server.control_protocol``); the wire package and the SDK's bulk
-client are leaves; ``collectives.codec`` still
-offers what it offered before the codec moved to ``collectives.wire.codec``.
+The servers import of the SDK only the protocol: ``collectives.wire``,
+``collectives.v1`` (the generated stubs), ``collectives.errors`` and
+``collectives.reduce_ops``; the worker imports nothing of the coordinator (what
+both need is in ``collectives_server.control_protocol``); the wire package and
+the SDK's bulk client are leaves of the SDK.
 """
 
 from __future__ import annotations
@@ -14,10 +14,8 @@ from pathlib import Path
 
 import pytest
 
-import collectives.codec
 from collectives._transport import DataPath, choose_path
 from collectives.bulk import BulkPort
-from collectives.wire import codec as wire_codec
 from collectives.wire.bulk_frames import BULK_MIN_BYTES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,24 +39,36 @@ def _ours(module: str) -> bool:
     return module == "collectives" or module.startswith("collectives.")
 
 
-def test_the_servers_import_no_private_sdk_module() -> None:
-    bad = {
-        f"{path.relative_to(ROOT)}: {module}"
-        for path in SERVER.rglob("*.py")
-        for module in _imports(path)
-        if _ours(module) and any(part.startswith("_") for part in module.split(".")[1:])
-    }
-    assert not bad
+# What the daemons may import of the SDK: the protocol, nothing of the client.
+_PROTOCOL = ("collectives.wire", "collectives.v1", "collectives.errors", "collectives.reduce_ops")
 
 
-def test_the_worker_imports_nothing_of_the_coordinator() -> None:
-    bad = {
-        f"{path.relative_to(ROOT)}: {module}"
-        for path in (SERVER / "worker").rglob("*.py")
+def _protocol(module: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in _PROTOCOL)
+
+
+def _outside_the_protocol(paths: list[Path]) -> set[str]:
+    return {
+        f"{path.name}: {module}"
+        for path in paths
         for module in _imports(path)
-        if module.startswith("collectives_server.coordinator")
+        if _ours(module)
+        and module != "collectives"  # `from collectives import x`: x is checked itself
+        and not _protocol(module)
     }
-    assert not bad
+
+
+def test_the_servers_import_only_the_protocol_of_the_sdk() -> None:
+    assert not _outside_the_protocol(sorted(SERVER.rglob("*.py")))
+
+
+def test_the_protocol_check_finds_a_client_import(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("from collectives.shm import SegmentPool\nfrom collectives.wire import codec\n")
+    assert _outside_the_protocol([bad]) == {
+        "bad.py: collectives.shm",
+        "bad.py: collectives.shm.SegmentPool",
+    }
 
 
 # What the wire package and the SDK's bulk client may import of the SDK.
@@ -66,7 +76,7 @@ def test_the_worker_imports_nothing_of_the_coordinator() -> None:
 _LEAF_DEPENDENCIES = (
     "collectives.wire",
     "collectives.errors",
-    "collectives.dtypes",
+    "collectives.wire.dtypes",
     "collectives._deadlines",
 )
 
@@ -83,12 +93,6 @@ def test_wire_and_bulk_are_leaves_of_the_sdk(path: Path) -> None:
         and not module.startswith(("collectives.v1", *_LEAF_DEPENDENCIES))
     }
     assert not bad
-
-
-def test_collectives_codec_reexports_the_wire_codec() -> None:
-    assert collectives.codec.__all__ == wire_codec.__all__
-    for name in wire_codec.__all__:
-        assert getattr(collectives.codec, name) is getattr(wire_codec, name)
 
 
 class _Endpoint:

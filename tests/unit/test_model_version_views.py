@@ -13,7 +13,7 @@ from torch import nn
 
 from collectives import _status_tables as status_tables
 from collectives.v1 import coordinator_pb2, status_pb2
-from collectives.workers import ClusterSnapshot
+from collectives.wire.cluster_state import ClusterSnapshot
 from collectives_server.control_protocol import FIELD_LIMITS
 from collectives_server.worker.config import WorkerConfig
 from collectives_server.worker.context import WorkerContext

@@ -14,7 +14,7 @@ import pytest
 from collectives import _status_tables as status_tables
 from collectives import cli as client_cli
 from collectives.v1 import coordinator_pb2, status_pb2
-from collectives.workers import ClusterSnapshot, DeviceMemory, OpCount, RecentError
+from collectives.wire.cluster_state import ClusterSnapshot, DeviceMemory, OpCount, RecentError
 from collectives_server.cli.coordinator import config_from_args as coordinator_config
 from collectives_server.cli.main import build_parser
 from collectives_server.cli.worker import config_from_args as worker_config

@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 from collectives.errors import InvalidArgument
-from collectives_server.worker.models.optimizers import install, plan_optimizer
+from collectives.wire import names
+from collectives_server.worker.engine.handlers.model_ops import LOSSES
+from collectives_server.worker.models.optimizers import OPTIMIZERS, install, plan_optimizer
 from collectives_server.worker.models.registry import HostedModel
 
 
@@ -129,3 +131,8 @@ def test_invalid_requests_leave_the_optimizer_alone(gen, kind, hyper) -> None:
     with model.lock, pytest.raises(InvalidArgument):
         plan_optimizer(model, kind, hyper)
     assert model.optimizer is sgd and model.optimizer_hyper == {"lr": 0.1, "momentum": 0.9}
+
+
+def test_the_workers_know_exactly_the_names_the_sdk_offers() -> None:
+    assert tuple(OPTIMIZERS) == names.OPTIMIZERS
+    assert tuple(LOSSES) == names.BUILTIN_LOSSES

@@ -26,8 +26,8 @@ from helpers import wait_until
 from runtime_pair import TIMEOUT_S, Pair
 
 from collectives.errors import CollectiveError
-from collectives.op_specs import kind_name
 from collectives.reduce_ops import ReduceOp
+from collectives.wire.op_specs import kind_name
 from collectives_server.worker.engine.handlers.tensor_ops import INLINE_MAX_BYTES
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from handler_world import Cluster
 
-from collectives.op_specs import OpKind
 from collectives.v1 import worker_pb2
+from collectives.wire.op_specs import OpKind
 from collectives_server.worker.engine.op_context import OpResult
 
 MiB = 1 << 20

@@ -24,7 +24,7 @@ from collectives import _validation as v
 from collectives.cli import main as cli_main
 from collectives.errors import CollectiveError
 from collectives.v1 import coordinator_pb2
-from collectives.workers import ClusterSnapshot, WorkerInfo, WorkerState
+from collectives.wire.cluster_state import ClusterSnapshot, WorkerInfo, WorkerState
 
 # ---------------------------------------------------------------- public surface
 

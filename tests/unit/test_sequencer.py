@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from collectives.errors import DeadlineExceeded, ResourceExhausted, Unavailable
-from collectives.op_specs import OpKind
 from collectives.v1 import worker_pb2
+from collectives.wire.op_specs import OpKind
 from collectives_server.worker.engine.sequencer import Sequencer, Ticket
 
 GENERATION = 7

@@ -22,6 +22,7 @@ from collectives import shm
 from collectives.errors import PermissionDenied
 from collectives.v1 import worker_pb2
 from collectives.wire import codec
+from collectives.wire import shm as wire_shm
 from collectives_server.worker.data import shm_adopt
 from collectives_server.worker.data.shm_adopt import AdoptedSegments
 from collectives_server.worker.data.shm_segments import WorkerSegments
@@ -104,7 +105,7 @@ def test_adopted_bytes_are_exact_and_held_while_any_view_lives(pool, gen) -> Non
     t = torch.randn(MiB, generator=gen)  # 4 MiB of fresh random data
     segment = _filled(pool, t)
     meta = codec.check_header(codec.make_header("x", t))
-    fd = shm.open_checked(segment.path, 0, meta.nbytes, write=True)
+    fd = wire_shm.open_checked(segment.path, 0, meta.nbytes, write=True)
     try:
         stored = adopted.adopt(fd, segment.path, 0, meta)
         assert adopted.holds_inode(fd)
@@ -161,7 +162,7 @@ def test_put_adopts_for_the_workers_own_user_and_gets_never_write_there(
         ctx, worker_pb2.GetTensorShmRequest(name="x", path=s1.path), "ipv4:x:1"
     )
     assert got.path != s1.path
-    shm.unlink(got.path)
+    wire_shm.unlink(got.path)
     # Replacing the tensor frees the first segment: the next put's answer returns it.
     reply = shm_service.put_tensor_shm(
         ctx, _put_request("x", second, s2.path, lent=[s1.path]), "ipv4:x:1"
@@ -207,19 +208,19 @@ def test_module_constants_agree() -> None:
 
 
 def test_a_worker_segment_whose_name_is_gone_is_used_once(monkeypatch) -> None:
-    path = shm.create_segment(torch.arange(4, dtype=torch.int32), kind="get")
+    path = wire_shm.create_segment(torch.arange(4, dtype=torch.int32), kind="get")
 
     def gone(src, dst):
         raise FileNotFoundError(src)
 
-    monkeypatch.setattr(shm.os, "rename", gone)
+    monkeypatch.setattr(wire_shm.os, "rename", gone)
     segment = shm.Segment.adopt(path)
     monkeypatch.undo()
     assert segment is not None and not segment.named
     pool = shm.SegmentPool()
     pool.release(segment)  # dropped, not pooled, and the path is not ours to unlink
     assert pool.acquire(None) is None and os.path.exists(path)
-    shm.unlink(path)
+    wire_shm.unlink(path)
     pool.close()
 
 

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from collectives.names import ARCHIVE_PREFIX, UPLOAD_PREFIX, reserved_prefix
+from collectives.wire.names import ARCHIVE_PREFIX, UPLOAD_PREFIX, reserved_prefix
 from collectives_server.worker.data.store import UPLOAD_IDLE_S, TensorStore
 
 

@@ -25,9 +25,9 @@ from sdk_fakes import invalid as _invalid
 
 import collectives
 from collectives.errors import CollectiveError, InvalidArgument
-from collectives.op_args import check_split_matrix, split_rows
-from collectives.op_specs import OpKind
 from collectives.v1 import worker_pb2
+from collectives.wire.op_args import check_split_matrix, split_rows
+from collectives.wire.op_specs import OpKind
 from collectives_server.worker.engine.op_context import GroupBroken, OpResult
 
 Matrix = list[list[int]]

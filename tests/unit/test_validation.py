@@ -6,8 +6,8 @@ import grpc
 import pytest
 import torch
 
-from collectives.op_specs import spec_named
 from collectives.reduce_ops import ReduceOp
+from collectives.wire.op_specs import spec_named
 from collectives_server.worker.engine.validation import (
     NOT_MEMBER,
     OperandInfo,

@@ -22,9 +22,9 @@ from typing import Protocol
 
 import torch
 
-from collectives.dtypes import from_wire, to_wire
 from collectives.errors import InvalidArgument, ResourceExhausted
 from collectives.v1 import tensor_pb2
+from collectives.wire.dtypes import from_wire, to_wire
 from collectives.wire.limits import MAX_MESSAGE_BYTES
 from collectives.wire.memory import empty_bytes
 

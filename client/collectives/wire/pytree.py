@@ -25,6 +25,8 @@ from collectives.errors import InvalidArgument
 from collectives.v1 import worker_pb2
 
 __all__ = [
+    "replace_tensors",
+    "tensors_in",
     "scatter_kwargs",
     "gather",
     "to_value",
@@ -75,7 +77,7 @@ def scatter_kwargs(
     seed would also pad with empty calls when a kwarg is not a tensor; a
     remote worker with nothing to compute is better left out).
     """
-    leaves = _tensor_leaves((inputs, kwargs))
+    leaves = tensors_in((inputs, kwargs))
     if leaves:
         parts = min(len(torch.chunk(t, parts, dim)) if t.dim() else parts for t in leaves)
     scattered_inputs = _scatter(inputs, parts, dim) if inputs else []
@@ -89,14 +91,28 @@ def scatter_kwargs(
     return [tuple(i) for i in scattered_inputs], [dict(k) for k in scattered_kwargs]
 
 
-def _tensor_leaves(obj: Any) -> list[torch.Tensor]:
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """The tensor leaves of nested tuples, lists and dicts, in ``to_value`` order."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, (tuple, list)):
-        return [t for o in obj for t in _tensor_leaves(o)]
+        return [t for o in obj for t in tensors_in(o)]
     if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensor_leaves(o)]
+        return [t for o in obj.values() for t in tensors_in(o)]
     return []
+
+
+def replace_tensors(obj: Any, leaves: list[torch.Tensor]) -> Any:
+    """``obj`` with its tensor leaves replaced, in order, by ``leaves`` (consumed)."""
+    if isinstance(obj, torch.Tensor):
+        return leaves.pop(0)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(replace_tensors(o, leaves) for o in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(replace_tensors(o, leaves) for o in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, replace_tensors(v, leaves)) for k, v in obj.items())
+    return obj
 
 
 def gather(outputs: list[Any], dim: int = 0) -> Any:

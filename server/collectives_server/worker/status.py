@@ -24,8 +24,8 @@ import torch
 
 import collectives_server
 from collectives.errors import CollectiveError
-from collectives.op_specs import kind_name, spec, subject
 from collectives.v1 import status_pb2, worker_pb2
+from collectives.wire.op_specs import kind_name, spec, subject
 from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.stats import (
     LATENCY_BUCKETS_S,

@@ -1,7 +1,7 @@
 """The dashboard's JSON: one schema with ``collectives status --json``.
 
 ``/api/cluster`` and the data of every ``/api/events`` event are
-``collectives.workers.ClusterSnapshot.from_proto(msg).to_dict()``: the same
+``collectives.wire.cluster_state.ClusterSnapshot.from_proto(msg).to_dict()``: the same
 field names, plain JSON integers (not the proto3 mapping's strings for 64-bit
 fields), worker states as ``"ready"``, ``"lost"``..., and the derived
 ``ops_completed`` / ``ops_failed`` per worker. ``status --json`` prints the same
@@ -15,7 +15,7 @@ import json
 from typing import Any
 
 from collectives.v1 import coordinator_pb2
-from collectives.workers import ClusterSnapshot
+from collectives.wire.cluster_state import ClusterSnapshot
 
 __all__ = ["cluster_to_dict", "cluster_to_json"]
 

@@ -20,9 +20,8 @@ from typing import Any
 
 import torch
 
-from collectives import shm
 from collectives.errors import FailedPrecondition, ResourceExhausted
-from collectives.wire import shm_names
+from collectives.wire import shm
 from collectives_server.worker.data.limits import ShmLimits
 from collectives_server.worker.data.shm_adopt import AdoptedSegments
 
@@ -85,7 +84,7 @@ class WorkerSegments:
                 else None
             )
             try:
-                path = shm.create_segment(wire, shm_names.WORKER_GET)
+                path = shm.create_segment(wire, shm.WORKER_GET)
             except BaseException:
                 if hold is not None:
                     hold.release()
@@ -126,8 +125,8 @@ class WorkerSegments:
     def sweep_stale() -> int:
         """Unlinks get segments left by workers that are no longer running."""
         removed = 0
-        for path in glob.glob(shm_names.WORKER_GET_GLOB):
-            pid = shm_names.creator_pid(path)
+        for path in glob.glob(shm.WORKER_GET_GLOB):
+            pid = shm.creator_pid(path)
             if pid is not None and not _alive(pid):
                 shm.unlink(path)
                 removed += 1

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from collectives.errors import NotFound, ResourceExhausted
-from collectives.names import ARCHIVE_PREFIX, UPLOAD_PREFIX
+from collectives.wire.names import ARCHIVE_PREFIX, UPLOAD_PREFIX
 
 __all__ = [
     "Fence",

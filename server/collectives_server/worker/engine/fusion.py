@@ -25,8 +25,8 @@ their admission order.
 
 from __future__ import annotations
 
-from collectives.op_specs import spec
 from collectives.v1 import worker_pb2
+from collectives.wire.op_specs import spec
 from collectives_server.worker.engine.validation import INFO_BYTES
 
 __all__ = ["MAX_OPS", "MAX_ROW_BYTES", "Run", "fusable", "names_of"]

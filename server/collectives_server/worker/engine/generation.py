@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 from collectives.errors import CollectiveError, error_for_code
-from collectives.op_specs import OpKind
 from collectives.v1 import worker_pb2
+from collectives.wire.op_specs import OpKind
 from collectives_server.worker.data.replaced_memory import ReplacedMemory, pool_bytes
 from collectives_server.worker.data.store import TensorStore
 from collectives_server.worker.engine import descriptor, fusion

@@ -38,9 +38,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from collectives.dtypes import from_wire, to_wire
-from collectives.op_specs import OpKind, spec
 from collectives.reduce_ops import ReduceOp
+from collectives.wire.dtypes import from_wire, to_wire
+from collectives.wire.op_specs import OpKind, spec
 from collectives_server.worker.engine import agreement
 from collectives_server.worker.engine.handlers import coalesced_buckets
 from collectives_server.worker.engine.op_context import GroupBroken, OpContext

@@ -40,8 +40,8 @@ from collectives.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from collectives.op_specs import kind_name
 from collectives.v1 import worker_pb2
+from collectives.wire.op_specs import kind_name
 
 __all__ = ["Sequencer", "Ticket"]
 

@@ -28,9 +28,9 @@ import grpc
 import torch
 
 from collectives.errors import InvalidArgument, Reason
-from collectives.op_args import check_split_matrix, split_rows
-from collectives.op_specs import OpSpec
 from collectives.wire.codec import check_shape
+from collectives.wire.op_args import check_split_matrix, split_rows
+from collectives.wire.op_specs import OpSpec
 from collectives_server.worker.data.store import quota_message
 from collectives_server.worker.engine.validation import PRESENT, OperandInfo, OpError, _missing
 

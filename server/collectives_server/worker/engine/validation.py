@@ -19,11 +19,11 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from collectives.dtypes import from_wire, to_wire
 from collectives.errors import InvalidArgument, Reason
-from collectives.op_specs import Operand, OpSpec, check_dim0_divisible
 from collectives.reduce_ops import ReduceOp, check_op_for_dtype
 from collectives.wire.codec import check_shape
+from collectives.wire.dtypes import from_wire, to_wire
+from collectives.wire.op_specs import Operand, OpSpec, check_dim0_divisible
 from collectives_server.worker.data.store import quota_message
 
 __all__ = [

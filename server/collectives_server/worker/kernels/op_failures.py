@@ -24,8 +24,8 @@ import grpc
 import torch.distributed as dist
 
 from collectives.errors import CollectiveError, Reason, Unavailable, error_for_code
-from collectives.op_specs import kind_name, subject
 from collectives.v1 import worker_pb2
+from collectives.wire.op_specs import kind_name, subject
 
 __all__ = [
     "backend_message",

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from collectives.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
-from collectives.names import validate_name
+from collectives.wire.names import validate_name
 from collectives_server.json_input import parse_json_object
 from collectives_server.worker.data.store import Reservation, TensorStore
 from collectives_server.worker.models import modes as model_modes

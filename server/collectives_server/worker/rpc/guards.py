@@ -25,7 +25,7 @@ import time
 import grpc
 
 from collectives.errors import CollectiveError, DeadlineExceeded, error_for_code
-from collectives.names import MAX_NAME_LENGTH
+from collectives.wire.names import MAX_NAME_LENGTH
 from collectives_server.rpc.errors import abort_internal, abort_with_error, is_abort
 from collectives_server.worker.status import data_op_done
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from collectives.errors import InvalidArgument, NotFound
-from collectives.names import validate_name
-from collectives.op_specs import SPECS, OpKind
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
 from collectives.wire import codec, pytree
+from collectives.wire.names import MODEL_METADATA_KEY, validate_name
+from collectives.wire.op_specs import SPECS, OpKind
 from collectives_server.json_input import parse_json_object
 from collectives_server.worker.data.store import UPLOAD_PREFIX
 from collectives_server.worker.models import execution as model_exec
@@ -26,9 +26,7 @@ from collectives_server.worker.rpc.guards import counted as _counted
 from collectives_server.worker.rpc.guards import guard as _guard
 from collectives_server.worker.rpc.guards import guard_stream as _guard_stream
 
-__all__ = ["ModelRpcs", "MODEL_METADATA_KEY"]
-
-MODEL_METADATA_KEY = "collectives-model"
+__all__ = ["ModelRpcs"]
 
 
 class ModelRpcs:

@@ -11,10 +11,10 @@ names and that the upload is here, then runs ``handlers.replicate_ops``.
 from __future__ import annotations
 
 from collectives.errors import InvalidArgument, NotFound
-from collectives.names import UPLOAD_PREFIX, validate_name
-from collectives.op_args import check_pairs
-from collectives.op_specs import OpKind
 from collectives.v1 import worker_pb2
+from collectives.wire.names import UPLOAD_PREFIX, validate_name
+from collectives.wire.op_args import check_pairs
+from collectives.wire.op_specs import OpKind
 from collectives_server.worker.data.store import upload_prefix
 from collectives_server.worker.engine.handlers.group_ops import group_not_found
 from collectives_server.worker.rpc.guards import guard as _guard

@@ -3,8 +3,8 @@ collective RPC (tensor ops, uneven all_to_all, exchange)."""
 
 from __future__ import annotations
 
-from collectives.dtypes import to_wire
 from collectives.v1 import worker_pb2
+from collectives.wire.dtypes import to_wire
 from collectives_server.worker.engine.op_context import OpResult
 
 __all__ = ["collective_response"]

@@ -1,7 +1,7 @@
 """The ``collectives.v1.Worker`` servicer: protobuf in, domain calls, protobuf out.
 
 PutTensor and GetTensor are registered with identity (de)serializers: their
-messages arrive and leave as raw bytes framed by :mod:`collectives.codec`, so
+messages arrive and leave as raw bytes framed by :mod:`collectives.wire.codec`, so
 payloads are never copied through protobuf. Everything else uses the
 generated message classes.
 """
@@ -17,8 +17,6 @@ import grpc
 import torch
 from google.protobuf import message_factory
 
-from collectives import op_args
-from collectives.dtypes import to_wire
 from collectives.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -26,12 +24,20 @@ from collectives.errors import (
     NotFound,
     Unavailable,
 )
-from collectives.names import validate_name
-from collectives.op_specs import SPECS, Operand, OpKind, check_group_ranks, check_root, kind_name
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
-from collectives.wire import codec
+from collectives.wire import codec, op_args
 from collectives.wire.bulk_frames import BULK_MIN_BYTES, new_ticket
+from collectives.wire.dtypes import to_wire
+from collectives.wire.names import validate_name
+from collectives.wire.op_specs import (
+    SPECS,
+    Operand,
+    OpKind,
+    check_group_ranks,
+    check_root,
+    kind_name,
+)
 from collectives_server.rpc.limits import RpcLimits
 from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.data.bulk import BulkListener

@@ -30,11 +30,10 @@ import os
 
 import torch
 
-from collectives import shm
 from collectives.errors import InvalidArgument, PermissionDenied
-from collectives.names import validate_name
 from collectives.v1 import worker_pb2
-from collectives.wire import codec, shm_names
+from collectives.wire import codec, shm
+from collectives.wire.names import validate_name
 from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.data.peer_identity import loopback_peer_uid
 from collectives_server.worker.data.shm_adopt import MIN_ADOPT_BYTES
@@ -96,11 +95,7 @@ def _open_put_segment(
 ) -> tuple[int, bool]:
     """The put's segment, open read-write when it may be adopted (handed over by
     the worker's own user, named ``collectives-*``), else read-only; and which."""
-    if (
-        request.hand_over
-        and uid == os.geteuid()
-        and shm_names.is_ours(os.path.basename(request.path))
-    ):
+    if request.hand_over and uid == os.geteuid() and shm.is_ours(os.path.basename(request.path)):
         with contextlib.suppress(InvalidArgument):  # e.g. a read-only file: copy it
             return shm.open_checked(request.path, request.offset, nbytes, write=True), True
     return shm.open_checked(request.path, request.offset, nbytes), False

@@ -44,8 +44,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from collectives.errors import CollectiveError
-from collectives.op_specs import SPECS, OpKind
 from collectives.v1 import worker_pb2
+from collectives.wire.op_specs import SPECS, OpKind
 from collectives_server.worker.engine.handlers.coalesced_ops import run_coalesced
 from collectives_server.worker.engine.handlers.exchange_ops import run_exchange
 from collectives_server.worker.engine.handlers.group_ops import run_destroy_group, run_new_group

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from collectives.op_specs import Operand, OpSpec
 from collectives.reduce_ops import ReduceOp
+from collectives.wire.op_specs import Operand, OpSpec
 from collectives_server.worker.engine.validation import Plan
 from collectives_server.worker.kernels import collective_ops
 from collectives_server.worker.kernels.collective_ops import Alloc, private_copy

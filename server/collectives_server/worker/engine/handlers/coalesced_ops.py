@@ -26,9 +26,9 @@ import grpc
 import torch
 
 from collectives.errors import CollectiveError, Reason, error_for_code
-from collectives.op_specs import COALESCED_BASE, OpSpec, spec
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
+from collectives.wire.op_specs import COALESCED_BASE, OpSpec, spec
 from collectives_server.worker.data.store import Fence, quota_message
 from collectives_server.worker.engine import agreement, validation
 from collectives_server.worker.engine.handlers import coalesced_buckets

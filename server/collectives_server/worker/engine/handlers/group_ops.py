@@ -20,8 +20,8 @@ from __future__ import annotations
 import grpc
 
 from collectives.errors import CollectiveError, InvalidArgument, NotFound, ResourceExhausted
-from collectives.op_specs import OpKind
 from collectives.v1 import worker_pb2
+from collectives.wire.op_specs import OpKind
 from collectives_server.worker.engine import agreement
 from collectives_server.worker.engine.group_cap import check_group_cap, subgroup_count
 from collectives_server.worker.engine.op_context import (

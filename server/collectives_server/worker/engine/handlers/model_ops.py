@@ -39,10 +39,11 @@ from collectives_server.worker.models import versions as model_versions
 from collectives_server.worker.models.optimizers import OptimizerPlan, install, plan_optimizer
 from collectives_server.worker.models.registry import HostedModel
 
-__all__ = ["ModelOpResult", "run_model_op", "ModelArgs", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["LOSSES", "ModelOpResult", "run_model_op", "ModelArgs", "DEFAULT_BUCKET_BYTES"]
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
-_LOSSES = {"mse": functional.mse_loss, "cross_entropy": functional.cross_entropy}
+# By the names in collectives.wire.names.BUILTIN_LOSSES.
+LOSSES = {"mse": functional.mse_loss, "cross_entropy": functional.cross_entropy}
 _INFO = 6  # present, signature, has inputs, has targets, all parameters have a gradient, 0
 
 
@@ -171,7 +172,7 @@ def _local_train(ctx: OpContext, model: HostedModel, args: ModelArgs) -> tuple[f
     targets = ctx.store.peek(args.targets)
     if inputs is None or targets is None:
         raise NotFound(f"tensor {args.inputs if inputs is None else args.targets!r} vanished")
-    loss_fn = _LOSSES[args.loss]
+    loss_fn = LOSSES[args.loss]
     for p in model.module.parameters():
         p.grad = None
     arena = model.grad_arena()

@@ -32,11 +32,11 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from collectives.dtypes import from_wire
 from collectives.errors import CollectiveError, Reason, error_for_code
-from collectives.op_specs import OpKind, spec
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
+from collectives.wire.dtypes import from_wire
+from collectives.wire.op_specs import OpKind, spec
 from collectives_server.worker.data.store import Reservation
 from collectives_server.worker.engine import agreement
 from collectives_server.worker.engine.handlers import coalesced_buckets

@@ -35,8 +35,8 @@ import grpc
 import torch
 
 from collectives.errors import CollectiveError, Reason, error_for_code
-from collectives.op_specs import OpKind, spec
 from collectives.v1 import worker_pb2
+from collectives.wire.op_specs import OpKind, spec
 from collectives_server.worker.data.store import Fence, upload_prefix
 from collectives_server.worker.engine import agreement, validation
 from collectives_server.worker.engine.op_context import (

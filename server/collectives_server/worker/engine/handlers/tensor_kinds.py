@@ -10,7 +10,7 @@ Two ways, one entry per kind in :data:`KINDS`:
   bit-identical across ranks, like a backend collective's.
 
 Both return the tensor this member stores, or None. The rules about *who*
-contributes and stores live in the spec table (``collectives.op_specs``).
+contributes and stores live in the spec table (``collectives.wire.op_specs``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from collectives.op_specs import OpKind
 from collectives.reduce_ops import ReduceOp
+from collectives.wire.op_specs import OpKind
 from collectives_server.worker.engine.validation import Plan
 from collectives_server.worker.kernels import collective_ops as ops
 

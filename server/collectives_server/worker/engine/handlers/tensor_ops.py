@@ -24,9 +24,9 @@ import grpc
 import torch
 
 from collectives.errors import CollectiveError, error_for_code
-from collectives.op_specs import Operand, OpKind, Stores, spec
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
+from collectives.wire.op_specs import Operand, OpKind, Stores, spec
 from collectives_server.worker.data.store import Fence
 from collectives_server.worker.engine import agreement, validation
 from collectives_server.worker.engine.handlers.tensor_kinds import KINDS, Member

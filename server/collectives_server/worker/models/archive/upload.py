@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from collectives.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
-from collectives.names import ARCHIVE_PREFIX, validate_name
+from collectives.wire.names import ARCHIVE_PREFIX, validate_name
 from collectives_server.worker.models.archive.canary import trial_load
 from collectives_server.worker.models.archive.checks import check_archive
 from collectives_server.worker.models.archive.config import ModelUploadConfig

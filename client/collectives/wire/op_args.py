@@ -1,7 +1,7 @@
 """Argument checks of the c10d extensions, one function per rule, used by the SDK
 and the worker's servicer alike (so a rule has one wording wherever it is caught):
 uneven all_to_all's split matrix, a coalesced op's names, an exchange's pairs.
-The single-tensor ops' checks live beside their specs in :mod:`collectives.op_specs`.
+The single-tensor ops' checks live beside their specs in :mod:`collectives.wire.op_specs`.
 
 Like ``op_specs``, this module does not import torch.
 """
@@ -13,8 +13,8 @@ from collections import Counter
 from collections.abc import Sequence
 
 from collectives.errors import InvalidArgument
-from collectives.names import validate_name
-from collectives.op_specs import check_rank
+from collectives.wire.names import validate_name
+from collectives.wire.op_specs import check_rank
 
 __all__ = [
     "MAX_COALESCED",

@@ -1,4 +1,9 @@
-"""Validation of tensor names: 1-256 characters of ``[A-Za-z0-9_.:/-]``."""
+"""Names both sides spell the same way.
+
+Tensor names (1-256 characters of ``[A-Za-z0-9_.:/-]``) and their reserved
+prefixes; the gRPC metadata key that names a model on its upload streams; the
+losses and optimizers the workers know by name.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,16 @@ import re
 
 from collectives.errors import InvalidArgument
 
-__all__ = ["validate_name", "MAX_NAME_LENGTH", "UPLOAD_PREFIX", "ARCHIVE_PREFIX", "reserved_prefix"]
+__all__ = [
+    "ARCHIVE_PREFIX",
+    "BUILTIN_LOSSES",
+    "MAX_NAME_LENGTH",
+    "MODEL_METADATA_KEY",
+    "OPTIMIZERS",
+    "UPLOAD_PREFIX",
+    "reserved_prefix",
+    "validate_name",
+]
 
 MAX_NAME_LENGTH = 256
 # Reserved: a publish's uploads wait on the leader under "__publish/<id>/<key>".
@@ -14,6 +28,12 @@ UPLOAD_PREFIX = "__publish/"
 # Reserved: load_model stages a model archive on every rank as "__archive/<id>"
 # (a replicated put), then each worker's LoadModel reads and deletes it.
 ARCHIVE_PREFIX = "__archive/"
+# The gRPC metadata key naming the model a LoadModel / GetModelTensors stream is for.
+MODEL_METADATA_KEY = "collectives-model"
+# The losses ``train_step`` computes on the workers by name.
+BUILTIN_LOSSES = ("mse", "cross_entropy")
+# The optimizers ``step`` and ``train_step`` build on the workers by name.
+OPTIMIZERS = ("sgd", "adam", "adamw")
 _NAME_RE = re.compile(r"[A-Za-z0-9_.:/-]{1,256}")
 
 

@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from collectives.errors import Unavailable
-from collectives.op_specs import check_rank
 from collectives.v1 import coordinator_pb2, status_pb2
+from collectives.wire.op_specs import check_rank
 
 __all__ = [
     "DEFAULT_OP_TIMEOUT_S",
