@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -37,19 +36,17 @@ from collectives._deadlines import time_left
 from collectives._model_transport import load_model_on
 from collectives._progress import NO_PROGRESS, Progress
 from collectives._replicate import REPLICATE_MIN_BYTES, UseParallelPuts, replicate
+from collectives._session import Session
 from collectives._transport import WorkerEndpoint
 from collectives.errors import CollectiveError
 from collectives.v1 import worker_pb2
 from collectives.wire.names import ARCHIVE_PREFIX
 
-if TYPE_CHECKING:
-    from collectives._core import _ClusterCore
-
 __all__ = ["stage_archive", "load_staged", "drop_staged", "REPLICATE_MIN_BYTES"]
 
 
 def stage_archive(
-    cluster: _ClusterCore,
+    session: Session,
     archive: bytes,
     world: int,
     use_shm: bool,
@@ -64,7 +61,7 @@ def stage_archive(
     # A view on the bytes: no copy (the tensor is only read).
     t = torch.frombuffer(bytearray(archive), dtype=torch.uint8)
     try:
-        replicate(cluster, name, t, deadline, bar)
+        replicate(session, name, t, deadline, bar)
     except UseParallelPuts:
         return None
     except CollectiveError as err:
@@ -75,7 +72,7 @@ def stage_archive(
 
 
 def load_staged(
-    cluster: _ClusterCore,
+    session: Session,
     what: str,
     spec: worker_pb2.ModelSpec,
     archive: bytes,
@@ -104,11 +101,11 @@ def load_staged(
         return response
 
     try:
-        return cluster._fan_out(
+        return session.fan_out(
             what, {rank: (lambda r=rank, e=e: load_on(r, e)) for rank, e in endpoints.items()}
         )
     finally:
-        drop_staged(cluster, [e for r, e in endpoints.items() if r not in loaded], staged)
+        drop_staged(session, [e for r, e in endpoints.items() if r not in loaded], staged)
 
 
 def wants_streaming(err: CollectiveError) -> bool:
@@ -119,7 +116,7 @@ def wants_streaming(err: CollectiveError) -> bool:
     return err.code == grpc.StatusCode.INVALID_ARGUMENT and "ended after 0 of" in err.message
 
 
-def drop_staged(cluster: _ClusterCore, endpoints: list[WorkerEndpoint], name: str) -> None:
+def drop_staged(session: Session, endpoints: list[WorkerEndpoint], name: str) -> None:
     """Best effort, in parallel: deletes ``name`` on each endpoint (2 s per call)."""
     if not endpoints:
         return
@@ -131,7 +128,7 @@ def drop_staged(cluster: _ClusterCore, endpoints: list[WorkerEndpoint], name: st
             )
 
     with contextlib.suppress(CollectiveError):
-        cluster._fan_out(
+        session.fan_out(
             f"delete staged archive {name!r}",
             {i: (lambda e=e: drop(e)) for i, e in enumerate(endpoints)},
         )

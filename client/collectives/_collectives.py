@@ -11,6 +11,21 @@ generation the SDK believes is current (the leader refuses a mismatch as
 ``UNAVAILABLE`` without running anything) and the op timeout. A failed op is
 retried only when the server marked it ``collectives-executed: no``; a
 reduction that may have run is never repeated behind the caller's back.
+
+Coalesced forms: ``cluster.all_reduce(["a", "b", "c"])`` (likewise ``broadcast``
+and ``all_gather`` of a list or tuple of names) is one atomic op on the leader,
+not three: every name is validated on every rank before any data moves (one
+missing or mismatched name fails the whole op and changes nothing), the quota is
+judged for the op's results together, and the data moves in as few collectives
+as the dtypes allow (buckets like DDP's). Names may differ in dtype and shape;
+they must be distinct, 1 to ``op_args.MAX_COALESCED`` of them (the rule and its
+wording live in :func:`collectives.wire.op_args.check_coalesced_names`, which
+the worker applies too).
+
+:class:`Collectives` is the part of ``Cluster`` that sends these ops, over a
+:class:`~collectives._session.Session`; it downloads results through the
+:class:`~collectives._data_plane.DataPlane`. Point to point (``_p2p``) sends its
+ops through :meth:`Collectives.run_op`.
 """
 
 from __future__ import annotations
@@ -21,9 +36,9 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from collectives._coalesced import _Coalesced, is_coalesced
-from collectives._core import annotate, server_timeout_s
+from collectives._data_plane import DataPlane
 from collectives._generation_binding import GenerationBinding, is_not_executed
+from collectives._session import Session, server_timeout_s
 from collectives._transport import call_unary
 from collectives._validation import (
     check_group,
@@ -34,22 +49,22 @@ from collectives._validation import (
     check_root,
     check_single,
 )
-from collectives.errors import CollectiveError, InvalidArgument, Reason, Unavailable
+from collectives.errors import CollectiveError, InvalidArgument, Reason, Unavailable, annotate
 from collectives.groups import Group
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
-from collectives.wire.op_args import check_split_matrix
+from collectives.wire.op_args import check_coalesced_names, check_split_matrix
 from collectives.work import OpRecord, Work
 
-__all__: list[str] = []
+__all__ = ["Collectives", "is_coalesced"]
 
 R = TypeVar("R")
 Request = Callable[[worker_pb2.OpOptions], Any]
 Finish = Callable[[worker_pb2.CollectiveResponse, float], R]
 
 
-class _Collectives(_Coalesced):
-    """The collectives half of :class:`~collectives.Cluster`.
+class Collectives:
+    """The collectives part of :class:`~collectives.Cluster` (see the module).
 
     Every method raises, besides what it lists:
         InvalidArgument: bad name, rank, op or group (at the call, also with async_op).
@@ -58,6 +73,10 @@ class _Collectives(_Coalesced):
         DeadlineExceeded: not done within ``timeout`` seconds.
         ResourceExhausted: the leader's op queue is full.
     """
+
+    def __init__(self, session: Session, data_plane: DataPlane) -> None:
+        self._session = session
+        self._data_plane = data_plane
 
     def broadcast(
         self,
@@ -71,7 +90,7 @@ class _Collectives(_Coalesced):
         """Copies ``name`` from global rank ``src`` to every rank of ``group``.
 
         Only ``src`` needs the tensor; the others' copies are created or replaced.
-        A list of names is one atomic op (see ``_coalesced``). Like
+        A list of names is one atomic op (see the module). Like
         ``torch.distributed.broadcast`` it works in place: ``out`` is taken by
         every op for uniformity and refused here with the reason.
 
@@ -89,9 +108,9 @@ class _Collectives(_Coalesced):
             return self._broadcast_many(cast(Sequence[str], name), src, group, async_op, timeout)
         check_name(name)
         group = check_group(group)
-        deadline = self._deadline(timeout)
+        deadline = self._session.deadline(timeout)
         src = check_root("broadcast", src, self._world(deadline), group)
-        return self._collective(
+        return self.run_op(
             f"broadcast {name!r}",
             "Broadcast",
             lambda o: worker_pb2.BroadcastRequest(options=o, name=name, src=src),
@@ -125,9 +144,9 @@ class _Collectives(_Coalesced):
         reduce_op = check_op(op)
         out_name = check_out(out)
         group = check_group(group)
-        deadline = self._deadline(timeout)
+        deadline = self._session.deadline(timeout)
         self._world(deadline)
-        return self._collective(
+        return self.run_op(
             f"all_reduce {name!r}",
             "AllReduce",
             lambda o: worker_pb2.AllReduceRequest(
@@ -160,9 +179,9 @@ class _Collectives(_Coalesced):
         reduce_op = check_op(op)
         out_name = check_out(out)
         group = check_group(group)
-        deadline = self._deadline(timeout)
+        deadline = self._session.deadline(timeout)
         dst = check_root("reduce", dst, self._world(deadline), group)
-        return self._collective(
+        return self.run_op(
             f"reduce {name!r}",
             "Reduce",
             lambda o: worker_pb2.ReduceRequest(
@@ -171,7 +190,9 @@ class _Collectives(_Coalesced):
             deadline,
             group,
             async_op,
-            lambda resp, dl: self._get_rank(resp.result_name or out_name or name, dst, dl),
+            lambda resp, dl: self._data_plane.get_rank(
+                resp.result_name or out_name or name, dst, dl
+            ),
         )
 
     def all_gather(
@@ -198,14 +219,18 @@ class _Collectives(_Coalesced):
         check_name(name)
         out_name = check_out(out)
         group = check_group(group)
-        deadline = self._deadline(timeout)
+        deadline = self._session.deadline(timeout)
         self._world(deadline)
 
         def fetch(resp: worker_pb2.CollectiveResponse, dl: float) -> list[torch.Tensor]:
             holder = resp.result_ranks[0] if resp.result_ranks else _first_rank(group)
-            return list(self._get_rank(resp.result_name or out_name or name, holder, dl).unbind(0))
+            return list(
+                self._data_plane.get_rank(resp.result_name or out_name or name, holder, dl).unbind(
+                    0
+                )
+            )
 
-        return self._collective(
+        return self.run_op(
             f"all_gather {name!r}",
             "AllGather",
             lambda o: worker_pb2.AllGatherRequest(options=o, name=name, out=out_name),
@@ -236,13 +261,15 @@ class _Collectives(_Coalesced):
         check_single("gather", name)
         out_name = check_out(out)
         group = check_group(group)
-        deadline = self._deadline(timeout)
+        deadline = self._session.deadline(timeout)
         dst = check_root("gather", dst, self._world(deadline), group)
 
         def fetch(resp: worker_pb2.CollectiveResponse, dl: float) -> list[torch.Tensor]:
-            return list(self._get_rank(resp.result_name or out_name or name, dst, dl).unbind(0))
+            return list(
+                self._data_plane.get_rank(resp.result_name or out_name or name, dst, dl).unbind(0)
+            )
 
-        return self._collective(
+        return self.run_op(
             f"gather {name!r}",
             "Gather",
             lambda o: worker_pb2.GatherRequest(options=o, name=name, dst=dst, out=out_name),
@@ -272,9 +299,9 @@ class _Collectives(_Coalesced):
         reduce_op = check_op(op)
         out_name = check_out(out)
         group = check_group(group)
-        deadline = self._deadline(timeout)
+        deadline = self._session.deadline(timeout)
         self._world(deadline)
-        return self._collective(
+        return self.run_op(
             f"reduce_scatter {name!r}",
             "ReduceScatter",
             lambda o: worker_pb2.ReduceScatterRequest(
@@ -314,13 +341,13 @@ class _Collectives(_Coalesced):
         check_single("all_to_all", name)
         out_name = check_out(out)
         group = check_group(group)
-        deadline = self._deadline(timeout)
+        deadline = self._session.deadline(timeout)
         world = self._world(deadline)
         splits: list[int] = []
         if split_sizes is not None:
             size = len(group.ranks) if group is not None else world
             splits = [n for row in check_split_matrix(split_sizes, size) for n in row]
-        return self._collective(
+        return self.run_op(
             f"all_to_all {name!r}",
             "AllToAll",
             lambda o: worker_pb2.AllToAllRequest(
@@ -340,9 +367,9 @@ class _Collectives(_Coalesced):
             Unavailable: a rank was lost.
         """
         group = check_group(group)
-        deadline = self._deadline(timeout)
+        deadline = self._session.deadline(timeout)
         self._world(deadline)
-        return self._collective(
+        return self.run_op(
             "barrier",
             "Barrier",
             lambda o: worker_pb2.BarrierRequest(options=o),
@@ -361,12 +388,12 @@ class _Collectives(_Coalesced):
             Unavailable: the cluster is not formed or the leader was lost.
             DeadlineExceeded: not done within ``timeout`` seconds.
         """
-        deadline = self._deadline(timeout)
+        deadline = self._session.deadline(timeout)
         checked = check_new_group_ranks(ranks, self._world(deadline))
 
         def run() -> Group:
             def attempt(remaining: float) -> Group:
-                snapshot = self._leader_snapshot(time.monotonic() + remaining)
+                snapshot = self._session.leader_snapshot(time.monotonic() + remaining)
                 leader = snapshot.leader_address or ""
                 options = worker_pb2.OpOptions(
                     generation=snapshot.generation,
@@ -374,7 +401,7 @@ class _Collectives(_Coalesced):
                     membership_digest=snapshot.membership_digest,
                 )
                 resp = call_unary(
-                    self._endpoint(leader).stub.NewGroup,
+                    self._session.endpoint(leader).stub.NewGroup,
                     worker_pb2.NewGroupRequest(options=options, ranks=checked),
                     remaining,
                     f"new_group {checked} on leader {leader}",
@@ -385,18 +412,96 @@ class _Collectives(_Coalesced):
                     generation=int(resp.generation) or snapshot.generation,
                 )
 
-            return self._retry(f"new_group {checked}", deadline, attempt, is_not_executed)
+            return self._session.retry(f"new_group {checked}", deadline, attempt, is_not_executed)
 
         # async_op=False: _ordered returns run()'s value, not a Work.
-        return cast(Group, self._ordered(f"new_group {checked}", run, deadline, async_op=False))
+        return cast(
+            Group, self._session.ordered(f"new_group {checked}", run, deadline, async_op=False)
+        )
+
+    # --- coalesced forms ------------------------------------------------------
+
+    def _broadcast_many(
+        self,
+        names: Sequence[str],
+        src: int,
+        group: Group | None,
+        async_op: bool,
+        timeout: float | None,
+    ) -> Work[None] | None:
+        checked, _ = check_coalesced_names(names)
+        group = check_group(group)
+        deadline = self._session.deadline(timeout)
+        src = check_root("broadcast", src, self._world(deadline), group)
+        return self.run_op(
+            _what("broadcast", checked),
+            "Broadcast",
+            lambda o: worker_pb2.BroadcastRequest(options=o, names=checked, src=src),
+            deadline,
+            group,
+            async_op,
+        )
+
+    def _all_reduce_many(
+        self,
+        names: Sequence[str],
+        op: str | ReduceOp,
+        group: Group | None,
+        out: object,
+        async_op: bool,
+        timeout: float | None,
+    ) -> Work[None] | None:
+        checked, outs = check_coalesced_names(names, _out_list(out))
+        reduce_op = check_op(op)
+        group = check_group(group)
+        deadline = self._session.deadline(timeout)
+        self._world(deadline)
+        return self.run_op(
+            _what("all_reduce", checked),
+            "AllReduce",
+            lambda o: worker_pb2.AllReduceRequest(
+                options=o, names=checked, outs=outs, op=reduce_op.wire
+            ),
+            deadline,
+            group,
+            async_op,
+        )
+
+    def _all_gather_many(
+        self,
+        names: Sequence[str],
+        out: object,
+        group: Group | None,
+        async_op: bool,
+        timeout: float | None,
+    ) -> list[list[torch.Tensor]] | Work[list[list[torch.Tensor]]]:
+        checked, outs = check_coalesced_names(names, _out_list(out))
+        group = check_group(group)
+        deadline = self._session.deadline(timeout)
+        self._world(deadline)
+
+        def fetch(resp: worker_pb2.CollectiveResponse, dl: float) -> list[list[torch.Tensor]]:
+            holder = resp.result_ranks[0] if resp.result_ranks else _first_rank(group)
+            stored = list(resp.result_names) or outs or checked
+            return [list(self._data_plane.get_rank(name, holder, dl).unbind(0)) for name in stored]
+
+        return self.run_op(
+            _what("all_gather", checked),
+            "AllGather",
+            lambda o: worker_pb2.AllGatherRequest(options=o, names=checked, outs=outs),
+            deadline,
+            group,
+            async_op,
+            fetch,
+        )
 
     # --- helpers -------------------------------------------------------------
 
     def _world(self, deadline: float) -> int:
         """World size of the formed cluster (validation needs it before any op RPC)."""
-        return self._formed_snapshot(deadline).world_size
+        return self._session.formed_snapshot(deadline).world_size
 
-    def _collective(
+    def run_op(
         self,
         what: str,
         method: str,
@@ -406,13 +511,18 @@ class _Collectives(_Coalesced):
         async_op: bool,
         finish: Finish[R] | None = None,
     ) -> Any:
-        """Sends the op to the leader (retrying only never-started ops), then ``finish``es it."""
+        """Sends ``method`` to the leader in this client's op order, then ``finish``es it.
+
+        ``request(options)`` builds the request; only an op the server marked as
+        never started is retried. Returns what ``finish(response, deadline)``
+        returns (None without ``finish``), or a ``Work`` of it with ``async_op``.
+        """
 
         binding = GenerationBinding(what)
         record = OpRecord()
 
         def attempt(remaining: float) -> worker_pb2.CollectiveResponse:
-            snapshot = self._leader_snapshot(time.monotonic() + remaining)
+            snapshot = self._session.leader_snapshot(time.monotonic() + remaining)
             generation, group_id = snapshot.generation, 0
             if group is not None:
                 if group.generation < snapshot.generation:
@@ -433,11 +543,11 @@ class _Collectives(_Coalesced):
                 timeout_s=server_timeout_s(remaining),
                 membership_digest=snapshot.digest_of(generation),
             )
-            stub_method = getattr(self._endpoint(leader).stub, method)
+            stub_method = getattr(self._session.endpoint(leader).stub, method)
             return call_unary(stub_method, request(options), remaining, f"{what} on {leader}")
 
         def run() -> Any:
-            response = self._retry(what, deadline, attempt, binding.retryable)
+            response = self._session.retry(what, deadline, attempt, binding.retryable)
             record.generation = int(response.generation) or record.generation
             if finish is None:
                 return None
@@ -446,7 +556,27 @@ class _Collectives(_Coalesced):
             except CollectiveError as err:
                 raise annotate(err, f"{what} succeeded but fetching its result failed") from None
 
-        return self._ordered(what, run, deadline, async_op, record)
+        return self._session.ordered(what, run, deadline, async_op, record)
+
+
+def is_coalesced(name: object) -> bool:
+    """Whether a collective's ``name`` argument asks for the coalesced form."""
+    return isinstance(name, (list, tuple))
+
+
+def _what(kind: str, names: list[str]) -> str:
+    shown = f"{names[0]!r}" + (f" (+{len(names) - 1} more)" if len(names) > 1 else "")
+    return f"{kind} of {len(names)} tensor{'s' if len(names) > 1 else ''} [{shown}]"
+
+
+def _out_list(out: object) -> object:
+    """``out`` of a coalesced op: None, or a list of names (checked by the caller)."""
+    if out is not None and not is_coalesced(out):
+        raise InvalidArgument(
+            f"out must be None or a list of names (one per name) when names is a list, "
+            f"got {type(out).__name__}"
+        )
+    return out
 
 
 def _first_rank(group: Group | None) -> int:

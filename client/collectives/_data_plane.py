@@ -7,6 +7,10 @@ broadcasts it to the other workers (``_replicate``), so the client sends each
 byte once. All four calls are idempotent, so each rank's call is retried on
 ``UNAVAILABLE`` after refreshing the cluster (which re-resolves rank to
 address), within the call's deadline.
+
+:class:`DataPlane` is the part of ``Cluster`` that makes these calls, over a
+:class:`~collectives._session.Session`; the collectives use its ``get_rank`` to
+download their results.
 """
 
 from __future__ import annotations
@@ -21,9 +25,9 @@ import grpc
 import torch
 
 from collectives import shm
-from collectives._core import _ClusterCore, annotate
 from collectives._progress import Deferred, Progress, progress
 from collectives._replicate import REPLICATE_MIN_BYTES, UseParallelPuts, replicate
+from collectives._session import Session
 from collectives._transport import (
     DataPath,
     WorkerEndpoint,
@@ -42,20 +46,35 @@ from collectives._validation import (
     check_tensor,
     scatter_parts,
 )
-from collectives.errors import CollectiveError, InvalidArgument, NotFound, Reason, Unavailable
+from collectives.errors import (
+    CollectiveError,
+    InvalidArgument,
+    NotFound,
+    Reason,
+    Unavailable,
+    annotate,
+)
 from collectives.groups import Group
 from collectives.v1 import worker_pb2
 from collectives.wire import codec
 from collectives.wire.names import UPLOAD_PREFIX, reserved_prefix
 from collectives.work import Work
 
-__all__: list[str] = []
+__all__ = ["DataPlane"]
 
 R = TypeVar("R")
 
 
-class _DataPlane(_ClusterCore):
-    """The data-placement half of :class:`~collectives.Cluster`."""
+class DataPlane:
+    """``put``, ``get``, ``delete`` and ``scatter`` over one session (see the module)."""
+
+    def __init__(self, session: Session) -> None:
+        self._session = session
+        # Worker addresses that refused shared memory (UNIMPLEMENTED, not loopback): stream.
+        self._shm_refused: set[str] = set()
+        # (generation, id) of the groups this client destroyed: the calls the SDK runs
+        # itself (a group scatter) refuse them as the leader refuses the others.
+        self._destroyed_groups: set[tuple[int, int]] = set()
 
     def put(
         self, name: str, t: torch.Tensor, rank: int | None = None, timeout: float | None = None
@@ -84,30 +103,30 @@ class _DataPlane(_ClusterCore):
                 f"{'publish' if reserved == UPLOAD_PREFIX else 'load_model'}'s uploads"
             )
         check_tensor(t)
-        deadline = self._deadline(timeout)
+        deadline = self._session.deadline(timeout)
         ranks = self._target_ranks(rank, deadline)
-        use_shm = self._shm_wanted(ranks, deadline)
+        use_shm = self.shm_wanted(ranks, deadline)
         # One CPU copy shared by all uploads (and the shared-memory segment).
         wire = codec.wire_tensor(t) if len(ranks) > 1 or use_shm else t
         nbytes = wire.numel() * wire.element_size()
         if rank is None and len(ranks) > 1 and not use_shm and nbytes >= REPLICATE_MIN_BYTES:
             try:
-                with progress(f"put {name!r}", nbytes, self._progress) as bar:
-                    replicate(self, name, wire, deadline, bar)
+                with progress(f"put {name!r}", nbytes, self._session.progress) as bar:
+                    replicate(self._session, name, wire, deadline, bar)
                 return
             except UseParallelPuts:
                 ranks = self._target_ranks(rank, deadline)  # as below, every rank in parallel
         segment = None
         if use_shm:
-            segment = self._shm_pool.acquire(nbytes)
+            segment = self._session.shm_pool.acquire(nbytes)
         # One bar for the whole call: every rank's bytes.
-        bar = progress(f"put {name!r}", nbytes * len(ranks), self._progress)
+        bar = progress(f"put {name!r}", nbytes * len(ranks), self._session.progress)
         try:
             if segment is not None:
                 segment.write(wire)
             # A put to one worker may leave the tensor in the segment (hand it over).
             hand_over = len(ranks) == 1
-            self._fan_out(
+            self._session.fan_out(
                 f"put {name!r}",
                 {
                     r: self._rank_call(
@@ -119,7 +138,7 @@ class _DataPlane(_ClusterCore):
         finally:
             bar.close()
             if segment is not None:
-                self._shm_pool.release(segment)
+                self._session.shm_pool.release(segment)
 
     def get(
         self,
@@ -147,9 +166,9 @@ class _DataPlane(_ClusterCore):
         check_name(name)
         if out is not None:
             codec.check_out(out)
-        deadline = self._deadline(timeout)
-        rank = check_rank(rank, self._formed_snapshot(deadline).world_size)
-        return self._get_rank(name, rank, deadline, out)
+        deadline = self._session.deadline(timeout)
+        rank = check_rank(rank, self._session.formed_snapshot(deadline).world_size)
+        return self.get_rank(name, rank, deadline, out)
 
     def delete(
         self,
@@ -167,7 +186,7 @@ class _DataPlane(_ClusterCore):
             DeadlineExceeded: not done within ``timeout`` seconds.
         """
         check_name(name)
-        deadline = self._deadline(timeout)
+        deadline = self._session.deadline(timeout)
         ranks = self._target_ranks(rank, deadline)
         what = f"delete {name!r}"
 
@@ -176,7 +195,7 @@ class _DataPlane(_ClusterCore):
             response = call_unary(endpoint.stub.DeleteTensor, request, remaining, what)
             return bool(response.deleted)
 
-        deleted = self._fan_out(
+        deleted = self._session.fan_out(
             what, {r: self._rank_call(r, deadline, what, delete_on) for r in ranks}
         )
         if not missing_ok and not any(deleted.values()):
@@ -218,8 +237,8 @@ class _DataPlane(_ClusterCore):
         check_name(name)
         check_tensor(t)
         group = check_group(group)
-        deadline = self._deadline(timeout)
-        snapshot = self._formed_snapshot(deadline)
+        deadline = self._session.deadline(timeout)
+        snapshot = self._session.formed_snapshot(deadline)
         if group is None:
             ranks, of = list(range(snapshot.world_size)), "the world size"
         else:
@@ -229,8 +248,8 @@ class _DataPlane(_ClusterCore):
         total = sum(p.numel() * p.element_size() for p in parts)
 
         def run() -> None:
-            with progress(what, total, self._progress) as bar:
-                self._fan_out(
+            with progress(what, total, self._session.progress) as bar:
+                self._session.fan_out(
                     what,
                     {
                         r: self._rank_call(r, deadline, what, _put_stream(name, p, bar))
@@ -241,14 +260,24 @@ class _DataPlane(_ClusterCore):
         if not async_op:
             run()
             return None
-        return self._ordered(what, run, deadline, async_op=True)
+        return self._session.ordered(what, run, deadline, async_op=True)
+
+    def note_destroyed(self, group: Group) -> None:
+        """``destroy_group(group)`` ran: this client's own group calls refuse it from now on."""
+        self._destroyed_groups.add((group.generation, group.id))
 
     def _group_members(self, group: Group, generation: int) -> list[int]:
         """``group``'s global ranks, for the calls the SDK runs itself (scatter).
 
         Raises:
+            NotFound: this client destroyed the group.
             Unavailable: the group belongs to an older generation.
         """
+        if (group.generation, group.id) in self._destroyed_groups:
+            raise NotFound(
+                f"group {list(group.ranks)} (id {group.id}) was destroyed; create it again "
+                "with new_group"
+            )
         if group.generation != generation:
             raise Unavailable(
                 f"group {list(group.ranks)} (id {group.id}) belongs to generation "
@@ -262,14 +291,15 @@ class _DataPlane(_ClusterCore):
     # --- helpers -------------------------------------------------------------
 
     def _target_ranks(self, rank: int | None, deadline: float) -> list[int]:
-        world_size = self._formed_snapshot(deadline).world_size
+        world_size = self._session.formed_snapshot(deadline).world_size
         if rank is None:
             return list(range(world_size))
         return [check_rank(rank, world_size)]
 
-    def _get_rank(
+    def get_rank(
         self, name: str, rank: int, deadline: float, out: torch.Tensor | None = None
     ) -> torch.Tensor:
+        """Downloads ``name`` from ``rank`` (retried within ``deadline``); see :meth:`get`."""
         what = f"get {name!r}"
 
         def get_on(endpoint: WorkerEndpoint, remaining: float) -> torch.Tensor:
@@ -277,7 +307,7 @@ class _DataPlane(_ClusterCore):
             route = choose_path(endpoint, remaining, nbytes=None, shared_memory=shared)
             if route.path is DataPath.SHM:
                 try:
-                    mapped = get_tensor_shm(endpoint, name, remaining, self._shm_pool)
+                    mapped = get_tensor_shm(endpoint, name, remaining, self._session.shm_pool)
                 except CollectiveError as err:
                     if not self._shm_refused_by(endpoint.address, err):
                         raise
@@ -287,7 +317,7 @@ class _DataPlane(_ClusterCore):
             return get_tensor(endpoint, name, remaining, route=route, progress=bar.start, out=out)
 
         # A bar once the size is known (shared memory: none, it is one copy).
-        with Deferred(what, self._progress) as bar:
+        with Deferred(what, self._session.progress) as bar:
             return self._rank_call(rank, deadline, what, get_on)()
 
     def _put(
@@ -306,7 +336,9 @@ class _DataPlane(_ClusterCore):
             if route.path is DataPath.SHM:
                 assert segment is not None
                 try:
-                    put_tensor_shm(endpoint, name, t, segment, remaining, self._shm_pool, hand_over)
+                    put_tensor_shm(
+                        endpoint, name, t, segment, remaining, self._session.shm_pool, hand_over
+                    )
                     bar.advance(nbytes)
                     return
                 except CollectiveError as err:
@@ -319,11 +351,11 @@ class _DataPlane(_ClusterCore):
 
     # --- shared-memory fast path ---------------------------------------------
 
-    def _shm_wanted(self, ranks: list[int], deadline: float) -> bool:
+    def shm_wanted(self, ranks: list[int], deadline: float) -> bool:
         """Whether a put to ``ranks`` should write a shared-memory segment."""
-        if not self._shared_memory or not shm.available():
+        if not self._session.shared_memory or not shm.available():
             return False
-        snapshot = self._formed_snapshot(deadline)
+        snapshot = self._session.formed_snapshot(deadline)
         try:
             return any(self._shm_ok(snapshot.address_of(r)) for r in ranks)
         except CollectiveError:
@@ -331,7 +363,7 @@ class _DataPlane(_ClusterCore):
 
     def _shm_ok(self, address: str) -> bool:
         """Same host (hostname as the coordinator reports it) and a loopback address."""
-        if not self._shared_memory or address in self._shm_refused:
+        if not self._session.shared_memory or address in self._shm_refused:
             return False
         host = address.rpartition(":")[0].strip("[]")
         if not _is_loopback(host):
@@ -339,7 +371,7 @@ class _DataPlane(_ClusterCore):
         hostname = _local_hostname()
         return any(
             w.address == address and w.hostname == hostname
-            for w in self._membership.snapshot.workers
+            for w in self._session.snapshot().workers
         )
 
     def _shm_refused_by(self, address: str, err: CollectiveError) -> bool:
@@ -360,12 +392,14 @@ class _DataPlane(_ClusterCore):
         """A retrying call of ``fn(endpoint_of_rank, remaining_s)``, re-resolving the rank."""
 
         def attempt(remaining: float) -> R:
-            address = self._formed_snapshot(time.monotonic() + remaining).address_of(rank)
-            return fn(self._endpoint(address), remaining)
+            address = self._session.formed_snapshot(time.monotonic() + remaining).address_of(rank)
+            return fn(self._session.endpoint(address), remaining)
 
         def call() -> R:
             try:
-                return self._retry(f"{what} on rank {rank}", deadline, attempt, is_retryable_read)
+                return self._session.retry(
+                    f"{what} on rank {rank}", deadline, attempt, is_retryable_read
+                )
             except CollectiveError as err:
                 raise annotate(err, f"{what} on rank {rank}") from None
 

@@ -8,6 +8,13 @@ two or more ranks is sent once and broadcast among the workers:
 zero_grad, state) fan out to every rank; the calls that need the process group
 (``all_reduce_gradients``, ``train_step``) go to the leader, which sequences
 them with every other collective.
+
+:class:`Models` is the part of ``Cluster`` that makes these calls, over a
+:class:`~collectives._session.Session` and the
+:class:`~collectives._data_plane.DataPlane` (whose shared-memory rule decides
+how an archive travels). ``DataParallel`` (``data_parallel``) runs on a session
+and a ``Models``: it records here which gradients it accumulated and hands back
+the graphs it retained.
 """
 
 from __future__ import annotations
@@ -26,21 +33,20 @@ from torch import nn
 
 from collectives import _publish
 from collectives._archive_staging import load_staged, stage_archive
-from collectives._core import server_timeout_s
+from collectives._data_plane import DataPlane
 from collectives._deadlines import time_left
 from collectives._generation_binding import GenerationBinding
 from collectives._model_transport import get_model_tensors, load_model_on
-from collectives._p2p import _PeerToPeer
 from collectives._progress import progress
+from collectives._session import Session, server_timeout_s
 from collectives._transport import WorkerEndpoint, call_unary, is_retryable_read
-from collectives.data_parallel import DataParallel
 from collectives.errors import CollectiveError, InvalidArgument, NotFound
 from collectives.reduce_ops import ReduceOp, parse_reduce_op
 from collectives.v1 import worker_pb2
 from collectives.wire.names import BUILTIN_LOSSES, OPTIMIZERS, validate_name
 from collectives.work import OpRecord
 
-__all__ = ["ModelInfo"]
+__all__ = ["ModelInfo", "Models", "export_archive"]
 
 
 @dataclass(frozen=True)
@@ -93,10 +99,13 @@ def export_archive(module: nn.Module, example_inputs: tuple[Any, ...], dim: int 
     return buffer.getvalue()
 
 
-class _Models(_PeerToPeer):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # In-flight fire-and-forget ReleaseGraph calls (see _release_graph).
+class Models:
+    """The model calls of :class:`~collectives.Cluster` (see the module)."""
+
+    def __init__(self, session: Session, data_plane: DataPlane) -> None:
+        self._session = session
+        self._data_plane = data_plane
+        # In-flight fire-and-forget ReleaseGraph calls (see release_graph).
         self._releases: set[Any] = set()
         # Models whose gradients on the workers came from a DataParallel backward of
         # a loss over the whole batch (until zero_grad or train_step): their shards'
@@ -104,7 +113,7 @@ class _Models(_PeerToPeer):
         self._whole_batch_grads: set[str] = set()
         self._grads_lock = threading.Lock()
 
-    def _note_remote_backward(self, name: str) -> None:
+    def note_remote_backward(self, name: str) -> None:
         """A DataParallel backward of ``name`` accumulated gradients on the workers."""
         with self._grads_lock:
             self._whole_batch_grads.add(name)
@@ -140,7 +149,7 @@ class _Models(_PeerToPeer):
             CollectiveError: a worker refused the model or the call failed.
         """
         validate_name(name, "model name")
-        deadline = self._deadline(timeout)
+        deadline = self._session.deadline(timeout)
         if (module is None) == (factory is None):
             raise InvalidArgument("load_model needs either a module or a factory (not both)")
         if module is not None:
@@ -161,12 +170,14 @@ class _Models(_PeerToPeer):
         what = f"load_model {name!r}"
         staged = None
         if archive:
-            use_shm = self._shm_wanted(sorted(endpoints), deadline)
-            with progress(what, len(archive), self._progress) as bar:
-                staged = stage_archive(self, archive, len(endpoints), use_shm, deadline, bar)
+            use_shm = self._data_plane.shm_wanted(sorted(endpoints), deadline)
+            with progress(what, len(archive), self._session.progress) as bar:
+                staged = stage_archive(
+                    self._session, archive, len(endpoints), use_shm, deadline, bar
+                )
         if staged is None:
-            with progress(what, len(archive) * len(endpoints), self._progress) as bar:
-                responses = self._fan_out(
+            with progress(what, len(archive) * len(endpoints), self._session.progress) as bar:
+                responses = self._session.fan_out(
                     what,
                     {
                         rank: (
@@ -178,7 +189,7 @@ class _Models(_PeerToPeer):
                     },
                 )
         else:
-            responses = load_staged(self, what, spec, archive, staged, endpoints, deadline)
+            responses = load_staged(self._session, what, spec, archive, staged, endpoints, deadline)
         info = _model_info(responses[min(responses)].model)
         if state_dict is not None:
             version = self.load_state_dict(name, state_dict, timeout=self._remaining(deadline))
@@ -194,7 +205,7 @@ class _Models(_PeerToPeer):
             NotFound: no worker had it (unless ``missing_ok``).
         """
         validate_name(name, "model name")
-        deadline = self._deadline(timeout)
+        deadline = self._session.deadline(timeout)
         results = self._per_rank(
             "unload_model",
             deadline,
@@ -210,7 +221,7 @@ class _Models(_PeerToPeer):
 
     def models(self, timeout: float | None = None) -> list[ModelInfo]:
         """Models loaded on the cluster (as rank 0 holds them)."""
-        deadline = self._deadline(timeout)
+        deadline = self._session.deadline(timeout)
         endpoint = self._member_endpoints(deadline)[0]
         response = call_unary(
             endpoint.stub.ListModels,
@@ -244,7 +255,7 @@ class _Models(_PeerToPeer):
             DeadlineExceeded: not done within ``timeout`` seconds.
         """
         validate_name(name, "model name")
-        deadline = self._deadline(timeout)
+        deadline = self._session.deadline(timeout)
         mode = worker_pb2.MODEL_MODE_TRAIN if training else worker_pb2.MODEL_MODE_EVAL
         request = worker_pb2.SetModelModeRequest(name=name, mode=mode)
         what = f"set_model_mode {name!r}"
@@ -252,10 +263,6 @@ class _Models(_PeerToPeer):
             what, deadline, lambda e, left: call_unary(e.stub.SetModelMode, request, left, what)
         )
         return _model_info(answers[min(answers)].model)
-
-    def data_parallel(self, name: str, dim: int = 0, timeout: float | None = None) -> DataParallel:
-        """A callable that runs model ``name`` data-parallel over the workers (see DataParallel)."""
-        return DataParallel(self, name, dim=dim, timeout=timeout)
 
     # ------------------------------------------------------- gradients, steps
     def all_reduce_gradients(
@@ -303,7 +310,7 @@ class _Models(_PeerToPeer):
             self._forget_gradients(name)  # reduced: every rank holds the full gradient
         if bucket_bytes is not None and bucket_bytes <= 0:
             raise InvalidArgument(f"bucket_bytes must be positive, got {bucket_bytes}")
-        deadline = self._deadline(timeout)
+        deadline = self._session.deadline(timeout)
         return self._leader_op(
             f"all_reduce_gradients {name!r}",
             "AllReduceGradients",
@@ -343,7 +350,7 @@ class _Models(_PeerToPeer):
         if optimizer is not None and optimizer not in OPTIMIZERS:
             raise InvalidArgument(f"optimizer {optimizer!r} is not one of {OPTIMIZERS}")
         hyper_json = _hyper_json(hyper)
-        deadline = self._deadline(timeout)
+        deadline = self._session.deadline(timeout)
         return self._leader_op(
             f"train_step {name!r}",
             "TrainStep",
@@ -380,7 +387,7 @@ class _Models(_PeerToPeer):
         )
         self._per_rank(
             f"step {name!r}",
-            self._deadline(timeout),
+            self._session.deadline(timeout),
             lambda e, t: call_unary(e.stub.Step, request, t, f"step {name!r}"),
         )
 
@@ -390,7 +397,7 @@ class _Models(_PeerToPeer):
         request = worker_pb2.ZeroGradRequest(model=name)
         self._per_rank(
             f"zero_grad {name!r}",
-            self._deadline(timeout),
+            self._session.deadline(timeout),
             lambda e, t: call_unary(e.stub.ZeroGrad, request, t, f"zero_grad {name!r}"),
         )
         self._forget_gradients(name)
@@ -433,11 +440,11 @@ class _Models(_PeerToPeer):
                 hold it (at most two versions are resident): run their backward or
                 drop their outputs, then publish again.
         """
-        deadline = self._deadline(timeout)
+        deadline = self._session.deadline(timeout)
         what = f"publish {name!r}"
-        response = self._ordered(
+        response = self._session.ordered(
             what,
-            lambda: _publish.publish(self, name, state_dict, strict, cast, deadline),
+            lambda: _publish.publish(self._session, name, state_dict, strict, cast, deadline),
             deadline,
             False,
         )
@@ -465,12 +472,12 @@ class _Models(_PeerToPeer):
         return time_left(deadline, "the model call")
 
     def _member_endpoints(self, deadline: float) -> dict[int, WorkerEndpoint]:
-        snapshot = self._formed_snapshot(deadline)
-        return {w.rank: self._endpoint(w.address) for w in snapshot.workers if w.rank >= 0}
+        snapshot = self._session.formed_snapshot(deadline)
+        return {w.rank: self._session.endpoint(w.address) for w in snapshot.workers if w.rank >= 0}
 
     def _per_rank(self, what: str, deadline: float, fn) -> dict[int, Any]:
         endpoints = self._member_endpoints(deadline)
-        return self._fan_out(
+        return self._session.fan_out(
             what,
             {rank: (lambda e=e: fn(e, self._remaining(deadline))) for rank, e in endpoints.items()},
         )
@@ -479,7 +486,7 @@ class _Models(_PeerToPeer):
         self, name: str, which: str, rank: int, timeout: float | None
     ) -> dict[str, torch.Tensor]:
         validate_name(name, "model name")
-        deadline = self._deadline(timeout)
+        deadline = self._session.deadline(timeout)
         endpoints = self._member_endpoints(deadline)
         if rank not in endpoints:
             raise InvalidArgument(
@@ -491,14 +498,14 @@ class _Models(_PeerToPeer):
             endpoint = self._member_endpoints(time.monotonic() + remaining)[rank]
             return get_model_tensors(endpoint, name, which, remaining)
 
-        return self._retry(f"{which} of {name!r}", deadline, attempt, is_retryable_read)
+        return self._session.retry(f"{which} of {name!r}", deadline, attempt, is_retryable_read)
 
     def _leader_op(self, what: str, method: str, request, deadline: float, async_op: bool, finish):
         binding = GenerationBinding(what)
         record = OpRecord()
 
         def attempt(remaining: float):
-            snapshot = self._leader_snapshot(time.monotonic() + remaining)
+            snapshot = self._session.leader_snapshot(time.monotonic() + remaining)
             binding.bind(snapshot.generation)
             record.generation = snapshot.generation
             options = worker_pb2.OpOptions(
@@ -507,17 +514,17 @@ class _Models(_PeerToPeer):
                 membership_digest=snapshot.membership_digest,
             )
             leader = snapshot.leader_address or ""
-            stub_method = getattr(self._endpoint(leader).stub, method)
+            stub_method = getattr(self._session.endpoint(leader).stub, method)
             return call_unary(stub_method, request(options), remaining, f"{what} on {leader}")
 
         def run() -> Any:
-            return finish(self._retry(what, deadline, attempt, binding.retryable))
+            return finish(self._session.retry(what, deadline, attempt, binding.retryable))
 
-        return self._ordered(what, run, deadline, async_op, record)
+        return self._session.ordered(what, run, deadline, async_op, record)
 
-    def _release_graph(self, model: str, call_id: str, endpoints: list[WorkerEndpoint]) -> None:
+    def release_graph(self, model: str, call_id: str, endpoints: list[WorkerEndpoint]) -> None:
         """Fire-and-forget release of a data-parallel call's retained graphs."""
-        if self.closed:
+        if self._session.closed:
             return
         request = worker_pb2.ReleaseGraphRequest(model=model, call_id=call_id)
         for endpoint in endpoints:

@@ -6,16 +6,22 @@
 Ranks are global, as in torch.distributed, and must be members of ``group``.
 ``destroy_group`` is sequenced like a collective, so every rank drops the group
 at the same point of the op order; using the group afterwards is ``NOT_FOUND``.
+
+:class:`PeerToPeer` is the part of ``Cluster`` that makes these calls: it sends
+``send``/``exchange`` through :meth:`Collectives.run_op
+<collectives._collectives.Collectives.run_op>` and tells the
+:class:`~collectives._data_plane.DataPlane` which groups it destroyed.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, cast
+from typing import cast
 
-from collectives._collectives import _Collectives
-from collectives._core import server_timeout_s
+from collectives._collectives import Collectives
+from collectives._data_plane import DataPlane
 from collectives._generation_binding import is_not_executed
+from collectives._session import Session, server_timeout_s
 from collectives._transport import call_unary
 from collectives._validation import check_group, check_out, check_single
 from collectives.errors import InvalidArgument, NotFound
@@ -24,18 +30,17 @@ from collectives.v1 import worker_pb2
 from collectives.wire.op_args import check_pairs
 from collectives.work import Work
 
-__all__: list[str] = []
+__all__ = ["PeerToPeer"]
 
 
-class _PeerToPeer(_Collectives):
-    """Point to point and group teardown; see :class:`_Collectives` for the errors every
+class PeerToPeer:
+    """Point to point and group teardown; see :class:`Collectives` for the errors every
     op may raise."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # (generation, id) of the groups this client destroyed: the calls the SDK runs
-        # itself (a group scatter) refuse them as the leader refuses the others.
-        self._destroyed_groups: set[tuple[int, int]] = set()
+    def __init__(self, session: Session, collectives: Collectives, data_plane: DataPlane) -> None:
+        self._session = session
+        self._collectives = collectives
+        self._data_plane = data_plane
 
     def send(
         self,
@@ -94,11 +99,11 @@ class _PeerToPeer(_Collectives):
                 "destroy_group needs a collectives.Group from Cluster.new_group, got "
                 f"{type(group).__name__}; the world group cannot be destroyed"
             )
-        deadline = self._deadline(timeout)
+        deadline = self._session.deadline(timeout)
         what = f"destroy_group {list(group.ranks)} (id {group.id})"
 
         def attempt(remaining: float) -> None:
-            snapshot = self._leader_snapshot(time.monotonic() + remaining)
+            snapshot = self._session.leader_snapshot(time.monotonic() + remaining)
             if group.generation != snapshot.generation:
                 raise NotFound(
                     f"{what}: the group belongs to generation {group.generation} and the "
@@ -112,22 +117,14 @@ class _PeerToPeer(_Collectives):
                 membership_digest=snapshot.digest_of(group.generation),
             )
             request = worker_pb2.DestroyGroupRequest(options=options)
-            stub = self._endpoint(leader).stub
+            stub = self._session.endpoint(leader).stub
             call_unary(stub.DestroyGroup, request, remaining, f"{what} on {leader}")
 
         def run() -> None:
-            self._retry(what, deadline, attempt, is_not_executed)
-            self._destroyed_groups.add((group.generation, group.id))
+            self._session.retry(what, deadline, attempt, is_not_executed)
+            self._data_plane.note_destroyed(group)
 
-        self._ordered(what, run, deadline, async_op=False)
-
-    def _group_members(self, group: Group, generation: int) -> list[int]:
-        if (group.generation, group.id) in self._destroyed_groups:
-            raise NotFound(
-                f"group {list(group.ranks)} (id {group.id}) was destroyed; create it again "
-                "with new_group"
-            )
-        return super()._group_members(group, generation)
+        self._session.ordered(what, run, deadline, async_op=False)
 
     def _exchange(
         self,
@@ -142,14 +139,14 @@ class _PeerToPeer(_Collectives):
         check_single(kind, name)
         out_name = check_out(out)
         group = check_group(group)
-        deadline = self._deadline(timeout)
+        deadline = self._session.deadline(timeout)
         members = list(group.ranks) if group is not None else None
-        checked = check_pairs(pairs, self._world(deadline), members)
+        checked = check_pairs(pairs, self._session.formed_snapshot(deadline).world_size, members)
         wire = [worker_pb2.ExchangePair(src=s, dst=d) for s, d in checked]
         shown = f"{checked[0][0]} -> {checked[0][1]}" if kind == "send" else f"{checked}"
         return cast(
             "Work[None] | None",
-            self._collective(
+            self._collectives.run_op(
                 f"{kind} {name!r} {shown}",
                 "Exchange",
                 lambda o: worker_pb2.ExchangeRequest(

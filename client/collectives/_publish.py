@@ -22,9 +22,8 @@ import uuid
 import grpc
 import torch
 
-from collectives._core import server_timeout_s
-from collectives._model_session import ModelSession
 from collectives._progress import progress
+from collectives._session import Session, server_timeout_s
 from collectives._transport import WorkerEndpoint, call_unary, put_tensor
 from collectives.errors import CollectiveError, InvalidArgument, Reason
 from collectives.v1 import worker_pb2
@@ -59,7 +58,7 @@ def _retryable(err: CollectiveError) -> bool:
 
 
 def publish(
-    cluster: ModelSession,
+    session: Session,
     name: str,
     state_dict: dict[str, torch.Tensor],
     strict: bool,
@@ -73,11 +72,11 @@ def publish(
     nbytes = sum(t.numel() * t.element_size() for t in entries.values())
 
     def attempt(remaining: float) -> worker_pb2.PublishModelResponse:
-        snapshot = cluster._leader_snapshot(time.monotonic() + remaining)
-        leader = cluster._endpoint(snapshot.leader_address or "")
+        snapshot = session.leader_snapshot(time.monotonic() + remaining)
+        leader = session.endpoint(snapshot.leader_address or "")
         prefix = f"{UPLOAD_PREFIX}{uuid.uuid4().hex}/"
         try:
-            with progress(what, nbytes, cluster._progress) as bar:
+            with progress(what, nbytes, session.progress) as bar:
                 for key, t in entries.items():
                     left = deadline - time.monotonic()
                     put_tensor(leader, prefix + key, t, left, progress=bar)
@@ -96,7 +95,7 @@ def publish(
             _drop_uploads(leader, prefix, list(entries))
             raise
 
-    return cluster._retry(what, deadline, attempt, _retryable)
+    return session.retry(what, deadline, attempt, _retryable)
 
 
 def _drop_uploads(leader: WorkerEndpoint, prefix: str, keys: list[str]) -> None:

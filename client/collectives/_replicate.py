@@ -21,20 +21,16 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from typing import TYPE_CHECKING
 
 import grpc
 import torch
 
-from collectives._core import server_timeout_s
 from collectives._progress import Progress
+from collectives._session import Session, server_timeout_s
 from collectives._transport import WorkerEndpoint, call_unary, put_tensor
 from collectives.errors import CollectiveError, Reason
 from collectives.v1 import worker_pb2
 from collectives.wire.names import UPLOAD_PREFIX
-
-if TYPE_CHECKING:
-    from collectives._core import _ClusterCore
 
 __all__ = ["replicate", "REPLICATE_MIN_BYTES", "UseParallelPuts"]
 
@@ -60,7 +56,7 @@ def _retryable(err: CollectiveError) -> bool:
 
 
 def replicate(
-    cluster: _ClusterCore,
+    session: Session,
     name: str,
     t: torch.Tensor,
     deadline: float,
@@ -77,8 +73,8 @@ def replicate(
     what = f"put {name!r}"
 
     def attempt(remaining: float) -> worker_pb2.CollectiveResponse:
-        snapshot = cluster._leader_snapshot(time.monotonic() + remaining)
-        leader = cluster._endpoint(snapshot.leader_address or "")
+        snapshot = session.leader_snapshot(time.monotonic() + remaining)
+        leader = session.endpoint(snapshot.leader_address or "")
         upload = f"{UPLOAD_PREFIX}{uuid.uuid4().hex}/put"
         try:
             try:
@@ -110,7 +106,7 @@ def replicate(
             _drop_upload(leader, upload)
             raise
 
-    return cluster._retry(what, deadline, attempt, _retryable)
+    return session.retry(what, deadline, attempt, _retryable)
 
 
 def _drop_upload(leader: WorkerEndpoint, upload: str) -> None:

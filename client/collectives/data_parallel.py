@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from collectives._deadlines import time_left
-from collectives._model_session import ModelSession
+from collectives._models import Models
+from collectives._session import Session
 from collectives._transport import WorkerEndpoint, call_unary, get_tensor, put_tensor
 from collectives.errors import CollectiveError, InvalidArgument, NotFound, Reason, Unavailable
 from collectives.v1 import worker_pb2
@@ -104,7 +105,7 @@ class _Shard:
 class _CallState:
     """What the release finalizer needs; holds no reference to the autograd graph."""
 
-    cluster: ModelSession
+    models: Models
     model: str
     call_id: str
     shards: list[_Shard]
@@ -115,7 +116,7 @@ def _release(state: _CallState) -> None:
     if state.finished:
         return
     state.finished = True
-    state.cluster._release_graph(state.model, state.call_id, [s.endpoint for s in state.shards])
+    state.models.release_graph(state.model, state.call_id, [s.endpoint for s in state.shards])
 
 
 class _RemoteCall:
@@ -123,13 +124,15 @@ class _RemoteCall:
 
     def __init__(
         self,
-        cluster: ModelSession,
+        session: Session,
+        models: Models,
         model: str,
         dim: int,
         timeout: float | None,
         training: bool | None = None,
     ) -> None:
-        self.cluster = cluster
+        self.session = session
+        self.models = models
         self.model = model
         self.dim = dim
         # The mode every shard runs in; None: each worker's mode for the model.
@@ -138,12 +141,12 @@ class _RemoteCall:
             True: worker_pb2.MODEL_MODE_TRAIN,
             False: worker_pb2.MODEL_MODE_EVAL,
         }[training]
-        self.deadline = cluster._deadline(timeout)
+        self.deadline = session.deadline(timeout)
         self.call_id = f"__dp/{uuid.uuid4().hex}"
         self.version = 0  # the model version that computed the outputs, once known
 
     def forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        snapshot = self.cluster._formed_snapshot(self.deadline)
+        snapshot = self.session.formed_snapshot(self.deadline)
         members = [w for w in snapshot.workers if w.rank >= 0]
         members.sort(key=lambda w: w.rank)
         parts_args, parts_kwargs = scatter_kwargs(inputs, kwargs, len(members), self.dim)
@@ -156,10 +159,10 @@ class _RemoteCall:
         ]
         self.grad_leaves = [all_leaves[k] for k in self.grad_leaf_ids]
         self.shards = [
-            _Shard(members[i].rank, self.cluster._endpoint(members[i].address))
+            _Shard(members[i].rank, self.session.endpoint(members[i].address))
             for i in range(len(parts_args))
         ]
-        self.state = _CallState(self.cluster, self.model, self.call_id, self.shards)
+        self.state = _CallState(self.models, self.model, self.call_id, self.shards)
         types = _namedtuple_types((inputs, kwargs))
 
         def run(i: int, version: int) -> tuple[Any, int]:
@@ -227,12 +230,12 @@ class _RemoteCall:
         shards = range(len(self.shards))
         for _ in range(_VERSION_ATTEMPTS):
             try:
-                done = self.cluster._fan_out(what, {i: (lambda i=i: run(i, 0)) for i in shards})
+                done = self.session.fan_out(what, {i: (lambda i=i: run(i, 0)) for i in shards})
                 newest = max(v for _, v in done.values())
                 behind = [i for i in shards if done[i][1] != newest]
                 if behind:
                     done.update(
-                        self.cluster._fan_out(
+                        self.session.fan_out(
                             what, {i: (lambda i=i, v=newest: run(i, v)) for i in behind}
                         )
                     )
@@ -254,10 +257,10 @@ class _RemoteCall:
                 "used or released; backward through it runs once"
             )
         self.state.finished = True
-        self.deadline = self.cluster._deadline(None)
+        self.deadline = self.session.deadline(None)
         # Gradients of a whole-batch loss accumulate on the workers: their sum is
         # the batch's gradient (all_reduce_gradients refuses "avg" on them).
-        self.cluster._note_remote_backward(self.model)
+        self.models.note_remote_backward(self.model)
 
         def slices(j: int, grad: torch.Tensor) -> list[torch.Tensor]:
             parts = [s.outputs[j] for s in self.shards]
@@ -305,7 +308,7 @@ class _RemoteCall:
                     came[n] = get_tensor(shard.endpoint, n, self._left(), consume=True)
             return [came[n] if n else None for n in response.input_grad_names]
 
-        per_worker = self.cluster._fan_out(
+        per_worker = self.session.fan_out(
             f"backward of {self.model!r}",
             {i: (lambda i=i: run(i)) for i in range(len(self.shards))},
         )
@@ -363,9 +366,15 @@ class DataParallel:
     """
 
     def __init__(
-        self, cluster: ModelSession, name: str, dim: int = 0, timeout: float | None = None
+        self,
+        session: Session,
+        models: Models,
+        name: str,
+        dim: int = 0,
+        timeout: float | None = None,
     ) -> None:
-        self.cluster = cluster
+        self._session = session
+        self._models = models
         self.name = validate_name(name, "model name")
         self.dim = dim
         self.timeout = timeout
@@ -382,7 +391,7 @@ class DataParallel:
             NotFound: the model is not loaded.
         """
         if self._training is None:
-            infos = {m.name: m for m in self.cluster.models(timeout=self.timeout)}
+            infos = {m.name: m for m in self._models.models(timeout=self.timeout)}
             if self.name not in infos:
                 raise NotFound(f"model {self.name!r} is not loaded; load_model it first")
             self._training = infos[self.name].training
@@ -398,7 +407,7 @@ class DataParallel:
             FailedPrecondition: its exported graph cannot be switched (see
                 ``Cluster.set_model_mode``).
         """
-        self.cluster.set_model_mode(self.name, bool(mode), timeout=self.timeout)
+        self._models.set_model_mode(self.name, bool(mode), timeout=self.timeout)
         self._training = bool(mode)
         return self
 
@@ -428,7 +437,9 @@ class DataParallel:
         InvalidArgument: an input cannot be sent, or the model rejected the inputs.
         CollectiveError: a worker failed or the call timed out.
         """
-        call = _RemoteCall(self.cluster, self.name, self.dim, self.timeout, self._training)
+        call = _RemoteCall(
+            self._session, self._models, self.name, self.dim, self.timeout, self._training
+        )
         output = call.forward(inputs, kwargs)
         self._local.version = call.version
         return output

@@ -150,7 +150,7 @@ def _load_staged_raw(address: str, spec: worker_pb2.ModelSpec, chunk: bytes = b"
 def _stage_raw(cluster, rank: int, name: str, t: torch.Tensor) -> None:
     """PutTensor straight to one worker (the SDK's put refuses the prefix)."""
     address = _addresses(cluster)[rank]
-    put_tensor(cluster._endpoint(address), name, t, RPC_TIMEOUT_S)
+    put_tensor(cluster._session.endpoint(address), name, t, RPC_TIMEOUT_S)
 
 
 def _archive_tensor(archive: bytes) -> torch.Tensor:

@@ -78,7 +78,7 @@ def test_a_stored_tensor_never_changes_through_the_clients_segments(cluster2_add
             client.get("adopt/churn", rank=0).fill_(7)  # a get's result is the client's to write
         for name, t in kept.items():
             assert torch.equal(client.get(name, rank=0), t), name
-        held = [s for worker in client._shm_pool._lent.values() for s in worker.values()]
+        held = [s for worker in client._session.shm_pool._lent.values() for s in worker.values()]
         assert held and all(s.holder is not None for s in held)
         for name in [*kept, "adopt/churn"]:
             client.delete(name, rank=0)
@@ -117,7 +117,7 @@ def test_a_segment_the_worker_made_for_a_get_is_renamed_before_the_pool_reuses_i
         first, second = torch.randn(MiB, generator=gen), torch.randn(MiB, generator=gen)
         client.put("adopt/a", first, rank=0)  # the only segment is handed over
         assert torch.equal(client.get("adopt/a", rank=0), first)
-        free = [segment for _, segment in client._shm_pool._free]
+        free = [segment for _, segment in client._session.shm_pool._free]
         assert free and all(s.named and s.path in _our_segments() for s in free)
         client.put("adopt/b", second, rank=0)
         assert torch.equal(client.get("adopt/b", rank=0), second)

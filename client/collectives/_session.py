@@ -1,10 +1,13 @@
-"""The connection behind a :class:`~collectives.Cluster`: membership, deadlines, retries.
+"""The connection behind a :class:`~collectives.Cluster`: the :class:`Session`.
 
-``Cluster`` is split by concern into a chain of classes, one module each:
-``_ClusterCore`` (this module: connecting, the membership view, deadlines, the
-retry loop, the ordered op executor), ``_DataPlane`` (put/get/delete/scatter),
-``_Collectives`` (broadcast ... new_group), ``_PeerToPeer`` (send, exchange,
-destroy_group), ``_Models``; ``cluster.Cluster`` is the public end of the chain.
+A session is what every part of ``Cluster`` shares: the channel to the
+coordinator and the membership view that follows it (``_membership``), a cached
+channel per worker, call deadlines, the retry loop, the ordered op executor, the
+parallel fan-out over ranks, and the connection's settings (shared memory,
+progress bars). ``Session`` declares it as a ``Protocol``; ``ClusterSession``
+implements it. The parts (``_data_plane``, ``_collectives``, ``_p2p``,
+``_models``) each take a session in their constructor and use only its public
+names; ``cluster.Cluster`` builds the session and the parts.
 
 Retries follow one rule: retry only what is safe. Reads, ``put`` and ``delete``
 are idempotent and are retried on ``UNAVAILABLE``; a collective is retried only
@@ -14,9 +17,9 @@ new generation moves ranks and the leader), then waits for a membership change
 or a short backoff, whichever comes first. Every retry stays inside the call's
 one deadline.
 
-Collectives of one ``Cluster`` run on a single executor thread, so they reach
-the leader in the order they were called, also with ``async_op=True`` (as
-ops on one torch process group run in issue order).
+Collectives of one session run on a single executor thread, so they reach the
+leader in the order they were called, also with ``async_op=True`` (as ops on
+one torch process group run in issue order).
 """
 
 from __future__ import annotations
@@ -27,8 +30,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from types import TracebackType
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from collectives import _progress, shm
 from collectives._membership import Membership
@@ -47,16 +49,18 @@ from collectives.errors import (
     Unavailable,
     annotate,
 )
-from collectives.wire.cluster_state import (
-    ClusterNotFormed,
-    ClusterSnapshot,
-    GenerationRecord,
-    WorkerInfo,
-)
+from collectives.wire.cluster_state import ClusterNotFormed, ClusterSnapshot
 from collectives.wire.security import ChannelSecurity
 from collectives.work import OpRecord, Work
 
-__all__ = ["DEFAULT_CONNECT_TIMEOUT_S", "OP_TIMEOUT_MARGIN_S"]
+__all__ = [
+    "DEFAULT_CONNECT_TIMEOUT_S",
+    "OP_TIMEOUT_MARGIN_S",
+    "REFRESH_TIMEOUT_S",
+    "ClusterSession",
+    "Session",
+    "server_timeout_s",
+]
 
 log = logging.getLogger("collectives")
 
@@ -80,8 +84,95 @@ IO_THREADS = 16
 SHM_ENV = "COLLECTIVES_SHM"
 
 
-class _ClusterCore:
-    """Connection state shared by every Cluster method; see the module docstring."""
+class Session(Protocol):
+    """A connection to a cluster, as the parts of ``Cluster`` use it (see the module)."""
+
+    @property
+    def address(self) -> str:
+        """The coordinator's ``host:port`` (or the comma-separated HA set)."""
+        ...
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        ...
+
+    @property
+    def progress(self) -> bool | None:
+        """The progress-bar setting (see ``collectives._progress``)."""
+        ...
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether ``put``/``get`` may use ``/dev/shm`` with same-host workers."""
+        ...
+
+    @property
+    def shm_pool(self) -> shm.SegmentPool:
+        """This connection's reusable shared-memory segments (closed with it)."""
+        ...
+
+    @property
+    def default_timeout_s(self) -> float:
+        """Timeout of a call made without ``timeout=``."""
+        ...
+
+    def snapshot(self) -> ClusterSnapshot:
+        """The latest cluster view the watch delivered; no RPC."""
+        ...
+
+    def refresh(self, timeout: float | None = None) -> ClusterSnapshot:
+        """Asks the coordinator for the cluster now (None: ``REFRESH_TIMEOUT_S``)."""
+        ...
+
+    def check_open(self) -> None:
+        """Raises ``Unavailable`` when the connection is closed."""
+        ...
+
+    def deadline(self, timeout: float | None) -> float:
+        """The absolute (monotonic) deadline of a call of ``timeout`` seconds."""
+        ...
+
+    def formed_snapshot(self, deadline: float) -> ClusterSnapshot:
+        """A formed snapshot, refreshed once if the latest says "not formed"."""
+        ...
+
+    def leader_snapshot(self, deadline: float) -> ClusterSnapshot:
+        """A formed snapshot for sending an op to the leader, preferably a ready one."""
+        ...
+
+    def endpoint(self, address: str) -> WorkerEndpoint:
+        """The cached channel and stub of the worker at ``address``."""
+        ...
+
+    def retry(
+        self,
+        what: str,
+        deadline: float,
+        attempt: Callable[[float], R],
+        retryable: Callable[[CollectiveError], bool],
+    ) -> R:
+        """Runs ``attempt(remaining_s)`` until it succeeds, fails for good, or time is up."""
+        ...
+
+    def ordered(
+        self,
+        what: str,
+        fn: Callable[[], R],
+        deadline: float,
+        async_op: bool,
+        record: OpRecord | None = None,
+    ) -> R | Work[R]:
+        """Runs ``fn`` in this connection's op order: ``Work`` if ``async_op``, else its result."""
+        ...
+
+    def fan_out(self, what: str, fns: dict[int, Callable[[], R]]) -> dict[int, R]:
+        """Runs one call per rank in parallel and returns their results by rank."""
+        ...
+
+
+class ClusterSession:
+    """The :class:`Session` of one ``Cluster``: connects in its constructor."""
 
     def __init__(
         self,
@@ -129,8 +220,6 @@ class _ClusterCore:
         self._shared_memory = bool(shared_memory)
         # Progress bars for large transfers (see collectives._progress): None on a TTY.
         self._progress = _progress.setting(progress)
-        # Worker addresses that refused it (UNIMPLEMENTED, not loopback): stream instead.
-        self._shm_refused: set[str] = set()
         # Reused /dev/shm segments (tmpfs pages allocated once); unlinked by close().
         self._shm_pool = shm.SegmentPool()
         self._address = address.strip()
@@ -171,85 +260,47 @@ class _ClusterCore:
         except BaseException:
             self.close()
             raise
-        log.info("connected to %s: %s", self._address, self._describe())
+        log.info("connected to %s: %s", self._address, self.describe())
 
-    # --- public state ----------------------------------------------------------
+    # --- state -------------------------------------------------------------------
 
     @property
     def address(self) -> str:
-        """The coordinator's ``host:port``."""
         return self._address
-
-    @property
-    def generation(self) -> int:
-        """The latest generation the coordinator announced."""
-        return self._membership.snapshot.generation
-
-    @property
-    def world_size(self) -> int:
-        """Number of ranks in the latest generation."""
-        return self._membership.snapshot.world_size
-
-    @property
-    def formed(self) -> bool:
-        """True while a generation is sealed and enough members are alive."""
-        return self._membership.snapshot.formed
-
-    @property
-    def ready(self) -> bool:
-        """True once every member joined the latest generation's process group."""
-        return self._membership.snapshot.ready
-
-    @property
-    def status(self) -> str:
-        """The coordinator's human-readable status line."""
-        return self._membership.snapshot.status
-
-    @property
-    def leader(self) -> str | None:
-        """Address of rank 0, which sequences every collective (None when not formed)."""
-        return self._membership.snapshot.leader_address
-
-    @property
-    def op_timeout_s(self) -> float:
-        """The cluster's collective timeout (the servers' ``--op-timeout-s``)."""
-        return self._membership.snapshot.op_timeout_s
-
-    @property
-    def default_timeout_s(self) -> float:
-        """Timeout of a call made without ``timeout=``: ``op_timeout_s`` plus a margin."""
-        return self.op_timeout_s + OP_TIMEOUT_MARGIN_S
 
     @property
     def closed(self) -> bool:
         return self._closed
 
-    def workers(self) -> list[WorkerInfo]:
-        """Every registered worker: members in rank order, then joining/lost ones (rank -1).
+    @property
+    def progress(self) -> bool | None:
+        return self._progress
 
-        Reads the view the SDK keeps current by watching the coordinator; no RPC.
-        """
-        return list(self._membership.snapshot.workers)
+    @property
+    def shared_memory(self) -> bool:
+        return self._shared_memory
+
+    @property
+    def shm_pool(self) -> shm.SegmentPool:
+        return self._shm_pool
+
+    @property
+    def default_timeout_s(self) -> float:
+        return self._membership.snapshot.op_timeout_s + OP_TIMEOUT_MARGIN_S
 
     def snapshot(self) -> ClusterSnapshot:
-        """The whole latest cluster view (generation, status, workers, ...); no RPC."""
         return self._membership.snapshot
 
-    def history(self) -> list[GenerationRecord]:
-        """Recent sealed generations, oldest first (time, size, members, reason); no RPC."""
-        return list(self._membership.snapshot.history)
-
     def refresh(self, timeout: float | None = None) -> ClusterSnapshot:
-        """Asks the coordinator for the cluster now instead of waiting for the watch.
-
-        Raises:
-            Unavailable: the coordinator does not answer.
-            DeadlineExceeded: no answer within ``timeout`` seconds.
-        """
-        self._check_open()
+        self.check_open()
         return self._membership.refresh(check_timeout(timeout, REFRESH_TIMEOUT_S))
 
-    # --- lifecycle -------------------------------------------------------------
+    def describe(self) -> str:
+        """One line for logs and ``repr``: generation, world size, formed."""
+        s = self._membership.snapshot
+        return f"generation {s.generation}, world size {s.world_size}, formed={s.formed}"
+
+    # --- lifecycle -----------------------------------------------------------------
 
     def close(self) -> None:
         """Stops watching the coordinator and closes every channel; idempotent.
@@ -266,43 +317,23 @@ class _ClusterCore:
         self._shm_pool.close()
         self._channel.close()
 
-    def __enter__(self) -> _ClusterCore:
-        return self
+    # --- what the parts call ---------------------------------------------------------
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        if self._closed:
-            return f"<Cluster {self._address} closed>"
-        return f"<Cluster {self._address} {self._describe()}>"
-
-    # --- helpers for the op modules ------------------------------------------
-
-    def _describe(self) -> str:
-        s = self._membership.snapshot
-        return f"generation {s.generation}, world size {s.world_size}, formed={s.formed}"
-
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
         if self._closed:
             raise Unavailable(f"the connection to {self._address} is closed")
 
-    def _deadline(self, timeout: float | None) -> float:
+    def deadline(self, timeout: float | None) -> float:
         """Absolute (monotonic) deadline of a call; validates ``timeout``."""
         return time.monotonic() + check_timeout(timeout, self.default_timeout_s)
 
-    def _formed_snapshot(self, deadline: float) -> ClusterSnapshot:
+    def formed_snapshot(self, deadline: float) -> ClusterSnapshot:
         """The latest snapshot, refreshed once if it says "not formed".
 
         Raises:
             ClusterNotFormed: the coordinator confirms the cluster is not formed.
         """
-        self._check_open()
+        self.check_open()
         snapshot = self._membership.snapshot
         if not snapshot.formed:
             try:
@@ -312,7 +343,7 @@ class _ClusterCore:
             snapshot.require_formed()
         return snapshot
 
-    def _leader_snapshot(self, deadline: float) -> ClusterSnapshot:
+    def leader_snapshot(self, deadline: float) -> ClusterSnapshot:
         """A formed snapshot for sending a collective, preferably one whose members are ready.
 
         Right after a generation is sealed its members are still building their
@@ -323,16 +354,16 @@ class _ClusterCore:
         Raises:
             ClusterNotFormed: the coordinator confirms the cluster is not formed.
         """
-        snapshot = self._formed_snapshot(deadline)
+        snapshot = self.formed_snapshot(deadline)
         if not snapshot.ready:
             self._membership.wait_until(lambda s: s.ready, READY_WAIT_FRACTION * _left(deadline))
-            snapshot = self._formed_snapshot(deadline)
+            snapshot = self.formed_snapshot(deadline)
         return snapshot
 
-    def _endpoint(self, address: str) -> WorkerEndpoint:
+    def endpoint(self, address: str) -> WorkerEndpoint:
         return self._pool.endpoint(address)
 
-    def _retry(
+    def retry(
         self,
         what: str,
         deadline: float,
@@ -373,7 +404,7 @@ class _ClusterCore:
                     raise
         raise AssertionError("unreachable")  # pragma: no cover - the loop always returns/raises
 
-    def _ordered(
+    def ordered(
         self,
         what: str,
         fn: Callable[[], R],
@@ -387,7 +418,7 @@ class _ClusterCore:
             DeadlineExceeded: (sync) the op was still queued behind earlier ops at the deadline.
             CollectiveError: (sync) what ``fn`` raised.
         """
-        self._check_open()
+        self.check_open()
         if not async_op and self._enter_inline():
             # Nothing of this client's is queued or running: run it in the caller's
             # thread (two thread hand-offs less per small op), as the op thread would.
@@ -431,13 +462,13 @@ class _ClusterCore:
         with self._ordered_lock:
             self._ordered_pending -= 1
 
-    def _fan_out(self, what: str, fns: dict[int, Callable[[], R]]) -> dict[int, R]:
+    def fan_out(self, what: str, fns: dict[int, Callable[[], R]]) -> dict[int, R]:
         """Runs one call per rank in parallel; waits for all, then raises the lowest rank's error.
 
         Raises:
             CollectiveError: some rank failed (the message names the rank).
         """
-        self._check_open()
+        self.check_open()
         if len(fns) == 1:
             ((rank, fn),) = fns.items()
             return {rank: _on_rank(what, rank, fn)}
