@@ -32,9 +32,9 @@ if TYPE_CHECKING:
     from collectives.wire.cluster_state import WorkerInfo, WorkerState
     from collectives.work import Work
 
-# Imported on first use (PEP 562): they need torch, and importing torch costs
-# ~1.5 s, which tools that only need the generated stubs (the daemons' --help,
-# `collectives status`) should not pay.
+# Imported on first use (PEP 562): they need torch, whose import is slow, and
+# tools that only need the generated stubs (the daemons' --help, `collectives
+# status`) should not pay for it.
 _LAZY = {
     "Cluster": "collectives.cluster",
     "connect": "collectives.cluster",

@@ -17,11 +17,9 @@ worker's store drops a staged archive idle for ``UPLOAD_IDLE_S`` in any case
 (the client died in between).
 
 Fallbacks to streaming: the replicated put could not run (``UseParallelPuts``:
-the leader has no ``ReplicateTensor`` or its quota refused the upload; or some
-rank's quota refused it: streaming does not use the tensor store); per rank, a
-worker where the staged tensor is absent (NOT_FOUND: it joined after the put) or
-a worker that predates ``archive_tensor`` (it ignores the field and reports the
-archive ended after 0 bytes).
+the leader's quota refused the upload; or some rank's quota refused it:
+streaming does not use the tensor store); per rank, a worker where the staged
+tensor is absent (NOT_FOUND: it joined after the put).
 """
 
 from __future__ import annotations
@@ -80,8 +78,8 @@ def load_staged(
     endpoints: dict[int, WorkerEndpoint],
     deadline: float,
 ) -> dict[int, worker_pb2.LoadModelResponse]:
-    """LoadModel on every rank naming the staged archive (a rank without it, or
-    predating the field, gets the archive streamed); then drops what is left."""
+    """LoadModel on every rank naming the staged archive (a rank without it gets the
+    archive streamed); then drops what is left."""
     staged_spec = worker_pb2.ModelSpec()
     staged_spec.CopyFrom(spec)
     staged_spec.archive_tensor = staged
@@ -110,10 +108,8 @@ def load_staged(
 
 def wants_streaming(err: CollectiveError) -> bool:
     """A staged LoadModel failed where streaming the archive to that rank would not:
-    the staged tensor is absent there, or the worker predates ``archive_tensor``."""
-    if err.code == grpc.StatusCode.NOT_FOUND:
-        return True
-    return err.code == grpc.StatusCode.INVALID_ARGUMENT and "ended after 0 of" in err.message
+    the staged tensor is absent there (the worker joined after the put)."""
+    return err.code == grpc.StatusCode.NOT_FOUND
 
 
 def drop_staged(session: Session, endpoints: list[WorkerEndpoint], name: str) -> None:

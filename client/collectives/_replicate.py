@@ -36,9 +36,8 @@ __all__ = ["replicate", "REPLICATE_MIN_BYTES", "UseParallelPuts"]
 
 # put(rank=None) of at least this many bytes takes the replicated op. Below it,
 # parallel puts answer sooner (one RPC per rank, against an upload plus a
-# sequenced op of three control rounds); from here on the two take about as long
-# on loopback, and the replicated op sends world x fewer bytes. Measured: see
-# docs/design.md "Execution on the workers".
+# sequenced op of three control rounds); above it the replicated op, which sends
+# world x fewer bytes, wins (docs/design.md "Execution on the workers").
 REPLICATE_MIN_BYTES = 4 << 20
 
 
@@ -46,8 +45,7 @@ class UseParallelPuts(Exception):
     """Nothing was stored; the per-rank puts must carry this put instead: the leader
     refused the upload for its quota (the upload sits beside the name's old value
     until the op commits, so a tensor that fits only in place of its old value
-    needs the per-rank puts, which count the old value out), or the leader is a
-    worker without ``ReplicateTensor`` (an older version)."""
+    needs the per-rank puts, which count the old value out)."""
 
 
 def _retryable(err: CollectiveError) -> bool:
@@ -65,8 +63,7 @@ def replicate(
     """Uploads ``t`` (CPU, wire layout) to the leader once and runs the replicate op.
 
     Raises:
-        UseParallelPuts: the leader refused the upload for its quota, or cannot
-            replicate (nothing stored).
+        UseParallelPuts: the leader refused the upload for its quota (nothing stored).
         CollectiveError: the op failed (ResourceExhausted: some rank's quota; nothing
             was stored anywhere), or the deadline passed.
     """
@@ -91,15 +88,9 @@ def replicate(
                 upload=upload,
                 name=name,
             )
-            try:
-                return call_unary(
-                    leader.stub.ReplicateTensor, request, deadline - time.monotonic(), what
-                )
-            except CollectiveError as err:
-                if err.code == grpc.StatusCode.UNIMPLEMENTED:
-                    _drop_upload(leader, upload)
-                    raise UseParallelPuts(err.message) from None
-                raise
+            return call_unary(
+                leader.stub.ReplicateTensor, request, deadline - time.monotonic(), what
+            )
         except CollectiveError:
             # Not run, or given up on (a timeout): the op, if it still runs, holds
             # what it read; anything left would wait for the leader's expiry.

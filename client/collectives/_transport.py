@@ -1,8 +1,10 @@
-"""Channels and raw calls: the only module that touches ``grpc`` call objects.
+"""Worker endpoints and the data-plane calls: put and get over a stream, bulk or shm.
 
 Every call made here has a deadline, and every ``grpc.RpcError`` leaves this
-module converted by :func:`collectives.errors.from_rpc_error`, so the rest of
-the SDK deals in :class:`~collectives.errors.CollectiveError` only.
+module converted by :func:`collectives.errors.from_rpc_error`, so its callers
+deal in :class:`~collectives.errors.CollectiveError` only. (Other SDK modules
+that make their own calls, e.g. ``_model_transport``, ``_membership`` and
+``bulk``, convert their errors the same way.)
 
 The data plane bypasses the generated protobuf classes: ``PutTensor`` is fed
 the hand-framed bytes of :func:`collectives.wire.codec.encode_tensor_stream` (a

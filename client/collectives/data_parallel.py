@@ -398,9 +398,16 @@ class DataParallel:
         return self._training
 
     def train(self, mode: bool = True) -> DataParallel:
-        """Switches the model to train mode (``mode=False``: eval mode) on every
-        worker, like ``nn.Module.train``; every later call of this callable runs
-        every shard in that mode. Returns ``self``.
+        """Switches the model to train mode (``mode=False``: eval mode) on every worker.
+
+        Like ``nn.Module.train``: every later call of this callable runs every
+        shard in that mode.
+
+        Args:
+            mode: True for train mode, False for eval mode. Defaults to ``True``.
+
+        Returns:
+            ``self``.
 
         Raises:
             NotFound: the model is not loaded.
@@ -412,7 +419,16 @@ class DataParallel:
         return self
 
     def eval(self) -> DataParallel:
-        """Switches the model to eval mode on every worker (``train(False)``). Returns ``self``."""
+        """Switches the model to eval mode on every worker (``train(False)``).
+
+        Returns:
+            ``self``.
+
+        Raises:
+            NotFound: the model is not loaded.
+            FailedPrecondition: its exported graph cannot be switched (see
+                ``Cluster.set_model_mode``).
+        """
         return self.train(False)
 
     def __getattr__(self, attr: str) -> Any:
@@ -432,10 +448,26 @@ class DataParallel:
         return getattr(self._local, "version", 0)
 
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Raises:
-        NotFound: the model is not loaded.
-        InvalidArgument: an input cannot be sent, or the model rejected the inputs.
-        CollectiveError: a worker failed or the call timed out.
+        """Runs the model on the workers: ``dp(*inputs, **kwargs)``, like ``nn.DataParallel``.
+
+        Tensors are split along ``dim`` across the workers (a batch smaller than
+        the world uses fewer workers); inputs and outputs may be nested tuples,
+        lists, dicts and namedtuples. With autograd enabled, ``backward`` through
+        the output runs on the workers and accumulates parameter gradients there.
+
+        Args:
+            *inputs: the model's positional inputs.
+            **kwargs: the model's keyword inputs.
+
+        Returns:
+            The outputs gathered along ``dim`` in worker order, all computed by one
+            model version (:attr:`last_version`).
+
+        Raises:
+            NotFound: the model is not loaded.
+            InvalidArgument: an input cannot be sent, or the model rejected the inputs.
+            Unavailable: publishes kept moving the model's version under the call.
+            CollectiveError: a worker failed or the call timed out.
         """
         call = _RemoteCall(
             self._session, self._models, self.name, self.dim, self.timeout, self._training

@@ -36,6 +36,12 @@ class Group:
     def group_rank(self, global_rank: int) -> int:
         """Position of ``global_rank`` in the group (as ``dist.get_group_rank``).
 
+        Args:
+            global_rank: a member's global rank.
+
+        Returns:
+            Its index in :attr:`ranks`.
+
         Raises:
             ValueError: ``global_rank`` is not a member.
         """

@@ -4,8 +4,8 @@ Like Triton's system shared memory: the payload goes through a file in
 ``/dev/shm`` (tmpfs, i.e. RAM), and only a handle (path, offset, header) goes
 over gRPC. The SDK maps its *own* segments (created 0600 under a random name,
 never truncated while mapped) and copies with ``Tensor.copy_``, which runs at
-memcpy speed (~18 GB/s measured) where ``write(2)`` into tmpfs manages ~7 GB/s;
-the mapping lives as long as the segment.
+memcpy speed, well above what ``write(2)`` into tmpfs manages; the mapping
+lives as long as the segment.
 
 The copies: a put is the SDK's one copy into a pooled segment. Put to one
 worker, the segment is *handed over* (:meth:`SegmentPool.hand_over`): a worker
@@ -88,7 +88,7 @@ class Segment:
     def _mapped(self, end: int) -> torch.Tensor:
         """A uint8 tensor over the file's first ``size`` bytes (remapped after it grew)."""
         if self._bytes is None or self._bytes.numel() < end:
-            self._unmap()
+            self.unmap()
             size = self.size
             if size < end:
                 raise InvalidArgument(f"segment holds {size} bytes; {end} needed")
@@ -96,7 +96,8 @@ class Segment:
             self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         return self._bytes
 
-    def _unmap(self) -> None:
+    def unmap(self) -> None:
+        """Drops this process's mapping (the file stays; the next access maps it again)."""
         self._bytes = None
         mapping, self._map = self._map, None
         if mapping is not None:
@@ -178,7 +179,7 @@ class Segment:
         return segment
 
     def destroy(self) -> None:
-        self._unmap()
+        self.unmap()
         fd, self.fd = self.fd, -1
         if fd >= 0:
             with contextlib.suppress(OSError):
@@ -228,7 +229,7 @@ class SegmentPool:
             return None
         if grow is not None:  # the largest free one is too small: grow it (pages kept)
             try:
-                grow._unmap()
+                grow.unmap()
                 os.ftruncate(grow.fd, nbytes)
                 return grow
             except OSError:

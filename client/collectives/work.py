@@ -52,6 +52,13 @@ class Work(Generic[T]):
     def result(self, timeout: float | None = None) -> T:
         """Blocks until the op finishes and returns its result.
 
+        Args:
+            timeout: seconds to wait; None waits until the op finishes.
+                Defaults to ``None``.
+
+        Returns:
+            What the synchronous call returns.
+
         Raises:
             DeadlineExceeded: the op did not finish within ``timeout`` seconds
                 (it keeps running; call again to keep waiting).
@@ -71,6 +78,13 @@ class Work(Generic[T]):
     def wait(self, timeout: float | None = None) -> T:
         """Same as :meth:`result` (``torch.distributed.Work.wait`` spelling).
 
+        Args:
+            timeout: seconds to wait; None waits until the op finishes.
+                Defaults to ``None``.
+
+        Returns:
+            What the synchronous call returns.
+
         Raises:
             DeadlineExceeded: the op did not finish within ``timeout`` seconds.
             CollectiveError: the op failed.
@@ -78,15 +92,31 @@ class Work(Generic[T]):
         return self.result(timeout)
 
     def done(self) -> bool:
-        """True once the op finished, successfully or not."""
+        """True once the op finished, successfully or not.
+
+        Returns:
+            Whether the op finished.
+        """
         return self._future.done()
 
     def is_completed(self) -> bool:
-        """Alias of :meth:`done` (``torch.distributed.Work.is_completed`` spelling)."""
+        """Alias of :meth:`done` (``torch.distributed.Work.is_completed`` spelling).
+
+        Returns:
+            Whether the op finished.
+        """
         return self._future.done()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The op's error, or None if it succeeded; waits up to ``timeout`` seconds.
+
+        Args:
+            timeout: seconds to wait; None waits until the op finishes.
+                Defaults to ``None``.
+
+        Returns:
+            The ``CollectiveError`` the op failed with (``Unavailable`` for an op
+            cancelled by ``close``), or None.
 
         Raises:
             DeadlineExceeded: the op did not finish within ``timeout`` seconds.

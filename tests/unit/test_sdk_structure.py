@@ -1,0 +1,100 @@
+"""How the SDK is put together: ``Cluster`` by composition, and no reach-ins.
+
+``Cluster`` holds a session and its parts (``collectives._session``) instead of
+inheriting them, and no SDK module reads another module's or object's
+``_private`` names: what one part needs of another is a public name.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import collectives
+from collectives import _session
+
+ROOT = Path(__file__).resolve().parents[2]
+SDK = ROOT / "client" / "collectives"
+
+# Underscore names that belong to third-party protocols, not to our modules.
+ALLOWED_PRIVATE_ATTRIBUTES = frozenset(
+    (
+        # namedtuple's public API is spelled with a leading underscore.
+        "_fields",
+        "_make",
+        "_asdict",
+        "_replace",
+    )
+)
+
+
+def _is_dunder(name: str) -> bool:
+    return name.startswith("__") and name.endswith("__")
+
+
+def _is_module(dotted: str) -> bool:
+    path = ROOT.joinpath("client", *dotted.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def private_reach_ins(path: Path, shown_as: str) -> list[str]:
+    """``x._name`` with ``x`` not ``self``/``cls``, and ``from collectives.m import _name``
+    of something that is not a module, in one file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute):
+            name = node.attr
+            if not name.startswith("_") or _is_dunder(name) or name in ALLOWED_PRIVATE_ATTRIBUTES:
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            found.append(f"{shown_as}:{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            if node.module != "collectives" and not node.module.startswith("collectives."):
+                continue
+            for alias in node.names:
+                name = alias.name
+                private = name.startswith("_") and not _is_dunder(name)
+                if private and not _is_module(f"{node.module}.{name}"):
+                    found.append(f"{shown_as}:{node.lineno}: from {node.module} import {name}")
+    return found
+
+
+def _sdk_files() -> list[Path]:
+    return sorted(p for p in SDK.rglob("*.py") if p.relative_to(SDK).parts[0] != "v1")
+
+
+def test_no_sdk_module_reaches_into_private_names() -> None:
+    found = [
+        hit for path in _sdk_files() for hit in private_reach_ins(path, str(path.relative_to(SDK)))
+    ]
+    assert found == []
+
+
+def test_the_reach_in_check_finds_attributes_and_imports(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "from collectives._session import _left\n"
+        "from collectives import _progress\n"  # a module: fine
+        "def f(cluster, point):\n"
+        "    point._asdict()\n"  # namedtuple protocol: fine
+        "    cluster.__class__\n"  # dunder: fine
+        "    return cluster._session\n"
+    )
+    assert private_reach_ins(bad, "bad.py") == [
+        "bad.py:1: from collectives._session import _left",
+        "bad.py:6: cluster._session",
+    ]
+
+
+def test_cluster_is_composed_not_inherited() -> None:
+    assert collectives.Cluster.__bases__ == (object,)
+
+
+def test_the_session_implementation_has_every_name_of_the_protocol() -> None:
+    declared = {
+        name for name in vars(_session.Session) if not name.startswith("_") and name not in ("mro",)
+    }
+    assert declared, "the Session protocol declares nothing"
+    missing = sorted(n for n in declared if not hasattr(_session.ClusterSession, n))
+    assert missing == []
