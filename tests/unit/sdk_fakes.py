@@ -231,6 +231,15 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         ranks = self._begin("Barrier", request, context)
         return worker_pb2.CollectiveResponse(result_ranks=ranks)
 
+    def ReplicateTensor(self, request, context):  # noqa: N802 - gRPC method name
+        """The replicated put: the upload on the leader lands under ``name`` everywhere."""
+        ranks = self._begin("ReplicateTensor", request, context)
+        (t,) = self._operand(request.upload, [self.rank], context)
+        del self.store[request.upload]
+        for r in ranks:
+            self.fake.stores[r][request.name] = t.clone()
+        return worker_pb2.CollectiveResponse(result_name=request.name, result_ranks=ranks)
+
     def NewGroup(self, request, context):  # noqa: N802 - gRPC method name
         self._begin("NewGroup", request, context)
         group_id = len(self.fake.groups) + 1
