@@ -10,8 +10,13 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import torch
+from sdk_fakes import start_deployment
+
 import collectives
 from collectives import _session
+from collectives._collectives import Collectives
+from collectives._data_plane import DataPlane
 
 ROOT = Path(__file__).resolve().parents[2]
 SDK = ROOT / "client" / "collectives"
@@ -98,3 +103,20 @@ def test_the_session_implementation_has_every_name_of_the_protocol() -> None:
     assert declared, "the Session protocol declares nothing"
     missing = sorted(n for n in declared if not hasattr(_session.ClusterSession, n))
     assert missing == []
+
+
+def test_the_parts_work_alone_on_a_session() -> None:
+    """A session and the parts it needs, without ``Cluster``, against the fake workers."""
+    deployment = start_deployment(world_size=2)
+    session = _session.ClusterSession(deployment.coordinator_address, timeout=10)
+    try:
+        data_plane = DataPlane(session)
+        collectives_part = Collectives(session, data_plane)
+        data_plane.put("x", torch.ones(3))
+        collectives_part.all_reduce("x")
+        assert data_plane.get("x", rank=1).tolist() == [2.0, 2.0, 2.0]
+        assert deployment.fake.stores[0]["x"].tolist() == [2.0, 2.0, 2.0]
+    finally:
+        session.close()
+        deployment.stop()
+    assert session.closed
