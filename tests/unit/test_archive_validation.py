@@ -1,7 +1,8 @@
-"""The model-archive allowlist alone (worker/archive.py, archive_graph.py): fast, no cluster.
+"""The model-archive allowlist alone (``worker/models/archive/checks.py``, ``graph.py``):
+fast, no cluster.
 
-Also shows the hostile builders are real: torch.export.load on the raw C1/C2
-archives runs their payload (creates the marker); our check refuses them first.
+Also shows the hostile builders are real: torch.export.load on the raw legacy-layout
+and opaque-constant archives runs their payload (creates the marker); our check refuses them first.
 """
 
 from __future__ import annotations
