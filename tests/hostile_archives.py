@@ -238,8 +238,8 @@ def _use_pickle_weight(base: bytes, marker: str) -> bytes:
 
 # name -> builder(base archive, marker path, generator) for the parametrized tests.
 HOSTILE: dict[str, Callable[[bytes, str, torch.Generator], bytes]] = {
-    "c1_legacy_layout": lambda b, m, g: legacy_layout(b, m),
-    "c2_opaque_obj_constant": lambda b, m, g: opaque_constant(b, m),
+    "legacy_layout": lambda b, m, g: legacy_layout(b, m),
+    "opaque_obj_constant": lambda b, m, g: opaque_constant(b, m),
     "aotinductor_package": lambda b, m, g: aoti_package(b, g),
     "use_pickle_weight": lambda b, m, g: _use_pickle_weight(b, m),
     "legacy_weights_pt": lambda b, m, g: rewrite(

@@ -66,9 +66,7 @@ def test_hostile_archive_refused_and_nothing_runs(name, tmp_path, base, gen):
     assert not (tmp_path / "checked.pt2").exists()
 
 
-@pytest.mark.parametrize(
-    "name", ["c1_legacy_layout", "c2_opaque_obj_constant", "use_pickle_weight"]
-)
+@pytest.mark.parametrize("name", ["legacy_layout", "opaque_obj_constant", "use_pickle_weight"])
 def test_payloads_do_run_under_plain_torch_export_load(name, tmp_path, base, gen):
     """The attacks are real: unchecked, torch.export.load executes the pickle."""
     marker = tmp_path / "marker"
