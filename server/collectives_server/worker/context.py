@@ -81,7 +81,7 @@ class WorkerContext:
     stats: WorkerStats
     # Memory of replaced values, reused by the next put or op result of its size
     # (replaced_memory.py).
-    spares: ReplacedMemory
+    replaced: ReplacedMemory
     # The collective timeout: --op-timeout-s, else the coordinator's (on registration).
     op_timeout_s: float
     # The bulk data plane; None without one (TLS, or --no-bulk) and before start.

@@ -96,7 +96,7 @@ class WorkerDaemon:
             shm_segments=WorkerSegments(config.shm_limits, quota=store),
             stats=WorkerStats(),
             # Kept memory stays well inside a store limit, if any.
-            spares=ReplacedMemory(max_bytes=pool_bytes(store.limit_bytes)),
+            replaced=ReplacedMemory(max_bytes=pool_bytes(store.limit_bytes)),
             op_timeout_s=config.op_timeout_s or 30.0,
         )
         WorkerSegments.sweep_stale()
@@ -243,7 +243,7 @@ class WorkerDaemon:
             self.ctx.models.expire_graphs()
             self.ctx.store.expire_uploads()
             self.ctx.shm_segments.reap()
-            self.ctx.spares.expire()
+            self.ctx.replaced.expire()
             runtime = self.runtime
             request = coordinator_pb2.HeartbeatRequest(
                 worker_id=self.worker_id,
@@ -401,7 +401,7 @@ class WorkerDaemon:
             on_data_collectives=self._data_collectives_done,
             on_fused=self._fused_run_done,
             sync_models=lambda op_ctx: sync_models(op_ctx, self.ctx.uploads),
-            spares=self.ctx.spares,
+            replaced=self.ctx.replaced,
         ).start()
 
     def _data_collectives_done(self, collectives: int, gradient_buckets: int) -> None:

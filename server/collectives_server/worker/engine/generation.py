@@ -96,7 +96,7 @@ class GenerationRuntime:
         on_data_collectives: Callable[[int, int], None] | None = None,
         sync_models: Callable[[OpContext], int] | None = None,
         on_fused: Callable[[int], None] | None = None,
-        spares: ReplacedMemory | None = None,
+        replaced: ReplacedMemory | None = None,
     ) -> None:
         self.generation = generation
         # Which membership this generation is (collectives.wire.membership): the
@@ -121,9 +121,9 @@ class GenerationRuntime:
         self._on_fused = on_fused  # called with the op count of each fused run
         self._rebuild_after_s = rebuild_after_s
         # The worker's replaced memory, shared with its puts (replaced_memory.py).
-        if spares is None:
-            spares = ReplacedMemory(max_bytes=pool_bytes(store.limit_bytes))
-        self._spares = spares
+        if replaced is None:
+            replaced = ReplacedMemory(max_bytes=pool_bytes(store.limit_bytes))
+        self._replaced = replaced
         self._channel: ControlChannel | None = None  # this epoch's control rounds
         self._cond = threading.Condition()
         self._seq = Sequencer(
@@ -361,7 +361,7 @@ class GenerationRuntime:
             models=self.models,
             groups=self.groups,
             control=self._channel,
-            spares=self._spares,
+            replaced=self._replaced,
             max_groups=self.max_groups,
             on_data_collectives=self._on_data_collectives,
         )

@@ -192,14 +192,14 @@ class WorkerService(ModelRpcs, PeerRpcs):
         (its copy to the device is then a DMA at full bus speed)."""
         if self._ctx.store.device.type == "cuda":
             return codec.allocate_bytes(nbytes, pin_memory=True)
-        kept = self._ctx.spares.take(nbytes)
+        kept = self._ctx.replaced.take(nbytes)
         return kept if kept is not None else codec.allocate_bytes(nbytes)
 
     def _store(self, name: str, tensor: torch.Tensor) -> None:
         """Stores a received put; the memory of the value it replaced is kept for reuse."""
         old = self._ctx.store.put(name, tensor)
         if old is not None:
-            self._ctx.spares.offer(old)
+            self._ctx.replaced.offer(old)
 
     def _bulk(self) -> BulkListener:
         bulk = self._ctx.bulk
