@@ -106,7 +106,6 @@ def restore_state(
     *,
     now: float,
     unix_now: float,
-    reason: str,
 ) -> None:
     """Loads ``data`` into a fresh ``m`` (built with the same limits) and ``leases``.
 
@@ -134,7 +133,6 @@ def restore_state(
     m._members = members
     m._formed = formed
     m._version = int(data["version"])
-    m._reason = reason
     m.events = collections.Counter({k: int(v) for k, v in data["events"].items()})
     m._workers = {}
     m._live_n = 0
