@@ -99,10 +99,11 @@ class Pair:
         self.threads[rank].append(threading.current_thread().name)
         self.done[rank].append(desc)
 
-    def submit(self, kind: str, drive: bool = False, **args) -> Ticket:
-        """Admits an op on the leader; with ``drive``, as the RPC handler does (the
-        caller then runs a ticket marked ``driven`` with ``runtimes[0].drive``)."""
-        return self.runtimes[0].submit(descriptor(kind, **args), drive=drive)
+    def submit(self, kind: str, claim_if_idle: bool = False, **args) -> Ticket:
+        """Admits an op on the leader; with ``claim_if_idle``, as the RPC handler does
+        (the caller then runs a ticket marked ``claimed`` with
+        ``runtimes[0].run_claimed``)."""
+        return self.runtimes[0].submit(descriptor(kind, **args), claim_if_idle=claim_if_idle)
 
     def run(self, kind: str, **args):
         """Runs an op; returns once the leader answered *and* the follower finished it

@@ -11,8 +11,10 @@ concurrent clients could never guarantee by themselves.
 
 On the leader one thread at a time runs ops: the loop, or, for an op on small
 operands submitted while the loop is parked with nothing queued, the
-submitter's own thread (``drive``: the RPC thread announces and runs it, two
-thread hand-offs fewer), while the loop waits for it. What an op does is
+submitter's own thread (a claim, :meth:`Generation.run_claimed`: the RPC
+thread announces and runs it, two thread hand-offs fewer), while the loop
+waits for it. The claim handshake is the sequencer's (``sequencer``): this
+module only waits on its condition as the sequencer says. What an op does is
 its handler's business; this module only sequences, dispatches, and turns a
 broken process group into a retired or rebuilt one.
 
@@ -55,7 +57,7 @@ from collectives_server.worker.engine.op_context import (
     OpResult,
 )
 from collectives_server.worker.engine.process_groups import build_groups
-from collectives_server.worker.engine.sequencer import Sequencer, Ticket
+from collectives_server.worker.engine.sequencer import EpochEnd, Park, Sequencer, Ticket
 from collectives_server.worker.kernels import op_failures
 from collectives_server.worker.models.registry import ModelRegistry
 
@@ -64,11 +66,6 @@ __all__ = ["GenerationRuntime"]
 log = logging.getLogger(__name__)
 
 Outcome = OpResult | ModelOpResult | PublishResult | CollectiveError
-
-
-class _DrivenEnd(Exception):
-    """A submitter's op (``GenerationRuntime.drive``) ended the epoch (``args[0]``: why,
-    or None when it was retired)."""
 
 
 _Item = tuple[worker_pb2.OpDescriptor, int | None]  # an op and its inline capacity
@@ -129,12 +126,10 @@ class GenerationRuntime:
         self._seq = Sequencer(
             generation, queue_size, min(1.0, op_timeout_s / 4), membership_digest=membership_digest
         )
-        self._stopping = False
         self._next_group_id = 1
-        # Leader: the epoch's context while ops may run (a submitter may run a small
-        # op itself, see drive), and, when such an op ended the epoch, its failure.
+        # Leader: the epoch's context while ops may run (a submitter that claimed a
+        # small op runs it in this context, see run_claimed).
         self._ctx: OpContext | None = None
-        self._driven_end: tuple[str | None] | None = None
         # The world group exists from the start so that ops can queue while the
         # process group forms; its handles arrive when it is built.
         self.groups: dict[int, GroupEntry] = {0: GroupEntry(0, list(range(world_size)), None)}
@@ -159,7 +154,6 @@ class GenerationRuntime:
         for or not at all (the SDK does not repeat it on the new membership).
         """
         with self._cond:
-            self._stopping = True
             self._seq.close(self.failure or "retired", superseded_by)
             self._cond.notify_all()
 
@@ -180,34 +174,35 @@ class GenerationRuntime:
         desc: worker_pb2.OpDescriptor,
         timeout_s: float | None = None,
         expected_generation: int = 0,
-        drive: bool = False,
+        claim_if_idle: bool = False,
         expected_digest: str = "",
     ) -> Ticket:
         """Admits ``desc`` (raises UNAVAILABLE / RESOURCE_EXHAUSTED when it cannot be);
         the ticket's future gets the outcome on this rank.
 
-        With ``drive``, a small op that finds the loop idle and nothing queued is
-        marked ``driven``: the caller must then run it with :meth:`drive`."""
+        With ``claim_if_idle``, a small op that finds the loop idle and nothing queued
+        is claimed for the caller (``ticket.claimed``): the caller must then run it
+        with :meth:`run_claimed`."""
         with self._cond:
             ticket = self._seq.admit(
                 desc, timeout_s if timeout_s is not None else 2 * self._timeout_s,
                 expected_generation, expected_digest,
             )  # fmt: skip
             ctx = self._ctx  # small operands only, judged only when the op is claimable
-            claimable = drive and ctx is not None and self._seq.may_claim(ticket)
+            claimable = claim_if_idle and ctx is not None and self._seq.may_claim(ticket)
             if claimable and inline_capacity(ctx, desc) is not None:
                 self._seq.claim(ticket)
             else:
                 self._cond.notify_all()
         return ticket
 
-    def drive(self, ticket: Ticket) -> None:
-        """Runs the driven ``ticket`` (and what fuses with it) on the calling thread, as
-        the loop would have, and sets its outcome: two thread hand-offs fewer per op.
+    def run_claimed(self, ticket: Ticket) -> None:
+        """Runs the claimed ``ticket`` (and what fuses with it) on the calling thread,
+        as the loop would have, and sets its outcome: two thread hand-offs fewer per op.
 
-        The loop stays parked until it is done; a broken group or an internal error
-        ends the epoch here as in the loop, which then rebuilds or retires it."""
-        assert ticket.driven and self._seq.driven
+        The loop waits until it is done; a broken group or an internal error ends
+        the epoch here as in the loop, which then rebuilds or retires it."""
+        assert ticket.claimed and self._seq.claimed
         ctx = self._ctx
         assert ctx is not None
         current: list[Ticket] = []
@@ -215,25 +210,24 @@ class GenerationRuntime:
             with self._cond:
                 first = self._seq.next()
             if first is not None:
-                current, run = self._take_run(ctx, first)
+                current, run = self._fused_run_from(ctx, first)
                 pending = self._announce(ctx, run.items)
-                self._step(ctx, current, run.items, pending)
+                self._run_ops(ctx, current, run.items, pending)
                 current = []
         except GroupBroken as exc:
-            self._end_driven(self._broken(exc, current))
+            self._end_epoch(self._broken(exc, current))
         except Exception as exc:  # a bug: fail this run, end the epoch as the loop would
-            self._end_driven(self._internal_error(exc, current))
+            self._end_epoch(self._internal_error(exc, current))
         finally:
             with self._cond:
                 # A loop parked with nothing to do sleeps on (its tick is not due:
                 # this op was announced); otherwise it goes on from here.
-                if self._seq.release() or self._driven_end is not None:
+                if self._seq.release():
                     self._cond.notify_all()
 
-    def _end_driven(self, failure: str | None) -> None:
+    def _end_epoch(self, failure: str | None) -> None:
         with self._cond:
-            self._ctx = None  # nobody runs an op in this epoch again
-            self._driven_end = (failure,)
+            self._seq.end_epoch(failure)
 
     def check_generation(self, expected: int, expected_digest: str = "") -> None:
         """Raises UNAVAILABLE unless ``expected`` is 0 or this generation, and
@@ -245,32 +239,25 @@ class GenerationRuntime:
         with self._cond:
             return self._seq.cancel(ticket)
 
-    def _take(self) -> Ticket | None:
-        """The next op, or None when a tick is due or the generation is stopping.
-        Waits while a submitter runs an op (:meth:`drive`); raises
-        :class:`_DrivenEnd` when that op ended the epoch."""
+    def _wait_for_op(self) -> Ticket | EpochEnd | None:
+        """Leader: the next op, the end of the epoch (a claimed op ended it), or None
+        when a tick is due or the generation is stopping. Waits as the sequencer says:
+        parked until a submit or the tick, or while a submitter runs a claimed op."""
         with self._cond:
             while True:
-                if self._seq.driven:
+                step = self._seq.loop_next()
+                if not isinstance(step, Park):
+                    return step
+                if step.seconds is None:
                     self._cond.wait()
                     continue
-                if self._driven_end is not None:
-                    raise _DrivenEnd(self._driven_end[0])
-                if self._stopping:
-                    return None
-                ticket = self._seq.next()
-                if ticket is not None:
-                    return ticket
-                wait = self._seq.tick_in()
-                if wait <= 0:
-                    return None
                 self._seq.loop_parked = True
                 try:
-                    self._cond.wait(wait)
+                    self._cond.wait(step.seconds)
                 finally:
                     self._seq.loop_parked = False
 
-    def _take_run(self, ctx: OpContext, first: Ticket) -> tuple[list[Ticket], fusion.Run]:
+    def _fused_run_from(self, ctx: OpContext, first: Ticket) -> tuple[list[Ticket], fusion.Run]:
         """``first`` and the queued ops that can run fused with it (``fusion``)."""
         run, tickets = fusion.Run(), [first]
         inline = inline_capacity(ctx, first.desc)
@@ -278,7 +265,7 @@ class GenerationRuntime:
         run.add(first.desc, inline)
         while fusable:
             with self._cond:
-                ticket = None if self._stopping else self._seq.peek()
+                ticket = self._seq.peek()  # None once closed
             if ticket is None:
                 break
             inline = inline_capacity(ctx, ticket.desc)
@@ -313,10 +300,10 @@ class GenerationRuntime:
                 if failure is None:
                     return
                 with self._cond:
-                    if self._stopping:
+                    if self._seq.closed:
                         return
                     self._cond.wait(self._rebuild_after_s)
-                    if self._stopping:
+                    if self._seq.closed:
                         return
                     self.failure = None
                 epoch += 1
@@ -374,23 +361,25 @@ class GenerationRuntime:
         )
         return ctx
 
-    def _next(self, ctx: OpContext) -> tuple[list[Ticket], list[_Item]]:
+    def _next_ops(self, ctx: OpContext) -> tuple[list[Ticket], list[_Item]] | EpochEnd:
         """Leader: takes the next op, or run of fused ops, or a tick (a no-op, or a
         stop); follower: receives what the leader announced. Returns (the leader's
-        tickets, the ops)."""
+        tickets, the ops), or, on the leader, the end of the epoch a claimed op ended."""
         if not self.is_leader:
             items = ctx.call(descriptor.receive_batch, ctx.control)
             for desc, _ in items:
                 self._check_announced(desc)
             return [], items
-        first = self._take()
+        first = self._wait_for_op()
+        if isinstance(first, EpochEnd):
+            return first
         if first is None:
-            kind = OpKind.STOP if self._stopping else OpKind.NOOP
+            kind = OpKind.STOP if self._seq.closed else OpKind.NOOP
             tick = worker_pb2.OpDescriptor(
                 kind=kind, generation=self.generation, membership_digest=self.membership_digest
             )
             return [], [(tick, None)]
-        tickets, run = self._take_run(ctx, first)
+        tickets, run = self._fused_run_from(ctx, first)
         return tickets, run.items
 
     def _check_announced(self, desc: worker_pb2.OpDescriptor) -> None:
@@ -426,19 +415,21 @@ class GenerationRuntime:
         try:
             ctx = self._join(epoch)
             with self._cond:
-                self._ctx, self._driven_end = ctx, None
+                self._ctx = ctx
+                self._seq.open_epoch()
             while True:
-                current, items = self._next(ctx)
+                ops = self._next_ops(ctx)
+                if isinstance(ops, EpochEnd):
+                    return ops.failure
+                current, items = ops
                 pending = self._announce(ctx, items) if self.is_leader else None
                 kind = items[0][0].kind
                 if kind == OpKind.STOP:
                     return None
                 if kind == OpKind.NOOP:
                     continue
-                self._step(ctx, current, items, pending)
+                self._run_ops(ctx, current, items, pending)
                 current = []
-        except _DrivenEnd as end:
-            return end.args[0]
         except GroupBroken as exc:
             return self._broken(exc, current)
         except Exception as exc:  # a bug: never take the daemon down with it
@@ -446,12 +437,13 @@ class GenerationRuntime:
         finally:
             with self._cond:
                 self._ctx = None
+                self._seq.close_epoch()
             # Peers blocked on this rank learn at once that its group is gone.
             if self._channel is not None:
                 self._channel.close()
                 self._channel = None
 
-    def _step(
+    def _run_ops(
         self,
         ctx: OpContext,
         tickets: list[Ticket],
@@ -490,7 +482,7 @@ class GenerationRuntime:
     def _broken(self, exc: GroupBroken, current: list[Ticket]) -> str | None:
         self.ready.clear()
         with self._cond:
-            superseded = self._stopping
+            superseded = self._seq.closed
             self.failure = str(exc)
         if not superseded:
             log.warning("generation %d: %s", self.generation, exc)

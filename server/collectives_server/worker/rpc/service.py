@@ -327,10 +327,14 @@ class WorkerService(ModelRpcs, PeerRpcs):
                 budget = min(budget, limit)
         budget = max(budget, 0.0)
         ticket = runtime.submit(
-            desc, budget, options.generation, drive=True, expected_digest=options.membership_digest
+            desc,
+            budget,
+            options.generation,
+            claim_if_idle=True,
+            expected_digest=options.membership_digest,
         )
-        if ticket.driven:
-            runtime.drive(ticket)  # the loop was idle: this thread runs the op
+        if ticket.claimed:
+            runtime.run_claimed(ticket)  # the loop was idle: this thread runs the op
         try:
             return ticket.future.result(timeout=budget)
         except FutureTimeout:
