@@ -1,4 +1,4 @@
-"""Two real generation runtimes of one generation (a leader and a follower) in one
+"""Two real ``Generation`` loops of one generation (a leader and a follower) in one
 process: real gloo groups and control channels over a real TCPStore on loopback,
 real tensor stores whose commits a test can hold at the door."""
 
@@ -16,7 +16,11 @@ from collectives.v1 import worker_pb2
 from collectives.wire.membership import membership_digest
 from collectives.wire.op_specs import spec_named
 from collectives_server.worker.data.store import TensorStore
-from collectives_server.worker.engine.generation import GenerationRuntime
+from collectives_server.worker.engine.generation import (
+    Generation,
+    GenerationHooks,
+    GenerationSpec,
+)
 from collectives_server.worker.engine.sequencer import Ticket
 
 __all__ = ["DIGEST", "TIMEOUT_S", "GatedStore", "Pair", "descriptor"]
@@ -78,8 +82,8 @@ class Pair:
         for rt in self.runtimes:
             assert rt.ready.wait(TIMEOUT_S), "the generation did not form"
 
-    def _runtime(self, rank: int) -> GenerationRuntime:
-        return GenerationRuntime(
+    def _runtime(self, rank: int) -> Generation:
+        spec = GenerationSpec(
             generation=1,
             membership_digest=DIGEST,
             rank=rank,
@@ -90,10 +94,13 @@ class Pair:
             device=torch.device("cpu"),
             host="127.0.0.1",
             queue_size=8,
-            on_joined=lambda generation: None,
-            on_op_done=lambda desc, outcome, latency, rank=rank: self._done(rank, desc),
             rebuild_after_s=self._rebuild_after_s,
         )
+        hooks = GenerationHooks(
+            on_joined=lambda generation: None,
+            on_op_done=lambda desc, outcome, latency, rank=rank: self._done(rank, desc),
+        )
+        return Generation(spec, hooks)
 
     def _done(self, rank: int, desc: worker_pb2.OpDescriptor) -> None:
         self.threads[rank].append(threading.current_thread().name)

@@ -41,7 +41,7 @@ __all__ = ["RuntimeView", "WorkerContext"]
 class RuntimeView(Protocol):
     """What status, metrics and GetState read of the current generation's runtime.
 
-    ``GenerationRuntime`` (``worker/runtime.py``) satisfies it; the servicer's
+    ``Generation`` (``worker/engine/generation.py``) satisfies it; the servicer's
     collective section uses the runtime's full interface.
     """
 

@@ -1,7 +1,7 @@
 """Small control collectives that keep every rank's view of an op identical.
 
 ``exchange`` all-gathers each rank's operand description (and, for small
-operands, the operand's bytes: see ``runtime``); ``agree`` all-gathers each
+operands, the operand's bytes: see ``handlers.tensor_ops``); ``agree`` all-gathers each
 rank's local outcome (a status code and a short message) so that a failure on
 one rank is reported, with its reason, on all.
 """

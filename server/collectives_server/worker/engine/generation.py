@@ -30,6 +30,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -61,7 +62,7 @@ from collectives_server.worker.engine.sequencer import EpochEnd, Park, Sequencer
 from collectives_server.worker.kernels import op_failures
 from collectives_server.worker.models.registry import ModelRegistry
 
-__all__ = ["GenerationRuntime"]
+__all__ = ["Generation", "GenerationHooks", "GenerationSpec"]
 
 log = logging.getLogger(__name__)
 
@@ -71,60 +72,70 @@ Outcome = OpResult | ModelOpResult | PublishResult | CollectiveError
 _Item = tuple[worker_pb2.OpDescriptor, int | None]  # an op and its inline capacity
 
 
-class GenerationRuntime:
-    def __init__(
-        self,
-        *,
-        generation: int,
-        rank: int,
-        world_size: int,
-        tcp_store: dist.Store,
-        membership_digest: str = "",
-        store: TensorStore,
-        op_timeout_s: float,
-        device: torch.device,
-        host: str | None,
-        queue_size: int,
-        max_groups: int = 64,
-        on_joined: Callable[[int], None],
-        on_op_done: Callable[[worker_pb2.OpDescriptor, Outcome, float], None],
-        rebuild_after_s: float = 10.0,
-        models: ModelRegistry | None = None,
-        on_data_collectives: Callable[[int, int], None] | None = None,
-        sync_models: Callable[[OpContext], int] | None = None,
-        on_fused: Callable[[int], None] | None = None,
-        replaced: ReplacedMemory | None = None,
-    ) -> None:
-        self.generation = generation
-        # Which membership this generation is (collectives.wire.membership): the
-        # group forms under a store prefix that includes it, the leader stamps it
-        # on every op, and an op sent or announced for another one is refused.
-        self.membership_digest = membership_digest
-        self.rank = rank
-        self.world_size = world_size
-        self.is_leader = rank == 0
-        self.store = store
-        self.models = models if models is not None else ModelRegistry([device])
-        self.max_groups = max_groups
-        self._tcp_store = tcp_store
-        self._timeout_s = op_timeout_s
-        self._device = device
-        self._host = host
-        self._on_joined = on_joined
-        self._on_op_done = on_op_done
-        # Run by every rank once its group formed, before it reports joined (model_sync).
-        self._sync_models = sync_models
-        self._on_data_collectives = on_data_collectives
-        self._on_fused = on_fused  # called with the op count of each fused run
-        self._rebuild_after_s = rebuild_after_s
-        # The worker's replaced memory, shared with its puts (replaced_memory.py).
+@dataclass(frozen=True)
+class GenerationSpec:
+    """Which generation a worker runs and with what: its place in it, the stores it
+    forms its groups through and commits into, its device and its limits."""
+
+    generation: int
+    rank: int
+    world_size: int
+    tcp_store: dist.Store  # the rendezvous store every member forms its groups through
+    store: TensorStore
+    device: torch.device
+    host: str | None  # the interface gloo binds (None: torch's choice)
+    op_timeout_s: float
+    queue_size: int  # the leader's op queue (sequencer)
+    # Which membership this generation is (collectives.wire.membership): the
+    # group forms under a store prefix that includes it, the leader stamps it
+    # on every op, and an op sent or announced for another one is refused.
+    membership_digest: str = ""
+    max_groups: int = 64
+    # How long a broken group waits for a new generation before it rebuilds its own.
+    rebuild_after_s: float = 10.0
+    models: ModelRegistry | None = None  # None: an empty registry on ``device``
+    # The worker's replaced memory, shared with its puts (replaced_memory.py);
+    # None: one of the generation's own.
+    replaced: ReplacedMemory | None = None
+
+
+@dataclass(frozen=True)
+class GenerationHooks:
+    """What a generation tells its worker (joined, an op done, counts), and what the
+    worker runs inside it once its group formed (``sync_models``)."""
+
+    on_joined: Callable[[int], None]  # the generation number, once this rank joined
+    on_op_done: Callable[[worker_pb2.OpDescriptor, Outcome, float], None]  # latency in s
+    on_data_collectives: Callable[[int, int], None] | None = None  # collectives, buckets
+    on_fused: Callable[[int], None] | None = None  # the op count of each fused run
+    # Run by every rank once its group formed, before it reports joined (model_sync).
+    sync_models: Callable[[OpContext], int] | None = None
+
+
+class Generation:
+    """One generation on this worker: its loop thread, its leader's queue, its groups."""
+
+    def __init__(self, spec: GenerationSpec, hooks: GenerationHooks) -> None:
+        self._spec, self._hooks = spec, hooks
+        self.generation = spec.generation
+        self.membership_digest = spec.membership_digest
+        self.rank = spec.rank
+        self.world_size = spec.world_size
+        self.is_leader = spec.rank == 0
+        self.store = spec.store
+        self.models = spec.models if spec.models is not None else ModelRegistry([spec.device])
+        self.max_groups = spec.max_groups
+        replaced = spec.replaced
         if replaced is None:
-            replaced = ReplacedMemory(max_bytes=pool_bytes(store.limit_bytes))
+            replaced = ReplacedMemory(max_bytes=pool_bytes(spec.store.limit_bytes))
         self._replaced = replaced
         self._channel: ControlChannel | None = None  # this epoch's control rounds
         self._cond = threading.Condition()
         self._seq = Sequencer(
-            generation, queue_size, min(1.0, op_timeout_s / 4), membership_digest=membership_digest
+            spec.generation,
+            spec.queue_size,
+            min(1.0, spec.op_timeout_s / 4),
+            membership_digest=spec.membership_digest,
         )
         self._next_group_id = 1
         # Leader: the epoch's context while ops may run (a submitter that claimed a
@@ -132,17 +143,17 @@ class GenerationRuntime:
         self._ctx: OpContext | None = None
         # The world group exists from the start so that ops can queue while the
         # process group forms; its handles arrive when it is built.
-        self.groups: dict[int, GroupEntry] = {0: GroupEntry(0, list(range(world_size)), None)}
+        self.groups: dict[int, GroupEntry] = {0: GroupEntry(0, list(range(spec.world_size)), None)}
         self.ready = threading.Event()
         self.finished = threading.Event()
         self.failure: str | None = None
         self.busy = False
         self._thread = threading.Thread(
-            target=self._run, name=f"generation-{generation}", daemon=True
+            target=self._run, name=f"generation-{spec.generation}", daemon=True
         )
 
     # ----------------------------------------------------------- lifecycle
-    def start(self) -> GenerationRuntime:
+    def start(self) -> Generation:
         self._thread.start()
         return self
 
@@ -185,7 +196,7 @@ class GenerationRuntime:
         with :meth:`run_claimed`."""
         with self._cond:
             ticket = self._seq.admit(
-                desc, timeout_s if timeout_s is not None else 2 * self._timeout_s,
+                desc, timeout_s if timeout_s is not None else 2 * self._spec.op_timeout_s,
                 expected_generation, expected_digest,
             )  # fmt: skip
             ctx = self._ctx  # small operands only, judged only when the op is claimable
@@ -302,7 +313,7 @@ class GenerationRuntime:
                 with self._cond:
                     if self._seq.closed:
                         return
-                    self._cond.wait(self._rebuild_after_s)
+                    self._cond.wait(self._spec.rebuild_after_s)
                     if self._seq.closed:
                         return
                     self.failure = None
@@ -326,11 +337,13 @@ class GenerationRuntime:
         prefix = f"g{self.generation}m{self.membership_digest}"
         if epoch:
             prefix += f"e{epoch}"
-        where = (self._tcp_store, prefix, self.rank, self.world_size, self._timeout_s)
+        where = (self._spec.tcp_store, prefix, self.rank, self.world_size, self._spec.op_timeout_s)
         try:
-            handles = build_groups(*where, self._device, self._host)
+            handles = build_groups(*where, self._spec.device, self._spec.host)
             self._channel = ControlChannel.connect(
-                dist.PrefixStore(f"{prefix}/ctlsock", self._tcp_store), *where[2:], self._host
+                dist.PrefixStore(f"{prefix}/ctlsock", self._spec.tcp_store),
+                *where[2:],
+                self._spec.host,
             )
         except Exception as exc:
             raise GroupBroken(f"could not form the process group: {exc}") from exc
@@ -339,10 +352,10 @@ class GenerationRuntime:
             generation=self.generation,
             rank=self.rank,
             world_size=self.world_size,
-            device=self._device,
-            host=self._host,
-            timeout_s=self._timeout_s,
-            tcp_store=self._tcp_store,
+            device=self._spec.device,
+            host=self._spec.host,
+            timeout_s=self._spec.op_timeout_s,
+            tcp_store=self._spec.tcp_store,
             prefix=prefix,
             store=self.store,
             models=self.models,
@@ -350,12 +363,12 @@ class GenerationRuntime:
             control=self._channel,
             replaced=self._replaced,
             max_groups=self.max_groups,
-            on_data_collectives=self._on_data_collectives,
+            on_data_collectives=self._hooks.on_data_collectives,
         )
-        if self._sync_models is not None:
-            self._sync_models(ctx)
+        if self._hooks.sync_models is not None:
+            self._hooks.sync_models(ctx)
         self.ready.set()
-        self._on_joined(self.generation)
+        self._hooks.on_joined(self.generation)
         log.info(
             "joined generation %d as rank %d of %d", self.generation, self.rank, self.world_size
         )
@@ -505,8 +518,8 @@ class GenerationRuntime:
     ) -> Iterator[Outcome]:
         """Each op's outcome of a fused run, as it finishes (``handlers.fused_ops``)."""
         started = time.perf_counter()
-        if self._on_fused is not None:
-            self._on_fused(len(items))
+        if self._hooks.on_fused is not None:
+            self._hooks.on_fused(len(items))
         self.busy = True
         try:
             for (desc, _), result in zip(items, run_fused(ctx, items, pending), strict=False):
@@ -519,5 +532,5 @@ class GenerationRuntime:
             result = op_failures.worded(desc, self.generation, result)
         else:
             result = dataclasses.replace(result, latency_s=latency)
-        self._on_op_done(desc, result, latency)
+        self._hooks.on_op_done(desc, result, latency)
         return result

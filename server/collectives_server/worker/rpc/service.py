@@ -55,7 +55,7 @@ from collectives_server.worker.rpc.shm_service import get_tensor_shm, put_tensor
 from collectives_server.worker.status import worker_state
 
 if TYPE_CHECKING:
-    from collectives_server.worker.engine.generation import GenerationRuntime
+    from collectives_server.worker.engine.generation import Generation
 
 __all__ = ["WorkerService", "add_worker_service", "SERVICE_NAME"]
 
@@ -254,7 +254,7 @@ class WorkerService(ModelRpcs, PeerRpcs):
         return worker_state(self._ctx)
 
     # ----------------------------------------------------------- collectives
-    def _leader(self, options: worker_pb2.OpOptions) -> GenerationRuntime:
+    def _leader(self, options: worker_pb2.OpOptions) -> Generation:
         runtime = self._ctx.runtime
         if runtime is None:
             raise Unavailable(
@@ -319,7 +319,7 @@ class WorkerService(ModelRpcs, PeerRpcs):
             result_names=result.result_names,
         )
 
-    def _wait(self, context, runtime: GenerationRuntime, desc, options):
+    def _wait(self, context, runtime: Generation, desc, options):
         """Admits ``desc`` on the leader and waits within the call's deadline."""
         budget = self._ctx.op_timeout_s * 2
         for limit in (context.time_remaining(), options.timeout_s or None):
@@ -435,7 +435,7 @@ class WorkerService(ModelRpcs, PeerRpcs):
         )
 
 
-def _group_of(runtime: GenerationRuntime, group_id: int):
+def _group_of(runtime: Generation, group_id: int):
     """The group ``group_id`` of the runtime's generation, or NOT_FOUND (one wording)."""
     group = runtime.groups.get(group_id)
     if group is None:

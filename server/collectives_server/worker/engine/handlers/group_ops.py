@@ -12,7 +12,7 @@ same point of the op order; the verdict (group 0, an unknown or already destroye
 group) is the same on every rank because every rank holds the same groups there,
 so it needs no agreement. An op admitted for a group that a ``destroy_group``
 ahead of it in the queue removed fails NOT_FOUND on every rank
-(:func:`missing_group`, checked by the runtime before dispatching).
+(:func:`missing_group`, checked by the generation loop before dispatching).
 """
 
 from __future__ import annotations
