@@ -42,8 +42,8 @@ from collectives_server.rpc.limits import RpcLimits
 from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.data.bulk import BulkListener
 from collectives_server.worker.data.memory_release import drop_partial
-from collectives_server.worker.engine.group_cap import check_group_cap, subgroup_count
 from collectives_server.worker.engine.handlers.group_ops import group_not_found
+from collectives_server.worker.engine.process_groups import check_group_cap, subgroup_count
 from collectives_server.worker.rpc.guards import counted as _counted
 from collectives_server.worker.rpc.guards import departure
 from collectives_server.worker.rpc.guards import guard as _guard

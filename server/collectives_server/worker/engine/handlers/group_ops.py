@@ -23,14 +23,17 @@ from collectives.errors import CollectiveError, InvalidArgument, NotFound, Resou
 from collectives.v1 import worker_pb2
 from collectives.wire.op_specs import OpKind
 from collectives_server.worker.engine import agreement
-from collectives_server.worker.engine.group_cap import check_group_cap, subgroup_count
 from collectives_server.worker.engine.op_context import (
     Announcement,
     GroupEntry,
     OpContext,
     OpResult,
 )
-from collectives_server.worker.engine.process_groups import build_groups
+from collectives_server.worker.engine.process_groups import (
+    build_groups,
+    check_group_cap,
+    subgroup_count,
+)
 from collectives_server.worker.kernels import op_failures
 
 __all__ = ["run_new_group", "run_destroy_group", "group_not_found", "missing_group"]
@@ -87,7 +90,7 @@ def run_destroy_group(
     entry = ctx.groups.pop(group_id, None)
     if entry is None:
         return group_not_found(group_id, ctx.generation)
-    # Dropping the last reference frees the gloo groups' sockets and threads (group_cap).
+    # Dropping the last reference frees the gloo groups' sockets and threads (process_groups).
     entry.handles = None
     return OpResult(desc.op_id, ctx.generation, "", entry.ranks, None, (), 0.0)
 
