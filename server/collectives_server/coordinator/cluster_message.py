@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from collectives.v1 import coordinator_pb2, status_pb2
-from collectives_server.coordinator.model import ClusterView, WorkerState
+from collectives_server.coordinator.vocabulary import ClusterView, WorkerState
 
 __all__ = ["cluster_to_proto", "rendezvous_address", "status_key"]
 

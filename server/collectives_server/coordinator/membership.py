@@ -53,11 +53,11 @@ import collections
 from typing import Any
 
 from collectives.wire.membership import membership_digest
-from collectives_server.coordinator.model import (
+from collectives_server.coordinator.vocabulary import (
     ClusterView,
-    GenerationRecord,
     InvalidRequestError,
     Outcome,
+    SealedGeneration,
     UnknownWorkerError,
     WorkerState,
     WorkerView,
@@ -126,7 +126,7 @@ class Membership:
         self.status_refresh_s = status_refresh_s
         self._id_prefix = id_prefix
         self.sealer = ""  # recorded as each generation's sealed_by (the coordinator's address)
-        self._history: collections.deque[GenerationRecord] = collections.deque(maxlen=HISTORY_LEN)
+        self._history: collections.deque[SealedGeneration] = collections.deque(maxlen=HISTORY_LEN)
         # Workers "joined" (new registrations), "lost" (lease ran out, replaced), "left".
         self.events: collections.Counter[str] = collections.Counter()
         self._workers: dict[str, WorkerRecord] = {}
@@ -454,7 +454,7 @@ class Membership:
             reason = f"{reason}; {decision}"
         if sealed:
             self._history.append(
-                GenerationRecord(
+                SealedGeneration(
                     generation=self._generation,
                     sealed_at=now,
                     world_size=len(self._members),

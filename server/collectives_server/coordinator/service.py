@@ -15,9 +15,9 @@ for Register and Heartbeat. Roles, lease secrets and size limits are checked by
 :class:`~.control.ControlGuard` before a request changes anything.
 
 Heartbeats come once a second from every worker, so their cost bounds how many
-workers one coordinator serves. A unary call costs the coordinator ~2.5x what one
-message on an open stream does (grpcio's per-call work: a new call, thread pool
-hand-offs, metadata and status; ~700 vs ~290 us of CPU on a 2-core VM), so workers
+workers one coordinator serves. A unary call costs the coordinator several times
+what one message on an open stream does (grpcio's per-call work: a new call, thread
+pool hand-offs, metadata and status), so workers
 send them on ``HeartbeatStream``, which is answered only when a request asks
 (``want_reply``: an answer costs about as much again). Such a stream also
 holds a server thread for its lifetime; the daemon sizes the pool for one per

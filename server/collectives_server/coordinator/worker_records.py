@@ -9,7 +9,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Any
 
-from collectives_server.coordinator.model import InvalidRequestError, WorkerState, WorkerView
+from collectives_server.coordinator.vocabulary import InvalidRequestError, WorkerState, WorkerView
 
 __all__ = [
     "WorkerRecord",

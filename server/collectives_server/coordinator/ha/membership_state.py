@@ -32,7 +32,7 @@ from collectives.v1 import status_pb2
 from collectives.wire.membership import membership_digest
 from collectives_server.coordinator.admission import LeaseBook
 from collectives_server.coordinator.membership import Membership
-from collectives_server.coordinator.model import GenerationRecord
+from collectives_server.coordinator.vocabulary import SealedGeneration
 from collectives_server.coordinator.worker_records import WorkerRecord
 
 __all__ = ["FORMAT", "export_state", "restore_state"]
@@ -165,7 +165,7 @@ def restore_state(
     m._history.clear()
     for r in data["history"]:
         m._history.append(
-            GenerationRecord(
+            SealedGeneration(
                 generation=int(r["generation"]),
                 sealed_at=mono(float(r["sealed_unix"])),
                 world_size=int(r["world_size"]),
