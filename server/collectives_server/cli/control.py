@@ -1,4 +1,4 @@
-"""Flags of the coordinator's control-plane hardening (issue 16: H6, M5, M7, L4).
+"""Flags of the coordinator's control-plane hardening: roles, sizes and stream caps.
 
 ``add_control_flags`` adds them to ``coordinator`` (and ``local``, which forwards
 them to its coordinator with :func:`control_args`); ``control_from_args`` turns them

@@ -1,4 +1,4 @@
-"""Flags for the bounds on what a client can make a worker hold (issue 16, M6).
+"""Flags for the bounds on what a client can make a worker hold.
 
 ``--max-groups`` caps the sub-groups (``new_group``) of one generation: each
 gloo group costs every member ~5 file descriptors and ~3 threads, so an

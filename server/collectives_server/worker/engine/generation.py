@@ -467,8 +467,8 @@ class Generation:
 
         A fused run's outcomes are set together when it ends, those of the ops that
         finished even when a later one raised: each set wakes a client's RPC thread,
-        which would contend for the GIL with the rest of the run (set together:
-        +8 % ops/s at 8 clients, +5 % at 32, over 7 alternated bench runs)."""
+        which would contend for the GIL with the rest of the run (set together, many
+        clients get more ops through: see docs/perf-log.md)."""
         outcomes: list[Outcome] = []
         try:
             if len(items) == 1:

@@ -102,7 +102,8 @@ class WorkerService:
                 raise InvalidArgument("PutTensor stream was empty: send a header, then chunks")
             tensor = assembler.finish()
         except BaseException as exc:
-            # Cancelled or refused: free the partial buffer now (H3), not at a later GC.
+            # Cancelled or refused: free the partial buffer now, not at a later GC
+            # (memory_release says why it could otherwise outlive the call).
             assembler = None
             if reservation is not None:
                 reservation.release()
@@ -179,7 +180,8 @@ class WorkerService:
             response.inline_data = codec.tensor_memoryview(wire).tobytes()
         else:
             ticket = new_ticket()
-            # The ticket's bytes count against the quota until sent or expired (M2).
+            # The ticket's bytes count against the quota until sent or expired: a
+            # client cannot pin unbounded memory with tickets it never uses.
             hold = self._ctx.store.reserve(f"{request.name} (bulk get)", header.nbytes, "get")
             remaining = _remaining_s(context, self._ctx.op_timeout_s)
             try:

@@ -16,7 +16,7 @@ announcement:
      buffer on every other rank (``collective_ops.broadcast``, on memory the
      rank's last replaced result left, ``ctx.replaced``). One broadcast for the
      whole tensor: broadcasting it in 25 MiB buckets, serially or with two or
-     all of them in flight, measured no faster on the bench machine (gloo
+     all of them in flight, is no faster (gloo
      sends the whole buffer down its tree either way; the root's egress is the
      same), so the simpler form stays;
   4. an agreement on every rank's outcome, then every rank commits: followers
