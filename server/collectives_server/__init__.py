@@ -16,8 +16,8 @@ Modules:
 * ``rpc/``: gRPC for every daemon: servers, the error boundary, call limits, health
 * ``security``: server-side security: TLS/mutual TLS credentials and bearer-token authentication
 * ``signals``: waiting for SIGTERM/SIGINT (or a nudge from another thread) without deadlocks
-* ``store_socket``: the rendezvous TCPStore (hosted by each worker, and by the coordinator for old
-  workers), listening only on the interface asked for
+* ``store_socket``: the rendezvous TCPStore each worker hosts, listening only on the interface
+  asked for
 * ``worker/``: a worker daemon: the composition root over its layers
 """
 

@@ -1,5 +1,4 @@
-"""The rendezvous TCPStore (hosted by each worker, and by the coordinator for old workers),
-listening only on the interface asked for.
+"""The rendezvous TCPStore each worker hosts, listening only on the interface asked for.
 
 ``torch.distributed.TCPStore(is_master=True)`` binds every interface whatever host
 it is given (the host only names where its own client connects), so ``local``
