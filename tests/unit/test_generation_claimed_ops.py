@@ -1,5 +1,5 @@
-"""Who runs the leader's ops and how they are answered, on two real runtimes
-(``runtime_pair``).
+"""Who runs the leader's ops and how they are answered, on two real generations
+(``generation_pair``).
 
 Small ops run on the submitting thread while the leader's loop is idle
 (``Generation.run_claimed``): a small op submitted to a parked loop is claimed,
@@ -22,8 +22,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import torch
+from generation_pair import TIMEOUT_S, Pair
 from helpers import wait_until
-from runtime_pair import TIMEOUT_S, Pair
 
 from collectives.errors import CollectiveError, Reason, Unavailable
 from collectives.reduce_ops import ReduceOp
@@ -50,9 +50,9 @@ def _put(pair: Pair, name: str, numel: int, gen: torch.Generator) -> list[torch.
 
 def _submit_to_parked_loop(pair: Pair, kind: str, before=None, **args) -> Ticket:
     """Submits with ``claim_if_idle`` at a moment the leader's loop is parked with nothing to
-    do, checked under the runtime's lock (so no idle tick can slip in between);
+    do, checked under the generation's lock (so no idle tick can slip in between);
     ``before`` runs under that lock just before the submit."""
-    leader = pair.runtimes[0]
+    leader = pair.generations[0]
     for _ in range(50):  # the loop parks again within a tick (1 s) of any wake-up
         wait_until(lambda: leader._seq.loop_parked, TIMEOUT_S, "the leader's loop to park")
         with leader._cond:  # re-entrant: submit takes it again
@@ -75,7 +75,7 @@ def _loop_waits_for_the_driver(pair: Pair) -> bool:
         bool(stack)
         and stack[0] == "wait"
         and "_wait_for_op" in stack
-        and not (pair.runtimes[0]._seq.loop_parked)
+        and not (pair.generations[0]._seq.loop_parked)
     )
 
 
@@ -93,7 +93,7 @@ def test_a_small_op_on_a_parked_loop_runs_on_the_callers_thread_with_torchs_resu
     args = {"root": 1} if kind == "broadcast" else {"out": "y", "op": SUM}
     ticket = _submit_to_parked_loop(pair, kind, name="x", **args)
     assert ticket.claimed
-    pair.runtimes[0].run_claimed(ticket)
+    pair.generations[0].run_claimed(ticket)
     assert ticket.future.done()  # set by run_claimed itself, before it returned
     result = ticket.future.result(0)
     assert pair.threads[0][-1] == threading.current_thread().name
@@ -131,7 +131,7 @@ def test_an_op_submitted_while_one_is_claimed_waits_and_runs_after_it_on_the_loo
     assert first.claimed
     leader_store = pair.stores[0]
     leader_store.hold_commits = True  # the claimed op stops at the leader's commit
-    driver = threading.Thread(target=pair.runtimes[0].run_claimed, args=(first,), name="driver")
+    driver = threading.Thread(target=pair.generations[0].run_claimed, args=(first,), name="driver")
     driver.start()
     assert leader_store.held.wait(TIMEOUT_S)
     second = pair.submit("all_reduce", claim_if_idle=True, name="c", op=SUM)
@@ -157,13 +157,13 @@ def test_a_group_broken_under_a_claimed_op_fails_it_and_the_generation_rebuilds(
 ) -> None:
     gen = torch.Generator().manual_seed(14)
     _put(pair, "b", 5, gen)
-    follower = pair.runtimes[1]
+    follower = pair.generations[1]
     assert follower._channel is not None
     # The follower's control connection goes down while the leader's loop is parked:
     # only the claimed op can notice it.
     ticket = _submit_to_parked_loop(pair, "all_reduce", before=follower._channel.close, name="b")
     assert ticket.claimed
-    leader = pair.runtimes[0]
+    leader = pair.generations[0]
     leader.run_claimed(ticket)
     error = ticket.future.exception(0)
     assert isinstance(error, Unavailable), error

@@ -76,13 +76,13 @@ class Pair:
             timeout=datetime.timedelta(seconds=TIMEOUT_S),
         )  # fmt: skip
         self._tcp = [master, client]
-        self.runtimes = [self._runtime(rank) for rank in range(2)]
-        for rt in self.runtimes:
-            rt.start()
-        for rt in self.runtimes:
-            assert rt.ready.wait(TIMEOUT_S), "the generation did not form"
+        self.generations = [self._generation(rank) for rank in range(2)]
+        for g in self.generations:
+            g.start()
+        for g in self.generations:
+            assert g.ready.wait(TIMEOUT_S), "the generation did not form"
 
-    def _runtime(self, rank: int) -> Generation:
+    def _generation(self, rank: int) -> Generation:
         spec = GenerationSpec(
             generation=1,
             membership_digest=DIGEST,
@@ -109,8 +109,8 @@ class Pair:
     def submit(self, kind: str, claim_if_idle: bool = False, **args) -> Ticket:
         """Admits an op on the leader; with ``claim_if_idle``, as the RPC handler does
         (the caller then runs a ticket marked ``claimed`` with
-        ``runtimes[0].run_claimed``)."""
-        return self.runtimes[0].submit(descriptor(kind, **args), claim_if_idle=claim_if_idle)
+        ``generations[0].run_claimed``)."""
+        return self.generations[0].submit(descriptor(kind, **args), claim_if_idle=claim_if_idle)
 
     def run(self, kind: str, **args):
         """Runs an op; returns once the leader answered *and* the follower finished it
@@ -124,6 +124,6 @@ class Pair:
 
     def close(self) -> None:
         self.stores[1].release.set()
-        self.runtimes[0].stop()
-        for rt in self.runtimes:
-            rt.finished.wait(TIMEOUT_S)
+        self.generations[0].stop()
+        for g in self.generations:
+            g.finished.wait(TIMEOUT_S)
