@@ -16,8 +16,8 @@ Modules:
 * ``rpc/``: gRPC for every daemon: servers, the error boundary, call limits, health
 * ``security``: server-side security: TLS/mutual TLS credentials and bearer-token authentication
 * ``signals``: waiting for SIGTERM/SIGINT (or a nudge from another thread) without deadlocks
-* ``store_socket``: the rendezvous TCPStore (hosted by each worker, and by the coordinator for old
-  workers), listening only on the interface asked for
+* ``store_socket``: the rendezvous TCPStore each worker hosts, listening only on the interface
+  asked for
 * ``worker/``: a worker daemon: the composition root over its layers
 """
 
@@ -29,19 +29,18 @@ __version__ = "0.1.0"
 # reads this once, at its first allocation of 2 MiB or more, so it is set on
 # import, before any). Every received tensor and every collective's output is a
 # fresh allocation; with 4 KiB pages the kernel's per-page faults cost more than
-# the copy itself (0.6-2 GB/s vs 10-20 GB/s measured). Set it to 0 to opt out.
+# the copy itself, several times over. Set it to 0 to opt out.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 # grpcio's sockets through its classic poller instead of its EventEngine: with
 # the EventEngine, every message wakes one of its threads, which then wakes the
-# server's polling thread and the handler's, ~7.5 context switches per heartbeat
-# against ~3. grpc reads this once, when it is first imported, so it is set here:
+# server's polling thread and the handler's: about twice the context switches per
+# heartbeat. grpc reads this once, when it is first imported, so it is set here:
 # the package runs first under both entry points (``python -m collectives_server``
 # and the ``collectives-server`` script), before any of its modules imports grpc.
 # A value the user exported is kept (an empty one restores grpc's defaults). A
 # program that imports collectives_server itself before grpc gets it too; one
-# that imported grpc first keeps grpc's defaults. Measured on the 2-core VM, bench row 7,
-# three alternated pairs: the coordinator at 1,000 workers 0.208-0.232 of a core
-# -> 0.154-0.168. See docs/perf-log.md "gRPC without its EventEngine".
+# that imported grpc first keeps grpc's defaults. A coordinator serving many workers
+# spends markedly less CPU this way: see docs/perf-log.md "gRPC without its EventEngine".
 GRPC_EXPERIMENTS = "-event_engine_listener,-event_engine_for_all_other_endpoints"
 os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)

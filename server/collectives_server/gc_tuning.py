@@ -5,7 +5,7 @@ that live as long as the process. CPython's cyclic collector walks all of them
 at every full (generation 2) collection, and a daemon allocating a few
 thousand objects per op triggers one every few hundred ops: a pause of tens
 of milliseconds in the middle of whatever op runs then, on every rank, which
-was one cause of the slow 1 % of ops (``bench``: p99 at 2-3x p50). After
+was one cause of the slow tail of ops (``bench``'s p99 against its p50). After
 start-up, :func:`settle` moves everything alive into the permanent generation
 (``gc.freeze``), so collections only ever look at what the daemon allocated
 since; cycles among frozen objects are never freed, which is what start-up

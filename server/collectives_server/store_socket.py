@@ -1,9 +1,8 @@
-"""The rendezvous TCPStore (hosted by each worker, and by the coordinator for old workers),
-listening only on the interface asked for.
+"""The rendezvous TCPStore each worker hosts, listening only on the interface asked for.
 
 ``torch.distributed.TCPStore(is_master=True)`` binds every interface whatever host
 it is given (the host only names where its own client connects), so ``local``
-said it bound 127.0.0.1 while its store listened on 0.0.0.0 (issue 16, M7). Here
+said it bound 127.0.0.1 while its store listened on 0.0.0.0. Here
 the listening socket is made by us, bound to ``host``, and handed to the store
 through ``master_listen_fd`` (torch >= 2.1, libuv backend included); the store
 takes ownership of the descriptor.

@@ -113,8 +113,7 @@ def test_huge_fields_are_refused_and_the_cluster_stays_usable(fresh_cluster) -> 
             )
             assert "limit" in details
         # A worker's status over 64 KiB is refused as well (the heartbeat, not the lease).
-        # (A current worker: it hosts its own rendezvous store. One that hosts none
-        # makes the coordinator start its own, importing torch: a one-time +190 MiB.)
+        # (A worker registers with the port of the rendezvous store it hosts.)
         registered = stub.Register(
             pb.RegisterRequest(address="127.0.0.1:2", devices=["cpu"], pid=8, store_port=2),
             timeout=10,

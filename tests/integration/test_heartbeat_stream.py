@@ -88,7 +88,9 @@ LEASE_SECRETS: dict[str, str] = {}
 
 
 def register(stub: pb_grpc.CoordinatorStub, port: int = 7001) -> str:
-    request = pb.RegisterRequest(address=f"127.0.0.1:{port}", pid=port, devices=["cpu"])
+    request = pb.RegisterRequest(
+        address=f"127.0.0.1:{port}", pid=port, devices=["cpu"], store_port=port
+    )
     response = stub.Register(request, timeout=5)
     LEASE_SECRETS[response.worker_id] = response.lease_secret
     return response.worker_id

@@ -1,5 +1,5 @@
 """Running the worker's op handlers on N threads over ``tests/fake_pg.py``, for
-``test_handlers*.py``: one :class:`OpContext` per rank, the runtime's part played
+``test_handlers*.py``: one :class:`OpContext` per rank, the generation loop's part played
 by the test (the leader's inline capacity computed on rank 0 before the threads
 start, the same ``Announcement`` for every rank), and torch oracles that fold in
 rank order as the fake does, so results compare exactly.

@@ -100,11 +100,12 @@ def test_encoded_size_is_within_expected_limit() -> None:
                 hostname=f"node-{i:05d}.cluster.example.com",
                 pid=100000 + i,
                 status=_status(i),
+                store_port=29500,
             )
         )
     view = dataclasses.replace(small, workers=tuple(rows), world_size=WORKERS)
-    msg = cluster_to_proto(view, store_address="10.0.0.1:29500", op_timeout_s=30.0)
-    assert len(msg.workers) == WORKERS
+    msg = cluster_to_proto(view, op_timeout_s=30.0)
+    assert len(msg.workers) == WORKERS and msg.store_address.endswith(":29500")
     assert all(w.HasField("status") for w in msg.workers), "statuses must be in the message"
     size = len(msg.SerializeToString())
     assert size <= BUDGET_BYTES, f"{WORKERS} workers encode to {size} B > {BUDGET_BYTES} B"

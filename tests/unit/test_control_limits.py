@@ -1,7 +1,7 @@
 """The coordinator's field caps, Cluster budget, roles, stream and connection caps, and flags.
 
 Pure checks run on the modules' own objects; the rest on a real in-process
-:class:`Coordinator` (gRPC on loopback, its TCPStore and dashboard) with small
+:class:`Coordinator` (gRPC on loopback and its dashboard) with small
 limits, so a cap is reached with a handful of calls.
 """
 
@@ -11,7 +11,6 @@ import http.client
 import secrets
 import socket
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -153,13 +152,13 @@ def test_store_socket_binds_only_the_host_asked_for() -> None:
 def test_flag_defaults_are_the_documented_ones() -> None:
     coordinator = build_parser().parse_args(["coordinator", "--world-size", "2"])
     config = config_from_args(coordinator, coordinator.parser)
-    assert config.worker_token is None and config.store_host is None
+    assert config.worker_token is None
     assert config.limits == ControlLimits(
         max_waiting_workers=64, max_watch_streams=128, max_watch_streams_per_peer=32
     )
     assert (config.dashboard_idle_s, config.dashboard_max_connections) == (10.0, 256)
     local = build_parser().parse_args(["local", "--workers", "2"])
-    assert local.worker_token_file is None and local.store_host is None
+    assert local.worker_token_file is None
     assert (local.max_waiting_workers, local.max_watch_streams) == (64, 128)
     assert (local.dashboard_idle_s, local.dashboard_max_connections) == (10.0, 256)
     worker = build_parser().parse_args(["worker", "--coordinator", "127.0.0.1:1"])
@@ -206,7 +205,11 @@ def test_registrations_stop_at_the_cluster_budget(small: Coordinator) -> None:
         accepted, refusal = 0, None
         for i in range(64):
             request = pb.RegisterRequest(
-                address=f"127.0.0.1:{1000 + i}", hostname="h" * 255, devices=["cpu"], pid=i
+                address=f"127.0.0.1:{1000 + i}",
+                hostname="h" * 255,
+                devices=["cpu"],
+                pid=i,
+                store_port=2000 + i,
             )
             try:
                 stub.Register(request, timeout=10)
@@ -238,7 +241,8 @@ def _scrape(address: str | None) -> str:
 def test_a_status_over_the_budget_is_dropped_but_the_lease_renewed(small: Coordinator) -> None:
     with grpc.insecure_channel(small.address) as channel:
         stub = pb_grpc.CoordinatorStub(channel)
-        r = stub.Register(pb.RegisterRequest(address="127.0.0.1:9", devices=["cpu"]), timeout=10)
+        registration = pb.RegisterRequest(address="127.0.0.1:9", devices=["cpu"], store_port=10)
+        r = stub.Register(registration, timeout=10)
         big = status_pb2.WorkerStatus(last_op="s" * 20_000)  # under 64 KiB, over 12 kB
         reply = stub.Heartbeat(
             pb.HeartbeatRequest(worker_id=r.worker_id, lease_secret=r.lease_secret, status=big),
@@ -318,20 +322,14 @@ def test_the_worker_drops_a_status_over_the_limit_rather_than_its_lease() -> Non
     assert bounded_status(status_pb2.WorkerStatus(models=names)) is None
 
 
-def _listen_addresses(port: int) -> set[str]:
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            address, port_hex = fields[1].split(":")
-            if fields[3] == "0A" and int(port_hex, 16) == port:
-                found.add(address)
-    return found
-
-
-@pytest.mark.parametrize(("store_host", "expected"), [(None, "0100007F"), ("0.0.0.0", "00000000")])
-def test_store_host_chooses_the_stores_interface(store_host: str | None, expected: str) -> None:
-    config = CoordinatorConfig(min_workers=1, max_workers=1, store_host=store_host)
-    with Coordinator(config) as coordinator:
-        port = int(coordinator.store_address.rsplit(":", 1)[1])
-        assert _listen_addresses(port) == {expected}
+def test_a_worker_registers_with_the_store_it_hosts(small: Coordinator) -> None:
+    """Every worker hosts the rendezvous store its generations may meet in; a
+    registration without its port is refused, and nothing is registered."""
+    with grpc.insecure_channel(small.address) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        storeless = pb.RegisterRequest(address="127.0.0.1:5", devices=["cpu"], pid=5)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Register(storeless, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "store_port 0 is not a port" in refused.value.details()
+        assert len(stub.GetCluster(pb.GetClusterRequest(), timeout=10).workers) == 0

@@ -303,7 +303,6 @@ def test_container_ports_are_the_daemons_ports(overlay: Overlay, tmp_path: Path)
     coordinator = parse_coordinator(daemon_argv(coordinators, tmp_path))
     assert _container_ports(coordinators) == {
         "grpc": coordinator.port,
-        "store": coordinator.store_port,
         "dashboard": coordinator.dashboard_port,
         "metrics": coordinator.metrics_port,
     }
@@ -373,8 +372,8 @@ def test_network_policy_keeps_the_store_and_gloo_among_the_pods(overlay: Overlay
     assert {p["port"] for p in public["ports"]} == PUBLIC_PORTS
     named = {name for s in statefulsets for name in _container_ports(s)}
     assert named >= PUBLIC_PORTS, "a public port that no container has"
-    assert named - PUBLIC_PORTS == {"store"}
-    # All ports (gloo's and NCCL's are ephemeral), from the collectives pods of
+    assert named == PUBLIC_PORTS, "an internal port is named: the policy below opens them"
+    # All ports (the workers' stores, gloo's and NCCL's are ephemeral), from the collectives pods of
     # this namespace only: a podSelector without a namespaceSelector or ipBlock.
     assert "ports" not in internal
     (peer,) = internal["from"]

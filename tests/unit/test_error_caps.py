@@ -25,7 +25,7 @@ from collectives.wire.op_specs import spec_named
 from collectives_server.json_input import MAX_JSON_DEPTH, json_depth, parse_json, parse_json_object
 from collectives_server.rpc import server as rpc
 from collectives_server.worker.engine import validation
-from collectives_server.worker.engine.group_cap import check_group_cap, subgroup_count
+from collectives_server.worker.engine.process_groups import check_group_cap, subgroup_count
 from collectives_server.worker.kernels import op_failures
 
 F32 = tensor_pb2.DTYPE_FLOAT32

@@ -38,7 +38,7 @@ from collectives_server.worker.engine.handlers.model_ops import ModelOpResult
 from collectives_server.worker.engine.op_context import GroupBroken, OpResult
 
 
-class FailingSpares(ReplacedMemory):
+class FailingReplacedMemory(ReplacedMemory):
     """A rank whose result allocation fails (after or before its data collective)."""
 
     def __init__(self, exc: BaseException) -> None:
@@ -223,7 +223,7 @@ def test_a_local_failure_after_the_data_collective_fails_the_op_and_keeps_the_gr
     cl = Cluster(3)
     xs = inputs([0, 1, 2], torch.float32, shape_for(torch.float32, True), seed)
     cl.put("x", xs)
-    cl.ctxs[1].spares = FailingSpares(exc)
+    cl.ctxs[1].replaced = FailingReplacedMemory(exc)
     results = cl.tensor_op(OpKind.REDUCE_SCATTER, name="x", out="y")
     first = results[0]
     assert isinstance(first, CollectiveError), results
@@ -235,7 +235,7 @@ def test_a_local_failure_after_the_data_collective_fails_the_op_and_keeps_the_gr
     for res in results:
         assert type(res) is type(first) and (res.message, res.ranks) == (first.message, (1,))
     assert cl.stored("y") == [None] * 3
-    cl.ctxs[1].spares = ReplacedMemory()  # the group is intact: the next op succeeds
+    cl.ctxs[1].replaced = ReplacedMemory()  # the group is intact: the next op succeeds
     check_collective(cl, OpKind.ALL_REDUCE, xs, large=True, out="z")
 
 
@@ -264,7 +264,7 @@ def test_a_local_failure_before_one_rank_issues_the_data_collective_breaks_the_g
     cl = Cluster(3, data=FakeWorld(3, 1.0), timeout_s=1.0)
     xs = inputs([0, 1, 2], torch.float32, shape_for(torch.float32, True), seed)
     cl.put("x", xs)
-    cl.ctxs[1].spares = FailingSpares(MemoryError())
+    cl.ctxs[1].replaced = FailingReplacedMemory(MemoryError())
     results = cl.tensor_op(OpKind.ALL_REDUCE, name="x", out="y")
     assert all(isinstance(r, GroupBroken) for r in results), results
     assert cl.stored("y") == [None] * 3

@@ -167,13 +167,13 @@ def test_a_rank_lost_in_the_middle_fails_every_rank_with_nothing_committed(seed:
     cl = Cluster(3, data=FakeWorld(3, 2.0), timeout_s=2.0)
     xs = _inputs([0, 1, 2], seed)
     cl.put("x", xs)
-    cl.ctxs[2].spares = DyingSpares(cl.data, 2)
+    cl.ctxs[2].replaced = DyingReplacedMemory(cl.data, 2)
     results = _exchange(cl, [(0, 1), (1, 2), (2, 0)])
     assert all(isinstance(r, GroupBroken) for r in results), results
     assert all(cl.ctxs[r].store.peek("x") is xs[r] for r in range(3))
 
 
-class DyingSpares(ReplacedMemory):
+class DyingReplacedMemory(ReplacedMemory):
     """Kills ``rank`` in ``world`` when it allocates its receive buffer."""
 
     def __init__(self, world: FakeWorld, rank: int) -> None:

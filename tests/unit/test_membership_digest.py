@@ -1,4 +1,4 @@
-"""The membership digest's checks, on real runtimes: a leader refuses an op sent for
+"""The membership digest's checks, on real generations: a leader refuses an op sent for
 another membership of its generation number, a follower refuses an op announced
 for another one (before any data moves), and a worker refuses to join a
 generation whose record does not name its members."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
-from runtime_pair import DIGEST, TIMEOUT_S, Pair, descriptor
+from generation_pair import DIGEST, TIMEOUT_S, Pair, descriptor
 
 from collectives.errors import CollectiveError, Unavailable
 from collectives.reduce_ops import ReduceOp
@@ -32,7 +32,7 @@ def test_a_leader_refuses_an_op_for_another_membership_before_it_runs() -> None:
             store.put("x", t)
         forged = membership_digest(["w-9", "w-8"])
         with pytest.raises(Unavailable) as info:
-            pair.runtimes[0].submit(
+            pair.generations[0].submit(
                 descriptor("all_reduce", name="x", op=ReduceOp.SUM.wire),
                 expected_generation=1,
                 expected_digest=forged,
@@ -42,7 +42,7 @@ def test_a_leader_refuses_an_op_for_another_membership_before_it_runs() -> None:
         for store, t in zip(pair.stores, x, strict=True):
             assert torch.equal(store.peek("x"), t)  # nothing ran
         # The right digest runs, and gives torch's sum.
-        ticket = pair.runtimes[0].submit(
+        ticket = pair.generations[0].submit(
             descriptor("all_reduce", name="x", op=ReduceOp.SUM.wire),
             expected_generation=1,
             expected_digest=DIGEST,
@@ -60,16 +60,17 @@ def test_a_follower_refuses_an_op_announced_for_another_membership() -> None:
         for store, t in zip(pair.stores, x, strict=True):
             store.put("x", t)
         # A leader whose sequencer believes in another membership than its group's.
-        pair.runtimes[0]._seq.membership_digest = "ffffffffffffffff"
-        ticket = pair.runtimes[0].submit(descriptor("all_reduce", name="x", op=ReduceOp.SUM.wire))
+        pair.generations[0]._seq.membership_digest = "ffffffffffffffff"
+        leader = pair.generations[0]
+        ticket = leader.submit(descriptor("all_reduce", name="x", op=ReduceOp.SUM.wire))
         with pytest.raises(CollectiveError) as info:
             ticket.future.result(TIMEOUT_S)
         assert info.value.code == grpc.StatusCode.UNAVAILABLE
-        assert "membership ffffffffffffffff" in (pair.runtimes[1].failure or "")
+        assert "membership ffffffffffffffff" in (pair.generations[1].failure or "")
         for store, t in zip(pair.stores, x, strict=True):
             assert torch.equal(store.peek("x"), t)  # no data moved, nothing committed
     finally:
-        pair.runtimes[1].stop()  # it waits to rebuild its group otherwise
+        pair.generations[1].stop()  # it waits to rebuild its group otherwise
         pair.close()
 
 

@@ -91,7 +91,6 @@ class _World:
             LeaseBook(),
             now=now,
             unix_now=UNIX_ZERO + now,
-            reason="replica",
         )
         self.see(self.standby, now, "a standby")
 
@@ -131,7 +130,6 @@ class _World:
                     self.leases,
                     now=now,
                     unix_now=UNIX_ZERO + now,
-                    reason="takeover",
                 )
                 self.see(successor, now, "a restored successor")
                 self.leader = successor
@@ -166,12 +164,12 @@ def test_a_standby_copy_of_two_live_workers_does_not_seal() -> None:
     assert not leader.formed
     doc = export_state(leader, leases, now=0.1, unix_now=UNIX_ZERO + 0.1)
     standby = _new(2, 3, deciding=False)
-    restore_state(doc, standby, LeaseBook(), now=0.2, unix_now=UNIX_ZERO + 0.2, reason="replica")
+    restore_state(doc, standby, LeaseBook(), now=0.2, unix_now=UNIX_ZERO + 0.2)
     assert not standby.formed and standby.generation == 0
     assert not standby.tick(5.0).changed and not standby.formed
     # A successor that takes over inside the window waits for it to end.
     successor = _new(2, 3)
-    restore_state(doc, successor, leases, now=0.3, unix_now=UNIX_ZERO + 0.3, reason="takeover")
+    restore_state(doc, successor, leases, now=0.3, unix_now=UNIX_ZERO + 0.3)
     assert not successor.resume(0.3, "took over").sealed
     assert successor.tick(0.1 + WINDOW_S).sealed
 
@@ -185,6 +183,4 @@ def test_a_document_whose_digest_does_not_name_its_members_is_refused() -> None:
     doc = export_state(leader, leases, now=0.0, unix_now=UNIX_ZERO)
     doc["members"] = list(reversed(doc["members"]))
     with pytest.raises(ValueError, match="digest"):
-        restore_state(
-            doc, _new(2, 2, deciding=False), LeaseBook(), now=0, unix_now=UNIX_ZERO, reason="r"
-        )
+        restore_state(doc, _new(2, 2, deciding=False), LeaseBook(), now=0, unix_now=UNIX_ZERO)

@@ -49,7 +49,7 @@ def _context() -> WorkerContext:
         uploads=ModelUploads(config.model_upload),
         shm_segments=WorkerSegments(config.shm_limits, quota=store),
         stats=WorkerStats(),
-        spares=ReplacedMemory(),
+        replaced=ReplacedMemory(),
         op_timeout_s=30.0,
     )
 

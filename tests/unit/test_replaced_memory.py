@@ -116,25 +116,25 @@ def _big(value: float = 1.0) -> torch.Tensor:
     return torch.full((MiB // 2,), value)  # 2 MiB of float32
 
 
-def _replace(store: TensorStore, spares: ReplacedMemory, value: float) -> bool:
+def _replace(store: TensorStore, replaced: ReplacedMemory, value: float) -> bool:
     """What the executor does at a commit: replace, offer the old value, drop it."""
     old = store.replace("y", _big(value))
-    return old is not None and spares.offer(old)
+    return old is not None and replaced.offer(old)
 
 
 def test_an_exclusive_replaced_value_is_reused_for_the_next_result() -> None:
-    store, spares = TensorStore(CPU), ReplacedMemory()
+    store, replaced = TensorStore(CPU), ReplacedMemory()
     store.put("y", _big(1.0))
-    assert _replace(store, spares, 2.0)
-    assert len(spares) == 1
+    assert _replace(store, replaced, 2.0)
+    assert len(replaced) == 1
     x = torch.arange(MiB // 2, dtype=torch.float32)
-    out = private_copy(x, spares.empty)
-    assert torch.equal(out, x) and len(spares) == 0
+    out = private_copy(x, replaced.empty)
+    assert torch.equal(out, x) and len(replaced) == 0
     assert out._base is None and out.is_contiguous()
 
 
 def test_a_value_still_seen_elsewhere_is_never_reused() -> None:
-    store, spares = TensorStore(CPU), ReplacedMemory()
+    store, replaced = TensorStore(CPU), ReplacedMemory()
     for hold in ("same", "view", "detach", "storage-tensor"):
         store.put("y", _big(5.0))
         current = store.get("y")
@@ -147,35 +147,35 @@ def test_a_value_still_seen_elsewhere_is_never_reused() -> None:
         else:
             holder = torch.empty(0).set_(current.untyped_storage(), 0, (4,))
         del current
-        assert not _replace(store, spares, 6.0), hold
-        assert len(spares) == 0
+        assert not _replace(store, replaced, 6.0), hold
+        assert len(replaced) == 0
         # The holder still sees the old bytes after the next results are made.
         for _ in range(2):
-            private_copy(_big(9.0), spares.empty)
+            private_copy(_big(9.0), replaced.empty)
         assert float(holder.reshape(-1)[0]) == 5.0, hold
         del holder
 
 
 def test_limits() -> None:
-    spares = ReplacedMemory(max_buffers=2)
+    replaced = ReplacedMemory(max_buffers=2)
     for value in range(3):
         t = _big(float(value))
-        assert spares.offer(t)  # our one reference, t, is dropped next
+        assert replaced.offer(t)  # our one reference, t, is dropped next
         del t
-    assert len(spares) == 2
+    assert len(replaced) == 2
     small = torch.ones(16)
-    assert not spares.offer(small)  # small: the heap is cheap already
-    odd = spares.empty((3,), torch.float32, CPU)  # no kept buffer of that size
-    assert odd.shape == (3,) and len(spares) == 2
+    assert not replaced.offer(small)  # small: the heap is cheap already
+    odd = replaced.empty((3,), torch.float32, CPU)  # no kept buffer of that size
+    assert odd.shape == (3,) and len(replaced) == 2
 
 
 def test_a_reused_buffer_takes_any_dtype_and_shape_of_the_same_size() -> None:
-    spares = ReplacedMemory()
+    replaced = ReplacedMemory()
     t = _big()
-    assert spares.offer(t)
+    assert replaced.offer(t)
     del t
-    out = spares.empty((MiB // 8, 2), torch.float64, CPU)
-    assert out.shape == (MiB // 8, 2) and out.dtype == torch.float64 and len(spares) == 0
+    out = replaced.empty((MiB // 8, 2), torch.float64, CPU)
+    assert out.shape == (MiB // 8, 2) and out.dtype == torch.float64 and len(replaced) == 0
     src = torch.randn(MiB // 8, 2, dtype=torch.float64)
     copy_into(out, src)
     assert torch.equal(out, src)

@@ -1,4 +1,4 @@
-"""The leader's op queue (``worker/sequencer.py``) with a fake clock, no threads.
+"""The leader's op queue (``worker/engine/sequencer.py``) with a fake clock, no threads.
 
 Admission (op ids, generation stamping, capacity, generation checks), FIFO
 order, cancellation, deadlines of queued ops, idle ticks, draining and
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from collectives.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from collectives.v1 import worker_pb2
 from collectives.wire.op_specs import OpKind
-from collectives_server.worker.engine.sequencer import Sequencer, Ticket
+from collectives_server.worker.engine.sequencer import EpochEnd, Park, Sequencer, Ticket
 
 GENERATION = 7
 TIMEOUT_S = 10.0
@@ -279,19 +279,20 @@ def test_random_sequences_keep_the_queue_invariants(capacity: int, steps: list[S
 
 def test_a_submitter_may_claim_its_op_only_from_a_parked_loop_with_nothing_else_queued() -> None:
     seq, _ = make()
+    seq.open_epoch()
     first = seq.admit(desc(), TIMEOUT_S)
     assert not seq.may_claim(first) and not seq.claim(first)  # the loop takes it itself
     assert seq.next() is first
     seq.loop_parked = True
     alone = seq.admit(desc(), TIMEOUT_S)
-    assert seq.may_claim(alone) and not alone.driven  # asking claims nothing
-    assert seq.claim(alone) and alone.driven and seq.driven
+    assert seq.may_claim(alone) and not alone.claimed  # asking claims nothing
+    assert seq.claim(alone) and alone.claimed and seq.claimed
     second = seq.admit(desc(), TIMEOUT_S)  # while one is claimed: never a second
-    assert not seq.claim(second) and not second.driven
+    assert not seq.claim(second) and not second.claimed
     assert seq.next() is alone  # the claimer takes its op as the loop would
     assert seq.cancel(second)
     assert not seq.release()  # parked with nothing queued: the loop sleeps on ...
-    assert not seq.driven
+    assert not seq.claimed
     third = seq.admit(desc(), TIMEOUT_S)
     assert seq.claim(third) and seq.next() is third
     seq.admit(desc(), TIMEOUT_S)
@@ -305,6 +306,7 @@ def test_a_submitter_may_claim_its_op_only_from_a_parked_loop_with_nothing_else_
 
 def test_a_claim_needs_the_op_alone_at_the_head_and_an_open_queue() -> None:
     seq, _ = make()
+    seq.open_epoch()
     seq.loop_parked = True
     a, b = seq.admit(desc(), TIMEOUT_S), seq.admit(desc(), TIMEOUT_S)
     assert not seq.claim(a) and not seq.claim(b)  # two queued: the loop runs them
@@ -313,3 +315,40 @@ def test_a_claim_needs_the_op_alone_at_the_head_and_an_open_queue() -> None:
     seq.close("retired")
     assert not seq.claim(c)
     assert seq.release()  # closed: the loop must wake to stop
+
+
+def test_no_claim_outside_an_epoch_and_none_after_a_claimed_op_ended_it() -> None:
+    seq, _ = make()
+    seq.loop_parked = True
+    alone = seq.admit(desc(), TIMEOUT_S)
+    assert not seq.claim(alone)  # no group formed yet: only the loop runs ops
+    seq.open_epoch()
+    assert seq.claim(alone) and seq.next() is alone
+    seq.end_epoch("the group broke")
+    assert seq.release()  # the loop must wake to rebuild
+    later = seq.admit(desc(), TIMEOUT_S)
+    assert not seq.claim(later)
+    seq.open_epoch()  # the rebuilt epoch: claims again
+    assert seq.epoch_end is None and seq.claim(later)
+
+
+def test_the_loop_is_told_to_wait_end_the_epoch_run_or_tick() -> None:
+    seq, clock = make()
+    seq.open_epoch()
+    assert seq.loop_next() == Park(seq.tick_s)  # nothing queued, the tick not due
+    clock.advance(seq.tick_s)
+    assert seq.loop_next() is None  # a tick is due
+    seq.announced()
+    queued = seq.admit(desc(), TIMEOUT_S)
+    assert seq.loop_next() is queued and queued.started
+    seq.loop_parked = True
+    claimed = seq.admit(desc(), TIMEOUT_S)
+    assert seq.claim(claimed)
+    seq.loop_parked = False
+    assert seq.loop_next() == Park(None)  # while a submitter runs its op
+    seq.end_epoch(None)
+    seq.release()
+    assert seq.loop_next() == EpochEnd(None)
+    seq.open_epoch()
+    seq.close("retired")
+    assert seq.loop_next() is None  # closed: the tick is a stop

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from collectives_server.cli.common import byte_size, positive_float, positive_int
-from collectives_server.worker.models.archive.config import ModelUploadConfig
+from collectives_server.worker.models.archive.checks import ModelUploadConfig
 
 __all__ = ["add_archive_flags", "archive_from_args", "archive_worker_args"]
 

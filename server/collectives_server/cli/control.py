@@ -1,4 +1,4 @@
-"""Flags of the coordinator's control-plane hardening (issue 16: H6, M5, M7, L4).
+"""Flags of the coordinator's control-plane hardening: roles, sizes and stream caps.
 
 ``add_control_flags`` adds them to ``coordinator`` (and ``local``, which forwards
 them to its coordinator with :func:`control_args`); ``control_from_args`` turns them
@@ -67,12 +67,6 @@ def add_control_flags(parser: argparse.ArgumentParser, *, local: bool = False) -
         else " (default: none; any caller may register)",
     )
     parser.add_argument(
-        "--store-host",
-        default=None,
-        metavar="H",
-        help="interface the rendezvous TCPStore listens on (default: --host)",
-    )
-    parser.add_argument(
         "--max-waiting-workers",
         type=non_negative_int,
         default=64,
@@ -114,7 +108,6 @@ def control_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
     """CoordinatorConfig keywords from the flags of :func:`add_control_flags`."""
     return {
         "worker_token": worker_token_from_args(args, parser),
-        "store_host": args.store_host,
         "limits": ControlLimits(
             max_waiting_workers=args.max_waiting_workers,
             max_watch_streams=args.max_watch_streams,
@@ -139,8 +132,6 @@ def control_args(args: argparse.Namespace, own_workers: int = 0) -> list[str]:
         f"--dashboard-idle-s={args.dashboard_idle_s}",
         f"--dashboard-max-connections={args.dashboard_max_connections}",
     ]
-    if args.store_host is not None:
-        out.append(f"--store-host={args.store_host}")
     return out
 
 

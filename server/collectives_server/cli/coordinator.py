@@ -91,12 +91,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="collective timeout told to workers and clients, seconds (default: 30)",
     )
     p.add_argument(
-        "--store-port",
-        type=port_number,
-        default=0,
-        help="port of the rendezvous TCPStore (on --store-host; default: 0, any free port)",
-    )
-    p.add_argument(
         "--advertise-host",
         default=None,
         metavar="H",
@@ -190,7 +184,6 @@ def config_from_args(
             lease_s=args.lease_s,
             join_window_s=args.join_window_s,
             op_timeout_s=args.op_timeout_s,
-            store_port=args.store_port,
             advertise_host=args.advertise_host,
             dashboard_port=args.dashboard_port,
             dashboard_host=args.dashboard_host,

@@ -1,4 +1,4 @@
-"""Flags bounding the calls a client can hold on a worker's gRPC server (issue 16, H2).
+"""Flags bounding the calls a client can hold on a worker's gRPC server.
 
 See :mod:`collectives_server.rpc.limits`. ``worker`` takes them; ``local``
 passes them on to its workers.

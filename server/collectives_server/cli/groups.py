@@ -1,4 +1,4 @@
-"""Flags for the bounds on what a client can make a worker hold (issue 16, M6).
+"""Flags for the bounds on what a client can make a worker hold.
 
 ``--max-groups`` caps the sub-groups (``new_group``) of one generation: each
 gloo group costs every member ~5 file descriptors and ~3 threads, so an
@@ -14,12 +14,12 @@ from typing import Any
 
 from collectives_server.cli.common import positive_int
 
-__all__ = ["DEFAULT_MAX_GROUPS", "add_error_flags", "errors_from_args", "error_worker_args"]
+__all__ = ["DEFAULT_MAX_GROUPS", "add_group_flags", "groups_from_args", "group_worker_args"]
 
 DEFAULT_MAX_GROUPS = 64
 
 
-def add_error_flags(parser: argparse.ArgumentParser) -> None:
+def add_group_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-groups",
         type=positive_int,
@@ -30,11 +30,11 @@ def add_error_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def errors_from_args(args: argparse.Namespace) -> dict[str, Any]:
+def groups_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The WorkerConfig fields these flags set."""
     return {"max_groups": args.max_groups}
 
 
-def error_worker_args(args: argparse.Namespace) -> list[str]:
+def group_worker_args(args: argparse.Namespace) -> list[str]:
     """What ``local`` passes on to each worker."""
     return [f"--max-groups={args.max_groups}"]

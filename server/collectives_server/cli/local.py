@@ -32,7 +32,7 @@ from collectives_server.cli.control import (
 )
 from collectives_server.cli.coordinator import add_dashboard_options
 from collectives_server.cli.data_plane import add_data_plane_flags, data_plane_args
-from collectives_server.cli.groups import add_error_flags, error_worker_args
+from collectives_server.cli.groups import add_group_flags, group_worker_args
 from collectives_server.local import LocalCluster
 from collectives_server.signals import StopSignal
 
@@ -113,7 +113,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="bound of the leader's op queue; beyond it RESOURCE_EXHAUSTED (default: 1024)",
     )  # fmt: skip
     add_max_tensor_bytes(p)
-    add_error_flags(p)
+    add_group_flags(p)
     add_data_plane_flags(p)
     add_model_hosting(p)
     add_archive_flags(p, local=True)
@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             log_format=args.log_format,
             worker_args=_model_hosting_args(args)
-            + error_worker_args(args)
+            + group_worker_args(args)
             + data_plane_args(args)
             + archive_worker_args(args)
             + worker_security,

@@ -24,7 +24,7 @@ from collectives_server.cli.common import (
 )
 from collectives_server.cli.control import add_worker_token_flag, worker_token_from_args
 from collectives_server.cli.data_plane import add_data_plane_flags, data_plane_from_args
-from collectives_server.cli.groups import add_error_flags, errors_from_args
+from collectives_server.cli.groups import add_group_flags, groups_from_args
 from collectives_server.worker.config import WorkerConfig
 
 __all__ = ["add_parser", "config_from_args", "parse_devices", "run"]
@@ -112,7 +112,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="no bulk port: every payload goes through gRPC streams",
     )
     add_max_tensor_bytes(p)
-    add_error_flags(p)
+    add_group_flags(p)
     add_data_plane_flags(p)
     add_model_hosting(p)
     add_archive_flags(p)
@@ -156,7 +156,7 @@ def config_from_args(
         security=server_security_from_args(args, parser),
         coordinator_security=client_security_from_args(args, parser),
         worker_token=worker_token_from_args(args, parser),
-        **errors_from_args(args),
+        **groups_from_args(args),
         **data_plane_from_args(args),
         model_upload=archive_from_args(args),
     )

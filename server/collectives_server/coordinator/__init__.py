@@ -13,11 +13,12 @@ Modules:
 * ``ha/``: coordinators in an HA set on etcd: one leader decides, standbys follow
 * ``membership``: membership and generations of a cluster, as pure decisions
 * ``metrics``: the coordinator's Prometheus metrics, computed at scrape time from the membership
-* ``model``: the coordinator's domain types: worker states, snapshots, outcomes and errors
 * ``registration``: size limits on what a worker may store in the coordinator, checked before
   anything is stored
 * ``service``: the ``collectives.v1.Coordinator`` gRPC servicer: protobuf in, membership calls,
   protobuf out
+* ``vocabulary``: the coordinator's domain types: worker rows, snapshots, sealed generations,
+  outcomes and errors
 * ``worker_records``: what the coordinator keeps per worker, and the small pure pieces of the
   membership decision that do not need the whole registry: a worker's row in the Cluster message,
   the lease heap, the status text and registration checks (``membership.py`` holds the decisions
@@ -31,7 +32,7 @@ from collectives_server.coordinator.daemon import (
     run_coordinator,
 )
 from collectives_server.coordinator.membership import Membership
-from collectives_server.coordinator.model import ClusterView, Outcome, WorkerState, WorkerView
+from collectives_server.coordinator.vocabulary import ClusterView, Outcome, WorkerState, WorkerView
 
 __all__ = [
     "ClusterView",

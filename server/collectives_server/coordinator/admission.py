@@ -2,8 +2,8 @@
 
 Clients and workers used to share one credential (``--token-file``), so anyone
 holding it could register at a live worker's address (which declared that worker
-lost), make any worker leave, or heartbeat for it with a forged status (issue 16,
-M5). Two checks separate the roles:
+lost), make any worker leave, or heartbeat for it with a forged status. Two
+checks separate the roles:
 
 * **The worker token.** With ``--worker-token-file`` on the coordinator, Register,
   Heartbeat, HeartbeatStream and Leave need the metadata

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from collectives.v1 import coordinator_pb2, status_pb2
-from collectives_server.coordinator.model import ClusterView, WorkerState
+from collectives_server.coordinator.vocabulary import ClusterView, WorkerState
 
 __all__ = ["cluster_to_proto", "rendezvous_address", "status_key"]
 
@@ -36,21 +34,18 @@ def status_key(status: status_pb2.WorkerStatus) -> bytes:
 def cluster_to_proto(
     view: ClusterView,
     *,
-    store_address: str | Callable[[], str],
     op_timeout_s: float,
     unix_offset_s: float = 0.0,
 ) -> coordinator_pb2.Cluster:
     """Builds the Cluster message from a membership snapshot.
 
-    ``store_address`` is the coordinator's own store (or a function starting it),
-    used only when rank 0 hosts none (see :func:`rendezvous_address`);
     ``unix_offset_s`` turns the membership's clock into Unix time (history).
     """
     msg = coordinator_pb2.Cluster(
         generation=view.generation,
         formed=view.formed,
         world_size=view.world_size,
-        store_address=rendezvous_address(view, store_address),
+        store_address=rendezvous_address(view),
         version=view.version,
         min_workers=view.min_workers,
         max_workers=view.max_workers,
@@ -88,17 +83,15 @@ def cluster_to_proto(
     return msg
 
 
-def rendezvous_address(view: ClusterView, coordinator_store: str | Callable[[], str]) -> str:
+def rendezvous_address(view: ClusterView) -> str:
     """Where the generation's process groups meet: the store its rank 0 hosts.
 
-    Workers host a TCPStore each, so a generation's store lives as long as the
-    generation can (losing rank 0 ends it anyway) and survives the coordinator.
-    A rank 0 that hosts none (an older worker) uses the coordinator's.
+    Every worker hosts a TCPStore (it sends its port with Register), so a
+    generation's store lives as long as the generation can (losing rank 0 ends
+    it anyway) and survives the coordinator.
     """
     rank0 = next((w for w in view.workers if w.rank == 0), None)
-    if rank0 is None:
+    if rank0 is None or not rank0.store_port:
         return ""  # no generation: no process group to meet
-    if not rank0.store_port:
-        return coordinator_store() if callable(coordinator_store) else coordinator_store
     host = rank0.address.rsplit(":", 1)[0]
     return f"{host}:{rank0.store_port}"

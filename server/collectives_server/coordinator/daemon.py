@@ -1,10 +1,11 @@
-"""The coordinator daemon: gRPC server, rendezvous TCPStore and lease ticker in one object.
+"""The coordinator daemon: gRPC server and lease ticker in one object.
 
-:class:`Coordinator` owns the three moving parts: the ``collectives.v1.Coordinator``
-gRPC server (with health and reflection, via :func:`collectives_server.rpc.server.start_server`),
-a ``torch.distributed.TCPStore`` that workers use to build each generation's process
-group (under the key prefix ``g<generation>/``, their choice), and a ticker thread
-that applies lease expiry and the join window even when no RPC arrives. Tests and
+:class:`Coordinator` owns the moving parts: the ``collectives.v1.Coordinator``
+gRPC server (with health and reflection, via :func:`collectives_server.rpc.server.start_server`)
+and a ticker thread that applies lease expiry and the join window even when no RPC
+arrives. The rendezvous TCPStore a generation's process groups meet in is not
+here: every worker hosts one, and a generation meets in its rank 0's
+(``cluster_message.rendezvous_address``). Tests and
 the local launcher start it in-process on port 0 and read :attr:`Coordinator.address`;
 :func:`run_coordinator` is the ``collectives-server coordinator`` entry point.
 """
@@ -19,7 +20,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
 
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
 from collectives_server import gc_tuning as heap
@@ -39,7 +39,6 @@ from collectives_server.metrics import MetricsServer
 from collectives_server.rpc.server import SMALL_MESSAGE_OPTIONS, ServerHandle, start_server
 from collectives_server.security import ServerSecurity
 from collectives_server.signals import StopSignal
-from collectives_server.store_socket import start_store
 
 __all__ = ["Coordinator", "CoordinatorConfig", "format_address", "run_coordinator"]
 
@@ -75,11 +74,6 @@ class CoordinatorConfig:
     join_window_s: float = 0.5
     # Collective timeout told to workers (and through Cluster, to clients).
     op_timeout_s: float = 30.0
-    # Port of the rendezvous TCPStore; 0 picks one.
-    store_port: int = 0
-    # Interface the TCPStore listens on; None: ``host`` (every interface when ``host``
-    # is a wildcard).
-    store_host: str | None = None
     # Host name put in the addresses handed out; None: ``host``, or this machine's
     # name when ``host`` is a wildcard (0.0.0.0, ::).
     advertise_host: str | None = None
@@ -136,7 +130,7 @@ class CoordinatorConfig:
             )
         if self.leader_ttl_s < 1:
             raise ValueError(f"leader_ttl_s must be >= 1 second, got {self.leader_ttl_s}")
-        for name in ("port", "store_port", "dashboard_port", "metrics_port"):
+        for name in ("port", "dashboard_port", "metrics_port"):
             if getattr(self, name) is not None and not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in 0..65535, got {getattr(self, name)}")
 
@@ -165,9 +159,6 @@ class Coordinator:
     ) -> None:
         self.config = config
         self._clock = clock
-        self._store: Any = None  # torch.distributed.TCPStore; imported lazily (slow import)
-        self._store_port = 0
-        self._store_lock = threading.Lock()
         self._server: ServerHandle | None = None
         self._servicer: CoordinatorServicer | None = None
         self._stop_ticker = threading.Event()
@@ -202,8 +193,6 @@ class Coordinator:
         if self._server is not None:
             raise RuntimeError("coordinator already started")
         cfg = self.config
-        if cfg.store_port:  # asked for by port: it listens from the start
-            self._rendezvous_store()
         membership = Membership(
             cfg.min_workers,
             cfg.max_workers,
@@ -218,7 +207,6 @@ class Coordinator:
         replication = self._replication_for(cfg, membership)
         self._servicer = CoordinatorServicer(
             membership,
-            store_address=self._rendezvous_store,
             heartbeat_s=cfg.heartbeat_s,
             op_timeout_s=cfg.op_timeout_s,
             clock=self._clock,
@@ -227,23 +215,19 @@ class Coordinator:
             replication=replication,
         )
         servicer = self._servicer
-        try:
-            self._server = start_server(
-                cfg.host,
-                cfg.port,
-                register=[
-                    lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s)
-                ],
-                service_names=[SERVICE_NAME],
-                max_workers=_FREE_GRPC_THREADS
-                + cfg.limits.max_watch_streams
-                + heartbeat_stream_limit(cfg.max_workers),
-                security=cfg.security,
-                options=SMALL_MESSAGE_OPTIONS,
-            )
-        except BaseException:
-            self._store = None
-            raise
+        self._server = start_server(
+            cfg.host,
+            cfg.port,
+            register=[
+                lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s)
+            ],
+            service_names=[SERVICE_NAME],
+            max_workers=_FREE_GRPC_THREADS
+            + cfg.limits.max_watch_streams
+            + heartbeat_stream_limit(cfg.max_workers),
+            security=cfg.security,
+            options=SMALL_MESSAGE_OPTIONS,
+        )
         servicer.set_identity(self.address)
         if replication is not None:
             replication.leadership.identity = self.address
@@ -317,7 +301,6 @@ class Coordinator:
         if self._ticker is not None:
             self._ticker.join(timeout=5.0)
             self._ticker = None
-        self._store = None  # the TCPStore server stops when its last reference goes
 
     def __enter__(self) -> Coordinator:
         return self.start()
@@ -362,26 +345,6 @@ class Coordinator:
         """``host:port`` of the web dashboard; None when it is off."""
         return self._dashboard.address if self._dashboard is not None else None
 
-    @property
-    def store_address(self) -> str:
-        """``host:port`` of this coordinator's rendezvous TCPStore (started if it is not)."""
-        return self._rendezvous_store()
-
-    def _rendezvous_store(self) -> str:
-        """Starts the coordinator's TCPStore on first use; its ``host:port``.
-
-        Workers host a store each and a generation meets in its rank 0's, so the
-        coordinator's serves only a worker that hosts none (an older version), or
-        ``--store-port`` when given. Started lazily, the coordinator never imports
-        torch otherwise: it starts in a fraction of a second.
-        """
-        with self._store_lock:
-            if self._store is None:
-                cfg = self.config
-                host = cfg.store_host if cfg.store_host is not None else cfg.host
-                self._store, self._store_port = start_store(host, cfg.store_port, cfg.op_timeout_s)
-            return format_address(self.config.advertised_host, self._store_port)
-
     def cluster(self) -> coordinator_pb2.Cluster:
         """The current Cluster message, as GetCluster would answer."""
         if self._servicer is None:
@@ -400,10 +363,9 @@ def run_coordinator(config: CoordinatorConfig) -> int:
             coordinator.start()
         except (OSError, RuntimeError) as exc:
             log.error(
-                "could not start the coordinator on %s:%d (store port %d): %s",
+                "could not start the coordinator on %s:%d: %s",
                 config.host,
                 config.port,
-                config.store_port,
                 exc,
             )
             return 1

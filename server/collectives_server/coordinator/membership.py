@@ -53,11 +53,11 @@ import collections
 from typing import Any
 
 from collectives.wire.membership import membership_digest
-from collectives_server.coordinator.model import (
+from collectives_server.coordinator.vocabulary import (
     ClusterView,
-    GenerationRecord,
     InvalidRequestError,
     Outcome,
+    SealedGeneration,
     UnknownWorkerError,
     WorkerState,
     WorkerView,
@@ -126,7 +126,7 @@ class Membership:
         self.status_refresh_s = status_refresh_s
         self._id_prefix = id_prefix
         self.sealer = ""  # recorded as each generation's sealed_by (the coordinator's address)
-        self._history: collections.deque[GenerationRecord] = collections.deque(maxlen=HISTORY_LEN)
+        self._history: collections.deque[SealedGeneration] = collections.deque(maxlen=HISTORY_LEN)
         # Workers "joined" (new registrations), "lost" (lease ran out, replaced), "left".
         self.events: collections.Counter[str] = collections.Counter()
         self._workers: dict[str, WorkerRecord] = {}
@@ -139,7 +139,6 @@ class Membership:
         # >= 1 so that WatchCluster(after_version=0) gets the first state at once.
         self._version = max(1, initial_version)
         self._status = ""
-        self._reason = "no workers registered"
         self._newly_lost: list[str] = []  # since the last _finish
         # (last heartbeat, order, worker id), one entry per renewal; an entry whose
         # time is no longer its worker's last heartbeat is stale and skipped.
@@ -173,11 +172,6 @@ class Membership:
     @property
     def status(self) -> str:
         return self._status
-
-    @property
-    def last_reason(self) -> str:
-        """Why ``version`` last changed."""
-        return self._reason
 
     def is_live(self, worker_id: str) -> bool:
         """Whether ``worker_id`` is registered and not LOST (its heartbeats are accepted)."""
@@ -447,7 +441,6 @@ class Membership:
         """The outcome of an event that cannot change the generation decision or status text."""
         if changed:
             self._version += 1
-            self._reason = reason
         return Outcome(changed=changed, reason=reason)
 
     def _finish(self, now: float, changed: bool, reason: str) -> Outcome:
@@ -461,7 +454,7 @@ class Membership:
             reason = f"{reason}; {decision}"
         if sealed:
             self._history.append(
-                GenerationRecord(
+                SealedGeneration(
                     generation=self._generation,
                     sealed_at=now,
                     world_size=len(self._members),
@@ -473,7 +466,6 @@ class Membership:
             )
         if changed:
             self._version += 1
-            self._reason = reason
         lost, self._newly_lost = tuple(self._newly_lost), []
         if lost:
             self.events["lost"] += len(lost)

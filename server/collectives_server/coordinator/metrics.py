@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 import collectives_server
-from collectives_server.coordinator.model import WorkerState
+from collectives_server.coordinator.vocabulary import WorkerState
 from collectives_server.metrics import FunctionCollector, build_info, new_registry
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ def _collect(servicer: CoordinatorServicer) -> Iterator[Metric]:
 
 
 def _control(servicer: CoordinatorServicer) -> Iterator[Metric]:
-    """Refusals of the coordinator's guard (issue 16), watch streams, Cluster size."""
+    """Refusals of the coordinator's guard, watch streams, Cluster size."""
     guard = servicer.guard
     refused = CounterMetricFamily(
         "collectives_coordinator_refused",
@@ -115,7 +115,7 @@ def _control(servicer: CoordinatorServicer) -> Iterator[Metric]:
 
 
 def _dashboard(dashboard: DashboardServer) -> Iterator[Metric]:
-    """The dashboard's connections: the count its cap bounds (issue 16)."""
+    """The dashboard's connections: the count its cap bounds."""
     yield GaugeMetricFamily(
         "collectives_dashboard_connections_open",
         "Dashboard connections being served (--dashboard-max-connections)",

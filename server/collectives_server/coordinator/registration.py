@@ -4,7 +4,7 @@ Every field a worker sends with Register (and the status it sends with each
 heartbeat) is copied into the Cluster message that GetCluster and WatchCluster
 send to every client and worker, and gRPC refuses messages over 4 MiB. One worker
 registering with a 3 MiB hostname used to make every Cluster message too large
-for as long as it stayed listed (issue 16, H6). So:
+for as long as it stayed listed. So:
 
 * each field has a cap (:data:`~collectives_server.control_protocol.FIELD_LIMITS`,
   which workers read too), and a request over one is refused

@@ -15,9 +15,9 @@ for Register and Heartbeat. Roles, lease secrets and size limits are checked by
 :class:`~.control.ControlGuard` before a request changes anything.
 
 Heartbeats come once a second from every worker, so their cost bounds how many
-workers one coordinator serves. A unary call costs the coordinator ~2.5x what one
-message on an open stream does (grpcio's per-call work: a new call, thread pool
-hand-offs, metadata and status; ~700 vs ~290 us of CPU on a 2-core VM), so workers
+workers one coordinator serves. A unary call costs the coordinator several times
+what one message on an open stream does (grpcio's per-call work: a new call, thread
+pool hand-offs, metadata and status), so workers
 send them on ``HeartbeatStream``, which is answered only when a request asks
 (``want_reply``: an answer costs about as much again). Such a stream also
 holds a server thread for its lifetime; the daemon sizes the pool for one per
@@ -47,6 +47,7 @@ from collectives_server.coordinator.membership import (
     Outcome,
     UnknownWorkerError,
 )
+from collectives_server.coordinator.worker_records import validate_registration
 
 __all__ = ["SERVICE_NAME", "CoordinatorServicer"]
 
@@ -65,7 +66,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self,
         membership: Membership,
         *,
-        store_address: str | Callable[[], str],
         heartbeat_s: float,
         op_timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
@@ -79,8 +79,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._identity = identity
         # With an etcd store: leader or standby of an HA set (see .replication).
         self._replication = replication
-        # This coordinator's own rendezvous store (lazily started: see the daemon).
-        self._store_address = store_address if callable(store_address) else lambda: store_address
         self._heartbeat_s = heartbeat_s
         self._op_timeout_s = op_timeout_s
         self._clock = clock
@@ -229,18 +227,19 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.guard.check_worker(context, "Register")
         if self._standby():
             return self._replication.forward("Register", request, context)  # type: ignore[union-attr]
-        store_address = ""
-        if not request.store_port:
-            # An older worker (no store of its own) meets in the coordinator's store,
-            # started now if it is not: only for a request the guard accepts, before
-            # its lease starts, and outside the lock (the first start imports torch).
-            with self._cond:
-                self._check_open(context)
-                self.guard.check_register(context, request, self._membership)
-            store_address = self._store_address()
         with self._cond:
             self._check_open(context)
             self.guard.check_register(context, request, self._membership)
+            try:
+                validate_registration(request.address, tuple(request.devices))
+                if not 0 < request.store_port < 65536:
+                    raise InvalidRequestError(
+                        f"store_port {request.store_port} is not a port: every worker hosts "
+                        "the rendezvous TCPStore its generations may meet in, and registers "
+                        "with its port"
+                    )
+            except InvalidRequestError as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Register: {exc}")
             holder = self._membership.live_worker_at(request.address)
             try:
                 worker_id, outcome = self._membership.register(
@@ -252,7 +251,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     backend=request.backend,
                     version=request.version,
                     last_generation=max(request.last_generation, 0),
-                    store_port=request.store_port if 0 < request.store_port < 65536 else 0,
+                    store_port=request.store_port,
                 )
             except InvalidRequestError as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Register: {exc}")
@@ -263,7 +262,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             lease_secret=secret,
             heartbeat_interval_s=self._heartbeat_s,
             lease_s=self._membership.lease_s,
-            store_address=store_address,
             op_timeout_s=self._op_timeout_s,
         )
 
@@ -447,7 +445,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         now = self._clock()
         msg = cluster_to_proto(
             (membership or self._membership).view(now),
-            store_address=self._store_address,
             op_timeout_s=self._op_timeout_s,
             unix_offset_s=time.time() - now,
         )

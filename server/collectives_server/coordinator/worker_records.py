@@ -9,7 +9,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Any
 
-from collectives_server.coordinator.model import InvalidRequestError, WorkerState, WorkerView
+from collectives_server.coordinator.vocabulary import InvalidRequestError, WorkerState, WorkerView
 
 __all__ = [
     "WorkerRecord",
@@ -40,7 +40,9 @@ class WorkerRecord:
     order: int
     registered_at: float
     last_heartbeat: float
-    store_port: int = 0  # the rendezvous store it hosts (0: none, an older worker)
+    # The rendezvous store it hosts (Register refuses 0; 0 only in a membership
+    # driven directly, without gRPC).
+    store_port: int = 0
     joined_generation: int = 0
     busy: bool = False
     lost_at: float | None = None

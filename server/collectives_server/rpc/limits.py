@@ -1,7 +1,7 @@
 """Bounds on what one gRPC call to a worker may hold: a slot, a thread, time.
 
-Issue 16's H2: 32 ``PutTensor`` streams that send a header and one chunk and
-then nothing, with no deadline, held every thread of a worker's gRPC pool
+A few dozen ``PutTensor`` streams that send a header and one chunk and then
+nothing, with no deadline, held every thread of a worker's gRPC pool
 forever; health checks and ``GetState`` timed out while the worker kept
 heartbeating. Three bounds, applied by :class:`DataPlaneLimits` (a server
 interceptor) to every call of the worker service except the cheap state and

@@ -46,18 +46,16 @@ GRPC_OPTIONS: list[tuple[str, int]] = [
 # For a server that receives small messages only (the coordinator). HTTP/2 BDP
 # probing grows flow-control windows for bulk transfers by sending a PING when data
 # arrives; on many mostly idle connections that is one PING (and its ACK) per
-# heartbeat, doubling the coordinator's wakeups per message (measured: 14 -> 7
-# context switches, ~390 -> ~290 us of CPU per heartbeat on a 2-core VM).
+# heartbeat, doubling the coordinator's wakeups and CPU per message (figures in
+# docs/perf-log.md).
 SMALL_MESSAGE_OPTIONS: list[tuple[str, int]] = [("grpc.http2.bdp_probe", 0)]
 
 # For a worker: bulk bytes take the bulk port, and what still streams over gRPC
 # (--no-bulk, TLS, model archives) is written out as each message arrives. With
 # BDP probing on, a stream's window grew with the handler's own stalls (a slow
-# disk write read as a long RTT): the transport then received up to ~70 MiB
-# ahead of a LoadModel handler (peak RSS +17..+72 MiB over a 256 MiB upload,
-# +6..+7 MiB without it). Off, the stream put of 256 MiB kept its speed
-# (0.56 -> 0.65 GB/s) and a 4 B all_reduce lost one PING round trip per call
-# (p50 3.3..3.5 -> 2.6..3.1 ms on a 2-core VM).
+# disk write read as a long RTT): the transport then buffered tens of MiB ahead
+# of a LoadModel handler. Off, a streamed put keeps its speed and a small
+# all_reduce saves one PING round trip per call (figures in docs/perf-log.md).
 WORKER_OPTIONS: list[tuple[str, int]] = [("grpc.http2.bdp_probe", 0)]
 
 

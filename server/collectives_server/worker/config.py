@@ -8,7 +8,7 @@ from collectives.wire.security import PLAINTEXT, ChannelSecurity
 from collectives_server.rpc.limits import RpcLimits
 from collectives_server.security import ServerSecurity
 from collectives_server.worker.data.limits import BulkLimits, ShmLimits
-from collectives_server.worker.models.archive.config import ModelUploadConfig
+from collectives_server.worker.models.archive.checks import ModelUploadConfig
 
 
 @dataclass(frozen=True)

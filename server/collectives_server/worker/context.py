@@ -1,10 +1,10 @@
 """What a worker's RPC handlers, status, metrics and shm transfers read: one WorkerContext.
 
 The daemon (``worker/daemon.py``) builds one :class:`WorkerContext` and hands
-it to the servicer (``service.py`` with ``model_service.py``), the RPC guards,
+it to the servicer (``service.py`` and its parts), the RPC guards,
 the status and GetState code (``status.py``), the metrics registry
 (``metrics.py``) and the shared-memory handlers (``shm_service.py``). None of
-those import the daemon; this module imports none of them (nor the runtime, nor
+those import the daemon; this module imports none of them (nor the generation, nor
 torch.distributed, nor a gRPC server), so there is no import cycle.
 
 The long-lived pieces (store, models, counters, uploads, shm segments) are
@@ -35,14 +35,14 @@ from collectives_server.worker.models.archive.upload import ModelUploads
 from collectives_server.worker.models.registry import ModelRegistry
 from collectives_server.worker.stats import WorkerStats
 
-__all__ = ["RuntimeView", "WorkerContext"]
+__all__ = ["GenerationView", "WorkerContext"]
 
 
-class RuntimeView(Protocol):
-    """What status, metrics and GetState read of the current generation's runtime.
+class GenerationView(Protocol):
+    """What status, metrics and GetState read of the current generation.
 
-    ``GenerationRuntime`` (``worker/runtime.py``) satisfies it; the servicer's
-    collective section uses the runtime's full interface.
+    ``Generation`` (``worker/engine/generation.py``) satisfies it; the servicer's
+    ``rpc/leader.py`` uses its full interface.
     """
 
     @property
@@ -81,7 +81,7 @@ class WorkerContext:
     stats: WorkerStats
     # Memory of replaced values, reused by the next put or op result of its size
     # (replaced_memory.py).
-    spares: ReplacedMemory
+    replaced: ReplacedMemory
     # The collective timeout: --op-timeout-s, else the coordinator's (on registration).
     op_timeout_s: float
     # The bulk data plane; None without one (TLS, or --no-bulk) and before start.
@@ -93,8 +93,8 @@ class WorkerContext:
     port: int = 0
     address: str = ""
     worker_id: str = ""
-    # The current generation's runtime (None: not a member of a formed cluster).
-    runtime: RuntimeView | None = None
+    # The current generation (None: not a member of a formed cluster).
+    runtime: GenerationView | None = None
     cluster_status: str = "not registered yet"
     leader_address: str = ""
     started: float = field(default_factory=time.monotonic)

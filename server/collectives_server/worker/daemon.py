@@ -3,7 +3,7 @@
 A worker registers with the coordinator, renews its lease with heartbeats (on a
 HeartbeatStream, with unary Heartbeat calls while no stream is up), and follows
 the coordinator's WatchCluster stream. Each sealed generation that
-includes it gets a fresh :class:`GenerationRuntime` (its own process group);
+includes it gets a fresh :class:`Generation` (its own process group);
 the previous one is retired. The tensor store belongs to the daemon's
 :class:`~collectives_server.worker.context.WorkerContext` (what its RPC
 handlers, status and metrics read), not to the generation, so named tensors
@@ -43,7 +43,11 @@ from collectives_server.worker.data.bulk import BulkListener
 from collectives_server.worker.data.replaced_memory import ReplacedMemory, pool_bytes
 from collectives_server.worker.data.shm_segments import WorkerSegments
 from collectives_server.worker.data.store import TensorStore
-from collectives_server.worker.engine.generation import GenerationRuntime
+from collectives_server.worker.engine.generation import (
+    Generation,
+    GenerationHooks,
+    GenerationSpec,
+)
 from collectives_server.worker.engine.model_sync import sync_models
 from collectives_server.worker.engine.op_context import OpResult
 from collectives_server.worker.enrolment import bounded_status, register
@@ -96,12 +100,12 @@ class WorkerDaemon:
             shm_segments=WorkerSegments(config.shm_limits, quota=store),
             stats=WorkerStats(),
             # Kept memory stays well inside a store limit, if any.
-            spares=ReplacedMemory(max_bytes=pool_bytes(store.limit_bytes)),
+            replaced=ReplacedMemory(max_bytes=pool_bytes(store.limit_bytes)),
             op_timeout_s=config.op_timeout_s or 30.0,
         )
         WorkerSegments.sweep_stale()
         # The current generation (also ctx.runtime, for the handlers): set under _lock.
-        self.runtime: GenerationRuntime | None = None
+        self.runtime: Generation | None = None
         self._lease_secret = ""
         self.joined_generation = 0
         self._last_generation = 0
@@ -201,7 +205,7 @@ class WorkerDaemon:
         """The id the coordinator gave this worker ("" before it registers)."""
         return self.ctx.worker_id
 
-    def _set_runtime(self, runtime: GenerationRuntime | None) -> None:
+    def _set_runtime(self, runtime: Generation | None) -> None:
         """The caller holds ``_lock``."""
         self.runtime = self.ctx.runtime = runtime
 
@@ -243,7 +247,7 @@ class WorkerDaemon:
             self.ctx.models.expire_graphs()
             self.ctx.store.expire_uploads()
             self.ctx.shm_segments.reap()
-            self.ctx.spares.expire()
+            self.ctx.replaced.expire()
             runtime = self.runtime
             request = coordinator_pb2.HeartbeatRequest(
                 worker_id=self.worker_id,
@@ -372,9 +376,7 @@ class WorkerDaemon:
             elif current is not None:
                 self._retire_runtime()
 
-    def _new_runtime(
-        self, generation: int, digest: str, rank: int, world_size: int
-    ) -> GenerationRuntime:
+    def _new_runtime(self, generation: int, digest: str, rank: int, world_size: int) -> Generation:
         host, port = self._store_address.rsplit(":", 1)
         tcp_store = dist.TCPStore(
             host,
@@ -382,7 +384,7 @@ class WorkerDaemon:
             is_master=False,
             timeout=datetime.timedelta(seconds=self.ctx.op_timeout_s),
         )
-        return GenerationRuntime(
+        spec = GenerationSpec(
             generation=generation,
             membership_digest=digest,
             rank=rank,
@@ -394,15 +396,18 @@ class WorkerDaemon:
             host=self.config.host,
             queue_size=self.config.queue_size,
             max_groups=self.config.max_groups,
-            on_joined=self._joined,
-            on_op_done=self._op_done,
             rebuild_after_s=self._lease_s + 2 * self._heartbeat_s,
             models=self.ctx.models,
+            replaced=self.ctx.replaced,
+        )
+        hooks = GenerationHooks(
+            on_joined=self._joined,
+            on_op_done=self._op_done,
             on_data_collectives=self._data_collectives_done,
             on_fused=self._fused_run_done,
             sync_models=lambda op_ctx: sync_models(op_ctx, self.ctx.uploads),
-            spares=self.ctx.spares,
-        ).start()
+        )
+        return Generation(spec, hooks).start()
 
     def _data_collectives_done(self, collectives: int, gradient_buckets: int) -> None:
         stats = self.ctx.stats

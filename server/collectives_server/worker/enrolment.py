@@ -1,6 +1,7 @@
 """The worker's registration with the coordinator: worker token, retry key, lease secret.
 
-Issue 16 (M5) gave the worker-only RPCs two credentials (see
+The worker-only RPCs take two credentials, so that a client cannot act as a
+worker (see
 the coordinator's ``admission`` module): the worker token, sent as
 metadata on Register, Heartbeat, HeartbeatStream and Leave, and the lease secret
 Register returns, sent in every Heartbeat and Leave. :func:`register` also sends a

@@ -46,10 +46,10 @@ def reply_interval_s(heartbeat_s: float) -> float:
     """How often a worker asks the coordinator to answer a heartbeat on its stream.
 
     An answer costs the coordinator about as much as the heartbeat itself (a send,
-    and more thread hand-offs in grpcio's synchronous server: ~260 us on top of
-    ~290 us, measured on a 2-core VM), so asking every beat would nearly double its
-    CPU, and asking every few beats (enough to notice a dead stream within a lease)
-    would add a third. One beat in :data:`REPLY_EVERY_BEATS` adds ~3 %. Errors that
+    and more thread hand-offs in grpcio's synchronous server), so asking every beat
+    would nearly double its CPU, and asking every few beats (enough to notice a dead
+    stream within a lease) would still add much of it. One beat in
+    :data:`REPLY_EVERY_BEATS` adds little. Errors that
     arrive as the stream's status (NOT_FOUND, a reset connection, a coordinator
     shutting down) are noticed at once whatever this interval; only a stream that
     goes silent (a hung coordinator, a connection dropped without a reset) waits

@@ -77,18 +77,18 @@ def _collect(ctx: WorkerContext) -> Iterator[Metric]:
     yield _counter(
         "collectives_put_buffers_reused",
         "Puts received into memory a replaced value left (no fresh pages to fault in)",
-        ctx.spares.puts_reused,
+        ctx.replaced.puts_reused,
     )
     yield _counter(
         "collectives_result_buffers_reused",
         "Op results allocated on memory a replaced value left (no fresh pages to fault in)",
-        ctx.spares.results_reused,
+        ctx.replaced.results_reused,
     )
     yield _gauge(
         "collectives_replaced_memory_bytes",
         "Memory of replaced values kept for the next put or result of its size "
         "(outside the tensor quota; given back after a few idle seconds)",
-        ctx.spares.held_bytes,
+        ctx.replaced.held_bytes,
     )
     yield _gauge("collectives_tensors_held", "Named tensors stored", status.tensors_held)
     yield _gauge("collectives_tensors_held_bytes", "Bytes of stored tensors", status.bytes_held)

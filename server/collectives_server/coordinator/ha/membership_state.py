@@ -32,7 +32,7 @@ from collectives.v1 import status_pb2
 from collectives.wire.membership import membership_digest
 from collectives_server.coordinator.admission import LeaseBook
 from collectives_server.coordinator.membership import Membership
-from collectives_server.coordinator.model import GenerationRecord
+from collectives_server.coordinator.vocabulary import SealedGeneration
 from collectives_server.coordinator.worker_records import WorkerRecord
 
 __all__ = ["FORMAT", "export_state", "restore_state"]
@@ -106,7 +106,6 @@ def restore_state(
     *,
     now: float,
     unix_now: float,
-    reason: str,
 ) -> None:
     """Loads ``data`` into a fresh ``m`` (built with the same limits) and ``leases``.
 
@@ -134,7 +133,6 @@ def restore_state(
     m._members = members
     m._formed = formed
     m._version = int(data["version"])
-    m._reason = reason
     m.events = collections.Counter({k: int(v) for k, v in data["events"].items()})
     m._workers = {}
     m._live_n = 0
@@ -167,7 +165,7 @@ def restore_state(
     m._history.clear()
     for r in data["history"]:
         m._history.append(
-            GenerationRecord(
+            SealedGeneration(
                 generation=int(r["generation"]),
                 sealed_at=mono(float(r["sealed_unix"])),
                 world_size=int(r["world_size"]),

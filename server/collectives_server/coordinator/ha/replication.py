@@ -91,7 +91,7 @@ class Replication:
         now = self._clock()
         reason = f"{self.leadership.identity} took over as leader"
         if doc is not None:
-            restore_state(doc, membership, leases, now=now, unix_now=time.time(), reason=reason)
+            restore_state(doc, membership, leases, now=now, unix_now=time.time())
             # Above every version any coordinator handed out (see Coordinator.start).
             membership._version = max(membership.version, time.time_ns() // 1000)
         self.held = None
@@ -140,9 +140,7 @@ class Replication:
         recorded."""
         membership = self._new_membership()
         membership.deciding = False
-        restore_state(
-            doc, membership, leases, now=self._clock(), unix_now=time.time(), reason="replica"
-        )
+        restore_state(doc, membership, leases, now=self._clock(), unix_now=time.time())
         self.held = None
         return membership
 

@@ -58,10 +58,10 @@ def memmove_ok(t: torch.Tensor) -> bool:
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` for same-dtype, same-size tensors, with one plain memmove on
-    contiguous CPU tensors. Measured on 2 cores shared by two workers: torch's copy
-    runs in OpenMP threads whose spin-waiting afterwards slows the gloo collective
-    that follows by 1.5-3x; memmove (which releases the GIL) costs the same as a
-    one-thread copy and leaves no spinning threads behind."""
+    contiguous CPU tensors. torch's copy runs in OpenMP threads whose spin-waiting
+    afterwards slows the gloo collective that follows on a busy host; memmove
+    (which releases the GIL) costs the same as a one-thread copy and leaves no
+    spinning threads behind."""
     if memmove_ok(dst) and memmove_ok(src) and dst.dtype == src.dtype:
         nbytes = src.numel() * src.element_size()
         if nbytes and dst.numel() == src.numel():

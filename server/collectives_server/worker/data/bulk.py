@@ -2,8 +2,8 @@
 
 gRPC in Python cannot move bytes at the wire's speed: every 4 MiB message is
 copied into a gRPC slice, out of it into a ``bytes`` object, and again into
-the tensor, with the GIL held for the Python part (measured: 0.6-1.4 GB/s for
-a bare client-streaming call on the 2-core VM, vs 2.4-3 GB/s of raw TCP).
+the tensor, with the GIL held for the Python part: a fraction of what raw TCP
+moves (figures in docs/perf-log.md).
 Like Arrow Flight's side channels or Ray's object transfer, the control stays
 on gRPC (header, validation, quota, errors, deadlines, auth) and only the
 payload goes over a plain TCP connection, straight between the socket and the

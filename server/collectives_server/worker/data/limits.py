@@ -13,7 +13,8 @@ __all__ = ["BulkLimits", "ShmLimits"]
 
 @dataclass(frozen=True)
 class BulkLimits:
-    """What one bulk connection may hold (issue 16: M2, M4, L3); flags in ``cli_bulk``."""
+    """What one bulk connection may hold, so no client can pin a worker's memory or
+    connections for long; flags in ``cli/data_plane.py``."""
 
     # A ticket not presented within this long is void; a GET ticket pins its
     # tensor at most this long.

@@ -2,7 +2,7 @@
 
 A partially received tensor that is dropped (a cancelled or failed put) can
 sit in a reference cycle through the exception's traceback until a later
-cyclic GC (issue 16, H3): a put whose stream ends early fails in
+cyclic GC: a put whose stream ends early fails in
 ``TensorAssembler.finish``, and that frame's ``self`` is the assembler and its
 buffer; the exception then lives on in gRPC's call state, in a cycle that only
 a full collection reaches. Even once freed, glibc may keep large freed chunks

@@ -2,13 +2,13 @@
 
 Shared-memory transfers hand the worker a file path: the worker must only act
 on files the *peer* could act on itself, or it becomes a confused deputy
-(issue 16, H4/H5: a user reading a root-only file through the worker, or
-writing into another client's segment). The kernel knows the uid owning each
+(a user reading a root-only file through the worker, or writing into another
+client's segment). The kernel knows the uid owning each
 TCP socket; for a loopback connection the client's socket is the one whose
 local end is the peer's address and port and whose remote end is ours.
 
 Asked first with one netlink ``sock_diag`` request for exactly that socket (a
-hash lookup in the kernel, ~0.1 ms); when that finds nothing (e.g. the client
+hash lookup in the kernel: cheap); when that finds nothing (e.g. the client
 dialled another loopback address than its own), by scanning ``/proc/net/tcp``
 (IPv4) and ``/proc/net/tcp6`` (IPv6, and IPv4-mapped). The scan walks the
 kernel's whole TCP hash table and costs several milliseconds per call, which

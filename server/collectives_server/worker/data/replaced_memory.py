@@ -2,9 +2,8 @@
 
 Every put and every collective result lands in memory of its own, and the
 first write to each 4 KiB page of a fresh mapping faults into the kernel,
-which zeroes it: on the 2-core VM, filling a fresh 256 MiB buffer takes
-~120 ms against ~35 ms for memory already touched, and a 16 MiB copy into
-fresh memory 2.6 ms against 0.8 ms. Clients that keep weights current put
+which zeroes it: filling fresh memory costs several times what filling memory
+already touched does (figures in docs/perf-log.md). Clients that keep weights current put
 tensors of the same size under the same names again and again, and in-place
 collectives replace each operand with a result of its size, so the value a
 put or an op replaces is, byte for byte, the memory the next one needs.

@@ -3,7 +3,8 @@
 A client maps or copies a segment at once (a mapping outlives the name), so
 each one is unlinked after ``ShmLimits.ttl_s``; their number and bytes are
 bounded, their bytes count against the store's quota while they exist, and
-stale ones of dead workers are swept at start (L2). It also owns the client
+stale ones of dead workers are swept at start (so crashed workers never fill
+``/dev/shm``). It also owns the client
 segments the worker adopted for puts (:mod:`shm_adopt`), reaped on the same
 beat. Used by :mod:`shm_service`.
 """

@@ -150,10 +150,6 @@ class TensorStore:
         with self._lock:
             self._reserved -= nbytes
 
-    @property
-    def reserved_bytes(self) -> int:
-        return self._reserved
-
     def quota_state(self, name: str) -> tuple[int, int]:
         """(bytes held apart from ``name``'s current value, the limit; -1: none): what
         another rank needs to judge whether a result stored under ``name`` here fits."""

@@ -13,7 +13,6 @@ Modules:
 * ``op_context``: what a handler sees of its rank and generation, and returns
 * ``validation``: cross-rank operand validation (pure)
 * ``uneven_validation``: the verdict of an uneven all_to_all (pure)
-* ``process_groups``: building a generation's process groups
-* ``group_cap``: the bound on a generation's sub-groups
+* ``process_groups``: building a generation's process groups, and the bound on its sub-groups
 * ``model_sync``: a generation's first step: every rank serves the newest model versions
 """

@@ -1,7 +1,7 @@
 """Small control collectives that keep every rank's view of an op identical.
 
 ``exchange`` all-gathers each rank's operand description (and, for small
-operands, the operand's bytes: see ``runtime``); ``agree`` all-gathers each
+operands, the operand's bytes: see ``handlers.tensor_ops``); ``agree`` all-gathers each
 rank's local outcome (a status code and a short message) so that a failure on
 one rank is reported, with its reason, on all.
 """
@@ -28,7 +28,6 @@ __all__ = [
     "exchange",
     "exchange_fused",
     "Exchanged",
-    "exchange_infos",
     "agree",
     "agree_with",
     "RankOutcome",
@@ -157,11 +156,6 @@ def exchange_fused(
         ]
         out.append(Exchanged(infos, table, stride, offset))
     return out
-
-
-def exchange_infos(pg: object, info: torch.Tensor, size: int) -> list[OperandInfo]:
-    """All-gathers each rank's encoded operand info (``validation.encode_info``)."""
-    return exchange(pg, size, [int(v) for v in info.tolist()]).infos
 
 
 def agree(

@@ -4,10 +4,9 @@ Every op costs control rounds among all ranks: the leader's announcement (a
 broadcast), the operand exchange and the outcome agreement (all-gathers of
 small rows). Through gloo each round costs two thread hand-offs per rank (the
 caller's enqueue wakes gloo's worker thread, whose completion wakes the caller
-again), which on a busy host is most of a small op's time. Measured on the
-2-core VM, an announcement plus an exchange at world 2: gloo 490-610 µs p50
-and 4.4-7.5 ms p99; the same bytes over a socket the calling thread reads and
-writes itself, 46-49 µs p50 and 86-96 µs p99.
+again), which on a busy host is most of a small op's time; the same bytes
+over a socket the calling thread reads and writes itself take a fraction of
+it, with a far shorter tail (figures in docs/perf-log.md).
 
 :class:`ControlChannel` speaks the control rounds' byte interface
 (``control_rounds.ControlRounds``): the leader's announcement of a message

@@ -11,8 +11,10 @@ concurrent clients could never guarantee by themselves.
 
 On the leader one thread at a time runs ops: the loop, or, for an op on small
 operands submitted while the loop is parked with nothing queued, the
-submitter's own thread (``drive``: the RPC thread announces and runs it, two
-thread hand-offs fewer), while the loop waits for it. What an op does is
+submitter's own thread (a claim, :meth:`Generation.run_claimed`: the RPC
+thread announces and runs it, two thread hand-offs fewer), while the loop
+waits for it. The claim handshake is the sequencer's (``sequencer``): this
+module only waits on its condition as the sequencer says. What an op does is
 its handler's business; this module only sequences, dispatches, and turns a
 broken process group into a retired or rebuilt one.
 
@@ -28,6 +30,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -55,99 +58,102 @@ from collectives_server.worker.engine.op_context import (
     OpResult,
 )
 from collectives_server.worker.engine.process_groups import build_groups
-from collectives_server.worker.engine.sequencer import Sequencer, Ticket
+from collectives_server.worker.engine.sequencer import EpochEnd, Park, Sequencer, Ticket
 from collectives_server.worker.kernels import op_failures
 from collectives_server.worker.models.registry import ModelRegistry
 
-__all__ = ["GenerationRuntime"]
+__all__ = ["Generation", "GenerationHooks", "GenerationSpec"]
 
 log = logging.getLogger(__name__)
 
 Outcome = OpResult | ModelOpResult | PublishResult | CollectiveError
 
 
-class _DrivenEnd(Exception):
-    """A submitter's op (``GenerationRuntime.drive``) ended the epoch (``args[0]``: why,
-    or None when it was retired)."""
-
-
 _Item = tuple[worker_pb2.OpDescriptor, int | None]  # an op and its inline capacity
 
 
-class GenerationRuntime:
-    def __init__(
-        self,
-        *,
-        generation: int,
-        rank: int,
-        world_size: int,
-        tcp_store: dist.Store,
-        membership_digest: str = "",
-        store: TensorStore,
-        op_timeout_s: float,
-        device: torch.device,
-        host: str | None,
-        queue_size: int,
-        max_groups: int = 64,
-        on_joined: Callable[[int], None],
-        on_op_done: Callable[[worker_pb2.OpDescriptor, Outcome, float], None],
-        rebuild_after_s: float = 10.0,
-        models: ModelRegistry | None = None,
-        on_data_collectives: Callable[[int, int], None] | None = None,
-        sync_models: Callable[[OpContext], int] | None = None,
-        on_fused: Callable[[int], None] | None = None,
-        spares: ReplacedMemory | None = None,
-    ) -> None:
-        self.generation = generation
-        # Which membership this generation is (collectives.wire.membership): the
-        # group forms under a store prefix that includes it, the leader stamps it
-        # on every op, and an op sent or announced for another one is refused.
-        self.membership_digest = membership_digest
-        self.rank = rank
-        self.world_size = world_size
-        self.is_leader = rank == 0
-        self.store = store
-        self.models = models if models is not None else ModelRegistry([device])
-        self.max_groups = max_groups
-        self._tcp_store = tcp_store
-        self._timeout_s = op_timeout_s
-        self._device = device
-        self._host = host
-        self._on_joined = on_joined
-        self._on_op_done = on_op_done
-        # Run by every rank once its group formed, before it reports joined (model_sync).
-        self._sync_models = sync_models
-        self._on_data_collectives = on_data_collectives
-        self._on_fused = on_fused  # called with the op count of each fused run
-        self._rebuild_after_s = rebuild_after_s
-        # The worker's replaced memory, shared with its puts (replaced_memory.py).
-        if spares is None:
-            spares = ReplacedMemory(max_bytes=pool_bytes(store.limit_bytes))
-        self._spares = spares
+@dataclass(frozen=True)
+class GenerationSpec:
+    """Which generation a worker runs and with what: its place in it, the stores it
+    forms its groups through and commits into, its device and its limits."""
+
+    generation: int
+    rank: int
+    world_size: int
+    tcp_store: dist.Store  # the rendezvous store every member forms its groups through
+    store: TensorStore
+    device: torch.device
+    host: str | None  # the interface gloo binds (None: torch's choice)
+    op_timeout_s: float
+    queue_size: int  # the leader's op queue (sequencer)
+    # Which membership this generation is (collectives.wire.membership): the
+    # group forms under a store prefix that includes it, the leader stamps it
+    # on every op, and an op sent or announced for another one is refused.
+    membership_digest: str = ""
+    max_groups: int = 64
+    # How long a broken group waits for a new generation before it rebuilds its own.
+    rebuild_after_s: float = 10.0
+    models: ModelRegistry | None = None  # None: an empty registry on ``device``
+    # The worker's replaced memory, shared with its puts (replaced_memory.py);
+    # None: one of the generation's own.
+    replaced: ReplacedMemory | None = None
+
+
+@dataclass(frozen=True)
+class GenerationHooks:
+    """What a generation tells its worker (joined, an op done, counts), and what the
+    worker runs inside it once its group formed (``sync_models``)."""
+
+    on_joined: Callable[[int], None]  # the generation number, once this rank joined
+    on_op_done: Callable[[worker_pb2.OpDescriptor, Outcome, float], None]  # latency in s
+    on_data_collectives: Callable[[int, int], None] | None = None  # collectives, buckets
+    on_fused: Callable[[int], None] | None = None  # the op count of each fused run
+    # Run by every rank once its group formed, before it reports joined (model_sync).
+    sync_models: Callable[[OpContext], int] | None = None
+
+
+class Generation:
+    """One generation on this worker: its loop thread, its leader's queue, its groups."""
+
+    def __init__(self, spec: GenerationSpec, hooks: GenerationHooks) -> None:
+        self._spec, self._hooks = spec, hooks
+        self.generation = spec.generation
+        self.membership_digest = spec.membership_digest
+        self.rank = spec.rank
+        self.world_size = spec.world_size
+        self.is_leader = spec.rank == 0
+        self.store = spec.store
+        self.models = spec.models if spec.models is not None else ModelRegistry([spec.device])
+        self.max_groups = spec.max_groups
+        replaced = spec.replaced
+        if replaced is None:
+            replaced = ReplacedMemory(max_bytes=pool_bytes(spec.store.limit_bytes))
+        self._replaced = replaced
         self._channel: ControlChannel | None = None  # this epoch's control rounds
         self._cond = threading.Condition()
         self._seq = Sequencer(
-            generation, queue_size, min(1.0, op_timeout_s / 4), membership_digest=membership_digest
+            spec.generation,
+            spec.queue_size,
+            min(1.0, spec.op_timeout_s / 4),
+            membership_digest=spec.membership_digest,
         )
-        self._stopping = False
         self._next_group_id = 1
-        # Leader: the epoch's context while ops may run (a submitter may run a small
-        # op itself, see drive), and, when such an op ended the epoch, its failure.
+        # Leader: the epoch's context while ops may run (a submitter that claimed a
+        # small op runs it in this context, see run_claimed).
         self._ctx: OpContext | None = None
-        self._driven_end: tuple[str | None] | None = None
         # The world group exists from the start so that ops can queue while the
         # process group forms; its handles arrive when it is built.
-        self.groups: dict[int, GroupEntry] = {0: GroupEntry(0, list(range(world_size)), None)}
+        self.groups: dict[int, GroupEntry] = {0: GroupEntry(0, list(range(spec.world_size)), None)}
         self.ready = threading.Event()
         self.finished = threading.Event()
         self.failure: str | None = None
         self.busy = False
         self._thread = threading.Thread(
-            target=self._run, name=f"generation-{generation}", daemon=True
+            target=self._run, name=f"generation-{spec.generation}", daemon=True
         )
 
     # ----------------------------------------------------------- lifecycle
-    def start(self) -> GenerationRuntime:
+    def start(self) -> Generation:
         self._thread.start()
         return self
 
@@ -159,7 +165,6 @@ class GenerationRuntime:
         for or not at all (the SDK does not repeat it on the new membership).
         """
         with self._cond:
-            self._stopping = True
             self._seq.close(self.failure or "retired", superseded_by)
             self._cond.notify_all()
 
@@ -180,34 +185,35 @@ class GenerationRuntime:
         desc: worker_pb2.OpDescriptor,
         timeout_s: float | None = None,
         expected_generation: int = 0,
-        drive: bool = False,
+        claim_if_idle: bool = False,
         expected_digest: str = "",
     ) -> Ticket:
         """Admits ``desc`` (raises UNAVAILABLE / RESOURCE_EXHAUSTED when it cannot be);
         the ticket's future gets the outcome on this rank.
 
-        With ``drive``, a small op that finds the loop idle and nothing queued is
-        marked ``driven``: the caller must then run it with :meth:`drive`."""
+        With ``claim_if_idle``, a small op that finds the loop idle and nothing queued
+        is claimed for the caller (``ticket.claimed``): the caller must then run it
+        with :meth:`run_claimed`."""
         with self._cond:
             ticket = self._seq.admit(
-                desc, timeout_s if timeout_s is not None else 2 * self._timeout_s,
+                desc, timeout_s if timeout_s is not None else 2 * self._spec.op_timeout_s,
                 expected_generation, expected_digest,
             )  # fmt: skip
             ctx = self._ctx  # small operands only, judged only when the op is claimable
-            claimable = drive and ctx is not None and self._seq.may_claim(ticket)
+            claimable = claim_if_idle and ctx is not None and self._seq.may_claim(ticket)
             if claimable and inline_capacity(ctx, desc) is not None:
                 self._seq.claim(ticket)
             else:
                 self._cond.notify_all()
         return ticket
 
-    def drive(self, ticket: Ticket) -> None:
-        """Runs the driven ``ticket`` (and what fuses with it) on the calling thread, as
-        the loop would have, and sets its outcome: two thread hand-offs fewer per op.
+    def run_claimed(self, ticket: Ticket) -> None:
+        """Runs the claimed ``ticket`` (and what fuses with it) on the calling thread,
+        as the loop would have, and sets its outcome: two thread hand-offs fewer per op.
 
-        The loop stays parked until it is done; a broken group or an internal error
-        ends the epoch here as in the loop, which then rebuilds or retires it."""
-        assert ticket.driven and self._seq.driven
+        The loop waits until it is done; a broken group or an internal error ends
+        the epoch here as in the loop, which then rebuilds or retires it."""
+        assert ticket.claimed and self._seq.claimed
         ctx = self._ctx
         assert ctx is not None
         current: list[Ticket] = []
@@ -215,25 +221,24 @@ class GenerationRuntime:
             with self._cond:
                 first = self._seq.next()
             if first is not None:
-                current, run = self._take_run(ctx, first)
+                current, run = self._fused_run_from(ctx, first)
                 pending = self._announce(ctx, run.items)
-                self._step(ctx, current, run.items, pending)
+                self._run_ops(ctx, current, run.items, pending)
                 current = []
         except GroupBroken as exc:
-            self._end_driven(self._broken(exc, current))
+            self._end_epoch(self._broken(exc, current))
         except Exception as exc:  # a bug: fail this run, end the epoch as the loop would
-            self._end_driven(self._internal_error(exc, current))
+            self._end_epoch(self._internal_error(exc, current))
         finally:
             with self._cond:
                 # A loop parked with nothing to do sleeps on (its tick is not due:
                 # this op was announced); otherwise it goes on from here.
-                if self._seq.release() or self._driven_end is not None:
+                if self._seq.release():
                     self._cond.notify_all()
 
-    def _end_driven(self, failure: str | None) -> None:
+    def _end_epoch(self, failure: str | None) -> None:
         with self._cond:
-            self._ctx = None  # nobody runs an op in this epoch again
-            self._driven_end = (failure,)
+            self._seq.end_epoch(failure)
 
     def check_generation(self, expected: int, expected_digest: str = "") -> None:
         """Raises UNAVAILABLE unless ``expected`` is 0 or this generation, and
@@ -245,32 +250,25 @@ class GenerationRuntime:
         with self._cond:
             return self._seq.cancel(ticket)
 
-    def _take(self) -> Ticket | None:
-        """The next op, or None when a tick is due or the generation is stopping.
-        Waits while a submitter runs an op (:meth:`drive`); raises
-        :class:`_DrivenEnd` when that op ended the epoch."""
+    def _wait_for_op(self) -> Ticket | EpochEnd | None:
+        """Leader: the next op, the end of the epoch (a claimed op ended it), or None
+        when a tick is due or the generation is stopping. Waits as the sequencer says:
+        parked until a submit or the tick, or while a submitter runs a claimed op."""
         with self._cond:
             while True:
-                if self._seq.driven:
+                step = self._seq.loop_next()
+                if not isinstance(step, Park):
+                    return step
+                if step.seconds is None:
                     self._cond.wait()
                     continue
-                if self._driven_end is not None:
-                    raise _DrivenEnd(self._driven_end[0])
-                if self._stopping:
-                    return None
-                ticket = self._seq.next()
-                if ticket is not None:
-                    return ticket
-                wait = self._seq.tick_in()
-                if wait <= 0:
-                    return None
                 self._seq.loop_parked = True
                 try:
-                    self._cond.wait(wait)
+                    self._cond.wait(step.seconds)
                 finally:
                     self._seq.loop_parked = False
 
-    def _take_run(self, ctx: OpContext, first: Ticket) -> tuple[list[Ticket], fusion.Run]:
+    def _fused_run_from(self, ctx: OpContext, first: Ticket) -> tuple[list[Ticket], fusion.Run]:
         """``first`` and the queued ops that can run fused with it (``fusion``)."""
         run, tickets = fusion.Run(), [first]
         inline = inline_capacity(ctx, first.desc)
@@ -278,7 +276,7 @@ class GenerationRuntime:
         run.add(first.desc, inline)
         while fusable:
             with self._cond:
-                ticket = None if self._stopping else self._seq.peek()
+                ticket = self._seq.peek()  # None once closed
             if ticket is None:
                 break
             inline = inline_capacity(ctx, ticket.desc)
@@ -313,10 +311,10 @@ class GenerationRuntime:
                 if failure is None:
                     return
                 with self._cond:
-                    if self._stopping:
+                    if self._seq.closed:
                         return
-                    self._cond.wait(self._rebuild_after_s)
-                    if self._stopping:
+                    self._cond.wait(self._spec.rebuild_after_s)
+                    if self._seq.closed:
                         return
                     self.failure = None
                 epoch += 1
@@ -339,11 +337,13 @@ class GenerationRuntime:
         prefix = f"g{self.generation}m{self.membership_digest}"
         if epoch:
             prefix += f"e{epoch}"
-        where = (self._tcp_store, prefix, self.rank, self.world_size, self._timeout_s)
+        where = (self._spec.tcp_store, prefix, self.rank, self.world_size, self._spec.op_timeout_s)
         try:
-            handles = build_groups(*where, self._device, self._host)
+            handles = build_groups(*where, self._spec.device, self._spec.host)
             self._channel = ControlChannel.connect(
-                dist.PrefixStore(f"{prefix}/ctlsock", self._tcp_store), *where[2:], self._host
+                dist.PrefixStore(f"{prefix}/ctlsock", self._spec.tcp_store),
+                *where[2:],
+                self._spec.host,
             )
         except Exception as exc:
             raise GroupBroken(f"could not form the process group: {exc}") from exc
@@ -352,45 +352,47 @@ class GenerationRuntime:
             generation=self.generation,
             rank=self.rank,
             world_size=self.world_size,
-            device=self._device,
-            host=self._host,
-            timeout_s=self._timeout_s,
-            tcp_store=self._tcp_store,
+            device=self._spec.device,
+            host=self._spec.host,
+            timeout_s=self._spec.op_timeout_s,
+            tcp_store=self._spec.tcp_store,
             prefix=prefix,
             store=self.store,
             models=self.models,
             groups=self.groups,
             control=self._channel,
-            spares=self._spares,
+            replaced=self._replaced,
             max_groups=self.max_groups,
-            on_data_collectives=self._on_data_collectives,
+            on_data_collectives=self._hooks.on_data_collectives,
         )
-        if self._sync_models is not None:
-            self._sync_models(ctx)
+        if self._hooks.sync_models is not None:
+            self._hooks.sync_models(ctx)
         self.ready.set()
-        self._on_joined(self.generation)
+        self._hooks.on_joined(self.generation)
         log.info(
             "joined generation %d as rank %d of %d", self.generation, self.rank, self.world_size
         )
         return ctx
 
-    def _next(self, ctx: OpContext) -> tuple[list[Ticket], list[_Item]]:
+    def _next_ops(self, ctx: OpContext) -> tuple[list[Ticket], list[_Item]] | EpochEnd:
         """Leader: takes the next op, or run of fused ops, or a tick (a no-op, or a
         stop); follower: receives what the leader announced. Returns (the leader's
-        tickets, the ops)."""
+        tickets, the ops), or, on the leader, the end of the epoch a claimed op ended."""
         if not self.is_leader:
             items = ctx.call(descriptor.receive_batch, ctx.control)
             for desc, _ in items:
                 self._check_announced(desc)
             return [], items
-        first = self._take()
+        first = self._wait_for_op()
+        if isinstance(first, EpochEnd):
+            return first
         if first is None:
-            kind = OpKind.STOP if self._stopping else OpKind.NOOP
+            kind = OpKind.STOP if self._seq.closed else OpKind.NOOP
             tick = worker_pb2.OpDescriptor(
                 kind=kind, generation=self.generation, membership_digest=self.membership_digest
             )
             return [], [(tick, None)]
-        tickets, run = self._take_run(ctx, first)
+        tickets, run = self._fused_run_from(ctx, first)
         return tickets, run.items
 
     def _check_announced(self, desc: worker_pb2.OpDescriptor) -> None:
@@ -426,19 +428,21 @@ class GenerationRuntime:
         try:
             ctx = self._join(epoch)
             with self._cond:
-                self._ctx, self._driven_end = ctx, None
+                self._ctx = ctx
+                self._seq.open_epoch()
             while True:
-                current, items = self._next(ctx)
+                ops = self._next_ops(ctx)
+                if isinstance(ops, EpochEnd):
+                    return ops.failure
+                current, items = ops
                 pending = self._announce(ctx, items) if self.is_leader else None
                 kind = items[0][0].kind
                 if kind == OpKind.STOP:
                     return None
                 if kind == OpKind.NOOP:
                     continue
-                self._step(ctx, current, items, pending)
+                self._run_ops(ctx, current, items, pending)
                 current = []
-        except _DrivenEnd as end:
-            return end.args[0]
         except GroupBroken as exc:
             return self._broken(exc, current)
         except Exception as exc:  # a bug: never take the daemon down with it
@@ -446,12 +450,13 @@ class GenerationRuntime:
         finally:
             with self._cond:
                 self._ctx = None
+                self._seq.close_epoch()
             # Peers blocked on this rank learn at once that its group is gone.
             if self._channel is not None:
                 self._channel.close()
                 self._channel = None
 
-    def _step(
+    def _run_ops(
         self,
         ctx: OpContext,
         tickets: list[Ticket],
@@ -462,8 +467,8 @@ class GenerationRuntime:
 
         A fused run's outcomes are set together when it ends, those of the ops that
         finished even when a later one raised: each set wakes a client's RPC thread,
-        which would contend for the GIL with the rest of the run (set together:
-        +8 % ops/s at 8 clients, +5 % at 32, over 7 alternated bench runs)."""
+        which would contend for the GIL with the rest of the run (set together, many
+        clients get more ops through: see docs/perf-log.md)."""
         outcomes: list[Outcome] = []
         try:
             if len(items) == 1:
@@ -490,7 +495,7 @@ class GenerationRuntime:
     def _broken(self, exc: GroupBroken, current: list[Ticket]) -> str | None:
         self.ready.clear()
         with self._cond:
-            superseded = self._stopping
+            superseded = self._seq.closed
             self.failure = str(exc)
         if not superseded:
             log.warning("generation %d: %s", self.generation, exc)
@@ -513,8 +518,8 @@ class GenerationRuntime:
     ) -> Iterator[Outcome]:
         """Each op's outcome of a fused run, as it finishes (``handlers.fused_ops``)."""
         started = time.perf_counter()
-        if self._on_fused is not None:
-            self._on_fused(len(items))
+        if self._hooks.on_fused is not None:
+            self._hooks.on_fused(len(items))
         self.busy = True
         try:
             for (desc, _), result in zip(items, run_fused(ctx, items, pending), strict=False):
@@ -527,5 +532,5 @@ class GenerationRuntime:
             result = op_failures.worded(desc, self.generation, result)
         else:
             result = dataclasses.replace(result, latency_s=latency)
-        self._on_op_done(desc, result, latency)
+        self._hooks.on_op_done(desc, result, latency)
         return result

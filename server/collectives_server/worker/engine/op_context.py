@@ -5,8 +5,13 @@ result | error``. :class:`OpContext` gives them this rank's place in the
 generation (rank, world, groups), its stores (tensors, models) and the few
 services the generation loop provides: running a group call so that a
 transport failure becomes :class:`GroupBroken`, counting data collectives,
-wording a failure every rank agreed on. Nothing here knows about gRPC servers
-or the daemon; a test builds one over a fake process group.
+wording a failure every rank agreed on.
+
+It also holds the engine's invariant, :meth:`OpContext.agree_and_commit`:
+every rank returns the same outcome for an op, and a rank commits its results
+only once every rank agreed the op succeeded. Handlers end with it instead of
+writing the store themselves. Nothing here knows about gRPC servers or the
+daemon; a test builds one over a fake process group.
 """
 
 from __future__ import annotations
@@ -15,12 +20,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 import torch
 import torch.distributed as dist
 
 from collectives.errors import CollectiveError, error_for_code
 from collectives_server.worker.data.replaced_memory import ReplacedMemory
 from collectives_server.worker.data.store import TensorStore
+from collectives_server.worker.engine import agreement
 from collectives_server.worker.engine.agreement import RankOutcome
 from collectives_server.worker.engine.control_channel import ControlChannel
 from collectives_server.worker.engine.descriptor import Announced
@@ -87,7 +94,7 @@ class OpContext:
     control: dist.ProcessGroup | ControlChannel  # announcements, exchanges, agreement
     # The worker's memory of replaced values: results are allocated from it and the
     # values they replace are offered to it (replaced_memory.py).
-    spares: ReplacedMemory = field(default_factory=ReplacedMemory)
+    replaced: ReplacedMemory = field(default_factory=ReplacedMemory)
     max_groups: int = 64
     on_data_collectives: Callable[[int, int], None] | None = None
 
@@ -125,3 +132,45 @@ class OpContext:
             ranks=tuple(f.rank for f in failures),
             reason=first.reason,
         )
+
+    def agree(
+        self, code: grpc.StatusCode, message: str = "", reason: str | None = None
+    ) -> CollectiveError | None:
+        """Exchanges this rank's outcome of the op with every rank's: the error every
+        rank returns when some failed, None when all succeeded."""
+        failures = self.call(agreement.agree, self.control, self.world_size, code, message, reason)
+        return self.fail_all(failures) if failures else None
+
+    def agree_and_commit(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        results: dict[str, torch.Tensor | None],
+        reason: str | None = None,
+    ) -> CollectiveError | None:
+        """The engine's invariant: :meth:`agree` on the op's outcome, then, only when
+        every rank succeeded, store this rank's ``results`` (target name -> value;
+        None: nothing to store here). Returns the agreed error, or None once committed.
+
+        The commit happens even if the generation is being retired right now, so a
+        success reported anywhere is true everywhere; and it never re-checks quota
+        (judged for every rank before the data moved), so a put racing in since cannot
+        make one rank skip a commit the others make. Each value a result replaces is
+        offered to :attr:`replaced`, which keeps its memory for the next result when
+        nothing else holds it: callers drop their own references to their operands
+        before calling this."""
+        error = self.agree(code, message, reason)
+        if error is None:
+            self.commit(results)
+        return error
+
+    def commit(self, results: dict[str, torch.Tensor | None]) -> None:
+        """The commit half of :meth:`agree_and_commit`, alone: only for an outcome every
+        rank already shares without an agreement (an inline op's result is a pure
+        function of the operands every rank received in the same exchange)."""
+        for target, result in results.items():
+            if result is not None:
+                old = self.store.replace(target, result)
+                if old is not None:
+                    self.replaced.offer(old)
+                del old

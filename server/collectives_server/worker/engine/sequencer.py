@@ -5,8 +5,9 @@ order; concurrent clients cannot guarantee that, so the leader admits every op
 into one bounded FIFO and announces them one by one. This class holds that
 FIFO and its rules and nothing else: no threads, no process group, a clock
 passed in, so every rule is unit-tested with a fake clock
-(``tests/unit/test_sequencer.py``). The generation loop (``runtime``) wraps it
-with a condition variable and does the announcing.
+(``tests/unit/test_sequencer.py``). The generation loop (``generation``) wraps
+it with a condition variable and does the announcing; it asks this class what
+to do next (:meth:`Sequencer.loop_next`) and waits as told.
 
 Rules:
 
@@ -21,8 +22,9 @@ Rules:
   keeps followers inside their receive timeout and proves the group alive.
 * **Claims.** While the loop is parked with nothing to do, the submitter of
   an op that is all that is queued may claim it and run it on its own thread
-  (``GenerationRuntime.drive``); one claim at a time, and the loop waits for
-  it to be released.
+  (``Generation.run_claimed``); one claim at a time, only while an epoch is
+  open, and the loop waits for it to be released. A claimed op that breaks the
+  group ends the epoch: the loop, next asking, gets an :class:`EpochEnd`.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from collectives.errors import (
 from collectives.v1 import worker_pb2
 from collectives.wire.op_specs import kind_name
 
-__all__ = ["Sequencer", "Ticket"]
+__all__ = ["EpochEnd", "Park", "Sequencer", "Ticket"]
 
 
 @dataclass(eq=False)
@@ -54,12 +56,28 @@ class Ticket:
     deadline: float
     future: Future = field(default_factory=Future)
     started: bool = False
-    # The submitting thread runs this op itself (``GenerationRuntime.drive``).
-    driven: bool = False
+    # The submitting thread runs this op itself (``Generation.run_claimed``).
+    claimed: bool = False
 
     def fail(self, error: CollectiveError) -> None:
         if not self.future.done():
             self.future.set_exception(error)
+
+
+@dataclass(frozen=True)
+class EpochEnd:
+    """A claimed op ended the epoch (its group broke, or a bug): why, for the loop to
+    rebuild the group, or None when the generation was retired meanwhile."""
+
+    failure: str | None
+
+
+@dataclass(frozen=True)
+class Park:
+    """Nothing for the loop to announce yet: it waits ``seconds`` for a submit, or,
+    with None, until the claimed op is released."""
+
+    seconds: float | None
 
 
 class Sequencer:
@@ -83,7 +101,9 @@ class Sequencer:
         # Who runs the next op: the generation loop, or, while the loop is parked
         # with nothing queued, the submitter of a small op (``claim``).
         self.loop_parked = False
-        self.driven = False
+        self.claimed = False  # a submitter runs an op: the loop waits for it
+        self.claims_open = False  # an epoch runs ops (its group is formed)
+        self.epoch_end: EpochEnd | None = None  # a claimed op ended the epoch
 
     @property
     def depth(self) -> int:
@@ -132,20 +152,52 @@ class Sequencer:
         hand-offs fewer): only while the loop is parked, no other submitter runs
         one, and ``ticket`` is all that is queued."""
         alone = len(self._queue) == 1 and self._queue[0] is ticket
-        return self.loop_parked and not self.driven and not self.closed and alone
+        idle = self.loop_parked and not self.claimed and self.claims_open
+        return idle and not self.closed and alone
 
     def claim(self, ticket: Ticket) -> bool:
         """Claims ``ticket`` for its submitter when :meth:`may_claim`; the loop then
         waits until :meth:`release`."""
         if self.may_claim(ticket):
-            self.driven = ticket.driven = True
-        return ticket.driven
+            self.claimed = ticket.claimed = True
+        return ticket.claimed
 
     def release(self) -> bool:
         """The claimed op is done; returns whether the loop must wake (it is not
-        parked, or ops or a close are waiting for it)."""
-        self.driven = False
-        return not self.loop_parked or bool(self._queue) or self.closed
+        parked, or ops, a close or the epoch's end are waiting for it)."""
+        self.claimed = False
+        waiting = bool(self._queue) or self.closed or self.epoch_end is not None
+        return not self.loop_parked or waiting
+
+    def open_epoch(self) -> None:
+        """The loop formed a group: ops may be claimed until :meth:`close_epoch`."""
+        self.claims_open, self.epoch_end = True, None
+
+    def close_epoch(self) -> None:
+        """The loop's epoch is over: no more claims."""
+        self.claims_open = False
+
+    def end_epoch(self, failure: str | None) -> None:
+        """A claimed op ended the epoch (``failure``: why, None when retired): nothing
+        is claimed again in it, and the loop is told by :meth:`loop_next`."""
+        self.claims_open = False
+        self.epoch_end = EpochEnd(failure)
+
+    def loop_next(self) -> Ticket | Park | EpochEnd | None:
+        """What the loop does next: wait (:class:`Park`: while an op is claimed, or
+        until a tick is due), end the epoch a claimed op ended, run the next op
+        (marked started), or, with None, announce a tick (a stop once closed)."""
+        if self.claimed:
+            return Park(None)
+        if self.epoch_end is not None:
+            return self.epoch_end
+        if self.closed:
+            return None
+        ticket = self.next()
+        if ticket is not None:
+            return ticket
+        wait = self.tick_in()
+        return Park(wait) if wait > 0 else None
 
     def check_generation(self, expected: int, expected_digest: str = "") -> None:
         """Raises UNAVAILABLE unless ``expected`` is 0 or this generation, and

@@ -52,13 +52,6 @@ class UnevenPlan:
             n *= d
         return n
 
-    @property
-    def total_rows(self) -> int:
-        return sum(sum(row) for row in self.matrix)
-
-    def send_rows(self, index: int) -> list[int]:
-        return list(self.matrix[index])
-
     def recv_rows(self, index: int) -> list[int]:
         return [row[index] for row in self.matrix]
 

@@ -1,7 +1,7 @@
 """Which failures of a data collective mean the process group is broken.
 
 Tearing a group down is expensive for everyone: every client's collectives
-stall until the generation is rebuilt (~7 s measured). So only a failure of the
+stall until the generation is rebuilt (seconds). So only a failure of the
 transport or of a peer breaks the group: gloo's connection closed/reset, a
 socket error, a timeout waiting for a rank that is gone, torch's
 ``DistNetworkError``/``DistStoreError``. Everything else is local to the op (a

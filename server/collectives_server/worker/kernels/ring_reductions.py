@@ -62,9 +62,8 @@ def all_reduce(pg: dist.ProcessGroup, t: torch.Tensor, op: ReduceOp, alloc: Allo
     itself); each member then holds one chunk reduced over every member (an
     average divides it there, once), and ``size - 1`` more steps pass the
     reduced chunks round. Every chunk is reduced on one member and copied as
-    bytes to the others, so every member holds the same bits. Measured on the
-    2-core VM, 64 MiB float32, interleaved with the copy path: 38-42 ms against
-    56 ms at 2 members (gloo alone: 42-49), 71-73 ms against 80-81 ms at 3."""
+    bytes to the others, so every member holds the same bits. It is faster than
+    the copy path for large operands (figures in docs/perf-log.md)."""
     me, size = pg.rank(), pg.size()
     right, left = (me + 1) % size, (me - 1) % size
     out = alloc(t.shape, t.dtype, t.device)

@@ -345,7 +345,8 @@ class ModelRegistry:
         self.devices = devices
         self.allowed_factories = allowed_factories
         self.graph_ttl_s = graph_ttl_s
-        # Model weights count against the tensor store's quota (issue 16, L5).
+        # Model weights count against the tensor store's quota: loading models must not
+        # be a way around it.
         self._quota = quota
         # Per model: the reservations that together cover its weights' bytes.
         self._reservations: dict[str, list[Reservation]] = {}

@@ -1,6 +1,6 @@
 """The model RPCs of the Worker service (loading, forward/backward, optimizer, state).
 
-A mixin of :class:`~collectives_server.worker.rpc.service.WorkerService`: thin
+A part of :class:`~collectives_server.worker.rpc.service.WorkerService`: thin
 translation between protobuf and :mod:`models` / :mod:`model_exec` /
 :mod:`handlers.model_ops`. State dicts and gradients travel raw-framed like
 PutTensor/GetTensor; the model name of LoadStateDict is request metadata.
@@ -17,6 +17,7 @@ from collectives.wire import codec, pytree
 from collectives.wire.names import MODEL_METADATA_KEY, validate_name
 from collectives.wire.op_specs import SPECS, OpKind
 from collectives_server.json_input import parse_json_object
+from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.data.store import UPLOAD_PREFIX
 from collectives_server.worker.models import execution as model_exec
 from collectives_server.worker.models import versions as model_versions
@@ -25,12 +26,17 @@ from collectives_server.worker.models.registry import ModelDefinition, build_fro
 from collectives_server.worker.rpc.guards import counted as _counted
 from collectives_server.worker.rpc.guards import guard as _guard
 from collectives_server.worker.rpc.guards import guard_stream as _guard_stream
+from collectives_server.worker.rpc.leader import Leader
 
 __all__ = ["ModelRpcs"]
 
 
 class ModelRpcs:
-    """Model RPCs; needs ``self._ctx`` (a WorkerContext), ``self._leader`` and ``self._wait``."""
+    """The model RPCs, over the worker's context; ops run through ``leader``."""
+
+    def __init__(self, ctx: WorkerContext, leader: Leader) -> None:
+        self._ctx = ctx
+        self._leader = leader
 
     @_guard
     @_counted("load_model")
@@ -214,12 +220,12 @@ class ModelRpcs:
                 f"publish prefix {r.prefix[:64]!r} must look like '{UPLOAD_PREFIX}<id>/'"
             )
         validate_name(r.prefix + "x", "publish prefix")
-        runtime = self._leader(r.options)
+        generation = self._leader.generation(r.options)
         uploads = self._ctx.store.under(r.prefix)
         if not uploads:
             raise NotFound(f"nothing was uploaded under {r.prefix!r} on this worker; put first")
         args = worker_pb2.PublishArgs(
-            model=r.model, root=runtime.rank, prefix=r.prefix, strict=r.strict, cast=r.cast
+            model=r.model, root=generation.rank, prefix=r.prefix, strict=r.strict, cast=r.cast
         )
         for name, t in uploads:
             args.entries.append(codec.make_header(name[len(r.prefix) :], t))
@@ -235,10 +241,10 @@ class ModelRpcs:
 
     def _model_op(self, context, kind: OpKind, options, args):
         validate_name(args.model, "model name")
-        runtime = self._leader(options)
+        generation = self._leader.generation(options)
         desc = worker_pb2.OpDescriptor(kind=kind, timeout_s=options.timeout_s)
         getattr(desc, SPECS[kind].args).CopyFrom(args)
-        return self._wait(context, runtime, desc, options)
+        return self._leader.run(context, generation, desc, options)
 
     @_guard
     def AllReduceGradients(self, r, context) -> worker_pb2.AllReduceGradientsResponse:

@@ -1,6 +1,6 @@
 """The point-to-point, replication and group-teardown RPCs of the Worker service.
 
-A mixin of :class:`~collectives_server.worker.rpc.service.WorkerService`: ``Exchange``
+A part of :class:`~collectives_server.worker.rpc.service.WorkerService`: ``Exchange``
 (``send`` and ``batch_isend_irecv``) and ``DestroyGroup`` are checked here with
 the rules the SDK applies (``op_args.check_pairs``), then sequenced by the
 leader like any op and run by ``handlers.exchange_ops`` / ``handlers.group_ops``.
@@ -15,28 +15,33 @@ from collectives.v1 import worker_pb2
 from collectives.wire.names import UPLOAD_PREFIX, validate_name
 from collectives.wire.op_args import check_pairs
 from collectives.wire.op_specs import OpKind
+from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.data.store import upload_prefix
 from collectives_server.worker.engine.handlers.group_ops import group_not_found
 from collectives_server.worker.rpc.guards import guard as _guard
-from collectives_server.worker.rpc.replies import collective_response
+from collectives_server.worker.rpc.leader import Leader, collective_response
 
 __all__ = ["PeerRpcs"]
 
 
 class PeerRpcs:
-    """Exchange, ReplicateTensor and DestroyGroup; needs ``self._ctx``, ``self._leader``
-    and ``self._wait`` (WorkerService)."""
+    """Exchange, ReplicateTensor and DestroyGroup, over the worker's context; ops run
+    through ``leader``."""
+
+    def __init__(self, ctx: WorkerContext, leader: Leader) -> None:
+        self._ctx = ctx
+        self._leader = leader
 
     @_guard
     def Exchange(self, r: worker_pb2.ExchangeRequest, context) -> worker_pb2.CollectiveResponse:
         validate_name(r.name)
         if r.out:
             validate_name(r.out, "out name")
-        runtime = self._leader(r.options)
-        group = runtime.groups.get(r.options.group_id)
+        generation = self._leader.generation(r.options)
+        group = generation.groups.get(r.options.group_id)
         if group is None:
-            raise group_not_found(r.options.group_id, runtime.generation)
-        pairs = check_pairs([(p.src, p.dst) for p in r.pairs], runtime.world_size, group.ranks)
+            raise group_not_found(r.options.group_id, generation.generation)
+        pairs = check_pairs([(p.src, p.dst) for p in r.pairs], generation.world_size, group.ranks)
         args = worker_pb2.ExchangeArgs(
             name=r.name, out=r.out, srcs=[s for s, _ in pairs], dsts=[d for _, d in pairs]
         )
@@ -46,7 +51,7 @@ class PeerRpcs:
             timeout_s=r.options.timeout_s,
             exchange=args,
         )
-        result = self._wait(context, runtime, desc, r.options)
+        result = self._leader.run(context, generation, desc, r.options)
         return collective_response(result)
 
     @_guard
@@ -56,15 +61,15 @@ class PeerRpcs:
         group_id = r.options.group_id
         if group_id == 0:
             raise InvalidArgument("group 0 is every rank of the generation; it cannot be destroyed")
-        runtime = self._leader(r.options)
-        if group_id not in runtime.groups:
-            raise group_not_found(group_id, runtime.generation)
+        generation = self._leader.generation(r.options)
+        if group_id not in generation.groups:
+            raise group_not_found(group_id, generation.generation)
         desc = worker_pb2.OpDescriptor(
             kind=OpKind.DESTROY_GROUP,
             timeout_s=r.options.timeout_s,
             destroy_group=worker_pb2.DestroyGroupArgs(group_id=group_id),
         )
-        result = self._wait(context, runtime, desc, r.options)
+        result = self._leader.run(context, generation, desc, r.options)
         return worker_pb2.DestroyGroupResponse(generation=result.generation)
 
     @_guard
@@ -84,13 +89,13 @@ class PeerRpcs:
             )
         if r.options.group_id:
             raise InvalidArgument("a replicated put stores on every rank: group_id must be 0")
-        runtime = self._leader(r.options)
+        generation = self._leader.generation(r.options)
         if self._ctx.store.peek(r.upload) is None:
             raise NotFound(f"nothing was uploaded under {r.upload!r} on this worker; put first")
         desc = worker_pb2.OpDescriptor(
             kind=OpKind.REPLICATE,
             timeout_s=r.options.timeout_s,
-            replicate=worker_pb2.TensorOpArgs(name=r.upload, out=r.name, root=runtime.rank),
+            replicate=worker_pb2.TensorOpArgs(name=r.upload, out=r.name, root=generation.rank),
         )
-        result = self._wait(context, runtime, desc, r.options)
+        result = self._leader.run(context, generation, desc, r.options)
         return collective_response(result)

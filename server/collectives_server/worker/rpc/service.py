@@ -9,20 +9,17 @@ generated message classes.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from concurrent.futures import TimeoutError as FutureTimeout
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 import torch
 from google.protobuf import message_factory
 
 from collectives.errors import (
-    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
-    Unavailable,
 )
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
@@ -36,26 +33,21 @@ from collectives.wire.op_specs import (
     OpKind,
     check_group_ranks,
     check_root,
-    kind_name,
 )
 from collectives_server.rpc.limits import RpcLimits
 from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.data.bulk import BulkListener
 from collectives_server.worker.data.memory_release import drop_partial
-from collectives_server.worker.engine.group_cap import check_group_cap, subgroup_count
-from collectives_server.worker.engine.handlers.group_ops import group_not_found
+from collectives_server.worker.engine.process_groups import check_group_cap, subgroup_count
 from collectives_server.worker.rpc.guards import counted as _counted
 from collectives_server.worker.rpc.guards import departure
 from collectives_server.worker.rpc.guards import guard as _guard
 from collectives_server.worker.rpc.guards import guard_stream as _guard_stream
+from collectives_server.worker.rpc.leader import Leader, collective_response, group_of
 from collectives_server.worker.rpc.model_service import ModelRpcs
 from collectives_server.worker.rpc.p2p_service import PeerRpcs
-from collectives_server.worker.rpc.replies import collective_response
 from collectives_server.worker.rpc.shm_service import get_tensor_shm, put_tensor_shm
 from collectives_server.worker.status import worker_state
-
-if TYPE_CHECKING:
-    from collectives_server.worker.engine.generation import GenerationRuntime
 
 __all__ = ["WorkerService", "add_worker_service", "SERVICE_NAME"]
 
@@ -63,9 +55,25 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "collectives.v1.Worker"
 
 
-class WorkerService(ModelRpcs, PeerRpcs):
+class WorkerService:
+    """The Worker service in three parts, each taking the worker's context and its
+    :class:`Leader`: this class (data plane, collectives, groups, state), the
+    model RPCs (:class:`ModelRpcs`) and the point-to-point ones (:class:`PeerRpcs`).
+    :meth:`rpc` finds a method in whichever part has it."""
+
     def __init__(self, ctx: WorkerContext) -> None:
         self._ctx = ctx
+        self._leader = Leader(ctx)
+        self.models = ModelRpcs(ctx, self._leader)
+        self.peers = PeerRpcs(ctx, self._leader)
+
+    def rpc(self, name: str) -> Callable[..., Any] | None:
+        """The method serving the Worker RPC ``name`` (None: not implemented here)."""
+        for part in (self, self.models, self.peers):
+            method = getattr(part, name, None)
+            if method is not None:
+                return method
+        return None
 
     # ------------------------------------------------------------ data plane
     @_guard
@@ -94,7 +102,8 @@ class WorkerService(ModelRpcs, PeerRpcs):
                 raise InvalidArgument("PutTensor stream was empty: send a header, then chunks")
             tensor = assembler.finish()
         except BaseException as exc:
-            # Cancelled or refused: free the partial buffer now (H3), not at a later GC.
+            # Cancelled or refused: free the partial buffer now, not at a later GC
+            # (memory_release says why it could otherwise outlive the call).
             assembler = None
             if reservation is not None:
                 reservation.release()
@@ -171,7 +180,8 @@ class WorkerService(ModelRpcs, PeerRpcs):
             response.inline_data = codec.tensor_memoryview(wire).tobytes()
         else:
             ticket = new_ticket()
-            # The ticket's bytes count against the quota until sent or expired (M2).
+            # The ticket's bytes count against the quota until sent or expired: a
+            # client cannot pin unbounded memory with tickets it never uses.
             hold = self._ctx.store.reserve(f"{request.name} (bulk get)", header.nbytes, "get")
             remaining = _remaining_s(context, self._ctx.op_timeout_s)
             try:
@@ -192,14 +202,14 @@ class WorkerService(ModelRpcs, PeerRpcs):
         (its copy to the device is then a DMA at full bus speed)."""
         if self._ctx.store.device.type == "cuda":
             return codec.allocate_bytes(nbytes, pin_memory=True)
-        kept = self._ctx.spares.take(nbytes)
+        kept = self._ctx.replaced.take(nbytes)
         return kept if kept is not None else codec.allocate_bytes(nbytes)
 
     def _store(self, name: str, tensor: torch.Tensor) -> None:
         """Stores a received put; the memory of the value it replaced is kept for reuse."""
         old = self._ctx.store.put(name, tensor)
         if old is not None:
-            self._ctx.spares.offer(old)
+            self._ctx.replaced.offer(old)
 
     def _bulk(self) -> BulkListener:
         bulk = self._ctx.bulk
@@ -254,23 +264,6 @@ class WorkerService(ModelRpcs, PeerRpcs):
         return worker_state(self._ctx)
 
     # ----------------------------------------------------------- collectives
-    def _leader(self, options: worker_pb2.OpOptions) -> GenerationRuntime:
-        runtime = self._ctx.runtime
-        if runtime is None:
-            raise Unavailable(
-                f"the cluster is not formed ({self._ctx.cluster_status}); retry once it is",
-                executed=False,
-            )
-        runtime.check_generation(options.generation, options.membership_digest)
-        if not runtime.is_leader:
-            raise Unavailable(
-                f"this worker is rank {runtime.rank} of generation {runtime.generation}, not the "
-                f"leader (rank 0 at {self._ctx.leader_address or 'unknown'}); "
-                "send collectives to the leader",
-                executed=False,
-            )
-        return runtime
-
     def _collective(
         self, context, kind: OpKind, options: worker_pb2.OpOptions, args: worker_pb2.TensorOpArgs
     ) -> worker_pb2.CollectiveResponse:
@@ -280,15 +273,15 @@ class WorkerService(ModelRpcs, PeerRpcs):
         if args.out:
             validate_name(args.out, "out name")
         ReduceOp.from_wire(args.op)
-        runtime = self._leader(options)
-        group = _group_of(runtime, options.group_id)
+        generation = self._leader.generation(options)
+        group = group_of(generation, options.group_id)
         if op.root_role:
             members = None if group.group_id == 0 else group.ranks
-            check_root(op, args.root, runtime.world_size, members)
+            check_root(op, args.root, generation.world_size, members)
         desc = worker_pb2.OpDescriptor(
             kind=kind, group_id=group.group_id, timeout_s=options.timeout_s, tensor=args
         )
-        result = self._wait(context, runtime, desc, options)
+        result = self._leader.run(context, generation, desc, options)
         return collective_response(result)
 
     def _coalesced(
@@ -299,17 +292,17 @@ class WorkerService(ModelRpcs, PeerRpcs):
             raise InvalidArgument("give either name (and out) or names (and outs), not both")
         names, outs = op_args.check_coalesced_names(list(r.names), outs or None)
         ReduceOp.from_wire(op)
-        runtime = self._leader(r.options)
-        group = _group_of(runtime, r.options.group_id)
+        generation = self._leader.generation(r.options)
+        group = group_of(generation, r.options.group_id)
         if SPECS[kind].root_role:
             check_root(
-                SPECS[kind], root, runtime.world_size, group.ranks if group.group_id else None
+                SPECS[kind], root, generation.world_size, group.ranks if group.group_id else None
             )
         args = worker_pb2.CoalescedArgs(names=names, outs=outs, op=op, root=root)
         desc = worker_pb2.OpDescriptor(
             kind=kind, group_id=group.group_id, timeout_s=r.options.timeout_s, coalesced=args
         )
-        result = self._wait(context, runtime, desc, r.options)
+        result = self._leader.run(context, generation, desc, r.options)
         return worker_pb2.CollectiveResponse(
             op_id=result.op_id,
             generation=result.generation,
@@ -318,32 +311,6 @@ class WorkerService(ModelRpcs, PeerRpcs):
             latency_s=result.latency_s,
             result_names=result.result_names,
         )
-
-    def _wait(self, context, runtime: GenerationRuntime, desc, options):
-        """Admits ``desc`` on the leader and waits within the call's deadline."""
-        budget = self._ctx.op_timeout_s * 2
-        for limit in (context.time_remaining(), options.timeout_s or None):
-            if limit is not None:
-                budget = min(budget, limit)
-        budget = max(budget, 0.0)
-        ticket = runtime.submit(
-            desc, budget, options.generation, drive=True, expected_digest=options.membership_digest
-        )
-        if ticket.driven:
-            runtime.drive(ticket)  # the loop was idle: this thread runs the op
-        try:
-            return ticket.future.result(timeout=budget)
-        except FutureTimeout:
-            what = f"op {desc.op_id} ({kind_name(desc.kind)})"
-            if runtime.cancel(ticket):
-                raise DeadlineExceeded(
-                    f"{what} did not start within {budget:.1f}s "
-                    f"(queue depth {runtime.queue_depth}); it was dropped",
-                    executed=False,
-                ) from None
-            raise DeadlineExceeded(
-                f"{what} still running after {budget:.1f}s; it may still complete"
-            ) from None
 
     @_guard
     def Broadcast(self, r, context):
@@ -397,8 +364,8 @@ class WorkerService(ModelRpcs, PeerRpcs):
         validate_name(r.name)
         if r.out:
             validate_name(r.out, "out name")
-        runtime = self._leader(r.options)
-        group = _group_of(runtime, r.options.group_id)
+        generation = self._leader.generation(r.options)
+        group = group_of(generation, r.options.group_id)
         size = len(group.ranks)
         op_args.check_split_matrix(op_args.split_rows(list(r.split_sizes), size), size)
         desc = worker_pb2.OpDescriptor(
@@ -407,7 +374,7 @@ class WorkerService(ModelRpcs, PeerRpcs):
             timeout_s=r.options.timeout_s,
             uneven=worker_pb2.UnevenAllToAllArgs(name=r.name, out=r.out, split_sizes=r.split_sizes),
         )
-        result = self._wait(context, runtime, desc, r.options)
+        result = self._leader.run(context, generation, desc, r.options)
         return collective_response(result)
 
     @_guard
@@ -416,27 +383,21 @@ class WorkerService(ModelRpcs, PeerRpcs):
 
     @_guard
     def NewGroup(self, r, context):
-        runtime = self._leader(r.options)
-        ranks = check_group_ranks(list(r.ranks), runtime.world_size)
-        check_group_cap(subgroup_count(runtime.groups), runtime.max_groups, runtime.generation)
+        generation = self._leader.generation(r.options)
+        ranks = check_group_ranks(list(r.ranks), generation.world_size)
+        check_group_cap(
+            subgroup_count(generation.groups), generation.max_groups, generation.generation
+        )
         desc = worker_pb2.OpDescriptor(
             kind=OpKind.NEW_GROUP,
-            group_id=runtime.allocate_group_id(),
+            group_id=generation.allocate_group_id(),
             timeout_s=r.options.timeout_s,
             new_group=worker_pb2.NewGroupArgs(ranks=ranks),
         )
-        result = self._wait(context, runtime, desc, r.options)
+        result = self._leader.run(context, generation, desc, r.options)
         return worker_pb2.NewGroupResponse(
             group_id=desc.group_id, generation=result.generation, ranks=result.result_ranks
         )
-
-
-def _group_of(runtime: GenerationRuntime, group_id: int):
-    """The group ``group_id`` of the runtime's generation, or NOT_FOUND (one wording)."""
-    group = runtime.groups.get(group_id)
-    if group is None:
-        raise group_not_found(group_id, runtime.generation)
-    return group
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -470,7 +431,7 @@ def add_worker_service(servicer: WorkerService, server: grpc.Server) -> None:
         response_cls = message_factory.GetMessageClass(method.output_type)
         deserializer = None if method.name in _RAW_REQUEST else request_cls.FromString
         serializer = None if method.name in _RAW_RESPONSE else response_cls.SerializeToString
-        behaviour = getattr(servicer, method.name, None)
+        behaviour = servicer.rpc(method.name)
         if behaviour is None:  # not implemented by this server version: UNIMPLEMENTED
             continue
         if method.client_streaming and not method.server_streaming:

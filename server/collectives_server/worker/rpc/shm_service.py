@@ -1,17 +1,17 @@
-"""Same-host shared-memory transfers, without a confused deputy (issue 16, H4, H5, L2).
+"""Same-host shared-memory transfers, without a confused deputy.
 
 The worker acts on a ``/dev/shm`` file only when the client could have acted
 on it itself:
 
 * ``PutTensorShm`` reads the client's segment only if the file is owned by the
   uid that owns the client's end of the connection (:mod:`peer_identity`); a
-  root-only file named by an unprivileged client is PERMISSION_DENIED (H4).
+  root-only file named by an unprivileged client is PERMISSION_DENIED.
   A segment the client hands over is *adopted* (mapped, the stored tensor lies
   in it, no copy) only when that uid is also the worker's own
   (:mod:`shm_adopt` says why that is no escalation); otherwise it is copied
   out with ``preadv``, never mapped;
 * ``GetTensorShm`` writes into a segment the client names only under the same
-  rule, so a client cannot overwrite another user's segment (H5): through a
+  rule, so a client cannot overwrite another user's segment: through a
   cached mapping when the client is the worker's own user, else with
   ``pwrite``; otherwise it
   writes a segment it creates for that call (``O_EXCL``, mode 0600, given to
@@ -19,8 +19,8 @@ on it itself:
   holds a stored tensor;
 * the segments the worker creates are bounded in number and bytes and
   unlinked after a TTL (a client maps or copies them at once; a mapping
-  outlives the name), and stale ones of dead workers are swept at start (L2;
-  :mod:`shm_segments`).
+  outlives the name), and stale ones of dead workers are swept at start
+  (:mod:`shm_segments`), so a crashed worker's segments never fill ``/dev/shm``.
 """
 
 from __future__ import annotations

@@ -14,9 +14,12 @@ does on a rank is its handler's business:
 * ``publish`` (a new model version): ``publish_ops.run_publish``;
 * ``replicate`` (``put`` on every rank, sent once): ``replicate_ops.run_replicate``.
 
-Every handler returns the same outcome on every rank (an agreement or a pure
-decision over exchanged data precedes every commit) and raises
-``GroupBroken`` only when the process group itself failed.
+Every handler returns the same outcome on every rank and commits only once
+that outcome is known to be shared: it ends with
+``OpContext.agree_and_commit`` (the agreement, then the store's commit), or,
+for an inline op whose result is a pure function of the exchanged data, with
+``OpContext.commit``. A handler raises ``GroupBroken`` only when the process
+group itself failed.
 
 Modules:
 

@@ -177,18 +177,11 @@ def _data_path(
         except Exception as exc:  # local to this rank: the op fails, the group stays
             code, message = op_failures.local_failure(exc, spec(desc.kind).name)
     # The last references to the operands (the caller passed this list): an in-place
-    # op's replaced values can then be kept for the next results (ctx.spares).
+    # op's replaced values can then be kept for the next results (ctx.replaced).
     operands.clear()
-    failures = ctx.call(agreement.agree, ctx.control, ctx.world_size, code, message)
-    if failures:
-        return ctx.fail_all(failures)
-    # Every rank agreed: commit every result, even if the generation is being retired.
-    for target, result in zip(job.targets, results, strict=False):
-        if result is not None:
-            old = ctx.store.replace(target, result)
-            if old is not None:
-                ctx.spares.offer(old)
-    return _describe(ctx, desc, job, plans)
+    committed = dict(zip(job.targets, results, strict=False))  # targets are distinct
+    error = ctx.agree_and_commit(code, message, committed)
+    return error or _describe(ctx, desc, job, plans)
 
 
 def _move(ctx: OpContext, job: _Op, operands: list, plans: list[Plan]) -> list:
@@ -202,7 +195,7 @@ def _move(ctx: OpContext, job: _Op, operands: list, plans: list[Plan]) -> list:
         index=group.index(ctx.rank),
         root_index=group.index(job.root) if job.root in group.ranks else 0,
         device=ctx.device,
-        alloc=ctx.spares.empty,
+        alloc=ctx.replaced.empty,
     )
     try:
         results, collectives = coalesced_buckets.move(bucketing, job.base, job.reduce_op)

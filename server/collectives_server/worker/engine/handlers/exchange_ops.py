@@ -116,14 +116,9 @@ def run_exchange(
         if receives and not ctx.is_leader:
             fence = ctx.store.fence(target, 2 * ctx.timeout_s)  # the agreement is the last one
         result, code, message = _move(ctx, desc, group, pairs, exchanged.infos, operand)
-        failures = ctx.call(agreement.agree, ctx.control, ctx.world_size, code, message)
-        if failures:
-            return ctx.fail_all(failures)
-        # Every rank agreed: commit, even if the generation is being retired right now.
-        if result is not None:
-            old = ctx.store.replace(target, result)
-            if old is not None:
-                ctx.spares.offer(old)
+        error = ctx.agree_and_commit(code, message, {target: result})
+        if error is not None:
+            return error
         dsts = sorted(d for _, d in pairs)
         return OpResult(desc.op_id, ctx.generation, target, dsts, plan.dtype, plan.shape, 0.0)
     finally:
@@ -181,7 +176,7 @@ def _send_and_receive(
     if src is not None:  # allocated before anything is issued
         info = infos[src]
         assert info.dtype is not None
-        result = ctx.spares.empty(info.shape, info.dtype, _CPU)
+        result = ctx.replaced.empty(info.shape, info.dtype, _CPU)
     works = []
     if operand is not None and operand.numel():
         wire = operand.detach().to(_CPU).contiguous().reshape(-1).view(torch.uint8)

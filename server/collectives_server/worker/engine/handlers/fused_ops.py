@@ -5,7 +5,7 @@ would (operand info, quota state, the fence on its target), exchanges all of
 them in one all-gather (``agreement.exchange_fused``), then finishes the ops
 one by one, in the leader's order, each on its own slice of the exchange:
 the same decision, inline result or data path, agreement and commit as alone.
-Results are yielded as each op finishes; the leader's runtime answers the
+Results are yielded as each op finishes; the leader's generation loop answers the
 run's clients together once it ended (those that finished before a later op
 raised with their own results), so their RPC threads do not contend for the
 GIL with the ops still running.

@@ -12,7 +12,7 @@ same point of the op order; the verdict (group 0, an unknown or already destroye
 group) is the same on every rank because every rank holds the same groups there,
 so it needs no agreement. An op admitted for a group that a ``destroy_group``
 ahead of it in the queue removed fails NOT_FOUND on every rank
-(:func:`missing_group`, checked by the runtime before dispatching).
+(:func:`missing_group`, checked by the generation loop before dispatching).
 """
 
 from __future__ import annotations
@@ -23,14 +23,17 @@ from collectives.errors import CollectiveError, InvalidArgument, NotFound, Resou
 from collectives.v1 import worker_pb2
 from collectives.wire.op_specs import OpKind
 from collectives_server.worker.engine import agreement
-from collectives_server.worker.engine.group_cap import check_group_cap, subgroup_count
 from collectives_server.worker.engine.op_context import (
     Announcement,
     GroupEntry,
     OpContext,
     OpResult,
 )
-from collectives_server.worker.engine.process_groups import build_groups
+from collectives_server.worker.engine.process_groups import (
+    build_groups,
+    check_group_cap,
+    subgroup_count,
+)
 from collectives_server.worker.kernels import op_failures
 
 __all__ = ["run_new_group", "run_destroy_group", "group_not_found", "missing_group"]
@@ -87,7 +90,7 @@ def run_destroy_group(
     entry = ctx.groups.pop(group_id, None)
     if entry is None:
         return group_not_found(group_id, ctx.generation)
-    # Dropping the last reference frees the gloo groups' sockets and threads (group_cap).
+    # Dropping the last reference frees the gloo groups' sockets and threads (process_groups).
     entry.handles = None
     return OpResult(desc.op_id, ctx.generation, "", entry.ranks, None, (), 0.0)
 

@@ -117,11 +117,11 @@ def _publish(
     assert model is not None
     new_version = int(max(row[3] for row in rows)) + 1
     staged = _receive(ctx, desc, model, entries, local)
-    failures = ctx.call(
-        agreement.agree, ctx.control, ctx.world_size, local.code, local.message, local.reason
-    )
-    if failures:
-        return ctx.fail_all(failures)
+    # The commit below is the model's, not the store's: agreement first, as
+    # OpContext.agree_and_commit does for tensors.
+    error = ctx.agree(local.code, local.message, local.reason)
+    if error is not None:
+        return error
     with model.lock:
         old_version = model.version
         replaced = model_versions.commit(model, staged, new_version)
@@ -134,7 +134,7 @@ def _publish(
         # pool, which keeps each only if nothing else still holds it.
         while replaced:
             old = replaced.pop()
-            ctx.spares.offer(old)
+            ctx.replaced.offer(old)
             del old
     nbytes = sum(e.nbytes for e in entries)
     return PublishResult(desc.op_id, ctx.generation, new_version, len(entries), nbytes, 0.0)

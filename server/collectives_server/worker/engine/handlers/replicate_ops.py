@@ -14,9 +14,9 @@ announcement:
      fails every rank before any data moves;
   3. one gloo broadcast of the upload's bytes from the root into a private
      buffer on every other rank (``collective_ops.broadcast``, on memory the
-     rank's last replaced result left, ``ctx.spares``). One broadcast for the
+     rank's last replaced result left, ``ctx.replaced``). One broadcast for the
      whole tensor: broadcasting it in 25 MiB buckets, serially or with two or
-     all of them in flight, measured no faster on the bench machine (gloo
+     all of them in flight, is no faster (gloo
      sends the whole buffer down its tree either way; the root's egress is the
      same), so the simpler form stays;
   4. an agreement on every rank's outcome, then every rank commits: followers
@@ -106,21 +106,18 @@ def _replicate(
         fence = ctx.store.fence(target, 2 * ctx.timeout_s)  # the agreement is the last exchange
     try:
         received, code, message = _receive(ctx, plan, upload, root)
-        failures = ctx.call(agreement.agree, ctx.control, ctx.world_size, code, message)
-        if failures:
-            return ctx.fail_all(failures)
-        # Every rank agreed: commit, even if the generation is being retired now.
+        # A follower commits its received buffer; the root keeps the upload itself,
+        # adopted below once every rank agreed (its replaced value is offered too:
+        # the root's next upload of this size, a put, lands in it).
+        error = ctx.agree_and_commit(code, message, {} if ctx.rank == root else {target: received})
+        if error is not None:
+            return error
         if ctx.rank == root:
             assert upload is not None
             old = ctx.store.adopt(target, upload, args.name)
-        else:
-            assert received is not None
-            old = ctx.store.replace(target, received)
-        # The root's next upload of this size (a put) lands in it, a follower's next
-        # broadcast result likewise (replaced_memory.py).
-        if old is not None:
-            ctx.spares.offer(old)
-        del old
+            if old is not None:
+                ctx.replaced.offer(old)
+            del old
     finally:
         if fence is not None:
             fence.release()
@@ -155,7 +152,7 @@ def _receive(
             plan.dtype,
             plan.shape,
             ctx.device,
-            ctx.spares.empty,
+            ctx.replaced.empty,
         )
     except Exception as exc:
         if op_failures.is_transport_failure(exc):

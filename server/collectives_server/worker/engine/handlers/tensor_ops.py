@@ -158,7 +158,7 @@ def finish(
         if prepared.member and contributors:
             result = _inline_member(ctx, desc, group, exchanged, contributors, reduce_op)
             ctx.count_data_collectives(1)
-            _commit(ctx, target, result)
+            ctx.commit({target: result})  # every rank computed it from the same exchange
         return _describe(ctx, desc, group, plan, target)
     if prepared.fence is None and prepared.stores_here:
         prepared.fence = ctx.store.fence(target, 2 * ctx.timeout_s)  # the agreement is last
@@ -196,22 +196,8 @@ def _data_path(
         except Exception as exc:  # local to this rank: the op fails, the group stays
             code, message = op_failures.local_failure(exc, spec(desc.kind).name, dtype)
     held.clear()
-    failures = ctx.call(agreement.agree, ctx.control, ctx.world_size, code, message)
-    if failures:
-        return ctx.fail_all(failures)
-    # Every rank agreed the op succeeded: commit, even if this generation is
-    # being retired right now, so that a reported success is true everywhere.
-    _commit(ctx, target, result)
-    return _describe(ctx, desc, group, plan, target)
-
-
-def _commit(ctx: OpContext, target: str, result: torch.Tensor | None) -> None:
-    if result is not None:
-        # Quota was judged for every rank before the data moved: a put racing
-        # in since must not make one rank skip a commit the others make.
-        old = ctx.store.replace(target, result)
-        if old is not None:
-            ctx.spares.offer(old)
+    error = ctx.agree_and_commit(code, message, {target: result})
+    return error or _describe(ctx, desc, group, plan, target)
 
 
 def _root_index(group: GroupEntry, root: int) -> int:
@@ -268,7 +254,7 @@ def _run_member(
         root_index=_root_index(group, desc.tensor.root),
         plan=plan,
         device=ctx.device,
-        alloc=ctx.spares.empty,
+        alloc=ctx.replaced.empty,
     )
     try:
         return KINDS[OpKind(desc.kind)].data(member)

@@ -71,16 +71,8 @@ def run_uneven_all_to_all(
         result, code, message = None, grpc.StatusCode.OK, ""
         if member:
             result, code, message = _member_result(ctx, group, operand, plan)
-        failures = ctx.call(agreement.agree, ctx.control, ctx.world_size, code, message)
-        if failures:
-            return ctx.fail_all(failures)
-        # Every rank agreed the op succeeded: commit, even if this generation is being
-        # retired right now (see tensor_ops._data_path); quota was judged before.
-        if result is not None:
-            old = ctx.store.replace(target, result)
-            if old is not None:
-                ctx.spares.offer(old)
-        return _describe(ctx, desc, group, plan, target)
+        error = ctx.agree_and_commit(code, message, {target: result})
+        return error or _describe(ctx, desc, group, plan, target)
     finally:
         if fence is not None:
             fence.release()
@@ -98,7 +90,7 @@ def _member_result(
         index = group.index(ctx.rank)
         try:
             result = ops.all_to_all_uneven(
-                group.handles.data, operand, plan.matrix, index, ctx.spares.empty
+                group.handles.data, operand, plan.matrix, index, ctx.replaced.empty
             )
         except Exception as exc:
             if op_failures.is_transport_failure(exc):

@@ -2,9 +2,9 @@
 
 Modules:
 
-* ``checks``: the archive's layout and entries, checked without torch
+* ``checks``: the archive's layout and entries, checked without torch, and the
+  --allow-model-upload flags as a dataclass (``ModelUploadConfig``)
 * ``graph``: checks on the serialized export graph
 * ``canary``: a checked archive is first loaded in a short-lived child
-* ``config``: the --allow-model-upload flags as a dataclass
 * ``upload``: LoadModel's upload, streamed to a private file and counted
 """

@@ -40,7 +40,7 @@ from typing import IO, Any
 from collectives.errors import InvalidArgument
 from collectives_server.worker.models.archive.graph import check_graph
 
-__all__ = ["ArchiveLimits", "check_archive", "GiB", "MiB"]
+__all__ = ["ArchiveLimits", "ModelUploadConfig", "check_archive", "GiB", "MiB"]
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -78,6 +78,26 @@ class ArchiveLimits:
     max_bytes: int = 4 * GiB  # the whole archive, compressed or decompressed
     max_entries: int = 65536
     max_json_bytes: int = 256 * MiB  # each JSON entry, decompressed
+
+
+@dataclass(frozen=True)
+class ModelUploadConfig:
+    """How a worker takes model archives (the --allow-model-upload ... flags)."""
+
+    # Whether LoadModel accepts archives at all (factories are unaffected).
+    allow: bool = False
+    max_bytes: int = 4 * GiB
+    max_entries: int = 65536
+    max_json_bytes: int = 256 * MiB
+    # Where uploads are written; None: a private temp dir (0700) made at start.
+    upload_dir: str | None = None
+    # Try each archive in a limited child process first.
+    load_sandbox: bool = True
+    load_timeout_s: float = 120.0
+
+    @property
+    def limits(self) -> ArchiveLimits:
+        return ArchiveLimits(self.max_bytes, self.max_entries, self.max_json_bytes)
 
 
 def _refuse(message: str) -> InvalidArgument:

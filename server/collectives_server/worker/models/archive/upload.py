@@ -25,8 +25,7 @@ from torch import nn
 from collectives.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from collectives.wire.names import ARCHIVE_PREFIX, validate_name
 from collectives_server.worker.models.archive.canary import trial_load
-from collectives_server.worker.models.archive.checks import check_archive
-from collectives_server.worker.models.archive.config import ModelUploadConfig
+from collectives_server.worker.models.archive.checks import ModelUploadConfig, check_archive
 
 if TYPE_CHECKING:
     from collectives_server.worker.data.store import TensorStore

@@ -1,15 +1,15 @@
-"""Who runs the leader's ops and how they are answered, on two real runtimes
-(``runtime_pair``).
+"""Who runs the leader's ops and how they are answered, on two real generations
+(``generation_pair``).
 
 Small ops run on the submitting thread while the leader's loop is idle
-(``GenerationRuntime.drive``): a small op submitted to a parked loop runs on the
-caller's thread and gives torch's result; a large op never does; an op
-submitted while another is driven waits for it and runs after it on the loop,
-in order; and a group that breaks under a driven op fails that op as the loop
-would, after which the generation rebuilds and runs ops again.
+(``Generation.run_claimed``): a small op submitted to a parked loop is claimed,
+runs on the caller's thread and gives torch's result; a large op never is; an
+op submitted while another is claimed waits for it and runs after it on the
+loop, in order; and a group that breaks under a claimed op fails that op as the
+loop would, after which the generation rebuilds and runs ops again.
 
 A fused run's outcomes are set together when the run ends
-(``GenerationRuntime._step``): an op that finished before a later one raised
+(``Generation._run_ops``): an op that finished before a later one raised
 still gets its own result, never the error that ended the run.
 """
 
@@ -22,8 +22,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import torch
+from generation_pair import TIMEOUT_S, Pair
 from helpers import wait_until
-from runtime_pair import TIMEOUT_S, Pair
 
 from collectives.errors import CollectiveError, Reason, Unavailable
 from collectives.reduce_ops import ReduceOp
@@ -49,22 +49,22 @@ def _put(pair: Pair, name: str, numel: int, gen: torch.Generator) -> list[torch.
 
 
 def _submit_to_parked_loop(pair: Pair, kind: str, before=None, **args) -> Ticket:
-    """Submits with ``drive`` at a moment the leader's loop is parked with nothing to
-    do, checked under the runtime's lock (so no idle tick can slip in between);
+    """Submits with ``claim_if_idle`` at a moment the leader's loop is parked with nothing to
+    do, checked under the generation's lock (so no idle tick can slip in between);
     ``before`` runs under that lock just before the submit."""
-    leader = pair.runtimes[0]
+    leader = pair.generations[0]
     for _ in range(50):  # the loop parks again within a tick (1 s) of any wake-up
         wait_until(lambda: leader._seq.loop_parked, TIMEOUT_S, "the leader's loop to park")
         with leader._cond:  # re-entrant: submit takes it again
             if leader._seq.loop_parked:
                 if before is not None:
                     before()
-                return pair.submit(kind, drive=True, **args)
+                return pair.submit(kind, claim_if_idle=True, **args)
     raise AssertionError("the leader's loop never stayed parked")
 
 
 def _loop_waits_for_the_driver(pair: Pair) -> bool:
-    """The leader's loop is awake (not parked) and waits inside ``_take``."""
+    """The leader's loop is awake (not parked) and waits inside ``_wait_for_op``."""
     loop = next(t for t in threading.enumerate() if t.name == LOOP)
     frame = sys._current_frames().get(loop.ident or -1)
     stack = []
@@ -74,8 +74,8 @@ def _loop_waits_for_the_driver(pair: Pair) -> bool:
     return (
         bool(stack)
         and stack[0] == "wait"
-        and "_take" in stack
-        and not (pair.runtimes[0]._seq.loop_parked)
+        and "_wait_for_op" in stack
+        and not (pair.generations[0]._seq.loop_parked)
     )
 
 
@@ -92,9 +92,9 @@ def test_a_small_op_on_a_parked_loop_runs_on_the_callers_thread_with_torchs_resu
     target = "x" if kind == "broadcast" else "y"  # a broadcast has no out name
     args = {"root": 1} if kind == "broadcast" else {"out": "y", "op": SUM}
     ticket = _submit_to_parked_loop(pair, kind, name="x", **args)
-    assert ticket.driven
-    pair.runtimes[0].drive(ticket)
-    assert ticket.future.done()  # set by drive itself, before it returned
+    assert ticket.claimed
+    pair.generations[0].run_claimed(ticket)
+    assert ticket.future.done()  # set by run_claimed itself, before it returned
     result = ticket.future.result(0)
     assert pair.threads[0][-1] == threading.current_thread().name
     _follower_caught_up(pair)
@@ -110,11 +110,11 @@ def test_a_small_op_on_a_parked_loop_runs_on_the_callers_thread_with_torchs_resu
         assert torch.equal(store.peek(target), want)
 
 
-def test_a_large_op_is_not_driven_and_runs_on_the_loop(pair: Pair) -> None:
+def test_a_large_op_is_not_claimed_and_runs_on_the_loop(pair: Pair) -> None:
     gen = torch.Generator().manual_seed(12)
     parts = _put(pair, "big", INLINE_MAX_BYTES // 4 + 4, gen)
     ticket = _submit_to_parked_loop(pair, "all_reduce", name="big", op=SUM)
-    assert not ticket.driven
+    assert not ticket.claimed
     ticket.future.result(TIMEOUT_S)
     assert pair.threads[0][-1] == LOOP
     _follower_caught_up(pair)
@@ -122,21 +122,21 @@ def test_a_large_op_is_not_driven_and_runs_on_the_loop(pair: Pair) -> None:
         assert torch.equal(store.peek("big"), parts[0] + parts[1])
 
 
-def test_an_op_submitted_while_one_is_driven_waits_and_runs_after_it_on_the_loop(
+def test_an_op_submitted_while_one_is_claimed_waits_and_runs_after_it_on_the_loop(
     pair: Pair,
 ) -> None:
     gen = torch.Generator().manual_seed(13)
     parts = _put(pair, "c", 6, gen)
     first = _submit_to_parked_loop(pair, "all_reduce", name="c", op=SUM)
-    assert first.driven
+    assert first.claimed
     leader_store = pair.stores[0]
-    leader_store.hold_commits = True  # the driven op stops at the leader's commit
-    driver = threading.Thread(target=pair.runtimes[0].drive, args=(first,), name="driver")
+    leader_store.hold_commits = True  # the claimed op stops at the leader's commit
+    driver = threading.Thread(target=pair.generations[0].run_claimed, args=(first,), name="driver")
     driver.start()
     assert leader_store.held.wait(TIMEOUT_S)
-    second = pair.submit("all_reduce", drive=True, name="c", op=SUM)
-    assert not second.driven  # one op at a time: the loop will run it
-    # The submit woke the loop, which waits for the driven op instead of taking it.
+    second = pair.submit("all_reduce", claim_if_idle=True, name="c", op=SUM)
+    assert not second.claimed  # one op at a time: the loop will run it
+    # The submit woke the loop, which waits for the claimed op instead of taking it.
     wait_until(lambda: _loop_waits_for_the_driver(pair), TIMEOUT_S, "the loop to wait")
     assert not second.future.done() and not second.started
     leader_store.hold_commits = False
@@ -152,37 +152,37 @@ def test_an_op_submitted_while_one_is_driven_waits_and_runs_after_it_on_the_loop
         assert torch.equal(store.peek("c"), once + once)
 
 
-def test_a_group_broken_under_a_driven_op_fails_it_and_the_generation_rebuilds(
+def test_a_group_broken_under_a_claimed_op_fails_it_and_the_generation_rebuilds(
     pair: Pair,
 ) -> None:
     gen = torch.Generator().manual_seed(14)
     _put(pair, "b", 5, gen)
-    follower = pair.runtimes[1]
+    follower = pair.generations[1]
     assert follower._channel is not None
     # The follower's control connection goes down while the leader's loop is parked:
-    # only the driven op can notice it.
+    # only the claimed op can notice it.
     ticket = _submit_to_parked_loop(pair, "all_reduce", before=follower._channel.close, name="b")
-    assert ticket.driven
-    leader = pair.runtimes[0]
-    leader.drive(ticket)
+    assert ticket.claimed
+    leader = pair.generations[0]
+    leader.run_claimed(ticket)
     error = ticket.future.exception(0)
     assert isinstance(error, Unavailable), error
     assert error.reason == str(Reason.PEER_LOST)
     assert "failed in generation 1" in str(error)
-    assert not leader.ready.is_set()  # the epoch ended with the driven op
+    assert not leader.ready.is_set()  # the epoch ended with the claimed op
     # Nobody runs an op in the broken epoch again: the next one waits for the group
     # to be rebuilt (after rebuild_after_s, 1 s) and then runs on the loop.
     parts = _put(pair, "after", 7, gen)
-    queued = pair.submit("all_reduce", drive=True, name="after", op=SUM)
-    assert not queued.driven
+    queued = pair.submit("all_reduce", claim_if_idle=True, name="after", op=SUM)
+    assert not queued.claimed
     queued.future.result(TIMEOUT_S)
     assert pair.threads[0][-1] == LOOP
-    # Both ranks rebuilt the generation's group (epoch 1); driven ops run again.
+    # Both ranks rebuilt the generation's group (epoch 1); claimed ops run again.
     assert leader.ready.is_set()
     wait_until(follower.ready.is_set, TIMEOUT_S, "the follower to rebuild its group")
     again = _submit_to_parked_loop(pair, "all_reduce", name="after", op=SUM)
-    assert again.driven
-    leader.drive(again)
+    assert again.claimed
+    leader.run_claimed(again)
     again.future.result(0)
     _follower_caught_up(pair)
     once = parts[0] + parts[1]

@@ -1,4 +1,4 @@
-"""Two real generation runtimes of one generation (a leader and a follower) in one
+"""Two real ``Generation`` loops of one generation (a leader and a follower) in one
 process: real gloo groups and control channels over a real TCPStore on loopback,
 real tensor stores whose commits a test can hold at the door."""
 
@@ -16,7 +16,11 @@ from collectives.v1 import worker_pb2
 from collectives.wire.membership import membership_digest
 from collectives.wire.op_specs import spec_named
 from collectives_server.worker.data.store import TensorStore
-from collectives_server.worker.engine.generation import GenerationRuntime
+from collectives_server.worker.engine.generation import (
+    Generation,
+    GenerationHooks,
+    GenerationSpec,
+)
 from collectives_server.worker.engine.sequencer import Ticket
 
 __all__ = ["DIGEST", "TIMEOUT_S", "GatedStore", "Pair", "descriptor"]
@@ -72,14 +76,14 @@ class Pair:
             timeout=datetime.timedelta(seconds=TIMEOUT_S),
         )  # fmt: skip
         self._tcp = [master, client]
-        self.runtimes = [self._runtime(rank) for rank in range(2)]
-        for rt in self.runtimes:
-            rt.start()
-        for rt in self.runtimes:
-            assert rt.ready.wait(TIMEOUT_S), "the generation did not form"
+        self.generations = [self._generation(rank) for rank in range(2)]
+        for g in self.generations:
+            g.start()
+        for g in self.generations:
+            assert g.ready.wait(TIMEOUT_S), "the generation did not form"
 
-    def _runtime(self, rank: int) -> GenerationRuntime:
-        return GenerationRuntime(
+    def _generation(self, rank: int) -> Generation:
+        spec = GenerationSpec(
             generation=1,
             membership_digest=DIGEST,
             rank=rank,
@@ -90,19 +94,23 @@ class Pair:
             device=torch.device("cpu"),
             host="127.0.0.1",
             queue_size=8,
-            on_joined=lambda generation: None,
-            on_op_done=lambda desc, outcome, latency, rank=rank: self._done(rank, desc),
             rebuild_after_s=self._rebuild_after_s,
         )
+        hooks = GenerationHooks(
+            on_joined=lambda generation: None,
+            on_op_done=lambda desc, outcome, latency, rank=rank: self._done(rank, desc),
+        )
+        return Generation(spec, hooks)
 
     def _done(self, rank: int, desc: worker_pb2.OpDescriptor) -> None:
         self.threads[rank].append(threading.current_thread().name)
         self.done[rank].append(desc)
 
-    def submit(self, kind: str, drive: bool = False, **args) -> Ticket:
-        """Admits an op on the leader; with ``drive``, as the RPC handler does (the
-        caller then runs a ticket marked ``driven`` with ``runtimes[0].drive``)."""
-        return self.runtimes[0].submit(descriptor(kind, **args), drive=drive)
+    def submit(self, kind: str, claim_if_idle: bool = False, **args) -> Ticket:
+        """Admits an op on the leader; with ``claim_if_idle``, as the RPC handler does
+        (the caller then runs a ticket marked ``claimed`` with
+        ``generations[0].run_claimed``)."""
+        return self.generations[0].submit(descriptor(kind, **args), claim_if_idle=claim_if_idle)
 
     def run(self, kind: str, **args):
         """Runs an op; returns once the leader answered *and* the follower finished it
@@ -116,6 +124,6 @@ class Pair:
 
     def close(self) -> None:
         self.stores[1].release.set()
-        self.runtimes[0].stop()
-        for rt in self.runtimes:
-            rt.finished.wait(TIMEOUT_S)
+        self.generations[0].stop()
+        for g in self.generations:
+            g.finished.wait(TIMEOUT_S)

@@ -1,34 +1,30 @@
-"""The coordinator's domain types: worker states, snapshots, outcomes and errors.
+"""The coordinator's vocabulary: worker rows, snapshots, sealed generations,
+outcomes and errors.
 
 Kept apart from :mod:`.membership` (the rules) so the servicer and tests can
 import the vocabulary without the state machine; none of it knows protobuf.
+A worker's state is the protocol's own :class:`~collectives.wire.cluster_state.WorkerState`
+(the values the Cluster message carries), re-exported here; what the SDK calls
+a ``GenerationRecord`` (``collectives.wire.cluster_state``) is, on this side, a
+:class:`SealedGeneration`.
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Any
 
+from collectives.wire.cluster_state import WorkerState
+
 __all__ = [
     "ClusterView",
-    "GenerationRecord",
     "InvalidRequestError",
     "Outcome",
+    "SealedGeneration",
     "UnknownWorkerError",
     "WorkerState",
     "WorkerView",
 ]
-
-
-class WorkerState(enum.StrEnum):
-    """A worker's state as the Cluster message reports it."""
-
-    JOINING = "joining"
-    READY = "ready"
-    BUSY = "busy"
-    DRAINING = "draining"
-    LOST = "lost"
 
 
 class UnknownWorkerError(KeyError):
@@ -77,7 +73,7 @@ class WorkerView:
 
 
 @dataclass(frozen=True)
-class GenerationRecord:
+class SealedGeneration:
     """One sealed generation, for the history dashboards show."""
 
     generation: int
@@ -108,6 +104,6 @@ class ClusterView:
     status: str
     ready: bool
     # The most recent sealed generations, oldest first (bounded).
-    history: tuple[GenerationRecord, ...] = ()
+    history: tuple[SealedGeneration, ...] = ()
     # The digest of the members' ids in rank order; "" while not formed.
     membership_digest: str = ""

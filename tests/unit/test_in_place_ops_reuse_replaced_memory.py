@@ -31,7 +31,7 @@ def test_an_in_place_all_reduce_reuses_the_value_it_replaces(seed: int) -> None:
         assert all(isinstance(r, OpResult) for r in results), results
         for rank, ctx in enumerate(cl.ctxs):
             torch.testing.assert_close(ctx.store.peek("x"), expected)
-            assert len(ctx.spares) == 1, f"rank {rank}, op {step}: replaced value not kept"
+            assert len(ctx.replaced) == 1, f"rank {rank}, op {step}: replaced value not kept"
         expected = expected * 2
 
 
@@ -52,5 +52,5 @@ def test_an_in_place_coalesced_all_reduce_reuses_the_values_it_replaces(seed: in
         for rank, ctx in enumerate(cl.ctxs):
             for n in names:
                 torch.testing.assert_close(ctx.store.peek(n), expected[n])
-            assert len(ctx.spares) == 2, f"rank {rank}, op {step}: replaced values not kept"
+            assert len(ctx.replaced) == 2, f"rank {rank}, op {step}: replaced values not kept"
         expected = {n: v * 2 for n, v in expected.items()}

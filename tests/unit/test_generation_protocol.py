@@ -1,4 +1,4 @@
-"""The op protocol between ranks, on two real generation runtimes (real gloo groups
+"""The op protocol between ranks, on two real generations (real gloo groups
 over a real TCPStore, real tensor stores) in one process.
 
 What is checked here is what the protocol promises:
@@ -22,8 +22,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import torch
+from generation_pair import TIMEOUT_S, Pair
 from helpers import wait_until
-from runtime_pair import TIMEOUT_S, Pair
 
 from collectives.errors import CollectiveError
 from collectives.reduce_ops import ReduceOp
