@@ -2,24 +2,36 @@
 
 A client that retries a failing op in a loop makes the same failure thousands
 of times; operators need it once, with how often, since when, until when and
-who issued it. The message is kept whole (tensor names included), so two
-different missing tensors are two groups. At most :data:`MAX_ERROR_GROUPS`
+who issued it. The message is kept (tensor names included), so two different
+missing tensors are two groups; only the op id is taken out of it (every op has
+its own): the ``op 48 (all_reduce, generation 1): `` prefix every rank puts on
+a failed op goes (the kind is the group's, the last op id is kept apart), and
+any other ``op 48`` reads ``op #``. At most :data:`MAX_ERROR_GROUPS`
 groups are kept; a new one evicts the group seen least recently.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 
 from collectives.v1 import status_pb2
 from collectives_server.worker.windows import WindowedRate
 
-__all__ = ["MAX_ERROR_GROUPS", "MESSAGE_CHARS", "ErrorGroups"]
+__all__ = ["MAX_ERROR_GROUPS", "MESSAGE_CHARS", "ErrorGroups", "grouped_message"]
 
 MAX_ERROR_GROUPS = 16
 # A group's message is reported cut to this many characters (it is grouped whole).
 MESSAGE_CHARS = 512
+
+_WORDED = re.compile(r"^op \d+ \([^)]*\): ")
+_OP_ID = re.compile(r"\bop \d+\b")
+
+
+def grouped_message(message: str) -> str:
+    """``message`` without the op id it names (see the module's docstring)."""
+    return _OP_ID.sub("op #", _WORDED.sub("", message, count=1))
 
 
 @dataclass
@@ -46,6 +58,7 @@ class ErrorGroups:
     def record(self, kind: str, code: str, message: str, op_id: int = 0, client: str = "") -> None:
         """Counts one failure of ``kind`` with gRPC code name ``code``."""
         now, now_s = time.time(), time.monotonic()
+        message = grouped_message(message)
         key = (kind, code, message)
         group = self._groups.pop(key, None)
         if group is None:
@@ -62,6 +75,7 @@ class ErrorGroups:
     def attribute(self, code: str, message: str, client: str) -> None:
         """Names ``client`` as the issuer of the latest failure with this code and
         message (the call's handler knows the client; the op's record does not)."""
+        message = grouped_message(message)
         for key in reversed(self._groups):
             if key[1] == code and key[2] == message:
                 self._groups[key].client = client
