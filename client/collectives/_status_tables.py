@@ -247,14 +247,17 @@ def error_lines(snapshot: ClusterSnapshot, width: int) -> list[str]:
     for merged in groups[:ERROR_LINES]:
         g = merged.group
         ranks = ",".join(str(r) for r in merged.ranks if r >= 0) or "-"
-        op = f" last op {g.last_op_id} ({g.kind})" if g.last_op_id else f" ({g.kind})"
-        client = f" client {g.client}" if g.client else ""
-        text = (
-            f"  {g.count}x {g.code}{op} {_clock(g.first_unix_time_s)}-"
-            f"{_clock(g.last_unix_time_s)} {g.rate_per_s:.2f}/s ranks {ranks}{client}: "
-            f"{g.message}"
-        )
-        lines.append(_cut(text, width))
+        details = [
+            f"{_clock(g.first_unix_time_s)}-{_clock(g.last_unix_time_s)}",
+            f"{g.rate_per_s:.2f}/s",
+            f"ranks {ranks}",
+        ]
+        if g.last_op_id:
+            details.append(f"last op {g.last_op_id}")
+        if g.client:
+            details.append(f"client {g.client}")
+        lines.append(_cut(f"  {g.count}x {g.kind} {g.code}: {g.message}", width))
+        lines.append(_cut("      " + ", ".join(details), width))
     return lines
 
 

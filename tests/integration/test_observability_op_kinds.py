@@ -111,8 +111,8 @@ def _run(client, base: int, uname) -> None:
     assert g.client.startswith("ops-test (ipv"), g.client
     assert groups[0].ranks == tuple(range(WORKERS))
     table = format_table("coordinator", snap, width=10_000)
-    assert f"{FAILURES}x NOT_FOUND last op {g.last_op_id} (all_reduce)" in table, table
-    assert "client ops-test (ipv" in table
+    assert f"{FAILURES}x all_reduce NOT_FOUND: {g.message}" in table, table
+    assert f"last op {g.last_op_id}, client ops-test (ipv" in table, table
 
     # The client is listed by name, with its user agent, on both workers.
     named = [c for c in snap.clients() if c.name == "ops-test"]

@@ -223,7 +223,7 @@ def test_worker_info_exposes_the_status_as_typed_fields() -> None:
     assert data["workers"][0]["device_memory"][0]["used_bytes"] == 1000
     assert data["history"][0]["generation"] == 1
     table = client_cli.format_table("c:1", snap, width=1000)
-    assert "all_reduce" in table and "op 4 (all_reduce)" in table and "sealed" in table
+    assert "7x all_reduce NOT_FOUND: m" in table and "last op 4" in table and "sealed" in table
 
 
 def test_top_shows_the_reported_rates_from_the_first_frame() -> None:
@@ -240,7 +240,7 @@ def test_top_shows_the_reported_rates_from_the_first_frame() -> None:
     first = client_cli.format_top("c:1", before, None, width=1000)
     row = next(line for line in first.splitlines() if line.startswith("0 "))
     assert "2.5" in row.split()  # the reported rate, in the first frame
-    assert "7x NOT_FOUND last op 4 (all_reduce)" in first and "client trainer" in first
+    assert "7x all_reduce NOT_FOUND: m" in first and "last op 4, client trainer" in first
     assert "trainer at ipv4:127.0.0.1" in first
     kinds = [line.split() for line in first.splitlines() if line.startswith(("all_reduce", "  "))]
     assert ["all_reduce", "all", "2.5", "3", "1", "1.00ms", "4.00ms", "4.0KiB", "4.0KiB"] in kinds
