@@ -98,8 +98,9 @@ def test_per_kind_rates_and_aggregated_errors_at_1280_under_load(
         browser.get(f"http://127.0.0.1:{port}/")
 
         def busy(driver):
-            kinds = driver.execute_script(_KINDS_JS)
+            # Errors first: the kinds, read after them, count at least those failures.
             errors = [e for e in driver.execute_script(_ERRORS_JS) if missing in e[4]]
+            kinds = driver.execute_script(_KINDS_JS)
             shown = (
                 kinds is not None
                 and kinds[0] > 0
