@@ -270,7 +270,7 @@ def client_lines(snapshot: ClusterSnapshot, width: int) -> list[str]:
     for c in clients[:CLIENT_LINES]:
         who = f"{c.name} at {c.host}" if c.name else c.host
         last = _clock(c.last_unix_time_s)
-        text = f"  {who}  {c.calls} calls to {len(c.workers)} worker(s), last {last}  "
+        text = f"  {who}  called {len(c.workers)} worker(s), last at {last}  "
         text += c.user_agent
         lines.append(_cut(text, width))
     return lines

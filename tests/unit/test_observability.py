@@ -167,8 +167,8 @@ def _cluster_with_status() -> coordinator_pb2.Cluster:
         gradient_buckets_reduced=2, graphs_retained=1,
     )  # fmt: skip
     status.ops.add(
-        kind="all_reduce", completed=3, failed=1, rate_per_s=2.5, latency_p50_s=0.001,
-        latency_p99_s=0.004, collective_bytes_received=4096, collective_bytes_sent=4096,
+        kind="all_reduce", completed=3, failed=1, rate_per_s=2.5, latency_p50_us=1000,
+        latency_p99_us=4000, collective_bytes_received=4096, collective_bytes_sent=4096,
     )  # fmt: skip
     status.ops.add(kind="put", completed=2)
     status.error_groups.add(
@@ -177,8 +177,7 @@ def _cluster_with_status() -> coordinator_pb2.Cluster:
     )  # fmt: skip
     status.clients.add(
         peer="ipv4:127.0.0.1:5", user_agent="collectives-client/trainer grpc-python/1",
-        name="trainer", calls=9, first_unix_time_s=1.0, last_unix_time_s=1.5,
-        label="trainer (ipv4:127.0.0.1:5)",
+        name="trainer", last_unix_time_s=1.5,
     )  # fmt: skip
     status.devices.add(device="cpu", memory_used_bytes=1000, memory_total_bytes=4000)
     status.recent_errors.add(
@@ -203,7 +202,7 @@ def test_worker_info_exposes_the_status_as_typed_fields() -> None:
     assert (w.tensors_held, w.bytes_held, w.models) == (2, 96, ("mlp",))
     assert w.ops == {"all_reduce": OpCount(3, 1, 2.5, 0.001, 0.004, 4096, 4096), "put": OpCount(2)}
     assert w.error_groups[0].count == 7 and w.error_groups[0].client.startswith("trainer")
-    assert w.clients[0].name == "trainer" and w.clients[0].calls == 9
+    assert w.clients[0].name == "trainer" and w.clients[0].label.startswith("trainer (")
     assert (w.ops_completed, w.ops_failed) == (5, 1)
     assert (w.last_op, w.last_op_latency_s, w.queue_depth) == ("all_reduce", 0.25, 1)
     assert w.device_memory == (DeviceMemory("cpu", 1000, 4000),)
@@ -219,7 +218,7 @@ def test_worker_info_exposes_the_status_as_typed_fields() -> None:
     }  # fmt: skip
     assert data["ops_by_kind"]["all_reduce"]["rate_per_s"] == 2.5
     assert data["error_groups"][0]["count"] == 7 and data["error_groups"][0]["ranks"] == [0]
-    assert data["clients"][0]["name"] == "trainer" and data["clients"][0]["calls"] == 9
+    assert data["clients"][0]["name"] == "trainer" and data["clients"][0]["workers"] == ["h:1"]
     assert data["workers"][0]["device_memory"][0]["used_bytes"] == 1000
     assert data["history"][0]["generation"] == 1
     table = client_cli.format_table("c:1", snap, width=1000)

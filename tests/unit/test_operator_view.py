@@ -11,7 +11,8 @@ from collectives import _channels
 from collectives.v1 import coordinator_pb2, status_pb2
 from collectives.wire.cluster_state import ClusterSnapshot
 from collectives.wire.op_specs import OpKind
-from collectives_server.worker.clients import ClientTable, client_name
+from collectives_server.coordinator.cluster_message import status_key
+from collectives_server.worker.clients import ClientTable, client_name, short_user_agent
 from collectives_server.worker.collective_traffic import collective_traffic
 from collectives_server.worker.error_groups import ErrorGroups, grouped_message
 from collectives_server.worker.stats import WorkerStats
@@ -77,6 +78,10 @@ def test_the_client_table_reads_the_user_agent_once_per_peer() -> None:
     clients = table.to_proto()
     assert [c.peer for c in clients] == ["ipv4:10.0.0.3:7", "ipv4:10.0.0.2:6"]
     assert client_name("grpc-python/1.7") == "" and client_name("collectives-client/a.b") == "a.b"
+    assert clients[0].user_agent == "" and table.to_proto()[1].user_agent == ""
+    agent = "collectives-client/t-3 grpc-python/1.85.1 grpc-c/58.0.0 (linux; chttp2)"
+    assert short_user_agent(agent) == "grpc-python/1.85.1"
+    assert short_user_agent("grpc-go/1.2 " + "x" * 100) == ("grpc-go/1.2 " + "x" * 100)[:64]
 
 
 @pytest.mark.parametrize(
@@ -124,15 +129,16 @@ def _cluster() -> ClusterSnapshot:
     for rank, (rate, p99, puts) in enumerate(((5.0, 0.004, 3), (4.0, 0.009, 2))):
         status = status_pb2.WorkerStatus()
         status.ops.add(
-            kind="all_reduce", completed=10, failed=1, rate_per_s=rate, latency_p99_s=p99,
-            collective_bytes_received=100, collective_bytes_sent=100,
+            kind="all_reduce", completed=10, failed=1, rate_per_s=rate,
+            latency_p99_us=round(p99 * 1e6), collective_bytes_received=100,
+            collective_bytes_sent=100,
         )  # fmt: skip
         status.ops.add(kind="put", completed=puts, rate_per_s=puts)
         status.error_groups.add(
             kind="all_reduce", code="NOT_FOUND", message="m", count=1, first_unix_time_s=rank,
             last_unix_time_s=10 + rank, client="c (p)" if rank == 0 else "",
         )  # fmt: skip
-        status.clients.add(peer=f"ipv4:1.2.3.4:{rank}", name="c", calls=5, label="c")
+        status.clients.add(peer=f"ipv4:1.2.3.4:{rank}", name="c")
         msg.workers.add(
             worker_id=str(rank), rank=rank, address=f"h:{rank}", status=status,
             state=coordinator_pb2.WORKER_STATE_READY,
@@ -152,7 +158,7 @@ def test_the_cluster_counts_a_collective_once_and_sums_calls_to_workers() -> Non
     assert (g.count, g.first_unix_time_s, g.last_unix_time_s, g.client) == (1, 0.0, 11.0, "c (p)")
     assert merged.ranks == (0, 1) and merged.reporters == ("h:0", "h:1")
     [client] = snap.clients()
-    assert client.name == "c" and client.calls == 10 and client.workers == ("h:0", "h:1")
+    assert client.name == "c" and client.workers == ("h:0", "h:1")
 
 
 def test_the_client_name_goes_into_the_user_agent(monkeypatch) -> None:
@@ -162,3 +168,18 @@ def test_the_client_name_goes_into_the_user_agent(monkeypatch) -> None:
     agent = dict(_channels.channel_options())["grpc.primary_user_agent"]
     assert agent == "collectives-client/trainer_3_evil"
     assert client_name(agent + " grpc-python/1.7") == "trainer_3_evil"
+
+
+def test_drifting_rates_and_call_times_do_not_push_a_new_cluster() -> None:
+    """A worker idle after a burst reports decaying rates: the status key ignores
+    them (and the clients' last-call times), so watchers are not woken for them."""
+
+    def status(rate: float, last: float, completed: int = 3) -> status_pb2.WorkerStatus:
+        s = status_pb2.WorkerStatus()
+        s.ops.add(kind="all_reduce", completed=completed, rate_per_s=rate)
+        s.error_groups.add(kind="all_reduce", code="NOT_FOUND", message="m", rate_per_s=rate)
+        s.clients.add(peer="ipv4:1.2.3.4:5", last_unix_time_s=last)
+        return s
+
+    assert status_key(status(9.0, 1.0)) == status_key(status(0.5, 2.0))
+    assert status_key(status(9.0, 1.0)) != status_key(status(9.0, 1.0, completed=4))

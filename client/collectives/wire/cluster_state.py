@@ -69,6 +69,12 @@ _STATE_FROM_WIRE: dict[int, WorkerState] = {
 }
 
 
+def _single(value: float) -> float:
+    """A single-precision proto field as the decimal it was written from (7 digits):
+    0.001, not 0.0010000000474974513."""
+    return float(f"{value:.7g}")
+
+
 @dataclass(frozen=True)
 class OpCount:
     """Ops of one kind a worker finished: ``completed`` succeeded, ``failed`` did not.
@@ -93,9 +99,9 @@ class OpCount:
         return cls(
             int(o.completed),
             int(o.failed),
-            float(o.rate_per_s),
-            float(o.latency_p50_s),
-            float(o.latency_p99_s),
+            _single(o.rate_per_s),
+            o.latency_p50_us / 1e6,
+            o.latency_p99_us / 1e6,
             int(o.collective_bytes_received),
             int(o.collective_bytes_sent),
         )
@@ -127,7 +133,7 @@ class ErrorGroup:
             int(g.count),
             float(g.first_unix_time_s),
             float(g.last_unix_time_s),
-            float(g.rate_per_s),
+            _single(g.rate_per_s),
             g.client,
             int(g.last_op_id),
         )
@@ -139,26 +145,21 @@ class ClientInfo:
 
     # gRPC peer, "ipv4:127.0.0.1:53412".
     peer: str
+    # Its gRPC user agent without the name token and gRPC's C-core suffix
+    # ("grpc-python/1.85.1"; at most 64 characters).
     user_agent: str
     # What the client set in COLLECTIVES_CLIENT_NAME ("" when nothing).
     name: str
-    calls: int
-    first_unix_time_s: float
     last_unix_time_s: float
-    # "name (peer)", or the peer alone.
-    label: str
+
+    @property
+    def label(self) -> str:
+        """``name (peer)``, or the peer alone: how an :class:`ErrorGroup` names it."""
+        return f"{self.name} ({self.peer})" if self.name else self.peer
 
     @classmethod
     def from_proto(cls, c: status_pb2.ClientStatus) -> ClientInfo:
-        return cls(
-            c.peer,
-            c.user_agent,
-            c.name,
-            int(c.calls),
-            float(c.first_unix_time_s),
-            float(c.last_unix_time_s),
-            c.label or c.peer,
-        )
+        return cls(c.peer, c.user_agent, c.name, float(c.last_unix_time_s))
 
 
 @dataclass(frozen=True)
@@ -356,7 +357,7 @@ class WorkerInfo:
             "collective_bytes_received": self.collective_bytes_received,
             "collective_bytes_sent": self.collective_bytes_sent,
             "error_groups": [asdict(g) for g in self.error_groups],
-            "clients": [asdict(c) for c in self.clients],
+            "clients": [{**asdict(c), "label": c.label} for c in self.clients],
         }
 
 
@@ -394,8 +395,8 @@ def _status_fields(s: status_pb2.WorkerStatus, present: bool) -> dict[str, Any]:
         "data_collectives": int(s.data_collectives),
         "gradient_buckets_reduced": int(s.gradient_buckets_reduced),
         "graphs_retained": int(s.graphs_retained),
-        "collective_bytes_received": int(s.collective_bytes_received),
-        "collective_bytes_sent": int(s.collective_bytes_sent),
+        "collective_bytes_received": sum(int(o.collective_bytes_received) for o in s.ops),
+        "collective_bytes_sent": sum(int(o.collective_bytes_sent) for o in s.ops),
         "error_groups": tuple(ErrorGroup.from_proto(g) for g in s.error_groups),
         "clients": tuple(ClientInfo.from_proto(c) for c in s.clients),
     }
@@ -437,7 +438,6 @@ class ClusterClient:
     user_agent: str
     peers: tuple[str, ...]
     workers: tuple[str, ...]
-    calls: int
     last_unix_time_s: float
 
 
@@ -570,7 +570,6 @@ class ClusterSnapshot:
                 user_agent=agent,
                 peers=tuple(sorted({c.peer for _, c in reports})),
                 workers=tuple(sorted({w.address for w, _ in reports})),
-                calls=sum(c.calls for _, c in reports),
                 last_unix_time_s=max(c.last_unix_time_s for _, c in reports),
             )
             for (name, host, agent), reports in found.items()

@@ -26,6 +26,7 @@ __all__ = [
     "NAME_TOKEN",
     "ClientTable",
     "client_name",
+    "short_user_agent",
 ]
 
 MAX_CLIENTS = 16
@@ -33,13 +34,22 @@ CONNECTED_WITHIN_S = 60.0
 # The user-agent token carrying the client's name: "collectives-client/<name>".
 NAME_TOKEN = "collectives-client/"
 _NAME = re.compile(re.escape(NAME_TOKEN) + r"([A-Za-z0-9._:@-]{1,64})")
-_USER_AGENT_CHARS = 256
+_USER_AGENT_CHARS = 64
+# gRPC's C core appends its own version and transport: the same for every client.
+_CORE_SUFFIX = re.compile(r"\s*grpc-c/.*$")
 
 
 def client_name(user_agent: str) -> str:
     """The name a client gave in its user agent ("" when none)."""
     match = _NAME.search(user_agent)
     return match.group(1) if match else ""
+
+
+def short_user_agent(user_agent: str) -> str:
+    """The user agent as reported: without the name token (reported apart) and gRPC's
+    C-core suffix, at most 64 characters (a status rides in every Cluster message)."""
+    agent = _CORE_SUFFIX.sub("", _NAME.sub("", user_agent)).strip()
+    return agent[:_USER_AGENT_CHARS]
 
 
 @dataclass
@@ -49,7 +59,6 @@ class _Client:
     name: str
     first_unix_s: float
     last_unix_s: float
-    calls: int = 0
 
     @property
     def label(self) -> str:
@@ -74,12 +83,11 @@ class ClientTable:
                 agent = ""
                 for key, value in metadata() or ():
                     if key == "user-agent":
-                        agent = str(value)[:_USER_AGENT_CHARS]
-                client = _Client(peer, agent, client_name(agent), now, now)
+                        agent = str(value)[:1024]
+                client = _Client(peer, short_user_agent(agent), client_name(agent), now, now)
                 while len(self._clients) >= self._limit:
                     del self._clients[next(iter(self._clients))]
             self._clients[peer] = client
-            client.calls += 1
             client.last_unix_s = now
             return client.label
 
@@ -93,10 +101,7 @@ class ClientTable:
                     peer=c.peer,
                     user_agent=c.user_agent,
                     name=c.name,
-                    calls=c.calls,
-                    first_unix_time_s=c.first_unix_s,
                     last_unix_time_s=c.last_unix_s,
-                    label=c.label,
                 )
                 for c in recent
             ]

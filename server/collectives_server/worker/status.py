@@ -160,13 +160,11 @@ def collect_status(ctx: WorkerContext) -> status_pb2.WorkerStatus:
                 completed=stats.ops_completed[kind],
                 failed=stats.ops_failed[kind],
                 rate_per_s=recent.rate_per_s if recent else 0.0,
-                latency_p50_s=recent.p50_s if recent else 0.0,
-                latency_p99_s=recent.p99_s if recent else 0.0,
+                latency_p50_us=_micros(recent.p50_s) if recent else 0,
+                latency_p99_us=_micros(recent.p99_s) if recent else 0,
                 collective_bytes_received=received,
                 collective_bytes_sent=sent,
             )
-            msg.collective_bytes_received += received
-            msg.collective_bytes_sent += sent
         msg.error_groups.extend(stats.error_groups.to_proto())
         msg.last_op = stats.last_op
         msg.last_op_latency_s = stats.last_op_latency_s
@@ -178,6 +176,11 @@ def collect_status(ctx: WorkerContext) -> status_pb2.WorkerStatus:
     msg.clients.extend(stats.clients.to_proto())
     _fit(msg)
     return msg
+
+
+def _micros(seconds: float) -> int:
+    """Seconds as whole microseconds for a uint32 field (at most about 71 minutes)."""
+    return min(round(seconds * 1e6), 2**32 - 1)
 
 
 def _fit(msg: status_pb2.WorkerStatus) -> None:

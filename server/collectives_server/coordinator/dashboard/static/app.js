@@ -351,7 +351,7 @@
         { "data-client-name": k.name || "", "data-host": k.host },
         el("td", { className: "wrap" }, k.name || "–", el("div", { className: "small mono" }, k.host)),
         el("td", { className: "wrap small" }, k.user_agent || "–"),
-        el("td", { className: "num" }, num(k.calls), el("div", { className: "small" }, `${(k.workers || []).length} worker(s)`)),
+        el("td", { className: "num" }, (k.workers || []).length),
         el("td", { className: "mono", title: dateTime(k.last_unix_time_s) }, clock(k.last_unix_time_s)),
       ));
     replaceRows("client-rows", rows, "no client in the last 60 s", 4);
