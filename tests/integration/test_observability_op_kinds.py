@@ -12,7 +12,10 @@ a count, first/last time, a rate and the client, and the client in the list.
 
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import pytest
@@ -132,3 +135,38 @@ def _run(client, base: int, uname) -> None:
         assert sent == (BROADCASTS * NBYTES if rank == 1 else 0)
         assert value(m, "collectives_clients_connected") >= 1
         assert value(m, "collectives_error_groups") >= 1
+
+
+def _top(address: str, *flags: str, columns: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", "collectives.cli", "top", "--coordinator", address,
+         "--iterations", "1", *flags],
+        capture_output=True, text=True, timeout=60, check=False,
+        env=dict(os.environ, COLUMNS=columns),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return result.stdout.replace("\x1b[H\x1b[2J", "")
+
+
+@pytest.mark.timeout(120)
+def test_top_piped_has_the_rates_in_its_first_frame_and_honours_columns_and_wide(
+    cluster2_address, cluster2, uname
+):
+    name = uname("top")
+    cluster2.put(name, torch.ones(256))
+    for _ in range(20):
+        cluster2.all_reduce(name)
+    wait_until(
+        lambda: all(w.ops.get("all_reduce") for w in cluster2.refresh().members),
+        20,
+        "the workers to report all_reduce",
+    )
+    narrow = _top(cluster2_address, columns="70").splitlines()
+    assert max(map(len, narrow)) <= 70, narrow
+    wide = _top(cluster2_address, "--wide", columns="70")
+    assert "…" not in wide and max(map(len, wide.splitlines())) > 70, wide
+    # One frame: the by-kind table already has all_reduce's rate (the workers' own).
+    row = next(line.split() for line in wide.splitlines() if line.startswith("all_reduce"))
+    assert row[1] == "all" and float(row[2]) > 0, row
+    assert {"P50", "P99", "COLL_IN", "COLL_OUT"} <= set(wide.split())
+    cluster2.delete(name, missing_ok=True)
