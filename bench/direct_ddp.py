@@ -62,7 +62,7 @@ def ddp_threads(world: int) -> int:
     """Intra-op threads per DDP rank: an equal share of the cores. torchrun's
     default is 1 when it starts several ranks per node; with the default (every
     core per rank) DDP's gloo thread, overlapping backward, fights the OpenMP
-    threads and a step is ~5x slower on 2 cores (measured: 0.31 s vs 0.06 s)."""
+    threads and a step is several times slower (docs/perf-log.md, "DDP anchor threads")."""
     return max(1, (os.cpu_count() or 1) // world)
 
 

@@ -10,27 +10,17 @@ second, asking for an answer as the daemon does (first beat, then one in 30).
 Over measured windows the coordinator's CPU time is read from
 ``/proc/<pid>/stat`` (utime + stime) before and after.
 
-- CPU: fraction of one core vs the budget of acceptance 2 (1,000 workers
+- CPU: fraction of one core vs the budget (1,000 workers
   < 20 % of a core), scaled linearly to N (200 us of CPU per heartbeat);
 - ``GetCluster`` p50 latency vs one empty gRPC round trip to the same process;
 - the ``Cluster`` message size vs a budget of 400 B per worker (the unit test
   ``tests/unit/test_cluster_size_budget.py`` holds 10,000 workers to 4 MB).
 
-What bounds the CPU (measured on the 2-core VM, medians; the machine was shared,
-so +-20 %): the coordinator's own work per heartbeat is ~8 us (parse,
-``status_key``, an O(log N) ``Membership.heartbeat``); all the rest is waking
-threads. Each heartbeat on a stream costs ~7.5 context switches in grpcio
-(its event-engine threads, the server's polling thread, the stream's handler
-thread), ~230 us per heartbeat at N=1,000 and ~400-450 us at N=100-300, where
-beats arrive far enough apart for every thread to fall asleep in between (a
-plain asyncio socket server that only reads the bytes costs 35, 75 and 150 us
-per message at N=1,000, 300 and 100 on the same VM). Unary ``Heartbeat`` calls
-cost ~700 us (~25 switches), and used to add O(N) membership work per beat
-(~200 us at N=300). Disabling grpc's event-engine endpoints before grpc is
-imported (``GRPC_EXPERIMENTS=-event_engine_listener,-event_engine_for_all_other_endpoints``)
-cuts the switches to ~3 and the cost to ~160 us at N=1,000 (~430 us at N=100);
-the daemons now do so on import (``collectives_server.GRPC_EXPERIMENTS``, kept
-when the user exported a value), see docs/perf-log.md "gRPC without its EventEngine".
+What bounds the CPU is waking grpcio's threads, not the coordinator's own work
+per heartbeat; the daemons therefore turn grpc's event-engine endpoints off on
+import (``collectives_server.GRPC_EXPERIMENTS``, kept when the user exported a
+value). The profiles: docs/perf-log.md, "Coordinator CPU per heartbeat" and
+"gRPC without its EventEngine".
 """
 
 from __future__ import annotations
@@ -53,7 +43,7 @@ from .anchors import grpc_empty_rtt, percentile
 from .core import BenchContext, Row, Stat, stat_of
 
 NAME = "coordinator"
-CORE_BUDGET_1000 = 0.20  # acceptance 2: 1,000 workers < 20 % of one core
+CORE_BUDGET_1000 = 0.20  # the target: 1,000 workers < 20 % of one core
 BYTES_PER_WORKER_BUDGET = 400
 HEARTBEAT_S = 1.0
 LEASE_S = 5.0
@@ -292,7 +282,7 @@ def _const(value: float, unit: str) -> Stat:
 
 
 def run(ctx: BenchContext) -> list[Row]:
-    # Acceptance 2 is stated at 1,000 workers, so quick mode measures that too.
+    # The target is stated at 1,000 workers, so quick mode measures that too.
     sizes = ctx.sizes([100, 1000], [100, 1000])
     windows = 3 if ctx.quick else ctx.repeats
     window_s = 2.0 if ctx.quick else 5.0
@@ -308,7 +298,7 @@ def run(ctx: BenchContext) -> list[Row]:
                 service=stat_of(m["fractions"], "core"),
                 anchor_name=f"budget: 20 % of a core per 1,000 workers, x {n}/1000",
                 anchor=_const(budget, "core"),
-                # The target is the acceptance's, at 1,000 workers. Fewer workers beat
+                # The target is stated at 1,000 workers. Fewer workers beat
                 # less often, so each heartbeat also pays waking an idle vCPU (docstring).
                 target="<= 1.0" if n >= 1000 else "",
                 note=f"CPU per heartbeat {per_beat.text()}; failed heartbeats {m['failed']}; "

@@ -1,4 +1,4 @@
-"""Row 8 (acceptance 3): peak memory of a worker receiving a 1 GiB tensor.
+"""Row 8: peak memory of a worker receiving a 1 GiB tensor.
 
 The worker's peak RSS (``VmHWM`` in ``/proc/<pid>/status``) is reset when the
 kernel allows it (``echo 5 > /proc/<pid>/clear_refs``), its RSS read before the

@@ -24,7 +24,7 @@ from .anchors import TcpSink, memcpy_gbps
 from .core import BenchContext, MiB, Row, measure, shared_cluster
 
 NAME = "putget"
-TARGET_SIZE = 256 * MiB  # acceptance 2: put/get 256 MiB >= 0.6x raw TCP
+TARGET_SIZE = 256 * MiB  # the target: put/get 256 MiB >= 0.6x raw TCP
 
 
 def _label(nbytes: int) -> str:

@@ -24,7 +24,7 @@ from .anchors import TcpSink, memcpy_gbps
 from .core import BenchContext, MiB, Row, local_cluster, measure
 
 NAME = "shm"
-TARGET = ">= 1.5"  # acceptance 2: shared-memory put/get >= 1.5x raw TCP
+TARGET = ">= 1.5"  # the target: shared-memory put/get >= 1.5x raw TCP
 
 
 def run(ctx: BenchContext) -> list[Row]:

@@ -24,6 +24,7 @@ from helpers import (
     internal_lines,
     worker_token_file,
 )
+from skip_groups import skip_summary
 
 # Random inputs differ per run; set COLLECTIVES_TEST_SEED to replay a run.
 SESSION_SEED = int(os.environ.get("COLLECTIVES_TEST_SEED", secrets.randbits(31)))
@@ -31,6 +32,27 @@ SESSION_SEED = int(os.environ.get("COLLECTIVES_TEST_SEED", secrets.randbits(31))
 
 def pytest_report_header(config: pytest.Config) -> str:
     return f"collectives test seed: COLLECTIVES_TEST_SEED={SESSION_SEED}"
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config):
+    """Ends the run with every group of skipped tests and the command that installs
+    what it lacks, so a local run that skipped the browser or etcd suites says so.
+    A wrapper around pytest's own summary, so these lines come after its list."""
+    result = yield
+    reasons = [_skip_reason(r) for r in terminalreporter.stats.get("skipped", [])]
+    lines = skip_summary(reasons)
+    if lines:
+        terminalreporter.write_sep("=", "skipped groups (CI=true fails them instead)", yellow=True)
+        for line in lines:
+            terminalreporter.write_line(line, yellow=True, bold=True)
+    return result
 
 
 @pytest.fixture

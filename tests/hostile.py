@@ -1,6 +1,6 @@
 """What every attack test checks after the attack, written once.
 
-Issue 16's acceptance: after each hostile input the daemon is alive and
+The rule for every attack: after each hostile input the daemon is alive and
 healthy within 1 s, its memory is back to baseline (measured RSS), and every
 tensor stored before the attack is intact. :class:`Aftermath` captures the
 baseline (random sentinel tensors on every rank, each worker's RSS) before the
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import wait_until
 
 __all__ = ["Aftermath", "assert_serving", "rss_bytes"]
 
@@ -96,19 +97,13 @@ class Aftermath:
         """Healthy within ``within_s``; RSS back within slack; sentinels intact."""
         for address in self.addresses.values():
             assert_serving(address, within_s, credentials=credentials, token=token)
-        deadline = time.monotonic() + rss_deadline_s
         for pid, before in self.baseline_rss.items():
-            while True:
-                now = rss_bytes(pid)
-                if now <= before + rss_slack_bytes:
-                    break
-                if time.monotonic() > deadline:
-                    raise AssertionError(
-                        f"worker pid {pid}: RSS {now / MiB:.0f} MiB did not come back to its "
-                        f"baseline {before / MiB:.0f} MiB (+{rss_slack_bytes / MiB:.0f} MiB) "
-                        f"within {rss_deadline_s:.0f} s"
-                    )
-                time.sleep(0.05)  # polling a condition with a deadline, not synchronising
+            wait_until(
+                lambda pid=pid, before=before: rss_bytes(pid) <= before + rss_slack_bytes,
+                rss_deadline_s,
+                f"worker pid {pid}: RSS back to its baseline {before / MiB:.0f} MiB "
+                f"(+{rss_slack_bytes / MiB:.0f} MiB)",
+            )
         for rank, expected in enumerate(self.sentinels):
             got = self.cluster.get(self.name, rank=rank)
             assert torch.equal(got, expected), f"sentinel on rank {rank} changed"

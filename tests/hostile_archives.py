@@ -1,4 +1,5 @@
-"""Hostile model archives (issue 16: C1, C2, AOTInductor, H1 and friends), built in memory.
+"""Hostile model archives, built in memory: pickled layouts and constants, AOTInductor
+packages, zip bombs and friends.
 
 Each builder starts from a real ``torch.export.save`` archive of a small model
 with random weights and changes what the attack needs. Payload pickles create
@@ -98,7 +99,7 @@ def rewrite(
 
 
 def legacy_layout(base: bytes, marker: str) -> bytes:
-    """C1: the pre-2.7 layout (top-level ``version``, ``serialized_*``): torch.export.load
+    """The pre-2.7 layout (top-level ``version``, ``serialized_*``): torch.export.load
     falls back to it when there is no ``models/*.json``, and unpickles the state dict
     with ``weights_only=False`` once the restricted load fails."""
     src = zipfile.ZipFile(io.BytesIO(base))
@@ -117,7 +118,7 @@ def legacy_layout(base: bytes, marker: str) -> bytes:
 
 
 def opaque_constant(base: bytes, marker: str) -> bytes:
-    """C2: a constant stored as ``opaque_obj_0`` with ``use_pickle: false``; torch
+    """A constant stored as ``opaque_obj_0`` with ``use_pickle: false``; torch
     ``pickle.loads`` it anyway because of its file name."""
     config = {
         "config": {
@@ -159,7 +160,7 @@ def aoti_package(base: bytes, gen: torch.Generator) -> bytes:
 
 
 def zip_bomb(base: bytes, entry_mib: int = 768) -> bytes:
-    """H1: weight_0 replaced by ``entry_mib`` MiB of zeros, deflated (< 1 MiB on the wire)."""
+    """A zip bomb: weight_0 replaced by ``entry_mib`` MiB of zeros, deflated (< 1 MiB sent)."""
     src = zipfile.ZipFile(io.BytesIO(base))
     root = _root(src.namelist())
     out_buf = io.BytesIO()
@@ -237,8 +238,8 @@ def _use_pickle_weight(base: bytes, marker: str) -> bytes:
 
 # name -> builder(base archive, marker path, generator) for the parametrized tests.
 HOSTILE: dict[str, Callable[[bytes, str, torch.Generator], bytes]] = {
-    "c1_legacy_layout": lambda b, m, g: legacy_layout(b, m),
-    "c2_opaque_obj_constant": lambda b, m, g: opaque_constant(b, m),
+    "legacy_layout": lambda b, m, g: legacy_layout(b, m),
+    "opaque_obj_constant": lambda b, m, g: opaque_constant(b, m),
     "aotinductor_package": lambda b, m, g: aoti_package(b, g),
     "use_pickle_weight": lambda b, m, g: _use_pickle_weight(b, m),
     "legacy_weights_pt": lambda b, m, g: rewrite(

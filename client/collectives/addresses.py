@@ -4,7 +4,9 @@
 port, a URL (``http://host:port``) or a port out of range is a usage error
 before any connection is tried. :func:`refused_within` tells a closed port or
 an unknown host from a slow one, so the SDK and the CLI fail in about a second
-on a wrong address instead of waiting out their whole timeout.
+on a wrong address instead of waiting out their whole timeout;
+:func:`other_protocol` tells an HTTP/1 server (a dashboard, a web page) or a
+TLS-only port from a plaintext gRPC server in one round trip.
 """
 
 from __future__ import annotations
@@ -16,13 +18,23 @@ import time
 
 from collectives.errors import InvalidArgument
 
-__all__ = ["REFUSED_GRACE_S", "parse_address", "parse_addresses", "refused_within"]
+__all__ = [
+    "REFUSED_GRACE_S",
+    "other_protocol",
+    "parse_address",
+    "parse_addresses",
+    "refused_within",
+]
 
 # How long a refused connection is retried before it is reported: covers a
 # coordinator that is just starting, and is the bound on a wrong address.
 REFUSED_GRACE_S = 0.5
 _PROBE_TIMEOUT_S = 0.25
 _PROBE_INTERVAL_S = 0.1
+# What a gRPC client says first (RFC 9113, 3.4): an HTTP/1 server answers it with
+# an HTTP/1 status line, a TLS server with an alert record, a gRPC server with SETTINGS.
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_TLS_RECORD_TYPES = (0x15, 0x16)  # alert, handshake
 # Environment variables that make gRPC connect through a proxy.
 _PROXY_VARIABLES = ("grpc_proxy", "https_proxy", "http_proxy", "GRPC_PROXY", "HTTPS_PROXY")
 
@@ -125,3 +137,37 @@ def _refused_one(address: str, grace_s: float) -> str | None:
         # Backoff between probes of an external process, bounded by the deadline.
         time.sleep(min(_PROBE_INTERVAL_S, left))
     return reason
+
+
+def other_protocol(address: str, timeout: float) -> str | None:
+    """Why the first address of ``address`` is not a plaintext gRPC server, or None.
+
+    Sends the HTTP/2 client preface and reads the first bytes of the answer:
+    text (an HTTP/1 status line, or the error page Python's ``http.server``
+    sends for an unknown version) means a web server (the coordinator's
+    dashboard, a metrics page), a TLS record means the port wants TLS. Anything else,
+    silence, or no connection within ``timeout`` is not certain and returns None.
+    """
+    part = address.split(",")[0].strip()
+    host, port = parse_address(part)
+    if any(os.environ.get(v) for v in _PROXY_VARIABLES):
+        return None
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.sendall(_HTTP2_PREFACE)
+            first = sock.recv(16)
+    except OSError:
+        return None
+    if first and all(32 <= b < 127 or b in b"\t\r\n" for b in first):
+        answer = first.decode("ascii").splitlines()[0]
+        return (
+            f"{part} is an HTTP/1 server (it answered {answer!r}), not a gRPC port: "
+            "the coordinator's dashboard and metrics are served over HTTP; give the "
+            "coordinator's gRPC address (the first line `collectives-server local` prints)"
+        )
+    if first[:1] and first[0] in _TLS_RECORD_TYPES and first[1:2] == b"\x03":
+        return (
+            f"{part} speaks TLS: connect with TLS (connect(tls=True) or tls_ca=, "
+            "`--tls`/`--tls-ca`, COLLECTIVES_TLS=1)"
+        )
+    return None

@@ -38,8 +38,14 @@ from collectives._status_tables import (
     rates_between,
     terminal_width,
 )
-from collectives.addresses import REFUSED_GRACE_S, parse_addresses, refused_within
-from collectives.errors import CollectiveError
+from collectives._wrong_address import not_a_coordinator
+from collectives.addresses import (
+    REFUSED_GRACE_S,
+    other_protocol,
+    parse_addresses,
+    refused_within,
+)
+from collectives.errors import CollectiveError, InvalidArgument
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
 from collectives.wire.cluster_state import ClusterSnapshot
 from collectives.wire.security import PLAINTEXT, ChannelSecurity, read_token_file
@@ -159,13 +165,18 @@ def _get_cluster(channel: grpc.Channel, address: str, timeout: float) -> Cluster
     stub = coordinator_pb2_grpc.CoordinatorStub(channel)
     # wait_for_ready: keep trying to connect until the deadline rather than
     # failing on the first refused connection (the coordinator may be starting).
-    msg = call_unary(
-        stub.GetCluster,
-        coordinator_pb2.GetClusterRequest(),
-        timeout,
-        f"GetCluster from {address}",
-        wait_for_ready=True,
-    )
+    try:
+        msg = call_unary(
+            stub.GetCluster,
+            coordinator_pb2.GetClusterRequest(),
+            timeout,
+            f"GetCluster from {address}",
+            wait_for_ready=True,
+        )
+    except CollectiveError as err:
+        if err.code == grpc.StatusCode.UNIMPLEMENTED:
+            raise InvalidArgument(not_a_coordinator(channel, address, timeout)) from None
+        raise
     return ClusterSnapshot.from_proto(msg)
 
 
@@ -256,9 +267,12 @@ def _check_timeout(command: str, timeout: float) -> bool:
 
 
 def _unreachable(command: str, address: str, timeout: float, err: CollectiveError) -> int:
+    if isinstance(err, InvalidArgument):  # something else answers there
+        print(f"collectives {command}: {err.message}", file=sys.stderr)
+        return EXIT_UNREACHABLE
     print(
         f"collectives {command}: cannot reach the coordinator at {address} "
-        f"within {timeout:g} s: {err}",
+        f"within {timeout:g} s (--timeout): {err}",
         file=sys.stderr,
     )
     return EXIT_UNREACHABLE
@@ -401,6 +415,10 @@ def _run(args: argparse.Namespace) -> int:
             "listens on.",
             file=sys.stderr,
         )
+        return EXIT_UNREACHABLE
+    other = None if args.security.tls else other_protocol(args.coordinator, min(1.0, args.timeout))
+    if other is not None:
+        print(f"collectives {args.command}: {other}", file=sys.stderr)
         return EXIT_UNREACHABLE
     if args.command == "status":
         return _status(args)

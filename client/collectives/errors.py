@@ -10,6 +10,10 @@ failed and where: ``op_id``, ``generation``, ``kind`` (``"all_reduce"``,
 ``"get"``...), ``tensor`` (tensor or model name), ``ranks`` (the failing
 ranks; ``()`` when unknown), ``reason`` (a :class:`Reason`, machine-readable)
 and ``executed`` (``False``: the op never started). Unset fields are ``None``.
+One rule fills ``executed`` wherever an error is made, on either side: an
+error whose reason is one of :data:`NEVER_STARTED` (the op was refused before
+any data moved: a missing or mismatched operand, a quota, a full queue, a
+cluster not formed...) has ``executed=False`` unless it says otherwise.
 
 On the wire they travel as ``google.rpc.Status`` details: the status carries
 the same code and message and one ``google.rpc.ErrorInfo`` (domain
@@ -52,14 +56,10 @@ __all__ = [
     "error_for_code",
     "to_grpc_status",
     "ERROR_DOMAIN",
-    "EXECUTED_METADATA_KEY",
+    "NEVER_STARTED",
     "STATUS_DETAILS_METADATA_KEY",
 ]
 
-# Trailing metadata a worker sets on a failed collective: "no" means the op
-# never started on any rank, so retrying it (even a reduction) is safe. Still
-# sent beside the ErrorInfo's "executed" for clients that predate it.
-EXECUTED_METADATA_KEY = "collectives-executed"
 # Where gRPC carries a serialized google.rpc.Status (grpcio-status reads it).
 STATUS_DETAILS_METADATA_KEY = "grpc-status-details-bin"
 # ErrorInfo.domain of every error this service produces.
@@ -92,6 +92,23 @@ class Reason(enum.StrEnum):
     VERSIONS_RESIDENT = "VERSIONS_RESIDENT"  # a publish would keep a third version resident
 
 
+# Reasons that mean the op was refused before it started on any rank: every
+# rank agreed on the refusal before any data moved, so running it again is safe.
+NEVER_STARTED = frozenset(
+    {
+        Reason.CLUSTER_NOT_FORMED,
+        Reason.NOT_LEADER,
+        Reason.OPERAND_MISSING,
+        Reason.OPERAND_MISMATCH,
+        Reason.QUOTA,
+        Reason.QUEUE_FULL,
+        Reason.MALFORMED_REQUEST,
+        Reason.VERSION_MOVED,
+        Reason.VERSIONS_RESIDENT,
+    }
+)
+
+
 class CollectiveError(Exception):
     """A failed call: ``.code`` is a ``grpc.StatusCode``, ``.message`` the server's text.
 
@@ -116,8 +133,10 @@ class CollectiveError(Exception):
     ) -> None:
         self.code: grpc.StatusCode = code if code is not None else self.default_code
         self.message: str = message
-        # False: the server says the op never ran (safe to retry); None: unknown.
+        # False: the op never ran (safe to retry); None: unknown.
         self.executed: bool | None = executed
+        if executed is None and reason in NEVER_STARTED:
+            self.executed = False
         # The generation a collective was issued for (None: not a collective).
         self.generation: int | None = generation
         # The op's id in the leader's sequence (worker logs carry it).
@@ -174,6 +193,8 @@ class CollectiveError(Exception):
             self.ranks = tuple(int(r) for r in ranks)
         if not self.reason:
             self.reason = str(reason) if reason else None
+        if self.executed is None and self.reason in NEVER_STARTED:
+            self.executed = False
         return self
 
     def __str__(self) -> str:
@@ -289,30 +310,25 @@ def from_rpc_error(err: grpc.RpcError, what: str = "") -> CollectiveError:
     """Converts a ``grpc.RpcError`` into the SDK's hierarchy.
 
     This is the only place that maps transport errors: ``DEADLINE_EXCEEDED`` and
-    ``CANCELLED`` become :class:`DeadlineExceeded`; a server's trailing
-    ``collectives-executed: no`` is kept as ``.executed = False``; the fields of
-    a ``google.rpc.ErrorInfo`` in the status details (domain
-    :data:`ERROR_DOMAIN`) fill ``op_id``, ``generation``, ``kind``, ``tensor``,
-    ``ranks``, ``reason`` and ``executed``. Details that do not decode are ignored.
+    ``CANCELLED`` become :class:`DeadlineExceeded`; the fields of a
+    ``google.rpc.ErrorInfo`` in the status details (domain :data:`ERROR_DOMAIN`)
+    fill ``op_id``, ``generation``, ``kind``, ``tensor``, ``ranks``, ``reason``
+    and ``executed``. Details that do not decode are ignored.
     """
     code = err.code() if callable(getattr(err, "code", None)) else grpc.StatusCode.UNKNOWN
     details = err.details() if callable(getattr(err, "details", None)) else None
     message = details or str(err)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED and what and what not in message:
         message = f"{what}: {message}"
-    executed: bool | None = None
     trailers = (
         err.trailing_metadata() if callable(getattr(err, "trailing_metadata", None)) else None
     )
     fields: dict[str, Any] = {}
     for key, value in trailers or ():
-        if key == EXECUTED_METADATA_KEY:
-            executed = value != "no"
-        elif key == STATUS_DETAILS_METADATA_KEY and not fields:
+        if key == STATUS_DETAILS_METADATA_KEY and not fields:
             fields = _fields_of_status(value, code, details)
     if code == grpc.StatusCode.CANCELLED:
         code = grpc.StatusCode.DEADLINE_EXCEEDED
-    fields.setdefault("executed", executed)
     return error_for_code(code, message, **fields)
 
 
@@ -332,9 +348,9 @@ def to_grpc_status(
     err: CollectiveError, trailing_metadata: Sequence[tuple[str, str | bytes]] | None = None
 ) -> grpc.Status:
     """The status a server aborts with for ``err``: its code and message, an
-    ``ErrorInfo`` in the ``google.rpc.Status`` details, ``collectives-executed: no``
-    for an op that never started, and ``trailing_metadata`` (what the call had
-    already set; ``abort_with_status`` replaces it) minus any older details."""
+    ``ErrorInfo`` in the ``google.rpc.Status`` details, and ``trailing_metadata``
+    (what the call had already set; ``abort_with_status`` replaces it) minus any
+    older details."""
     info = error_details_pb2.ErrorInfo(
         domain=ERROR_DOMAIN, reason=_bounded(err.reason) or _NO_REASON
     )
@@ -354,12 +370,8 @@ def to_grpc_status(
     status = status_pb2.Status(code=err.code.value[0], message=err.message)
     status.details.add().Pack(info)
     kept = [
-        (key, value)
-        for key, value in trailing_metadata or ()
-        if key not in (STATUS_DETAILS_METADATA_KEY, EXECUTED_METADATA_KEY)
+        (key, value) for key, value in trailing_metadata or () if key != STATUS_DETAILS_METADATA_KEY
     ]
-    if err.executed is False:
-        kept.append((EXECUTED_METADATA_KEY, "no"))
     kept.append((STATUS_DETAILS_METADATA_KEY, status.SerializeToString()))
     return _GrpcStatus(err.code, err.message, tuple(kept))
 

@@ -19,6 +19,7 @@ timeline are checked in ``test_dashboard_layout.py``.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -30,6 +31,8 @@ import torch
 from helpers import LEASE_S, wait_until
 
 import collectives
+
+log = logging.getLogger(__name__)
 
 # Losing a worker: its lease, then the survivors re-form (as in test_failure).
 REFORM_S = LEASE_S + 15.0
@@ -156,7 +159,7 @@ def test_dashboard_shows_workers_live_and_a_killed_worker_lost(browser, fresh_cl
     assert "lost" in lost_row.text
     assert re.search(r"stale since \d\d:\d\d:\d\d", lost_row.text), lost_row.text
     after = page.screenshot(browser, "after")
-    print(f"screenshots: {before} {after}")
+    log.info(f"screenshots: {before} {after}")
 
 
 # ------------------------------------------------------------ escaping (no cluster)

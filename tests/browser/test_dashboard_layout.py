@@ -12,6 +12,7 @@ load and that long words never widen the page.
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
@@ -21,6 +22,8 @@ import torch
 from dashboard_page import ARTIFACTS, FixedSource, fits, free_port, screenshot, set_viewport, text
 
 import collectives
+
+log = logging.getLogger(__name__)
 
 _RATES_JS = """
 const live = '#worker-rows tr[data-worker-id]:not([data-state="lost"])';
@@ -33,7 +36,7 @@ return Array.from(document.querySelectorAll(live))
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_dashboard_fits_1280x800_and_shows_rates_under_load(browser, fresh_cluster, uname, gen):
-    """Acceptance 4: at 1280x800 no horizontal scroll, ops/s moving under load, the timeline."""
+    """At 1280x800 no horizontal scroll, ops/s moving under load, the timeline."""
     from selenium.webdriver.support.ui import WebDriverWait
 
     port = free_port()
@@ -103,7 +106,7 @@ def test_dashboard_fits_1280x800_and_shows_rates_under_load(browser, fresh_clust
         )
         client_rate = (progress[0] - start_count) / (time.monotonic() - start)
         shown = [float(r) for _, r, _, _ in browser.execute_script(_RATES_JS)]
-        print(f"client all_reduce/s {client_rate:.1f}, page ops/s per worker {shown}")
+        log.info(f"client all_reduce/s {client_rate:.1f}, page ops/s per worker {shown}")
         assert all(client_rate / 3 <= r <= client_rate * 3 for r in shown), (client_rate, shown)
         assert not failures, failures
         assert float(text(browser, "cluster-rate")) > 0
@@ -131,7 +134,7 @@ def test_dashboard_fits_1280x800_and_shows_rates_under_load(browser, fresh_clust
         ARTIFACTS.mkdir(exist_ok=True)
         path = ARTIFACTS / "dashboard-1280x800.png"
         assert browser.save_screenshot(str(path)), f"could not save {path}"
-        print(f"screenshot: {path}")
+        log.info(f"screenshot: {path}")
         errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
         assert errors == [], f"the page logged errors: {errors}"
     finally:

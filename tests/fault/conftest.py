@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
+from error_fields import field_problems, recording_errors
 from harness import DAEMON_LOGS, RESULTS, SOAK_LINES, FaultCluster
 from helpers import internal_lines
 
@@ -51,3 +54,12 @@ def no_daemon_logs_internal():
     for log in DAEMON_LOGS:
         log.unlink(missing_ok=True)
     assert not found, "daemons logged INTERNAL:\n" + "\n".join(found[:20])
+
+
+@pytest.fixture(autouse=True)
+def _errors_carry_their_fields() -> Iterator[None]:
+    """Every error a test provokes names what the server knows (tests/error_fields.py)."""
+    with recording_errors() as made:
+        yield
+    problems = {f"{err!r}: {why}" for err in made for why in field_problems(err)}
+    assert not problems, "errors with incomplete fields:\n" + "\n".join(sorted(problems))

@@ -175,8 +175,8 @@ class FaultCluster(ClusterViews):
 
 
 def record(fault: str, detect_s: float, recover_s: float, note: str = "") -> None:
+    """One row of the table the fault suite's conftest prints at the end of the run."""
     RESULTS.append({"fault": fault, "detect_s": detect_s, "recover_s": recover_s, "note": note})
-    print(f"\nFAULT {fault}: detected in {detect_s:.2f} s, recovered in {recover_s:.2f} s {note}")
 
 
 def put_checksummed(cluster: FaultCluster, name: str, gen: torch.Generator) -> dict[str, str]:

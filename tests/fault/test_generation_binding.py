@@ -1,13 +1,12 @@
-"""An op runs in the generation it was issued for, or not at all (issue 10).
+"""An op runs in the generation it was issued for, or not at all.
 
 Two scenarios a new user hit, each on real processes with real signals, each
-repeated ``COLLECTIVES_BINDING_RUNS`` times (default 2; the issue's acceptance
-ran 10): before the fix, both returned *success* with the sum over the
-survivors only, because the SDK retried the never-started op on the smaller
-generation. Now both fail with ``UNAVAILABLE`` (or ``DEADLINE_EXCEEDED`` when
-the op was blocked on the stopped peer) within op timeout + lease + 2 s, the
-error names the generation the op was issued for, and nothing is stored under
-the output name.
+repeated ``COLLECTIVES_BINDING_RUNS`` times (default 2). Both would return
+*success* with the sum over the survivors only if the SDK retried a
+never-started op on the smaller generation; both must fail with ``UNAVAILABLE``
+(or ``DEADLINE_EXCEEDED`` when the op was blocked on the stopped peer) within
+op timeout + lease + 2 s, the error names the generation the op was issued for,
+and nothing is stored under the output name.
 """
 
 from __future__ import annotations

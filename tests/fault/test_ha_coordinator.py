@@ -8,7 +8,7 @@
 3. The leader cut off from etcd (a partition, by a proxy) steps down; a standby
    leads; every generation in the history has one sealer and numbers only grow.
 
-``COLLECTIVES_HA_RUNS`` repeats the first scenario (10 for the acceptance runs).
+``COLLECTIVES_HA_RUNS`` repeats the first scenario (10 for a thorough run).
 """
 
 from __future__ import annotations

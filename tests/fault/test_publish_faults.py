@@ -1,8 +1,9 @@
-"""Publishes under faults (issue 13): a late joiner catches up from a peer; a publish
+"""Publishes under faults: a late joiner catches up from a peer; a publish
 interrupted by a client or follower SIGKILL never leaves a mix of versions."""
 
 from __future__ import annotations
 
+import logging
 import signal
 import subprocess
 import sys
@@ -19,6 +20,8 @@ import collectives
 from collectives.v1 import worker_pb2, worker_pb2_grpc
 from collectives.wire.pytree import scatter_kwargs
 from collectives_server import model_zoo
+
+log = logging.getLogger(__name__)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -165,8 +168,10 @@ def test_a_publish_whose_follower_is_killed_mid_broadcast_never_mixes(fault_clus
         thread.join(150)
     assert outcome, "publish did not return"
     cluster.wait_ready(2, after_generation=generation)
-    print(f"\npublish outcome after the kill: {outcome[0]!r} "
-          f"({time.monotonic() - killed_at:.2f} s after it)")  # fmt: skip
+    log.info(
+        f"publish outcome after the kill: {outcome[0]!r} "
+        f"({time.monotonic() - killed_at:.2f} s after it)"
+    )
     # Committed on every survivor (the SDK's retry on the new generation) or on none.
     versions = {m.version for m in client.models()}
     if isinstance(outcome[0], collectives.CollectiveError):

@@ -42,6 +42,7 @@ from raw_grpc import opts as _opts
 from raw_grpc import stored as _stored
 from torch import nn
 
+from collectives.errors import from_rpc_error
 from collectives.v1 import coordinator_pb2, tensor_pb2, worker_pb2
 from collectives.wire.membership import membership_digest
 from collectives.wire.names import MODEL_METADATA_KEY
@@ -142,8 +143,7 @@ class Row:
 
 
 def _not_executed(e: Env, err: grpc.RpcError) -> None:
-    trailers = dict(err.trailing_metadata() or ())
-    assert trailers.get("collectives-executed") == "no", trailers
+    assert from_rpc_error(err).executed is False, err.trailing_metadata()
 
 
 def _stale_digest(e: Env) -> str:

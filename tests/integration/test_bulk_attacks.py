@@ -1,17 +1,18 @@
-"""The bulk port cannot be filled, stalled or made to pin memory (issue 16, M2, M4, L3, H2).
+"""The bulk port cannot be filled, stalled or made to pin memory.
 
-M4: idle TCP connections filled the 256 bulk slots and a new client's put timed
+Idle TCP connections filled the 256 bulk slots and a new client's put timed
 out; now each host gets at most ``--max-bulk-connections-per-peer``, idle ones
 are closed after ``--bulk-prelude-timeout-s`` and the SDK sends through the
-gRPC stream while the bulk port refuses it. L3: the prelude timeout was per
-byte; now it is total. M2: a GET ticket pinned its tensor for the call's
-deadline; now for at most ``--bulk-ticket-ttl-s``. H2: ``PutTensorBulk``
+gRPC stream while the bulk port refuses it. The prelude timeout was per
+byte; now it is total. A GET ticket pinned its tensor for the call's
+deadline; now for at most ``--bulk-ticket-ttl-s``. ``PutTensorBulk``
 without a deadline waited 24 h; now at most the ticket TTL for its connection.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import time
 
@@ -23,6 +24,8 @@ from hostile import Aftermath
 from collectives.v1 import worker_pb2, worker_pb2_grpc
 from collectives.wire import codec
 from collectives.wire.bulk_frames import MAGIC, new_ticket
+
+log = logging.getLogger(__name__)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -56,7 +59,7 @@ def _closed_within(sock: socket.socket, seconds: float) -> float | None:
     return time.monotonic() - started
 
 
-def test_m4_idle_connections_cannot_lock_a_client_out(fresh_cluster, gen) -> None:
+def test_idle_connections_cannot_lock_a_client_out(fresh_cluster, gen) -> None:
     _, client = fresh_cluster(2, *FLAGS)
     aftermath = Aftermath(client).capture()
     target = _target(client)
@@ -69,11 +72,13 @@ def test_m4_idle_connections_cannot_lock_a_client_out(fresh_cluster, gen) -> Non
         for nbytes in (2 << 20, 64 << 20):  # through the bulk port or, refused, the stream
             t = torch.randn(nbytes // 4, generator=gen)
             started = time.monotonic()
-            client.put("m4/x", t, rank=target.rank, timeout=30)
-            assert torch.equal(client.get("m4/x", rank=target.rank, timeout=30), t)
-            print(f"\n{nbytes >> 20} MiB put+get beside 300 idle connections: "
-                  f"{time.monotonic() - started:.2f} s")  # fmt: skip
-        client.delete("m4/x", rank=target.rank)
+            client.put("idle/x", t, rank=target.rank, timeout=30)
+            assert torch.equal(client.get("idle/x", rank=target.rank, timeout=30), t)
+            log.info(
+                f"{nbytes >> 20} MiB put+get beside 300 idle connections: "
+                f"{time.monotonic() - started:.2f} s"
+            )
+        client.delete("idle/x", rank=target.rank)
         # Every idle connection is closed by the worker within the prelude timeout.
         waits = [_closed_within(s, 5.0) for s in idle]
         assert all(w is not None for w in waits), f"{waits.count(None)} still open"
@@ -83,7 +88,7 @@ def test_m4_idle_connections_cannot_lock_a_client_out(fresh_cluster, gen) -> Non
     aftermath.check()
 
 
-def test_l3_a_dribbled_prelude_is_cut_at_the_total_timeout(fresh_cluster) -> None:
+def test_a_dribbled_prelude_is_cut_at_the_total_timeout(fresh_cluster) -> None:
     _, client = fresh_cluster(2, *FLAGS)
     aftermath = Aftermath(client).capture()
     port = _bulk_port(_target(client).address)
@@ -112,16 +117,16 @@ def test_l3_a_dribbled_prelude_is_cut_at_the_total_timeout(fresh_cluster) -> Non
     aftermath.check()
 
 
-def test_m2_a_get_ticket_pins_its_tensor_for_the_ttl_only(fresh_cluster, gen) -> None:
+def test_a_get_ticket_pins_its_tensor_for_the_ttl_only(fresh_cluster, gen) -> None:
     _, client = fresh_cluster(2, *FLAGS)
     aftermath = Aftermath(client).capture()
     target = _target(client)
-    client.put("m2/x", torch.randn(8 << 20, generator=gen), rank=target.rank)
+    client.put("ticket/x", torch.randn(8 << 20, generator=gen), rank=target.rank)
     with grpc.insecure_channel(target.address) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
-        reply = stub.GetTensorBulk(worker_pb2.GetTensorBulkRequest(name="m2/x"))  # no deadline
+        reply = stub.GetTensorBulk(worker_pb2.GetTensorBulkRequest(name="ticket/x"))  # no deadline
     assert reply.ticket and reply.ticket_ttl_s <= 2.0, reply.ticket_ttl_s
-    client.delete("m2/x", rank=target.rank)
+    client.delete("ticket/x", rank=target.rank)
     deadline = time.monotonic() + 10
     while True:  # after the TTL the ticket is void: the connection gets no byte
         with socket.create_connection(("127.0.0.1", _bulk_port(target.address))) as sock:
@@ -134,13 +139,13 @@ def test_m2_a_get_ticket_pins_its_tensor_for_the_ttl_only(fresh_cluster, gen) ->
     aftermath.check()  # RSS back: the 32 MiB tensor is not pinned by the ticket
 
 
-def test_h2_put_tensor_bulk_without_a_deadline_ends_at_the_ticket_ttl(fresh_cluster, gen) -> None:
+def test_put_tensor_bulk_without_a_deadline_ends_at_the_ticket_ttl(fresh_cluster, gen) -> None:
     _, client = fresh_cluster(2, *FLAGS)
     aftermath = Aftermath(client).capture()
     target = _target(client)
     t = torch.randn(1 << 20, generator=gen)
     request = worker_pb2.PutTensorBulkRequest(
-        header=codec.make_header("h2/x", t), ticket=new_ticket()
+        header=codec.make_header("nodeadline/x", t), ticket=new_ticket()
     )
     started = time.monotonic()
     # No deadline, and no connection ever presents the ticket.
@@ -152,9 +157,7 @@ def test_h2_put_tensor_bulk_without_a_deadline_ends_at_the_ticket_ttl(fresh_clus
     aftermath.check()
 
 
-def test_m2_tickets_count_against_the_quota_and_a_full_quota_still_reads(
-    fresh_cluster, gen
-) -> None:
+def test_tickets_count_against_the_quota_and_a_full_quota_still_reads(fresh_cluster, gen) -> None:
     _, client = fresh_cluster(2, *FLAGS, "--max-tensor-bytes", "56MiB")
     aftermath = Aftermath(client).capture()
     target = _target(client)

@@ -4,6 +4,7 @@ and every result is what torch computes locally."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -13,6 +14,8 @@ import torch
 from helpers import REDUCE_OPS, assert_tensor, get_each, make_input, op_valid, reduce_oracle
 
 import collectives
+
+log = logging.getLogger(__name__)
 
 CLIENTS = 8
 TOTAL_OPS = 200
@@ -138,4 +141,4 @@ def test_eight_clients_two_hundred_mixed_collectives(cluster3_address, cluster3,
         f"ops done per client: {done}"
     )
     assert sum(done) == TOTAL_OPS, f"ops done per client: {done}"
-    print(f"{TOTAL_OPS} collectives from {CLIENTS} clients in {elapsed:.1f} s")
+    log.info(f"{TOTAL_OPS} collectives from {CLIENTS} clients in {elapsed:.1f} s")

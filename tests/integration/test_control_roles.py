@@ -1,4 +1,4 @@
-"""Issue 16, M5: workers and clients no longer share one credential.
+"""Workers and clients do not share one credential.
 
 A real cluster (``local``: coordinator and two worker subprocesses, gloo) with a
 client bearer token (``--token-file``) and a worker token (``--worker-token-file``).

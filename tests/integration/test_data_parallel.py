@@ -1,6 +1,6 @@
 """Inference fan-out: ``dp(x)`` equals the model run locally, for every batch shape.
 
-Acceptance 1 of issue 3: batch sizes 1, world-1, world, 7 and 1000 on 2 and 3
+Batch sizes 1, world-1, world, 7 and 1000 on 2 and 3
 workers, for an MLP and for a model with dict/tuple inputs and outputs; plus
 the seed's scatter/gather semantics (kwargs, non-tensor arguments, namedtuple
 and 0-dim outputs) and the error paths.

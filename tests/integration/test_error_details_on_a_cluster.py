@@ -61,3 +61,29 @@ def test_a_failed_collective_carries_the_engines_op_id_kind_ranks_and_reason(clu
     with pytest.raises(collectives.FailedPrecondition) as info:
         cluster2.all_reduce(name, timeout=TIMEOUT_S)
     assert info.value.reason == "OPERAND_MISMATCH" and info.value.op_id > err.op_id
+
+
+def test_an_operand_missing_everywhere_names_every_rank_and_never_ran(cluster2, uname):
+    with pytest.raises(collectives.NotFound) as info:
+        cluster2.all_reduce(uname("nowhere"), timeout=TIMEOUT_S)
+    err = info.value
+    assert "(ranks 0, 1)" in err.message
+    assert err.ranks == (0, 1) and err.executed is False, repr(err)
+
+
+def test_refusals_before_the_op_started_say_executed_false(cluster2, gen, uname):
+    """Shape and dtype mismatches and missing operands never ran: safe to retry."""
+    name = uname("mismatch")
+    cluster2.put(name, make_input(torch.float32, (4,), gen), rank=0)
+    cluster2.put(name, make_input(torch.float32, (5,), gen), rank=1)
+    with pytest.raises(collectives.CollectiveError) as shape:
+        cluster2.all_reduce(name, timeout=TIMEOUT_S)
+    cluster2.put(name, make_input(torch.float64, (4,), gen), rank=1)
+    with pytest.raises(collectives.CollectiveError) as dtype:
+        cluster2.all_reduce(name, timeout=TIMEOUT_S)
+    cluster2.delete(name, rank=1)
+    with pytest.raises(collectives.CollectiveError) as missing:
+        cluster2.all_reduce(name, timeout=TIMEOUT_S)
+    for err in (shape.value, dtype.value, missing.value):
+        assert err.executed is False and err.ranks, repr(err)
+    assert missing.value.ranks == (1,)

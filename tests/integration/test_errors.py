@@ -1,7 +1,7 @@
-"""Bad input gets the status code the architecture names, quickly, with a message
+"""Bad input gets the status code docs/api.md names, quickly, with a message
 a person can act on, and the cluster serves the next request correctly.
 
-Codes (ARCHITECTURE.md, "Errors" and "Semantics the contract fixes"):
+Codes (docs/api.md, "Errors" and "Conventions shared by every call"):
 unknown tensor → NOT_FOUND (names it); operand on some ranks only, or dtype/shape
 disagreeing across ranks → FAILED_PRECONDITION (names tensor and ranks); bad
 src/dst/rank/name/op, bitwise op on floats, avg on integers → INVALID_ARGUMENT

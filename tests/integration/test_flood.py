@@ -1,4 +1,4 @@
-"""A flood of idle connections does not slow a legitimate client down (issue 16, acceptance 3).
+"""A flood of idle connections does not slow a legitimate client down.
 
 Against one worker and the coordinator at once: 64 gRPC streams that send a
 header and then nothing (no deadline), 300 idle TCP connections to the bulk
@@ -20,6 +20,7 @@ measures: whether connections held idle slow anyone down.
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import socket
 import statistics
@@ -36,6 +37,8 @@ from test_metrics import _free_port_block, scrape, value
 
 from collectives.v1 import worker_pb2, worker_pb2_grpc
 from collectives.wire import codec
+
+log = logging.getLogger(__name__)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -204,8 +207,8 @@ def test_a_flood_of_idle_connections_leaves_collectives_at_speed(fresh_cluster, 
             raise errors.get()
         assert_serving(target.address, within_s=1.0)
         assert_serving(local.address, within_s=1.0)
-        print(
-            f"\nflood: {len(streams)} idle streams, {len(bulk)} bulk and {len(web)} dashboard "
+        log.info(
+            f"flood: {len(streams)} idle streams, {len(bulk)} bulk and {len(web)} dashboard "
             f"connections held open\n  unloaded {_summary(unloaded)}\n  loaded   {_summary(loaded)}"
         )
     assert len(loaded) == OPS

@@ -184,7 +184,7 @@ def test_full_op_queue_answers_resource_exhausted(clean, uname) -> None:
 def test_sdk_retries_a_full_queue_within_the_generation_and_every_op_runs_once(
     limited_address, clean, gen, uname, caplog
 ) -> None:
-    """Issue 10: a never-started op (the leader's queue was full) is retried while the
+    """A never-started op (the leader's queue was full) is retried while the
     generation is unchanged, and succeeds; each op ran exactly once (torch's sum).
 
     The queue is filled deterministically: the follower is stopped (SIGSTOP) so the

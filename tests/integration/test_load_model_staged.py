@@ -11,6 +11,8 @@ the worker keeps serving.
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 import pytest
 import torch
@@ -23,6 +25,8 @@ import collectives._archive_staging as staging
 from collectives._models import export_archive
 from collectives._transport import put_tensor
 from collectives.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 pytestmark = pytest.mark.timeout(300)
@@ -90,7 +94,7 @@ def test_a_large_archive_is_staged_once_and_computes_like_local(
         assert len(staged_calls) == 2
         if not sent.closed:
             ratio = sent.nbytes / archive_bytes
-            print(f"load_model egress at world {cluster.world_size}: {ratio:.4f}x the archive")
+            log.info(f"load_model egress at world {cluster.world_size}: {ratio:.4f}x the archive")
             assert sent.nbytes <= 1.05 * archive_bytes, f"sent {ratio:.3f}x the archive"
 
     # Every rank holds the very weights, and computes what local torch does.

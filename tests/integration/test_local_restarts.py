@@ -1,8 +1,9 @@
 """``collectives-server local`` heals: a killed worker is restarted and the cluster
-re-forms at full size, with the survivors' tensors intact (issue 15)."""
+re-forms at full size, with the survivors' tensors intact."""
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import signal
@@ -11,6 +12,8 @@ import time
 import pytest
 import torch
 from helpers import wait_until
+
+log = logging.getLogger(__name__)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -44,7 +47,7 @@ def test_a_killed_worker_is_restarted_and_the_cluster_is_back_at_full_size(
         lambda: _ready_members(client, 3, generation), 30, "the cluster back at world size 3"
     )
     recovered_s = time.monotonic() - killed
-    print(f"killed rank {victim.rank}: back at world size 3 after {recovered_s:.2f} s")
+    log.info(f"killed rank {victim.rank}: back at world size 3 after {recovered_s:.2f} s")
     assert recovered_s < RECOVER_BOUND_S, f"back at world 3 after {recovered_s:.1f} s"
     newcomer = [w for w in back if w.address not in stored]
     assert len(newcomer) == 1 and newcomer[0].pid != victim.pid

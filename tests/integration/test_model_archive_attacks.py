@@ -1,4 +1,5 @@
-"""Hostile model archives against a real cluster (issue 16: C1, C2, AOTInductor, H1, M3).
+"""Hostile model archives against a real cluster: legacy pickled layouts, pickled
+constants, AOTInductor packages, zip bombs, uploads held in memory.
 
 Workers run with ``--load-sandbox`` (what ``worker`` does by default). Every
 attack: LoadModel answers INVALID_ARGUMENT, the payload's marker never
@@ -8,6 +9,7 @@ back to baseline and the sentinel tensors intact.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -21,14 +23,16 @@ from hostile_archives import HOSTILE, SmallModel, legit_archive, rewrite, zip_bo
 
 from collectives.v1 import worker_pb2, worker_pb2_grpc
 
+log = logging.getLogger(__name__)
+
 pytestmark = pytest.mark.timeout(300)
 
 MiB = 1 << 20
 _CHUNK = 1 << 20
 RPC_TIMEOUT_S = 60.0
 ATTACKS = [
-    "c1_legacy_layout",
-    "c2_opaque_obj_constant",
+    "legacy_layout",
+    "opaque_obj_constant",
     "aotinductor_package",
     "use_pickle_weight",
     "sympy_eval_expr",
@@ -108,14 +112,14 @@ def test_zip_bomb_refused_with_flat_worker_memory(sandboxed, gen, uname):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "decompresses to more than" in err.value.details()
     grown = peak.peak - baseline
-    print(
+    log.info(
         f"zip bomb ({len(bomb) / 1024:.0f} KiB, 768 MiB entry): worker peak RSS "
         f"+{grown / MiB:.1f} MiB"
     )
-    # Held once, the archive alone would be +256 MiB (M3 held it twice). What the
+    # Held once, the archive alone would be +256 MiB (it used to be held twice). What the
     # worker holds while streaming it to disk is one message and what the transport
-    # receives ahead of the handler: with the workers' BDP probing off (rpc.py,
-    # WORKER_OPTIONS) a few stream windows, measured +6 to +18 MiB.
+    # receives ahead of the handler: with the workers' BDP probing off
+    # (collectives_server.rpc.server.WORKER_OPTIONS) a few stream windows.
     assert grown < 64 * MiB, f"worker peak RSS grew by {grown / MiB:.0f} MiB"
     after.check()
 
@@ -143,7 +147,7 @@ def test_sdk_load_model_still_works(sandboxed, gen, uname):
     name = uname("sdk")
     start = time.monotonic()
     sandboxed.load_model(name, model, example_inputs=(torch.randn(4, 6, generator=gen),))
-    print(f"load_model with the sandbox: {time.monotonic() - start:.2f} s")
+    log.info(f"load_model with the sandbox: {time.monotonic() - start:.2f} s")
     x = torch.randn(9, 6, generator=gen)
     with torch.no_grad():
         torch.testing.assert_close(sandboxed.data_parallel(name)(x), model(x))
@@ -164,8 +168,8 @@ def test_uploads_refused_when_off(fresh_cluster, gen, uname):
     after.check()
 
 
-def test_m3_a_large_upload_is_streamed_to_disk_not_buffered(sandboxed, gen, uname):
-    """M3: LoadModel held the whole archive in memory twice before any check. A
+def test_a_large_upload_is_streamed_to_disk_not_buffered(sandboxed, gen, uname):
+    """LoadModel used to hold the whole archive in memory twice before any check. A
     256 MiB upload whose extra entry the allowlist refuses: the worker's peak RSS
     stays far below the archive's size, and the refusal comes after the upload."""
     base = legit_archive(SmallModel(gen), torch.randn(3, 6, generator=gen))
@@ -176,13 +180,13 @@ def test_m3_a_large_upload_is_streamed_to_disk_not_buffered(sandboxed, gen, unam
     w = _members(sandboxed)[0]
     baseline = rss_bytes(w.pid)
     with _PeakRss(w.pid) as peak, pytest.raises(grpc.RpcError) as err:
-        _load_raw(w.address, "m3", archive)
+        _load_raw(w.address, "large", archive)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     grown = peak.peak - baseline
-    print(f"\n{len(archive) / MiB:.0f} MiB upload: worker peak RSS +{grown / MiB:.1f} MiB")
-    # Held once, the archive alone would be +256 MiB (M3 held it twice). What the
+    log.info(f"{len(archive) / MiB:.0f} MiB upload: worker peak RSS +{grown / MiB:.1f} MiB")
+    # Held once, the archive alone would be +256 MiB (it used to be held twice). What the
     # worker holds while streaming it to disk is one message and what the transport
-    # receives ahead of the handler: with the workers' BDP probing off (rpc.py,
-    # WORKER_OPTIONS) a few stream windows, measured +6 to +18 MiB.
+    # receives ahead of the handler: with the workers' BDP probing off
+    # (collectives_server.rpc.server.WORKER_OPTIONS) a few stream windows.
     assert grown < 64 * MiB, f"worker peak RSS grew by {grown / MiB:.0f} MiB"
     after.check()

@@ -1,7 +1,7 @@
-"""Model weights count against the worker's store quota (issue 16, L5).
+"""Model weights count against the worker's store quota.
 
-Before, ``--max-tensor-bytes`` bounded tensors only: any number of models of
-any size could be loaded beside them. Now a model's parameters and buffers are
+Without that, ``--max-tensor-bytes`` would bound tensors only, and any number of
+models of any size could be loaded beside them. A model's parameters and buffers are
 reserved in the quota while it is loaded, and given back when it is unloaded.
 """
 

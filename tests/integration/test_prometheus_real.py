@@ -14,6 +14,7 @@ go through ``/api/v1/label/<label>/values``.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from datetime import datetime
@@ -35,6 +36,8 @@ from prometheus_server import PROJECT_CONFIG, Prometheus, local_config, promethe
 from torch import nn
 
 from collectives_server import model_zoo
+
+log = logging.getLogger(__name__)
 
 SCRAPE_INTERVAL = "1s"
 # $__rate_interval: Grafana makes it at least 4 scrape intervals; 15 s also holds
@@ -175,7 +178,7 @@ def test_every_dashboard_query_returns_series(fresh_cluster, gen, uname, tmp_pat
         [f"{'All':>4} {'one':>4}  expression (one: {picked})"]
         + [f"{a:>4} {'-' if b is None else b:>4}  {expr}" for expr, a, b in rows]
     )
-    print(f"\nseries per dashboard query, from a real Prometheus:\n{table}")
+    log.info(f"series per dashboard query, from a real Prometheus:\n{table}")
     empty = [expr for expr, a, b in rows if a == 0 or b == 0]
     assert not empty, f"dashboard queries without series:\n{empty}\n{table}"
     assert ops_per_s and float(ops_per_s[0]["value"][1]) > 0, f"no ops seen: {ops_per_s}"

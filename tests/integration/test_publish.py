@@ -1,4 +1,4 @@
-"""Model weights as versioned cluster state (issue 13): publishes under live inference.
+"""Model weights as versioned cluster state: publishes under live inference.
 
 Every ``dp(x)`` output must equal, exactly, what the local model computes at the
 version the SDK reports, shard by shard (the same split the SDK makes): a

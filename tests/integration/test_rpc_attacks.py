@@ -1,4 +1,4 @@
-"""Calls that stall cannot hold a worker (issue 16, H2).
+"""Calls that stall cannot hold a worker.
 
 40 ``PutTensor`` streams that send a header and one chunk and then nothing,
 with no deadline: before, they held every thread of the worker's gRPC pool
@@ -11,6 +11,7 @@ refused at once with RESOURCE_EXHAUSTED.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +25,8 @@ from hostile import Aftermath, assert_serving, rss_bytes
 import collectives
 from collectives.v1 import worker_pb2, worker_pb2_grpc
 from collectives.wire import codec
+
+log = logging.getLogger(__name__)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -78,7 +81,7 @@ def test_stalled_streams_do_not_freeze_a_worker_and_are_cut(fresh_cluster, gen) 
         codes = {c.exception().code() for c in calls if c.exception() is not None}
         assert codes == {grpc.StatusCode.CANCELLED}, codes
         assert cut_after < IDLE_S + 10
-    print(f"\n{STALLED} stalled puts cut after {cut_after:.2f} s (--stream-idle-s {IDLE_S:g})")
+    log.info(f"{STALLED} stalled puts cut after {cut_after:.2f} s (--stream-idle-s {IDLE_S:g})")
     for rank in range(2):
         with pytest.raises(collectives.NotFound):
             client.get("stall/0", rank=rank)
@@ -138,7 +141,7 @@ def _partial_put(name: str, declared: int, sent: int, stop: threading.Event) -> 
     stop.wait(120)
 
 
-def test_h3_cancelled_or_truncated_puts_give_their_memory_back_at_once(fresh_cluster) -> None:
+def test_cancelled_or_truncated_puts_give_their_memory_back_at_once(fresh_cluster) -> None:
     """Each put declares 160 MiB and sends 120. Four are cancelled by the client, four end
     their stream early: the worker frees every partial buffer at once, not at a later GC.
 
@@ -158,7 +161,7 @@ def test_h3_cancelled_or_truncated_puts_give_their_memory_back_at_once(fresh_clu
         )
         for i in range(4):
             stop = threading.Event()
-            call = put.future(_partial_put(f"h3/cancelled/{i}", 160 * MiB, 120 * MiB, stop))
+            call = put.future(_partial_put(f"cancelled/{i}", 160 * MiB, 120 * MiB, stop))
             wait_until(lambda: rss_bytes(target.pid) > base + 100 * MiB, 30, "120 MiB to arrive")
             call.cancel()
             stop.set()
@@ -166,7 +169,7 @@ def test_h3_cancelled_or_truncated_puts_give_their_memory_back_at_once(fresh_clu
         for i in range(4):
             ended = threading.Event()
             ended.set()
-            call = put.future(_partial_put(f"h3/truncated/{i}", 160 * MiB, 120 * MiB, ended))
+            call = put.future(_partial_put(f"truncated/{i}", 160 * MiB, 120 * MiB, ended))
             with pytest.raises(grpc.RpcError) as refused:
                 call.result(timeout=30)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -178,10 +181,10 @@ def test_h3_cancelled_or_truncated_puts_give_their_memory_back_at_once(fresh_clu
 def _wait_freed(pid: int, base: int, what: str) -> None:
     started = time.monotonic()
     wait_until(lambda: rss_bytes(pid) < base + 64 * MiB, 10, f"{what}'s partial buffer freed")
-    print(f"\n{what}: RSS back within {time.monotonic() - started:.2f} s")
+    log.info(f"{what}: RSS back within {time.monotonic() - started:.2f} s")
 
 
-def test_m1_concurrent_puts_are_counted_against_the_quota_at_their_header(fresh_cluster) -> None:
+def test_concurrent_puts_are_counted_against_the_quota_at_their_header(fresh_cluster) -> None:
     _, client = fresh_cluster(2, "--max-tensor-bytes", "256MiB", "--stream-idle-s", "60")
     aftermath = Aftermath(client).capture()
     target = _target_of(client)
@@ -193,7 +196,9 @@ def test_m1_concurrent_puts_are_counted_against_the_quota_at_their_header(fresh_
             request_serializer=None,
             response_deserializer=worker_pb2.PutTensorResponse.FromString,
         )
-        calls = [put.future(_partial_put(f"m1/{i}", 200 * MiB, 8 * MiB, stop)) for i in range(4)]
+        calls = [
+            put.future(_partial_put(f"concurrent/{i}", 200 * MiB, 8 * MiB, stop)) for i in range(4)
+        ]
         try:
             wait_until(lambda: sum(c.done() for c in calls) >= 3, 30, "3 puts refused")
             refused = [c for c in calls if c.done()]

@@ -1,6 +1,6 @@
 """Cluster-side training: remote autograd, bucketed gradient aggregation, optimizers.
 
-Acceptance 2-4 of issue 3: five remote steps equal five local full-batch steps
+Five remote steps equal five local full-batch steps
 on every rank (SGD and Adam; train_step too), the number of collectives per
 all_reduce_gradients is the number of buckets, and forwards without backward
 do not grow worker memory.

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import collectives
-from collectives.errors import EXECUTED_METADATA_KEY
+from collectives.errors import error_for_code, to_grpc_status
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2, worker_pb2_grpc
 from collectives.wire import codec
 
@@ -105,7 +105,7 @@ class FakeCluster:
         self.stores = [{} for _ in range(self.world_size)]
 
     def fail_next(self, method: str, code: grpc.StatusCode, executed: str | None = None) -> None:
-        """The next call of ``method`` fails with ``code`` (and ``collectives-executed``)."""
+        """The next call of ``method`` fails with ``code`` (``executed="no"``: never started)."""
         self.failures[method].append((code, executed))
 
     def record(self, method: str, request: object, context: grpc.ServicerContext) -> None:
@@ -117,9 +117,15 @@ class FakeCluster:
             gate.wait(10)
         if failure is not None:
             code, executed = failure
-            if executed is not None:
-                context.set_trailing_metadata(((EXECUTED_METADATA_KEY, executed),))
-            context.abort(code, f"injected {code.name} for {method}")
+            _abort(context, code, f"injected {code.name} for {method}", executed)
+
+
+def _abort(
+    context: grpc.ServicerContext, code: grpc.StatusCode, message: str, executed: str | None
+) -> None:
+    """Aborts as our servers do: the fields (``executed``) ride in the status details."""
+    ran = None if executed is None else executed != "no"
+    context.abort_with_status(to_grpc_status(error_for_code(code, message, executed=ran)))
 
 
 class FakeWorker(worker_pb2_grpc.WorkerServicer):
@@ -165,13 +171,11 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
     def _begin(self, method: str, request, context) -> list[int]:
         if self.rank != 0:
-            context.set_trailing_metadata(((EXECUTED_METADATA_KEY, "no"),))
-            context.abort(grpc.StatusCode.UNAVAILABLE, "not the leader")
+            _abort(context, grpc.StatusCode.UNAVAILABLE, "not the leader", "no")
         self.fake.record(method, request, context)
         options = request.options
         if options.generation not in (0, self.fake.generation):
-            context.set_trailing_metadata(((EXECUTED_METADATA_KEY, "no"),))
-            context.abort(grpc.StatusCode.UNAVAILABLE, "generation changed")
+            _abort(context, grpc.StatusCode.UNAVAILABLE, "generation changed", "no")
         if options.group_id:
             return self.fake.groups[options.group_id]
         return list(range(self.fake.world_size))

@@ -1,4 +1,4 @@
-"""Coordinator addresses are checked up front, and a wrong one fails at once (issue 15)."""
+"""Coordinator addresses are checked up front, and a wrong one fails at once."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""The model-archive allowlist alone (worker/archive.py, archive_graph.py): fast, no cluster.
+"""The model-archive allowlist alone (``worker/models/archive/checks.py``, ``graph.py``):
+fast, no cluster.
 
-Also shows the hostile builders are real: torch.export.load on the raw C1/C2
-archives runs their payload (creates the marker); our check refuses them first.
+Also shows the hostile builders are real: torch.export.load on the raw legacy-layout
+and opaque-constant archives runs their payload (creates the marker); our check refuses them first.
 """
 
 from __future__ import annotations
@@ -65,9 +66,7 @@ def test_hostile_archive_refused_and_nothing_runs(name, tmp_path, base, gen):
     assert not (tmp_path / "checked.pt2").exists()
 
 
-@pytest.mark.parametrize(
-    "name", ["c1_legacy_layout", "c2_opaque_obj_constant", "use_pickle_weight"]
-)
+@pytest.mark.parametrize("name", ["legacy_layout", "opaque_obj_constant", "use_pickle_weight"])
 def test_payloads_do_run_under_plain_torch_export_load(name, tmp_path, base, gen):
     """The attacks are real: unchecked, torch.export.load executes the pickle."""
     marker = tmp_path / "marker"

@@ -13,11 +13,14 @@ grows the message past the budget fails here, not at scale.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 from collectives.v1 import status_pb2
 from collectives_server.coordinator.cluster_message import cluster_to_proto, status_key
 from collectives_server.coordinator.membership import Membership
+
+log = logging.getLogger(__name__)
 
 WORKERS = 10_000
 BUDGET_BYTES = 4_000_000
@@ -123,4 +126,4 @@ def test_encoded_size_is_within_expected_limit() -> None:
     assert all(w.HasField("status") for w in msg.workers), "statuses must be in the message"
     size = len(msg.SerializeToString())
     assert size <= BUDGET_BYTES, f"{WORKERS} workers encode to {size} B > {BUDGET_BYTES} B"
-    print(f"Cluster of {WORKERS} workers: {size} B ({size / WORKERS:.0f} B per worker)")
+    log.info(f"Cluster of {WORKERS} workers: {size} B ({size / WORKERS:.0f} B per worker)")

@@ -10,12 +10,12 @@ from __future__ import annotations
 import http.client
 import secrets
 import socket
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+from helpers import wait_until
 
 from collectives.v1 import coordinator_pb2 as pb
 from collectives.v1 import coordinator_pb2_grpc as pb_grpc
@@ -274,10 +274,12 @@ def test_dashboard_connections_are_capped_and_idle_ones_closed(small: Coordinato
     host, port = small.dashboard_address.rsplit(":", 1)
     idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(4)]
     try:
-        deadline = time.monotonic() + 5
-        while small._dashboard.open_connections < 4:  # accepted by the server thread
-            assert time.monotonic() < deadline
-            time.sleep(0.01)  # polling a condition with a deadline
+        wait_until(
+            lambda: small._dashboard.open_connections >= 4,  # accepted by the server thread
+            5,
+            "the 4 idle dashboard connections accepted",
+            interval_s=0.01,
+        )
         # The fifth gets a 503 at once and is closed.
         with socket.create_connection((host, int(port)), timeout=5) as fifth:
             fifth.settimeout(5)
@@ -296,7 +298,7 @@ def test_dashboard_connections_are_capped_and_idle_ones_closed(small: Coordinato
 
 
 def test_a_huge_hostname_is_refused_without_any_token_configured(small: Coordinator) -> None:
-    """H6 as reported: the default coordinator (no tokens) refuses it before storing it."""
+    """A huge registration field: a coordinator without tokens refuses it before storing it."""
     with grpc.insecure_channel(small.address) as channel:
         stub = pb_grpc.CoordinatorStub(channel)
         huge = pb.RegisterRequest(address="127.0.0.1:5", devices=["cpu"], hostname="h" * (3 << 20))

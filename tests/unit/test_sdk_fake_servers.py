@@ -198,7 +198,7 @@ def test_groups_and_async_ops(deployment: FakeDeployment, cluster: collectives.C
 def test_a_never_started_collective_is_not_retried_on_a_new_generation(
     deployment: FakeDeployment, cluster: collectives.Cluster
 ) -> None:
-    """Issue 10: "never started" is not enough when the membership changed."""
+    """An op runs in its generation: "never started" is not enough when the membership changed."""
     fake = deployment.fake
     cluster.put("r", torch.ones(2))
     gate = threading.Event()

@@ -400,7 +400,7 @@ class GetStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStateResponse(_message.Message):
-    __slots__ = ("worker_id", "rank", "generation", "is_leader", "queue_depth", "tensors_held", "bytes_held", "ops_completed", "ops_failed", "devices", "backend", "status", "address", "hostname", "pid", "uptime_s", "world_size", "membership_digest")
+    __slots__ = ("worker_id", "rank", "generation", "is_leader", "queue_depth", "tensors_held", "bytes_held", "ops_completed", "ops_failed", "devices", "backend", "status", "address", "hostname", "pid", "uptime_s", "world_size", "membership_digest", "coordinator")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -419,6 +419,7 @@ class GetStateResponse(_message.Message):
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     rank: int
     generation: int
@@ -437,7 +438,8 @@ class GetStateResponse(_message.Message):
     uptime_s: float
     world_size: int
     membership_digest: str
-    def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., generation: _Optional[int] = ..., is_leader: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., tensors_held: _Optional[int] = ..., bytes_held: _Optional[int] = ..., ops_completed: _Optional[int] = ..., ops_failed: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., status: _Optional[_Union[_status_pb2.WorkerStatus, _Mapping]] = ..., address: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., world_size: _Optional[int] = ..., membership_digest: _Optional[str] = ...) -> None: ...
+    coordinator: str
+    def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., generation: _Optional[int] = ..., is_leader: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., tensors_held: _Optional[int] = ..., bytes_held: _Optional[int] = ..., ops_completed: _Optional[int] = ..., ops_failed: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., status: _Optional[_Union[_status_pb2.WorkerStatus, _Mapping]] = ..., address: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., world_size: _Optional[int] = ..., membership_digest: _Optional[str] = ..., coordinator: _Optional[str] = ...) -> None: ...
 
 class ModelSpec(_message.Message):
     __slots__ = ("name", "factory", "factory_kwargs_json", "archive_nbytes", "archive_tensor")

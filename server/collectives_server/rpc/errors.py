@@ -68,8 +68,8 @@ def abort_internal(context: grpc.ServicerContext, where: str, exc: BaseException
 
 
 def abort_with_error(context: grpc.ServicerContext, err: CollectiveError) -> None:
-    """Aborts the call with ``err``'s code and message, its fields as an ``ErrorInfo``
-    in the status details, and ``collectives-executed: no`` for an op that never ran.
+    """Aborts the call with ``err``'s code and message, and its fields (``executed``
+    among them: ``no`` for an op that never ran) as an ``ErrorInfo`` in the status details.
 
     Trailing metadata the call had already set is kept (``abort_with_status``
     replaces it). Raises, like ``context.abort``.

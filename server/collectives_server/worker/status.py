@@ -236,6 +236,7 @@ def worker_state(ctx: WorkerContext) -> worker_pb2.GetStateResponse:
         uptime_s=time.monotonic() - ctx.started,
         world_size=runtime.world_size if runtime else 0,
         membership_digest=runtime.membership_digest if runtime else "",
+        coordinator=ctx.config.coordinator,
     )
 
 

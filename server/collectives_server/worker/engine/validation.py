@@ -201,6 +201,7 @@ def _missing(
                 f"{_ranks(members)}); put it on {spec.root_role} rank {root} before the "
                 f"{spec.name}",
                 reason=Reason.OPERAND_MISSING,
+                ranks=tuple(members),
             )
         return OpError(
             grpc.StatusCode.FAILED_PRECONDITION,
@@ -214,6 +215,7 @@ def _missing(
             grpc.StatusCode.NOT_FOUND,
             f"tensor {name!r} not found on any rank of the group (ranks {_ranks(members)})",
             reason=Reason.OPERAND_MISSING,
+            ranks=tuple(required),
         )
     return OpError(
         grpc.StatusCode.FAILED_PRECONDITION,

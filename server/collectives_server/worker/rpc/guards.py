@@ -1,8 +1,8 @@
 """Decorators that turn domain errors into gRPC statuses and count each RPC.
 
 Every servicer method is wrapped: ``CollectiveError`` becomes its status code
-and message (with ``collectives-executed: no`` trailing metadata for ops that
-never started, and an ``ErrorInfo`` status detail with its structured fields,
+and message (with an ``ErrorInfo`` status detail carrying its structured fields,
+``executed: no`` for ops that never started,
 see :func:`collectives_server.rpc.errors.abort_with_error`; the request's tensor
 or model name and the counted call's kind fill the fields left unset), anything
 unexpected becomes ``INTERNAL`` with only an error id

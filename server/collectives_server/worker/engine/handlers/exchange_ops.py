@@ -62,6 +62,7 @@ def decide_exchange(
             f"tensor {name!r} not found on any src rank ({_ranks(srcs)}); put it on every src "
             "before the exchange",
             reason=Reason.OPERAND_MISSING,
+            ranks=tuple(srcs),
         )
     if missing:
         present = [s for s in srcs if s not in missing]

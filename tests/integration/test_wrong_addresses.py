@@ -1,0 +1,103 @@
+"""Clear answers to wrong addresses: a worker's port, an HTTP port, a silent one.
+
+A user who gives the SDK or ``collectives status`` a worker's port is told it is
+a worker and where its coordinator is; an HTTP port (the dashboard's) is named
+as such at once rather than after the timeout; an address where nothing
+accepts the connection fails within the timeout the user set, which the
+message names.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import collectives
+
+COLLECTIVES_CLI = str(Path(sys.executable).with_name("collectives"))
+# Time the CLI may spend beyond its --timeout: interpreter start and imports.
+CLI_START_S = 10.0
+
+
+def _status(address: str, timeout_s: float) -> tuple[subprocess.CompletedProcess[str], float]:
+    start = time.monotonic()
+    result = subprocess.run(
+        [COLLECTIVES_CLI, "status", "--coordinator", address, "--timeout", f"{timeout_s:g}"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    return result, time.monotonic() - start
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def silent_address() -> Iterator[str]:
+    """A port that listens but never completes another connection: its accept
+    queue is full, so the kernel drops new handshakes, as an unroutable host would."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(0)
+    port = server.getsockname()[1]
+    fillers = []
+    for _ in range(4):
+        filler = socket.socket()
+        filler.setblocking(False)
+        filler.connect_ex(("127.0.0.1", port))
+        fillers.append(filler)
+    yield f"127.0.0.1:{port}"
+    for filler in fillers:
+        filler.close()
+    server.close()
+
+
+def test_status_given_a_workers_port_names_the_worker_and_its_coordinator(
+    cluster2_address, cluster2
+):
+    worker = cluster2.workers()[1]
+    result, elapsed = _status(worker.address, 20)
+    assert result.returncode == 2, result
+    assert f"{worker.address} is a collectives worker ({worker.worker_id}, rank 1)" in (
+        result.stderr
+    ), result.stderr
+    assert f"its coordinator is at {cluster2_address}" in result.stderr, result.stderr
+    assert "UNIMPLEMENTED" not in result.stderr
+    assert elapsed < CLI_START_S, elapsed  # at once, not after the 20 s timeout
+
+
+def test_status_given_an_http_port_says_so_at_once(fresh_cluster):
+    port = _free_port()
+    _, cluster = fresh_cluster(2, "--dashboard-port", str(port))
+    cluster.close()
+    result, elapsed = _status(f"127.0.0.1:{port}", 20)
+    assert result.returncode == 2, result
+    assert f"127.0.0.1:{port} is an HTTP/1 server" in result.stderr, result.stderr
+    assert "the coordinator's gRPC address" in result.stderr
+    assert elapsed < CLI_START_S, elapsed
+
+
+def test_status_of_a_silent_address_fails_within_its_timeout_and_says_which(silent_address):
+    result, elapsed = _status(silent_address, 2)
+    assert result.returncode == 2, result
+    assert f"cannot reach the coordinator at {silent_address} within 2 s (--timeout)" in (
+        result.stderr
+    ), result.stderr
+    assert elapsed < 2 + CLI_START_S, elapsed
+
+
+def test_connect_to_a_silent_address_fails_within_its_timeout(silent_address):
+    start = time.monotonic()
+    with pytest.raises(collectives.Unavailable) as info:
+        collectives.connect(silent_address, timeout=2)
+    elapsed = time.monotonic() - start
+    assert elapsed < 2 + 1.5, elapsed
+    assert "within 2 s" in info.value.message, info.value
