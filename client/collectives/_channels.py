@@ -8,6 +8,8 @@ a second.
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -22,7 +24,9 @@ from collectives.wire.security import PLAINTEXT, ChannelSecurity
 __all__ = [
     "CHANNEL_OPTIONS",
     "MAX_MESSAGE_BYTES",
+    "CLIENT_NAME_ENV",
     "call_unary",
+    "channel_options",
     "deadline_s",
     "open_channel",
     "wait_channel_ready",
@@ -36,12 +40,31 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
 ]
 
 
+# A client's name for operators (the workers' client lists and error rows), sent
+# in the gRPC user agent as "collectives-client/<name>".
+CLIENT_NAME_ENV = "COLLECTIVES_CLIENT_NAME"
+_USER_AGENT_PREFIX = "collectives-client/"
+_NAME_CHARS = re.compile(r"[^A-Za-z0-9._:@-]")
+_NAME_MAX = 64
+
+
+def channel_options() -> list[tuple[str, Any]]:
+    """:data:`CHANNEL_OPTIONS`, with ``COLLECTIVES_CLIENT_NAME`` (if set) in the
+    primary user agent; characters outside ``[A-Za-z0-9._:@-]`` become ``_``, and
+    the name is cut to 64 characters."""
+    name = _NAME_CHARS.sub("_", os.environ.get(CLIENT_NAME_ENV, "").strip())[:_NAME_MAX]
+    if not name:
+        return list(CHANNEL_OPTIONS)
+    return [*CHANNEL_OPTIONS, ("grpc.primary_user_agent", _USER_AGENT_PREFIX + name)]
+
+
 def open_channel(address: str, security: ChannelSecurity = PLAINTEXT) -> grpc.Channel:
-    """A channel to ``address`` with the SDK's message size limits.
+    """A channel to ``address`` with the SDK's message size limits (and the client's
+    name from ``COLLECTIVES_CLIENT_NAME`` in its user agent, see :func:`channel_options`).
 
     ``security`` chooses TLS and the bearer token (default: plaintext, no token).
     """
-    return security.open_channel(address, CHANNEL_OPTIONS)
+    return security.open_channel(address, channel_options())
 
 
 def wait_channel_ready(channel: grpc.Channel, address: str, timeout: float) -> None:

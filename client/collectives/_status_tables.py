@@ -5,6 +5,12 @@ terminal's, 80 when unknown); otherwise it drops the least useful columns
 first, in a fixed order, and says how many it hid (``--wide`` keeps them all).
 Header, status and error lines are cut to the width with an ellipsis.
 
+Both show the failed ops grouped by kind, code and message (one line per group
+with its count, first and last time, rate and the client that issued it), and
+``top`` adds a table by op kind: the cluster's row (``all``), then each
+worker's, with the rate and latency p50/p99 the workers report (so the first
+frame already has them) and the collective bytes each moved.
+
 The status table's MODELS column shows each hosted model as ``name@vN`` (its
 version); a model a worker serves at an older version than another live worker
 is marked ``*`` there and named on a ``lagging models`` line under the table,
@@ -17,12 +23,13 @@ import shutil
 import time
 from collections.abc import Container, Sequence
 
-from collectives.wire.cluster_state import ClusterSnapshot, WorkerInfo, WorkerState
+from collectives.wire.cluster_state import ClusterSnapshot, OpCount, WorkerInfo, WorkerState
 
 __all__ = [
     "format_table",
     "format_top",
     "human_bytes",
+    "kind_rows",
     "lagging_models",
     "models_cell",
     "rates_between",
@@ -47,6 +54,11 @@ TOP_COLUMNS = (
     "LAST_OP", "LATENCY",
 )  # fmt: skip
 TOP_DROP_ORDER = ("MEMORY", "OPS_FAILED", "QUEUE", "LAST_OP", "OPS_OK", "TENSORS")
+KIND_COLUMNS = ("KIND", "RANK", "OPS/S", "OK", "FAILED", "P50", "P99", "COLL_IN", "COLL_OUT")
+KIND_DROP_ORDER = ("COLL_IN", "COLL_OUT", "FAILED", "OK")
+# Error groups and clients shown under the tables.
+ERROR_LINES = 5
+CLIENT_LINES = 5
 WIDE = 10_000  # the width of --wide: nothing is dropped or cut
 
 
@@ -218,18 +230,85 @@ def format_table(address: str, snapshot: ClusterSnapshot, width: int | None = No
         last = snapshot.history[-1]
         sealed = time.strftime("%H:%M:%S", time.localtime(last.sealed_unix_time_s))
         lines.append(_cut(f"last generation change ({sealed}): {last.reason}", width))
-    errors = sorted(
-        ((e, w) for w in snapshot.workers for e in w.recent_errors),
-        key=lambda item: item[0].unix_time_s,
-    )[-5:]
-    if errors:
-        lines.append("recent errors:")
-        for e, w in errors:
-            when = time.strftime("%H:%M:%S", time.localtime(e.unix_time_s))
-            op = f"op {e.op_id} " if e.op_id else ""
-            text = f"  {when} {w.address} {op}({e.kind}) gen {e.generation} {e.code}: {e.message}"
-            lines.append(_cut(text, width))
+    lines += error_lines(snapshot, width)
     return "\n".join(lines)
+
+
+def _clock(unix_s: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(unix_s))
+
+
+def error_lines(snapshot: ClusterSnapshot, width: int) -> list[str]:
+    """``errors:`` then one line per group of failed ops (the most recent first)."""
+    groups = snapshot.error_groups()
+    if not groups:
+        return []
+    lines = [f"errors ({len(groups)} distinct, most recent first):"]
+    for merged in groups[:ERROR_LINES]:
+        g = merged.group
+        ranks = ",".join(str(r) for r in merged.ranks if r >= 0) or "-"
+        details = [
+            f"{_clock(g.first_unix_time_s)}-{_clock(g.last_unix_time_s)}",
+            f"{g.rate_per_s:.2f}/s",
+            f"ranks {ranks}",
+        ]
+        if g.last_op_id:
+            details.append(f"last op {g.last_op_id}")
+        if g.client:
+            details.append(f"client {g.client}")
+        lines.append(_cut(f"  {g.count}x {g.kind} {g.code}: {g.message}", width))
+        lines.append(_cut("      " + ", ".join(details), width))
+    return lines
+
+
+def client_lines(snapshot: ClusterSnapshot, width: int) -> list[str]:
+    """``clients:`` then one line per client seen in the last 60 s."""
+    clients = snapshot.clients()
+    if not clients:
+        return []
+    lines = [f"clients ({len(clients)} in the last 60 s):"]
+    for c in clients[:CLIENT_LINES]:
+        who = f"{c.name} at {c.host}" if c.name else c.host
+        last = _clock(c.last_unix_time_s)
+        text = f"  {who}  called {len(c.workers)} worker(s), last at {last}  "
+        text += c.user_agent
+        lines.append(_cut(text, width))
+    return lines
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.2f}ms" if seconds > 0 else "-"
+
+
+def _kind_cells(kind: str, who: str, c: OpCount) -> tuple[str, ...]:
+    return (
+        kind,
+        who,
+        f"{c.rate_per_s:.1f}",
+        str(c.completed),
+        str(c.failed),
+        _ms(c.latency_p50_s),
+        _ms(c.latency_p99_s),
+        human_bytes(c.collective_bytes_received),
+        human_bytes(c.collective_bytes_sent),
+    )
+
+
+def kind_rows(snapshot: ClusterSnapshot) -> list[tuple[str, ...]]:
+    """The by-kind table's rows: per kind, the cluster's (``all``) then each live worker's."""
+    rows = []
+    live = [w for w in snapshot.workers if w.state is not WorkerState.LOST]
+    for kind, total in snapshot.ops_by_kind().items():
+        rows.append(_kind_cells(kind, "all", total))
+        for w in live:
+            if kind in w.ops:
+                rows.append(_kind_cells("", str(w.rank) if w.rank >= 0 else w.address, w.ops[kind]))
+    return rows
+
+
+def worker_rate(w: WorkerInfo) -> float:
+    """The worker's ops/s over every kind, as it reports them."""
+    return sum(c.rate_per_s for c in w.ops.values())
 
 
 def rates_between(
@@ -247,9 +326,16 @@ def rates_between(
 
 
 def format_top(
-    address: str, snapshot: ClusterSnapshot, rates: dict[str, float], width: int | None = None
+    address: str,
+    snapshot: ClusterSnapshot,
+    rates: dict[str, float] | None = None,
+    width: int | None = None,
 ) -> str:
+    """The ``top`` frame. A worker's OPS/S is what it reports (so the first frame
+    has it); ``rates`` (from :func:`rates_between`) stands in for a worker that
+    has not reported a status yet."""
     width = terminal_width() if width is None else width
+    rates = rates or {}
     header = [
         f"collectives top  {address}  generation {snapshot.generation}  "
         f"world size {snapshot.world_size}  {time.strftime('%H:%M:%S')}",
@@ -257,7 +343,7 @@ def format_top(
     ]
     rows = []
     for w in snapshot.workers:
-        rate = rates.get(w.address)
+        rate = worker_rate(w) if w.has_status else rates.get(w.address)
         rows.append(
             (
                 str(w.rank) if w.rank >= 0 else "-",
@@ -275,4 +361,10 @@ def format_top(
         )
     lines = [_cut(line, width) for line in header]
     lines += fit_table(TOP_COLUMNS, rows, TOP_DROP_ORDER, width)
+    by_kind = kind_rows(snapshot)
+    if by_kind:
+        lines.append("")
+        lines += fit_table(KIND_COLUMNS, by_kind, KIND_DROP_ORDER, width)
+    lines += error_lines(snapshot, width)
+    lines += client_lines(snapshot, width)
     return "\n".join(lines)

@@ -84,7 +84,7 @@ def test_dashboard_shows_workers_live_and_a_killed_worker_lost(browser, fresh_cl
 
     def work_shown(driver) -> bool:
         stats = driver.execute_script(_STATS_JS)
-        errors = driver.find_elements("css selector", "#error-rows tr[data-worker-id]")
+        errors = driver.find_elements("css selector", "#error-rows tr[data-count]")
         return (
             len(stats) == 3
             and all(int(t) >= 1 and int(ops) >= 2 for t, ops in stats)

@@ -4,8 +4,9 @@ Like torch elastic's ``test_encoded_size_is_within_expected_limit``: the
 message every client and worker downloads (GetCluster, WatchCluster) is built
 with the coordinator's own code (``Membership`` + ``cluster_to_proto``) for
 10,000 registered workers, each with a typical heartbeat status, and must
-encode within 4 MB (400 B per worker; measured ~280 B per worker with the
-status below, see bench/row_coordinator.py). A new per-worker field that
+encode within 4 MB (400 B per worker, see bench/row_coordinator.py). The
+typical status has the per-kind rates and latencies of four kinds, the
+collective bytes of one, and one client. A new per-worker field that
 grows the message past the budget fails here, not at scale.
 """
 
@@ -31,8 +32,25 @@ def _status(i: int) -> status_pb2.WorkerStatus:
         bytes_held=64 << 20,
         models=["mlp"],
         ops=[
-            status_pb2.OpCount(kind=k, completed=100 + i, failed=i % 3)
+            status_pb2.OpCount(
+                kind=k,
+                completed=100 + i,
+                failed=i % 3,
+                rate_per_s=123.4,
+                latency_p50_us=1230,
+                latency_p99_us=4500,
+                collective_bytes_received=(1 << 33) if k == "all_reduce" else 0,
+                collective_bytes_sent=(1 << 33) if k == "all_reduce" else 0,
+            )
             for k in ("put", "get", "all_reduce", "forward")
+        ],
+        clients=[
+            status_pb2.ClientStatus(
+                peer="ipv4:10.200.3.4:54321",
+                name="trainer-12",
+                user_agent="grpc-python/1.85.1",
+                last_unix_time_s=1.7e9 + i,
+            )
         ],
         last_op="all_reduce",
         last_op_latency_s=0.0012,

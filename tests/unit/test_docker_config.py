@@ -58,6 +58,9 @@ CONTRACT = {
     "collectives_data_collectives_total",
     "collectives_gradient_buckets_total",
     "collectives_build_info",
+    "collectives_collective_bytes_total",
+    "collectives_clients_connected",
+    "collectives_error_groups",
     # connections held and refused at a cap (worker; coordinator with a dashboard)
     "collectives_data_streams_active",
     "collectives_bulk_connections_open",

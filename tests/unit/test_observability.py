@@ -166,8 +166,19 @@ def _cluster_with_status() -> coordinator_pb2.Cluster:
         host_memory_total_bytes=4000, host_memory_available_bytes=3000, data_collectives=5,
         gradient_buckets_reduced=2, graphs_retained=1,
     )  # fmt: skip
-    status.ops.add(kind="all_reduce", completed=3, failed=1)
+    status.ops.add(
+        kind="all_reduce", completed=3, failed=1, rate_per_s=2.5, latency_p50_us=1000,
+        latency_p99_us=4000, collective_bytes_received=4096, collective_bytes_sent=4096,
+    )  # fmt: skip
     status.ops.add(kind="put", completed=2)
+    status.error_groups.add(
+        kind="all_reduce", code="NOT_FOUND", message="m", count=7, first_unix_time_s=1.0,
+        last_unix_time_s=1.5, rate_per_s=0.5, client="trainer (ipv4:127.0.0.1:5)", last_op_id=4,
+    )  # fmt: skip
+    status.clients.add(
+        peer="ipv4:127.0.0.1:5", user_agent="collectives-client/trainer grpc-python/1",
+        name="trainer", last_unix_time_s=1.5,
+    )  # fmt: skip
     status.devices.add(device="cpu", memory_used_bytes=1000, memory_total_bytes=4000)
     status.recent_errors.add(
         unix_time_s=1.5, op_id=4, generation=1, kind="all_reduce", code="NOT_FOUND", message="m"
@@ -189,7 +200,9 @@ def test_worker_info_exposes_the_status_as_typed_fields() -> None:
     w, bare = snap.workers
     assert w.has_status and not bare.has_status and bare.ops == {} and bare.models == ()
     assert (w.tensors_held, w.bytes_held, w.models) == (2, 96, ("mlp",))
-    assert w.ops == {"all_reduce": OpCount(3, 1), "put": OpCount(2, 0)}
+    assert w.ops == {"all_reduce": OpCount(3, 1, 2.5, 0.001, 0.004, 4096, 4096), "put": OpCount(2)}
+    assert w.error_groups[0].count == 7 and w.error_groups[0].client.startswith("trainer")
+    assert w.clients[0].name == "trainer" and w.clients[0].label.startswith("trainer (")
     assert (w.ops_completed, w.ops_failed) == (5, 1)
     assert (w.last_op, w.last_op_latency_s, w.queue_depth) == ("all_reduce", 0.25, 1)
     assert w.device_memory == (DeviceMemory("cpu", 1000, 4000),)
@@ -199,23 +212,39 @@ def test_worker_info_exposes_the_status_as_typed_fields() -> None:
     assert (w.data_collectives, w.gradient_buckets_reduced, w.graphs_retained) == (5, 2, 1)
     assert snap.history[0].members == ("h:1",) and snap.history[0].reason == "sealed"
     data = json.loads(json.dumps(snap.to_dict()))
-    assert data["workers"][0]["ops"]["all_reduce"] == {"completed": 3, "failed": 1}
+    assert data["workers"][0]["ops"]["put"] == {
+        "completed": 2, "failed": 0, "rate_per_s": 0.0, "latency_p50_s": 0.0,
+        "latency_p99_s": 0.0, "collective_bytes_received": 0, "collective_bytes_sent": 0,
+    }  # fmt: skip
+    assert data["ops_by_kind"]["all_reduce"]["rate_per_s"] == 2.5
+    assert data["error_groups"][0]["count"] == 7 and data["error_groups"][0]["ranks"] == [0]
+    assert data["clients"][0]["name"] == "trainer" and data["clients"][0]["workers"] == ["h:1"]
     assert data["workers"][0]["device_memory"][0]["used_bytes"] == 1000
     assert data["history"][0]["generation"] == 1
     table = client_cli.format_table("c:1", snap, width=1000)
-    assert "all_reduce" in table and "op 4 (all_reduce)" in table and "sealed" in table
+    assert "7x all_reduce NOT_FOUND: m" in table and "last op 4" in table and "sealed" in table
 
 
-def test_top_rates_come_from_consecutive_snapshots() -> None:
+def test_top_shows_the_reported_rates_from_the_first_frame() -> None:
+    """A worker's OPS/S is what it reports (no second frame needed); the rate between
+    two snapshots stands in only for a worker without a status."""
     before = ClusterSnapshot.from_proto(_cluster_with_status())
     msg = _cluster_with_status()
     msg.workers[0].status.ops[1].completed = 12  # 10 more puts
+    msg.workers[1].status.tensors_held = 0  # h:2 has no status: the fallback
+    msg.workers[1].ClearField("status")
     after = ClusterSnapshot.from_proto(msg)
     rates = status_tables.rates_between(before, after, 2.0)
     assert rates == {"h:1": 5.0, "h:2": 0.0}
-    assert "5.0" in client_cli.format_top("c:1", after, rates, width=1000)
+    first = client_cli.format_top("c:1", before, None, width=1000)
+    row = next(line for line in first.splitlines() if line.startswith("0 "))
+    assert "2.5" in row.split()  # the reported rate, in the first frame
+    assert "7x all_reduce NOT_FOUND: m" in first and "last op 4, client trainer" in first
+    assert "trainer at ipv4:127.0.0.1" in first
+    kinds = [line.split() for line in first.splitlines() if line.startswith(("all_reduce", "  "))]
+    assert ["all_reduce", "all", "2.5", "3", "1", "1.00ms", "4.00ms", "4.0KiB", "4.0KiB"] in kinds
     narrow = client_cli.format_top("c:1", after, rates, width=80).splitlines()
-    assert max(map(len, narrow)) <= 80 and "5.0" in "\n".join(narrow)
+    assert max(map(len, narrow)) <= 80 and "2.5" in "\n".join(narrow)
     assert status_tables.human_bytes(1536) == "1.5KiB" and status_tables.human_bytes(10) == "10B"
 
 

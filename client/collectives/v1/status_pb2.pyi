@@ -17,14 +17,58 @@ class DeviceStatus(_message.Message):
     def __init__(self, device: _Optional[str] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ...) -> None: ...
 
 class OpCount(_message.Message):
-    __slots__ = ("kind", "completed", "failed")
+    __slots__ = ("kind", "completed", "failed", "rate_per_s", "latency_p50_us", "latency_p99_us", "collective_bytes_received", "collective_bytes_sent")
     KIND_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
+    RATE_PER_S_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_P50_US_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_P99_US_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     kind: str
     completed: int
     failed: int
-    def __init__(self, kind: _Optional[str] = ..., completed: _Optional[int] = ..., failed: _Optional[int] = ...) -> None: ...
+    rate_per_s: float
+    latency_p50_us: int
+    latency_p99_us: int
+    collective_bytes_received: int
+    collective_bytes_sent: int
+    def __init__(self, kind: _Optional[str] = ..., completed: _Optional[int] = ..., failed: _Optional[int] = ..., rate_per_s: _Optional[float] = ..., latency_p50_us: _Optional[int] = ..., latency_p99_us: _Optional[int] = ..., collective_bytes_received: _Optional[int] = ..., collective_bytes_sent: _Optional[int] = ...) -> None: ...
+
+class ErrorGroup(_message.Message):
+    __slots__ = ("kind", "code", "message", "count", "first_unix_time_s", "last_unix_time_s", "rate_per_s", "client", "last_op_id")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_UNIX_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_UNIX_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    RATE_PER_S_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
+    LAST_OP_ID_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    code: str
+    message: str
+    count: int
+    first_unix_time_s: float
+    last_unix_time_s: float
+    rate_per_s: float
+    client: str
+    last_op_id: int
+    def __init__(self, kind: _Optional[str] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., count: _Optional[int] = ..., first_unix_time_s: _Optional[float] = ..., last_unix_time_s: _Optional[float] = ..., rate_per_s: _Optional[float] = ..., client: _Optional[str] = ..., last_op_id: _Optional[int] = ...) -> None: ...
+
+class ClientStatus(_message.Message):
+    __slots__ = ("peer", "user_agent", "name", "last_unix_time_s")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    USER_AGENT_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LAST_UNIX_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    user_agent: str
+    name: str
+    last_unix_time_s: float
+    def __init__(self, peer: _Optional[str] = ..., user_agent: _Optional[str] = ..., name: _Optional[str] = ..., last_unix_time_s: _Optional[float] = ...) -> None: ...
 
 class RecentError(_message.Message):
     __slots__ = ("unix_time_s", "op_id", "generation", "kind", "code", "message")
@@ -51,7 +95,7 @@ class ModelVersion(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("tensors_held", "bytes_held", "models", "ops", "last_op", "last_op_latency_s", "queue_depth", "devices", "package_version", "torch_version", "backend_version", "bytes_received", "bytes_sent", "process_rss_bytes", "host_memory_total_bytes", "host_memory_available_bytes", "recent_errors", "data_collectives", "gradient_buckets_reduced", "graphs_retained", "model_versions", "model_versions_omitted")
+    __slots__ = ("tensors_held", "bytes_held", "models", "ops", "last_op", "last_op_latency_s", "queue_depth", "devices", "package_version", "torch_version", "backend_version", "bytes_received", "bytes_sent", "process_rss_bytes", "host_memory_total_bytes", "host_memory_available_bytes", "recent_errors", "data_collectives", "gradient_buckets_reduced", "graphs_retained", "model_versions", "model_versions_omitted", "error_groups", "clients")
     TENSORS_HELD_FIELD_NUMBER: _ClassVar[int]
     BYTES_HELD_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +118,8 @@ class WorkerStatus(_message.Message):
     GRAPHS_RETAINED_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSIONS_OMITTED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_FIELD_NUMBER: _ClassVar[int]
     tensors_held: int
     bytes_held: int
     models: _containers.RepeatedScalarFieldContainer[str]
@@ -96,4 +142,6 @@ class WorkerStatus(_message.Message):
     graphs_retained: int
     model_versions: _containers.RepeatedCompositeFieldContainer[ModelVersion]
     model_versions_omitted: int
-    def __init__(self, tensors_held: _Optional[int] = ..., bytes_held: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., ops: _Optional[_Iterable[_Union[OpCount, _Mapping]]] = ..., last_op: _Optional[str] = ..., last_op_latency_s: _Optional[float] = ..., queue_depth: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceStatus, _Mapping]]] = ..., package_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., backend_version: _Optional[str] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., process_rss_bytes: _Optional[int] = ..., host_memory_total_bytes: _Optional[int] = ..., host_memory_available_bytes: _Optional[int] = ..., recent_errors: _Optional[_Iterable[_Union[RecentError, _Mapping]]] = ..., data_collectives: _Optional[int] = ..., gradient_buckets_reduced: _Optional[int] = ..., graphs_retained: _Optional[int] = ..., model_versions: _Optional[_Iterable[_Union[ModelVersion, _Mapping]]] = ..., model_versions_omitted: _Optional[int] = ...) -> None: ...
+    error_groups: _containers.RepeatedCompositeFieldContainer[ErrorGroup]
+    clients: _containers.RepeatedCompositeFieldContainer[ClientStatus]
+    def __init__(self, tensors_held: _Optional[int] = ..., bytes_held: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., ops: _Optional[_Iterable[_Union[OpCount, _Mapping]]] = ..., last_op: _Optional[str] = ..., last_op_latency_s: _Optional[float] = ..., queue_depth: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceStatus, _Mapping]]] = ..., package_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., backend_version: _Optional[str] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., process_rss_bytes: _Optional[int] = ..., host_memory_total_bytes: _Optional[int] = ..., host_memory_available_bytes: _Optional[int] = ..., recent_errors: _Optional[_Iterable[_Union[RecentError, _Mapping]]] = ..., data_collectives: _Optional[int] = ..., gradient_buckets_reduced: _Optional[int] = ..., graphs_retained: _Optional[int] = ..., model_versions: _Optional[_Iterable[_Union[ModelVersion, _Mapping]]] = ..., model_versions_omitted: _Optional[int] = ..., error_groups: _Optional[_Iterable[_Union[ErrorGroup, _Mapping]]] = ..., clients: _Optional[_Iterable[_Union[ClientStatus, _Mapping]]] = ...) -> None: ...

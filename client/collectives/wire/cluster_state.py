@@ -16,19 +16,24 @@ from typing import Any
 
 from collectives.errors import Unavailable
 from collectives.v1 import coordinator_pb2, status_pb2
-from collectives.wire.op_specs import check_rank
+from collectives.wire.op_specs import check_rank, spec_named
 
 __all__ = [
     "DEFAULT_OP_TIMEOUT_S",
     "ClusterNotFormed",
+    "ClientInfo",
+    "ClusterClient",
+    "ClusterErrorGroup",
     "ClusterSnapshot",
     "DeviceMemory",
+    "ErrorGroup",
     "GenerationRecord",
     "OpCount",
     "RecentError",
     "WorkerInfo",
     "WorkerState",
     "check_rank",
+    "is_sequenced_kind",
 ]
 
 # The coordinator's --op-timeout-s default, used when it reports none.
@@ -64,12 +69,97 @@ _STATE_FROM_WIRE: dict[int, WorkerState] = {
 }
 
 
+def _single(value: float) -> float:
+    """A single-precision proto field as the decimal it was written from (7 digits):
+    0.001, not 0.0010000000474974513."""
+    return float(f"{value:.7g}")
+
+
 @dataclass(frozen=True)
 class OpCount:
-    """Ops of one kind a worker finished: ``completed`` succeeded, ``failed`` did not."""
+    """Ops of one kind a worker finished: ``completed`` succeeded, ``failed`` did not.
+
+    ``rate_per_s`` counts both over about the last 10 s; the latency percentiles
+    are over the kind's last 512 ops. The collective bytes are the payload this
+    rank moved for the kind's collectives, from the operand size and the
+    bandwidth-optimal algorithm's traffic (an all_reduce of ``n`` bytes at world
+    size ``p``: ``2(p-1)/p·n`` each way; see ``docs/api.md``).
+    """
 
     completed: int = 0
     failed: int = 0
+    rate_per_s: float = 0.0
+    latency_p50_s: float = 0.0
+    latency_p99_s: float = 0.0
+    collective_bytes_received: int = 0
+    collective_bytes_sent: int = 0
+
+    @classmethod
+    def from_proto(cls, o: status_pb2.OpCount) -> OpCount:
+        return cls(
+            int(o.completed),
+            int(o.failed),
+            _single(o.rate_per_s),
+            o.latency_p50_us / 1e6,
+            o.latency_p99_us / 1e6,
+            int(o.collective_bytes_received),
+            int(o.collective_bytes_sent),
+        )
+
+
+@dataclass(frozen=True)
+class ErrorGroup:
+    """Failed ops of one kind with one code and message, counted as one row."""
+
+    kind: str
+    code: str
+    message: str
+    count: int
+    first_unix_time_s: float
+    last_unix_time_s: float
+    # Failures per second over about the last 10 s.
+    rate_per_s: float
+    # The client that issued the latest one, as ClientInfo.label ("" when this
+    # worker did not receive the call: only the leader receives a collective).
+    client: str = ""
+    last_op_id: int = 0
+
+    @classmethod
+    def from_proto(cls, g: status_pb2.ErrorGroup) -> ErrorGroup:
+        return cls(
+            g.kind,
+            g.code,
+            g.message,
+            int(g.count),
+            float(g.first_unix_time_s),
+            float(g.last_unix_time_s),
+            _single(g.rate_per_s),
+            g.client,
+            int(g.last_op_id),
+        )
+
+
+@dataclass(frozen=True)
+class ClientInfo:
+    """A client that called a worker in the last 60 s."""
+
+    # gRPC peer, "ipv4:127.0.0.1:53412".
+    peer: str
+    # Its gRPC user agent without the name token and gRPC's C-core suffix
+    # ("grpc-python/1.85.1"; at most 64 characters).
+    user_agent: str
+    # What the client set in COLLECTIVES_CLIENT_NAME ("" when nothing).
+    name: str
+    last_unix_time_s: float
+
+    @property
+    def label(self) -> str:
+        """``name (peer)``, or the peer alone: how an :class:`ErrorGroup` names it."""
+        return f"{self.name} ({self.peer})" if self.name else self.peer
+
+    @classmethod
+    def from_proto(cls, c: status_pb2.ClientStatus) -> ClientInfo:
+        return cls(c.peer, c.user_agent, c.name, float(c.last_unix_time_s))
 
 
 @dataclass(frozen=True)
@@ -178,6 +268,13 @@ class WorkerInfo:
     data_collectives: int = 0
     gradient_buckets_reduced: int = 0
     graphs_retained: int = 0
+    # Collective payload bytes of every kind (the sums of ``ops``' collective bytes).
+    collective_bytes_received: int = 0
+    collective_bytes_sent: int = 0
+    # Failed ops grouped by kind, code and message, most recent first (at most 16).
+    error_groups: tuple[ErrorGroup, ...] = ()
+    # Clients that called this worker in the last 60 s, most recent first (at most 16).
+    clients: tuple[ClientInfo, ...] = ()
 
     @property
     def is_member(self) -> bool:
@@ -257,6 +354,10 @@ class WorkerInfo:
             "data_collectives": self.data_collectives,
             "gradient_buckets_reduced": self.gradient_buckets_reduced,
             "graphs_retained": self.graphs_retained,
+            "collective_bytes_received": self.collective_bytes_received,
+            "collective_bytes_sent": self.collective_bytes_sent,
+            "error_groups": [asdict(g) for g in self.error_groups],
+            "clients": [{**asdict(c), "label": c.label} for c in self.clients],
         }
 
 
@@ -269,7 +370,7 @@ def _status_fields(s: status_pb2.WorkerStatus, present: bool) -> dict[str, Any]:
         "models": tuple(s.models),
         "model_versions": {m.name: int(m.version) for m in s.model_versions},
         "model_versions_omitted": int(s.model_versions_omitted),
-        "ops": {o.kind: OpCount(int(o.completed), int(o.failed)) for o in s.ops},
+        "ops": {o.kind: OpCount.from_proto(o) for o in s.ops},
         "last_op": s.last_op,
         "last_op_latency_s": float(s.last_op_latency_s),
         "queue_depth": int(s.queue_depth),
@@ -294,7 +395,92 @@ def _status_fields(s: status_pb2.WorkerStatus, present: bool) -> dict[str, Any]:
         "data_collectives": int(s.data_collectives),
         "gradient_buckets_reduced": int(s.gradient_buckets_reduced),
         "graphs_retained": int(s.graphs_retained),
+        "collective_bytes_received": sum(int(o.collective_bytes_received) for o in s.ops),
+        "collective_bytes_sent": sum(int(o.collective_bytes_sent) for o in s.ops),
+        "error_groups": tuple(ErrorGroup.from_proto(g) for g in s.error_groups),
+        "clients": tuple(ClientInfo.from_proto(c) for c in s.clients),
     }
+
+
+def is_sequenced_kind(kind: str) -> bool:
+    """Whether ``kind`` is a sequenced op (a collective, a group or model op the
+    leader numbers), which every member of its group runs and counts, rather than
+    a call one worker serves (``put``, ``get``, ``forward``, ...)."""
+    try:
+        return spec_named(kind).sequenced
+    except ValueError:
+        return False
+
+
+def _cluster_op_count(kind: str, counts: list[OpCount]) -> OpCount:
+    """One kind over the workers: a sequenced op runs on every member, and each
+    counts it, so its counts and rate are the largest worker's; calls one worker
+    serves add up. p50/p99 are the slowest worker's; the bytes add up."""
+    pick = max if is_sequenced_kind(kind) else sum
+    return OpCount(
+        completed=pick(c.completed for c in counts),
+        failed=pick(c.failed for c in counts),
+        rate_per_s=pick(c.rate_per_s for c in counts),
+        latency_p50_s=max(c.latency_p50_s for c in counts),
+        latency_p99_s=max(c.latency_p99_s for c in counts),
+        collective_bytes_received=sum(c.collective_bytes_received for c in counts),
+        collective_bytes_sent=sum(c.collective_bytes_sent for c in counts),
+    )
+
+
+@dataclass(frozen=True)
+class ClusterClient:
+    """A client over the workers it called: one channel (peer) per worker."""
+
+    name: str
+    # The peers' host, "ipv4:127.0.0.1".
+    host: str
+    user_agent: str
+    peers: tuple[str, ...]
+    workers: tuple[str, ...]
+    last_unix_time_s: float
+
+
+@dataclass(frozen=True)
+class ClusterErrorGroup:
+    """An :class:`ErrorGroup` over the workers that reported it (a collective that
+    fails is reported by every rank that ran it: its count is the largest rank's)."""
+
+    group: ErrorGroup
+    # The addresses of the workers that reported it, and their ranks (-1: none).
+    reporters: tuple[str, ...]
+    ranks: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self.group), "reporters": list(self.reporters), "ranks": list(self.ranks)}
+
+
+def _merge_error_groups(workers: tuple[WorkerInfo, ...]) -> list[ClusterErrorGroup]:
+    found: dict[tuple[str, str, str], list[tuple[WorkerInfo, ErrorGroup]]] = {}
+    for w in workers:
+        for g in w.error_groups:
+            found.setdefault((g.kind, g.code, g.message), []).append((w, g))
+    merged = []
+    for (kind, code, message), reports in found.items():
+        groups = [g for _, g in reports]
+        pick = max if is_sequenced_kind(kind) else sum
+        latest = max(groups, key=lambda g: g.last_unix_time_s)
+        client = next((g.client for g in groups if g.client), "")
+        group = ErrorGroup(
+            kind=kind,
+            code=code,
+            message=message,
+            count=pick(g.count for g in groups),
+            first_unix_time_s=min(g.first_unix_time_s for g in groups),
+            last_unix_time_s=latest.last_unix_time_s,
+            rate_per_s=pick(g.rate_per_s for g in groups),
+            client=client,
+            last_op_id=latest.last_op_id,
+        )
+        ranks = tuple(sorted(w.rank for w, _ in reports))
+        merged.append(ClusterErrorGroup(group, tuple(w.address for w, _ in reports), ranks))
+    merged.sort(key=lambda m: m.group.last_unix_time_s, reverse=True)
+    return merged
 
 
 @dataclass(frozen=True)
@@ -354,6 +540,42 @@ class ClusterSnapshot:
         (a group's older or newer generation: its generation check decides)."""
         return self.membership_digest if generation == self.generation else ""
 
+    def ops_by_kind(self) -> dict[str, OpCount]:
+        """kind -> the cluster's counts, rate, p50/p99 and collective bytes, over the
+        live workers (see ``_cluster_op_count`` for how workers combine)."""
+        found: dict[str, list[OpCount]] = {}
+        for w in self.workers:
+            if w.state is WorkerState.LOST:
+                continue
+            for kind, count in w.ops.items():
+                found.setdefault(kind, []).append(count)
+        return {kind: _cluster_op_count(kind, counts) for kind, counts in sorted(found.items())}
+
+    def error_groups(self) -> list[ClusterErrorGroup]:
+        """The workers' error groups merged by kind, code and message, most recent first."""
+        return _merge_error_groups(self.workers)
+
+    def clients(self) -> list[ClusterClient]:
+        """The clients the workers saw in the last 60 s, one entry per client (its
+        name, or its host, with its user agent), most recently seen first."""
+        found: dict[tuple[str, str, str], list[tuple[WorkerInfo, ClientInfo]]] = {}
+        for w in self.workers:
+            for c in w.clients:
+                host = c.peer.rsplit(":", 1)[0]
+                found.setdefault((c.name, "" if c.name else host, c.user_agent), []).append((w, c))
+        out = [
+            ClusterClient(
+                name=name,
+                host=host or reports[0][1].peer.rsplit(":", 1)[0],
+                user_agent=agent,
+                peers=tuple(sorted({c.peer for _, c in reports})),
+                workers=tuple(sorted({w.address for w, _ in reports})),
+                last_unix_time_s=max(c.last_unix_time_s for _, c in reports),
+            )
+            for (name, host, agent), reports in found.items()
+        ]
+        return sorted(out, key=lambda c: -c.last_unix_time_s)
+
     @property
     def members(self) -> list[WorkerInfo]:
         """Workers holding a rank in the current generation, in rank order."""
@@ -407,4 +629,7 @@ class ClusterSnapshot:
             "history": [asdict(r) for r in self.history],
             "coordinator_leader": self.coordinator_leader,
             "store": self.store,
+            "ops_by_kind": {kind: asdict(c) for kind, c in self.ops_by_kind().items()},
+            "error_groups": [g.to_dict() for g in self.error_groups()],
+            "clients": [asdict(c) for c in self.clients()],
         }

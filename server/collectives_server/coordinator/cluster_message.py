@@ -17,7 +17,8 @@ _STATE_TO_PROTO = {
 
 
 def status_key(status: status_pb2.WorkerStatus) -> bytes:
-    """The status without the readings that change all the time (memory in use).
+    """The status without the readings that change all the time (memory in use, and
+    the recent rates and last-call times, which drift while a worker is idle).
 
     Heartbeats whose key did not change do not push a new Cluster to watchers
     at once (see :mod:`.membership`).
@@ -28,6 +29,12 @@ def status_key(status: status_pb2.WorkerStatus) -> bytes:
         device.memory_used_bytes = 0
     stable.process_rss_bytes = 0
     stable.host_memory_available_bytes = 0
+    for op in stable.ops:
+        op.rate_per_s = 0.0
+    for group in stable.error_groups:
+        group.rate_per_s = 0.0
+    for client in stable.clients:
+        client.last_unix_time_s = 0.0
     return stable.SerializeToString(deterministic=True)
 
 

@@ -403,23 +403,11 @@ class WorkerDaemon:
         hooks = GenerationHooks(
             on_joined=self._joined,
             on_op_done=self._op_done,
-            on_data_collectives=self._data_collectives_done,
-            on_fused=self._fused_run_done,
+            on_data_collectives=self.ctx.stats.record_data_collectives,
+            on_fused=self.ctx.stats.record_fused,
             sync_models=lambda op_ctx: sync_models(op_ctx, self.ctx.uploads),
         )
         return Generation(spec, hooks).start()
-
-    def _data_collectives_done(self, collectives: int, gradient_buckets: int) -> None:
-        stats = self.ctx.stats
-        with stats.lock:
-            stats.data_collectives += collectives
-            stats.gradient_buckets_reduced += gradient_buckets
-
-    def _fused_run_done(self, ops: int) -> None:
-        stats = self.ctx.stats
-        with stats.lock:
-            stats.fused_runs += 1
-            stats.fused_ops += ops
 
     def _joined(self, generation: int) -> None:
         with self._lock:

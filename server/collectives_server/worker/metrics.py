@@ -41,6 +41,7 @@ def _collect(ctx: WorkerContext) -> Iterator[Metric]:
         by_status = dict(stats.ops_by_status)
         heartbeats = (stats.heartbeats_sent, stats.heartbeat_failures)
         fused = (stats.fused_runs, stats.fused_ops)
+        collective_bytes = {k: tuple(v) for k, v in stats.collective_bytes.items()}
     runtime = ctx.runtime
 
     yield build_info(collectives_server.__version__, torch.__version__, ctx.backend)
@@ -68,6 +69,26 @@ def _collect(ctx: WorkerContext) -> Iterator[Metric]:
     moved.add_metric(["received"], status.bytes_received)
     moved.add_metric(["sent"], status.bytes_sent)
     yield moved
+    collective = CounterMetricFamily(
+        "collectives_collective_bytes",
+        "Collective payload bytes this rank moved, by kind and direction (the "
+        "bandwidth-optimal algorithm's traffic for the op's operand size)",
+        labels=["kind", "direction"],
+    )
+    for kind, (received, sent) in sorted(collective_bytes.items()):
+        collective.add_metric([kind, "received"], received)
+        collective.add_metric([kind, "sent"], sent)
+    yield collective
+    yield _gauge(
+        "collectives_clients_connected",
+        "Clients that called this worker in the last 60 s",
+        len(status.clients),
+    )
+    yield _gauge(
+        "collectives_error_groups",
+        "Distinct failures (kind, code, message) this worker keeps counts of",
+        len(status.error_groups),
+    )
     yield _counter(
         "collectives_fused_runs", "Announcements that carried several queued small ops", fused[0]
     )

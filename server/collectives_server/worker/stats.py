@@ -1,8 +1,12 @@
 """The worker's counters: ops by kind and outcome, latencies, bytes moved, heartbeats.
 
-Every op, collective or data-plane, goes through :meth:`WorkerStats.record`;
-:mod:`status` turns the counters into the ``WorkerStatus`` message and
-:mod:`metrics` into Prometheus metrics.
+Every op, collective or data-plane, goes through :meth:`WorkerStats.record`,
+which also keeps each kind's recent rate and latency percentiles
+(:mod:`windows`) and groups failures (:mod:`error_groups`); collectives add
+their modelled traffic with :meth:`WorkerStats.add_collective_bytes`
+(:mod:`collective_traffic`); the RPC guards note the callers in ``clients``
+(:mod:`clients`). :mod:`status` turns the counters into the ``WorkerStatus``
+message and :mod:`metrics` into Prometheus metrics.
 """
 
 from __future__ import annotations
@@ -16,8 +20,11 @@ from dataclasses import dataclass, field
 import grpc
 
 from collectives.v1 import status_pb2
+from collectives_server.worker.clients import ClientTable
+from collectives_server.worker.error_groups import ErrorGroups
+from collectives_server.worker.windows import LatencyWindow, WindowedRate
 
-__all__ = ["LATENCY_BUCKETS_S", "RECENT_ERRORS", "WorkerStats", "status_label"]
+__all__ = ["LATENCY_BUCKETS_S", "RECENT_ERRORS", "KindSummary", "WorkerStats", "status_label"]
 
 # How many failed ops GetState/heartbeats report.
 RECENT_ERRORS = 20
@@ -44,12 +51,23 @@ class _Histogram:
 
 
 @dataclass
-class WorkerStats:
-    """The worker's counters. Update them through the methods (they take ``lock``).
+class _KindWindows:
+    rate: WindowedRate = field(default_factory=WindowedRate)
+    latency: LatencyWindow = field(default_factory=LatencyWindow)
 
-    ``data_collectives`` and ``gradient_buckets_reduced`` are plain counters that
-    the model code increments from the generation's thread.
-    """
+
+@dataclass(frozen=True)
+class KindSummary:
+    """One kind's recent rate (ops/s, completed and failed) and latency percentiles."""
+
+    rate_per_s: float
+    p50_s: float
+    p99_s: float
+
+
+@dataclass
+class WorkerStats:
+    """The worker's counters. Update them through the methods (they take ``lock``)."""
 
     bytes_in: int = 0
     bytes_out: int = 0
@@ -70,6 +88,12 @@ class WorkerStats:
     fused_ops: int = 0
     heartbeats_sent: int = 0
     heartbeat_failures: int = 0
+    # kind -> recent rate and latencies; kind -> (received, sent) collective bytes.
+    windows: dict[str, _KindWindows] = field(default_factory=dict)
+    collective_bytes: dict[str, list[int]] = field(default_factory=dict)
+    error_groups: ErrorGroups = field(default_factory=ErrorGroups)
+    # Has a lock of its own: the RPC guards note every call's client.
+    clients: ClientTable = field(default_factory=ClientTable)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def record(
@@ -84,10 +108,16 @@ class WorkerStats:
     ) -> None:
         """Counts one op of ``kind``; ``code`` None or OK means it succeeded."""
         ok = code is None or code == grpc.StatusCode.OK
+        now_s = time.monotonic()
         with self.lock:
             (self.ops_completed if ok else self.ops_failed)[kind] += 1
             self.ops_by_status[(kind, status_label(code))] += 1
             self.latency.setdefault(kind, _Histogram()).observe(latency_s)
+            windows = self.windows.get(kind)
+            if windows is None:
+                windows = self.windows[kind] = _KindWindows()
+            windows.rate.add(now_s)
+            windows.latency.add(latency_s)
             self.last_op = kind
             self.last_op_latency_s = latency_s
             if not ok:
@@ -102,12 +132,48 @@ class WorkerStats:
                         message=message,
                     )
                 )
+                self.error_groups.record(kind, code.name, message, op_id)
 
     def add_bytes(self, *, received: int = 0, sent: int = 0) -> None:
         """Data-plane payload bytes: received by PutTensor, sent by GetTensor."""
         with self.lock:
             self.bytes_in += received
             self.bytes_out += sent
+
+    def add_collective_bytes(self, kind: str, *, received: int, sent: int) -> None:
+        """A collective's modelled payload traffic on this rank (``collective_traffic``)."""
+        if not received and not sent:
+            return
+        with self.lock:
+            moved = self.collective_bytes.setdefault(kind, [0, 0])
+            moved[0] += received
+            moved[1] += sent
+
+    def attribute_failure(self, code: grpc.StatusCode, message: str, client: str) -> None:
+        """Names the client whose call failed with ``code`` and ``message``."""
+        with self.lock:
+            self.error_groups.attribute(code.name, message, client)
+
+    def record_fused(self, ops: int) -> None:
+        """One fused announcement that carried ``ops`` queued small ops."""
+        with self.lock:
+            self.fused_runs += 1
+            self.fused_ops += ops
+
+    def record_data_collectives(self, collectives: int, gradient_buckets: int) -> None:
+        """Data collectives a model op issued, and the gradient buckets among them."""
+        with self.lock:
+            self.data_collectives += collectives
+            self.gradient_buckets_reduced += gradient_buckets
+
+    def kind_summaries(self) -> dict[str, KindSummary]:
+        """kind -> its recent rate and latency p50/p99 (call with ``lock`` held)."""
+        now_s = time.monotonic()
+        out = {}
+        for kind, w in self.windows.items():
+            p50, p99 = w.latency.percentiles(50, 99)
+            out[kind] = KindSummary(w.rate.rate(now_s), p50, p99)
+        return out
 
     def heartbeat(self, ok: bool) -> None:
         with self.lock:

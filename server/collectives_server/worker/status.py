@@ -26,6 +26,8 @@ import collectives_server
 from collectives.errors import CollectiveError
 from collectives.v1 import status_pb2, worker_pb2
 from collectives.wire.op_specs import kind_name, spec, subject
+from collectives_server.control_protocol import FIELD_LIMITS
+from collectives_server.worker.collective_traffic import collective_traffic
 from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.stats import (
     LATENCY_BUCKETS_S,
@@ -149,10 +151,21 @@ def collect_status(ctx: WorkerContext) -> status_pb2.WorkerStatus:
     msg.graphs_retained = ctx.models.graphs_retained()
     stats = ctx.stats
     with stats.lock:
+        summaries = stats.kind_summaries()
         for kind in sorted(set(stats.ops_completed) | set(stats.ops_failed)):
+            recent = summaries.get(kind)
+            received, sent = stats.collective_bytes.get(kind, (0, 0))
             msg.ops.add(
-                kind=kind, completed=stats.ops_completed[kind], failed=stats.ops_failed[kind]
+                kind=kind,
+                completed=stats.ops_completed[kind],
+                failed=stats.ops_failed[kind],
+                rate_per_s=recent.rate_per_s if recent else 0.0,
+                latency_p50_us=_micros(recent.p50_s) if recent else 0,
+                latency_p99_us=_micros(recent.p99_s) if recent else 0,
+                collective_bytes_received=received,
+                collective_bytes_sent=sent,
             )
+        msg.error_groups.extend(stats.error_groups.to_proto())
         msg.last_op = stats.last_op
         msg.last_op_latency_s = stats.last_op_latency_s
         msg.bytes_received = stats.bytes_in
@@ -160,7 +173,22 @@ def collect_status(ctx: WorkerContext) -> status_pb2.WorkerStatus:
         msg.recent_errors.extend(stats.recent_errors)
         msg.data_collectives = stats.data_collectives
         msg.gradient_buckets_reduced = stats.gradient_buckets_reduced
+    msg.clients.extend(stats.clients.to_proto())
+    _fit(msg)
     return msg
+
+
+def _micros(seconds: float) -> int:
+    """Seconds as whole microseconds for a uint32 field (at most about 71 minutes)."""
+    return min(round(seconds * 1e6), 2**32 - 1)
+
+
+def _fit(msg: status_pb2.WorkerStatus) -> None:
+    """Drops the oldest error groups, then clients, while the status is over the
+    heartbeat's limit (the coordinator would refuse the heartbeat)."""
+    limit = FIELD_LIMITS["status"]
+    while msg.ByteSize() > limit and (msg.error_groups or msg.clients):
+        (msg.error_groups or msg.clients).pop()
 
 
 def add_model_versions(
@@ -231,6 +259,23 @@ def _group_ranks(ctx: WorkerContext, desc: worker_pb2.OpDescriptor) -> list[int]
     return list(group.ranks) if group is not None else []
 
 
+def _count_traffic(
+    ctx: WorkerContext,
+    desc: worker_pb2.OpDescriptor,
+    kind: str,
+    outcome: object,
+    ranks: list[int],
+) -> None:
+    """Adds a committed collective's modelled traffic on this rank to the stats."""
+    if desc.WhichOneof("args") != "tensor" or len(ranks) < 2:
+        return
+    runtime = ctx.runtime
+    rank = runtime.rank if runtime is not None else -1
+    nbytes = _operand_bytes(desc.kind, outcome, len(ranks))
+    received, sent = collective_traffic(desc.kind, nbytes, len(ranks), rank == desc.tensor.root)
+    ctx.stats.add_collective_bytes(kind, received=received, sent=sent)
+
+
 def _op_done(
     ctx: WorkerContext,
     desc: worker_pb2.OpDescriptor,
@@ -254,6 +299,8 @@ def _op_done(
         message=outcome.message if failed else "",
     )
     ranks = _group_ranks(ctx, desc)
+    if not failed:
+        _count_traffic(ctx, desc, kind, outcome, ranks)
     level = logging.DEBUG
     if failed:
         runtime = ctx.runtime

@@ -8,7 +8,9 @@ or model name and the counted call's kind fill the fields left unset), anything
 unexpected becomes ``INTERNAL`` with only an error id
 (details in the log; see :mod:`collectives_server.rpc.errors`) without taking the
 worker down, and ``_counted`` records the outcome and latency in the worker's
-status and metrics.
+status and metrics. Both guards note the calling client (peer and user agent,
+``collectives_server.worker.clients``) and name it on the error group of a
+call that failed.
 
 ``INTERNAL`` means a bug of ours, never a client that went away: a call its
 client cancelled, or whose deadline passed, is ``CANCELLED`` or
@@ -61,13 +63,33 @@ def abort(context: grpc.ServicerContext, err: CollectiveError, request: object =
     abort_with_error(context, _annotated(err, request))
 
 
+def _caller(servicer: object, context: grpc.ServicerContext) -> str:
+    """Notes the call's client in the worker's ``stats.clients``; its label ("" if
+    unknown: a servicer without a worker context, a context without a peer)."""
+    stats = getattr(getattr(servicer, "_ctx", None), "stats", None)
+    try:
+        peer, metadata = context.peer(), context.invocation_metadata
+    except Exception:  # not a live gRPC call
+        return ""
+    return stats.clients.seen(peer, metadata) if stats is not None else ""
+
+
+def _attribute(servicer: object, err: CollectiveError, client: str) -> None:
+    """Names ``client`` on the error group of the call's failure."""
+    stats = getattr(getattr(servicer, "_ctx", None), "stats", None)
+    if stats is not None and client:
+        stats.attribute_failure(err.code, err.message, client)
+
+
 def guard(method):
     """Turns SDK-style errors into gRPC statuses; unexpected ones into INTERNAL."""
 
     def wrapper(self, request, context):
+        client = _caller(self, context)
         try:
             return method(self, request, context)
         except CollectiveError as err:
+            _attribute(self, err, client)
             abort(context, err, request)
         except Exception as exc:
             if isinstance(exc, grpc.RpcError) or is_abort(context, exc):
@@ -83,9 +105,11 @@ def guard(method):
 
 def guard_stream(method):
     def wrapper(self, request, context):
+        client = _caller(self, context)
         try:
             yield from method(self, request, context)
         except CollectiveError as err:
+            _attribute(self, err, client)
             abort(context, err, request)
 
     wrapper.__name__ = method.__name__

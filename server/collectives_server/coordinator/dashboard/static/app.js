@@ -1,6 +1,8 @@
 // collectives dashboard: renders /api/cluster (the schema of `collectives status
 // --json`: plain numbers, worker states as "ready", "lost", ...) and what
-// model.js derives from the stream of snapshots (rates, timeline, failures).
+// model.js derives from the stream of snapshots (rates, timeline, failures):
+// the workers, the ops by kind (the cluster's, and each worker's in its
+// details), the failed ops aggregated by kind, code and message, the clients.
 // Live updates come from the server-sent events of /api/events; when that stream
 // fails, the page polls /api/cluster until the stream works again.
 // Every value is written with textContent: nothing from the server is parsed as HTML.
@@ -11,7 +13,7 @@
   const RETRY_STREAM_MS = 15000;
   const STALE_MS = 10000;
   const SVG = "http://www.w3.org/2000/svg";
-  const { ClusterModel, groupFailures, newestModelVersions, workerModels, clock, dateTime, zone, num } =
+  const { ClusterModel, groupFailures, kindRows, newestModelVersions, workerModels, clock, dateTime, zone, num } =
     window.CollectivesModel;
   const MODELS_SHOWN = 2; // in a worker's row; the details list every one
   const COLUMNS = 11; // of the workers table
@@ -194,8 +196,7 @@
       ? el("td", { className: "num rate", colspan: 2 }, el("span", { className: "stale-note" }, `stale since ${clock(stale)}`))
       : [
           el("td", { className: "num rate" }, el("span", { className: "rate-num" }, rateText(rate)), sparkline(r ? r.rates : [])),
-          el("td", { className: "num small", title: "sampled at heartbeats, last 50 ops" },
-            r && r.p50() !== null ? `${latency(r.p50())} · ${latency(r.p99())}` : "–"),
+          latencyCell(w, r),
         ];
     const row = el(
       "tr",
@@ -227,12 +228,42 @@
     return open ? [row, detailsRow(w, colspan, models)] : [row];
   }
 
+  // p50 · p99 of the worker's busiest kind, as the worker reports it (its last
+  // 512 ops of that kind); sampled last-op latencies for a worker without rates.
+  function latencyCell(w, r) {
+    const busiest = kindRows(w.ops).find((k) => k.p99 > 0);
+    if (busiest) {
+      return el("td", { className: "num small", title: `${busiest.kind}: its last 512 ops (every kind in the details)` },
+        `${latency(busiest.p50)} · ${latency(busiest.p99)}`, el("div", { className: "small muted ellipsis" }, busiest.kind));
+    }
+    return el("td", { className: "num small", title: "sampled at heartbeats, last 50 ops" },
+      r && r.p50() !== null ? `${latency(r.p50())} · ${latency(r.p99())}` : "–");
+  }
+
+  // A table of ops by kind: rate, p50, p99, ok / failed, collective bytes in / out.
+  function kindTable(rows, attrs = {}) {
+    const body = rows.map((k) =>
+      el("tr", { "data-kind": k.kind, "data-rate": k.rate.toFixed(3), "data-p50": k.p50, "data-p99": k.p99,
+        "data-completed": k.completed, "data-failed": k.failed, "data-bytes-in": k.bytesIn, "data-bytes-out": k.bytesOut },
+        el("td", { className: "mono" }, k.kind),
+        el("td", { className: "num" }, rateText(k.rate)),
+        el("td", { className: "num" }, latency(k.p50)),
+        el("td", { className: "num" }, latency(k.p99)),
+        el("td", { className: "num" }, k.completed, " / ", el("span", { className: k.failed ? "failed" : "" }, k.failed)),
+        el("td", { className: "num small" }, k.bytesIn || k.bytesOut ? `↓ ${bytes(k.bytesIn)} · ↑ ${bytes(k.bytesOut)}` : "–"),
+      ));
+    return el("table", { className: "kinds", ...attrs },
+      el("thead", {}, el("tr", {},
+        el("th", {}, "Kind"), el("th", { className: "num" }, "Ops/s"), el("th", { className: "num" }, "p50"),
+        el("th", { className: "num" }, "p99"), el("th", { className: "num" }, "Ok / failed"),
+        el("th", { className: "num", title: "collective payload bytes this rank moved (the algorithm's traffic for the operand size)" },
+          "Collective in / out"))),
+      el("tbody", {}, body.length ? body : el("tr", { className: "empty" }, el("td", { colspan: 6 }, "no op yet"))));
+  }
+
   function detailsRow(w, colspan, models) {
     const item = (label, ...value) => el("div", { className: "item" }, el("div", { className: "label" }, label), el("div", {}, ...value));
     const wide = (label, ...value) => el("div", { className: "item wide" }, el("div", { className: "label" }, label), el("div", {}, ...value));
-    const ops = Object.entries(w.ops || {})
-      .filter(([, o]) => num(o.completed) || num(o.failed))
-      .map(([kind, o]) => `${kind} ${num(o.completed)}${num(o.failed) ? " / " + num(o.failed) + " failed" : ""}`);
     const versions = [
       w.package_version || w.version ? `collectives ${w.package_version || w.version}` : "",
       w.torch_version ? `torch ${w.torch_version}` : "",
@@ -250,9 +281,12 @@
           el("div", { className: "small" }, `RSS ${bytes(w.process_rss_bytes)} · host ${bytes(w.host_memory_available_bytes)} free of ${bytes(w.host_memory_total_bytes)}`)),
         item("Uptime", duration(w.uptime_s), el("div", { className: "small" }, `joined generation ${num(w.generation)}`)),
         item("Versions", versions.join(" · ") || "–"),
-        item("Ops by kind", ops.length ? ops.join(", ") : "–"),
+        wide("Ops by kind", kindTable(kindRows(w.ops), { "data-kinds-for": w.worker_id })),
         item("Last op", w.last_op || "–", w.last_op ? el("div", { className: "small" }, latency(w.last_op_latency_s)) : null),
-        item("Data in / out", `↓ ${bytes(w.bytes_received)} · ↑ ${bytes(w.bytes_sent)}`),
+        item("Data in / out", `↓ ${bytes(w.bytes_received)} · ↑ ${bytes(w.bytes_sent)}`,
+          el("div", { className: "small" }, "data plane (put, get)")),
+        item("Collectives in / out", `↓ ${bytes(w.collective_bytes_received)} · ↑ ${bytes(w.collective_bytes_sent)}`,
+          el("div", { className: "small" }, "the algorithm's traffic for the operand sizes")),
         item("Models", models.length
           ? models.flatMap((m, i) => [i ? ", " : "", el("span", { className: `model${m.lagging ? " lagging" : ""}`, title: modelTitle(m) },
             modelText(m), m.lagging ? ` (behind v${m.newest})` : "")])
@@ -283,23 +317,44 @@
     replaceRows("timeline-rows", rows, "no event yet", 3);
   }
 
+  function renderKinds(c) {
+    const rows = kindRows(c.ops_by_kind);
+    document.getElementById("kinds").replaceChildren(kindTable(rows, { id: "kind-table" }));
+  }
+
   function renderFailures(c) {
     const rows = groupFailures(c).map((g) => {
-      const ranks = g.reporters.filter((r) => r.rank >= 0).map((r) => r.rank).sort((a, b) => a - b);
-      const others = g.reporters.filter((r) => r.rank < 0).map((r) => r.address);
-      const who = [ranks.length ? `rank${ranks.length > 1 ? "s" : ""} ${ranks.join(", ")}` : "", ...others].filter(Boolean);
+      const who = [g.ranks.length ? `rank${g.ranks.length > 1 ? "s" : ""} ${g.ranks.join(", ")}` : "",
+        ...(g.ranks.length ? [] : g.reporters)].filter(Boolean);
       return el(
         "tr",
-        { "data-worker-id": g.reporters[0].worker_id, "data-op-id": g.opId, "data-reporters": g.reporters.length },
-        el("td", { className: "mono", title: dateTime(g.t) }, clock(g.t)),
-        el("td", {}, g.kind, el("div", { className: "small" }, g.opId ? `op ${g.opId} · gen ${g.generation}` : "data-plane call")),
-        el("td", { className: "mono" }, [...g.codes].join(", ")),
-        el("td", { className: "wrap", title: g.reporters.map((r) => r.address).join("\n") }, who.join(", ")),
-        el("td", { className: "wrap" }, g.messages[0] || "",
-          g.messages.length > 1 ? el("div", { className: "small" }, `+${g.messages.length - 1} other messages`) : null),
+        { "data-count": g.count, "data-kind": g.kind, "data-code": g.code, "data-op-id": g.opId,
+          "data-reporters": g.reporters.length, "data-client": g.client },
+        el("td", { className: "mono", title: `first ${dateTime(g.first)}\nlast ${dateTime(g.last)}` }, clock(g.last),
+          el("div", { className: "small" }, `since ${clock(g.first)}`)),
+        el("td", { className: "num" }, el("span", { className: "count" }, `${g.count}×`),
+          el("div", { className: "small" }, `${rateText(g.rate)}/s`)),
+        el("td", {}, g.kind, el("div", { className: "small mono" }, g.code)),
+        el("td", { className: "wrap", title: g.reporters.join("\n") }, who.join(", "),
+          g.client ? el("div", { className: "small" }, `client ${g.client}`) : null),
+        el("td", { className: "wrap" }, g.message,
+          g.opId ? el("div", { className: "small" }, `last op ${g.opId}`) : null),
       );
     });
     replaceRows("error-rows", rows, "no errors reported", 5);
+  }
+
+  function renderClients(c) {
+    const rows = (c.clients || []).map((k) =>
+      el(
+        "tr",
+        { "data-client-name": k.name || "", "data-host": k.host },
+        el("td", { className: "wrap" }, k.name || "–", el("div", { className: "small mono" }, k.host)),
+        el("td", { className: "wrap small" }, k.user_agent || "–"),
+        el("td", { className: "num" }, (k.workers || []).length),
+        el("td", { className: "mono", title: dateTime(k.last_unix_time_s) }, clock(k.last_unix_time_s)),
+      ));
+    replaceRows("client-rows", rows, "no client in the last 60 s", 4);
   }
 
   let lastUpdate = 0;
@@ -320,8 +375,10 @@
     if (!c) return;
     renderSummary(c);
     renderWorkers(c);
+    renderKinds(c);
     renderTimeline();
     renderFailures(c);
+    renderClients(c);
   }
 
   function receive(c) {

@@ -1,8 +1,10 @@
 // collectives dashboard: what the page derives from the stream of cluster
 // snapshots (the JSON of /api/cluster, the schema of `collectives status --json`):
-// per-worker ops/s and latency percentiles, the event timeline, failed ops
-// grouped by op id, which workers serve a model behind the newest version, and
-// the one time format of the page. No DOM here; app.js renders what this computes.
+// per-worker ops/s (as the workers report it, by op kind, so the first paint
+// already has the last known rates) and latency percentiles, the event
+// timeline, failed ops aggregated by kind, code and message, which workers serve
+// a model behind the newest version, and the one time format of the page. No
+// DOM here; app.js renders what this computes.
 "use strict";
 
 (function () {
@@ -66,7 +68,9 @@
       this.rate = null; // null until two samples span some time
     }
 
-    add(t, ops, lastLatency) {
+    // `reported`: the ops/s the worker reports (its kinds' rates summed), which
+    // wins over the rate between samples: it is known from the first snapshot on.
+    add(t, ops, lastLatency, reported = null) {
       const prev = this.samples[this.samples.length - 1];
       if (prev && t <= prev.t) return;
       if (prev && ops > prev.ops && lastLatency > 0) {
@@ -81,8 +85,8 @@
         if (t - s.t <= RATE_WINDOW_S) break;
         base = s;
       }
-      if (t - base.t < 0.5) return;
-      this.rate = Math.max(0, (ops - base.ops) / (t - base.t));
+      if (reported === null && t - base.t < 0.5) return;
+      this.rate = reported !== null ? reported : Math.max(0, (ops - base.ops) / (t - base.t));
       this.rates.push(this.rate);
       if (this.rates.length > SPARK_POINTS) this.rates.shift();
     }
@@ -94,6 +98,25 @@
     p99() {
       return percentile(this.latencies, 99);
     }
+  }
+
+  // The ops/s a worker reports over every kind; null when its status carries no
+  // rates (no status yet).
+  function reportedRate(w) {
+    if (!w.has_status) return null;
+    return Object.values(w.ops || {}).reduce((sum, o) => sum + num(o.rate_per_s), 0);
+  }
+
+  // A worker's kinds, busiest first: {kind, rate, p50, p99, completed, failed,
+  // bytesIn, bytesOut}, from what it reports.
+  function kindRows(ops) {
+    return Object.entries(ops || {})
+      .map(([kind, o]) => ({
+        kind, rate: num(o.rate_per_s), p50: num(o.latency_p50_s), p99: num(o.latency_p99_s),
+        completed: num(o.completed), failed: num(o.failed),
+        bytesIn: num(o.collective_bytes_received), bytesOut: num(o.collective_bytes_sent),
+      }))
+      .sort((a, b) => b.rate - a.rate || b.completed - a.completed || a.kind.localeCompare(b.kind));
   }
 
   // ---- the model -----------------------------------------------------------
@@ -223,7 +246,7 @@
         if (w.state === "lost") continue; // its numbers stopped; keep what it had
         let r = this.rates.get(w.worker_id);
         if (!r) this.rates.set(w.worker_id, (r = new WorkerRates()));
-        r.add(now, num(w.ops_completed) + num(w.ops_failed), num(w.last_op_latency_s));
+        r.add(now, num(w.ops_completed) + num(w.ops_failed), num(w.last_op_latency_s), reportedRate(w));
         if (r.rate !== null) {
           total += r.rate;
           any = true;
@@ -244,33 +267,17 @@
     }
   }
 
-  // ---- failed ops, one entry per op id -------------------------------------
+  // ---- failed ops, aggregated ------------------------------------------------
 
-  // Every rank that runs a failed collective reports it; the op id (with its
-  // generation) ties the reports together. Data-plane calls (op id 0) stay apart.
+  // The cluster's error groups (kind, code and message, merged over the workers
+  // that reported them, as `collectives status --json` has them), most recent first.
   function groupFailures(c) {
-    const groups = new Map();
-    for (const w of c.workers || []) {
-      for (const e of w.recent_errors || []) {
-        const opId = num(e.op_id);
-        const key = opId > 0
-          ? `op:${num(e.generation)}:${opId}`
-          : `call:${w.worker_id}:${num(e.unix_time_s)}:${e.kind}`;
-        let g = groups.get(key);
-        if (!g) {
-          g = { key, opId, generation: num(e.generation), kind: e.kind || "", t: num(e.unix_time_s),
-            codes: new Set(), messages: [], reporters: [] };
-          groups.set(key, g);
-        }
-        g.t = Math.min(g.t, num(e.unix_time_s));
-        g.codes.add(e.code || "");
-        if (e.message && !g.messages.includes(e.message)) g.messages.push(e.message);
-        if (!g.reporters.some((r) => r.worker_id === w.worker_id)) {
-          g.reporters.push({ worker_id: w.worker_id, rank: num(w.rank), address: w.address, state: w.state });
-        }
-      }
-    }
-    return [...groups.values()].sort((a, b) => b.t - a.t).slice(0, MAX_FAILED);
+    return (c.error_groups || []).slice(0, MAX_FAILED).map((g) => ({
+      kind: g.kind || "", code: g.code || "", message: g.message || "", count: num(g.count),
+      first: num(g.first_unix_time_s), last: num(g.last_unix_time_s), rate: num(g.rate_per_s),
+      client: g.client || "", opId: num(g.last_op_id), reporters: g.reporters || [],
+      ranks: (g.ranks || []).map(num).filter((r) => r >= 0),
+    }));
   }
 
   // ---- model versions: who is behind a publish -----------------------------
@@ -301,6 +308,7 @@
   }
 
   window.CollectivesModel = {
-    ClusterModel, groupFailures, newestModelVersions, workerModels, percentile, clock, dateTime, zone, num,
+    ClusterModel, groupFailures, kindRows, newestModelVersions, workerModels, percentile, clock, dateTime,
+    zone, num,
   };
 })();
