@@ -236,6 +236,7 @@ class WorkerService(ModelRpcs, PeerRpcs):
 
     @_guard
     def ListTensors(self, request, context) -> worker_pb2.ListTensorsResponse:
+        wanted = set(request.names)
         return worker_pb2.ListTensorsResponse(
             tensors=[
                 worker_pb2.TensorInfo(
@@ -246,6 +247,7 @@ class WorkerService(ModelRpcs, PeerRpcs):
                     device=i.device,
                 )
                 for i in self._ctx.store.infos()
+                if not wanted or i.name in wanted
             ]
         )
 
