@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 import json
+import math
 import threading
 import time
+import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,16 +39,18 @@ from collectives._data_plane import DataPlane
 from collectives._deadlines import time_left
 from collectives._generation_binding import GenerationBinding
 from collectives._model_transport import get_model_tensors, load_model_on
+from collectives._programs import ProgramCache, as_module, example_like, program_name
 from collectives._progress import progress
 from collectives._session import Session, server_timeout_s
 from collectives._transport import WorkerEndpoint, call_unary, is_retryable_read
 from collectives.errors import CollectiveError, InvalidArgument, NotFound
 from collectives.reduce_ops import ReduceOp, parse_reduce_op
 from collectives.v1 import worker_pb2
-from collectives.wire.names import BUILTIN_LOSSES, OPTIMIZERS, validate_name
+from collectives.wire.names import BUILTIN_LOSSES, FUNCTION_PREFIX, OPTIMIZERS, validate_name
+from collectives.wire.pytree import from_value, tensor_leaves
 from collectives.work import OpRecord
 
-__all__ = ["ModelInfo", "Models", "export_archive"]
+__all__ = ["ModelInfo", "Models"]
 
 
 @dataclass(frozen=True)
@@ -67,38 +71,6 @@ class ModelInfo:
     training: bool = True
 
 
-def export_archive(module: nn.Module, example_inputs: tuple[Any, ...], dim: int = 0) -> bytes:
-    """A torch.export archive of ``module`` with dimension ``dim`` of every tensor input dynamic.
-
-    Raises:
-        InvalidArgument: the module cannot be exported (the message says why and
-            names the factory alternative).
-    """
-    from torch.export import Dim
-    from torch.utils._pytree import tree_map
-
-    if not isinstance(example_inputs, tuple):
-        example_inputs = (example_inputs,)
-    dynamic = tree_map(
-        lambda t: {dim: Dim.DYNAMIC} if isinstance(t, torch.Tensor) and t.dim() > dim else None,
-        example_inputs,
-    )
-    try:
-        program = torch.export.export(module, example_inputs, dynamic_shapes=dynamic)
-    except Exception as exc:
-        raise InvalidArgument(
-            f"torch.export could not export {type(module).__name__}: {type(exc).__name__}: "
-            f"{str(exc).strip().splitlines()[0][:400]}. Make the model exportable, or install "
-            "it on the workers and start them with --allow-factory pkg.module, then "
-            "load_model(name, factory='pkg.module:function', kwargs={...})"
-        ) from None
-    # The archive's sample inputs are stored with torch.save; keep them trivial.
-    program.example_inputs = None
-    buffer = io.BytesIO()
-    torch.export.save(program, buffer)
-    return buffer.getvalue()
-
-
 class Models:
     """The model calls of :class:`~collectives.Cluster` (see the module)."""
 
@@ -112,6 +84,10 @@ class Models:
         # gradients already add up to the full-batch gradient.
         self._whole_batch_grads: set[str] = set()
         self._grads_lock = threading.Lock()
+        # Exported archives of this client's modules and functions (exported once).
+        self._programs = ProgramCache()
+        # Example outputs a custom loss is traced on, per (model, inputs, targets shapes).
+        self._output_examples: dict[tuple[Any, ...], Any] = {}
 
     def note_remote_backward(self, name: str) -> None:
         """A DataParallel backward of ``name`` accumulated gradients on the workers."""
@@ -149,6 +125,8 @@ class Models:
             CollectiveError: a worker refused the model or the call failed.
         """
         validate_name(name, "model name")
+        if name.startswith(FUNCTION_PREFIX):
+            raise InvalidArgument(f"model names starting {FUNCTION_PREFIX!r} are reserved")
         deadline = self._session.deadline(timeout)
         if (module is None) == (factory is None):
             raise InvalidArgument("load_model needs either a module or a factory (not both)")
@@ -157,7 +135,7 @@ class Models:
                 raise InvalidArgument(
                     "load_model(name, module) needs example_inputs to export the module"
                 )
-            archive = export_archive(module, example_inputs)
+            archive = self._programs.archive(module, example_inputs)
             spec = worker_pb2.ModelSpec(name=name, archive_nbytes=len(archive))
         else:
             try:
@@ -166,8 +144,18 @@ class Models:
                 raise InvalidArgument(f"factory kwargs must be JSON-serializable: {exc}") from None
             archive = b""
             spec = worker_pb2.ModelSpec(name=name, factory=factory, factory_kwargs_json=kwargs_json)
+        responses = self._load_everywhere(f"load_model {name!r}", spec, archive, deadline)
+        info = _model_info(responses[min(responses)].model)
+        if state_dict is not None:
+            version = self.load_state_dict(name, state_dict, timeout=self._remaining(deadline))
+            info = dataclasses.replace(info, version=version)
+        return info
+
+    def _load_everywhere(
+        self, what: str, spec: worker_pb2.ModelSpec, archive: bytes, deadline: float
+    ) -> dict[int, worker_pb2.LoadModelResponse]:
+        """Loads ``spec`` (with ``archive``, if any) on every member; their responses."""
         endpoints = self._member_endpoints(deadline)
-        what = f"load_model {name!r}"
         staged = None
         if archive:
             use_shm = self._data_plane.shm_wanted(sorted(endpoints), deadline)
@@ -190,11 +178,7 @@ class Models:
                 )
         else:
             responses = load_staged(self._session, what, spec, archive, staged, endpoints, deadline)
-        info = _model_info(responses[min(responses)].model)
-        if state_dict is not None:
-            version = self.load_state_dict(name, state_dict, timeout=self._remaining(deadline))
-            info = dataclasses.replace(info, version=version)
-        return info
+        return responses
 
     def unload_model(
         self, name: str, missing_ok: bool = False, timeout: float | None = None
@@ -229,7 +213,7 @@ class Models:
             self._remaining(deadline),
             "models",
         )
-        return [_model_info(m) for m in response.models]
+        return [_model_info(m) for m in response.models if not m.name.startswith(FUNCTION_PREFIX)]
 
     def set_model_mode(
         self, name: str, training: bool = True, timeout: float | None = None
@@ -327,11 +311,13 @@ class Models:
         name: str,
         inputs: str,
         targets: str,
-        loss: str = "mse",
+        loss: str | nn.Module | Callable[..., torch.Tensor] = "mse",
         optimizer: str | None = None,
         bucket_bytes: int | None = None,
         timeout: float | None = None,
         async_op: bool = False,
+        *,
+        max_grad_norm: float | None = None,
         **hyper: Any,
     ) -> Any:
         """A DDP-style step on data already on the workers; returns the global loss.
@@ -345,12 +331,18 @@ class Models:
         validate_name(inputs, "inputs tensor name")
         validate_name(targets, "targets tensor name")
         self._forget_gradients(name)  # it sets the gradients itself, averaged
-        if loss not in BUILTIN_LOSSES:
-            raise InvalidArgument(f"loss {loss!r} is not supported; use one of {BUILTIN_LOSSES}")
+        if isinstance(loss, str) and loss not in BUILTIN_LOSSES:
+            raise InvalidArgument(
+                f"loss {loss!r} is not supported; use one of {BUILTIN_LOSSES}, or pass your "
+                "own loss as an nn.Module or a function of (output, target)"
+            )
         if optimizer is not None and optimizer not in OPTIMIZERS:
             raise InvalidArgument(f"optimizer {optimizer!r} is not one of {OPTIMIZERS}")
+        clip = _max_grad_norm(max_grad_norm)
         hyper_json = _hyper_json(hyper)
         deadline = self._session.deadline(timeout)
+        if not isinstance(loss, str):
+            loss = self._loss_program(name, inputs, targets, as_module(loss, "loss"), deadline)
         return self._leader_op(
             f"train_step {name!r}",
             "TrainStep",
@@ -363,6 +355,7 @@ class Models:
                 optimizer=optimizer or "",
                 hyper_json=hyper_json,
                 bucket_bytes=bucket_bytes or 0,
+                max_grad_norm=clip,
             ),
             deadline,
             async_op,
@@ -370,7 +363,13 @@ class Models:
         )
 
     def step(
-        self, name: str, optimizer: str = "sgd", timeout: float | None = None, **hyper: Any
+        self,
+        name: str,
+        optimizer: str = "sgd",
+        timeout: float | None = None,
+        *,
+        max_grad_norm: float | None = None,
+        **hyper: Any,
     ) -> None:
         """Steps the optimizer of model ``name`` on every worker (state kept per worker).
 
@@ -383,7 +382,10 @@ class Models:
         if optimizer not in OPTIMIZERS:
             raise InvalidArgument(f"optimizer {optimizer!r} is not one of {OPTIMIZERS}")
         request = worker_pb2.StepRequest(
-            model=name, optimizer=optimizer, hyper_json=_hyper_json(hyper)
+            model=name,
+            optimizer=optimizer,
+            hyper_json=_hyper_json(hyper),
+            max_grad_norm=_max_grad_norm(max_grad_norm),
         )
         self._per_rank(
             f"step {name!r}",
@@ -467,7 +469,162 @@ class Models:
         """
         return self.publish(name, state_dict, strict=strict, cast=cast, timeout=timeout)
 
+    def apply(
+        self,
+        fn: nn.Module | Callable[..., Any],
+        inputs: str | Sequence[str],
+        out: str | Sequence[str],
+        ranks: Sequence[int] | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """Runs ``fn`` on the tensors named ``inputs`` on each rank; stores its outputs as ``out``.
+
+        ``fn`` (an ``nn.Module`` or a function of tensors returning a tensor or a
+        tuple of tensors) never travels as Python: the SDK exports it with
+        ``torch.export`` (tracing it on tensors shaped like rank ``ranks[0]``'s
+        inputs, dimension 0 dynamic) and the workers check and load the program
+        as they do a model's; it is exported once per function and input
+        signature, and loaded once per worker. It runs without autograd, in
+        parallel on the ranks, each on its own tensors.
+
+        Args:
+            fn: the computation; data-dependent Python control flow is not
+                exportable (``torch.export`` says why).
+            inputs: the names of the tensors passed to ``fn``, in order.
+            out: one name per output tensor; existing tensors are replaced, all
+                of a rank's outputs or none.
+            ranks: the ranks to run on; None: every member.
+            timeout: seconds for the whole call (export, load, run).
+
+        Raises:
+            InvalidArgument: a bad name, ``fn`` cannot be exported, a worker
+                refused its program (an operator off the allowlist), it failed
+                on a rank's tensors, or it returned another number of tensors
+                than ``out`` names.
+            NotFound: an input is missing on a rank.
+            ResourceExhausted: the outputs do not fit a rank's memory quota.
+        """
+        input_names = _names(inputs, "inputs")
+        output_names = _names(out, "out")
+        module = as_module(fn, "fn")
+        deadline = self._session.deadline(timeout)
+        endpoints = self._member_endpoints(deadline)
+        targets = sorted(endpoints) if ranks is None else _ranks_of(ranks, endpoints)
+        infos = self._tensor_infos(endpoints[targets[0]], input_names, deadline)
+        examples = tuple(example_like(infos[n]) for n in input_names)
+        program = self._program(module, examples, deadline)
+        args = worker_pb2.Value(
+            tuple=worker_pb2.ValueList(items=[worker_pb2.Value(tensor=n) for n in input_names])
+        )
+
+        def run(endpoint: WorkerEndpoint) -> None:
+            request = worker_pb2.ForwardRequest(
+                model=program,
+                call_id=f"apply-{uuid.uuid4().hex}",
+                args=args,
+                output_names=output_names,
+            )
+            call_unary(endpoint.stub.Forward, request, self._remaining(deadline), "apply")
+
+        calls = {r: (lambda e=endpoints[r]: run(e)) for r in targets}
+        try:
+            self._session.fan_out("apply", calls)
+        except NotFound as err:
+            if program not in err.message:
+                raise
+            self._programs.forget(program)  # a replaced worker lacks it: load, run once more
+            self._program(module, examples, deadline)
+            self._session.fan_out("apply", calls)
+
     # -------------------------------------------------------------- helpers
+    def _program(self, module: nn.Module, example_inputs: tuple[Any, ...], deadline: float) -> str:
+        """Loads ``module``'s program on every member unless this client already did;
+        returns the reserved model name it is loaded under."""
+        archive = self._programs.archive(module, example_inputs)
+        name = program_name(archive)
+        snapshot = self._session.formed_snapshot(deadline)
+        members = frozenset(w.worker_id for w in snapshot.workers if w.rank >= 0)
+        if not self._programs.loaded_on(name, members):
+            spec = worker_pb2.ModelSpec(name=name, archive_nbytes=len(archive))
+            self._load_everywhere(
+                f"the program of {type(module).__name__}", spec, archive, deadline
+            )
+            self._programs.mark_loaded(name, members)
+        return name
+
+    def _tensor_infos(
+        self, endpoint: WorkerEndpoint, names: list[str], deadline: float
+    ) -> dict[str, worker_pb2.TensorInfo]:
+        """Dtype and shape of each of ``names`` on that worker.
+
+        Raises:
+            NotFound: one of them is not there.
+        """
+        response = call_unary(
+            endpoint.stub.ListTensors,
+            worker_pb2.ListTensorsRequest(names=names),
+            self._remaining(deadline),
+            "the inputs' shapes",
+        )
+        infos = {info.name: info for info in response.tensors}
+        missing = [n for n in names if n not in infos]
+        if missing:
+            raise NotFound(
+                f"tensor(s) {', '.join(repr(n) for n in missing)} not found on {endpoint.address}",
+                tensor=missing[0],
+            )
+        return infos
+
+    def _loss_program(
+        self, model: str, inputs: str, targets: str, loss: nn.Module, deadline: float
+    ) -> str:
+        """Loads ``loss`` as a program of ``(output, target)`` and returns its name.
+
+        It is traced on tensors shaped like the model's output on rank 0's
+        ``inputs`` (one forward without autograd, learnt once per model and
+        input signature) and like rank 0's ``targets``.
+        """
+        endpoint = self._member_endpoints(deadline)[0]
+        infos = self._tensor_infos(endpoint, [inputs, targets], deadline)
+        key = (model, _shape_key(infos[inputs]), _shape_key(infos[targets]))
+        with self._grads_lock:
+            output = self._output_examples.get(key)
+        if output is None:
+            output = self._output_example(endpoint, model, inputs, deadline)
+            with self._grads_lock:
+                self._output_examples[key] = output
+        return self._program(loss, (output, example_like(infos[targets])), deadline)
+
+    def _output_example(
+        self, endpoint: WorkerEndpoint, model: str, inputs: str, deadline: float
+    ) -> Any:
+        """Tensors shaped like ``model``'s output on ``inputs`` on that worker (its
+        structure kept), from one forward without autograd whose outputs are deleted."""
+        call_id = f"shape-{uuid.uuid4().hex}"
+        request = worker_pb2.ForwardRequest(
+            model=model,
+            call_id=call_id,
+            args=worker_pb2.Value(
+                tuple=worker_pb2.ValueList(items=[worker_pb2.Value(tensor=inputs)])
+            ),
+        )
+        response = call_unary(
+            endpoint.stub.Forward, request, self._remaining(deadline), f"a forward of {model!r}"
+        )
+        names = tensor_leaves(response.output)
+        try:
+            infos = self._tensor_infos(endpoint, names, deadline)
+        finally:
+            for name in names:
+                with contextlib.suppress(CollectiveError):
+                    call_unary(
+                        endpoint.stub.DeleteTensor,
+                        worker_pb2.DeleteTensorRequest(name=name, missing_ok=True),
+                        self._remaining(deadline),
+                        "delete",
+                    )
+        return from_value(response.output, lambda name: example_like(infos[name]))
+
     def _remaining(self, deadline: float) -> float:
         return time_left(deadline, "the model call")
 
@@ -534,6 +691,50 @@ class Models:
                 # A gRPC future that is garbage-collected cancels its call: keep it.
                 self._releases.add(future)
                 future.add_done_callback(self._releases.discard)
+
+
+def _names(names: str | Sequence[str], what: str) -> list[str]:
+    """``names`` as a checked, non-empty list of tensor names."""
+    listed = [names] if isinstance(names, str) else list(names)
+    if not listed:
+        raise InvalidArgument(f"{what} must name at least one tensor")
+    for name in listed:
+        validate_name(name, f"{what} name")
+    return listed
+
+
+def _ranks_of(ranks: Sequence[int], endpoints: dict[int, WorkerEndpoint]) -> list[int]:
+    """``ranks``, checked against the members, in order, without repeats."""
+    listed = list(ranks)
+    if not listed:
+        raise InvalidArgument("ranks must name at least one rank (None: every rank)")
+    for rank in listed:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank not in endpoints:
+            raise InvalidArgument(
+                f"rank {rank!r} is out of range: world size is {len(endpoints)} "
+                f"(valid ranks 0..{len(endpoints) - 1})"
+            )
+    if len(set(listed)) != len(listed):
+        raise InvalidArgument(f"ranks repeat a rank: {listed}")
+    return listed
+
+
+def _shape_key(info: worker_pb2.TensorInfo) -> tuple[int, tuple[int, ...]]:
+    return int(info.dtype), tuple(info.shape[1:])
+
+
+def _max_grad_norm(max_grad_norm: float | None) -> float:
+    """The clipping norm for the wire (0: none), checked."""
+    if max_grad_norm is None:
+        return 0.0
+    if (
+        isinstance(max_grad_norm, bool)
+        or not isinstance(max_grad_norm, (int, float))
+        or not math.isfinite(max_grad_norm)
+        or max_grad_norm <= 0
+    ):
+        raise InvalidArgument(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
+    return float(max_grad_norm)
 
 
 def _hyper_json(hyper: dict[str, Any]) -> str:

@@ -21,7 +21,7 @@ tensors it works on.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -940,11 +940,13 @@ class Cluster:
         name: str,
         inputs: str,
         targets: str,
-        loss: str = "mse",
+        loss: str | nn.Module | Callable[..., torch.Tensor] = "mse",
         optimizer: str | None = None,
         bucket_bytes: int | None = None,
         timeout: float | None = None,
         async_op: bool = False,
+        *,
+        max_grad_norm: float | None = None,
         **hyper: Any,
     ) -> Any:
         """A DDP-style step on data already on the workers.
@@ -958,7 +960,11 @@ class Cluster:
             name: the model.
             inputs: the name of the input tensor in each worker's store.
             targets: the name of the target tensor in each worker's store.
-            loss: a built-in loss name. Defaults to ``"mse"``.
+            loss: a built-in loss name (``"mse"``, ``"cross_entropy"``), or your
+                own: an ``nn.Module`` or a function of ``(output, target)``
+                returning one number, exported with ``torch.export`` (traced on
+                tensors shaped like the model's output on rank 0's shard and its
+                targets) and loaded on every worker once. Defaults to ``"mse"``.
             optimizer: ``"sgd"``, ``"adam"`` or ``"adamw"`` to step after the
                 reduction; None means no step. Defaults to ``None``.
             bucket_bytes: the gradient bucket size in bytes; None means 25 MiB.
@@ -966,6 +972,9 @@ class Cluster:
             timeout: seconds for the whole call; None means ``default_timeout_s``.
                 Defaults to ``None``.
             async_op: return a ``Work`` at once instead of waiting. Defaults to ``False``.
+            max_grad_norm: clip the averaged gradients to this total 2-norm
+                before the step, as ``clip_grad_norm_``; None means no clipping.
+                Defaults to ``None``.
             **hyper: the optimizer's hyperparameters (JSON numbers), e.g. ``lr``.
 
         Returns:
@@ -978,29 +987,86 @@ class Cluster:
             DeadlineExceeded: not done within ``timeout`` seconds.
         """
         return self._models.train_step(
-            name, inputs, targets, loss, optimizer, bucket_bytes, timeout, async_op, **hyper
+            name,
+            inputs,
+            targets,
+            loss,
+            optimizer,
+            bucket_bytes,
+            timeout,
+            async_op,
+            max_grad_norm=max_grad_norm,
+            **hyper,
         )
 
     def step(
-        self, name: str, optimizer: str = "sgd", timeout: float | None = None, **hyper: Any
+        self,
+        name: str,
+        optimizer: str = "sgd",
+        timeout: float | None = None,
+        *,
+        max_grad_norm: float | None = None,
+        **hyper: Any,
     ) -> None:
         """Steps the optimizer of model ``name`` on every worker (state kept per worker).
 
-        A different optimizer kind than before starts fresh state.
+        A different optimizer kind than before starts fresh state; other
+        hyperparameters (``lr`` each step, for a schedule) keep it.
 
         Args:
             name: the model.
             optimizer: ``"sgd"``, ``"adam"`` or ``"adamw"``. Defaults to ``"sgd"``.
             timeout: seconds for the whole call; None means ``default_timeout_s``.
                 Defaults to ``None``.
+            max_grad_norm: clip each worker's gradients to this total 2-norm
+                before stepping; None means no clipping. Defaults to ``None``.
             **hyper: the optimizer's hyperparameters (JSON numbers), e.g. ``lr``.
 
         Raises:
-            InvalidArgument: unknown optimizer or hyperparameter.
+            InvalidArgument: unknown optimizer or hyperparameter, or a
+                ``max_grad_norm`` that is not a positive number.
             NotFound: the model is not loaded.
             CollectiveError: a worker failed or the call timed out.
         """
-        return self._models.step(name, optimizer, timeout, **hyper)
+        return self._models.step(name, optimizer, timeout, max_grad_norm=max_grad_norm, **hyper)
+
+    def apply(
+        self,
+        fn: nn.Module | Callable[..., Any],
+        inputs: str | Sequence[str],
+        out: str | Sequence[str],
+        ranks: Sequence[int] | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """Runs ``fn`` on the tensors named ``inputs`` on each rank; stores its outputs as ``out``.
+
+        ``fn`` never travels as Python: it is exported with ``torch.export``
+        (traced on tensors shaped like the first target rank's inputs,
+        dimension 0 dynamic) and the workers check and load the program as
+        they do a model's, once per function and input signature. It runs
+        without autograd, in parallel, each rank on its own tensors.
+
+        Args:
+            fn: an ``nn.Module`` or a function of tensors returning a tensor or
+                a tuple of tensors; it must be exportable.
+            inputs: the name, or names in order, of the tensors passed to ``fn``.
+            out: one name per output tensor; tensors of those names are
+                replaced, all of a rank's outputs or none.
+            ranks: the global ranks to run on; None means every member.
+                Defaults to ``None``.
+            timeout: seconds for the whole call (export, load, run); None
+                means ``default_timeout_s``. Defaults to ``None``.
+
+        Raises:
+            InvalidArgument: a bad name or rank, ``fn`` cannot be exported, the
+                workers refused its program (an operator off their allowlist),
+                it failed on a rank's tensors, or it returned another number
+                of tensors than ``out`` names.
+            NotFound: an input is missing on a rank.
+            ResourceExhausted: the outputs do not fit a rank's memory quota.
+            CollectiveError: a worker failed or the call timed out.
+        """
+        return self._models.apply(fn, inputs, out, ranks, timeout)
 
     def zero_grad(self, name: str, timeout: float | None = None) -> None:
         """Clears every parameter's gradient (sets it to None) on every worker.

@@ -22,7 +22,7 @@ from torch import nn
 
 import collectives
 import collectives._archive_staging as staging
-from collectives._models import export_archive
+from collectives._programs import export_archive
 from collectives._transport import put_tensor
 from collectives.v1 import worker_pb2, worker_pb2_grpc
 

@@ -29,6 +29,8 @@ ALLOWED_PRIVATE_ATTRIBUTES = frozenset(
         "_make",
         "_asdict",
         "_replace",
+        # torch.Tensor's in-place version counter (what autograd checks saved tensors with).
+        "_version",
     )
 )
 

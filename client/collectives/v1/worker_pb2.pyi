@@ -192,8 +192,10 @@ class DeleteTensorResponse(_message.Message):
     def __init__(self, deleted: _Optional[bool] = ...) -> None: ...
 
 class ListTensorsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("names",)
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TensorInfo(_message.Message):
     __slots__ = ("name", "dtype", "shape", "nbytes", "device")
@@ -590,7 +592,7 @@ class NamedTupleValue(_message.Message):
     def __init__(self, type_name: _Optional[str] = ..., fields: _Optional[_Iterable[str]] = ..., values: _Optional[_Iterable[_Union[Value, _Mapping]]] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("model", "call_id", "args", "kwargs", "grad_enabled", "input_grad_names", "inline_output_bytes", "version", "mode")
+    __slots__ = ("model", "call_id", "args", "kwargs", "grad_enabled", "input_grad_names", "inline_output_bytes", "version", "mode", "output_names")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     ARGS_FIELD_NUMBER: _ClassVar[int]
@@ -600,6 +602,7 @@ class ForwardRequest(_message.Message):
     INLINE_OUTPUT_BYTES_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_NAMES_FIELD_NUMBER: _ClassVar[int]
     model: str
     call_id: str
     args: Value
@@ -609,7 +612,8 @@ class ForwardRequest(_message.Message):
     inline_output_bytes: int
     version: int
     mode: ModelMode
-    def __init__(self, model: _Optional[str] = ..., call_id: _Optional[str] = ..., args: _Optional[_Union[Value, _Mapping]] = ..., kwargs: _Optional[_Union[Value, _Mapping]] = ..., grad_enabled: _Optional[bool] = ..., input_grad_names: _Optional[_Iterable[str]] = ..., inline_output_bytes: _Optional[int] = ..., version: _Optional[int] = ..., mode: _Optional[_Union[ModelMode, str]] = ...) -> None: ...
+    output_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., call_id: _Optional[str] = ..., args: _Optional[_Union[Value, _Mapping]] = ..., kwargs: _Optional[_Union[Value, _Mapping]] = ..., grad_enabled: _Optional[bool] = ..., input_grad_names: _Optional[_Iterable[str]] = ..., inline_output_bytes: _Optional[int] = ..., version: _Optional[int] = ..., mode: _Optional[_Union[ModelMode, str]] = ..., output_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
     __slots__ = ("output", "latency_s", "version")
@@ -672,14 +676,16 @@ class ZeroGradResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("model", "optimizer", "hyper_json")
+    __slots__ = ("model", "optimizer", "hyper_json", "max_grad_norm")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     HYPER_JSON_FIELD_NUMBER: _ClassVar[int]
+    MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     model: str
     optimizer: str
     hyper_json: str
-    def __init__(self, model: _Optional[str] = ..., optimizer: _Optional[str] = ..., hyper_json: _Optional[str] = ...) -> None: ...
+    max_grad_norm: float
+    def __init__(self, model: _Optional[str] = ..., optimizer: _Optional[str] = ..., hyper_json: _Optional[str] = ..., max_grad_norm: _Optional[float] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("steps",)
@@ -728,7 +734,7 @@ class AllReduceGradientsResponse(_message.Message):
     def __init__(self, op_id: _Optional[int] = ..., generation: _Optional[int] = ..., buckets: _Optional[int] = ..., bytes: _Optional[int] = ..., latency_s: _Optional[float] = ...) -> None: ...
 
 class TrainStepRequest(_message.Message):
-    __slots__ = ("options", "model", "inputs", "targets", "loss", "optimizer", "hyper_json", "bucket_bytes")
+    __slots__ = ("options", "model", "inputs", "targets", "loss", "optimizer", "hyper_json", "bucket_bytes", "max_grad_norm")
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
@@ -737,6 +743,7 @@ class TrainStepRequest(_message.Message):
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     HYPER_JSON_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     options: OpOptions
     model: str
     inputs: str
@@ -745,7 +752,8 @@ class TrainStepRequest(_message.Message):
     optimizer: str
     hyper_json: str
     bucket_bytes: int
-    def __init__(self, options: _Optional[_Union[OpOptions, _Mapping]] = ..., model: _Optional[str] = ..., inputs: _Optional[str] = ..., targets: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[str] = ..., hyper_json: _Optional[str] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+    max_grad_norm: float
+    def __init__(self, options: _Optional[_Union[OpOptions, _Mapping]] = ..., model: _Optional[str] = ..., inputs: _Optional[str] = ..., targets: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[str] = ..., hyper_json: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., max_grad_norm: _Optional[float] = ...) -> None: ...
 
 class TrainStepResponse(_message.Message):
     __slots__ = ("op_id", "generation", "loss", "rank_losses", "buckets", "latency_s")
@@ -888,7 +896,7 @@ class PublishArgs(_message.Message):
     def __init__(self, model: _Optional[str] = ..., root: _Optional[int] = ..., prefix: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[_tensor_pb2.TensorHeader, _Mapping]]] = ..., strict: _Optional[bool] = ..., cast: _Optional[bool] = ...) -> None: ...
 
 class TrainStepArgs(_message.Message):
-    __slots__ = ("model", "inputs", "targets", "loss", "optimizer", "hyper_json", "bucket_bytes")
+    __slots__ = ("model", "inputs", "targets", "loss", "optimizer", "hyper_json", "bucket_bytes", "max_grad_norm")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
@@ -896,6 +904,7 @@ class TrainStepArgs(_message.Message):
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     HYPER_JSON_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     model: str
     inputs: str
     targets: str
@@ -903,7 +912,8 @@ class TrainStepArgs(_message.Message):
     optimizer: str
     hyper_json: str
     bucket_bytes: int
-    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[str] = ..., targets: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[str] = ..., hyper_json: _Optional[str] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+    max_grad_norm: float
+    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[str] = ..., targets: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[str] = ..., hyper_json: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., max_grad_norm: _Optional[float] = ...) -> None: ...
 
 class OpDescriptor(_message.Message):
     __slots__ = ("op_id", "generation", "group_id", "timeout_s", "kind", "tensor", "new_group", "gradients", "train_step", "coalesced", "uneven", "exchange", "destroy_group", "publish", "replicate", "membership_digest")

@@ -14,6 +14,7 @@ from collectives.errors import InvalidArgument
 __all__ = [
     "ARCHIVE_PREFIX",
     "BUILTIN_LOSSES",
+    "FUNCTION_PREFIX",
     "MAX_NAME_LENGTH",
     "MODEL_METADATA_KEY",
     "OPTIMIZERS",
@@ -32,6 +33,9 @@ ARCHIVE_PREFIX = "__archive/"
 MODEL_METADATA_KEY = "collectives-model"
 # The losses ``train_step`` computes on the workers by name.
 BUILTIN_LOSSES = ("mse", "cross_entropy")
+# Reserved model names: a function the SDK exported for ``apply`` or as a
+# ``train_step`` loss is loaded on the workers as "__fn/<digest of its archive>".
+FUNCTION_PREFIX = "__fn/"
 # The optimizers ``step`` and ``train_step`` build on the workers by name.
 OPTIMIZERS = ("sgd", "adam", "adamw")
 _NAME_RE = re.compile(r"[A-Za-z0-9_.:/-]{1,256}")

@@ -18,6 +18,7 @@ from torch import nn
 
 from collectives.errors import InvalidArgument, NotFound
 from collectives.v1 import worker_pb2
+from collectives.wire.names import reserved_prefix, validate_name
 from collectives.wire.pytree import from_value, to_value
 from collectives_server.worker.data.store import TensorStore
 from collectives_server.worker.kernels.op_failures import backend_message
@@ -44,6 +45,26 @@ def _run(model: HostedModel, args: tuple, kwargs: dict, training: bool | None) -
     return module(*args, **kwargs)
 
 
+def _checked_output_names(request: worker_pb2.ForwardRequest) -> list[str]:
+    """The names to store the outputs under (``apply``), checked; [] for a plain forward.
+
+    Raises:
+        InvalidArgument: a bad or repeated name, or names with autograd on.
+    """
+    names = list(request.output_names)
+    if not names:
+        return []
+    if request.grad_enabled:
+        raise InvalidArgument("output_names store the outputs: only without autograd")
+    for name in names:
+        validate_name(name, "output name")
+        if reserved_prefix(name) is not None:
+            raise InvalidArgument(f"output name {name!r} uses a reserved prefix")
+    if len(set(names)) != len(names):
+        raise InvalidArgument(f"output names repeat a name: {names}")
+    return names
+
+
 def forward(
     registry: ModelRegistry,
     store: TensorStore,
@@ -60,6 +81,7 @@ def forward(
         raise InvalidArgument("forward needs a call_id")
     wanted = list(request.input_grad_names)
     leaves: dict[str, torch.Tensor] = {}
+    output_names = _checked_output_names(request)
 
     def load(name: str) -> torch.Tensor:
         t = store.get(name)
@@ -93,12 +115,26 @@ def forward(
             store.put(name, t.detach())
             return name
 
+        def name_leaf(t: torch.Tensor) -> str:
+            if len(stored) == len(output_names):
+                raise InvalidArgument(f"more tensors than the {len(output_names)} output names")
+            name = output_names[len(stored)]
+            stored[name] = t.detach()
+            return name
+
         try:
-            value = to_value(output, store_leaf)
+            value = to_value(output, name_leaf if output_names else store_leaf)
         except InvalidArgument as exc:
             raise InvalidArgument(
                 f"model {request.model!r} returned an output that cannot travel: {exc.message}"
             ) from None
+        if output_names:
+            if len(stored) != len(output_names):
+                raise InvalidArgument(
+                    f"model {request.model!r} returned {len(stored)} tensor(s) for "
+                    f"{len(output_names)} output names"
+                )
+            store.put_many(stored)  # all or none, within the quota
         if request.grad_enabled and any(t.requires_grad for t in stored.values()):
             with model.lock:
                 model.graphs[call_id] = RetainedGraph(

@@ -27,6 +27,7 @@ model as it was. The caller holds ``model.lock`` from plan to install.
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +36,15 @@ import torch
 from collectives.errors import InvalidArgument
 from collectives_server.worker.models.registry import HostedModel
 
-__all__ = ["OPTIMIZERS", "OptimizerPlan", "install", "make_optimizer", "plan_optimizer"]
+__all__ = [
+    "OPTIMIZERS",
+    "OptimizerPlan",
+    "check_max_grad_norm",
+    "clip_gradients",
+    "install",
+    "make_optimizer",
+    "plan_optimizer",
+]
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
@@ -118,3 +127,25 @@ def install(model: HostedModel, plan: OptimizerPlan) -> torch.optim.Optimizer:
     model.optimizer_kind = plan.kind
     model.optimizer_hyper = dict(plan.hyper)
     return plan.optimizer
+
+
+def check_max_grad_norm(max_grad_norm: float) -> None:
+    """Refuses a clipping norm that is negative or not finite (0: no clipping).
+
+    Raises:
+        InvalidArgument: ``max_grad_norm`` is negative, NaN or infinite.
+    """
+    if not math.isfinite(max_grad_norm) or max_grad_norm < 0:
+        raise InvalidArgument(
+            f"max_grad_norm must be a finite number >= 0 (0: no clipping), got {max_grad_norm}"
+        )
+
+
+def clip_gradients(model: HostedModel, max_grad_norm: float) -> None:
+    """Scales the model's gradients so their total 2-norm is at most ``max_grad_norm``,
+    as ``torch.nn.utils.clip_grad_norm_`` does (0: leaves them). The caller holds
+    ``model.lock``; after a gradient reduction every rank holds the same gradients,
+    so every rank clips them alike."""
+    if max_grad_norm > 0:
+        grads = [p for _, p in model.parameters if p.grad is not None]
+        torch.nn.utils.clip_grad_norm_(grads, max_grad_norm)

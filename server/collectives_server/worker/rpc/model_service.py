@@ -14,14 +14,24 @@ from collectives.errors import InvalidArgument, NotFound
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
 from collectives.wire import codec, pytree
-from collectives.wire.names import MODEL_METADATA_KEY, validate_name
+from collectives.wire.names import (
+    BUILTIN_LOSSES,
+    FUNCTION_PREFIX,
+    MODEL_METADATA_KEY,
+    validate_name,
+)
 from collectives.wire.op_specs import SPECS, OpKind
 from collectives_server.json_input import parse_json_object
 from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.data.store import UPLOAD_PREFIX
 from collectives_server.worker.models import execution as model_exec
 from collectives_server.worker.models import versions as model_versions
-from collectives_server.worker.models.optimizers import install, plan_optimizer
+from collectives_server.worker.models.optimizers import (
+    check_max_grad_norm,
+    clip_gradients,
+    install,
+    plan_optimizer,
+)
 from collectives_server.worker.models.registry import ModelDefinition, build_from_factory
 from collectives_server.worker.rpc.guards import counted as _counted
 from collectives_server.worker.rpc.guards import guard as _guard
@@ -149,8 +159,10 @@ class ModelRpcs:
     def Step(self, request, context) -> worker_pb2.StepResponse:
         model = self._ctx.models.get(request.model)
         hyper = _json_object(request.hyper_json, "optimizer hyperparameters")
+        check_max_grad_norm(request.max_grad_norm)
         with model.lock:
             optimizer = install(model, plan_optimizer(model, request.optimizer, hyper))
+            clip_gradients(model, request.max_grad_norm)
             optimizer.step()
             model.steps += 1
             model_versions.bump(model)
@@ -269,8 +281,12 @@ class ModelRpcs:
     def TrainStep(self, r, context) -> worker_pb2.TrainStepResponse:
         validate_name(r.inputs, "inputs tensor name")
         validate_name(r.targets, "targets tensor name")
-        if r.loss not in ("mse", "cross_entropy"):
-            raise InvalidArgument(f"loss {r.loss!r} is not supported; use 'mse' or 'cross_entropy'")
+        if r.loss not in BUILTIN_LOSSES and not r.loss.startswith(FUNCTION_PREFIX):
+            raise InvalidArgument(
+                f"loss {r.loss!r} is not supported; use one of {BUILTIN_LOSSES} or a loss "
+                "program (train_step(loss=module_or_function) exports and loads one)"
+            )
+        check_max_grad_norm(r.max_grad_norm)
         if r.optimizer:
             _json_object(r.hyper_json, "optimizer hyperparameters")
         args = worker_pb2.TrainStepArgs(
@@ -281,6 +297,7 @@ class ModelRpcs:
             optimizer=r.optimizer,
             hyper_json=r.hyper_json,
             bucket_bytes=r.bucket_bytes,
+            max_grad_norm=r.max_grad_norm,
         )
         result = self._model_op(context, OpKind.TRAIN_STEP, r.options, args)
         return worker_pb2.TrainStepResponse(

@@ -246,6 +246,7 @@ class WorkerService:
 
     @_guard
     def ListTensors(self, request, context) -> worker_pb2.ListTensorsResponse:
+        wanted = set(request.names)
         return worker_pb2.ListTensorsResponse(
             tensors=[
                 worker_pb2.TensorInfo(
@@ -256,6 +257,7 @@ class WorkerService:
                     device=i.device,
                 )
                 for i in self._ctx.store.infos()
+                if not wanted or i.name in wanted
             ]
         )
 

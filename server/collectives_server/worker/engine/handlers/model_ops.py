@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -27,16 +28,22 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional
 
-from collectives.errors import CollectiveError, NotFound, error_for_code
+from collectives.errors import CollectiveError, InvalidArgument, NotFound, error_for_code
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
+from collectives.wire.names import FUNCTION_PREFIX
 from collectives_server.json_input import parse_json_object
 from collectives_server.worker.engine import agreement
 from collectives_server.worker.engine.op_context import Announcement, OpContext
 from collectives_server.worker.kernels import op_failures
 from collectives_server.worker.kernels.collective_ops import copy_into
 from collectives_server.worker.models import versions as model_versions
-from collectives_server.worker.models.optimizers import OptimizerPlan, install, plan_optimizer
+from collectives_server.worker.models.optimizers import (
+    OptimizerPlan,
+    clip_gradients,
+    install,
+    plan_optimizer,
+)
 from collectives_server.worker.models.registry import HostedModel
 
 __all__ = ["LOSSES", "ModelOpResult", "run_model_op", "ModelArgs", "DEFAULT_BUCKET_BYTES"]
@@ -61,6 +68,7 @@ class ModelArgs:
     loss: str = ""
     optimizer: str = ""
     hyper_json: str = ""
+    max_grad_norm: float = 0.0
 
     @classmethod
     def of(cls, desc: worker_pb2.OpDescriptor) -> ModelArgs:
@@ -68,7 +76,7 @@ class ModelArgs:
             t = desc.train_step
             return cls(
                 True, t.model, 0, t.bucket_bytes, t.inputs, t.targets, t.loss, t.optimizer,
-                t.hyper_json,
+                t.hyper_json, t.max_grad_norm,
             )  # fmt: skip
         g = desc.gradients
         return cls(False, g.model, g.op, g.bucket_bytes)
@@ -165,6 +173,24 @@ def _mask(ctx: OpContext, flags: list[bool], everywhere: bool) -> list[bool]:
     return [True] * len(flags) if everywhere else _any_rank_has_grad(ctx, flags)
 
 
+def _loss_function(ctx: OpContext, loss: str) -> Callable[..., torch.Tensor]:
+    """A built-in loss by name, or the loss program loaded as ``loss`` on this rank.
+
+    Raises:
+        NotFound: the loss program is not loaded here.
+        InvalidArgument: neither a built-in loss nor a loss program's name.
+    """
+    builtin = LOSSES.get(loss)
+    if builtin is not None:
+        return builtin
+    if not loss.startswith(FUNCTION_PREFIX):
+        raise InvalidArgument(f"loss {loss!r} is not supported")
+    program = ctx.models.peek(loss)
+    if program is None:
+        raise NotFound(f"loss program {loss!r} is not loaded on this rank")
+    return program.runnable()
+
+
 def _local_train(ctx: OpContext, model: HostedModel, args: ModelArgs) -> tuple[float, int]:
     # peek, not get: the executor never waits on a commit fence (every rank
     # checked these names are present before this point).
@@ -172,7 +198,7 @@ def _local_train(ctx: OpContext, model: HostedModel, args: ModelArgs) -> tuple[f
     targets = ctx.store.peek(args.targets)
     if inputs is None or targets is None:
         raise NotFound(f"tensor {args.inputs if inputs is None else args.targets!r} vanished")
-    loss_fn = LOSSES[args.loss]
+    loss_fn = _loss_function(ctx, args.loss)
     for p in model.module.parameters():
         p.grad = None
     arena = model.grad_arena()
@@ -181,6 +207,13 @@ def _local_train(ctx: OpContext, model: HostedModel, args: ModelArgs) -> tuple[f
         with torch.enable_grad():
             out = model.runnable()(inputs)
             loss = loss_fn(out, targets)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+                raise InvalidArgument(
+                    f"the loss must return one number (a tensor of one element), got {got}"
+                )
+            if not loss.requires_grad:
+                raise InvalidArgument("the loss does not depend on the model's output")
             loss.backward()
     finally:
         arena.settle(seeded)
@@ -294,6 +327,7 @@ def _run_model_op(
     op = ReduceOp.AVG if args.is_train else ReduceOp.from_wire(args.op)
     bucket_bytes = args.bucket_bytes or DEFAULT_BUCKET_BYTES
     buckets, nbytes = reduce_gradients(ctx, model, op, bucket_bytes, _mask(ctx, flags, everywhere))
+    clip_gradients(model, args.max_grad_norm)
     if local.plan is not None:
         install(model, local.plan).step()
         model.steps += 1

@@ -1,0 +1,45 @@
+"""A client exports a module once per input signature and set of weights."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from collectives._programs import FunctionModule, ProgramCache, as_module, program_name
+
+
+def test_the_same_module_and_signature_is_exported_once() -> None:
+    cache = ProgramCache()
+    model = nn.Linear(3, 2)
+    first = cache.archive(model, (torch.randn(4, 3),))
+    assert cache.archive(model, (torch.randn(7, 3),)) is first  # dim 0 is dynamic
+
+
+def test_new_weights_another_signature_or_mode_export_again() -> None:
+    cache = ProgramCache()
+    model = nn.Sequential(nn.Linear(3, 2), nn.Dropout(0.5))
+    first = cache.archive(model, (torch.randn(4, 3),))
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # in place: the version counter moves
+    second = cache.archive(model, (torch.randn(4, 3),))
+    assert second is not first and second != first
+    assert cache.archive(model, (torch.randn(4, 3, dtype=torch.float64).float(),)) is second
+    model.eval()
+    assert cache.archive(model, (torch.randn(4, 3),)) is not second
+
+
+def test_functions_are_named_by_their_archive() -> None:
+    module = as_module(lambda t: t * 2, "fn")
+    assert isinstance(module, FunctionModule)
+    archive = ProgramCache().archive(module, (torch.randn(2, 2),))
+    assert program_name(archive).startswith("__fn/") and len(program_name(archive)) == 21
+    assert program_name(archive) == program_name(bytes(archive))
+
+
+def test_where_a_program_is_loaded_is_remembered_until_forgotten() -> None:
+    cache = ProgramCache()
+    cache.mark_loaded("__fn/x", frozenset({"w-1", "w-2"}))
+    assert cache.loaded_on("__fn/x", frozenset({"w-2"}))
+    assert not cache.loaded_on("__fn/x", frozenset({"w-2", "w-3"}))
+    cache.forget("__fn/x")
+    assert not cache.loaded_on("__fn/x", frozenset({"w-1"}))
