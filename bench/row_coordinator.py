@@ -239,6 +239,7 @@ def _measure(n: int, windows: int, window_s: float) -> dict:
                         devices=["cpu"],
                         backend="gloo",
                         version="0.1.0",
+                        store_port=30000 + i,  # simulated: nothing forms, so nothing dials it
                     ),
                     timeout=10,
                 )

@@ -48,27 +48,35 @@ _NAME_CHARS = re.compile(r"[^A-Za-z0-9._:@-]")
 _NAME_MAX = 64
 
 
-def channel_options() -> list[tuple[str, Any]]:
-    """:data:`CHANNEL_OPTIONS`, with ``COLLECTIVES_CLIENT_NAME`` (if set) in the
-    primary user agent; characters outside ``[A-Za-z0-9._:@-]`` become ``_``, and
-    the name is cut to 64 characters."""
-    name = _NAME_CHARS.sub("_", os.environ.get(CLIENT_NAME_ENV, "").strip())[:_NAME_MAX]
+def channel_options(client_name: str | None = None) -> list[tuple[str, Any]]:
+    """:data:`CHANNEL_OPTIONS`, with the client's name (``client_name``, else
+    ``COLLECTIVES_CLIENT_NAME`` if set) in the primary user agent; characters
+    outside ``[A-Za-z0-9._:@-]`` become ``_``, and the name is cut to 64 characters."""
+    given = client_name if client_name is not None else os.environ.get(CLIENT_NAME_ENV, "")
+    name = _NAME_CHARS.sub("_", given.strip())[:_NAME_MAX]
     if not name:
         return list(CHANNEL_OPTIONS)
     return [*CHANNEL_OPTIONS, ("grpc.primary_user_agent", _USER_AGENT_PREFIX + name)]
 
 
-def open_channel(address: str, security: ChannelSecurity = PLAINTEXT) -> grpc.Channel:
+def open_channel(
+    address: str, security: ChannelSecurity = PLAINTEXT, client_name: str | None = None
+) -> grpc.Channel:
     """A channel to ``address`` with the SDK's message size limits (and the client's
-    name from ``COLLECTIVES_CLIENT_NAME`` in its user agent, see :func:`channel_options`).
+    name in its user agent, see :func:`channel_options`).
 
     ``security`` chooses TLS and the bearer token (default: plaintext, no token).
     """
-    return security.open_channel(address, channel_options())
+    return security.open_channel(address, channel_options(client_name))
 
 
-def wait_channel_ready(channel: grpc.Channel, address: str, timeout: float) -> None:
+def wait_channel_ready(
+    channel: grpc.Channel, address: str, timeout: float, budget: str = ""
+) -> None:
     """Blocks until ``channel`` is connected.
+
+    ``budget`` names the caller's whole time budget for the message (e.g. "2 s,
+    the timeout given to connect()"); by default, ``timeout`` itself.
 
     Raises:
         Unavailable: nothing answered at ``address`` within ``timeout`` seconds.
@@ -77,7 +85,8 @@ def wait_channel_ready(channel: grpc.Channel, address: str, timeout: float) -> N
         grpc.channel_ready_future(channel).result(timeout=max(timeout, 0.0))
     except grpc.FutureTimeoutError:
         raise Unavailable(
-            f"nothing answers at {address}: could not connect within {timeout:.3g} s "
+            f"nothing answers at {address}: could not connect within "
+            f"{budget or f'{timeout:.3g} s'} "
             "(is the coordinator running, is the address host:port, and do the TLS "
             "settings match the server's: plaintext vs TLS, the CA, a client certificate?)"
         ) from None

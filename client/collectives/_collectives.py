@@ -9,7 +9,7 @@ a rank that holds it.
 Each request carries ``OpOptions``: the group id (0: every rank), the
 generation the SDK believes is current (the leader refuses a mismatch as
 ``UNAVAILABLE`` without running anything) and the op timeout. A failed op is
-retried only when the server marked it ``collectives-executed: no``; a
+retried only when the server marked it as never started (``executed=False``); a
 reduction that may have run is never repeated behind the caller's back.
 
 Coalesced forms: ``cluster.all_reduce(["a", "b", "c"])`` (likewise ``broadcast``

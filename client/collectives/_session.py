@@ -32,6 +32,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
+import grpc
+
 from collectives import _progress, shm
 from collectives._membership import Membership
 from collectives._transport import (
@@ -41,7 +43,13 @@ from collectives._transport import (
     wait_channel_ready,
 )
 from collectives._validation import check_timeout
-from collectives.addresses import REFUSED_GRACE_S, parse_addresses, refused_within
+from collectives._wrong_address import not_a_coordinator
+from collectives.addresses import (
+    REFUSED_GRACE_S,
+    other_protocol,
+    parse_addresses,
+    refused_within,
+)
 from collectives.errors import (
     CollectiveError,
     DeadlineExceeded,
@@ -186,6 +194,7 @@ class ClusterSession:
         tls_key: str | os.PathLike[str] | bytes | None = None,
         shared_memory: bool | None = None,
         progress: bool | None = None,
+        name: str | None = None,
     ) -> None:
         """Connects to the coordinator at ``address`` and waits for a formed generation.
 
@@ -197,9 +206,13 @@ class ClusterSession:
         The keyword arguments (and their environment fallbacks, see
         :data:`collectives.wire.security.SETTINGS_PRECEDENCE`) secure every channel.
 
+        ``name`` (else ``COLLECTIVES_CLIENT_NAME``) names this client to
+        operators, in the user agent of every channel.
+
         Raises:
-            InvalidArgument: ``address`` or ``timeout`` is malformed, or a TLS or
-                token setting is unreadable or inconsistent.
+            InvalidArgument: ``address`` or ``timeout`` is malformed, a TLS or
+                token setting is unreadable or inconsistent, or ``address`` is
+                not a coordinator (a worker, an HTTP port: the message says which).
             PermissionDenied: the server refused the token (or its absence).
             Unavailable: nothing answers at ``address`` within ``timeout``.
             DeadlineExceeded: no generation was formed within ``timeout`` (the
@@ -224,9 +237,9 @@ class ClusterSession:
         self._shm_pool = shm.SegmentPool()
         self._address = address.strip()
         self._closed = False
-        self._channel = open_channel(self._address, security)
+        self._channel = open_channel(self._address, security, name)
         self._membership = Membership(self._channel, self._address)
-        self._pool = ChannelPool(security)
+        self._pool = ChannelPool(security, name)
         self._op_executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="collectives-op"
         )
@@ -243,8 +256,22 @@ class ClusterSession:
                     f"nothing answers at {self._address}: {reason}. Is the coordinator "
                     "running? `collectives-server local` prints the address it listens on."
                 )
-            wait_channel_ready(self._channel, self._address, timeout)
-            self._membership.refresh(deadline - time.monotonic())
+            other = None if security.tls else other_protocol(self._address, min(1.0, timeout))
+            if other is not None:
+                raise InvalidArgument(other)
+            wait_channel_ready(
+                self._channel,
+                self._address,
+                _left(deadline),
+                f"{timeout:g} s, the timeout given to connect()",
+            )
+            try:
+                self._membership.refresh(deadline - time.monotonic())
+            except CollectiveError as err:
+                if err.code != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                what = not_a_coordinator(self._channel, self._address, _left(deadline))
+                raise InvalidArgument(what) from None
             self._membership.start()
             if self._membership.wait_until(lambda s: s.formed, _left(deadline)) is None:
                 snapshot = self._membership.snapshot

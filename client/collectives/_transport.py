@@ -90,8 +90,10 @@ class WorkerEndpoint:
     bulk: bulk.BulkPort = field(default_factory=bulk.BulkPort)
 
     @classmethod
-    def open(cls, address: str, security: ChannelSecurity = PLAINTEXT) -> WorkerEndpoint:
-        channel = open_channel(address, security)
+    def open(
+        cls, address: str, security: ChannelSecurity = PLAINTEXT, client_name: str | None = None
+    ) -> WorkerEndpoint:
+        channel = open_channel(address, security, client_name)
         return cls(
             address=address,
             channel=channel,
@@ -112,8 +114,11 @@ class WorkerEndpoint:
 class ChannelPool:
     """One channel per worker address, created on first use, closed together."""
 
-    def __init__(self, security: ChannelSecurity = PLAINTEXT) -> None:
+    def __init__(
+        self, security: ChannelSecurity = PLAINTEXT, client_name: str | None = None
+    ) -> None:
         self._security = security
+        self._client_name = client_name
         self._lock = threading.Lock()
         self._endpoints: dict[str, WorkerEndpoint] = {}
         self._closed = False
@@ -129,7 +134,7 @@ class ChannelPool:
                 raise Unavailable("the cluster connection is closed")
             endpoint = self._endpoints.get(address)
             if endpoint is None:
-                endpoint = WorkerEndpoint.open(address, self._security)
+                endpoint = WorkerEndpoint.open(address, self._security, self._client_name)
                 self._endpoints[address] = endpoint
             return endpoint
 

@@ -68,6 +68,7 @@ class Cluster:
         tls_key: str | os.PathLike[str] | bytes | None = None,
         shared_memory: bool | None = None,
         progress: bool | None = None,
+        name: str | None = None,
     ) -> None:
         """Connects to the coordinator at ``address``; see :func:`connect`."""
         self._session = ClusterSession(
@@ -80,6 +81,7 @@ class Cluster:
             tls_key=tls_key,
             shared_memory=shared_memory,
             progress=progress,
+            name=name,
         )
         self._data_plane = DataPlane(self._session)
         self._collectives = Collectives(self._session, self._data_plane)
@@ -1209,6 +1211,7 @@ def connect(
     tls: bool | None = None,
     shared_memory: bool | None = None,
     progress: bool | None = None,
+    name: str | None = None,
 ) -> Cluster:
     """Connects to the coordinator at ``host:port`` and waits until a generation is formed.
 
@@ -1237,9 +1240,15 @@ def connect(
     when it is a terminal; False (``COLLECTIVES_PROGRESS=0``) never draws one,
     True (``=1``) draws one even when stderr is not a terminal.
 
+    ``name`` (or ``COLLECTIVES_CLIENT_NAME`` when None) names this client to
+    operators: the workers list it among their clients, and on the errors of
+    the ops it issued, in ``collectives top``, ``status`` and the dashboard.
+
     Raises:
-        InvalidArgument: ``address`` or ``timeout`` is malformed, or a TLS or
-            token setting is unreadable or inconsistent.
+        InvalidArgument: ``address`` or ``timeout`` is malformed, a TLS or
+            token setting is unreadable or inconsistent, or ``address`` is not
+            a coordinator: a worker (the message names its coordinator) or an
+            HTTP port such as the dashboard's.
         Unavailable: nothing answers at ``address`` within ``timeout`` seconds
             (also: a plaintext client against a TLS server, an untrusted certificate).
         PermissionDenied: the server requires a token and got none or a wrong one.
@@ -1256,4 +1265,5 @@ def connect(
         tls_key=tls_key,
         shared_memory=shared_memory,
         progress=progress,
+        name=name,
     )

@@ -4,7 +4,7 @@ A named client (``COLLECTIVES_CLIENT_NAME``) runs a known workload on 2 workers;
 each worker's reported status (through the coordinator), the cluster's
 aggregation and the Prometheus endpoints must agree with what it did: counts
 exactly, latency percentiles within what the client measured, collective bytes
-as ``collectives_server.worker.collective_traffic`` documents them (an all_reduce
+as ``collectives_server.worker.telemetry.collective_traffic`` documents them (an all_reduce
 of n bytes at world size 2 moves n in and n out on each rank; a broadcast moves
 n out of the root and n into the other rank), the failing ops as one group with
 a count, first/last time, a rate and the client, and the client in the list.

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+from helpers import wait_until
 
 import collectives
 
@@ -101,3 +103,38 @@ def test_connect_to_a_silent_address_fails_within_its_timeout(silent_address):
     elapsed = time.monotonic() - start
     assert elapsed < 2 + 1.5, elapsed
     assert "within 2 s" in info.value.message, info.value
+
+
+def test_connect_to_a_workers_port_names_the_worker_and_its_coordinator(cluster2_address, cluster2):
+    worker = cluster2.workers()[0]
+    start = time.monotonic()
+    with pytest.raises(collectives.InvalidArgument) as info:
+        collectives.connect(worker.address, timeout=20)
+    assert time.monotonic() - start < 5, "at once, not after the timeout"
+    message = info.value.message
+    assert f"{worker.address} is a collectives worker ({worker.worker_id}, rank 0)" in message
+    assert f"its coordinator is at {cluster2_address}" in message
+    assert "UNIMPLEMENTED" not in message
+
+
+def test_connect_to_an_http_port_says_so_at_once(fresh_cluster):
+    port = _free_port()
+    _, cluster = fresh_cluster(2, "--dashboard-port", str(port))
+    cluster.close()
+    start = time.monotonic()
+    with pytest.raises(collectives.InvalidArgument, match="is an HTTP/1 server"):
+        collectives.connect(f"127.0.0.1:{port}", timeout=20)
+    assert time.monotonic() - start < 5
+
+
+def test_a_client_name_given_at_connect_reaches_the_workers(cluster2_address, uname):
+    name = uname("trainer").replace("/", "-")
+    with collectives.connect(cluster2_address, name=name) as client:
+        client.barrier(timeout=30)
+        client.put(uname("t"), torch.ones(2), rank=0)
+
+        def named() -> bool:
+            snapshot = client.refresh()
+            return any(c.name == name for c in snapshot.clients())
+
+        wait_until(named, 30, f"client {name!r} in the workers' client lists")

@@ -12,11 +12,11 @@ from collectives.v1 import coordinator_pb2, status_pb2
 from collectives.wire.cluster_state import ClusterSnapshot
 from collectives.wire.op_specs import OpKind
 from collectives_server.coordinator.cluster_message import status_key
-from collectives_server.worker.clients import ClientTable, client_name, short_user_agent
-from collectives_server.worker.collective_traffic import collective_traffic
-from collectives_server.worker.error_groups import ErrorGroups, grouped_message
 from collectives_server.worker.stats import WorkerStats
-from collectives_server.worker.windows import LatencyWindow, WindowedRate
+from collectives_server.worker.telemetry.clients import ClientTable, client_name, short_user_agent
+from collectives_server.worker.telemetry.collective_traffic import collective_traffic
+from collectives_server.worker.telemetry.error_groups import ErrorGroups, grouped_message
+from collectives_server.worker.telemetry.windows import LatencyWindow, WindowedRate
 
 
 def test_the_windowed_rate_reads_a_burst_at_once_and_decays_when_idle() -> None:

@@ -132,6 +132,7 @@ def test_connect_signature_and_cluster_protocol() -> None:
         ("tls", None),
         ("shared_memory", None),
         ("progress", None),
+        ("name", None),
     ]
     for prop in ("world_size", "generation", "formed", "leader", "op_timeout_s"):
         assert isinstance(inspect.getattr_static(collectives.Cluster, prop), property), prop

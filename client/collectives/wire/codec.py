@@ -4,7 +4,7 @@ Data-plane messages (``PutTensorRequest``, ``GetTensorResponse``) are a oneof of
 ``TensorHeader header = 1`` and ``bytes chunk = 2``. On the wire they are plain
 protobuf, so any gRPC client can speak them; in Python we frame and parse them
 by hand (tag, varint length, payload) because a protobuf ``bytes`` field costs
-an extra copy and 5-30x the time of the raw bytes. Chunks are parsed into
+an extra copy and several times the time of the raw bytes. Chunks are parsed into
 memoryviews of the received message and copied once, straight into a buffer
 preallocated from the header, so a tensor of N bytes needs N bytes of RAM on
 the receiving side plus one chunk in flight.

@@ -1,12 +1,11 @@
 """Receive buffers that do not pay a page fault per 4 KiB page.
 
 A large ``torch.empty`` is a fresh anonymous mapping; the first write to each
-4 KiB page faults into the kernel, which zeroes it. On the VMs we measured that
-costs more than the copy itself: filling a fresh 64 MiB buffer runs at
-0.6-2 GB/s against ~10-20 GB/s into memory already touched. Asking for
-transparent huge pages on the buffer (``madvise(MADV_HUGEPAGE)``, what torch
-itself does for every allocation when ``THP_MEM_ALLOC_ENABLE=1``) makes one
-fault per 2 MiB instead: 5-20x faster first fills, same memory.
+4 KiB page faults into the kernel, which zeroes it, and that costs more than
+the copy itself (figures in docs/perf-log.md, "Figures behind the design").
+Asking for transparent huge pages on the buffer (``madvise(MADV_HUGEPAGE)``,
+what torch itself does for every allocation when ``THP_MEM_ALLOC_ENABLE=1``)
+makes one fault per 2 MiB instead: much faster first fills, same memory.
 
 The SDK cannot set ``THP_MEM_ALLOC_ENABLE`` for the user's process (torch reads
 it once, at its first large allocation), so the buffers the data plane receives

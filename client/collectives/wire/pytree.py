@@ -145,7 +145,7 @@ def gather(outputs: list[Any], dim: int = 0) -> Any:
 
 # Namedtuple classes rebuilt from the wire, least recently used first. Bounded in
 # count and in size: each class is a few KiB per field and lives until evicted, so
-# an unbounded cache keyed on client-chosen names and fields grows forever (H7).
+# an unbounded cache keyed on client-chosen names and fields grows forever.
 MAX_NAMEDTUPLE_TYPES = 256
 MAX_NAMEDTUPLE_FIELDS = 256
 MAX_NAME_CHARS = 128

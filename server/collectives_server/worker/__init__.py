@@ -4,8 +4,8 @@ Layers, lowest first; a module imports only from its own layer and the ones
 below it (``tests/unit/test_layering.py`` enforces it):
 
 ``data`` < ``kernels`` < ``models`` < ``engine`` < the shared state here
-(``config``, ``context``, ``windows``, ``error_groups``, ``clients``,
-``collective_traffic``, ``stats``, ``status``, ``metrics``) < ``rpc`` <
+(``config``, ``context``, ``telemetry/``, ``stats``, ``status``, ``metrics``) <
+``rpc`` <
 the daemon here (``daemon``, ``enrolment``, ``heartbeats``).
 
 Modules:
@@ -17,10 +17,7 @@ Modules:
 * ``rpc/``: the gRPC servicers of the Worker service and their guards
 * ``config``: the worker's configuration: one frozen dataclass
 * ``context``: what handlers, status and metrics read: one WorkerContext
-* ``windows``: bounded recent windows: an event rate, latency percentiles
-* ``error_groups``: failed ops aggregated by kind, code and message, with a count
-* ``clients``: the clients that called recently (peer, user agent, the name they gave)
-* ``collective_traffic``: the payload bytes a collective moves per rank (a model)
+* ``telemetry/``: what the counters are built from: windows, error groups, clients, traffic
 * ``stats``: counters: ops by kind and outcome, rates, latencies, bytes, errors, heartbeats
 * ``status``: what a worker reports about itself (WorkerStatus, GetState, op logs)
 * ``metrics``: the Prometheus metrics, computed at scrape time

@@ -163,7 +163,7 @@ def _collect(ctx: WorkerContext) -> Iterator[Metric]:
 
 
 def _connections(ctx: WorkerContext) -> Iterator[Metric]:
-    """What clients hold open on the data plane: the counts the caps bound (issue 16)."""
+    """What clients hold open on the data plane: the counts the data-plane caps bound."""
     if ctx.data_streams is not None:
         yield _gauge(
             "collectives_data_streams_active",

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 import grpc
 
 from collectives.v1 import status_pb2
-from collectives_server.worker.clients import ClientTable
-from collectives_server.worker.error_groups import ErrorGroups
-from collectives_server.worker.windows import LatencyWindow, WindowedRate
+from collectives_server.worker.telemetry.clients import ClientTable
+from collectives_server.worker.telemetry.error_groups import ErrorGroups
+from collectives_server.worker.telemetry.windows import LatencyWindow, WindowedRate
 
 __all__ = ["LATENCY_BUCKETS_S", "RECENT_ERRORS", "KindSummary", "WorkerStats", "status_label"]
 

@@ -27,7 +27,6 @@ from collectives.errors import CollectiveError
 from collectives.v1 import status_pb2, worker_pb2
 from collectives.wire.op_specs import kind_name, spec, subject
 from collectives_server.control_protocol import FIELD_LIMITS
-from collectives_server.worker.collective_traffic import collective_traffic
 from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.stats import (
     LATENCY_BUCKETS_S,
@@ -35,6 +34,7 @@ from collectives_server.worker.stats import (
     WorkerStats,
     status_label,
 )
+from collectives_server.worker.telemetry.collective_traffic import collective_traffic
 
 __all__ = [
     "LATENCY_BUCKETS_S",

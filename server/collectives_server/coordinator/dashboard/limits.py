@@ -1,4 +1,4 @@
-"""A ``ThreadingHTTPServer`` that bounds its connections (issue 16, L4).
+"""A ``ThreadingHTTPServer`` that bounds its connections (a flood of idle sockets cannot pin it).
 
 The standard server starts one thread per connection and keeps it for as long as
 the peer keeps the connection open, so idle connections used to hold coordinator

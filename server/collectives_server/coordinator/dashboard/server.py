@@ -19,7 +19,7 @@ Endpoints (all GET):
   The page falls back to polling ``/api/cluster`` when the stream fails.
 * ``/healthz`` — ``ok`` while the coordinator serves.
 
-Connections are bounded (issue 16, L4): each closes after ``idle_s`` seconds without
+Connections are bounded: each closes after ``idle_s`` seconds without
 a request (or a stalled write), at most ``max_connections`` are open at once (more
 are answered 503 and closed by the accepting thread), and the listen backlog is
 1024; so no connection holds a thread forever and an idle crowd cannot starve

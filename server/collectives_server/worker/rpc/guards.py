@@ -9,7 +9,7 @@ unexpected becomes ``INTERNAL`` with only an error id
 (details in the log; see :mod:`collectives_server.rpc.errors`) without taking the
 worker down, and ``_counted`` records the outcome and latency in the worker's
 status and metrics. Both guards note the calling client (peer and user agent,
-``collectives_server.worker.clients``) and name it on the error group of a
+``collectives_server.worker.telemetry.clients``) and name it on the error group of a
 call that failed.
 
 ``INTERNAL`` means a bug of ours, never a client that went away: a call its

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from collectives.v1 import status_pb2
-from collectives_server.worker.windows import WindowedRate
+from collectives_server.worker.telemetry.windows import WindowedRate
 
 __all__ = ["MAX_ERROR_GROUPS", "MESSAGE_CHARS", "ErrorGroups", "grouped_message"]
 
