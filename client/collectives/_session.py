@@ -43,9 +43,9 @@ from collectives._transport import (
     wait_channel_ready,
 )
 from collectives._validation import check_timeout
-from collectives._wrong_address import not_a_coordinator
 from collectives.addresses import (
     REFUSED_GRACE_S,
+    not_a_coordinator,
     other_protocol,
     parse_addresses,
     refused_within,

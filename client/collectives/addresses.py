@@ -6,7 +6,9 @@ before any connection is tried. :func:`refused_within` tells a closed port or
 an unknown host from a slow one, so the SDK and the CLI fail in about a second
 on a wrong address instead of waiting out their whole timeout;
 :func:`other_protocol` tells an HTTP/1 server (a dashboard, a web page) or a
-TLS-only port from a plaintext gRPC server in one round trip.
+TLS-only port from a plaintext gRPC server in one round trip, and
+:func:`not_a_coordinator` names a gRPC server that lacks the coordinator's
+service (a worker answers ``GetState``, which names its coordinator).
 """
 
 from __future__ import annotations
@@ -16,10 +18,14 @@ import os
 import socket
 import time
 
+import grpc
+
 from collectives.errors import InvalidArgument
+from collectives.v1 import worker_pb2, worker_pb2_grpc
 
 __all__ = [
     "REFUSED_GRACE_S",
+    "not_a_coordinator",
     "other_protocol",
     "parse_address",
     "parse_addresses",
@@ -171,3 +177,30 @@ def other_protocol(address: str, timeout: float) -> str | None:
             "`--tls`/`--tls-ca`, COLLECTIVES_TLS=1)"
         )
     return None
+
+
+# Bound on the one GetState asked of whatever answered.
+_ASK_TIMEOUT_S = 2.0
+
+
+def not_a_coordinator(channel: grpc.Channel, address: str, timeout: float) -> str:
+    """A sentence naming what serves at ``address`` over ``channel``, which lacks the
+    coordinator's service; it asks for at most ``min(timeout, 2 s)``."""
+    stub = worker_pb2_grpc.WorkerStub(channel)
+    try:
+        state = stub.GetState(worker_pb2.GetStateRequest(), timeout=min(timeout, _ASK_TIMEOUT_S))
+    except grpc.RpcError:
+        return (
+            f"{address} answers gRPC but is not a collectives coordinator (it serves no "
+            "collectives.v1.Coordinator); give the address the coordinator prints first"
+        )
+    where = f"rank {state.rank}" if state.rank >= 0 else "not a member"
+    coordinator = (
+        f"its coordinator is at {state.coordinator}: connect to that"
+        if state.coordinator
+        else "connect to its coordinator"
+    )
+    return (
+        f"{address} is a collectives worker ({state.worker_id}, {where}), not a "
+        f"coordinator; {coordinator}"
+    )

@@ -38,9 +38,9 @@ from collectives._status_tables import (
     rates_between,
     terminal_width,
 )
-from collectives._wrong_address import not_a_coordinator
 from collectives.addresses import (
     REFUSED_GRACE_S,
+    not_a_coordinator,
     other_protocol,
     parse_addresses,
     refused_within,
