@@ -3,7 +3,7 @@
     python examples/train_remote.py                      # starts its own local cluster
     python examples/train_remote.py --coordinator H:P    # or uses yours
 
-Two ways to train, both checked against the same training done locally:
+Three ways to train, each checked against the same training done locally:
 
 1. Client-driven (``DataParallel`` semantics): the forward runs on the workers,
    the loss on the client; ``loss.backward()`` sends each worker its slice of
@@ -12,6 +12,8 @@ Two ways to train, both checked against the same training done locally:
 2. Worker-side (DDP semantics): the data lives on the workers (placed once with
    ``scatter``); ``train_step`` computes each shard's loss, averages the
    gradients across workers and steps, returning the global loss.
+3. Worker-side with your own loss: a function exported with ``torch.export``
+   and run on the workers (no pickle), with gradient clipping (``max_grad_norm``).
 """
 
 from __future__ import annotations
@@ -71,6 +73,29 @@ def main() -> int:
         for key, value in local.state_dict().items():
             torch.testing.assert_close(remote[key], value, rtol=1e-4, atol=1e-5)
         print("train_step: replicas equal local full-batch training with the averaged loss")
+
+        # 3. Your own loss, exported and run on the workers, with gradient clipping.
+        def huber(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return F.huber_loss(output, target, delta=0.25)
+
+        local = copy.deepcopy(model)
+        local_opt = torch.optim.SGD(local.parameters(), lr=0.3)
+        cluster.load_model("regressor", model, example_inputs=(x[:4],))  # fresh weights again
+        for step in range(1, 11):
+            loss = cluster.train_step(
+                "regressor", "train/x", "train/y", loss=huber, optimizer="sgd", lr=0.3,
+                max_grad_norm=0.5,
+            )  # fmt: skip
+            local_opt.zero_grad()
+            huber(local(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(local.parameters(), 0.5)
+            local_opt.step()
+            if step % 5 == 0:
+                print(f"train_step with a custom loss {step:2d}: global loss {loss:.5f}")
+        remote = cluster.state_dict("regressor", rank=0)
+        for key, value in local.state_dict().items():
+            torch.testing.assert_close(remote[key], value, rtol=1e-4, atol=1e-5)
+        print("custom loss: replicas equal local training with the same loss and clipping")
         cluster.delete("train/x")
         cluster.delete("train/y")
         cluster.unload_model("regressor")
