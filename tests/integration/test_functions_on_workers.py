@@ -119,6 +119,21 @@ def _mlp(gen: torch.Generator) -> nn.Module:
     return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
+def _placed(cluster, gen: torch.Generator, uname, y: torch.Tensor | None = None):
+    """A fresh MLP loaded on the cluster, its local copy, and a batch scattered to the
+    workers: (model name, local copy, x, y, x's name, y's name)."""
+    model = _mlp(gen)
+    local = copy.deepcopy(model)
+    name = uname("m")
+    cluster.load_model(name, model, example_inputs=(torch.randn(4, 5),))
+    x = torch.randn(8, 5, generator=gen)
+    y = torch.randn(8, 3, generator=gen) if y is None else y
+    xs, ys = uname("x"), uname("y")
+    cluster.scatter(xs, x)
+    cluster.scatter(ys, y)
+    return name, local, x, y, xs, ys
+
+
 def _local_ddp_step(model: nn.Module, loss_fn, xs, ys, clip: float | None) -> float:
     """What train_step does, locally: each shard's loss backpropagated, gradients
     averaged over the shards, clipped; returns the shards' mean loss."""
@@ -141,14 +156,7 @@ def _local_ddp_step(model: nn.Module, loss_fn, xs, ys, clip: float | None) -> fl
 
 @pytest.mark.parametrize("clip", [None, 0.05], ids=["unclipped", "clipped"])
 def test_train_step_with_a_custom_loss_matches_local(cluster2, gen, uname, clip) -> None:
-    model = _mlp(gen)
-    local = copy.deepcopy(model)
-    name = uname("m")
-    cluster2.load_model(name, model, example_inputs=(torch.randn(4, 5),))
-    x, y = torch.randn(8, 5, generator=gen), torch.randn(8, 3, generator=gen)
-    xs, ys = uname("x"), uname("y")
-    cluster2.scatter(xs, x)
-    cluster2.scatter(ys, y)
+    name, local, x, y, xs, ys = _placed(cluster2, gen, uname)
     loss = _Huber(delta=0.7)
 
     remote = cluster2.train_step(name, xs, ys, loss=loss, max_grad_norm=clip)
@@ -165,16 +173,9 @@ def test_train_step_with_a_custom_loss_matches_local(cluster2, gen, uname, clip)
 
 
 def test_train_step_with_a_function_loss_and_a_step_matches_local(cluster2, gen, uname) -> None:
-    model = _mlp(gen)
-    local = copy.deepcopy(model)
+    classes = torch.randint(0, 3, (8,), generator=gen)
+    name, local, x, y, xs, ys = _placed(cluster2, gen, uname, y=classes)
     local_opt = torch.optim.SGD(local.parameters(), lr=0.3)
-    name = uname("m")
-    cluster2.load_model(name, model, example_inputs=(torch.randn(4, 5),))
-    x = torch.randn(8, 5, generator=gen)
-    y = torch.randint(0, 3, (8,), generator=gen)
-    xs, ys = uname("x"), uname("y")
-    cluster2.scatter(xs, x)
-    cluster2.scatter(ys, y)
 
     def smoothed(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(output, target, label_smoothing=0.1)
@@ -190,14 +191,7 @@ def test_train_step_with_a_function_loss_and_a_step_matches_local(cluster2, gen,
 
 
 def test_step_clips_the_gradients_first(cluster2, gen, uname) -> None:
-    model = _mlp(gen)
-    local = copy.deepcopy(model)
-    name = uname("m")
-    cluster2.load_model(name, model, example_inputs=(torch.randn(4, 5),))
-    x, y = torch.randn(8, 5, generator=gen), torch.randn(8, 3, generator=gen)
-    xs, ys = uname("x"), uname("y")
-    cluster2.scatter(xs, x)
-    cluster2.scatter(ys, y)
+    name, local, x, y, xs, ys = _placed(cluster2, gen, uname)
     cluster2.train_step(name, xs, ys, loss="mse")  # averaged gradients, no step
 
     cluster2.step(name, "sgd", lr=1.0, max_grad_norm=0.01)
@@ -212,11 +206,6 @@ def test_step_clips_the_gradients_first(cluster2, gen, uname) -> None:
 
 
 def test_a_loss_that_is_not_a_number_is_refused_on_every_rank(cluster2, gen, uname) -> None:
-    model = _mlp(gen)
-    name = uname("m")
-    cluster2.load_model(name, model, example_inputs=(torch.randn(4, 5),))
-    xs, ys = uname("x"), uname("y")
-    cluster2.scatter(xs, torch.randn(8, 5, generator=gen))
-    cluster2.scatter(ys, torch.randn(8, 3, generator=gen))
+    name, _, _, _, xs, ys = _placed(cluster2, gen, uname)
     with pytest.raises(collectives.InvalidArgument, match="one number"):
         cluster2.train_step(name, xs, ys, loss=lambda out, target: (out - target) ** 2)
