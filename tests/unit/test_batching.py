@@ -117,3 +117,33 @@ def test_max_rows_bounds_a_merged_forward() -> None:
     assert max(model.runs) == 30  # a caller beyond max_rows runs alone
     assert all(n <= 10 for n in model.runs if n != 30)
     assert sum(model.runs) == 54
+
+
+def test_many_rounds_of_callers_each_get_their_own_rows() -> None:
+    model = _Model()
+    batcher = Batcher(Batching(max_rows=40, max_delay_ms=1.0))
+    errors: list[BaseException] = []
+
+    def caller(seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        try:
+            for _ in range(25):
+                x = torch.randn(int(torch.randint(1, 30, (1,), generator=gen)), 4, generator=gen)
+                rows, company = company_of((x,), {})
+                out, _ = batcher.run(
+                    (x,), (0, company), rows, model.hold, model.call, time.monotonic() + 30
+                )
+                with torch.no_grad():
+                    torch.testing.assert_close(out, model.module(x), atol=1e-6, rtol=1e-6)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors[:1]
+    stats = batcher.stats()
+    assert stats.calls == 12 * 25 and stats.batches < stats.calls
+    assert stats.largest_rows <= 40  # every caller has fewer rows than max_rows

@@ -117,7 +117,7 @@ class Batcher:
         self.policy = policy
         self._cond = threading.Condition()
         self._queue: list[_Caller] = []
-        self._leading: set[tuple] = set()
+        self._leading: dict[tuple, _Caller] = {}  # company -> the caller leading it
         self._stats = BatchingStats()
 
     def stats(self) -> BatchingStats:
@@ -148,7 +148,8 @@ class Batcher:
             self._cond.notify_all()
         while True:
             with self._cond:
-                while not me.done and company in self._leading:
+                # Taken by a leader: wait for its result; else lead once nobody does.
+                while not me.done and (me.taken or company in self._leading):
                     left = deadline - time.monotonic()
                     if left <= 0 and not me.taken:
                         self._queue.remove(me)
@@ -156,16 +157,21 @@ class Batcher:
                     self._cond.wait(min(max(left, 0.05), 1.0))
                 if me.done:
                     break
-                self._leading.add(company)
+                self._leading[company] = me
             try:
                 self._lead(me, hold, call, deadline)
             finally:
                 with self._cond:
-                    self._leading.discard(company)
-                    self._cond.notify_all()
+                    self._hand_on(me)
         if me.error is not None:
             raise me.error
         return me.output, me.version
+
+    def _hand_on(self, leader: _Caller) -> None:
+        """``leader`` leads its company no more (the caller holds ``_cond``)."""
+        if self._leading.get(leader.company) is leader:
+            del self._leading[leader.company]
+        self._cond.notify_all()
 
     def _gathered_rows(self, company: tuple) -> int:
         return sum(c.rows for c in self._queue if c.company == company)
@@ -190,8 +196,7 @@ class Batcher:
             with hold() as version:
                 with self._cond:
                     batch = self._take(company)
-                    self._leading.discard(company)  # the next company gathers meanwhile
-                    self._cond.notify_all()
+                    self._hand_on(me)  # the next batch gathers while this one runs
                 outputs, runs = self._forward(batch, call)
         except BaseException as exc:
             # The model could not be held at the version wanted (or the forward broke
