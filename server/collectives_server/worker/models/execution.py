@@ -110,9 +110,12 @@ def forward(
     store: TensorStore,
     request: worker_pb2.ForwardRequest,
     timeout_s: float,
+    inline: dict[str, torch.Tensor] | None = None,
 ) -> worker_pb2.ForwardResponse:
     """Runs the model at the version the request names (``model_versions.serving``),
-    waiting at most ``timeout_s`` for a version committed elsewhere but not yet here."""
+    waiting at most ``timeout_s`` for a version committed elsewhere but not yet here.
+
+    ``inline``: the request's inline inputs by name (looked up before the store)."""
     started = time.perf_counter()
     model = registry.get(request.model, wait_s=timeout_s)  # a peer may still be sending it
     registry.expire_graphs()
@@ -123,8 +126,16 @@ def forward(
     leaves: dict[str, torch.Tensor] = {}
     output_names = _checked_output_names(request)
 
+    inline = inline or {}
+    stored_inputs = False  # whether some input came from the store (deleted after use)
+    finished = False
+
     def load(name: str) -> torch.Tensor:
-        t = store.get(name)
+        nonlocal stored_inputs
+        t = inline.get(name)
+        if t is None:
+            t = store.get(name)
+            stored_inputs = True
         if name in wanted and request.grad_enabled:
             if not (t.dtype.is_floating_point or t.dtype.is_complex):
                 raise InvalidArgument(f"input {name!r} of dtype {t.dtype} cannot require grad")
@@ -188,8 +199,12 @@ def forward(
                     expires_at=time.monotonic() + registry.graph_ttl_s,
                     version=version,
                 )
+        finished = True
     finally:
-        store.delete_prefix(f"{call_id}/in/")
+        # Inputs from the store go; a call whose inputs all came inline, and that
+        # loaded them all, skips the scan of the store.
+        if stored_inputs or not inline or not finished:
+            store.delete_prefix(f"{call_id}/in/")
     return worker_pb2.ForwardResponse(
         output=value, latency_s=time.perf_counter() - started, version=version
     )

@@ -212,6 +212,7 @@ class HostedModel:
     # The other mode's graph of an exported model, and what it was built from.
     _switched: tuple[tuple[int, ...], nn.Module] | None = None
     _captured: tuple[int, bool] | None = None  # (id of module, the mode it was captured in)
+    _switched_plain: tuple[int, bool] | None = None  # (id of module, the mode set on it)
 
     def __post_init__(self) -> None:
         # Notified (under ``lock``) whenever ``version`` changes.
@@ -236,7 +237,11 @@ class HostedModel:
     def _in_mode(self, mode: bool) -> nn.Module:
         module = self.module
         if not model_modes.is_graph(module):
-            return model_modes.for_mode(module, mode, self.name)
+            # Module.train walks every submodule: only when the mode changes.
+            if self._switched_plain != (id(module), mode):
+                model_modes.for_mode(module, mode, self.name)
+                self._switched_plain = (id(module), mode)
+            return module
         if self._captured is None or self._captured[0] != id(module):
             self._captured = (id(module), model_modes.captured_mode(module))
         if self._captured[1] == mode:

@@ -110,11 +110,11 @@ class ModelRpcs:
         validate_name(request.model, "model name")
         validate_name(request.call_id, "call id")
         store = self._ctx.store
-        _store_inline(store, request.call_id, pytree.inline_leaves(request.args))
-        _store_inline(store, request.call_id, pytree.inline_leaves(request.kwargs))
+        inline = _inline_inputs(request.call_id, pytree.inline_leaves(request.args))
+        inline.update(_inline_inputs(request.call_id, pytree.inline_leaves(request.kwargs)))
         left = context.time_remaining()
         wait_s = self._ctx.op_timeout_s if left is None else min(left, self._ctx.op_timeout_s)
-        response = model_exec.forward(self._ctx.models, store, request, wait_s)
+        response = model_exec.forward(self._ctx.models, store, request, wait_s, inline)
         if request.inline_output_bytes:
             _inline_outputs(store, response.output, request.inline_output_bytes)
         return response
@@ -353,8 +353,10 @@ def _model_info(model) -> worker_pb2.ModelInfo:
     )
 
 
-def _store_inline(store, call_id: str, tensors: list[worker_pb2.InlineTensor]) -> None:
-    """Stores a call's inline tensors under their names, which must lie under the call."""
+def _inline_inputs(call_id: str, tensors: list[worker_pb2.InlineTensor]) -> dict:
+    """A call's inline tensors by name (which must lie under the call); they never
+    enter the store."""
+    found = {}
     for inline in tensors:
         validate_name(inline.name)
         if not inline.name.startswith(f"{call_id}/"):
@@ -362,10 +364,16 @@ def _store_inline(store, call_id: str, tensors: list[worker_pb2.InlineTensor]) -
                 f"inline tensor {inline.name!r} must be named under its call {call_id!r}/"
             )
         try:
-            t = codec.tensor_from_proto(inline.tensor)
+            found[inline.name] = codec.tensor_from_proto(inline.tensor)
         except InvalidArgument as exc:
             raise InvalidArgument(f"inline tensor {inline.name!r}: {exc.message}") from None
-        store.put(inline.name, t)
+    return found
+
+
+def _store_inline(store, call_id: str, tensors: list[worker_pb2.InlineTensor]) -> None:
+    """Stores a call's inline tensors under their names, which must lie under the call."""
+    for name, t in _inline_inputs(call_id, tensors).items():
+        store.put(name, t)
 
 
 def _inline_outputs(store, output: worker_pb2.Value, budget: int) -> None:
