@@ -28,6 +28,8 @@ def test_batching_policy_is_checked_and_travels() -> None:
             Batching(max_delay_ms=delay)
     with pytest.raises(InvalidArgument, match="MAX_ROWS"):
         Batching.parse("many")
+    with pytest.raises(InvalidArgument, match=r"max_rows must be in 1\.\."):
+        Batching.parse("0:2")
 
 
 def test_company_of_mergeable_inputs_only() -> None:

@@ -79,8 +79,9 @@ class Batching:
         """
         rows, _, delay = text.strip().partition(":")
         try:
-            return cls(max_rows=int(rows), max_delay_ms=float(delay) if delay else 0.0)
+            max_rows, max_delay_ms = int(rows), float(delay) if delay else 0.0
         except ValueError:
             raise InvalidArgument(
                 f"batching {text!r}: use MAX_ROWS or MAX_ROWS:MAX_DELAY_MS (e.g. 256:2)"
             ) from None
+        return cls(max_rows=max_rows, max_delay_ms=max_delay_ms)
