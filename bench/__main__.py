@@ -29,6 +29,7 @@ ORDER = [
     "latency",
     "concurrency",
     "inference",
+    "inference_floor",
     "training",
     "coordinator",
     "memory",

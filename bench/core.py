@@ -15,9 +15,11 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from . import cpu
 
@@ -173,6 +175,39 @@ def timed(
             if after is not None:
                 after(i - warmup)
     return seconds
+
+
+def throughput(
+    call: Callable[[Any], object], clients: list, seconds: float, per_call: int
+) -> float:
+    """Items/s of ``call(client)`` (``per_call`` items each) run in a loop by one thread per
+    client for ``seconds``, the threads started together."""
+    counts = [0] * len(clients)
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(clients) + 1)
+    stop_at = [0.0]
+
+    def loop(i: int) -> None:
+        try:
+            start.wait()
+            while time.perf_counter() < stop_at[0]:
+                call(clients[i])
+                counts[i] += per_call
+        except BaseException as exc:  # reported after the window
+            errors.append(exc)
+
+    threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(len(clients))]
+    for t in threads:
+        t.start()
+    stop_at[0] = time.perf_counter() + seconds
+    began = time.perf_counter()
+    start.wait()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - began
+    if errors:
+        raise errors[0]
+    return sum(counts) / elapsed
 
 
 def stat_of(values: list[float], unit: str) -> Stat:

@@ -20,49 +20,16 @@ cores (shared with the clients on one machine) saturate.
 
 from __future__ import annotations
 
-import threading
-import time
-
 import torch
 
 import collectives
 from collectives_server.model_zoo import mlp
 
-from .core import BenchContext, Row, measure, shared_cluster, stat_of
+from .core import BenchContext, Row, measure, shared_cluster, stat_of, throughput
 
 NAME = "inference"
 BATCH = 64
 FACTORY = "collectives_server.model_zoo:mlp"
-
-
-def _throughput(call, clients: list, seconds: float) -> float:
-    """Samples/s of ``call(client)`` run in a loop by one thread per client for ``seconds``."""
-    counts = [0] * len(clients)
-    errors: list[BaseException] = []
-    start = threading.Barrier(len(clients) + 1)
-    stop_at = [0.0]
-
-    def loop(i: int) -> None:
-        try:
-            start.wait()
-            while time.perf_counter() < stop_at[0]:
-                call(clients[i])
-                counts[i] += BATCH
-        except BaseException as exc:  # reported after the window
-            errors.append(exc)
-
-    threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(len(clients))]
-    for t in threads:
-        t.start()
-    stop_at[0] = time.perf_counter() + seconds
-    began = time.perf_counter()
-    start.wait()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - began
-    if errors:
-        raise errors[0]
-    return sum(counts) / elapsed
 
 
 def run(ctx: BenchContext) -> list[Row]:
@@ -80,7 +47,7 @@ def run(ctx: BenchContext) -> list[Row]:
 
     anchor_latency = measure(local, latency_n, warmup=3, unit="s")
     anchor_tput = stat_of(
-        [_throughput(local, [None], window_s) for _ in range(windows)], "samples/s"
+        [throughput(local, [None], window_s, BATCH) for _ in range(windows)], "samples/s"
     )
     label = "-".join(map(str, dims))
     rows: list[Row] = []
@@ -111,7 +78,7 @@ def run(ctx: BenchContext) -> list[Row]:
         )
         for n in (1, 8):
             tput = stat_of(
-                [_throughput(remote, clients[:n], window_s) for _ in range(windows)],
+                [throughput(remote, clients[:n], window_s, BATCH) for _ in range(windows)],
                 "samples/s",
             )
             rows.append(

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from collectives.cluster import Cluster, connect
     from collectives.groups import Group
     from collectives.reduce_ops import ReduceOp
+    from collectives.wire.batching import Batching
     from collectives.wire.cluster_state import WorkerInfo, WorkerState
     from collectives.work import Work
 
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 # tools that only need the generated stubs (the daemons' --help, `collectives
 # status`) should not pay for it.
 _LAZY = {
+    "Batching": "collectives.wire.batching",
     "Cluster": "collectives.cluster",
     "connect": "collectives.cluster",
     "Group": "collectives.groups",
@@ -62,6 +64,7 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 __all__ = [
+    "Batching",
     "Cluster",
     "CollectiveError",
     "DeadlineExceeded",

@@ -46,6 +46,7 @@ from collectives._transport import WorkerEndpoint, call_unary, is_retryable_read
 from collectives.errors import CollectiveError, InvalidArgument, NotFound
 from collectives.reduce_ops import ReduceOp, parse_reduce_op
 from collectives.v1 import worker_pb2
+from collectives.wire.batching import Batching
 from collectives.wire.names import BUILTIN_LOSSES, FUNCTION_PREFIX, OPTIMIZERS, validate_name
 from collectives.wire.pytree import from_value, tensor_leaves
 from collectives.work import OpRecord
@@ -69,6 +70,12 @@ class ModelInfo:
     version: int = 1
     # The mode forwards run in, like nn.Module.training (see set_model_mode).
     training: bool = True
+    # How concurrent no-grad forwards are merged on each worker (None: they are not),
+    # and on rank 0: forwards the batcher ran, the calls and rows they served.
+    batching: Batching | None = None
+    batches: int = 0
+    batched_calls: int = 0
+    batched_rows: int = 0
 
 
 class Models:
@@ -109,6 +116,7 @@ class Models:
         kwargs: dict[str, Any] | None = None,
         state_dict: dict[str, torch.Tensor] | None = None,
         timeout: float | None = None,
+        batching: Batching | None = None,
     ) -> ModelInfo:
         """Loads a model on every worker, replacing one of the same name.
 
@@ -117,7 +125,8 @@ class Models:
         is sent once and broadcast among them, a smaller one streamed to each
         worker), or ``factory="pkg.module:fn"`` with JSON
         ``kwargs`` (the workers must allow it with ``--allow-factory``).
-        ``state_dict`` then loads weights (tensors, never pickle).
+        ``state_dict`` then loads weights (tensors, never pickle). ``batching``
+        merges concurrent no-grad forwards on each worker (:class:`Batching`).
 
         Raises:
             InvalidArgument: the module cannot be exported, or bad arguments.
@@ -128,6 +137,8 @@ class Models:
         if name.startswith(FUNCTION_PREFIX):
             raise InvalidArgument(f"model names starting {FUNCTION_PREFIX!r} are reserved")
         deadline = self._session.deadline(timeout)
+        if batching is not None and not isinstance(batching, Batching):
+            raise InvalidArgument(f"batching must be a collectives.Batching, got {batching!r}")
         if (module is None) == (factory is None):
             raise InvalidArgument("load_model needs either a module or a factory (not both)")
         if module is not None:
@@ -144,6 +155,8 @@ class Models:
                 raise InvalidArgument(f"factory kwargs must be JSON-serializable: {exc}") from None
             archive = b""
             spec = worker_pb2.ModelSpec(name=name, factory=factory, factory_kwargs_json=kwargs_json)
+        if batching is not None:
+            spec.batching.CopyFrom(batching.to_proto())
         responses = self._load_everywhere(f"load_model {name!r}", spec, archive, deadline)
         info = _model_info(responses[min(responses)].model)
         if state_dict is not None:
@@ -755,4 +768,8 @@ def _model_info(m: worker_pb2.ModelInfo) -> ModelInfo:
         steps=m.steps,
         version=m.version,
         training=m.training,
+        batching=Batching.from_proto(m.batching) if m.HasField("batching") else None,
+        batches=m.batching_stats.batches,
+        batched_calls=m.batching_stats.calls,
+        batched_rows=m.batching_stats.rows,
     )

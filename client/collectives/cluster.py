@@ -36,6 +36,7 @@ from collectives._session import DEFAULT_CONNECT_TIMEOUT_S, ClusterSession
 from collectives.data_parallel import DataParallel
 from collectives.groups import Group
 from collectives.reduce_ops import ReduceOp
+from collectives.wire.batching import Batching
 from collectives.wire.cluster_state import ClusterSnapshot, GenerationRecord, WorkerInfo
 from collectives.work import Work
 
@@ -781,6 +782,7 @@ class Cluster:
         kwargs: dict[str, Any] | None = None,
         state_dict: dict[str, torch.Tensor] | None = None,
         timeout: float | None = None,
+        batching: Batching | None = None,
     ) -> ModelInfo:
         """Loads a model on every worker, replacing one of the same name.
 
@@ -802,12 +804,18 @@ class Cluster:
                 the model is then at version 2). Defaults to ``None``.
             timeout: seconds for the whole call; None means ``default_timeout_s``.
                 Defaults to ``None``.
+            batching: merge concurrent no-grad forwards of this model, from any
+                clients, into one forward on each worker
+                (``Batching(max_rows=256, max_delay_ms=2.0)``); forwards with
+                autograd or in training mode are never merged; None: each
+                forward runs alone. Defaults to ``None``.
 
         Returns:
             The ``ModelInfo`` rank 0 reports.
 
         Raises:
-            InvalidArgument: the module cannot be exported, or bad arguments.
+            InvalidArgument: the module cannot be exported, bad arguments, or a
+                ``batching`` that is not a ``Batching``.
             PermissionDenied: the factory is not allowed on the workers.
             CollectiveError: a worker refused the model or the call failed.
         """
@@ -819,6 +827,7 @@ class Cluster:
             kwargs=kwargs,
             state_dict=state_dict,
             timeout=timeout,
+            batching=batching,
         )
 
     def unload_model(

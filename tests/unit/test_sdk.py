@@ -29,6 +29,7 @@ from collectives.wire.cluster_state import ClusterSnapshot, WorkerInfo, WorkerSt
 # ---------------------------------------------------------------- public surface
 
 EXPECTED_EXPORTS = {
+    "Batching",
     "Cluster",
     "CollectiveError",
     "DeadlineExceeded",

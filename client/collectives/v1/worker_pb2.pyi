@@ -444,18 +444,40 @@ class GetStateResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., generation: _Optional[int] = ..., is_leader: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., tensors_held: _Optional[int] = ..., bytes_held: _Optional[int] = ..., ops_completed: _Optional[int] = ..., ops_failed: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., status: _Optional[_Union[_status_pb2.WorkerStatus, _Mapping]] = ..., address: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., world_size: _Optional[int] = ..., membership_digest: _Optional[str] = ..., coordinator: _Optional[str] = ...) -> None: ...
 
 class ModelSpec(_message.Message):
-    __slots__ = ("name", "factory", "factory_kwargs_json", "archive_nbytes", "archive_tensor")
+    __slots__ = ("name", "factory", "factory_kwargs_json", "archive_nbytes", "archive_tensor", "batching")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FACTORY_FIELD_NUMBER: _ClassVar[int]
     FACTORY_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     ARCHIVE_NBYTES_FIELD_NUMBER: _ClassVar[int]
     ARCHIVE_TENSOR_FIELD_NUMBER: _ClassVar[int]
+    BATCHING_FIELD_NUMBER: _ClassVar[int]
     name: str
     factory: str
     factory_kwargs_json: str
     archive_nbytes: int
     archive_tensor: str
-    def __init__(self, name: _Optional[str] = ..., factory: _Optional[str] = ..., factory_kwargs_json: _Optional[str] = ..., archive_nbytes: _Optional[int] = ..., archive_tensor: _Optional[str] = ...) -> None: ...
+    batching: ForwardBatching
+    def __init__(self, name: _Optional[str] = ..., factory: _Optional[str] = ..., factory_kwargs_json: _Optional[str] = ..., archive_nbytes: _Optional[int] = ..., archive_tensor: _Optional[str] = ..., batching: _Optional[_Union[ForwardBatching, _Mapping]] = ...) -> None: ...
+
+class ForwardBatching(_message.Message):
+    __slots__ = ("max_rows", "max_delay_ms")
+    MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
+    MAX_DELAY_MS_FIELD_NUMBER: _ClassVar[int]
+    max_rows: int
+    max_delay_ms: float
+    def __init__(self, max_rows: _Optional[int] = ..., max_delay_ms: _Optional[float] = ...) -> None: ...
+
+class BatchingStats(_message.Message):
+    __slots__ = ("batches", "calls", "rows", "largest_rows")
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    LARGEST_ROWS_FIELD_NUMBER: _ClassVar[int]
+    batches: int
+    calls: int
+    rows: int
+    largest_rows: int
+    def __init__(self, batches: _Optional[int] = ..., calls: _Optional[int] = ..., rows: _Optional[int] = ..., largest_rows: _Optional[int] = ...) -> None: ...
 
 class LoadModelRequest(_message.Message):
     __slots__ = ("spec", "archive_chunk")
@@ -466,7 +488,7 @@ class LoadModelRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., archive_chunk: _Optional[bytes] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "parameters", "parameter_bytes", "devices", "source", "optimizer", "graphs_retained", "steps", "version", "training")
+    __slots__ = ("name", "parameters", "parameter_bytes", "devices", "source", "optimizer", "graphs_retained", "steps", "version", "training", "batching", "batching_stats")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     PARAMETER_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -477,6 +499,8 @@ class ModelInfo(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TRAINING_FIELD_NUMBER: _ClassVar[int]
+    BATCHING_FIELD_NUMBER: _ClassVar[int]
+    BATCHING_STATS_FIELD_NUMBER: _ClassVar[int]
     name: str
     parameters: int
     parameter_bytes: int
@@ -487,7 +511,9 @@ class ModelInfo(_message.Message):
     steps: int
     version: int
     training: bool
-    def __init__(self, name: _Optional[str] = ..., parameters: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., source: _Optional[str] = ..., optimizer: _Optional[str] = ..., graphs_retained: _Optional[int] = ..., steps: _Optional[int] = ..., version: _Optional[int] = ..., training: _Optional[bool] = ...) -> None: ...
+    batching: ForwardBatching
+    batching_stats: BatchingStats
+    def __init__(self, name: _Optional[str] = ..., parameters: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., source: _Optional[str] = ..., optimizer: _Optional[str] = ..., graphs_retained: _Optional[int] = ..., steps: _Optional[int] = ..., version: _Optional[int] = ..., training: _Optional[bool] = ..., batching: _Optional[_Union[ForwardBatching, _Mapping]] = ..., batching_stats: _Optional[_Union[BatchingStats, _Mapping]] = ...) -> None: ...
 
 class SetModelModeRequest(_message.Message):
     __slots__ = ("name", "mode")

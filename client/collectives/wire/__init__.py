@@ -27,6 +27,7 @@ module                 what it holds
 :mod:`.security`       channel security (TLS, bearer token), token checks
 :mod:`.membership`     the digest naming which membership a generation is
 :mod:`.cluster_state`  the cluster's state as values (SDK and dashboard JSON)
+:mod:`.batching`       the dynamic batching policy a model is loaded with
 =====================  =====================================================
 
 Nothing is imported here, so ``import collectives.wire.security`` (no torch)

@@ -10,6 +10,8 @@ import os
 import signal
 import sys
 
+from collectives.errors import InvalidArgument
+from collectives.wire.batching import Batching
 from collectives.wire.security import ChannelSecurity, read_pem, read_token_file
 from collectives_server.logfmt import LOG_FORMATS, JsonFormatter, text_formatter
 from collectives_server.security import ServerSecurity
@@ -138,7 +140,8 @@ def die_with_parent_if_asked() -> None:
 
 
 def add_model_hosting(parser: argparse.ArgumentParser) -> None:
-    """``--allow-factory`` and ``--graph-ttl-s``: how a worker hosts models."""
+    """``--allow-factory``, ``--graph-ttl-s`` and ``--factory-batching``: how a worker
+    hosts models."""
     parser.add_argument(
         "--allow-factory",
         action="append",
@@ -155,6 +158,23 @@ def add_model_hosting(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="drop a forward's autograd graph if no backward comes within S seconds (default: 60)",
     )
+    parser.add_argument(
+        "--factory-batching",
+        type=factory_batching,
+        default=None,
+        metavar="ROWS[:MS]",
+        help="merge concurrent no-grad forwards of models built by a factory (whose "
+        "load_model names no batching) into one forward of up to ROWS rows, waiting at most "
+        "MS milliseconds for company (e.g. 256:2). Default: no batching",
+    )
+
+
+def factory_batching(text: str) -> Batching:
+    """``--factory-batching ROWS[:MS]`` as a policy."""
+    try:
+        return Batching.parse(text)
+    except InvalidArgument as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
 
 
 _BYTE_UNITS = {

@@ -197,11 +197,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _model_hosting_args(args: argparse.Namespace) -> list[str]:
     """What every worker of the local cluster gets of --allow-factory/--graph-ttl-s,
-    --queue-size, --max-tensor-bytes and --no-bulk."""
+    --factory-batching, --queue-size, --max-tensor-bytes and --no-bulk."""
     modules = allowed_factories(args.allow_factory)
     extra = [f"--graph-ttl-s={args.graph_ttl_s}"]
     if modules:
         extra.append(f"--allow-factory={','.join(modules)}")
+    if args.factory_batching is not None:
+        policy = args.factory_batching
+        extra.append(f"--factory-batching={policy.max_rows}:{policy.max_delay_ms}")
     if args.queue_size is not None:
         extra.append(f"--queue-size={args.queue_size}")
     if args.max_tensor_bytes is not None:

@@ -152,6 +152,7 @@ def config_from_args(
         advertise_port=args.advertise_port,
         allow_factories=allowed_factories(args.allow_factory),
         graph_ttl_s=args.graph_ttl_s,
+        factory_batching=args.factory_batching,
         bulk_port=None if args.no_bulk else args.bulk_port,
         security=server_security_from_args(args, parser),
         coordinator_security=client_security_from_args(args, parser),

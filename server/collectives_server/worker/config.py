@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from collectives.wire.batching import Batching
 from collectives.wire.security import PLAINTEXT, ChannelSecurity
 from collectives_server.rpc.limits import RpcLimits
 from collectives_server.security import ServerSecurity
@@ -49,6 +50,9 @@ class WorkerConfig:
     allow_factories: tuple[str, ...] = field(default_factory=tuple)
     # A forward's autograd graph is dropped if no backward comes within this time.
     graph_ttl_s: float = 60.0
+    # The batching of models built by a factory whose load_model names none
+    # (--factory-batching); None: they batch only if their load asks.
+    factory_batching: Batching | None = None
     # TCP port of the bulk data plane (raw bytes of large put/get next to gRPC);
     # 0 picks a free one; None: no bulk port. Never opened when TLS is on.
     bulk_port: int | None = 0

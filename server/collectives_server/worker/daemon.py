@@ -94,7 +94,13 @@ class WorkerDaemon:
             devices=devices,
             backend="nccl" if devices[0].type == "cuda" else "gloo",
             store=store,
-            models=ModelRegistry(devices, config.allow_factories, config.graph_ttl_s, quota=store),
+            models=ModelRegistry(
+                devices,
+                config.allow_factories,
+                config.graph_ttl_s,
+                quota=store,
+                factory_batching=config.factory_batching,
+            ),
             uploads=ModelUploads(config.model_upload),
             # /dev/shm segments created for clients' gets: bounded, reaped after a TTL.
             shm_segments=WorkerSegments(config.shm_limits, quota=store),

@@ -20,6 +20,7 @@ from prometheus_client.core import (
 import collectives_server
 from collectives_server.metrics import FunctionCollector, build_info, new_registry
 from collectives_server.worker.context import WorkerContext
+from collectives_server.worker.models.batching import ROW_BUCKETS
 from collectives_server.worker.stats import LATENCY_BUCKETS_S
 from collectives_server.worker.status import collect_status
 
@@ -150,6 +151,7 @@ def _collect(ctx: WorkerContext) -> Iterator[Metric]:
     for name, version in sorted((m.name, m.version) for m in ctx.models.all()):
         versions.add_metric([name], version)
     yield versions
+    yield from _batching(ctx)
     yield _counter(
         "collectives_data_collectives",
         "Data collectives issued by model operations",
@@ -160,6 +162,33 @@ def _collect(ctx: WorkerContext) -> Iterator[Metric]:
         "Gradient buckets all-reduced",
         status.gradient_buckets_reduced,
     )
+
+
+def _batching(ctx: WorkerContext) -> Iterator[Metric]:
+    """What each batching model's batcher ran (models.batching)."""
+    batches = CounterMetricFamily(
+        "collectives_forward_batches",
+        "Forwards the dynamic batcher ran, each serving one or more callers, by model",
+        labels=["model"],
+    )
+    rows = HistogramMetricFamily(
+        "collectives_forward_batch_rows",
+        "Rows per forward the dynamic batcher ran, by model",
+        labels=["model"],
+    )
+    bounds = [str(b) for b in ROW_BUCKETS] + ["+Inf"]
+    for model in sorted(ctx.models.all(), key=lambda m: m.name):
+        if model.batcher is None:
+            continue
+        done = model.batcher.stats()
+        batches.add_metric([model.name], done.batches)
+        cumulative, buckets = 0, []
+        for bound, n in zip(bounds, done.row_counts, strict=True):
+            cumulative += n
+            buckets.append((bound, cumulative))
+        rows.add_metric([model.name], buckets, done.rows)
+    yield batches
+    yield rows
 
 
 def _connections(ctx: WorkerContext) -> Iterator[Metric]:

@@ -3,7 +3,8 @@
 The SDK uploads each worker's shard of the inputs as named tensors
 (``<call_id>/in/<i>``) and sends the nested structure as a ``Value``; the
 worker runs the model (over its local devices when it has several, like
-``torch.nn.DataParallel``), stores the output leaves as ``<call_id>/out/<i>``
+``torch.nn.DataParallel``; merged with other callers' forwards when the model
+batches, :mod:`batching`), stores the output leaves as ``<call_id>/out/<i>``
 for the SDK to stream back (and consume), and, when autograd is on, keeps the
 graph for the client's backward.
 """
@@ -23,6 +24,7 @@ from collectives.wire.pytree import from_value, to_value
 from collectives_server.worker.data.store import TensorStore
 from collectives_server.worker.kernels.op_failures import backend_message
 from collectives_server.worker.models import versions as model_versions
+from collectives_server.worker.models.batching import company_of
 from collectives_server.worker.models.registry import HostedModel, ModelRegistry, RetainedGraph
 
 __all__ = ["forward", "backward", "release"]
@@ -43,6 +45,44 @@ def _run(model: HostedModel, args: tuple, kwargs: dict, training: bool | None) -
             module_kwargs=kwargs,
         )
     return module(*args, **kwargs)
+
+
+def _call(
+    model: HostedModel,
+    name: str,
+    args: tuple,
+    kwargs: dict,
+    training: bool | None,
+    grad_enabled: bool,
+) -> Any:
+    """The model's output on these inputs (the caller holds it at its version).
+
+    Raises:
+        InvalidArgument: the model failed on them.
+    """
+    with torch.set_grad_enabled(grad_enabled):
+        try:
+            return _run(model, args, kwargs, training)
+        except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+            raise InvalidArgument(
+                f"model {name!r} failed on these inputs: {backend_message(exc)}"
+            ) from None
+
+
+def _mergeable(
+    model: HostedModel,
+    request: worker_pb2.ForwardRequest,
+    training: bool | None,
+    args: Any,
+    kwargs: Any,
+) -> tuple[int, tuple] | None:
+    """(rows, company) when this forward may join a batch (``batching``): the model
+    batches, autograd is off and the model runs in eval mode; else None."""
+    if model.batcher is None or request.grad_enabled:
+        return None
+    if bool(model.training if training is None else training):
+        return None
+    return company_of(args, kwargs)
 
 
 def _checked_output_names(request: worker_pb2.ForwardRequest) -> list[str]:
@@ -70,9 +110,12 @@ def forward(
     store: TensorStore,
     request: worker_pb2.ForwardRequest,
     timeout_s: float,
+    inline: dict[str, torch.Tensor] | None = None,
 ) -> worker_pb2.ForwardResponse:
     """Runs the model at the version the request names (``model_versions.serving``),
-    waiting at most ``timeout_s`` for a version committed elsewhere but not yet here."""
+    waiting at most ``timeout_s`` for a version committed elsewhere but not yet here.
+
+    ``inline``: the request's inline inputs by name (looked up before the store)."""
     started = time.perf_counter()
     model = registry.get(request.model, wait_s=timeout_s)  # a peer may still be sending it
     registry.expire_graphs()
@@ -83,8 +126,16 @@ def forward(
     leaves: dict[str, torch.Tensor] = {}
     output_names = _checked_output_names(request)
 
+    inline = inline or {}
+    stored_inputs = False  # whether some input came from the store (deleted after use)
+    finished = False
+
     def load(name: str) -> torch.Tensor:
-        t = store.get(name)
+        nonlocal stored_inputs
+        t = inline.get(name)
+        if t is None:
+            t = store.get(name)
+            stored_inputs = True
         if name in wanted and request.grad_enabled:
             if not (t.dtype.is_floating_point or t.dtype.is_complex):
                 raise InvalidArgument(f"input {name!r} of dtype {t.dtype} cannot require grad")
@@ -97,16 +148,21 @@ def forward(
         if not isinstance(args, tuple) or not isinstance(kwargs, dict):
             raise InvalidArgument("forward args must be a tuple value and kwargs a dict value")
         deadline = time.monotonic() + timeout_s
-        with (
-            model_versions.serving(model, request.version, deadline) as version,
-            torch.set_grad_enabled(request.grad_enabled),
-        ):
-            try:
-                output = _run(model, args, kwargs, _MODES.get(request.mode))
-            except (RuntimeError, TypeError, ValueError, IndexError) as exc:
-                raise InvalidArgument(
-                    f"model {request.model!r} failed on these inputs: {backend_message(exc)}"
-                ) from None
+        training = _MODES.get(request.mode)
+        merged = _mergeable(model, request, training, args, kwargs)
+        if merged is not None:
+            rows, company = merged
+            output, version = model.batcher.run(
+                args,
+                (request.version, training, company),
+                rows,
+                lambda: model_versions.serving(model, request.version, deadline),
+                lambda inputs: _call(model, request.model, inputs, {}, training, False),
+                deadline,
+            )
+        else:
+            with model_versions.serving(model, request.version, deadline) as version:
+                output = _call(model, request.model, args, kwargs, training, request.grad_enabled)
         stored: dict[str, torch.Tensor] = {}
 
         def store_leaf(t: torch.Tensor) -> str:
@@ -143,8 +199,12 @@ def forward(
                     expires_at=time.monotonic() + registry.graph_ttl_s,
                     version=version,
                 )
+        finished = True
     finally:
-        store.delete_prefix(f"{call_id}/in/")
+        # Inputs from the store go; a call whose inputs all came inline, and that
+        # loaded them all, skips the scan of the store.
+        if stored_inputs or not inline or not finished:
+            store.delete_prefix(f"{call_id}/in/")
     return worker_pb2.ForwardResponse(
         output=value, latency_s=time.perf_counter() - started, version=version
     )

@@ -25,10 +25,12 @@ import torch
 from torch import nn
 
 from collectives.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from collectives.wire.batching import Batching
 from collectives.wire.names import validate_name
 from collectives_server.json_input import parse_json_object
 from collectives_server.worker.data.store import Reservation, TensorStore
 from collectives_server.worker.models import modes as model_modes
+from collectives_server.worker.models.batching import Batcher
 
 __all__ = ["ModelRegistry", "HostedModel", "ModelDefinition", "RetainedGraph", "GradArena"]
 
@@ -198,6 +200,8 @@ class HostedModel:
     # 1 after loading, +1 per committed publish or optimizer step (model_versions).
     version: int = 1
     definition: ModelDefinition = field(default_factory=ModelDefinition)
+    # Merges concurrent no-grad forwards (batching); None: each forward runs alone.
+    batcher: Batcher | None = None
     # The previous version's memory, kept for the next publish to receive into
     # (model_versions.keep_for_reuse), and its quota reservation.
     reusable: list[torch.Tensor] = field(default_factory=list)
@@ -208,6 +212,7 @@ class HostedModel:
     # The other mode's graph of an exported model, and what it was built from.
     _switched: tuple[tuple[int, ...], nn.Module] | None = None
     _captured: tuple[int, bool] | None = None  # (id of module, the mode it was captured in)
+    _switched_plain: tuple[int, bool] | None = None  # (id of module, the mode set on it)
 
     def __post_init__(self) -> None:
         # Notified (under ``lock``) whenever ``version`` changes.
@@ -232,7 +237,11 @@ class HostedModel:
     def _in_mode(self, mode: bool) -> nn.Module:
         module = self.module
         if not model_modes.is_graph(module):
-            return model_modes.for_mode(module, mode, self.name)
+            # Module.train walks every submodule: only when the mode changes.
+            if self._switched_plain != (id(module), mode):
+                model_modes.for_mode(module, mode, self.name)
+                self._switched_plain = (id(module), mode)
+            return module
         if self._captured is None or self._captured[0] != id(module):
             self._captured = (id(module), model_modes.captured_mode(module))
         if self._captured[1] == mode:
@@ -341,9 +350,12 @@ class ModelRegistry:
         allowed_factories: tuple[str, ...] = (),
         graph_ttl_s: float = 60.0,
         quota: TensorStore | None = None,
+        factory_batching: Batching | None = None,
     ) -> None:
         self.devices = devices
         self.allowed_factories = allowed_factories
+        # The batching of a model built by a factory whose load names none.
+        self.factory_batching = factory_batching
         self.graph_ttl_s = graph_ttl_s
         # Model weights count against the tensor store's quota: loading models must not
         # be a way around it.
@@ -361,8 +373,10 @@ class ModelRegistry:
         module: nn.Module,
         source: str,
         definition: ModelDefinition | None = None,
+        batching: Batching | None = None,
     ) -> HostedModel:
-        """Hosts ``module`` under ``name`` (replacing any).
+        """Hosts ``module`` under ``name`` (replacing any), merging its concurrent
+        no-grad forwards by ``batching`` when given.
 
         Raises:
             ResourceExhausted: its parameters and buffers do not fit in the quota.
@@ -376,7 +390,12 @@ class ModelRegistry:
             raise
         module = module.to(self.devices[0])
         hosted = HostedModel(
-            name, module, source, list(self.devices), definition=definition or ModelDefinition()
+            name,
+            module,
+            source,
+            list(self.devices),
+            definition=definition or ModelDefinition(),
+            batcher=None if batching is None else Batcher(batching),
         )
         with self._lock:
             replaced = self._models.get(name)

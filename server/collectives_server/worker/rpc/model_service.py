@@ -14,6 +14,7 @@ from collectives.errors import InvalidArgument, NotFound
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
 from collectives.wire import codec, pytree
+from collectives.wire.batching import Batching
 from collectives.wire.names import (
     BUILTIN_LOSSES,
     FUNCTION_PREFIX,
@@ -54,6 +55,7 @@ class ModelRpcs:
         models, uploads = self._ctx.models, self._ctx.uploads
         with uploads.receive(request_iterator, self._ctx.store) as received:
             spec = received.spec
+            batching = _batching(spec, models.factory_batching)
             if spec.factory:
                 module = build_from_factory(
                     spec.factory,
@@ -74,7 +76,7 @@ class ModelRpcs:
                     raise
                 source = "export"
                 definition = ModelDefinition(archive=kept)
-        hosted = models.add(spec.name, module, source, definition)
+        hosted = models.add(spec.name, module, source, definition, batching=batching)
         return worker_pb2.LoadModelResponse(model=_model_info(hosted))
 
     @_guard
@@ -108,11 +110,11 @@ class ModelRpcs:
         validate_name(request.model, "model name")
         validate_name(request.call_id, "call id")
         store = self._ctx.store
-        _store_inline(store, request.call_id, pytree.inline_leaves(request.args))
-        _store_inline(store, request.call_id, pytree.inline_leaves(request.kwargs))
+        inline = _inline_inputs(request.call_id, pytree.inline_leaves(request.args))
+        inline.update(_inline_inputs(request.call_id, pytree.inline_leaves(request.kwargs)))
         left = context.time_remaining()
         wait_s = self._ctx.op_timeout_s if left is None else min(left, self._ctx.op_timeout_s)
-        response = model_exec.forward(self._ctx.models, store, request, wait_s)
+        response = model_exec.forward(self._ctx.models, store, request, wait_s, inline)
         if request.inline_output_bytes:
             _inline_outputs(store, response.output, request.inline_output_bytes)
         return response
@@ -314,9 +316,30 @@ def _json_object(text: str, what: str) -> dict:
     return parse_json_object(text, what)
 
 
+def _batching(spec: worker_pb2.ModelSpec, factory_default: Batching | None) -> Batching | None:
+    """The batching a model is loaded with: its spec's, else the worker's default for
+    models built by a factory (``--factory-batching``), else none.
+
+    Raises:
+        InvalidArgument: the spec's policy is out of bounds.
+    """
+    if spec.HasField("batching"):
+        return Batching.from_proto(spec.batching)
+    return factory_default if spec.factory else None
+
+
 def _model_info(model) -> worker_pb2.ModelInfo:
     params = [p for _, p in model.parameters]
+    batching, stats = None, None
+    if model.batcher is not None:
+        batching = model.batcher.policy.to_proto()
+        done = model.batcher.stats()
+        stats = worker_pb2.BatchingStats(
+            batches=done.batches, calls=done.calls, rows=done.rows, largest_rows=done.largest_rows
+        )
     return worker_pb2.ModelInfo(
+        batching=batching,
+        batching_stats=stats,
         name=model.name,
         parameters=sum(p.numel() for p in params),
         parameter_bytes=sum(p.numel() * p.element_size() for p in params),
@@ -330,8 +353,10 @@ def _model_info(model) -> worker_pb2.ModelInfo:
     )
 
 
-def _store_inline(store, call_id: str, tensors: list[worker_pb2.InlineTensor]) -> None:
-    """Stores a call's inline tensors under their names, which must lie under the call."""
+def _inline_inputs(call_id: str, tensors: list[worker_pb2.InlineTensor]) -> dict:
+    """A call's inline tensors by name (which must lie under the call); they never
+    enter the store."""
+    found = {}
     for inline in tensors:
         validate_name(inline.name)
         if not inline.name.startswith(f"{call_id}/"):
@@ -339,10 +364,16 @@ def _store_inline(store, call_id: str, tensors: list[worker_pb2.InlineTensor]) -
                 f"inline tensor {inline.name!r} must be named under its call {call_id!r}/"
             )
         try:
-            t = codec.tensor_from_proto(inline.tensor)
+            found[inline.name] = codec.tensor_from_proto(inline.tensor)
         except InvalidArgument as exc:
             raise InvalidArgument(f"inline tensor {inline.name!r}: {exc.message}") from None
-        store.put(inline.name, t)
+    return found
+
+
+def _store_inline(store, call_id: str, tensors: list[worker_pb2.InlineTensor]) -> None:
+    """Stores a call's inline tensors under their names, which must lie under the call."""
+    for name, t in _inline_inputs(call_id, tensors).items():
+        store.put(name, t)
 
 
 def _inline_outputs(store, output: worker_pb2.Value, budget: int) -> None:

@@ -1,0 +1,173 @@
+"""The floor of the inference rows: a minimal hand-written gRPC fan-out of one model.
+
+``FloorFanout(kwargs, world)`` spawns ``world`` processes of::
+
+    python -m bench.direct_fanout --kwargs JSON
+
+each a gRPC server (one generic unary method, ``/floor.Fanout/Forward``) holding
+the model zoo's MLP built from ``kwargs`` in eval mode, eager, with the torch
+threads the service's local workers get (``OMP_NUM_THREADS``: the cores shared
+among the workers). A request is the raw float32 bytes of a shard's rows, the
+response the raw bytes of its output rows: no names, no value tree, no version,
+no store. ``FloorFanout.client().forward(x)`` splits ``x`` along dim 0 like the SDK
+(``torch.tensor_split``), sends one unary call per shard, all in flight at
+once (``grpc`` futures), and concatenates the answers: what any fan-out of this
+model over gRPC must at least pay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from concurrent import futures
+from pathlib import Path
+
+__all__ = ["FloorFanout", "FloorClient"]
+
+_ROOT = Path(__file__).resolve().parent.parent
+_METHOD = "/floor.Fanout/Forward"
+_TIMEOUT_S = 60.0
+
+
+def _identity(b: bytes) -> bytes:
+    return b
+
+
+class FloorFanout:
+    """``world`` floor servers of the MLP built from ``kwargs`` (close them when done)."""
+
+    def __init__(self, kwargs: dict, world: int) -> None:
+        self.kwargs = kwargs
+        threads = max(1, (os.cpu_count() or 1) // world)
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", str(threads))
+        self._procs: list[subprocess.Popen] = []
+        self.addresses: list[str] = []
+        try:
+            for _ in range(world):
+                self._procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "bench.direct_fanout",
+                            "--kwargs",
+                            json.dumps(kwargs),
+                        ],
+                        cwd=_ROOT,
+                        env=env,
+                        stdout=subprocess.PIPE,
+                        stdin=subprocess.DEVNULL,
+                        text=True,
+                    )
+                )
+            for proc in self._procs:
+                line = proc.stdout.readline().strip() if proc.stdout else ""
+                if not line.isdigit():
+                    raise RuntimeError("a floor server did not start")
+                self.addresses.append(f"127.0.0.1:{line}")
+        except BaseException:
+            self.close()
+            raise
+
+    def client(self) -> FloorClient:
+        """A caller with channels of its own (as each SDK client has)."""
+        return FloorClient(self.addresses, int(self.kwargs["out_features"]))
+
+    def close(self) -> None:
+        for proc in self._procs:
+            proc.terminate()
+        for proc in self._procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+class FloorClient:
+    """One caller of the floor servers: a channel to each."""
+
+    def __init__(self, addresses: list[str], out_features: int) -> None:
+        import grpc
+
+        self._out_features = out_features
+        self._channels = [grpc.insecure_channel(a) for a in addresses]
+        for channel in self._channels:
+            grpc.channel_ready_future(channel).result(timeout=_TIMEOUT_S)
+        self._calls = [
+            c.unary_unary(_METHOD, request_serializer=_identity, response_deserializer=_identity)
+            for c in self._channels
+        ]
+
+    def forward(self, x):
+        """The model's output on ``x`` (float32, rows on dim 0), one call per shard."""
+        import torch
+
+        shards = [s for s in torch.tensor_split(x, len(self._calls)) if s.shape[0]]
+        pending = [
+            call.future(s.contiguous().numpy().tobytes(), timeout=_TIMEOUT_S)
+            for call, s in zip(self._calls, shards, strict=False)
+        ]
+        outs = [
+            torch.frombuffer(bytearray(p.result()), dtype=torch.float32).view(
+                -1, self._out_features
+            )
+            for p in pending
+        ]
+        return torch.cat(outs)
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()
+
+
+def _serve(kwargs: dict) -> None:
+    import grpc
+    import torch
+
+    from collectives_server.model_zoo import mlp
+
+    model = mlp(**kwargs).eval()
+    in_features = int(kwargs["in_features"])
+
+    def forward(request: bytes, context) -> bytes:
+        x = torch.frombuffer(bytearray(request), dtype=torch.float32).view(-1, in_features)
+        with torch.no_grad():
+            return model(x).numpy().tobytes()
+
+    handler = grpc.method_handlers_generic_handler(
+        "floor.Fanout",
+        {
+            "Forward": grpc.unary_unary_rpc_method_handler(
+                forward, request_deserializer=_identity, response_serializer=_identity
+            )
+        },
+    )
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=16),
+        options=[
+            ("grpc.max_receive_message_length", 256 << 20),
+            ("grpc.max_send_message_length", 256 << 20),
+        ],
+    )
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    print(port, flush=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.wait_for_termination()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kwargs", required=True, help="the MLP's factory kwargs (JSON)")
+    _serve(json.loads(parser.parse_args().kwargs))
+
+
+if __name__ == "__main__":
+    main()
