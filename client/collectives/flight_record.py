@@ -92,18 +92,22 @@ class OpRecord:
 
     @property
     def slowest_rank(self) -> int | None:
-        """The rank that finished last (None until one finished): the straggler."""
-        done = [
-            (r.phases["finished"], r.rank) for r in self.per_rank.values() if r.phase == "finished"
+        """The straggler: the rank the others waited for, the last to reach the op's data
+        phase (``started``), ties going to the last to finish; None until two ranks
+        started it."""
+        arrived = [
+            (r.phases["started"], r.phases.get("finished", 0.0), r.rank)
+            for r in self.per_rank.values()
+            if "started" in r.phases
         ]
-        return max(done)[1] if len(done) > 1 else None
+        return max(arrived)[2] if len(arrived) > 1 else None
 
 
 @dataclass(frozen=True)
 class RankReply:
-    """One rank's answer to GetFlightRecord, or why it gave none."""
+    """One worker's answer to GetFlightRecord, or why it gave none."""
 
-    rank: int
+    rank: int  # the worker's rank now (-1: not a member of the current generation)
     address: str
     reply: flight_record_pb2.FlightRecordResponse | None
     error: str = ""
@@ -126,7 +130,7 @@ def merge(replies: Iterable[RankReply], last: int = 0) -> list[OpRecord]:
         if answer.reply is None:
             continue
         for op in answer.reply.ops:
-            by_op.setdefault((op.generation, op.op_id), []).append((answer.rank, op))
+            by_op.setdefault((op.generation, op.op_id), []).append((op.rank, op))
     records = [_record(key, seen) for key, seen in sorted(by_op.items())]
     return records[-last:] if last > 0 else records
 
@@ -174,7 +178,12 @@ def read_flight_record(
     ops, in parallel, each within ``timeout`` seconds; a rank that does not answer
     is in ``replies`` with its error. ``channel_for(address)``: a channel to a worker."""
     wanted = set(ranks) if ranks is not None else None
-    members = [w for w in snapshot.workers if w.rank >= 0 and (wanted is None or w.rank in wanted)]
+    # Every worker by default, members or not: one that left the generation still
+    # holds the ops it ran in it (each op names the rank it ran as).
+    if wanted is None:
+        members = [w for w in snapshot.workers if w.address]
+    else:
+        members = [w for w in snapshot.workers if w.rank >= 0 and w.rank in wanted]
     request = flight_record_pb2.FlightRecordRequest(last=max(0, last))
 
     def ask(rank: int, address: str) -> RankReply:

@@ -34,6 +34,7 @@ def flight_record_response(
         reply.ops.add(
             op_id=op.op_id,
             generation=op.generation,
+            rank=op.rank,
             kind=op.kind,
             names=op.names,
             ranks=op.ranks,

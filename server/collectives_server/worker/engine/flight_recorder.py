@@ -41,6 +41,7 @@ class FlightSlot:
     """One op in the ring; written in place (monotonic seconds, 0.0: not reached)."""
 
     desc: worker_pb2.OpDescriptor | None = None
+    rank: int = -1  # this worker's rank in the op's generation
     ranks: list[int] | None = None
     client: str = ""
     admitted: float = 0.0
@@ -61,6 +62,7 @@ class RecordedOp:
 
     op_id: int
     generation: int
+    rank: int
     kind: str
     names: tuple[str, ...]
     ranks: tuple[int, ...]
@@ -108,16 +110,18 @@ class FlightRecorder:
     def open(
         self,
         desc: worker_pb2.OpDescriptor,
+        rank: int,
         ranks: list[int] | None,
         announced: float,
         admitted: float = 0.0,
         client: str = "",
     ) -> FlightSlot | None:
-        """Takes the next slot for ``desc`` (announced at ``announced``); None when off."""
+        """Takes the next slot for ``desc`` run as ``rank`` of its generation in a group of
+        ``ranks`` (announced at ``announced``); None when recording is off."""
         if not self.capacity:
             return None
         slot = self._slots[self._next % self.capacity]
-        slot.desc, slot.ranks, slot.client = desc, ranks, client
+        slot.desc, slot.rank, slot.ranks, slot.client = desc, rank, ranks, client
         slot.admitted, slot.announced = admitted, announced
         slot.started = slot.finished = 0.0
         slot.code, slot.message, slot.result = -1, "", None
@@ -146,6 +150,7 @@ class FlightRecorder:
                 RecordedOp(
                     op_id=desc.op_id,
                     generation=desc.generation,
+                    rank=slot.rank,
                     kind=kind_name(desc.kind),
                     names=op_names(desc),
                     ranks=tuple(ranks or ()),

@@ -517,11 +517,14 @@ class Generation:
             entry = groups.get(desc.group_id)
             ticket = tickets[i] if i < len(tickets) else None
             if ticket is None:
-                slots.append(recorder.open(desc, entry.ranks if entry else None, announced))
+                slots.append(
+                    recorder.open(desc, self.rank, entry.ranks if entry else None, announced)
+                )
             else:
                 slots.append(
                     recorder.open(
                         desc,
+                        self.rank,
                         entry.ranks if entry else None,
                         announced,
                         ticket.admitted,
