@@ -10,12 +10,12 @@ from collections import Counter
 import pytest
 import torch
 
-from collectives._diagnosis import diagnose
 from collectives._trace_events import trace_events
-from collectives.flight_record import FlightRecord, RankReply, merge
 from collectives.v1 import flight_record_pb2, worker_pb2
 from collectives.wire.cluster_state import ClusterSnapshot, WorkerInfo, WorkerState
+from collectives.wire.flight_record import FlightRecord, RankReply, merge
 from collectives.wire.op_specs import OpKind
+from collectives.wire.stuck_ops import diagnose
 from collectives_server.worker.engine.flight_recorder import FlightRecorder, op_names
 from collectives_server.worker.engine.op_context import OpResult
 

@@ -27,6 +27,8 @@ module                 what it holds
 :mod:`.security`       channel security (TLS, bearer token), token checks
 :mod:`.membership`     the digest naming which membership a generation is
 :mod:`.cluster_state`  the cluster's state as values (SDK and dashboard JSON)
+:mod:`.flight_record`  the ranks' flight records read and merged by op
+:mod:`.stuck_ops`      the ops in flight too long and the ranks they wait on
 =====================  =====================================================
 
 Nothing is imported here, so ``import collectives.wire.security`` (no torch)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from collectives.flight_record import PHASES, FlightRecord, OpRecord, RankReply
+from collectives.wire.flight_record import PHASES, FlightRecord, OpRecord, RankReply
 
 __all__ = ["Stuck", "diagnose"]
 
