@@ -408,6 +408,7 @@ class WorkerDaemon:
             on_op_done=self._op_done,
             on_data_collectives=self.ctx.stats.record_data_collectives,
             on_fused=self.ctx.stats.record_fused,
+            on_straggler=self.ctx.stats.record_straggler,
             sync_models=lambda op_ctx: sync_models(op_ctx, self.ctx.uploads),
         )
         return Generation(spec, hooks).start()

@@ -1,19 +1,68 @@
-"""A worker's flight record as GetFlightRecord answers it.
+"""A worker's flight record as GetFlightRecord answers it, and its phase histograms.
 
 The ring itself is the engine's (``engine/flight_recorder.py``); this module
 reads it and says where this worker stands: its rank and generation, its
 clock (so a reader can tell how long an op has been in flight), the ring's
 capacity and the op timeout a diagnosis measures against.
+
+:class:`PhaseHistograms` folds every finished op of the ring into the
+``collectives_op_phase_seconds{kind,phase}`` histogram when the metrics are
+scraped, so the op's own thread records nothing more than its stamps. Phases
+(the trace's tracks): ``queued`` (admitted until announced, on the leader),
+``announced`` (until this rank's handler started) and ``running`` (the
+handler: operand agreement, the data collective, the commit).
 """
 
 from __future__ import annotations
 
+import bisect
+import threading
 import time
 
 from collectives.v1 import flight_record_pb2
 from collectives_server.worker.context import WorkerContext
+from collectives_server.worker.engine.flight_recorder import FlightRecorder
 
-__all__ = ["flight_record_response"]
+__all__ = ["PHASE_BUCKETS_S", "PhaseHistograms", "flight_record_response"]
+
+# Upper bounds of the phase histogram (seconds); +Inf is implied.
+PHASE_BUCKETS_S = (
+    0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+    10.0, 30.0, 60.0,
+)  # fmt: skip
+
+# histogram phase -> (the stamp it starts at, the stamp it ends at)
+_SPANS = {
+    "queued": ("admitted", "announced"),
+    "announced": ("announced", "started"),
+    "running": ("started", "finished"),
+}
+
+
+class PhaseHistograms:
+    """Cumulative phase durations by (kind, phase), folded from a flight recorder."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seq = 0  # the recorder's sequence number folded up to
+        # (kind, phase) -> (bucket counts, the last one +Inf; the sum of seconds)
+        self._histograms: dict[tuple[str, str], tuple[list[int], list[float]]] = {}
+
+    def fold(self, recorder: FlightRecorder) -> dict[tuple[str, str], tuple[list[int], float]]:
+        """Folds the ops that finished since the last call; returns every histogram."""
+        with self._lock:
+            ops, self._seq = recorder.finished_since(self._seq)
+            for op in ops:
+                phases = op.phases
+                for phase, (begin, end) in _SPANS.items():
+                    if begin in phases and end in phases:
+                        seconds = max(0.0, phases[end] - phases[begin])
+                        counts, total = self._histograms.setdefault(
+                            (op.kind, phase), ([0] * (len(PHASE_BUCKETS_S) + 1), [0.0])
+                        )
+                        counts[bisect.bisect_left(PHASE_BUCKETS_S, seconds)] += 1
+                        total[0] += seconds
+            return {k: (list(c), t[0]) for k, (c, t) in self._histograms.items()}
 
 
 def flight_record_response(

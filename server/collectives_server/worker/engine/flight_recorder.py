@@ -128,6 +128,11 @@ class FlightRecorder:
         self._next += 1
         return slot
 
+    @property
+    def recorded(self) -> int:
+        """Ops recorded since the start (the sequence number of the next one)."""
+        return self._next
+
     def snapshot(self, last: int = 0) -> list[RecordedOp]:
         """The last ``last`` ops (0: all held), oldest first, in wall-clock seconds."""
         if not self.capacity:
@@ -135,10 +140,26 @@ class FlightRecorder:
         count = min(self._next, self.capacity)
         if last > 0:
             count = min(count, last)
+        return self._read(range(self._next - count, self._next))
+
+    def finished_since(self, seq: int) -> tuple[list[RecordedOp], int]:
+        """The ops recorded from sequence number ``seq`` on that finished, up to the first
+        still in flight, and the sequence number to ask from next time: for a reader that
+        folds every finished op once (the phase histograms). Ops the ring overwrote
+        before they were read are skipped."""
+        if not self.capacity:
+            return [], seq
         end = self._next
+        seq = max(seq, end - self.capacity)
+        done = seq
+        while done < end and self._slots[done % self.capacity].code >= 0:
+            done += 1
+        return self._read(range(seq, done)), done
+
+    def _read(self, seqs: range) -> list[RecordedOp]:
         offset = time.time() - time.monotonic()
         ops: list[RecordedOp] = []
-        for i in range(end - count, end):
+        for i in seqs:
             slot = self._slots[i % self.capacity]
             desc, ranks = slot.desc, slot.ranks
             if desc is None:

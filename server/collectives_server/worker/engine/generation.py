@@ -114,6 +114,8 @@ class GenerationHooks:
     on_op_done: Callable[[worker_pb2.OpDescriptor, Outcome, float], None]  # latency in s
     on_data_collectives: Callable[[int, int], None] | None = None  # collectives, buckets
     on_fused: Callable[[int], None] | None = None  # the op count of each fused run
+    # Leader: the rank an agreed op waited for (the last to reach it).
+    on_straggler: Callable[[int], None] | None = None
     # Run by every rank once its group formed, before it reports joined (model_sync).
     sync_models: Callable[[OpContext], int] | None = None
 
@@ -374,6 +376,7 @@ class Generation:
             replaced=self._replaced,
             max_groups=self.max_groups,
             on_data_collectives=self._hooks.on_data_collectives,
+            on_straggler=self._hooks.on_straggler if self.is_leader else None,
         )
         if self._hooks.sync_models is not None:
             self._hooks.sync_models(ctx)
@@ -561,8 +564,9 @@ class Generation:
         slot: FlightSlot | None = None,
     ) -> Outcome:
         started = time.perf_counter()
+        ctx.op_started = time.monotonic()
         if slot is not None:
-            slot.started = time.monotonic()
+            slot.started = ctx.op_started
         self.busy = True
         try:
             result = missing_group(ctx, desc, ann) or handler_for(desc.kind)(ctx, desc, ann)
@@ -579,8 +583,8 @@ class Generation:
     ) -> Iterator[Outcome]:
         """Each op's outcome of a fused run, as it finishes (``handlers.fused_ops``)."""
         started = time.perf_counter()
+        ctx.op_started = now = time.monotonic()
         if self._recorder is not None:
-            now = time.monotonic()
             for slot in slots:
                 if slot is not None:
                     slot.started = now
