@@ -13,11 +13,13 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import wait_until
+from helpers import metrics_endpoints, wait_until
+from prometheus_client.parser import text_string_to_metric_families
 
 import collectives
 
@@ -153,17 +155,34 @@ def test_a_trace_of_1000_mixed_ops_from_4_clients(fresh_cluster, tmp_path: Path)
     assert running == {(r.generation, r.op_id): set(r.ranks) for r in records}
 
 
+def _stragglers(endpoints: list[str]) -> dict[str, float]:
+    """rank -> collectives_op_straggler_total summed over every worker's /metrics."""
+    counts: dict[str, float] = {}
+    for address in endpoints:
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        for family in text_string_to_metric_families(text):
+            if family.name == "collectives_op_straggler":
+                for sample in family.samples:
+                    if sample.name.endswith("_total"):
+                        rank = sample.labels["rank"]
+                        counts[rank] = counts.get(rank, 0.0) + sample.value
+    return counts
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_rank_made_slow_is_the_straggler(fresh_cluster) -> None:
-    local, cluster = fresh_cluster(3, *FLAGS)
-    cluster.put("fr/slow", torch.ones(4))
+    local, cluster = fresh_cluster(3, *FLAGS, "--metrics-port", "0")
+    endpoints = wait_until(lambda: metrics_endpoints(local.log_path, 3), 30, "metrics endpoints")
     slow = _members(cluster)[1]
     assert local.owns(slow.pid)
+    before = _stragglers(endpoints["worker"])
     names = []
     for i in range(3):
         name = f"fr/slow/{i}"
-        cluster.put(name, torch.ones(4))
+        # Past the inline bound: the op moves its data and the ranks agree on its outcome.
+        cluster.put(name, torch.ones(1 << 18))
         names.append(name)
         os.kill(slow.pid, signal.SIGSTOP)  # rank 1 reaches the op last
         try:
@@ -183,3 +202,7 @@ def test_a_rank_made_slow_is_the_straggler(fresh_cluster) -> None:
         handle.result(timeout=60)
     records = {r.names: r for r in cluster.flight_record(last=20)}
     assert [records[(n,)].slowest_rank for n in names] == [1, 1, 1]
+    after = _stragglers(endpoints["worker"])
+    grew = {rank: after.get(rank, 0.0) - before.get(rank, 0.0) for rank in after}
+    assert grew.get("1") == 3.0, grew
+    assert grew.get("0", 0.0) == 0.0 and grew.get("2", 0.0) == 0.0, grew

@@ -1,4 +1,5 @@
-"""A worker's flight record as GetFlightRecord answers it, and its phase histograms.
+"""A worker's flight record as GetFlightRecord answers it, as its status summarises it
+(its last ops and its own stuck verdict), and its phase histograms.
 
 The ring itself is the engine's (``engine/flight_recorder.py``); this module
 reads it and says where this worker stands: its rank and generation, its
@@ -19,11 +20,17 @@ import bisect
 import threading
 import time
 
-from collectives.v1 import flight_record_pb2
+from collectives.v1 import flight_record_pb2, status_pb2
 from collectives_server.worker.context import WorkerContext
-from collectives_server.worker.engine.flight_recorder import FlightRecorder
+from collectives_server.worker.engine.flight_recorder import FlightRecorder, RecordedOp
 
-__all__ = ["PHASE_BUCKETS_S", "PhaseHistograms", "flight_record_response"]
+__all__ = [
+    "PHASE_BUCKETS_S", "STATUS_OPS", "PhaseHistograms", "add_flight_summary",
+    "flight_record_response", "stuck_here",
+]  # fmt: skip
+
+# The ops of the flight recorder every heartbeat's status carries.
+STATUS_OPS = 24
 
 # Upper bounds of the phase histogram (seconds); +Inf is implied.
 PHASE_BUCKETS_S = (
@@ -78,24 +85,53 @@ def flight_record_response(
         capacity=ctx.recorder.capacity,
         op_timeout_s=ctx.op_timeout_s,
     )
-    for op in ctx.recorder.snapshot(last):
-        phases = op.phases
-        reply.ops.add(
-            op_id=op.op_id,
-            generation=op.generation,
-            rank=op.rank,
-            kind=op.kind,
-            names=op.names,
-            ranks=op.ranks,
-            client=op.client,
-            admitted_s=phases.get("admitted", 0.0),
-            announced_s=phases.get("announced", 0.0),
-            started_s=phases.get("started", 0.0),
-            finished_s=phases.get("finished", 0.0),
-            code=op.code,
-            message=op.message,
-            nbytes=op.nbytes,
-            dtype=op.dtype,
-        )
+    reply.ops.extend(_op_proto(op) for op in ctx.recorder.snapshot(last))
     reply.now_s = time.time()
     return reply
+
+
+def add_flight_summary(msg: status_pb2.WorkerStatus, ctx: WorkerContext) -> None:
+    """Puts the last :data:`STATUS_OPS` ops (without their messages) and this worker's
+    own stuck verdict into its status: the dashboard's timeline and warning."""
+    ops = ctx.recorder.snapshot(STATUS_OPS)
+    msg.recent_ops.extend(_op_proto(op, message=False) for op in ops)
+    msg.stuck = stuck_here(ops, ctx.op_timeout_s / 4)
+
+
+def stuck_here(ops: list[RecordedOp], threshold_s: float, now_s: float | None = None) -> str:
+    """This worker's oldest op in flight longer than ``threshold_s`` in words, or ""."""
+    now_s = time.time() if now_s is None else now_s
+    for op in ops:
+        if not op.in_flight or "announced" not in op.phases:
+            continue
+        phase = "started" if "started" in op.phases else "announced"
+        seconds = now_s - op.phases[phase]
+        if seconds >= threshold_s:
+            names = " ".join(repr(n) for n in op.names)
+            doing = "data phase" if phase == "started" else "announced, waiting to start"
+            return (
+                f"op {op.op_id} {op.kind}{' ' + names if names else ''} "
+                f"(generation {op.generation}): {doing} for {seconds:.1f} s on rank {op.rank}"
+            )
+    return ""
+
+
+def _op_proto(op: RecordedOp, message: bool = True) -> flight_record_pb2.FlightRecordOp:
+    phases = op.phases
+    return flight_record_pb2.FlightRecordOp(
+        op_id=op.op_id,
+        generation=op.generation,
+        rank=op.rank,
+        kind=op.kind,
+        names=op.names,
+        ranks=op.ranks,
+        client=op.client if message else "",
+        admitted_s=phases.get("admitted", 0.0),
+        announced_s=phases.get("announced", 0.0),
+        started_s=phases.get("started", 0.0),
+        finished_s=phases.get("finished", 0.0),
+        code=op.code,
+        message=op.message if message else "",
+        nbytes=op.nbytes,
+        dtype=op.dtype,
+    )
