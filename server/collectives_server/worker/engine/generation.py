@@ -565,6 +565,8 @@ class Generation:
     ) -> Outcome:
         started = time.perf_counter()
         ctx.op_started = time.monotonic()
+        entry = self.groups.get(desc.group_id)
+        ctx.op_ranks = entry.ranks if entry is not None else None
         if slot is not None:
             slot.started = ctx.op_started
         self.busy = True
@@ -584,6 +586,8 @@ class Generation:
         """Each op's outcome of a fused run, as it finishes (``handlers.fused_ops``)."""
         started = time.perf_counter()
         ctx.op_started = now = time.monotonic()
+        entry = self.groups.get(items[0][0].group_id)
+        ctx.op_ranks = entry.ranks if entry is not None else None
         if self._recorder is not None:
             for slot in slots:
                 if slot is not None:

@@ -102,6 +102,7 @@ class OpContext:
     # op_started: when this rank's handler of the current op began (monotonic).
     on_straggler: Callable[[int], None] | None = None
     op_started: float = 0.0
+    op_ranks: list[int] | None = None  # the current op's group (None: every rank)
 
     @property
     def is_leader(self) -> bool:
@@ -147,17 +148,19 @@ class OpContext:
         Each rank adds how long it has been in the op's handler: the rank that spent
         least arrived last, the others waited for it. The leader tells
         ``on_straggler`` (the ``collectives_op_straggler_total`` counter)."""
-        if self.on_straggler is None or not self.op_started:
+        if not self.op_started:  # outside a handler (every rank alike)
             failures = self.call(
                 agreement.agree, self.control, self.world_size, code, message, reason
             )
         else:
-            spent = [time.monotonic() - self.op_started]
+            member = self.op_ranks is None or self.rank in self.op_ranks
+            spent = [time.monotonic() - self.op_started if member else -1.0]
             failures, extras = self.call(
                 agreement.agree_with, self.control, self.world_size, code, message, spent, reason
             )
-            if self.is_leader and len(extras) > 1:
-                self.on_straggler(min(range(len(extras)), key=lambda r: extras[r][0]))
+            members = [r for r in range(len(extras)) if extras[r][0] >= 0]
+            if self.on_straggler is not None and len(members) > 1:
+                self.on_straggler(min(members, key=lambda r: extras[r][0]))
         return self.fail_all(failures) if failures else None
 
     def agree_and_commit(
