@@ -345,7 +345,7 @@
         for (const s of mine.segments) {
           const left = i * slot + ((s.from - op.from) / span) * slot * 0.9;
           const width = Math.max(((s.to - s.from) / span) * slot * 0.9, 0.15);
-          const slowest = op.slowest === rank;
+          const slowest = op.slowest === rank && s.phase === "running";
           const names = op.names.map((n) => `'${n}'`).join(" ");
           const bar = el("div", {
             className: `op-bar phase-${s.phase}${slowest ? " slowest" : ""}${mine.inFlight ? " in-flight" : ""}`,
