@@ -153,6 +153,21 @@ def test_a_trace_of_1000_mixed_ops_from_4_clients(fresh_cluster, tmp_path: Path)
             key = (e["args"]["generation"], e["args"]["op_id"])
             running.setdefault(key, set()).add(e["pid"])
     assert running == {(r.generation, r.op_id): set(r.ranks) for r in records}
+    # --json prints the merged records.
+    run = _cli("trace", "--coordinator", cluster.address, "--last", "5", "--json")
+    assert run.returncode == 0, run.stderr
+    printed = json.loads(run.stdout)
+    assert [(r["generation"], r["op_id"]) for r in printed] == [
+        (r.generation, r.op_id) for r in records[-5:]
+    ]
+    assert all(set(r["per_rank"]) == {str(k) for k in r["ranks"]} for r in printed)
+
+
+def test_diagnose_and_trace_exit_2_when_the_cluster_cannot_be_reached(tmp_path: Path) -> None:
+    for args in (("diagnose",), ("trace", "--output", str(tmp_path / "t.json"))):
+        run = _cli(*args, "--coordinator", "127.0.0.1:1", "--timeout", "2")
+        assert run.returncode == 2, (args, run.stdout, run.stderr)
+        assert "cannot reach the coordinator" in run.stderr
 
 
 def _stragglers(endpoints: list[str]) -> dict[str, float]:
