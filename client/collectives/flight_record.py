@@ -3,7 +3,7 @@
 :class:`OpRecord` (one op, merged across ranks by its generation and op id)
 and :class:`RankPhases` (that op on one rank: when it reached each phase)
 are defined with the code that reads and merges the ranks' records in
-``collectives.wire.flight_record``, which the coordinator's dashboard shares.
+``collectives.wire.flight_record``.
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ one identity on every rank: (generation, op id). :func:`read_flight_record`
 asks every rank for its ring (``GetFlightRecord``, in parallel, each within a
 deadline) and :func:`merge` joins the answers into one :class:`OpRecord` per
 op, with each rank's phase times. ``cluster.flight_record()``, ``collectives
-trace`` (``collectives._trace_events``), ``collectives diagnose``
-(``stuck_ops``) and the coordinator's dashboard read it. Nothing here needs
-torch.
+trace`` (``collectives._trace_events``) and ``collectives diagnose``
+(``stuck_ops``) read it; it is in the wire package so that a tool in another
+language reads the same fields and phases. Nothing here needs torch.
 
 Phases, in the order a rank reaches them (Unix seconds; a phase not reached is
 absent): ``admitted`` (the leader queued it; the leader only), ``announced``
