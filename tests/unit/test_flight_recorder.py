@@ -4,12 +4,14 @@ tests/integration/test_flight_record.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 
 import pytest
 import torch
 
+from collectives._status_tables import format_table
 from collectives._trace_events import trace_events
 from collectives.v1 import flight_record_pb2, worker_pb2
 from collectives.wire.cluster_state import ClusterSnapshot, WorkerInfo, WorkerState
@@ -175,3 +177,13 @@ def test_nothing_finished_is_stuck() -> None:
     replies = _replies_of_a_finished_op()
     record = FlightRecord(_snapshot(), tuple(replies), tuple(merge(replies)))
     assert diagnose(record, threshold_s=0.0) == []
+
+
+def test_status_names_a_worker_that_says_it_is_stuck() -> None:
+    snapshot = _snapshot()
+    line = "op 7 all_reduce 'grads' (generation 3): data phase for 3.1 s on rank 0"
+    stuck = dataclasses.replace(snapshot.workers[0], stuck=line)
+    snapshot = dataclasses.replace(snapshot, workers=(stuck, *snapshot.workers[1:]))
+    table = format_table("c:1", snapshot, width=200)
+    assert f"stuck on w0: {line} (collectives diagnose)" in table
+    assert snapshot.to_dict()["workers"][0]["stuck"] == line
