@@ -27,6 +27,7 @@ ORDER = [
     "collectives",
     "coalesced",
     "latency",
+    "flight_recorder",
     "concurrency",
     "inference",
     "inference_floor",

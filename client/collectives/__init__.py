@@ -27,6 +27,7 @@ from collectives.errors import (
 
 if TYPE_CHECKING:
     from collectives.cluster import Cluster, connect
+    from collectives.flight_record import OpRecord, RankPhases
     from collectives.groups import Group
     from collectives.reduce_ops import ReduceOp
     from collectives.wire.batching import Batching
@@ -41,6 +42,8 @@ _LAZY = {
     "Cluster": "collectives.cluster",
     "connect": "collectives.cluster",
     "Group": "collectives.groups",
+    "OpRecord": "collectives.flight_record",
+    "RankPhases": "collectives.flight_record",
     "ReduceOp": "collectives.reduce_ops",
     "Work": "collectives.work",
     "WorkerInfo": "collectives.wire.cluster_state",
@@ -72,7 +75,9 @@ __all__ = [
     "Group",
     "InvalidArgument",
     "NotFound",
+    "OpRecord",
     "PermissionDenied",
+    "RankPhases",
     "ReduceOp",
     "ResourceExhausted",
     "Unavailable",

@@ -54,7 +54,7 @@ from collectives.groups import Group
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
 from collectives.wire.op_args import check_coalesced_names, check_split_matrix
-from collectives.work import OpRecord, Work
+from collectives.work import IssuedOp, Work
 
 __all__ = ["Collectives", "is_coalesced"]
 
@@ -519,7 +519,7 @@ class Collectives:
         """
 
         binding = GenerationBinding(what)
-        record = OpRecord()
+        record = IssuedOp()
 
         def attempt(remaining: float) -> worker_pb2.CollectiveResponse:
             snapshot = self._session.leader_snapshot(time.monotonic() + remaining)

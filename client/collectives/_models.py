@@ -49,7 +49,7 @@ from collectives.v1 import worker_pb2
 from collectives.wire.batching import Batching
 from collectives.wire.names import BUILTIN_LOSSES, FUNCTION_PREFIX, OPTIMIZERS, validate_name
 from collectives.wire.pytree import from_value, tensor_leaves
-from collectives.work import OpRecord
+from collectives.work import IssuedOp
 
 __all__ = ["ModelInfo", "Models"]
 
@@ -672,7 +672,7 @@ class Models:
 
     def _leader_op(self, what: str, method: str, request, deadline: float, async_op: bool, finish):
         binding = GenerationBinding(what)
-        record = OpRecord()
+        record = IssuedOp()
 
         def attempt(remaining: float):
             snapshot = self._session.leader_snapshot(time.monotonic() + remaining)

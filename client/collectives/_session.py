@@ -59,7 +59,7 @@ from collectives.errors import (
 )
 from collectives.wire.cluster_state import ClusterNotFormed, ClusterSnapshot
 from collectives.wire.security import ChannelSecurity
-from collectives.work import OpRecord, Work
+from collectives.work import IssuedOp, Work
 
 __all__ = [
     "DEFAULT_CONNECT_TIMEOUT_S",
@@ -169,7 +169,7 @@ class Session(Protocol):
         fn: Callable[[], R],
         deadline: float,
         async_op: bool,
-        record: OpRecord | None = None,
+        record: IssuedOp | None = None,
     ) -> R | Work[R]:
         """Runs ``fn`` in this connection's op order: ``Work`` if ``async_op``, else its result."""
         ...
@@ -437,7 +437,7 @@ class ClusterSession:
         fn: Callable[[], R],
         deadline: float,
         async_op: bool,
-        record: OpRecord | None = None,
+        record: IssuedOp | None = None,
     ) -> R | Work[R]:
         """Runs ``fn`` on the single op thread: ``Work`` if ``async_op``, else its result.
 

@@ -226,6 +226,9 @@ def format_table(address: str, snapshot: ClusterSnapshot, width: int | None = No
         lines.append(_cut(forming_line(snapshot), width))
     if lagging:
         lines.append(_cut(_lagging_line(snapshot, lagging), width))
+    for w in snapshot.workers:
+        if w.stuck and w.state != "lost":
+            lines.append(_cut(f"stuck on {w.address}: {w.stuck} (collectives diagnose)", width))
     if snapshot.history:
         last = snapshot.history[-1]
         sealed = time.strftime("%H:%M:%S", time.localtime(last.sealed_unix_time_s))

@@ -14,6 +14,10 @@ until Ctrl-C or SIGTERM, then exits 0. A lost coordinator is retried.
 ``collectives top`` is a live view: every ``--interval`` seconds one row per
 worker with its state, ops per second (from consecutive snapshots), queue
 depth, memory and tensors held.
+
+``collectives trace`` and ``collectives diagnose`` read every rank's flight
+record (``_flight_cli``): a Chrome trace of the recent ops, and the ops that
+are stuck with the ranks they wait on (exit 1 when one is).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from types import FrameType
 import grpc
 
 from collectives._channels import call_unary, open_channel
+from collectives._flight_cli import add_flight_commands, run_diagnose, run_trace
 from collectives._status_tables import (
     WIDE,
     format_table,
@@ -115,7 +120,10 @@ def _parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=5.0, metavar="SECONDS", help="deadline per call"
     )
     top.add_argument("--wide", action="store_true", help="every column, however wide the terminal")
-    for command in (status, top):
+    flight = add_flight_commands(commands)
+    for command in flight:
+        _add_coordinator(command)
+    for command in (status, top, *flight):
         _add_security(command)
     return parser
 
@@ -389,6 +397,17 @@ def _top(args: argparse.Namespace) -> int:
     return _until_stopped(body)
 
 
+def _flight(args: argparse.Namespace) -> int:
+    if not _check_timeout(args.command, args.timeout):
+        return EXIT_UNREACHABLE
+    try:
+        snapshot = fetch_status(args.coordinator, args.timeout, args.security)
+    except CollectiveError as err:
+        return _unreachable(args.command, args.coordinator, args.timeout, err)
+    run = run_trace if args.command == "trace" else run_diagnose
+    return run(args, snapshot)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``collectives`` console script; returns the exit code."""
     parser = _parser()
@@ -424,6 +443,8 @@ def _run(args: argparse.Namespace) -> int:
         return _status(args)
     if args.command == "top":
         return _top(args)
+    if args.command in ("trace", "diagnose"):
+        return _flight(args)
     return EXIT_UNREACHABLE  # pragma: no cover - argparse rejects unknown commands
 
 

@@ -31,9 +31,11 @@ from torch import nn
 from collectives._collectives import Collectives
 from collectives._data_plane import DataPlane
 from collectives._models import ModelInfo, Models
+from collectives._operations import Operations
 from collectives._p2p import PeerToPeer
 from collectives._session import DEFAULT_CONNECT_TIMEOUT_S, ClusterSession
 from collectives.data_parallel import DataParallel
+from collectives.flight_record import OpRecord
 from collectives.groups import Group
 from collectives.reduce_ops import ReduceOp
 from collectives.wire.batching import Batching
@@ -88,6 +90,7 @@ class Cluster:
         self._collectives = Collectives(self._session, self._data_plane)
         self._p2p = PeerToPeer(self._session, self._collectives, self._data_plane)
         self._models = Models(self._session, self._data_plane)
+        self._operations = Operations(self._session)
 
     # --- the cluster view (no RPC) -------------------------------------------------
 
@@ -769,6 +772,38 @@ class Cluster:
             DeadlineExceeded: not done within ``timeout`` seconds.
         """
         return self._p2p.destroy_group(group, timeout)
+
+    # --- operations ----------------------------------------------------------------
+
+    def flight_record(
+        self, last: int = 100, ranks: Sequence[int] | None = None, timeout: float | None = None
+    ) -> list[OpRecord]:
+        """The last ``last`` ops of every rank's flight recorder, merged by op.
+
+        Every worker keeps its recent ops (``--flight-recorder-ops``, default 2000)
+        with the time each reached each phase: ``admitted`` (leader), ``announced``,
+        ``started`` (operands agreed, data moving) and ``finished``. The leader
+        sequences every op, so one op has one ``(generation, op_id)`` on every rank.
+
+        Args:
+            last: how many of the most recent ops (0: all the rings hold). Defaults
+                to ``100``.
+            ranks: read only these ranks (None: every member). Defaults to ``None``.
+            timeout: seconds for the coordinator and for each rank's answer; None
+                means ``default_timeout_s``. Defaults to ``None``.
+
+        Returns:
+            One ``collectives.OpRecord`` per op, oldest first: ``op_id``,
+            ``generation``, ``kind``, ``names``, ``nbytes``, ``ranks``, ``client``,
+            ``outcome`` and ``per_rank`` (rank -> ``RankPhases``: phase times in
+            Unix seconds, that rank's outcome). A rank that did not answer is
+            absent from ``per_rank``.
+
+        Raises:
+            InvalidArgument: ``last`` is negative, or ``ranks`` names a non-member.
+            Unavailable: the coordinator, or every rank asked, could not be reached.
+        """
+        return self._operations.flight_record(last, ranks, timeout)
 
     # --- models --------------------------------------------------------------------
 

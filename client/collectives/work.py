@@ -15,13 +15,13 @@ from typing import Generic, TypeVar
 
 from collectives.errors import DeadlineExceeded, Unavailable
 
-__all__ = ["Work", "OpRecord"]
+__all__ = ["Work", "IssuedOp"]
 
 T = TypeVar("T")
 
 
 @dataclass
-class OpRecord:
+class IssuedOp:
     """What the SDK learns about an op while it runs: the generation it ran in."""
 
     generation: int | None = None
@@ -34,11 +34,11 @@ class Work(Generic[T]):
         self,
         future: concurrent.futures.Future[T],
         description: str = "op",
-        record: OpRecord | None = None,
+        record: IssuedOp | None = None,
     ) -> None:
         self._future = future
         self._description = description
-        self._record = record if record is not None else OpRecord()
+        self._record = record if record is not None else IssuedOp()
 
     @property
     def generation(self) -> int | None:

@@ -43,6 +43,8 @@ CONTRACT = {
     # workers
     "collectives_ops_total",
     "collectives_op_latency_seconds_bucket",
+    "collectives_op_phase_seconds_bucket",
+    "collectives_op_straggler_total",
     "collectives_bytes_total",
     "collectives_queue_depth",
     "collectives_tensors_held",

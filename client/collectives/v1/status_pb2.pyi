@@ -1,3 +1,4 @@
+from collectives.v1 import flight_record_pb2 as _flight_record_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -95,7 +96,7 @@ class ModelVersion(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("tensors_held", "bytes_held", "models", "ops", "last_op", "last_op_latency_s", "queue_depth", "devices", "package_version", "torch_version", "backend_version", "bytes_received", "bytes_sent", "process_rss_bytes", "host_memory_total_bytes", "host_memory_available_bytes", "recent_errors", "data_collectives", "gradient_buckets_reduced", "graphs_retained", "model_versions", "model_versions_omitted", "error_groups", "clients")
+    __slots__ = ("tensors_held", "bytes_held", "models", "ops", "last_op", "last_op_latency_s", "queue_depth", "devices", "package_version", "torch_version", "backend_version", "bytes_received", "bytes_sent", "process_rss_bytes", "host_memory_total_bytes", "host_memory_available_bytes", "recent_errors", "data_collectives", "gradient_buckets_reduced", "graphs_retained", "model_versions", "model_versions_omitted", "error_groups", "clients", "recent_ops", "stuck")
     TENSORS_HELD_FIELD_NUMBER: _ClassVar[int]
     BYTES_HELD_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +121,8 @@ class WorkerStatus(_message.Message):
     MODEL_VERSIONS_OMITTED_FIELD_NUMBER: _ClassVar[int]
     ERROR_GROUPS_FIELD_NUMBER: _ClassVar[int]
     CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_OPS_FIELD_NUMBER: _ClassVar[int]
+    STUCK_FIELD_NUMBER: _ClassVar[int]
     tensors_held: int
     bytes_held: int
     models: _containers.RepeatedScalarFieldContainer[str]
@@ -144,4 +147,6 @@ class WorkerStatus(_message.Message):
     model_versions_omitted: int
     error_groups: _containers.RepeatedCompositeFieldContainer[ErrorGroup]
     clients: _containers.RepeatedCompositeFieldContainer[ClientStatus]
-    def __init__(self, tensors_held: _Optional[int] = ..., bytes_held: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., ops: _Optional[_Iterable[_Union[OpCount, _Mapping]]] = ..., last_op: _Optional[str] = ..., last_op_latency_s: _Optional[float] = ..., queue_depth: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceStatus, _Mapping]]] = ..., package_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., backend_version: _Optional[str] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., process_rss_bytes: _Optional[int] = ..., host_memory_total_bytes: _Optional[int] = ..., host_memory_available_bytes: _Optional[int] = ..., recent_errors: _Optional[_Iterable[_Union[RecentError, _Mapping]]] = ..., data_collectives: _Optional[int] = ..., gradient_buckets_reduced: _Optional[int] = ..., graphs_retained: _Optional[int] = ..., model_versions: _Optional[_Iterable[_Union[ModelVersion, _Mapping]]] = ..., model_versions_omitted: _Optional[int] = ..., error_groups: _Optional[_Iterable[_Union[ErrorGroup, _Mapping]]] = ..., clients: _Optional[_Iterable[_Union[ClientStatus, _Mapping]]] = ...) -> None: ...
+    recent_ops: _containers.RepeatedCompositeFieldContainer[_flight_record_pb2.FlightRecordOp]
+    stuck: str
+    def __init__(self, tensors_held: _Optional[int] = ..., bytes_held: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., ops: _Optional[_Iterable[_Union[OpCount, _Mapping]]] = ..., last_op: _Optional[str] = ..., last_op_latency_s: _Optional[float] = ..., queue_depth: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceStatus, _Mapping]]] = ..., package_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., backend_version: _Optional[str] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., process_rss_bytes: _Optional[int] = ..., host_memory_total_bytes: _Optional[int] = ..., host_memory_available_bytes: _Optional[int] = ..., recent_errors: _Optional[_Iterable[_Union[RecentError, _Mapping]]] = ..., data_collectives: _Optional[int] = ..., gradient_buckets_reduced: _Optional[int] = ..., graphs_retained: _Optional[int] = ..., model_versions: _Optional[_Iterable[_Union[ModelVersion, _Mapping]]] = ..., model_versions_omitted: _Optional[int] = ..., error_groups: _Optional[_Iterable[_Union[ErrorGroup, _Mapping]]] = ..., clients: _Optional[_Iterable[_Union[ClientStatus, _Mapping]]] = ..., recent_ops: _Optional[_Iterable[_Union[_flight_record_pb2.FlightRecordOp, _Mapping]]] = ..., stuck: _Optional[str] = ...) -> None: ...

@@ -1,3 +1,4 @@
+from collectives.v1 import flight_record_pb2 as _flight_record_pb2
 from collectives.v1 import status_pb2 as _status_pb2
 from collectives.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from collectives.v1 import flight_record_pb2 as collectives_dot_v1_dot_flight__record__pb2
 from collectives.v1 import worker_pb2 as collectives_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -138,6 +139,11 @@ class WorkerStub:
                 '/collectives.v1.Worker/GetState',
                 request_serializer=collectives_dot_v1_dot_worker__pb2.GetStateRequest.SerializeToString,
                 response_deserializer=collectives_dot_v1_dot_worker__pb2.GetStateResponse.FromString,
+                _registered_method=True)
+        self.GetFlightRecord = channel.unary_unary(
+                '/collectives.v1.Worker/GetFlightRecord',
+                request_serializer=collectives_dot_v1_dot_flight__record__pb2.FlightRecordRequest.SerializeToString,
+                response_deserializer=collectives_dot_v1_dot_flight__record__pb2.FlightRecordResponse.FromString,
                 _registered_method=True)
         self.LoadModel = channel.stream_unary(
                 '/collectives.v1.Worker/LoadModel',
@@ -378,6 +384,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetFlightRecord(self, request, context):
+        """The last ops this worker ran, with the time each reached each phase (its
+        flight recorder, --flight-recorder-ops). Read-only; safe to retry.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def LoadModel(self, request_iterator, context):
         """Models (cluster-wide: the SDK sends each call to every worker).
         LoadModel errors: INVALID_ARGUMENT (bad name, corrupt or pickle-bearing
@@ -609,6 +623,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetState,
                     request_deserializer=collectives_dot_v1_dot_worker__pb2.GetStateRequest.FromString,
                     response_serializer=collectives_dot_v1_dot_worker__pb2.GetStateResponse.SerializeToString,
+            ),
+            'GetFlightRecord': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetFlightRecord,
+                    request_deserializer=collectives_dot_v1_dot_flight__record__pb2.FlightRecordRequest.FromString,
+                    response_serializer=collectives_dot_v1_dot_flight__record__pb2.FlightRecordResponse.SerializeToString,
             ),
             'LoadModel': grpc.stream_unary_rpc_method_handler(
                     servicer.LoadModel,
@@ -1253,6 +1272,33 @@ class Worker:
             '/collectives.v1.Worker/GetState',
             collectives_dot_v1_dot_worker__pb2.GetStateRequest.SerializeToString,
             collectives_dot_v1_dot_worker__pb2.GetStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetFlightRecord(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/collectives.v1.Worker/GetFlightRecord',
+            collectives_dot_v1_dot_flight__record__pb2.FlightRecordRequest.SerializeToString,
+            collectives_dot_v1_dot_flight__record__pb2.FlightRecordResponse.FromString,
             options,
             channel_credentials,
             insecure,

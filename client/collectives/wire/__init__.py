@@ -28,6 +28,8 @@ module                 what it holds
 :mod:`.membership`     the digest naming which membership a generation is
 :mod:`.cluster_state`  the cluster's state as values (SDK and dashboard JSON)
 :mod:`.batching`       the dynamic batching policy a model is loaded with
+:mod:`.flight_record`  the ranks' flight records read and merged by op
+:mod:`.stuck_ops`      the ops in flight too long and the ranks they wait on
 =====================  =====================================================
 
 Nothing is imported here, so ``import collectives.wire.security`` (no torch)

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from collectives.errors import Unavailable
-from collectives.v1 import coordinator_pb2, status_pb2
+from collectives.v1 import coordinator_pb2, flight_record_pb2, status_pb2
 from collectives.wire.op_specs import check_rank, spec_named
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "ClusterSnapshot",
     "DeviceMemory",
     "ErrorGroup",
+    "RecentOp",
     "GenerationRecord",
     "OpCount",
     "RecentError",
@@ -163,6 +164,33 @@ class ClientInfo:
 
 
 @dataclass(frozen=True)
+class RecentOp:
+    """One of a worker's last ops, from its flight recorder (the dashboard's timeline)."""
+
+    op_id: int
+    generation: int
+    rank: int  # the worker's rank in the op's generation
+    kind: str
+    names: tuple[str, ...]
+    # phase ("admitted", "announced", "started", "finished") -> Unix seconds, if reached
+    phases: Mapping[str, float]
+    # the gRPC status code value: 0 committed, -1 still in flight
+    code: int
+
+    @classmethod
+    def from_proto(cls, op: flight_record_pb2.FlightRecordOp) -> RecentOp:
+        stamps = (op.admitted_s, op.announced_s, op.started_s, op.finished_s)
+        phases = ("admitted", "announced", "started", "finished")
+        return cls(
+            int(op.op_id), int(op.generation), int(op.rank), op.kind, tuple(op.names),
+            {p: float(s) for p, s in zip(phases, stamps, strict=True) if s}, int(op.code),
+        )  # fmt: skip
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "names": list(self.names), "phases": dict(self.phases)}
+
+
+@dataclass(frozen=True)
 class DeviceMemory:
     """Memory of one device: CUDA as ``torch.cuda.mem_get_info`` sees the whole device;
     ``cpu`` as the worker process's resident set of the host's memory."""
@@ -275,6 +303,10 @@ class WorkerInfo:
     error_groups: tuple[ErrorGroup, ...] = ()
     # Clients that called this worker in the last 60 s, most recent first (at most 16).
     clients: tuple[ClientInfo, ...] = ()
+    # The worker's last ops (at most 24, oldest first) with their phase times.
+    recent_ops: tuple[RecentOp, ...] = ()
+    # Its op in flight longer than a quarter of the op timeout, in words ("": none).
+    stuck: str = ""
 
     @property
     def is_member(self) -> bool:
@@ -358,6 +390,8 @@ class WorkerInfo:
             "collective_bytes_sent": self.collective_bytes_sent,
             "error_groups": [asdict(g) for g in self.error_groups],
             "clients": [{**asdict(c), "label": c.label} for c in self.clients],
+            "recent_ops": [op.to_dict() for op in self.recent_ops],
+            "stuck": self.stuck,
         }
 
 
@@ -399,6 +433,8 @@ def _status_fields(s: status_pb2.WorkerStatus, present: bool) -> dict[str, Any]:
         "collective_bytes_sent": sum(int(o.collective_bytes_sent) for o in s.ops),
         "error_groups": tuple(ErrorGroup.from_proto(g) for g in s.error_groups),
         "clients": tuple(ClientInfo.from_proto(c) for c in s.clients),
+        "recent_ops": tuple(RecentOp.from_proto(op) for op in s.recent_ops),
+        "stuck": s.stuck,
     }
 
 

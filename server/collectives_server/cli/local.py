@@ -27,6 +27,7 @@ from collectives_server.cli.common import (
 from collectives_server.cli.control import (
     add_control_flags,
     control_args,
+    non_negative_int,
     worker_token_from_args,
     worker_token_path,
 )
@@ -111,6 +112,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--queue-size", type=positive_int, default=None, metavar="N",
         help="bound of the leader's op queue; beyond it RESOURCE_EXHAUSTED (default: 1024)",
+    )  # fmt: skip
+    p.add_argument(
+        "--flight-recorder-ops", type=non_negative_int, default=None, metavar="N",
+        help="ops each worker's flight recorder keeps; 0 turns it off (default: 2000)",
     )  # fmt: skip
     add_max_tensor_bytes(p)
     add_group_flags(p)
@@ -197,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _model_hosting_args(args: argparse.Namespace) -> list[str]:
     """What every worker of the local cluster gets of --allow-factory/--graph-ttl-s,
-    --factory-batching, --queue-size, --max-tensor-bytes and --no-bulk."""
+    --factory-batching, --queue-size, --flight-recorder-ops, --max-tensor-bytes and --no-bulk."""
     modules = allowed_factories(args.allow_factory)
     extra = [f"--graph-ttl-s={args.graph_ttl_s}"]
     if modules:
@@ -207,6 +212,8 @@ def _model_hosting_args(args: argparse.Namespace) -> list[str]:
         extra.append(f"--factory-batching={policy.max_rows}:{policy.max_delay_ms}")
     if args.queue_size is not None:
         extra.append(f"--queue-size={args.queue_size}")
+    if args.flight_recorder_ops is not None:
+        extra.append(f"--flight-recorder-ops={args.flight_recorder_ops}")
     if args.max_tensor_bytes is not None:
         extra.append(f"--max-tensor-bytes={args.max_tensor_bytes}")
     if args.no_bulk:

@@ -22,7 +22,11 @@ from collectives_server.cli.common import (
     server_security_from_args,
     setup_logging,
 )
-from collectives_server.cli.control import add_worker_token_flag, worker_token_from_args
+from collectives_server.cli.control import (
+    add_worker_token_flag,
+    non_negative_int,
+    worker_token_from_args,
+)
 from collectives_server.cli.data_plane import add_data_plane_flags, data_plane_from_args
 from collectives_server.cli.groups import add_group_flags, groups_from_args
 from collectives_server.worker.config import WorkerConfig
@@ -74,6 +78,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         default=1024,
         metavar="N",
         help="bound of the leader's op queue; beyond it RESOURCE_EXHAUSTED (default: 1024)",
+    )
+    p.add_argument(
+        "--flight-recorder-ops",
+        type=non_negative_int,
+        default=2000,
+        metavar="N",
+        help="ops the flight recorder keeps, each with its phase times (collectives trace, "
+        "collectives diagnose); 0 turns it off (default: 2000)",
     )
     p.add_argument(
         "--connect-timeout-s",
@@ -144,6 +156,7 @@ def config_from_args(
         devices=args.devices,
         op_timeout_s=args.op_timeout_s,
         queue_size=args.queue_size,
+        flight_recorder_ops=args.flight_recorder_ops,
         max_tensor_bytes=args.max_tensor_bytes,
         connect_timeout_s=args.connect_timeout_s,
         metrics_port=args.metrics_port,

@@ -46,11 +46,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Threads kept for calls outside the data plane (health, GetState, reflection).
+# Threads kept for calls outside the data plane (health, GetState, GetFlightRecord,
+# reflection).
 RESERVED_THREADS = 16
 _WORKER_SERVICE = "/collectives.v1.Worker/"
 # Worker methods that answer at once from memory: never limited.
-_EXEMPT = frozenset({"GetState", "GetDataPlane"})
+_EXEMPT = frozenset({"GetState", "GetDataPlane", "GetFlightRecord"})
 
 
 @dataclass(frozen=True)

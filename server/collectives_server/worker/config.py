@@ -25,6 +25,8 @@ class WorkerConfig:
     op_timeout_s: float | None = None
     # Bound of the leader's op queue; a full queue answers RESOURCE_EXHAUSTED.
     queue_size: int = 1024
+    # Ops the flight recorder keeps (flight_recorder.py); 0: recording is off.
+    flight_recorder_ops: int = 2000
     # Bounds of the /dev/shm segments created for clients' gets (shm_segments.py).
     shm_limits: ShmLimits = field(default_factory=ShmLimits)
     # Bounds of the bulk port: ticket TTL, prelude and idle timeouts, connection caps.

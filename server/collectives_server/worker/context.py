@@ -31,6 +31,7 @@ from collectives_server.worker.data.bulk import BulkListener
 from collectives_server.worker.data.replaced_memory import ReplacedMemory
 from collectives_server.worker.data.shm_segments import WorkerSegments
 from collectives_server.worker.data.store import TensorStore
+from collectives_server.worker.engine.flight_recorder import FlightRecorder
 from collectives_server.worker.models.archive.upload import ModelUploads
 from collectives_server.worker.models.registry import ModelRegistry
 from collectives_server.worker.stats import WorkerStats
@@ -84,6 +85,8 @@ class WorkerContext:
     replaced: ReplacedMemory
     # The collective timeout: --op-timeout-s, else the coordinator's (on registration).
     op_timeout_s: float
+    # Every op this worker ran, with its phase times (--flight-recorder-ops).
+    recorder: FlightRecorder = field(default_factory=FlightRecorder)
     # The bulk data plane; None without one (TLS, or --no-bulk) and before start.
     bulk: BulkListener | None = None
     # The data-plane calls in progress (--max-data-streams); None before start.

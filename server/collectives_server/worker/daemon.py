@@ -43,6 +43,7 @@ from collectives_server.worker.data.bulk import BulkListener
 from collectives_server.worker.data.replaced_memory import ReplacedMemory, pool_bytes
 from collectives_server.worker.data.shm_segments import WorkerSegments
 from collectives_server.worker.data.store import TensorStore
+from collectives_server.worker.engine.flight_recorder import FlightRecorder
 from collectives_server.worker.engine.generation import (
     Generation,
     GenerationHooks,
@@ -108,6 +109,7 @@ class WorkerDaemon:
             # Kept memory stays well inside a store limit, if any.
             replaced=ReplacedMemory(max_bytes=pool_bytes(store.limit_bytes)),
             op_timeout_s=config.op_timeout_s or 30.0,
+            recorder=FlightRecorder(config.flight_recorder_ops),
         )
         WorkerSegments.sweep_stale()
         # The current generation (also ctx.runtime, for the handlers): set under _lock.
@@ -405,12 +407,14 @@ class WorkerDaemon:
             rebuild_after_s=self._lease_s + 2 * self._heartbeat_s,
             models=self.ctx.models,
             replaced=self.ctx.replaced,
+            recorder=self.ctx.recorder,
         )
         hooks = GenerationHooks(
             on_joined=self._joined,
             on_op_done=self._op_done,
             on_data_collectives=self.ctx.stats.record_data_collectives,
             on_fused=self.ctx.stats.record_fused,
+            on_straggler=self.ctx.stats.record_straggler,
             sync_models=lambda op_ctx: sync_models(op_ctx, self.ctx.uploads),
         )
         return Generation(spec, hooks).start()

@@ -20,6 +20,7 @@ from prometheus_client.core import (
 import collectives_server
 from collectives_server.metrics import FunctionCollector, build_info, new_registry
 from collectives_server.worker.context import WorkerContext
+from collectives_server.worker.flight_record import PHASE_BUCKETS_S, PhaseHistograms
 from collectives_server.worker.models.batching import ROW_BUCKETS
 from collectives_server.worker.stats import LATENCY_BUCKETS_S
 from collectives_server.worker.status import collect_status
@@ -35,7 +36,25 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, value=value)
 
 
-def _collect(ctx: WorkerContext) -> Iterator[Metric]:
+def _phases(ctx: WorkerContext, histograms: PhaseHistograms) -> Iterator[Metric]:
+    """The phase durations of the ops this rank finished (its flight recorder's)."""
+    family = HistogramMetricFamily(
+        "collectives_op_phase_seconds",
+        "Time ops spent in each phase on this rank, by kind: queued (on the leader), "
+        "announced (until the handler started), running (agreement, data, commit)",
+        labels=["kind", "phase"],
+    )
+    bounds = [repr(b) for b in PHASE_BUCKETS_S] + ["+Inf"]
+    for (kind, phase), (counts, total_s) in sorted(histograms.fold(ctx.recorder).items()):
+        cumulative, buckets = 0, []
+        for bound, n in zip(bounds, counts, strict=True):
+            cumulative += n
+            buckets.append((bound, cumulative))
+        family.add_metric([kind, phase], buckets, total_s)
+    yield family
+
+
+def _collect(ctx: WorkerContext, histograms: PhaseHistograms) -> Iterator[Metric]:
     status = collect_status(ctx)
     stats = ctx.stats
     with stats.lock:
@@ -43,6 +62,7 @@ def _collect(ctx: WorkerContext) -> Iterator[Metric]:
         heartbeats = (stats.heartbeats_sent, stats.heartbeat_failures)
         fused = (stats.fused_runs, stats.fused_ops)
         collective_bytes = {k: tuple(v) for k, v in stats.collective_bytes.items()}
+        stragglers = dict(stats.stragglers)
     runtime = ctx.runtime
 
     yield build_info(collectives_server.__version__, torch.__version__, ctx.backend)
@@ -64,6 +84,17 @@ def _collect(ctx: WorkerContext) -> Iterator[Metric]:
             buckets.append((bound, cumulative))
         latency.add_metric([kind], buckets, total_s)
     yield latency
+    yield from _phases(ctx, histograms)
+    straggler = CounterMetricFamily(
+        "collectives_op_straggler",
+        "Ops the group waited for this rank in: the last rank to reach an op whose "
+        "outcome the ranks agreed on (counted by the leader; other workers export 0)",
+        labels=["rank"],
+    )
+    world = range(runtime.world_size) if runtime is not None else range(0)
+    for rank in sorted(set(world) | set(stragglers)):
+        straggler.add_metric([str(rank)], stragglers.get(rank, 0))
+    yield straggler
     moved = CounterMetricFamily(
         "collectives_bytes", "Data-plane payload bytes by direction", labels=["direction"]
     )
@@ -215,5 +246,6 @@ def _connections(ctx: WorkerContext) -> Iterator[Metric]:
 def worker_registry(ctx: WorkerContext) -> CollectorRegistry:
     """A registry (of its own) serving the worker's metrics."""
     registry = new_registry()
-    registry.register(FunctionCollector(lambda: _collect(ctx)))
+    histograms = PhaseHistograms()
+    registry.register(FunctionCollector(lambda: _collect(ctx, histograms)))
     return registry

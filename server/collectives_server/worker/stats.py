@@ -78,6 +78,8 @@ class WorkerStats:
     # (kind, status label) -> count; see status_label().
     ops_by_status: collections.Counter = field(default_factory=collections.Counter)
     latency: dict[str, _Histogram] = field(default_factory=dict)
+    # Leader: rank -> agreed ops that waited for it (collectives_op_straggler_total).
+    stragglers: dict[int, int] = field(default_factory=dict)
     recent_errors: collections.deque = field(
         default_factory=lambda: collections.deque(maxlen=RECENT_ERRORS)
     )
@@ -159,6 +161,11 @@ class WorkerStats:
         with self.lock:
             self.fused_runs += 1
             self.fused_ops += ops
+
+    def record_straggler(self, rank: int) -> None:
+        """Leader: an agreed op waited for ``rank`` (the last to reach it)."""
+        with self.lock:
+            self.stragglers[rank] = self.stragglers.get(rank, 0) + 1
 
     def record_data_collectives(self, collectives: int, gradient_buckets: int) -> None:
         """Data collectives a model op issued, and the gradient buckets among them."""

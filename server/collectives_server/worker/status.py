@@ -28,6 +28,7 @@ from collectives.v1 import status_pb2, worker_pb2
 from collectives.wire.op_specs import kind_name, spec, subject
 from collectives_server.control_protocol import FIELD_LIMITS
 from collectives_server.worker.context import WorkerContext
+from collectives_server.worker.flight_record import add_flight_summary
 from collectives_server.worker.stats import (
     LATENCY_BUCKETS_S,
     RECENT_ERRORS,
@@ -174,6 +175,7 @@ def collect_status(ctx: WorkerContext) -> status_pb2.WorkerStatus:
         msg.data_collectives = stats.data_collectives
         msg.gradient_buckets_reduced = stats.gradient_buckets_reduced
     msg.clients.extend(stats.clients.to_proto())
+    add_flight_summary(msg, ctx)
     _fit(msg)
     return msg
 
@@ -184,11 +186,11 @@ def _micros(seconds: float) -> int:
 
 
 def _fit(msg: status_pb2.WorkerStatus) -> None:
-    """Drops the oldest error groups, then clients, while the status is over the
+    """Drops the oldest error groups, then clients, then recent ops, while the status is over the
     heartbeat's limit (the coordinator would refuse the heartbeat)."""
     limit = FIELD_LIMITS["status"]
-    while msg.ByteSize() > limit and (msg.error_groups or msg.clients):
-        (msg.error_groups or msg.clients).pop()
+    while msg.ByteSize() > limit and (msg.error_groups or msg.clients or msg.recent_ops):
+        (msg.error_groups or msg.clients or msg.recent_ops).pop()
 
 
 def add_model_versions(

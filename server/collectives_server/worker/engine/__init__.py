@@ -10,6 +10,7 @@ Modules:
 * ``control_channel``: the control collectives over plain TCP
 * ``control_rounds``: what announcements and agreements need from a group
 * ``agreement``: exchanges and outcome agreements that keep every rank's view identical
+* ``flight_recorder``: the bounded ring of every op this worker ran, with its phase times
 * ``op_context``: what a handler sees of its rank and generation, and returns
 * ``validation``: cross-rank operand validation (pure)
 * ``uneven_validation``: the verdict of an uneven all_to_all (pure)

@@ -44,6 +44,7 @@ from collectives_server.worker.data.store import TensorStore
 from collectives_server.worker.engine import descriptor, fusion
 from collectives_server.worker.engine.control_channel import ControlChannel
 from collectives_server.worker.engine.descriptor import Announced
+from collectives_server.worker.engine.flight_recorder import FlightRecorder, FlightSlot
 from collectives_server.worker.engine.handlers import handler_for
 from collectives_server.worker.engine.handlers.fused_ops import run_fused
 from collectives_server.worker.engine.handlers.group_ops import missing_group
@@ -71,6 +72,9 @@ Outcome = OpResult | ModelOpResult | PublishResult | CollectiveError
 
 _Item = tuple[worker_pb2.OpDescriptor, int | None]  # an op and its inline capacity
 
+# The outcome recorded for an op its group broke under before this rank finished it.
+_UNFINISHED = "did not finish here: the process group broke or the generation ended"
+
 
 @dataclass(frozen=True)
 class GenerationSpec:
@@ -97,6 +101,8 @@ class GenerationSpec:
     # The worker's replaced memory, shared with its puts (replaced_memory.py);
     # None: one of the generation's own.
     replaced: ReplacedMemory | None = None
+    # The worker's flight recorder (flight_recorder.py); None: nothing recorded.
+    recorder: FlightRecorder | None = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,8 @@ class GenerationHooks:
     on_op_done: Callable[[worker_pb2.OpDescriptor, Outcome, float], None]  # latency in s
     on_data_collectives: Callable[[int, int], None] | None = None  # collectives, buckets
     on_fused: Callable[[int], None] | None = None  # the op count of each fused run
+    # Leader: the rank an agreed op waited for (the last to reach it).
+    on_straggler: Callable[[int], None] | None = None
     # Run by every rank once its group formed, before it reports joined (model_sync).
     sync_models: Callable[[OpContext], int] | None = None
 
@@ -129,6 +137,8 @@ class Generation:
         if replaced is None:
             replaced = ReplacedMemory(max_bytes=pool_bytes(spec.store.limit_bytes))
         self._replaced = replaced
+        recorder = spec.recorder
+        self._recorder = recorder if recorder is not None and recorder.enabled else None
         self._channel: ControlChannel | None = None  # this epoch's control rounds
         self._cond = threading.Condition()
         self._seq = Sequencer(
@@ -187,18 +197,20 @@ class Generation:
         expected_generation: int = 0,
         claim_if_idle: bool = False,
         expected_digest: str = "",
+        client: str = "",
     ) -> Ticket:
         """Admits ``desc`` (raises UNAVAILABLE / RESOURCE_EXHAUSTED when it cannot be);
         the ticket's future gets the outcome on this rank.
 
         With ``claim_if_idle``, a small op that finds the loop idle and nothing queued
         is claimed for the caller (``ticket.claimed``): the caller must then run it
-        with :meth:`run_claimed`."""
+        with :meth:`run_claimed`. ``client``: who issued it (the flight recorder's)."""
         with self._cond:
             ticket = self._seq.admit(
                 desc, timeout_s if timeout_s is not None else 2 * self._spec.op_timeout_s,
                 expected_generation, expected_digest,
             )  # fmt: skip
+            ticket.client = client
             ctx = self._ctx  # small operands only, judged only when the op is claimable
             claimable = claim_if_idle and ctx is not None and self._seq.may_claim(ticket)
             if claimable and inline_capacity(ctx, desc) is not None:
@@ -223,7 +235,7 @@ class Generation:
             if first is not None:
                 current, run = self._fused_run_from(ctx, first)
                 pending = self._announce(ctx, run.items)
-                self._run_ops(ctx, current, run.items, pending)
+                self._run_ops(ctx, current, run.items, pending, time.monotonic())
                 current = []
         except GroupBroken as exc:
             self._end_epoch(self._broken(exc, current))
@@ -364,6 +376,7 @@ class Generation:
             replaced=self._replaced,
             max_groups=self.max_groups,
             on_data_collectives=self._hooks.on_data_collectives,
+            on_straggler=self._hooks.on_straggler if self.is_leader else None,
         )
         if self._hooks.sync_models is not None:
             self._hooks.sync_models(ctx)
@@ -436,12 +449,13 @@ class Generation:
                     return ops.failure
                 current, items = ops
                 pending = self._announce(ctx, items) if self.is_leader else None
+                announced = time.monotonic()
                 kind = items[0][0].kind
                 if kind == OpKind.STOP:
                     return None
                 if kind == OpKind.NOOP:
                     continue
-                self._run_ops(ctx, current, items, pending)
+                self._run_ops(ctx, current, items, pending, announced)
                 current = []
         except GroupBroken as exc:
             return self._broken(exc, current)
@@ -462,27 +476,65 @@ class Generation:
         tickets: list[Ticket],
         items: list[_Item],
         pending: Announced | None,
+        announced: float = 0.0,
     ) -> None:
-        """Runs announced ops (one, or a fused run) and sets their tickets' outcomes.
+        """Runs announced ops (one, or a fused run) and sets their tickets' outcomes,
+        recording each in the flight recorder (announced at ``announced``).
 
         A fused run's outcomes are set together when it ends, those of the ops that
         finished even when a later one raised: each set wakes a client's RPC thread,
         which would contend for the GIL with the rest of the run (set together, many
         clients get more ops through: see docs/perf-log.md)."""
         outcomes: list[Outcome] = []
+        slots = self._record(tickets, items, announced)
         try:
             if len(items) == 1:
                 desc, inline = items[0]
-                outcomes.append(self._execute(ctx, desc, Announcement(inline, pending)))
+                outcome = self._execute(ctx, desc, Announcement(inline, pending), slots[0])
+                outcomes.append(outcome)
             else:
-                for outcome in self._execute_fused(ctx, items, pending):
+                for outcome in self._execute_fused(ctx, items, pending, slots):
                     outcomes.append(outcome)
         finally:
+            if self._recorder is not None and len(outcomes) < len(items):
+                now = time.monotonic()
+                for slot in slots[len(outcomes) :]:
+                    if slot is not None and slot.code < 0:
+                        slot.finish(now, grpc.StatusCode.UNAVAILABLE.value[0], _UNFINISHED)
             for ticket, outcome in zip(tickets, outcomes, strict=False):
                 if isinstance(outcome, CollectiveError):
                     ticket.future.set_exception(outcome)
                 else:
                     ticket.future.set_result(outcome)
+
+    def _record(
+        self, tickets: list[Ticket], items: list[_Item], announced: float
+    ) -> list[FlightSlot | None]:
+        """Opens a flight-recorder slot per op (leader: with its admission and client)."""
+        recorder = self._recorder
+        if recorder is None:
+            return [None] * len(items)
+        slots: list[FlightSlot | None] = []
+        groups = self.groups
+        for i, (desc, _) in enumerate(items):
+            entry = groups.get(desc.group_id)
+            ticket = tickets[i] if i < len(tickets) else None
+            if ticket is None:
+                slots.append(
+                    recorder.open(desc, self.rank, entry.ranks if entry else None, announced)
+                )
+            else:
+                slots.append(
+                    recorder.open(
+                        desc,
+                        self.rank,
+                        entry.ranks if entry else None,
+                        announced,
+                        ticket.admitted,
+                        ticket.client,
+                    )
+                )
+        return slots
 
     def _internal_error(self, exc: Exception, current: list[Ticket]) -> str:
         log.exception("generation %d: unexpected error", self.generation)
@@ -504,33 +556,66 @@ class Generation:
         self._drain(f"the process group of generation {self.generation} broke")
         return None if superseded else str(exc)
 
-    def _execute(self, ctx: OpContext, desc: worker_pb2.OpDescriptor, ann: Announcement) -> Outcome:
+    def _execute(
+        self,
+        ctx: OpContext,
+        desc: worker_pb2.OpDescriptor,
+        ann: Announcement,
+        slot: FlightSlot | None = None,
+    ) -> Outcome:
         started = time.perf_counter()
+        ctx.op_started = time.monotonic()
+        entry = self.groups.get(desc.group_id)
+        ctx.op_ranks = entry.ranks if entry is not None else None
+        if slot is not None:
+            slot.started = ctx.op_started
         self.busy = True
         try:
             result = missing_group(ctx, desc, ann) or handler_for(desc.kind)(ctx, desc, ann)
         finally:
             self.busy = False
-        return self._conclude(desc, result, time.perf_counter() - started)
+        return self._conclude(desc, result, time.perf_counter() - started, slot)
 
     def _execute_fused(
-        self, ctx: OpContext, items: list[_Item], pending: Announced | None
+        self,
+        ctx: OpContext,
+        items: list[_Item],
+        pending: Announced | None,
+        slots: list[FlightSlot | None],
     ) -> Iterator[Outcome]:
         """Each op's outcome of a fused run, as it finishes (``handlers.fused_ops``)."""
         started = time.perf_counter()
+        ctx.op_started = now = time.monotonic()
+        entry = self.groups.get(items[0][0].group_id)
+        ctx.op_ranks = entry.ranks if entry is not None else None
+        if self._recorder is not None:
+            for slot in slots:
+                if slot is not None:
+                    slot.started = now
         if self._hooks.on_fused is not None:
             self._hooks.on_fused(len(items))
         self.busy = True
         try:
-            for (desc, _), result in zip(items, run_fused(ctx, items, pending), strict=False):
-                yield self._conclude(desc, result, time.perf_counter() - started)
+            results = zip(items, slots, run_fused(ctx, items, pending), strict=False)
+            for (desc, _), slot, result in results:
+                yield self._conclude(desc, result, time.perf_counter() - started, slot)
         finally:
             self.busy = False
 
-    def _conclude(self, desc: worker_pb2.OpDescriptor, result: Outcome, latency: float) -> Outcome:
+    def _conclude(
+        self,
+        desc: worker_pb2.OpDescriptor,
+        result: Outcome,
+        latency: float,
+        slot: FlightSlot | None = None,
+    ) -> Outcome:
         if isinstance(result, CollectiveError):
             result = op_failures.worded(desc, self.generation, result)
+            if slot is not None:
+                slot.finish(time.monotonic(), result.code.value[0], result.message)
         else:
             result = dataclasses.replace(result, latency_s=latency)
+            if slot is not None:
+                slot.finish(time.monotonic(), 0, "", result)
         self._hooks.on_op_done(desc, result, latency)
         return result

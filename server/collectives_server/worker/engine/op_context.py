@@ -16,6 +16,7 @@ daemon; a test builds one over a fake process group.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,6 +98,11 @@ class OpContext:
     replaced: ReplacedMemory = field(default_factory=ReplacedMemory)
     max_groups: int = 64
     on_data_collectives: Callable[[int, int], None] | None = None
+    # The leader is told which rank each agreed op waited for (the straggler);
+    # op_started: when this rank's handler of the current op began (monotonic).
+    on_straggler: Callable[[int], None] | None = None
+    op_started: float = 0.0
+    op_ranks: list[int] | None = None  # the current op's group (None: every rank)
 
     @property
     def is_leader(self) -> bool:
@@ -137,8 +143,24 @@ class OpContext:
         self, code: grpc.StatusCode, message: str = "", reason: str | None = None
     ) -> CollectiveError | None:
         """Exchanges this rank's outcome of the op with every rank's: the error every
-        rank returns when some failed, None when all succeeded."""
-        failures = self.call(agreement.agree, self.control, self.world_size, code, message, reason)
+        rank returns when some failed, None when all succeeded.
+
+        Each rank adds how long it has been in the op's handler: the rank that spent
+        least arrived last, the others waited for it. The leader tells
+        ``on_straggler`` (the ``collectives_op_straggler_total`` counter)."""
+        if not self.op_started:  # outside a handler (every rank alike)
+            failures = self.call(
+                agreement.agree, self.control, self.world_size, code, message, reason
+            )
+        else:
+            member = self.op_ranks is None or self.rank in self.op_ranks
+            spent = [time.monotonic() - self.op_started if member else -1.0]
+            failures, extras = self.call(
+                agreement.agree_with, self.control, self.world_size, code, message, spent, reason
+            )
+            members = [r for r in range(len(extras)) if extras[r][0] >= 0]
+            if self.on_straggler is not None and len(members) > 1:
+                self.on_straggler(min(members, key=lambda r: extras[r][0]))
         return self.fail_all(failures) if failures else None
 
     def agree_and_commit(

@@ -58,6 +58,8 @@ class Ticket:
     started: bool = False
     # The submitting thread runs this op itself (``Generation.run_claimed``).
     claimed: bool = False
+    admitted: float = 0.0  # the sequencer's clock when it was admitted
+    client: str = ""  # the peer that issued it, for the flight recorder
 
     def fail(self, error: CollectiveError) -> None:
         if not self.future.done():
@@ -143,7 +145,8 @@ class Sequencer:
         desc.generation = self.generation
         desc.membership_digest = self.membership_digest
         self._next_op_id += 1
-        ticket = Ticket(desc, self._clock() + timeout_s)
+        now = self._clock()
+        ticket = Ticket(desc, now + timeout_s, admitted=now)
         self._queue.append(ticket)
         return ticket
 

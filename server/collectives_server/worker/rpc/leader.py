@@ -74,6 +74,7 @@ class Leader:
             options.generation,
             claim_if_idle=True,
             expected_digest=options.membership_digest,
+            client=context.peer() if self._ctx.recorder.enabled else "",
         )
         if ticket.claimed:
             generation.run_claimed(ticket)  # the loop was idle: this thread runs the op

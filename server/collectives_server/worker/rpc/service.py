@@ -22,7 +22,7 @@ from collectives.errors import (
     NotFound,
 )
 from collectives.reduce_ops import ReduceOp
-from collectives.v1 import worker_pb2
+from collectives.v1 import flight_record_pb2, worker_pb2
 from collectives.wire import codec, op_args
 from collectives.wire.bulk_frames import BULK_MIN_BYTES, new_ticket
 from collectives.wire.dtypes import to_wire
@@ -39,6 +39,7 @@ from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.data.bulk import BulkListener
 from collectives_server.worker.data.memory_release import drop_partial
 from collectives_server.worker.engine.process_groups import check_group_cap, subgroup_count
+from collectives_server.worker.flight_record import flight_record_response
 from collectives_server.worker.rpc.guards import counted as _counted
 from collectives_server.worker.rpc.guards import departure
 from collectives_server.worker.rpc.guards import guard as _guard
@@ -264,6 +265,10 @@ class WorkerService:
     @_guard
     def GetState(self, request, context) -> worker_pb2.GetStateResponse:
         return worker_state(self._ctx)
+
+    @_guard
+    def GetFlightRecord(self, request, context) -> flight_record_pb2.FlightRecordResponse:
+        return flight_record_response(self._ctx, request.last)
 
     # ----------------------------------------------------------- collectives
     def _collective(

@@ -13,8 +13,9 @@
   const RETRY_STREAM_MS = 15000;
   const STALE_MS = 10000;
   const SVG = "http://www.w3.org/2000/svg";
-  const { ClusterModel, groupFailures, kindRows, newestModelVersions, workerModels, clock, dateTime, zone, num } =
-    window.CollectivesModel;
+  const { ClusterModel, groupFailures, kindRows, newestModelVersions, workerModels, clock, dateTime, zone, num,
+    opTimeline, stuckWorkers } = window.CollectivesModel;
+  const TIMELINE_OPS = 30; // the last ops the op timeline draws
   const MODELS_SHOWN = 2; // in a worker's row; the details list every one
   const COLUMNS = 11; // of the workers table
   const model = new ClusterModel();
@@ -317,6 +318,57 @@
     replaceRows("timeline-rows", rows, "no event yet", 3);
   }
 
+  // ---- the op timeline: a row per rank, a bar per op and phase --------------
+
+  function renderOps(c) {
+    const stuck = stuckWorkers(c);
+    const banner = document.getElementById("stuck");
+    banner.hidden = stuck.length === 0;
+    banner.replaceChildren(...stuck.map((s) =>
+      el("div", { className: "stuck-line", "data-rank": s.rank }, `rank ${s.rank} (${s.address}): ${s.stuck}`)));
+    const ops = opTimeline(c, TIMELINE_OPS);
+    const box = document.getElementById("op-timeline");
+    if (!ops.length) {
+      box.replaceChildren(el("div", { className: "empty" }, "no op recorded yet"));
+      return;
+    }
+    const ranks = [...new Set(ops.flatMap((op) => Object.keys(op.ranks).map(Number)))].sort((a, b) => a - b);
+    // Ops side by side, each in an equal slot, its bars scaled to its own span:
+    // a 1 ms op and a 10 s op both stay readable; the title says the real times.
+    const slot = 100 / ops.length;
+    const rows = ranks.map((rank) => {
+      const bars = [];
+      ops.forEach((op, i) => {
+        const mine = op.ranks[rank];
+        if (!mine) return;
+        const span = Math.max(op.to - op.from, 1e-6);
+        for (const s of mine.segments) {
+          const left = i * slot + ((s.from - op.from) / span) * slot * 0.9;
+          const width = Math.max(((s.to - s.from) / span) * slot * 0.9, 0.15);
+          const slowest = op.slowest === rank && s.phase === "running";
+          const names = op.names.map((n) => `'${n}'`).join(" ");
+          const bar = el("div", {
+            className: `op-bar phase-${s.phase}${slowest ? " slowest" : ""}${mine.inFlight ? " in-flight" : ""}`,
+            title: `op ${op.opId} ${op.kind} ${names} (generation ${op.generation})\nrank ${rank}: ${s.phase} ` +
+              `${((s.to - s.from) * 1000).toFixed(2)} ms${slowest ? "\nthe rank the others waited for" : ""}`,
+            "data-op": op.key, "data-rank": rank, "data-phase": s.phase, "data-slowest": slowest ? "true" : "false",
+          });
+          // Through the CSSOM: the page's CSP allows no inline style attribute.
+          bar.style.left = `${left.toFixed(3)}%`;
+          bar.style.width = `${width.toFixed(3)}%`;
+          bars.push(bar);
+        }
+      });
+      return el("div", { className: "op-row", "data-rank": rank },
+        el("div", { className: "op-rank mono" }, `rank ${rank}`), el("div", { className: "op-track" }, ...bars));
+    });
+    const first = ops[0];
+    const lastOp = ops[ops.length - 1];
+    box.replaceChildren(...rows, el("div", { className: "small op-axis" },
+      `ops ${first.opId} … ${lastOp.opId} (generation ${lastOp.generation}), oldest left; ` +
+      `${clock(first.from)} – ${clock(lastOp.to)}`));
+  }
+
   function renderKinds(c) {
     const rows = kindRows(c.ops_by_kind);
     document.getElementById("kinds").replaceChildren(kindTable(rows, { id: "kind-table" }));
@@ -376,6 +428,7 @@
     renderSummary(c);
     renderWorkers(c);
     renderKinds(c);
+    renderOps(c);
     renderTimeline();
     renderFailures(c);
     renderClients(c);

@@ -307,8 +307,67 @@
     });
   }
 
+  // ---- the op timeline: the workers' flight records, merged by op ----------
+
+  const PHASES = ["admitted", "announced", "started", "finished"];
+  // The bars of an op on one rank: [name, from phase, to phase].
+  const SEGMENTS = [["queued", "admitted", "announced"], ["announced", "announced", "started"],
+    ["running", "started", "finished"]];
+
+  // The last `last` ops the members reported (each worker's status carries its
+  // last ops), merged by (generation, op id): {key, opId, generation, kind, names,
+  // ranks: {rank: {segments: [{phase, from, to}], inFlight}}, slowest (the rank
+  // the others waited for: the last to start it, ties to the last to finish),
+  // from, to}, oldest first.
+  function opTimeline(c, last = 30, nowS = Date.now() / 1000) {
+    const ops = new Map();
+    for (const w of c.workers || []) {
+      if (w.state === "lost") continue;
+      for (const op of w.recent_ops || []) {
+        if (op.kind === "noop") continue;
+        const key = `${op.generation}:${op.op_id}`;
+        let merged = ops.get(key);
+        if (!merged) {
+          merged = { key, opId: num(op.op_id), generation: num(op.generation), kind: op.kind,
+            names: op.names || [], ranks: {} };
+          ops.set(key, merged);
+        }
+        const phases = op.phases || {};
+        const inFlight = num(op.code) < 0;
+        const segments = [];
+        for (const [phase, from, to] of SEGMENTS) {
+          if (!(from in phases)) continue;
+          const end = to in phases ? phases[to] : (inFlight ? nowS : null);
+          if (end === null) continue;
+          segments.push({ phase, from: num(phases[from]), to: Math.max(num(phases[from]), num(end)) });
+        }
+        merged.ranks[op.rank] = { segments, inFlight, started: phases.started, finished: phases.finished };
+      }
+    }
+    const sorted = [...ops.values()].sort((a, b) => a.generation - b.generation || a.opId - b.opId);
+    const shown = sorted.slice(-last);
+    for (const op of shown) {
+      const arrived = Object.entries(op.ranks).filter(([, r]) => r.started !== undefined)
+        .map(([rank, r]) => [num(r.started), num(r.finished), Number(rank)]);
+      arrived.sort((a, b) => a[0] - b[0] || a[1] - b[1]);
+      op.slowest = arrived.length > 1 ? arrived[arrived.length - 1][2] : null;
+      const times = Object.values(op.ranks).flatMap((r) => r.segments.flatMap((s) => [s.from, s.to]));
+      op.from = Math.min(...times);
+      op.to = Math.max(...times);
+    }
+    return shown.filter((op) => Number.isFinite(op.from));
+  }
+
+  // Workers whose own op is stuck (in flight longer than a quarter of the op
+  // timeout): [{rank, address, stuck}], by rank.
+  function stuckWorkers(c) {
+    return (c.workers || []).filter((w) => w.state !== "lost" && w.stuck)
+      .map((w) => ({ rank: w.rank, address: w.address, stuck: w.stuck }))
+      .sort((a, b) => a.rank - b.rank);
+  }
+
   window.CollectivesModel = {
     ClusterModel, groupFailures, kindRows, newestModelVersions, workerModels, percentile, clock, dateTime,
-    zone, num,
+    zone, num, opTimeline, stuckWorkers, PHASES,
   };
 })();

@@ -1,0 +1,13 @@
+"""The cluster's flight record, as ``cluster.flight_record()`` returns it.
+
+:class:`OpRecord` (one op, merged across ranks by its generation and op id)
+and :class:`RankPhases` (that op on one rank: when it reached each phase)
+are defined with the code that reads and merges the ranks' records in
+``collectives.wire.flight_record``.
+"""
+
+from __future__ import annotations
+
+from collectives.wire.flight_record import PHASES, OpRecord, RankPhases
+
+__all__ = ["PHASES", "OpRecord", "RankPhases"]

@@ -1,0 +1,206 @@
+"""The cluster's flight record: every rank's recent ops, merged by op.
+
+Every worker keeps a bounded ring of the ops it ran, each with the time it
+reached each phase (``--flight-recorder-ops``; the worker's
+``engine/flight_recorder.py``). The leader sequences every op, so an op has
+one identity on every rank: (generation, op id). :func:`read_flight_record`
+asks every rank for its ring (``GetFlightRecord``, in parallel, each within a
+deadline) and :func:`merge` joins the answers into one :class:`OpRecord` per
+op, with each rank's phase times. ``cluster.flight_record()``, ``collectives
+trace`` (``collectives._trace_events``) and ``collectives diagnose``
+(``stuck_ops``) read it; it is in the wire package so that a tool in another
+language reads the same fields and phases. Nothing here needs torch.
+
+Phases, in the order a rank reaches them (Unix seconds; a phase not reached is
+absent): ``admitted`` (the leader queued it; the leader only), ``announced``
+(sent to the group, or received from the leader), ``started`` (this rank's
+handler began: operands agreed, data moving), ``finished`` (committed or
+failed here).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import grpc
+
+from collectives.v1 import flight_record_pb2, worker_pb2_grpc
+from collectives.wire.cluster_state import ClusterSnapshot
+
+__all__ = [
+    "PHASES",
+    "FlightRecord",
+    "OpRecord",
+    "RankPhases",
+    "RankReply",
+    "merge",
+    "read_flight_record",
+]
+
+PHASES = ("admitted", "announced", "started", "finished")
+
+
+def _outcome(code: int) -> str:
+    if code < 0:
+        return "in flight"
+    if code == 0:
+        return "ok"
+    for status in grpc.StatusCode:
+        if status.value[0] == code:
+            return status.name
+    return f"code {code}"
+
+
+@dataclass(frozen=True)
+class RankPhases:
+    """One op on one rank: when it reached each phase, and how it ended there."""
+
+    rank: int
+    # phase name (see PHASES) -> Unix seconds; phases not reached are absent.
+    phases: Mapping[str, float]
+    # "ok", "in flight", or the gRPC status code's name ("FAILED_PRECONDITION", ...).
+    outcome: str
+    message: str = ""
+    # This rank's result: its bytes and dtype (0 and "": none, or not known).
+    nbytes: int = 0
+    dtype: str = ""
+
+    @property
+    def phase(self) -> str:
+        """The last phase this rank reached."""
+        reached = [p for p in PHASES if p in self.phases]
+        return reached[-1] if reached else ""
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """One op as every rank that answered recorded it (``cluster.flight_record()``)."""
+
+    op_id: int
+    generation: int
+    kind: str  # "all_reduce", "broadcast", "publish_model", "forward", ...
+    names: tuple[str, ...]  # the tensors (or model) it named
+    nbytes: int  # the largest result any rank reported (0: none, or not known)
+    ranks: tuple[int, ...]  # the global ranks of its group
+    client: str  # the peer that issued it, as the leader saw it ("" if not known)
+    # "ok" when every rank that answered committed it, "in flight" while any rank
+    # runs it, else the first failure's status code name.
+    outcome: str
+    # rank -> that rank's phase times, for the ranks that answered and still hold it.
+    per_rank: Mapping[int, RankPhases] = field(default_factory=dict)
+
+    @property
+    def slowest_rank(self) -> int | None:
+        """The straggler: the rank the others waited for, the last to reach the op's data
+        phase (``started``), ties going to the last to finish; None until two ranks
+        started it."""
+        arrived = [
+            (r.phases["started"], r.phases.get("finished", 0.0), r.rank)
+            for r in self.per_rank.values()
+            if "started" in r.phases
+        ]
+        return max(arrived)[2] if len(arrived) > 1 else None
+
+
+@dataclass(frozen=True)
+class RankReply:
+    """One worker's answer to GetFlightRecord, or why it gave none."""
+
+    rank: int  # the worker's rank now (-1: not a member of the current generation)
+    address: str
+    reply: flight_record_pb2.FlightRecordResponse | None
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class FlightRecord:
+    """What every rank answered, and the ops merged from it."""
+
+    snapshot: ClusterSnapshot
+    replies: tuple[RankReply, ...]
+    ops: tuple[OpRecord, ...]
+
+
+def merge(replies: Iterable[RankReply], last: int = 0) -> list[OpRecord]:
+    """One :class:`OpRecord` per (generation, op id) any rank recorded, in op order;
+    ``last`` > 0 keeps the last ``last`` of them."""
+    by_op: dict[tuple[int, int], list[tuple[int, flight_record_pb2.FlightRecordOp]]] = {}
+    for answer in replies:
+        if answer.reply is None:
+            continue
+        for op in answer.reply.ops:
+            by_op.setdefault((op.generation, op.op_id), []).append((op.rank, op))
+    records = [_record(key, seen) for key, seen in sorted(by_op.items())]
+    return records[-last:] if last > 0 else records
+
+
+def _record(
+    key: tuple[int, int], seen: list[tuple[int, flight_record_pb2.FlightRecordOp]]
+) -> OpRecord:
+    generation, op_id = key
+    per_rank: dict[int, RankPhases] = {}
+    for rank, op in seen:
+        stamps = (op.admitted_s, op.announced_s, op.started_s, op.finished_s)
+        per_rank[rank] = RankPhases(
+            rank=rank,
+            phases={p: s for p, s in zip(PHASES, stamps, strict=True) if s},
+            outcome=_outcome(op.code),
+            message=op.message,
+            nbytes=op.nbytes,
+            dtype=op.dtype,
+        )
+    first = seen[0][1]
+    outcomes = [per_rank[r].outcome for r in sorted(per_rank)]
+    failed = [o for o in outcomes if o not in ("ok", "in flight")]
+    outcome = "in flight" if "in flight" in outcomes else failed[0] if failed else "ok"
+    return OpRecord(
+        op_id=op_id,
+        generation=generation,
+        kind=first.kind,
+        names=tuple(first.names),
+        nbytes=max(op.nbytes for _, op in seen),
+        ranks=tuple(first.ranks) or tuple(sorted(per_rank)),
+        client=next((op.client for _, op in seen if op.client), ""),
+        outcome=outcome,
+        per_rank=dict(sorted(per_rank.items())),
+    )
+
+
+def read_flight_record(
+    snapshot: ClusterSnapshot,
+    channel_for: Callable[[str], grpc.Channel],
+    last: int = 0,
+    ranks: Iterable[int] | None = None,
+    timeout: float = 5.0,
+) -> FlightRecord:
+    """Asks every member of ``snapshot`` (or ``ranks`` of them) for its last ``last``
+    ops, in parallel, each within ``timeout`` seconds; a rank that does not answer
+    is in ``replies`` with its error. ``channel_for(address)``: a channel to a worker."""
+    wanted = set(ranks) if ranks is not None else None
+    # Every worker by default, members or not: one that left the generation still
+    # holds the ops it ran in it (each op names the rank it ran as).
+    if wanted is None:
+        members = [w for w in snapshot.workers if w.address]
+    else:
+        members = [w for w in snapshot.workers if w.rank >= 0 and w.rank in wanted]
+    request = flight_record_pb2.FlightRecordRequest(last=max(0, last))
+
+    def ask(rank: int, address: str) -> RankReply:
+        try:
+            stub = worker_pb2_grpc.WorkerStub(channel_for(address))
+            return RankReply(rank, address, stub.GetFlightRecord(request, timeout=timeout))
+        except grpc.RpcError as err:
+            code = err.code() if hasattr(err, "code") else None
+            detail = err.details() if hasattr(err, "details") else str(err)
+            name = code.name if code is not None else "error"
+            return RankReply(rank, address, None, f"{name}: {detail}")
+
+    replies: list[RankReply] = []
+    if members:
+        with concurrent.futures.ThreadPoolExecutor(len(members)) as pool:
+            futures = [pool.submit(ask, w.rank, w.address) for w in members]
+            replies = [f.result() for f in futures]
+    ops = merge(replies, last)
+    return FlightRecord(snapshot, tuple(sorted(replies, key=lambda r: r.rank)), tuple(ops))

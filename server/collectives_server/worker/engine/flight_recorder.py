@@ -1,0 +1,195 @@
+"""The flight recorder: a bounded ring of every op this worker ran, with its phases.
+
+Every rank records every op the leader announced to it (ops, publishes,
+model ops and forwards alike): the op's descriptor, the group's ranks, the
+client that issued it (the leader knows it) and a monotonic stamp for each
+phase it reached:
+
+* ``admitted``: the leader admitted it into its queue (leader only)
+* ``announced``: the leader sent it to the group, or a follower received it
+* ``started``: this rank's handler began: operands are agreed and the data
+  collective runs from here
+* ``finished``: this rank has its outcome (committed, or failed)
+
+Recording is cheap: the slots are preallocated, a slot is reused in place,
+the stamps are ``time.monotonic()`` floats and the descriptor is kept by
+reference; nothing is formatted until the ring is read (:meth:`snapshot`).
+Only the generation thread (or the submitter running a claimed op, never at
+the same time) writes; a reader copies the slots it reads, so a read racing a
+write sees one op's stamps a moment old, never another op's.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from collectives.v1 import worker_pb2
+from collectives.wire.op_specs import kind_name
+
+__all__ = ["PHASES", "FlightRecorder", "FlightSlot", "RecordedOp", "op_names"]
+
+DEFAULT_OPS = 2000
+
+# The phases of an op, in the order every rank reaches them.
+PHASES = ("admitted", "announced", "started", "finished")
+
+
+@dataclass(eq=False, slots=True)
+class FlightSlot:
+    """One op in the ring; written in place (monotonic seconds, 0.0: not reached)."""
+
+    desc: worker_pb2.OpDescriptor | None = None
+    rank: int = -1  # this worker's rank in the op's generation
+    ranks: list[int] | None = None
+    client: str = ""
+    admitted: float = 0.0
+    announced: float = 0.0
+    started: float = 0.0
+    finished: float = 0.0
+    code: int = -1  # the outcome's gRPC status code value; -1 while in flight
+    message: str = ""
+    result: object = None  # the committed result (its dtype and shape: the op's bytes)
+
+    def finish(self, at: float, code: int, message: str = "", result: object = None) -> None:
+        self.code, self.message, self.result, self.finished = code, message, result, at
+
+
+@dataclass(frozen=True)
+class RecordedOp:
+    """One op as read from the ring: wall-clock seconds (0.0: phase not reached)."""
+
+    op_id: int
+    generation: int
+    rank: int
+    kind: str
+    names: tuple[str, ...]
+    ranks: tuple[int, ...]
+    client: str
+    phases: dict[str, float] = field(default_factory=dict)
+    code: int = -1
+    message: str = ""
+    nbytes: int = 0  # of this rank's result (0: unknown, or none)
+    dtype: str = ""
+
+    @property
+    def in_flight(self) -> bool:
+        return self.code < 0
+
+
+def op_names(desc: worker_pb2.OpDescriptor) -> tuple[str, ...]:
+    """The tensor (or model) names an op works on, as its descriptor names them."""
+    which = desc.WhichOneof("args")
+    if which is None:
+        return ()
+    args = getattr(desc, which)
+    names: list[str] = []
+    for attr in ("name", "model", "out", "prefix"):
+        value = getattr(args, attr, "")
+        if isinstance(value, str) and value:
+            names.append(value)
+    names.extend(getattr(args, "names", ()))
+    return tuple(dict.fromkeys(names))
+
+
+class FlightRecorder:
+    """The ring of the last ``capacity`` ops (0: recording off, every call a no-op)."""
+
+    def __init__(self, capacity: int = DEFAULT_OPS) -> None:
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        self.capacity = capacity
+        self._slots = [FlightSlot() for _ in range(capacity)]
+        self._next = 0  # ops recorded so far; the next slot is _next % capacity
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity > 0
+
+    def open(
+        self,
+        desc: worker_pb2.OpDescriptor,
+        rank: int,
+        ranks: list[int] | None,
+        announced: float,
+        admitted: float = 0.0,
+        client: str = "",
+    ) -> FlightSlot | None:
+        """Takes the next slot for ``desc`` run as ``rank`` of its generation in a group of
+        ``ranks`` (announced at ``announced``); None when recording is off."""
+        if not self.capacity:
+            return None
+        slot = self._slots[self._next % self.capacity]
+        slot.desc, slot.rank, slot.ranks, slot.client = desc, rank, ranks, client
+        slot.admitted, slot.announced = admitted, announced
+        slot.started = slot.finished = 0.0
+        slot.code, slot.message, slot.result = -1, "", None
+        self._next += 1
+        return slot
+
+    @property
+    def recorded(self) -> int:
+        """Ops recorded since the start (the sequence number of the next one)."""
+        return self._next
+
+    def snapshot(self, last: int = 0) -> list[RecordedOp]:
+        """The last ``last`` ops (0: all held), oldest first, in wall-clock seconds."""
+        if not self.capacity:
+            return []
+        count = min(self._next, self.capacity)
+        if last > 0:
+            count = min(count, last)
+        return self._read(range(self._next - count, self._next))
+
+    def finished_since(self, seq: int) -> tuple[list[RecordedOp], int]:
+        """The ops recorded from sequence number ``seq`` on that finished, up to the first
+        still in flight, and the sequence number to ask from next time: for a reader that
+        folds every finished op once (the phase histograms). Ops the ring overwrote
+        before they were read are skipped."""
+        if not self.capacity:
+            return [], seq
+        end = self._next
+        seq = max(seq, end - self.capacity)
+        done = seq
+        while done < end and self._slots[done % self.capacity].code >= 0:
+            done += 1
+        return self._read(range(seq, done)), done
+
+    def _read(self, seqs: range) -> list[RecordedOp]:
+        offset = time.time() - time.monotonic()
+        ops: list[RecordedOp] = []
+        for i in seqs:
+            slot = self._slots[i % self.capacity]
+            desc, ranks = slot.desc, slot.ranks
+            if desc is None:
+                continue
+            stamps = (slot.admitted, slot.announced, slot.started, slot.finished)
+            code, message = slot.code, slot.message
+            nbytes, dtype = _result_bytes(slot.result)
+            ops.append(
+                RecordedOp(
+                    op_id=desc.op_id,
+                    generation=desc.generation,
+                    rank=slot.rank,
+                    kind=kind_name(desc.kind),
+                    names=op_names(desc),
+                    ranks=tuple(ranks or ()),
+                    client=slot.client,
+                    phases={p: s + offset for p, s in zip(PHASES, stamps, strict=True) if s},
+                    code=code,
+                    message=message,
+                    nbytes=nbytes,
+                    dtype=dtype,
+                )
+            )
+        return ops
+
+
+def _result_bytes(result: object) -> tuple[int, str]:
+    """A result's byte count and dtype name, from its ``dtype`` and ``shape`` if it has them."""
+    dtype, shape = getattr(result, "dtype", None), getattr(result, "shape", None)
+    itemsize = getattr(dtype, "itemsize", 0)
+    if not itemsize or shape is None:
+        return 0, ""
+    return math.prod(shape) * itemsize, str(dtype).removeprefix("torch.")
