@@ -29,7 +29,8 @@ TRACKS = {
 
 def _label(op: OpRecord) -> str:
     names = ", ".join(repr(n) for n in op.names)
-    return f"{op.op_id} {op.kind} {names}".rstrip()
+    which = op.call_id[:12] if op.call_id else op.op_id
+    return f"{which} {op.kind} {names}".rstrip()
 
 
 def trace_events(ops: Iterable[OpRecord], now_s: float | None = None) -> dict[str, Any]:
@@ -53,6 +54,7 @@ def trace_events(ops: Iterable[OpRecord], now_s: float | None = None) -> dict[st
         label = _label(op)
         args = {
             "op_id": op.op_id,
+            "call_id": op.call_id,
             "generation": op.generation,
             "kind": op.kind,
             "names": list(op.names),

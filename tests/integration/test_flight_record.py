@@ -221,3 +221,26 @@ def test_a_rank_made_slow_is_the_straggler(fresh_cluster) -> None:
     grew = {rank: after.get(rank, 0.0) - before.get(rank, 0.0) for rank in after}
     assert grew.get("1") == 3.0, grew
     assert grew.get("0", 0.0) == 0.0 and grew.get("2", 0.0) == 0.0, grew
+
+
+def test_forwards_are_recorded_on_every_rank_that_ran_a_share(cluster2, gen, uname) -> None:
+    """A data-parallel call is one record: its call id on both ranks, its outcome."""
+    name = uname("mlp")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    cluster2.load_model(name, model, example_inputs=(torch.randn(2, 4),))
+    dp = cluster2.data_parallel(name)
+    with torch.no_grad():
+        dp(torch.randn(6, 4, generator=gen))
+        with pytest.raises(collectives.InvalidArgument):
+            dp(torch.randn(6, 5, generator=gen))  # the wrong width: fails on both ranks
+    forwards = [r for r in cluster2.flight_record(last=50) if r.kind == "forward"]
+    mine = [r for r in forwards if r.names == (name,)]
+    assert len(mine) == 2, forwards
+    ok, failed = mine
+    for record in mine:
+        assert record.call_id and record.op_id == 0 and sorted(record.per_rank) == [0, 1]
+        for phases in record.per_rank.values():
+            stamps = [phases.phases[p] for p in ("admitted", "started", "finished")]
+            assert stamps == sorted(stamps), phases
+    assert ok.outcome == "ok" and failed.outcome == "INVALID_ARGUMENT", (ok, failed)
+    assert ok.client  # the peer that called

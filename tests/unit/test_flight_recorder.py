@@ -187,3 +187,50 @@ def test_status_names_a_worker_that_says_it_is_stuck() -> None:
     table = format_table("c:1", snapshot, width=200)
     assert f"stuck on w0: {line} (collectives diagnose)" in table
     assert snapshot.to_dict()["workers"][0]["stuck"] == line
+
+
+def test_a_forward_is_recorded_as_a_call_and_merged_across_ranks_by_call_id() -> None:
+    recorders = [FlightRecorder(4), FlightRecorder(4)]
+    for rank, recorder in enumerate(recorders):
+        now = time.monotonic()
+        slot = recorder.open_call("forward", ("mlp",), "call-1", rank, 3, now, "peer")
+        assert slot is not None
+        slot.start_if_held(slot.seq, now + 0.001)
+        slot.finish_if_held(slot.seq, now + 0.002, 0)
+    (op,) = recorders[0].snapshot()
+    assert (op.kind, op.names, op.call_id, op.op_id, op.ranks) == (
+        "forward",
+        ("mlp",),
+        "call-1",
+        0,
+        (0,),
+    )
+    assert list(op.phases) == ["admitted", "started", "finished"]
+    replies = []
+    for rank, recorder in enumerate(recorders):
+        reply = flight_record_pb2.FlightRecordResponse(rank=rank, generation=3)
+        for o in recorder.snapshot():
+            reply.ops.add(
+                op_id=o.op_id, generation=o.generation, rank=o.rank, kind=o.kind,
+                names=o.names, ranks=o.ranks, call_id=o.call_id, code=o.code,
+                admitted_s=o.phases["admitted"], started_s=o.phases["started"],
+                finished_s=o.phases["finished"],
+            )  # fmt: skip
+        replies.append(RankReply(rank, f"w{rank}", reply))
+    (record,) = merge(replies)
+    assert record.call_id == "call-1" and sorted(record.per_rank) == [0, 1]
+    assert record.outcome == "ok" and record.label == "call call-1"
+
+
+def test_a_call_that_outlives_the_ring_does_not_write_into_a_newer_op() -> None:
+    recorder = FlightRecorder(2)
+    now = time.monotonic()
+    slow = recorder.open_call("forward", ("mlp",), "slow", 0, 3, now)
+    assert slow is not None
+    seq = slow.seq
+    for op_id in (1, 2):  # the ring wraps: the slow call's slot now holds op 2
+        slot = recorder.open(_desc(op_id), 0, [0, 1], now)
+        assert slot is not None
+    slow.finish_if_held(seq, now + 5, 0)
+    ops = recorder.snapshot()
+    assert [o.op_id for o in ops] == [1, 2] and all(o.in_flight for o in ops)

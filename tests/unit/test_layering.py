@@ -286,3 +286,9 @@ def test_every_package_has_its_module_table(init: Path) -> None:
     names |= {f"{p.name}/" for p in package.iterdir() if (p / "__init__.py").exists()}
     missing = sorted(n for n in names if f"``{n}``" not in doc)
     assert not missing, f"{init.relative_to(ROOT)}: add {missing} to its module table"
+
+
+def test_test_modules_have_unique_basenames() -> None:
+    """pytest imports test files by basename (no packages): two of one name collide."""
+    names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []

@@ -13,7 +13,7 @@ class FlightRecordRequest(_message.Message):
     def __init__(self, last: _Optional[int] = ...) -> None: ...
 
 class FlightRecordOp(_message.Message):
-    __slots__ = ("op_id", "generation", "kind", "names", "ranks", "client", "admitted_s", "announced_s", "started_s", "finished_s", "code", "message", "nbytes", "dtype", "rank")
+    __slots__ = ("op_id", "generation", "kind", "names", "ranks", "client", "admitted_s", "announced_s", "started_s", "finished_s", "code", "message", "nbytes", "dtype", "rank", "call_id")
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class FlightRecordOp(_message.Message):
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
     op_id: int
     generation: int
     kind: str
@@ -44,7 +45,8 @@ class FlightRecordOp(_message.Message):
     nbytes: int
     dtype: str
     rank: int
-    def __init__(self, op_id: _Optional[int] = ..., generation: _Optional[int] = ..., kind: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., ranks: _Optional[_Iterable[int]] = ..., client: _Optional[str] = ..., admitted_s: _Optional[float] = ..., announced_s: _Optional[float] = ..., started_s: _Optional[float] = ..., finished_s: _Optional[float] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., nbytes: _Optional[int] = ..., dtype: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
+    call_id: str
+    def __init__(self, op_id: _Optional[int] = ..., generation: _Optional[int] = ..., kind: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., ranks: _Optional[_Iterable[int]] = ..., client: _Optional[str] = ..., admitted_s: _Optional[float] = ..., announced_s: _Optional[float] = ..., started_s: _Optional[float] = ..., finished_s: _Optional[float] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., nbytes: _Optional[int] = ..., dtype: _Optional[str] = ..., rank: _Optional[int] = ..., call_id: _Optional[str] = ...) -> None: ...
 
 class FlightRecordResponse(_message.Message):
     __slots__ = ("rank", "generation", "worker_id", "address", "now_s", "capacity", "op_timeout_s", "ops")

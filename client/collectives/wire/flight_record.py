@@ -90,6 +90,14 @@ class OpRecord:
     outcome: str
     # rank -> that rank's phase times, for the ranks that answered and still hold it.
     per_rank: Mapping[int, RankPhases] = field(default_factory=dict)
+    # A forward (run by each worker on its own, op_id 0): its call id, shared by the
+    # ranks that ran a share of one data-parallel call.
+    call_id: str = ""
+
+    @property
+    def label(self) -> str:
+        """How the CLI and the trace name it: ``op 812``, or ``call 3f9a…`` for a forward."""
+        return f"op {self.op_id}" if not self.call_id else f"call {self.call_id[:12]}"
 
     @property
     def slowest_rank(self) -> int | None:
@@ -124,22 +132,31 @@ class FlightRecord:
 
 
 def merge(replies: Iterable[RankReply], last: int = 0) -> list[OpRecord]:
-    """One :class:`OpRecord` per (generation, op id) any rank recorded, in op order;
-    ``last`` > 0 keeps the last ``last`` of them."""
-    by_op: dict[tuple[int, int], list[tuple[int, flight_record_pb2.FlightRecordOp]]] = {}
+    """One :class:`OpRecord` per (generation, op id) any rank recorded, and one per
+    forward call, in the order they began (sequenced ops: op order); ``last`` > 0
+    keeps the last ``last`` of them."""
+    by_op: dict[tuple[int, int, str], list[tuple[int, flight_record_pb2.FlightRecordOp]]] = {}
     for answer in replies:
         if answer.reply is None:
             continue
         for op in answer.reply.ops:
-            by_op.setdefault((op.generation, op.op_id), []).append((op.rank, op))
-    records = [_record(key, seen) for key, seen in sorted(by_op.items())]
+            by_op.setdefault((op.generation, op.op_id, op.call_id), []).append((op.rank, op))
+    records = sorted(
+        (_record(key, seen) for key, seen in by_op.items()),
+        key=lambda r: (r.generation, _began(r), r.op_id, r.call_id),
+    )
     return records[-last:] if last > 0 else records
 
 
+def _began(record: OpRecord) -> float:
+    """When the op or call began: its earliest phase on any rank."""
+    return min((s for r in record.per_rank.values() for s in r.phases.values()), default=0.0)
+
+
 def _record(
-    key: tuple[int, int], seen: list[tuple[int, flight_record_pb2.FlightRecordOp]]
+    key: tuple[int, int, str], seen: list[tuple[int, flight_record_pb2.FlightRecordOp]]
 ) -> OpRecord:
-    generation, op_id = key
+    generation, op_id, call_id = key
     per_rank: dict[int, RankPhases] = {}
     for rank, op in seen:
         stamps = (op.admitted_s, op.announced_s, op.started_s, op.finished_s)
@@ -165,6 +182,7 @@ def _record(
         client=next((op.client for _, op in seen if op.client), ""),
         outcome=outcome,
         per_rank=dict(sorted(per_rank.items())),
+        call_id=call_id,
     )
 
 

@@ -111,7 +111,7 @@ def _line(
     heartbeat: dict[int, float],
 ) -> str:
     names = " ".join(repr(n) for n in op.names)
-    head = f"op {op.op_id} {op.kind}{' ' + names if names else ''} (generation {op.generation})"
+    head = f"{op.label} {op.kind}{' ' + names if names else ''} (generation {op.generation})"
     head += f": {_DOING.get(phase, phase)} for {for_s:.1f} s"
     if not waiting:
         ranks = ", ".join(str(r) for r in sorted(op.per_rank))

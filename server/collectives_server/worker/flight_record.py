@@ -134,4 +134,5 @@ def _op_proto(op: RecordedOp, message: bool = True) -> flight_record_pb2.FlightR
         message=op.message if message else "",
         nbytes=op.nbytes,
         dtype=op.dtype,
+        call_id=op.call_id,
     )

@@ -22,6 +22,7 @@ write sees one op's stamps a moment old, never another op's.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -51,9 +52,27 @@ class FlightSlot:
     code: int = -1  # the outcome's gRPC status code value; -1 while in flight
     message: str = ""
     result: object = None  # the committed result (its dtype and shape: the op's bytes)
+    # A call that is not sequenced (a forward): no descriptor, these say what it was.
+    kind: str = ""
+    names: tuple[str, ...] = ()
+    generation: int = 0
+    call_id: str = ""
+    # The recorder's sequence number of the op in this slot now.
+    seq: int = -1
 
     def finish(self, at: float, code: int, message: str = "", result: object = None) -> None:
         self.code, self.message, self.result, self.finished = code, message, result, at
+
+    def start_if_held(self, seq: int, at: float) -> None:
+        """Stamps the start of the call taken as ``seq`` (see :meth:`finish_if_held`)."""
+        if self.seq == seq:
+            self.started = at
+
+    def finish_if_held(self, seq: int, at: float, code: int, message: str = "") -> None:
+        """Finishes the call taken as sequence number ``seq``, unless the ring has
+        since given its slot to a newer op (a call that outlived a whole ring)."""
+        if self.seq == seq:
+            self.finish(at, code, message)
 
 
 @dataclass(frozen=True)
@@ -72,6 +91,8 @@ class RecordedOp:
     message: str = ""
     nbytes: int = 0  # of this rank's result (0: unknown, or none)
     dtype: str = ""
+    # A forward's call id (the same on every rank of one data-parallel call); op_id 0.
+    call_id: str = ""
 
     @property
     def in_flight(self) -> bool:
@@ -102,6 +123,8 @@ class FlightRecorder:
         self.capacity = capacity
         self._slots = [FlightSlot() for _ in range(capacity)]
         self._next = 0  # ops recorded so far; the next slot is _next % capacity
+        # Taking a slot: the generation thread and the RPC threads running forwards.
+        self._taking = threading.Lock()
 
     @property
     def enabled(self) -> bool:
@@ -120,12 +143,42 @@ class FlightRecorder:
         ``ranks`` (announced at ``announced``); None when recording is off."""
         if not self.capacity:
             return None
-        slot = self._slots[self._next % self.capacity]
+        slot = self._take()
         slot.desc, slot.rank, slot.ranks, slot.client = desc, rank, ranks, client
         slot.admitted, slot.announced = admitted, announced
-        slot.started = slot.finished = 0.0
-        slot.code, slot.message, slot.result = -1, "", None
-        self._next += 1
+        slot.kind, slot.names, slot.generation, slot.call_id = "", (), 0, ""
+        return slot
+
+    def open_call(
+        self,
+        kind: str,
+        names: tuple[str, ...],
+        call_id: str,
+        rank: int,
+        generation: int,
+        admitted: float,
+        client: str = "",
+    ) -> FlightSlot | None:
+        """Takes the next slot for a call this worker runs on its own (a forward): no
+        op id, no announcement; ``admitted`` is when its RPC arrived. None when off."""
+        if not self.capacity:
+            return None
+        slot = self._take()
+        slot.desc, slot.rank, slot.ranks, slot.client = None, rank, [rank], client
+        slot.admitted, slot.announced = admitted, 0.0
+        slot.kind, slot.names, slot.generation, slot.call_id = kind, names, generation, call_id
+        return slot
+
+    def _take(self) -> FlightSlot:
+        """The next slot, cleared of its outcome (the caller fills in the rest)."""
+        with self._taking:
+            slot = self._slots[self._next % self.capacity]
+            slot.started = slot.finished = 0.0
+            slot.code, slot.message, slot.result = -1, "", None
+            slot.desc = None  # not readable until the caller fills it in
+            slot.kind = ""
+            slot.seq = self._next
+            self._next += 1
         return slot
 
     @property
@@ -162,18 +215,18 @@ class FlightRecorder:
         for i in seqs:
             slot = self._slots[i % self.capacity]
             desc, ranks = slot.desc, slot.ranks
-            if desc is None:
+            if desc is None and not slot.kind:
                 continue
             stamps = (slot.admitted, slot.announced, slot.started, slot.finished)
             code, message = slot.code, slot.message
             nbytes, dtype = _result_bytes(slot.result)
             ops.append(
                 RecordedOp(
-                    op_id=desc.op_id,
-                    generation=desc.generation,
+                    op_id=desc.op_id if desc is not None else 0,
+                    generation=desc.generation if desc is not None else slot.generation,
                     rank=slot.rank,
-                    kind=kind_name(desc.kind),
-                    names=op_names(desc),
+                    kind=kind_name(desc.kind) if desc is not None else slot.kind,
+                    names=op_names(desc) if desc is not None else slot.names,
                     ranks=tuple(ranks or ()),
                     client=slot.client,
                     phases={p: s + offset for p, s in zip(PHASES, stamps, strict=True) if s},
@@ -181,6 +234,7 @@ class FlightRecorder:
                     message=message,
                     nbytes=nbytes,
                     dtype=dtype,
+                    call_id=slot.call_id,
                 )
             )
         return ops

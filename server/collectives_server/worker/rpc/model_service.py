@@ -8,9 +8,12 @@ PutTensor/GetTensor; the model name of LoadStateDict is request metadata.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
-from collectives.errors import InvalidArgument, NotFound
+import grpc
+
+from collectives.errors import CollectiveError, InvalidArgument, NotFound
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
 from collectives.wire import codec, pytree
@@ -109,14 +112,40 @@ class ModelRpcs:
     def Forward(self, request, context) -> worker_pb2.ForwardResponse:
         validate_name(request.model, "model name")
         validate_name(request.call_id, "call id")
-        store = self._ctx.store
-        inline = _inline_inputs(request.call_id, pytree.inline_leaves(request.args))
-        inline.update(_inline_inputs(request.call_id, pytree.inline_leaves(request.kwargs)))
-        left = context.time_remaining()
-        wait_s = self._ctx.op_timeout_s if left is None else min(left, self._ctx.op_timeout_s)
-        response = model_exec.forward(self._ctx.models, store, request, wait_s, inline)
-        if request.inline_output_bytes:
-            _inline_outputs(store, response.output, request.inline_output_bytes)
+        admitted = time.monotonic()
+        runtime = self._ctx.runtime
+        slot = self._ctx.recorder.open_call(
+            "forward",
+            (request.model,),
+            request.call_id,
+            runtime.rank if runtime is not None else -1,
+            runtime.generation if runtime is not None else 0,
+            admitted,
+            context.peer() if self._ctx.recorder.enabled else "",
+        )
+        seq = slot.seq if slot is not None else -1
+        try:
+            store = self._ctx.store
+            inline = _inline_inputs(request.call_id, pytree.inline_leaves(request.args))
+            inline.update(_inline_inputs(request.call_id, pytree.inline_leaves(request.kwargs)))
+            left = context.time_remaining()
+            wait_s = self._ctx.op_timeout_s if left is None else min(left, self._ctx.op_timeout_s)
+            if slot is not None:
+                slot.start_if_held(seq, time.monotonic())
+            response = model_exec.forward(self._ctx.models, store, request, wait_s, inline)
+            if request.inline_output_bytes:
+                _inline_outputs(store, response.output, request.inline_output_bytes)
+        except CollectiveError as exc:
+            if slot is not None:
+                slot.finish_if_held(seq, time.monotonic(), exc.code.value[0], exc.message)
+            raise
+        except BaseException:
+            if slot is not None:
+                internal = grpc.StatusCode.INTERNAL.value[0]
+                slot.finish_if_held(seq, time.monotonic(), internal, "internal error")
+            raise
+        if slot is not None:
+            slot.finish_if_held(seq, time.monotonic(), 0)
         return response
 
     @_guard
