@@ -5,8 +5,8 @@
     python -m bench.direct_gloo --rank R --world W --port P --op all_reduce --bytes N --repeats K
 
 each of which builds ``ProcessGroupGloo(PrefixStore("g", TCPStore(...)), rank, world,
-timeout)`` (the workers' configuration, see docs/design.md "Execution on the
-workers"), runs the op a few times as warmup, then times ``K`` ops one by one.
+timeout)`` (the workers' configuration, see docs/engine.md, one process group
+per generation), runs the op a few times as warmup, then times ``K`` ops one by one.
 Rank 0 prints ``{"seconds": [...]}`` (one figure per op) on stdout.
 
 Besides the service's ops (``OPS``), ``all_reduce_copy`` copies the operand into a

@@ -37,7 +37,7 @@ __all__ = ["replicate", "REPLICATE_MIN_BYTES", "UseParallelPuts"]
 # put(rank=None) of at least this many bytes takes the replicated op. Below it,
 # parallel puts answer sooner (one RPC per rank, against an upload plus a
 # sequenced op of three control rounds); above it the replicated op, which sends
-# world x fewer bytes, wins (docs/design.md "Execution on the workers").
+# world x fewer bytes, wins (docs/engine.md, the put sent once).
 REPLICATE_MIN_BYTES = 4 << 20
 
 

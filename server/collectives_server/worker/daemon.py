@@ -162,7 +162,7 @@ class WorkerDaemon:
                 self.config.host, self.config.bulk_port, self.config.bulk_limits
             )
         # This worker's rendezvous store: a generation's process groups meet in the
-        # store of its rank 0, so they outlive any coordinator (see docs/design.md).
+        # store of its rank 0, so they outlive any coordinator (see docs/engine.md).
         self._rendezvous, self._store_port = start_store(self.config.host, 0, _STORE_TIMEOUT_S)
         self._channel = self.config.coordinator_security.open_channel(
             self.config.coordinator, GRPC_OPTIONS
