@@ -225,7 +225,7 @@ def test_the_cycle_check_finds_a_cycle() -> None:
 # The worker's layers, lowest first (see collectives_server/worker/__init__.py): a
 # module imports from its own layer and the ones below only.
 _WORKER = "collectives_server.worker"
-_STATE = ("config", "context", "telemetry", "stats", "status", "flight_record", "metrics")
+_STATE = ("config", "context", "telemetry", "stats", "status", "metrics")
 _DAEMON = ("daemon", "enrolment", "heartbeats")
 WORKER_LAYERS = ("data", "kernels", "models", "engine", _STATE, "rpc", _DAEMON)
 

@@ -4,10 +4,8 @@ Layers, lowest first; a module imports only from its own layer and the ones
 below it (``tests/unit/test_layering.py`` enforces it):
 
 ``data`` < ``kernels`` < ``models`` < ``engine`` < the shared state here
-(``config``, ``context``, ``telemetry/``, ``stats``, ``status``, ``flight_record``,
-``metrics``) <
-``rpc`` <
-the daemon here (``daemon``, ``enrolment``, ``heartbeats``).
+(``config``, ``context``, ``telemetry/``, ``stats``, ``status``, ``metrics``)
+< ``rpc`` < the daemon here (``daemon``, ``enrolment``, ``heartbeats``).
 
 Modules:
 
@@ -21,7 +19,6 @@ Modules:
 * ``telemetry/``: what the counters are built from: windows, error groups, clients, traffic
 * ``stats``: counters: ops by kind and outcome, rates, latencies, bytes, errors, heartbeats
 * ``status``: what a worker reports about itself (WorkerStatus, GetState, op logs)
-* ``flight_record``: the flight recorder's ops as GetFlightRecord answers them
 * ``metrics``: the Prometheus metrics, computed at scrape time
 * ``daemon``: registration, heartbeats, following generations, serving
 * ``enrolment``: registration with the coordinator (token, retry key, lease secret)

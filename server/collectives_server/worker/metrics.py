@@ -20,10 +20,10 @@ from prometheus_client.core import (
 import collectives_server
 from collectives_server.metrics import FunctionCollector, build_info, new_registry
 from collectives_server.worker.context import WorkerContext
-from collectives_server.worker.flight_record import PHASE_BUCKETS_S, PhaseHistograms
 from collectives_server.worker.models.batching import ROW_BUCKETS
 from collectives_server.worker.stats import LATENCY_BUCKETS_S
 from collectives_server.worker.status import collect_status
+from collectives_server.worker.telemetry.flight_record import PHASE_BUCKETS_S, PhaseHistograms
 
 __all__ = ["worker_registry"]
 

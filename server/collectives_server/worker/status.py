@@ -28,7 +28,6 @@ from collectives.v1 import status_pb2, worker_pb2
 from collectives.wire.op_specs import kind_name, spec, subject
 from collectives_server.control_protocol import FIELD_LIMITS
 from collectives_server.worker.context import WorkerContext
-from collectives_server.worker.flight_record import add_flight_summary
 from collectives_server.worker.stats import (
     LATENCY_BUCKETS_S,
     RECENT_ERRORS,
@@ -36,6 +35,7 @@ from collectives_server.worker.stats import (
     status_label,
 )
 from collectives_server.worker.telemetry.collective_traffic import collective_traffic
+from collectives_server.worker.telemetry.flight_record import add_flight_summary
 
 __all__ = [
     "LATENCY_BUCKETS_S",

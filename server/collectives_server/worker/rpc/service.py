@@ -39,7 +39,6 @@ from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.data.bulk import BulkListener
 from collectives_server.worker.data.memory_release import drop_partial
 from collectives_server.worker.engine.process_groups import check_group_cap, subgroup_count
-from collectives_server.worker.flight_record import flight_record_response
 from collectives_server.worker.rpc.guards import counted as _counted
 from collectives_server.worker.rpc.guards import departure
 from collectives_server.worker.rpc.guards import guard as _guard
@@ -49,6 +48,7 @@ from collectives_server.worker.rpc.model_service import ModelRpcs
 from collectives_server.worker.rpc.p2p_service import PeerRpcs
 from collectives_server.worker.rpc.shm_service import get_tensor_shm, put_tensor_shm
 from collectives_server.worker.status import worker_state
+from collectives_server.worker.telemetry.flight_record import flight_record_response
 
 __all__ = ["WorkerService", "add_worker_service", "SERVICE_NAME"]
 

@@ -8,4 +8,5 @@ engine and the RPC guards record into these through ``stats`` and the context;
 * ``error_groups``: failed ops aggregated by kind, code and message, with a count
 * ``clients``: the clients that called recently (peer, user agent, the name they gave)
 * ``collective_traffic``: the payload bytes a collective moves per rank (a model)
+* ``flight_record``: the flight recorder's ops as GetFlightRecord answers them, phase histograms
 """
