@@ -155,9 +155,14 @@ def test_dashboard_shows_workers_live_and_a_killed_worker_lost(browser, fresh_cl
         10,
         "a 'lost' event in the timeline",
     )
-    lost_row = browser.find_element("css selector", f'tr[data-worker-id="{victim.worker_id}"]')
-    assert "lost" in lost_row.text
-    assert re.search(r"stale since \d\d:\d\d:\d\d", lost_row.text), lost_row.text
+    # Read in one script: the table is re-rendered on every update, so an element found
+    # in one call may be gone by the next (a stale element reference).
+    lost_text = browser.execute_script(
+        "const e = document.querySelector(arguments[0]); return e ? e.innerText : null;",
+        f'tr[data-worker-id="{victim.worker_id}"]',
+    )
+    assert lost_text is not None and "lost" in lost_text, lost_text
+    assert re.search(r"stale since \d\d:\d\d:\d\d", lost_text), lost_text
     after = page.screenshot(browser, "after")
     log.info(f"screenshots: {before} {after}")
 
