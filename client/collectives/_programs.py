@@ -12,8 +12,8 @@ Exporting is the slow part of a load (``torch.export`` traces the module), so
 a client exports each module once per input signature and set of weights:
 :class:`ProgramCache` keys an archive by the module's identity, the inputs'
 dtypes and shapes (dimension 0 is dynamic, so it is left out), the training
-flag and every parameter's and buffer's in-place version counter (a changed
-weight is a new archive).
+flag and every parameter's and buffer's in-place version counter and storage
+(a changed weight is a new archive).
 """
 
 from __future__ import annotations
@@ -132,9 +132,10 @@ def _signature(example_inputs: Any, dim: int) -> tuple[Any, ...]:
 
 
 def _weights_version(module: nn.Module) -> tuple[Any, ...]:
-    """Changes whenever a parameter or buffer is replaced or modified in place."""
+    """Changes whenever a parameter or buffer is replaced, modified in place, or given
+    new storage (``p.data = ...`` moves no version counter, only the data pointer)."""
     tensors = [*module.parameters(), *module.buffers()]
-    return (module.training, *((id(t), t._version) for t in tensors))
+    return (module.training, *((id(t), t._version, t.data_ptr()) for t in tensors))
 
 
 class ProgramCache:

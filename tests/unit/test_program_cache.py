@@ -43,3 +43,12 @@ def test_where_a_program_is_loaded_is_remembered_until_forgotten() -> None:
     assert not cache.loaded_on("__fn/x", frozenset({"w-2", "w-3"}))
     cache.forget("__fn/x")
     assert not cache.loaded_on("__fn/x", frozenset({"w-1"}))
+
+
+def test_weights_given_new_storage_export_again() -> None:
+    """``p.data = t`` moves no version counter: the cache must still see new weights."""
+    cache = ProgramCache()
+    model = nn.Linear(3, 2)
+    first = cache.archive(model, (torch.randn(4, 3),))
+    model.weight.data = torch.randn(2, 3)
+    assert cache.archive(model, (torch.randn(4, 3),)) is not first
