@@ -27,6 +27,10 @@ MAX_DELAY_MS_LIMIT = 10_000.0
 class Batching:
     """Merge concurrent forwards of a model into one forward on each worker.
 
+    Only for models whose every output row depends on its own input row alone
+    (per-row layers in eval mode): a model that mixes rows across dim 0 would
+    give each caller rows computed with other callers' rows, undetectably.
+
     Args:
         max_rows: the most rows (dim 0 of the inputs) one merged forward runs;
             a caller with more rows runs alone. Defaults to 256.
