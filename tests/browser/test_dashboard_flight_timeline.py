@@ -2,9 +2,10 @@
 
 A follower of a 3-worker cluster is stopped (SIGSTOP) before an all_reduce and
 resumed once the other ranks are inside it: while it is stopped the page shows
-the stuck op (the leader's own verdict); once it resumed, the op's bars on
-every rank, and rank 1's marked as the rank the others waited for. Nothing may
-scroll sideways. The screenshot is ``artifacts/dashboard-op-timeline-1280x800.png``.
+the stuck op on the two ranks inside it (the stopped rank cannot report); once
+it resumed, the op's bars on every rank, and rank 1's marked as the rank the
+others waited for. Nothing may scroll sideways. The screenshot is
+``artifacts/dashboard-op-timeline-1280x800.png``.
 """
 
 from __future__ import annotations
@@ -43,11 +44,18 @@ def test_the_op_timeline_marks_the_rank_the_others_waited_for(browser, fresh_clu
     os.kill(slow.pid, signal.SIGSTOP)
     try:
         handle = cluster.all_reduce(name, async_op=True, timeout=60)
+
+        def both_running_ranks_stuck(driver):
+            # Each worker's verdict rides its own heartbeat, so the two running
+            # ranks' lines reach the page at different moments: wait for both.
+            lines = [s for s in driver.execute_script(_STUCK_JS) if f"all_reduce '{name}'" in s]
+            ranks = sorted(line.split(" ", 2)[1] for line in lines)
+            return lines if ranks == ["0", "2"] else None
+
         stuck = WebDriverWait(browser, 30, poll_frequency=0.25).until(
-            lambda d: [s for s in d.execute_script(_STUCK_JS) if f"all_reduce '{name}'" in s],
-            "the stuck all_reduce on the page",
+            both_running_ranks_stuck, "the stuck all_reduce on ranks 0 and 2 of the page"
         )
-        assert stuck[0].startswith("rank 0 "), stuck
+        assert stuck[0].startswith("rank 0 ") and stuck[1].startswith("rank 2 "), stuck
     finally:
         os.kill(slow.pid, signal.SIGCONT)
     handle.result(timeout=60)
