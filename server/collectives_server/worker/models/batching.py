@@ -129,14 +129,15 @@ class Batcher:
         args: tuple[torch.Tensor, ...],
         company: tuple,
         rows: int,
-        hold: Callable[[], contextlib.AbstractContextManager[int]],
-        call: Callable[[tuple], Any],
+        hold: Callable[[], contextlib.AbstractContextManager[tuple[int, Any]]],
+        call: Callable[[Any, tuple], Any],
         deadline: float,
     ) -> tuple[Any, int]:
         """This caller's output of ``call`` and the version it ran at, merged with its
         company's (``company`` also names the version wanted). ``hold`` holds the model
-        at that version (its lock) and yields the version; ``call`` runs the model on
-        positional inputs, raising a domain error for bad inputs.
+        at that version (its lock) and yields the version and the module to run;
+        ``call(module, inputs)`` runs it on positional inputs, raising a domain error
+        for bad inputs.
 
         Raises:
             DeadlineExceeded: no forward took this caller before ``deadline``.
@@ -179,8 +180,8 @@ class Batcher:
     def _lead(
         self,
         me: _Caller,
-        hold: Callable[[], contextlib.AbstractContextManager[int]],
-        call: Callable[[tuple], Any],
+        hold: Callable[[], contextlib.AbstractContextManager[tuple[int, Any]]],
+        call: Callable[[Any, tuple], Any],
         deadline: float,
     ) -> None:
         company = me.company
@@ -193,11 +194,11 @@ class Batcher:
                 self._cond.wait(left)
         batch: list[_Caller] = []
         try:
-            with hold() as version:
+            with hold() as (version, module):
                 with self._cond:
                     batch = self._take(company)
                     self._hand_on(me)  # the next batch gathers while this one runs
-                outputs, runs = self._forward(batch, call)
+                outputs, runs = self._forward(batch, lambda inputs: call(module, inputs))
         except BaseException as exc:
             # The model could not be held at the version wanted (or the forward broke
             # in a way not of one caller's making): this leader fails, and the

@@ -33,9 +33,8 @@ __all__ = ["forward", "backward", "release"]
 _MODES = {worker_pb2.MODEL_MODE_TRAIN: True, worker_pb2.MODEL_MODE_EVAL: False}
 
 
-def _run(model: HostedModel, args: tuple, kwargs: dict, training: bool | None) -> Any:
+def _run(model: HostedModel, module: nn.Module, args: tuple, kwargs: dict) -> Any:
     devices = model.devices
-    module = model.runnable(training)
     if len(devices) > 1 and all(d.type == "cuda" for d in devices):
         return nn.parallel.data_parallel(
             module,
@@ -49,24 +48,32 @@ def _run(model: HostedModel, args: tuple, kwargs: dict, training: bool | None) -
 
 def _call(
     model: HostedModel,
+    module: nn.Module,
     name: str,
     args: tuple,
     kwargs: dict,
-    training: bool | None,
     grad_enabled: bool,
 ) -> Any:
-    """The model's output on these inputs (the caller holds it at its version).
+    """The output of ``module`` (the model held at a version, in a mode) on these inputs.
 
     Raises:
         InvalidArgument: the model failed on them.
     """
     with torch.set_grad_enabled(grad_enabled):
         try:
-            return _run(model, args, kwargs, training)
+            return _run(model, module, args, kwargs)
         except (RuntimeError, TypeError, ValueError, IndexError) as exc:
             raise InvalidArgument(
                 f"model {name!r} failed on these inputs: {backend_message(exc)}"
             ) from None
+
+
+def _reads_only(
+    model: HostedModel, request: worker_pb2.ForwardRequest, training: bool | None
+) -> bool:
+    """Whether this forward only reads the model (no autograd, eval mode): it may then
+    run beside others (the model's lock held shared)."""
+    return not request.grad_enabled and not bool(model.training if training is None else training)
 
 
 def _mergeable(
@@ -78,9 +85,7 @@ def _mergeable(
 ) -> tuple[int, tuple] | None:
     """(rows, company) when this forward may join a batch (``batching``): the model
     batches, autograd is off and the model runs in eval mode; else None."""
-    if model.batcher is None or request.grad_enabled:
-        return None
-    if bool(model.training if training is None else training):
+    if model.batcher is None or not _reads_only(model, request, training):
         return None
     return company_of(args, kwargs)
 
@@ -150,19 +155,23 @@ def forward(
         deadline = time.monotonic() + timeout_s
         training = _MODES.get(request.mode)
         merged = _mergeable(model, request, training, args, kwargs)
+        shared = _reads_only(model, request, training)
         if merged is not None:
             rows, company = merged
             output, version = model.batcher.run(
                 args,
                 (request.version, training, company),
                 rows,
-                lambda: model_versions.serving(model, request.version, deadline),
-                lambda inputs: _call(model, request.model, inputs, {}, training, False),
+                lambda: model_versions.serving(
+                    model, request.version, deadline, training, shared=True
+                ),
+                lambda module, inputs: _call(model, module, request.model, inputs, {}, False),
                 deadline,
             )
         else:
-            with model_versions.serving(model, request.version, deadline) as version:
-                output = _call(model, request.model, args, kwargs, training, request.grad_enabled)
+            held = model_versions.serving(model, request.version, deadline, training, shared=shared)
+            with held as (version, module):
+                output = _call(model, module, request.model, args, kwargs, request.grad_enabled)
         stored: dict[str, torch.Tensor] = {}
 
         def store_leaf(t: torch.Tensor) -> str:

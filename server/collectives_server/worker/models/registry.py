@@ -31,6 +31,7 @@ from collectives_server.json_input import parse_json_object
 from collectives_server.worker.data.store import Reservation, TensorStore
 from collectives_server.worker.models import modes as model_modes
 from collectives_server.worker.models.batching import Batcher
+from collectives_server.worker.models.model_lock import ModelLock
 
 __all__ = ["ModelRegistry", "HostedModel", "ModelDefinition", "RetainedGraph", "GradArena"]
 
@@ -190,7 +191,7 @@ class HostedModel:
     module: nn.Module
     source: str
     devices: list[torch.device]
-    lock: threading.RLock = field(default_factory=threading.RLock)
+    lock: ModelLock = field(default_factory=ModelLock)
     graphs: dict[str, RetainedGraph] = field(default_factory=dict)
     # Set by optimizers.install only (the rule for keeping its state is there).
     optimizer: torch.optim.Optimizer | None = None
@@ -215,8 +216,6 @@ class HostedModel:
     _switched_plain: tuple[int, bool] | None = None  # (id of module, the mode set on it)
 
     def __post_init__(self) -> None:
-        # Notified (under ``lock``) whenever ``version`` changes.
-        self.version_changed = threading.Condition(self.lock)
         if self.training is None:
             self.training = model_modes.captured_mode(self.module)
 
@@ -233,6 +232,23 @@ class HostedModel:
             runnable = self._in_mode(mode)
             self.training = mode  # kept only once the mode could be had
             return runnable
+
+    def runnable_as_is(self, training: bool) -> nn.Module | None:
+        """The module to call in ``training`` mode if nothing must change to have it (the
+        caller holds the lock, shared or not), else None: then :meth:`runnable`."""
+        module = self.module
+        if self.training != training:
+            return None
+        if not model_modes.is_graph(module):
+            return module if self._switched_plain == (id(module), training) else None
+        if self._captured is None or self._captured[0] != id(module):
+            return None
+        if self._captured[1] == training:
+            return module
+        key = (id(module), *map(id, module.parameters()), *map(id, module.buffers()))
+        return (
+            self._switched[1] if self._switched is not None and self._switched[0] == key else None
+        )
 
     def _in_mode(self, mode: bool) -> nn.Module:
         module = self.module

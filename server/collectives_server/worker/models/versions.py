@@ -6,8 +6,9 @@ commits them here, under the model's lock, at the publish's place in the op
 order: the module's parameters and buffers are *replaced* by the staged tensors
 (``load_state_dict(assign=True)``), never written in place. So:
 
-* a forward holds the model's lock while it runs, and so runs on one version
-  from start to end (a commit waits for it);
+* a forward holds the model's lock while it runs (shared with other forwards
+  that only read the model, :mod:`model_lock`), and so runs on one version from
+  start to end (a commit waits for it);
 * a graph retained by a forward keeps the parameters of its version alive
   (autograd holds them), and its backward computes with the weights its forward
   used. Those are the only way an older version stays resident: a publish
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+from torch import nn
 
 from collectives.errors import (
     CollectiveError,
@@ -76,30 +78,63 @@ class Entry:
 
 
 @contextlib.contextmanager
-def serving(model: HostedModel, wanted: int, deadline: float) -> Iterator[int]:
-    """Holds the model's lock at version ``wanted`` (0: the current one); yields it.
+def serving(
+    model: HostedModel,
+    wanted: int,
+    deadline: float,
+    training: bool | None = None,
+    *,
+    shared: bool = False,
+) -> Iterator[tuple[int, nn.Module]]:
+    """Holds the model's lock at version ``wanted`` (0: the current one); yields that
+    version and the module to call in ``training`` mode (None: the model's own).
+
+    ``shared``: for a forward that only reads the model (no autograd, eval mode), which
+    may run beside other such forwards (:mod:`model_lock`); else the lock is held
+    exclusively.
 
     Raises:
         DeadlineExceeded: ``wanted`` was not committed here before ``deadline``.
         CollectiveError: ABORTED (``Reason.VERSION_MOVED``) if this rank is past it.
+        FailedPrecondition: the model cannot run in that mode.
     """
-    with model.version_changed:
-        while wanted and model.version < wanted:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise DeadlineExceeded(
-                    f"model {model.name!r} is at version {model.version} on this rank; "
-                    f"version {wanted} was not committed here in time"
-                )
-            model.version_changed.wait(left)
-        if wanted and model.version != wanted:
-            raise error_for_code(
-                grpc.StatusCode.ABORTED,
-                f"model {model.name!r} moved from version {wanted} to {model.version} on "
-                "this rank while the call ran; run it again",
-                reason=Reason.VERSION_MOVED,
+    lock = model.lock
+    if not shared:
+        with lock:
+            _await_version(model, wanted, deadline, exclusive=True)
+            yield model.version, model.runnable(training)
+        return
+    mode = bool(model.training if training is None else training)
+    with lock.admitted():
+        _await_version(model, wanted, deadline, exclusive=False)
+        module = model.runnable_as_is(mode)
+        if module is None:
+            lock.drain()  # the model must change (its mode): nobody may be running it
+            module = model.runnable(mode)
+        version = model.version
+        lock.join()
+    try:
+        yield version, module
+    finally:
+        lock.leave()
+
+
+def _await_version(model: HostedModel, wanted: int, deadline: float, exclusive: bool) -> None:
+    while wanted and model.version < wanted:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded(
+                f"model {model.name!r} is at version {model.version} on this rank; "
+                f"version {wanted} was not committed here in time"
             )
-        yield model.version
+        model.lock.wait(left, exclusive=exclusive)
+    if wanted and model.version != wanted:
+        raise error_for_code(
+            grpc.StatusCode.ABORTED,
+            f"model {model.name!r} moved from version {wanted} to {model.version} on "
+            "this rank while the call ran; run it again",
+            reason=Reason.VERSION_MOVED,
+        )
 
 
 def presence_error(
@@ -129,9 +164,9 @@ def presence_error(
 def bump(model: HostedModel) -> int:
     """The weights changed in place (an optimizer step): the next version. Caller holds
     the lock."""
-    with model.version_changed:
+    with model.lock:
         model.version += 1
-        model.version_changed.notify_all()
+        model.lock.notify_all()
         return model.version
 
 
@@ -193,9 +228,9 @@ def commit(model: HostedModel, staged: dict[str, torch.Tensor], version: int) ->
     moved = {id(before[n]): after[n] for n in before if after.get(n) is not before[n]}
     if model.optimizer is not None and moved:
         _move_optimizer(model.optimizer, moved)
-    with model.version_changed:
+    with model.lock:
         model.version = version
-        model.version_changed.notify_all()
+        model.lock.notify_all()
     return replaced
 
 
