@@ -51,11 +51,14 @@ def _check_serving(client, name: str, weights: dict[str, torch.Tensor], kwargs: 
     return dp.last_version
 
 
-def _models_on(address: str) -> dict[str, int]:
+def _listed_on(address: str) -> list[worker_pb2.ModelInfo]:
     with grpc.insecure_channel(address) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
-        listed = stub.ListModels(worker_pb2.ListModelsRequest(), timeout=10)
-    return {m.name: m.version for m in listed.models}
+        return list(stub.ListModels(worker_pb2.ListModelsRequest(), timeout=10).models)
+
+
+def _models_on(address: str) -> dict[str, int]:
+    return {m.name: m.version for m in _listed_on(address)}
 
 
 def _uploads_on(address: str) -> int:
@@ -70,7 +73,8 @@ def test_a_worker_joining_later_gets_every_model_at_its_version_from_a_peer(
 ) -> None:
     cluster = fault_cluster(2, 2, max_workers=3, worker_args=WORKER_ARGS)
     client = cluster.client
-    client.load_model("zoo", factory=f"{ZOO}:mlp", kwargs=SMALL)
+    batching = collectives.Batching(max_rows=48, max_delay_ms=1.5)
+    client.load_model("zoo", factory=f"{ZOO}:mlp", kwargs=SMALL, batching=batching)
     exported = model_zoo.mlp(**SMALL)
     x = torch.randn(4, SMALL["in_features"], generator=gen)
     client.load_model("exported", exported, example_inputs=(x,), timeout=60)
@@ -92,6 +96,10 @@ def test_a_worker_joining_later_gets_every_model_at_its_version_from_a_peer(
         "the newcomer to host both models",
     )
     assert joined.bytes_received == 0, "the client sent the newcomer nothing"
+    # The newcomer batches the model's forwards as the others do.
+    listed = {m.name: m for m in _listed_on(newcomer.address)}
+    assert listed["zoo"].HasField("batching") and not listed["exported"].HasField("batching")
+    assert (listed["zoo"].batching.max_rows, listed["zoo"].batching.max_delay_ms) == (48, 1.5)
     assert _check_serving(client, "zoo", latest, SMALL) == 3
     assert _check_serving(client, "exported", exported.state_dict(), SMALL) == 1
     state = client.state_dict("zoo", rank=joined.rank)

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from collectives.reduce_ops import ReduceOp
+from collectives.wire.batching import Batching
 from collectives.wire.dtypes import from_wire, to_wire
 from collectives.wire.op_specs import OpKind, spec
 from collectives_server.worker.engine import agreement
@@ -69,6 +70,14 @@ class _Held:
     kwargs_json: str
     archive_bytes: int
     entries: list[tuple[str, int, list[int]]]  # key, wire dtype, shape
+    # Its dynamic batching as [max_rows, max_delay_ms]; None: none.
+    batching: list[float] | None = None
+
+    def batching_policy(self) -> Batching | None:
+        if self.batching is None:
+            return None
+        max_rows, max_delay_ms = self.batching
+        return Batching(max_rows=int(max_rows), max_delay_ms=float(max_delay_ms))
 
 
 def sync_models(ctx: OpContext, uploads: ModelUploads) -> int:
@@ -137,6 +146,9 @@ def _inventory(ctx: OpContext) -> dict[str, dict]:
                     (k, to_wire(t.dtype), list(t.shape))
                     for k, t in model.module.state_dict().items()
                 ],
+                "batching": None
+                if model.batcher is None
+                else [model.batcher.policy.max_rows, model.batcher.policy.max_delay_ms],
             }
     return out
 
@@ -257,7 +269,13 @@ def _build_in_background(ctx: OpContext, uploads: ModelUploads, arrival: _Arriva
                     archive.unlink(missing_ok=True)
                 return
             definition = ModelDefinition(src.factory, src.kwargs_json, archive)
-            hosted = models.add(arrival.name, module, src.factory or "export", definition)
+            hosted = models.add(
+                arrival.name,
+                module,
+                src.factory or "export",
+                definition,
+                batching=src.batching_policy(),
+            )
             _commit(hosted, arrival)
         except Exception as exc:
             log.error("cannot host model %r sent by a peer: %s", arrival.name, exc)
