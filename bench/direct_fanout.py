@@ -10,9 +10,12 @@ threads the service's local workers get (``OMP_NUM_THREADS``: the cores shared
 among the workers). A request is the raw float32 bytes of a shard's rows, the
 response the raw bytes of its output rows: no names, no value tree, no version,
 no store. ``FloorFanout.client().forward(x)`` splits ``x`` along dim 0 like the SDK
-(``torch.tensor_split``), sends one unary call per shard, all in flight at
-once (``grpc`` futures), and concatenates the answers: what any fan-out of this
-model over gRPC must at least pay.
+(``torch.tensor_split``), sends one blocking unary call per shard, each from a
+thread of the client's own pool so that all are in flight at once, and
+concatenates the answers: what any fan-out of this model over gRPC must at
+least pay. (The pool, not ``grpc`` futures: a future on an idle channel starts
+a thread of gRPC's for each call, which costs more than a small call: measured
+side by side, concurrent callers get more samples/s through the pool.)
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ class FloorClient:
         import grpc
 
         self._out_features = out_features
+        self._pool = futures.ThreadPoolExecutor(max_workers=len(addresses))
         self._channels = [grpc.insecure_channel(a) for a in addresses]
         for channel in self._channels:
             grpc.channel_ready_future(channel).result(timeout=_TIMEOUT_S)
@@ -110,7 +114,7 @@ class FloorClient:
 
         shards = [s for s in torch.tensor_split(x, len(self._calls)) if s.shape[0]]
         pending = [
-            call.future(s.contiguous().numpy().tobytes(), timeout=_TIMEOUT_S)
+            self._pool.submit(call, s.contiguous().numpy().tobytes(), timeout=_TIMEOUT_S)
             for call, s in zip(self._calls, shards, strict=False)
         ]
         outs = [
@@ -122,6 +126,7 @@ class FloorClient:
         return torch.cat(outs)
 
     def close(self) -> None:
+        self._pool.shutdown()
         for channel in self._channels:
             channel.close()
 

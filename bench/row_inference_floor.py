@@ -5,7 +5,8 @@ For two MLPs of the model zoo (call-bound 256-1024-256 and compute-bound
 
 - the floor (:mod:`bench.direct_fanout`): 2 processes each serving the same
   eager module over one generic unary gRPC method, raw float32 bytes in and
-  out, one call per shard, the torch threads the local cluster's workers get;
+  out, one call per shard from a thread of the caller's pool, the torch
+  threads the local cluster's workers get;
 - the service: ``dp = cluster.data_parallel(name)`` on a local cluster of 2
   workers, the model loaded by factory, ``dp(x)`` under ``torch.no_grad()``;
   once loaded plainly (batching off) and once with
