@@ -16,7 +16,7 @@ import ctypes
 import math
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -241,22 +241,24 @@ def _short(shape: tuple[int, ...]) -> str:
 
 def check_header(header: tensor_pb2.TensorHeader) -> CheckedHeader:
     """Validates dtype, shape and size of a header; raises :class:`InvalidArgument`."""
-    dtype = from_wire(header.dtype)
-    shape = check_shape(header.shape)
+    return _checked(header.name, header.dtype, header.shape, header.nbytes)
+
+
+def _checked(name: str, wire_dtype: int, wire_shape: Sequence[int], nbytes: int) -> CheckedHeader:
+    dtype = from_wire(wire_dtype)
+    shape = check_shape(wire_shape)
     numel = math.prod(shape)
-    element = torch.empty((), dtype=dtype).element_size()
-    expected = numel * element
+    expected = numel * dtype.itemsize
     if expected > MAX_TENSOR_BYTES:
         raise InvalidArgument(
             f"tensor shape {_short(shape)} of {dtype} would need {expected} bytes; "
             f"the limit is {MAX_TENSOR_BYTES}"
         )
-    if header.nbytes != expected:
+    if nbytes != expected:
         raise InvalidArgument(
-            f"header declares {header.nbytes} bytes but shape {_short(shape)} of {dtype} "
-            f"needs {expected}"
+            f"header declares {nbytes} bytes but shape {_short(shape)} of {dtype} needs {expected}"
         )
-    return CheckedHeader(header.name, dtype, shape, expected)
+    return CheckedHeader(name, dtype, shape, expected)
 
 
 def _physical_bytes() -> int | None:
@@ -386,9 +388,6 @@ def tensor_from_bytes(data: bytes | memoryview, meta: CheckedHeader) -> torch.Te
 
 
 def tensor_from_proto(msg: tensor_pb2.Tensor) -> torch.Tensor:
-    header = tensor_pb2.TensorHeader(
-        name="tensor", dtype=msg.dtype, shape=msg.shape, nbytes=len(msg.data)
-    )
-    assembler = TensorAssembler(header)
-    assembler.add(msg.data)
-    return assembler.finish()
+    """A new tensor holding a copy of ``msg``'s bytes, its header checked as a
+    streamed tensor's is (:func:`check_header`)."""
+    return tensor_from_bytes(msg.data, _checked("tensor", msg.dtype, msg.shape, len(msg.data)))

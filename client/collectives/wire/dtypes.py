@@ -46,4 +46,4 @@ def from_wire(value: int) -> torch.dtype:
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize

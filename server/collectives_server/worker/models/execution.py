@@ -5,8 +5,9 @@ The SDK uploads each worker's shard of the inputs as named tensors
 worker runs the model (over its local devices when it has several, like
 ``torch.nn.DataParallel``; merged with other callers' forwards when the model
 batches, :mod:`batching`), stores the output leaves as ``<call_id>/out/<i>``
-for the SDK to stream back (and consume), and, when autograd is on, keeps the
-graph for the client's backward.
+for the SDK to stream back (and consume), or carries them in the response
+while they fit in the bytes the caller allows, and, when autograd is on, keeps
+the graph for the client's backward.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import nn
 
 from collectives.errors import InvalidArgument, NotFound
 from collectives.v1 import worker_pb2
+from collectives.wire.codec import tensor_to_proto
 from collectives.wire.names import reserved_prefix, validate_name
 from collectives.wire.pytree import from_value, to_value
 from collectives_server.worker.data.store import TensorStore
@@ -173,10 +175,20 @@ def forward(
             with held as (version, module):
                 output = _call(model, module, request.model, args, kwargs, request.grad_enabled)
         stored: dict[str, torch.Tensor] = {}
+        # Output leaves travel in the response, depth first, while they fit in the
+        # bytes the caller allows; the rest (and every one after) wait in the store.
+        inline_left = request.inline_output_bytes
+        inlining = inline_left > 0 and not output_names
 
-        def store_leaf(t: torch.Tensor) -> str:
+        def store_leaf(t: torch.Tensor) -> str | worker_pb2.InlineTensor:
+            nonlocal inline_left, inlining
             name = f"{call_id}/out/{len(stored)}"
             stored[name] = t
+            nbytes = t.numel() * t.element_size()
+            if inlining and nbytes <= inline_left:
+                inline_left -= nbytes
+                return worker_pb2.InlineTensor(name=name, tensor=tensor_to_proto(t))
+            inlining = False
             store.put(name, t.detach())
             return name
 

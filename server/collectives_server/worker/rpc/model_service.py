@@ -133,8 +133,6 @@ class ModelRpcs:
             if slot is not None:
                 slot.start_if_held(seq, time.monotonic())
             response = model_exec.forward(self._ctx.models, store, request, wait_s, inline)
-            if request.inline_output_bytes:
-                _inline_outputs(store, response.output, request.inline_output_bytes)
         except CollectiveError as exc:
             if slot is not None:
                 slot.finish_if_held(seq, time.monotonic(), exc.code.value[0], exc.message)
@@ -403,20 +401,3 @@ def _store_inline(store, call_id: str, tensors: list[worker_pb2.InlineTensor]) -
     """Stores a call's inline tensors under their names, which must lie under the call."""
     for name, t in _inline_inputs(call_id, tensors).items():
         store.put(name, t)
-
-
-def _inline_outputs(store, output: worker_pb2.Value, budget: int) -> None:
-    """Moves output leaves from the store into the response, depth first, while
-    they fit in ``budget`` bytes (a retained graph holds its outputs itself)."""
-    for leaf in pytree.leaf_values(output):
-        if not leaf.HasField("tensor"):
-            continue
-        name = leaf.tensor
-        t = store.get(name)
-        nbytes = t.numel() * t.element_size()
-        if nbytes > budget:
-            return
-        budget -= nbytes
-        leaf.inline_tensor.name = name  # replaces the oneof's tensor name
-        leaf.inline_tensor.tensor.CopyFrom(codec.tensor_to_proto(t))
-        store.delete_if_same(name, t)
