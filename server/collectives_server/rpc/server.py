@@ -56,7 +56,14 @@ SMALL_MESSAGE_OPTIONS: list[tuple[str, int]] = [("grpc.http2.bdp_probe", 0)]
 # disk write read as a long RTT): the transport then buffered tens of MiB ahead
 # of a LoadModel handler. Off, a streamed put keeps its speed and a small
 # all_reduce saves one PING round trip per call (figures in docs/perf-log.md).
-WORKER_OPTIONS: list[tuple[str, int]] = [("grpc.http2.bdp_probe", 0)]
+# Without BDP the receive window stays at HTTP/2's 64 KiB, so a request past it
+# (a forward's inline shard) waited mid-message for a WINDOW_UPDATE, a round trip
+# that on busy cores waits for the peer's poller: a fixed 1 MiB lookahead covers
+# the inline budget of a forward and still bounds what a stream buffers ahead.
+WORKER_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.http2.lookahead_bytes", 1 << 20),
+]
 
 
 class ServerHandle:
