@@ -125,3 +125,30 @@ def test_a_shared_forward_switches_the_mode_only_when_nobody_runs_the_model() ->
         with model_versions.serving(model, 0, time.monotonic() + _WAIT_S, False, shared=True):
             pass
     assert model.training is False
+
+
+def test_graphs_can_be_expired_beside_shared_forwards_but_not_beside_a_writer() -> None:
+    lock = ModelLock()
+    _shared(lock)  # a forward runs
+    assert lock.try_admit(), "a shared holder blocked the expiry of graphs"
+    lock.release()
+    lock.leave()
+    held = threading.Event()
+    done = threading.Event()
+
+    def writer() -> None:
+        with lock:
+            held.set()
+            assert done.wait(_WAIT_S)
+
+    w = threading.Thread(target=writer)
+    w.start()
+    assert held.wait(_WAIT_S)
+    try:
+        assert not lock.try_admit(), "admitted beside an exclusive holder"
+    finally:
+        done.set()
+        w.join(_WAIT_S)
+    assert not w.is_alive()
+    assert lock.try_admit()
+    lock.release()

@@ -91,6 +91,12 @@ class ModelLock:
         """Whether an exclusive holder waits for shared ones to leave (new ones wait)."""
         return self._writers_waiting > 0
 
+    def try_admit(self) -> bool:
+        """Holds the lock's mutex if nobody holds it now (shared holders may run), for
+        what shared holders never touch (a model's retained graphs); release with
+        :meth:`release`. False, at once, while an exclusive holder or an admission has it."""
+        return self._mutex.acquire(blocking=False)
+
     def drain(self) -> None:
         """Within :meth:`admitted` (or exclusively): waits until no shared holder runs;
         the caller then holds the lock exclusively."""

@@ -511,9 +511,10 @@ class ModelRegistry:
         now = time.monotonic() if now is None else now
         dropped = 0
         for model in self.all():
-            # Never wait on a busy model (a long forward, a publish): the heartbeat
-            # calls this, and must not miss its lease; the next call gets it.
-            if not model.lock.acquire(blocking=False):
+            # Never wait on a busy model (a publish, a step): the heartbeat calls
+            # this, and must not miss its lease; the next call gets it. Forwards
+            # holding the lock shared never touch the graphs, so they do not stop it.
+            if not model.lock.try_admit():
                 continue
             try:
                 for call_id in [c for c, g in model.graphs.items() if g.expires_at <= now]:
