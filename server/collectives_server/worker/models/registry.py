@@ -236,35 +236,37 @@ class HostedModel:
     def runnable_as_is(self, training: bool) -> nn.Module | None:
         """The module to call in ``training`` mode if nothing must change to have it (the
         caller holds the lock, shared or not), else None: then :meth:`runnable`."""
-        module = self.module
-        if self.training != training:
-            return None
-        if not model_modes.is_graph(module):
-            return module if self._switched_plain == (id(module), training) else None
-        if self._captured is None or self._captured[0] != id(module):
-            return None
-        if self._captured[1] == training:
-            return module
-        key = (id(module), *map(id, module.parameters()), *map(id, module.buffers()))
-        return (
-            self._switched[1] if self._switched is not None and self._switched[0] == key else None
-        )
+        return self._built_for(training) if self.training == training else None
 
-    def _in_mode(self, mode: bool) -> nn.Module:
+    def _built_for(self, mode: bool) -> nn.Module | None:
+        """The module already set up to run in ``mode`` (None: it must be switched or built)."""
         module = self.module
         if not model_modes.is_graph(module):
-            # Module.train walks every submodule: only when the mode changes.
-            if self._switched_plain != (id(module), mode):
-                model_modes.for_mode(module, mode, self.name)
-                self._switched_plain = (id(module), mode)
-            return module
+            return module if self._switched_plain == (id(module), mode) else None
         if self._captured is None or self._captured[0] != id(module):
-            self._captured = (id(module), model_modes.captured_mode(module))
+            return None
         if self._captured[1] == mode:
             return module
         key = (id(module), *map(id, module.parameters()), *map(id, module.buffers()))
-        if self._switched is None or self._switched[0] != key:
-            self._switched = (key, model_modes.for_mode(module, mode, self.name))
+        switched = self._switched
+        return switched[1] if switched is not None and switched[0] == key else None
+
+    def _in_mode(self, mode: bool) -> nn.Module:
+        built = self._built_for(mode)
+        if built is not None:
+            return built
+        module = self.module
+        if not model_modes.is_graph(module):
+            # Module.train walks every submodule: only when the mode changes.
+            model_modes.for_mode(module, mode, self.name)
+            self._switched_plain = (id(module), mode)
+            return module
+        if self._captured is None or self._captured[0] != id(module):
+            self._captured = (id(module), model_modes.captured_mode(module))
+            if self._captured[1] == mode:
+                return module
+        key = (id(module), *map(id, module.parameters()), *map(id, module.buffers()))
+        self._switched = (key, model_modes.for_mode(module, mode, self.name))
         return self._switched[1]
 
     @property
