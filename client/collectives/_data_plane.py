@@ -121,6 +121,7 @@ class DataPlane:
             segment = self._session.shm_pool.acquire(nbytes)
         # One bar for the whole call: every rank's bytes.
         bar = progress(f"put {name!r}", nbytes * len(ranks), self._session.progress)
+        answered = False
         try:
             if segment is not None:
                 segment.write(wire)
@@ -135,10 +136,14 @@ class DataPlane:
                     for r in ranks
                 },
             )
+            answered = True
         finally:
             bar.close()
             if segment is not None:
-                self._session.shm_pool.release(segment)
+                if answered:
+                    self._session.shm_pool.release(segment)
+                else:  # a rank that failed may still be reading it: never reuse it
+                    self._session.shm_pool.discard(segment)
 
     def get(
         self,

@@ -381,7 +381,13 @@ def get_tensor_shm(
         request = worker_pb2.GetTensorShmRequest(
             name=name, consume=consume, path=lease.path if lease else ""
         )
-        response = call_unary(endpoint.stub.GetTensorShm, request, timeout, what)
+        try:
+            response = call_unary(endpoint.stub.GetTensorShm, request, timeout, what)
+        except BaseException as err:
+            if lease is not None and not _answered(err):
+                pool.discard(lease)  # the worker may still write the tensor into it
+                lease = None
+            raise
         try:
             meta = codec.check_header(response.header)
             if lease is not None and response.path == lease.path:
@@ -418,6 +424,26 @@ def get_tensor_shm(
     finally:
         if lease is not None:
             pool.release(lease)
+
+
+# Codes a worker answers with once its handler is done (the other codes may also
+# mean that the client stopped waiting while the handler runs on).
+_ANSWER_CODES = frozenset(
+    {
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.UNAUTHENTICATED,
+    }
+)
+
+
+def _answered(err: BaseException) -> bool:
+    """Whether a failed call was the worker's answer, so its handler has finished."""
+    return isinstance(err, CollectiveError) and err.code in _ANSWER_CODES
 
 
 def is_retryable_read(err: CollectiveError) -> bool:

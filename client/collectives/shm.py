@@ -21,13 +21,14 @@ for other users it uses ``pread``/``pwrite`` (a truncation is a short read).
 Lifetime: a segment belongs to whoever created it, who unlinks it: the SDK
 keeps its segments in a :class:`SegmentPool` (reused between calls, so tmpfs
 pages are allocated once, not per call; unlinked when the ``Cluster`` closes,
-and at exit), and takes over the segments a worker created for a get (the
-response hands them over). A get returns a tensor *over* the segment the
-worker wrote (zero copies on the client, like Triton's output regions); the
-segment returns to the pool when that tensor and every view of it are freed.
-A segment handed over to a worker stays out of the pool until a later put's
-response returns it; closing the pool unlinks it (the worker's mapping keeps
-the bytes of a tensor stored in it).
+and at exit; a segment whose call failed unanswered is unlinked at once, never
+reused, as its worker may still be copying), and takes over the segments a
+worker created for a get (the response hands them over). A get returns a tensor
+*over* the segment the worker wrote (zero copies on the client, like Triton's
+output regions); the segment returns to the pool when that tensor and every
+view of it are freed. A segment handed over to a worker stays out of the pool
+until a later put's response returns it; closing the pool unlinks it (the
+worker's mapping keeps the bytes of a tensor stored in it).
 """
 
 from __future__ import annotations
@@ -289,6 +290,16 @@ class SegmentPool:
                     evicted.append(self._free.pop(0)[1])
         for seg in evicted:
             seg.destroy()
+
+    def discard(self, segment: Segment) -> None:
+        """Destroys a leased segment that a worker may still read or write: its
+        call failed without an answer (a deadline, a cancellation, a lost
+        connection), so the worker may yet run it. Back in the pool, the next
+        call's bytes would lie where that late copy lands; unlinked, a late
+        worker finds no file, or writes into pages nobody reads again. One handed
+        over to a worker stays out of the pool, as in :meth:`release`."""
+        if segment.holder is None:
+            segment.destroy()
 
     def close(self) -> None:
         with self._lock:

@@ -1,0 +1,73 @@
+"""A shared-memory call the client gave up on must never touch a later call's bytes.
+
+A get leases one of the client's segments to the worker, which writes the
+tensor into it; a put hands the worker a segment to read. When the client's
+deadline runs out first, the worker may still be copying (a busy or slow
+worker runs a call it accepted to the end). Were that segment back in the
+client's pool, the next put would write its bytes there and the late copy would
+replace them: a tensor stored and reduced that the caller never sent, reported
+as success. Here the worker is stopped with SIGSTOP so the deadline certainly
+runs out; the segment of each failed call must be unlinked and out of the pool,
+and after SIGCONT every tensor still reads back exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+import collectives
+from collectives import shm
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm"),
+]
+
+MiB = 1 << 20
+
+
+def _pooled(client: collectives.Cluster) -> dict[tuple[int, int], str]:
+    """(device, inode) -> path of every free segment in the client's pool."""
+    found = {}
+    for _, segment in client._session.shm_pool._free:
+        stat = os.fstat(segment.fd)
+        found[stat.st_dev, stat.st_ino] = segment.path
+    return found
+
+
+@pytest.mark.parametrize("call", ["get", "put"])
+def test_a_segment_of_a_call_given_up_on_is_never_reused(fault_cluster, gen, call) -> None:
+    cluster = fault_cluster(2, 2)
+    src, dst = cluster.members()[1], cluster.members()[0]
+    with collectives.connect(cluster.coordinator.address, timeout=60, shared_memory=True) as client:
+        big = torch.randn(MiB, generator=gen)
+        client.put("late/src", big, rank=src.rank)
+        # The get's segment returns to the client's pool once the tensor is freed.
+        assert torch.equal(client.get("late/src", rank=src.rank), big)
+        before = _pooled(client)
+        assert before, "no segment was pooled: nothing would be leased"
+        stopped = cluster.daemon_at(src.address)
+        stopped.signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(collectives.DeadlineExceeded):
+                if call == "get":
+                    client.get("late/src", rank=src.rank, timeout=0.3)
+                else:  # small: copied, not handed over, so it would return to the pool
+                    small = torch.randn(1000, generator=gen)
+                    client.put("late/small", small, rank=src.rank, timeout=0.3)
+            after = _pooled(client)
+            given_up = set(before) - set(after)
+            assert given_up, f"the {call}'s segment went back to the pool"
+            for key in given_up:
+                assert not os.path.exists(before[key]), "a segment given up on kept its name"
+            t = torch.randn(MiB // 4, generator=gen)
+            client.put("late/dst", t, rank=dst.rank)
+        finally:
+            stopped.signal(signal.SIGCONT)
+        assert torch.equal(client.get("late/dst", rank=dst.rank), t)
+        assert torch.equal(client.get("late/src", rank=src.rank), big)
