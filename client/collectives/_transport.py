@@ -322,7 +322,9 @@ def put_tensor_shm(
     the worker, which may keep the tensor in it (see ``SegmentPool.hand_over``);
     the request also asks which segments handed over earlier came back. A
     segment the worker did not take is the caller's again; one whose call
-    failed stays handed over until a later answer says otherwise.
+    failed stays handed over until a later answer says otherwise. A segment of
+    a call that failed unanswered is retired (see ``Segment.retire``): a retry
+    may use it, the pool never again.
 
     Raises:
         CollectiveError: the worker refused the tensor or the segment, or the call failed.
@@ -339,9 +341,14 @@ def put_tensor_shm(
     )
     try:
         response = call_unary(endpoint.stub.PutTensorShm, request, timeout, what)
-    except CollectiveError as err:
-        if offered and pool is not None and err.code in _REFUSED_BEFORE_READING:
-            pool.take_back(worker, [segment.path], current=segment)
+    except BaseException as err:
+        if isinstance(err, CollectiveError) and err.code in _REFUSED_BEFORE_READING:
+            if offered and pool is not None:
+                pool.take_back(worker, [segment.path], current=segment)
+        elif not _answered(err):
+            # The worker may yet read it, or keep a tensor in it after a later
+            # answer said it holds none: never pooled again (a retry still uses it).
+            segment.retire()
         raise
     if pool is not None:
         taken = [] if response.adopted else [segment.path]

@@ -79,6 +79,9 @@ class Segment:
         # False when ``path`` no longer names this file (so the segment is never
         # handed to a worker again, nor unlinked by us): used once, then dropped.
         self.named = True
+        # False once a call failed without the worker's answer: the worker may
+        # still copy into or out of it, so it is destroyed when released.
+        self.reusable = True
         self._map: mmap.mmap | None = None
         self._bytes: torch.Tensor | None = None  # uint8 view of the whole mapping
 
@@ -178,6 +181,11 @@ class Segment:
         segment = cls(own if ours else path, fd)
         segment.named = ours  # else the name was swapped under us: not ours to keep
         return segment
+
+    def retire(self) -> None:
+        """Never pooled again (destroyed when released): a call with this segment
+        failed unanswered, and its worker may still read, write or keep it."""
+        self.reusable = False
 
     def destroy(self) -> None:
         self.unmap()
@@ -280,7 +288,7 @@ class SegmentPool:
             return
         size = segment.size
         with self._lock:
-            if self._closed or not segment.named:
+            if self._closed or not segment.named or not segment.reusable:
                 evicted = [segment]
             else:
                 self._free.append((size, segment))
@@ -292,14 +300,15 @@ class SegmentPool:
             seg.destroy()
 
     def discard(self, segment: Segment) -> None:
-        """Destroys a leased segment that a worker may still read or write: its
-        call failed without an answer (a deadline, a cancellation, a lost
-        connection), so the worker may yet run it. Back in the pool, the next
-        call's bytes would lie where that late copy lands; unlinked, a late
-        worker finds no file, or writes into pages nobody reads again. One handed
-        over to a worker stays out of the pool, as in :meth:`release`."""
-        if segment.holder is None:
-            segment.destroy()
+        """Returns a leased segment that a worker may still read or write, to be
+        destroyed instead of pooled: its call failed without an answer (a
+        deadline, a cancellation, a lost connection), so the worker may yet run
+        it. Back in the pool, the next call's bytes would lie where that late
+        copy lands; unlinked, a late worker finds no file, or copies into pages
+        nobody uses again. One handed over to a worker is destroyed when it is
+        taken back, however that worker's answers say it came back."""
+        segment.retire()
+        self.release(segment)
 
     def close(self) -> None:
         with self._lock:

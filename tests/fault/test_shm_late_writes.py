@@ -40,7 +40,7 @@ def _pooled(client: collectives.Cluster) -> dict[tuple[int, int], str]:
     return found
 
 
-@pytest.mark.parametrize("call", ["get", "put"])
+@pytest.mark.parametrize("call", ["get", "put", "handed-over put"])
 def test_a_segment_of_a_call_given_up_on_is_never_reused(fault_cluster, gen, call) -> None:
     cluster = fault_cluster(2, 2)
     src, dst = cluster.members()[1], cluster.members()[0]
@@ -57,17 +57,28 @@ def test_a_segment_of_a_call_given_up_on_is_never_reused(fault_cluster, gen, cal
             with pytest.raises(collectives.DeadlineExceeded):
                 if call == "get":
                     client.get("late/src", rank=src.rank, timeout=0.3)
-                else:  # small: copied, not handed over, so it would return to the pool
+                elif call == "put":  # small: copied, not handed over
                     small = torch.randn(1000, generator=gen)
                     client.put("late/small", small, rank=src.rank, timeout=0.3)
+                else:  # offered to the worker to keep: the client never writes it until returned
+                    kept = torch.randn(MiB, generator=gen)
+                    client.put("late/kept", kept, rank=src.rank, timeout=0.3)
             after = _pooled(client)
             given_up = set(before) - set(after)
             assert given_up, f"the {call}'s segment went back to the pool"
-            for key in given_up:
-                assert not os.path.exists(before[key]), "a segment given up on kept its name"
+            if call != "handed-over put":  # that one keeps its name until returned
+                for key in given_up:
+                    assert not os.path.exists(before[key]), "a segment given up on kept its name"
             t = torch.randn(MiB // 4, generator=gen)
             client.put("late/dst", t, rank=dst.rank)
         finally:
             stopped.signal(signal.SIGCONT)
         assert torch.equal(client.get("late/dst", rank=dst.rank), t)
         assert torch.equal(client.get("late/src", rank=src.rank), big)
+        # A later put to that worker is answered with the segments it does not
+        # hold: the one of the failed put comes back, and is destroyed, not pooled.
+        again = torch.randn(MiB, generator=gen)
+        client.put("late/src", again, rank=src.rank)
+        assert torch.equal(client.get("late/src", rank=src.rank), again)
+        for key in given_up:
+            assert key not in _pooled(client) and not os.path.exists(before[key])
