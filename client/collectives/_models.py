@@ -47,6 +47,7 @@ from collectives.errors import CollectiveError, InvalidArgument, NotFound
 from collectives.reduce_ops import ReduceOp, parse_reduce_op
 from collectives.v1 import worker_pb2
 from collectives.wire.batching import Batching
+from collectives.wire.limits import MODEL_LOAD_TIMEOUT_S
 from collectives.wire.names import BUILTIN_LOSSES, FUNCTION_PREFIX, OPTIMIZERS, validate_name
 from collectives.wire.pytree import from_value, tensor_leaves
 from collectives.work import IssuedOp
@@ -127,6 +128,10 @@ class Models:
         ``kwargs`` (the workers must allow it with ``--allow-factory``).
         ``state_dict`` then loads weights (tensors, never pickle). ``batching``
         merges concurrent no-grad forwards on each worker (:class:`Batching`).
+        ``timeout`` bounds the whole call (export, upload, load); None allows
+        ``default_timeout_s`` plus the time a worker gives one load by default
+        (``MODEL_LOAD_TIMEOUT_S``, its ``--model-load-timeout-s``), as a
+        sandboxed trial load starts a Python that imports torch.
 
         Raises:
             InvalidArgument: the module cannot be exported, or bad arguments.
@@ -136,7 +141,7 @@ class Models:
         validate_name(name, "model name")
         if name.startswith(FUNCTION_PREFIX):
             raise InvalidArgument(f"model names starting {FUNCTION_PREFIX!r} are reserved")
-        deadline = self._session.deadline(timeout)
+        deadline = self._load_deadline(timeout)
         if batching is not None and not isinstance(batching, Batching):
             raise InvalidArgument(f"batching must be a collectives.Batching, got {batching!r}")
         if (module is None) == (factory is None):
@@ -355,7 +360,12 @@ class Models:
         hyper_json = _hyper_json(hyper)
         deadline = self._session.deadline(timeout)
         if not isinstance(loss, str):
-            loss = self._loss_program(name, inputs, targets, as_module(loss, "loss"), deadline)
+            loss_module = as_module(loss, "loss")
+            if timeout is None:  # the load gets its own allowance, the step the default
+                loss = self._loss_program(name, inputs, targets, loss_module, self._load_deadline())
+                deadline = self._session.deadline(None)
+            else:
+                loss = self._loss_program(name, inputs, targets, loss_module, deadline)
         return self._leader_op(
             f"train_step {name!r}",
             "TrainStep",
@@ -507,7 +517,9 @@ class Models:
             out: one name per output tensor; existing tensors are replaced, all
                 of a rank's outputs or none.
             ranks: the ranks to run on; None: every member.
-            timeout: seconds for the whole call (export, load, run).
+            timeout: seconds for the whole call (export, load, run); None:
+                a first load allows ``MODEL_LOAD_TIMEOUT_S`` as ``load_model``
+                does, then the run ``default_timeout_s``.
 
         Raises:
             InvalidArgument: a bad name, ``fn`` cannot be exported, a worker
@@ -525,7 +537,11 @@ class Models:
         targets = sorted(endpoints) if ranks is None else _ranks_of(ranks, endpoints)
         infos = self._tensor_infos(endpoints[targets[0]], input_names, deadline)
         examples = tuple(example_like(infos[n]) for n in input_names)
-        program = self._program(module, examples, deadline)
+        if timeout is None:  # the load gets its own allowance, the run the default
+            program = self._program(module, examples, self._load_deadline())
+            deadline = self._session.deadline(None)
+        else:
+            program = self._program(module, examples, deadline)
         args = worker_pb2.Value(
             tuple=worker_pb2.ValueList(items=[worker_pb2.Value(tensor=n) for n in input_names])
         )
@@ -550,6 +566,13 @@ class Models:
             self._session.fan_out("apply", calls)
 
     # -------------------------------------------------------------- helpers
+    def _load_deadline(self, timeout: float | None = None) -> float:
+        """The deadline of a call that loads an archive: ``timeout`` from now, by
+        default the usual one plus the time a worker gives one load."""
+        if timeout is None:
+            timeout = self._session.default_timeout_s + MODEL_LOAD_TIMEOUT_S
+        return self._session.deadline(timeout)
+
     def _program(self, module: nn.Module, example_inputs: tuple[Any, ...], deadline: float) -> str:
         """Loads ``module``'s program on every member unless this client already did;
         returns the reserved model name it is loaded under."""

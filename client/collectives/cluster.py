@@ -837,8 +837,10 @@ class Cluster:
                 Defaults to ``None``.
             state_dict: weights to publish after loading (tensors, never pickle;
                 the model is then at version 2). Defaults to ``None``.
-            timeout: seconds for the whole call; None means ``default_timeout_s``.
-                Defaults to ``None``.
+            timeout: seconds for the whole call (export, upload, load); None
+                means ``default_timeout_s`` plus ``MODEL_LOAD_TIMEOUT_S``, the
+                time a worker gives one load by default (a sandboxed trial load
+                starts a Python that imports torch). Defaults to ``None``.
             batching: merge concurrent no-grad forwards of this model, from any
                 clients, into one forward on each worker
                 (``Batching(max_rows=256, max_delay_ms=2.0)``); forwards with
@@ -1015,8 +1017,9 @@ class Cluster:
                 reduction; None means no step. Defaults to ``None``.
             bucket_bytes: the gradient bucket size in bytes; None means 25 MiB.
                 Defaults to ``None``.
-            timeout: seconds for the whole call; None means ``default_timeout_s``.
-                Defaults to ``None``.
+            timeout: seconds for the whole call; None means ``default_timeout_s``
+                (after a first load of a ``loss`` module, which allows
+                ``MODEL_LOAD_TIMEOUT_S`` as ``load_model`` does). Defaults to ``None``.
             async_op: return a ``Work`` at once instead of waiting. Defaults to ``False``.
             max_grad_norm: clip the averaged gradients to this total 2-norm
                 before the step, as ``clip_grad_norm_``; None means no clipping.
@@ -1101,7 +1104,9 @@ class Cluster:
             ranks: the global ranks to run on; None means every member.
                 Defaults to ``None``.
             timeout: seconds for the whole call (export, load, run); None
-                means ``default_timeout_s``. Defaults to ``None``.
+                means ``default_timeout_s`` for the run, after a first load of
+                ``fn`` that allows ``MODEL_LOAD_TIMEOUT_S`` as ``load_model``
+                does. Defaults to ``None``.
 
         Raises:
             InvalidArgument: a bad name or rank, ``fn`` cannot be exported, the

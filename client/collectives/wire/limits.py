@@ -1,4 +1,4 @@
-"""Message size limits of the gRPC channels and servers on both sides.
+"""Limits both sides agree on: message sizes, and the time a model load may take.
 
 Kept apart from :mod:`.codec` (which imports torch) so that the torch-free
 channel setup (``collectives status``, the daemons' ``--help``) can use it.
@@ -6,7 +6,12 @@ channel setup (``collectives status``, the daemons' ``--help``) can use it.
 
 from __future__ import annotations
 
-__all__ = ["MAX_MESSAGE_BYTES"]
+__all__ = ["MAX_MESSAGE_BYTES", "MODEL_LOAD_TIMEOUT_S"]
 
 # Largest gRPC message either side sends: a 4 MiB tensor chunk plus headers.
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024 + 64 * 1024
+
+# How long a worker lets the load of one model archive take by default
+# (``--model-load-timeout-s``; a sandboxed trial load starts a Python that imports
+# torch). A load_model without ``timeout=`` allows this on top of the op timeout.
+MODEL_LOAD_TIMEOUT_S = 120.0

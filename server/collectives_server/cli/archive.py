@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from collectives.wire.limits import MODEL_LOAD_TIMEOUT_S
 from collectives_server.cli.common import byte_size, positive_float, positive_int
 from collectives_server.worker.models.archive.checks import ModelUploadConfig
 
@@ -66,9 +67,9 @@ def add_archive_flags(parser: argparse.ArgumentParser, *, local: bool = False) -
     g.add_argument(
         "--model-load-timeout-s",
         type=positive_float,
-        default=120.0,
+        default=MODEL_LOAD_TIMEOUT_S,
         metavar="S",
-        help="how long loading a model archive may take (default: 120)",
+        help=f"how long loading a model archive may take (default: {MODEL_LOAD_TIMEOUT_S:g})",
     )
 
 
