@@ -25,6 +25,7 @@ from hostile import Aftermath, assert_serving, rss_bytes
 import collectives
 from collectives.v1 import worker_pb2, worker_pb2_grpc
 from collectives.wire import codec
+from collectives.wire.names import MODEL_METADATA_KEY
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +213,57 @@ def test_concurrent_puts_are_counted_against_the_quota_at_their_header(fresh_clu
             for c in calls:
                 c.cancel()
     aftermath.check()
+
+
+def test_failed_streams_leave_nothing_behind(fresh_cluster, gen) -> None:
+    """Puts cut short and state dicts refused, many in a row: the worker's memory stays
+    flat. A failed stream's handler frame stays in the traceback gRPC keeps, in a
+    cycle only a full GC reaches: it held the last chunk of a put (4 MiB) and every
+    tensor of a refused state dict until then, so memory grew with each failure."""
+    _, client = fresh_cluster(2, "--allow-factory", "collectives_server.model_zoo")
+    client.load_model(
+        "m",
+        factory="collectives_server.model_zoo:mlp",
+        kwargs={"in_features": 4, "hidden": 8, "out_features": 2},
+    )
+    target = _target_of(client)
+    refused_state = torch.randn(8 * MiB, generator=gen)  # 32 MiB under a key the model lacks
+    with grpc.insecure_channel(target.address) as channel:
+        put = channel.stream_unary(
+            "/collectives.v1.Worker/PutTensor",
+            request_serializer=None,
+            response_deserializer=worker_pb2.PutTensorResponse.FromString,
+        )
+        load_state = channel.stream_unary(
+            "/collectives.v1.Worker/LoadStateDict",
+            request_serializer=None,
+            response_deserializer=worker_pb2.LoadStateDictResponse.FromString,
+        )
+
+        def fail_both(i: int) -> None:
+            ended = threading.Event()
+            ended.set()
+            with pytest.raises(grpc.RpcError) as cut:
+                put(_partial_put(f"cut/{i}", 48 * MiB, 32 * MiB, ended), timeout=30)
+            assert cut.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            with pytest.raises(grpc.RpcError) as refused:
+                load_state(
+                    codec.encode_tensor_stream("bogus", refused_state),
+                    metadata=[(MODEL_METADATA_KEY, "m")],
+                    timeout=30,
+                )
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "unexpected ['bogus']" in refused.value.details()
+
+        for i in range(4):  # the allocator's caches fill up first
+            fail_both(i)
+        settled = rss_bytes(target.pid)
+        peak = settled
+        for i in range(4, 28):
+            fail_both(i)
+            peak = max(peak, rss_bytes(target.pid))
+    log.info(f"RSS over 24 rounds of failures: {(peak - settled) / MiB:.0f} MiB above settled")
+    assert peak - settled < 48 * MiB, f"grew {(peak - settled) / MiB:.0f} MiB over 24 failures"
 
 
 def _target_of(client):

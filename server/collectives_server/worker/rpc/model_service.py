@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 
 import grpc
+import torch
 
 from collectives.errors import CollectiveError, InvalidArgument, NotFound
 from collectives.reduce_ops import ReduceOp
@@ -27,6 +28,7 @@ from collectives.wire.names import (
 from collectives.wire.op_specs import SPECS, OpKind
 from collectives_server.json_input import parse_json_object
 from collectives_server.worker.context import WorkerContext
+from collectives_server.worker.data.memory_release import drop_partial
 from collectives_server.worker.data.store import UPLOAD_PREFIX
 from collectives_server.worker.models import execution as model_exec
 from collectives_server.worker.models import versions as model_versions
@@ -36,7 +38,11 @@ from collectives_server.worker.models.optimizers import (
     install,
     plan_optimizer,
 )
-from collectives_server.worker.models.registry import ModelDefinition, build_from_factory
+from collectives_server.worker.models.registry import (
+    HostedModel,
+    ModelDefinition,
+    build_from_factory,
+)
 from collectives_server.worker.rpc.guards import counted as _counted
 from collectives_server.worker.rpc.guards import guard as _guard
 from collectives_server.worker.rpc.guards import guard_stream as _guard_stream
@@ -220,37 +226,18 @@ class ModelRpcs:
     def LoadStateDict(self, request_iterator, context) -> worker_pb2.LoadStateDictResponse:
         metadata = dict(context.invocation_metadata())
         model = self._ctx.models.get(metadata.get(MODEL_METADATA_KEY, ""))
-        received: dict[str, object] = {}
-        assembler: codec.TensorAssembler | None = None
-        for raw in request_iterator:
-            kind, value = codec.decode_part(raw)
-            if kind == "header":
-                if assembler is not None:
-                    received[assembler.name] = assembler.finish()
-                assembler = codec.TensorAssembler(value)
-            elif kind == "chunk":
-                if assembler is None:
-                    raise InvalidArgument("LoadStateDict stream must start with a header")
-                assembler.add(value)
-        if assembler is not None:
-            received[assembler.name] = assembler.finish()
-        with model.lock:
-            current = model.module.state_dict()
-            unknown = sorted(set(received) - set(current))
-            missing = sorted(set(current) - set(received))
-            if unknown or missing:
-                raise InvalidArgument(
-                    f"state dict keys do not match model {model.name!r}: "
-                    f"unexpected {unknown[:5]}, missing {missing[:5]}"
-                )
-            for key, tensor in received.items():
-                if tuple(tensor.shape) != tuple(current[key].shape):
-                    raise InvalidArgument(
-                        f"state dict entry {key!r} has shape {list(tensor.shape)}; "
-                        f"the model has {list(current[key].shape)}"
-                    )
-            model.module.load_state_dict(received)
-            model_versions.bump(model)
+        try:
+            received = _received_state_dict(request_iterator)
+            with model.lock:
+                _check_state_dict(model, received)
+                model.module.load_state_dict(received)
+                model_versions.bump(model)
+        except BaseException as exc:
+            # Refused or cut off: the tensors received so far go now, not with the
+            # traceback gRPC keeps (this frame is in it) at a later full GC.
+            received = None
+            drop_partial(exc)
+            raise
         return worker_pb2.LoadStateDictResponse(tensors=len(received))
 
     @_guard
@@ -401,3 +388,40 @@ def _store_inline(store, call_id: str, tensors: list[worker_pb2.InlineTensor]) -
     """Stores a call's inline tensors under their names, which must lie under the call."""
     for name, t in _inline_inputs(call_id, tensors).items():
         store.put(name, t)
+
+
+def _received_state_dict(request_iterator: Iterator[bytes]) -> dict[str, torch.Tensor]:
+    """The tensors of a LoadStateDict stream, by name."""
+    received: dict[str, torch.Tensor] = {}
+    assembler: codec.TensorAssembler | None = None
+    for raw in request_iterator:
+        kind, value = codec.decode_part(raw)
+        if kind == "header":
+            if assembler is not None:
+                received[assembler.name] = assembler.finish()
+            assembler = codec.TensorAssembler(value)
+        elif kind == "chunk":
+            if assembler is None:
+                raise InvalidArgument("LoadStateDict stream must start with a header")
+            assembler.add(value)
+    if assembler is not None:
+        received[assembler.name] = assembler.finish()
+    return received
+
+
+def _check_state_dict(model: HostedModel, received: dict[str, torch.Tensor]) -> None:
+    """INVALID_ARGUMENT unless ``received`` has exactly the model's keys and shapes."""
+    current = model.module.state_dict()
+    unknown = sorted(set(received) - set(current))
+    missing = sorted(set(current) - set(received))
+    if unknown or missing:
+        raise InvalidArgument(
+            f"state dict keys do not match model {model.name!r}: "
+            f"unexpected {unknown[:5]}, missing {missing[:5]}"
+        )
+    for key, tensor in received.items():
+        if tuple(tensor.shape) != tuple(current[key].shape):
+            raise InvalidArgument(
+                f"state dict entry {key!r} has shape {list(tensor.shape)}; "
+                f"the model has {list(current[key].shape)}"
+            )

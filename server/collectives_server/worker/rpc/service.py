@@ -104,8 +104,9 @@ class WorkerService:
             tensor = assembler.finish()
         except BaseException as exc:
             # Cancelled or refused: free the partial buffer now, not at a later GC
-            # (memory_release says why it could otherwise outlive the call).
-            assembler = None
+            # (memory_release says why it could otherwise outlive the call). This
+            # frame stays in the traceback gRPC keeps: it must not hold the last chunk.
+            assembler = raw = value = None
             if reservation is not None:
                 reservation.release()
             drop_partial(exc)

@@ -130,6 +130,10 @@ class ModelUploads:
                     f"model archive ended after {written} of {spec.archive_nbytes} bytes"
                 )
             yield ReceivedModel(spec, path)
+        except BaseException:
+            # This frame stays in the traceback gRPC keeps: not with the last chunk.
+            part = chunk = None
+            raise
         finally:
             if out is not None:
                 out.close()
