@@ -290,6 +290,7 @@ def get_tensor(
             raise InvalidArgument("the stream ended without a header")
         return assembler.finish()
     except grpc.RpcError as err:
+        assembler = message = value = None  # the traceback keeps this frame, not the buffer
         raise _from_rpc_error(err, what) from None
     except codec.OutMismatch:
         call.cancel()  # the caller's out= does not fit: theirs to fix
@@ -297,6 +298,7 @@ def get_tensor(
     except InvalidArgument as err:
         # Our request was fine; the worker's answer was not. Not the caller's fault.
         call.cancel()
+        assembler = message = value = None
         raise error_for_code(
             grpc.StatusCode.INTERNAL, f"{what}: malformed response stream: {err.message}"
         ) from None
