@@ -3,8 +3,8 @@
 The SDK raises a failed get's error inside its ``except`` block: the error's
 context keeps the receiving frame, and that frame held the buffer being
 filled. A caller retrying a large get with a short deadline then held every
-partial tensor until a full garbage collection (hundreds of MiB after a dozen
-tries). The cluster runs with ``--no-bulk`` so the get streams over gRPC.
+partial tensor until a full garbage collection. The cluster runs with
+``--no-bulk`` so the get streams over gRPC.
 """
 
 from __future__ import annotations
