@@ -16,7 +16,7 @@ from collectives._progress import NO_PROGRESS, Progress
 from collectives._transport import WorkerEndpoint
 from collectives.errors import InvalidArgument, error_for_code
 from collectives.errors import from_rpc_error as _from_rpc_error
-from collectives.v1 import tensor_pb2, worker_pb2
+from collectives.v1 import worker_pb2
 from collectives.wire import codec
 
 __all__ = ["load_model_on", "get_model_tensors"]
@@ -56,22 +56,8 @@ def get_model_tensors(
         response_deserializer=None,
     )(worker_pb2.ModelTensorsRequest(model=model, which=which), timeout=timeout)
     what = f"{which} of model {model!r} from {endpoint.address}"
-    result: dict[str, torch.Tensor] = {}
-    assembler: codec.TensorAssembler | None = None
     try:
-        for message in call:
-            kind, value = codec.decode_part(message)
-            if isinstance(value, tensor_pb2.TensorHeader):
-                if assembler is not None:
-                    result[assembler.name] = assembler.finish()
-                assembler = codec.TensorAssembler(value)
-            elif kind == "chunk" and value is not None:
-                if assembler is None:
-                    raise InvalidArgument("a chunk arrived before any header")
-                assembler.add(value)
-        if assembler is not None:
-            result[assembler.name] = assembler.finish()
-        return result
+        return codec.assemble_named_tensors(call, "GetModelTensors")
     except grpc.RpcError as err:
         raise _from_rpc_error(err, what) from None
     except InvalidArgument as err:

@@ -188,3 +188,23 @@ def test_assembler_chunk_streams(chunks: list[int], declared: int) -> None:
         assert sum(chunks) != declared
         return
     assert sent == declared and out.numel() == declared
+
+
+def test_a_stream_of_named_tensors_assembles_by_name() -> None:
+    gen = torch.Generator().manual_seed(7)
+    sent = {
+        "layer.weight": torch.randn(5, 3, generator=gen),
+        "layer.bias": torch.randn(3, generator=gen).to(torch.float64),
+        "steps": torch.randint(0, 1 << 40, (2,), generator=gen),
+        "empty": torch.empty(0, 4),
+    }
+    parts = [p for name, t in sent.items() for p in codec.encode_tensor_stream(name, t, 16)]
+    received = codec.assemble_named_tensors(iter(parts), "LoadStateDict")
+    assert list(received) == list(sent)
+    for name, t in sent.items():
+        assert received[name].dtype == t.dtype and torch.equal(received[name], t)
+    # A chunk first, and a stream cut inside a tensor, are refused by name.
+    with pytest.raises(InvalidArgument, match="LoadStateDict stream must start with a header"):
+        codec.assemble_named_tensors(iter(parts[1:]), "LoadStateDict")
+    with pytest.raises(InvalidArgument, match="stream ended after 16 of 60 declared bytes"):
+        codec.assemble_named_tensors(iter(parts[:2]), "LoadStateDict")

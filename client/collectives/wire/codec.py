@@ -16,7 +16,7 @@ import ctypes
 import math
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -37,6 +37,7 @@ __all__ = [
     "encode_tensor_stream",
     "decode_part",
     "TensorAssembler",
+    "assemble_named_tensors",
     "tensor_memoryview",
     "make_header",
     "check_header",
@@ -368,6 +369,35 @@ class TensorAssembler:
         tensor = self._out if self._out is not None else typed(self._buffer, self.meta)
         self._buffer = self._view = self._out = None  # the tensor alone holds the memory now
         return tensor
+
+
+def assemble_named_tensors(parts: Iterable[bytes], stream: str) -> dict[str, torch.Tensor]:
+    """The tensors of a stream of raw-framed parts (header, chunks, header, ...), by name.
+
+    ``stream`` names the stream in the error a chunk before any header raises
+    (:class:`InvalidArgument`, as every malformed part does). What was received
+    is dropped with the error: the caller's frame holds none of it.
+    """
+    received: dict[str, torch.Tensor] = {}
+    assembler: TensorAssembler | None = None
+    try:
+        for raw in parts:
+            kind, value = decode_part(raw)
+            if kind == "header":
+                if assembler is not None:
+                    received[assembler.name] = assembler.finish()
+                assembler = TensorAssembler(value)
+            elif kind == "chunk":
+                if assembler is None:
+                    raise InvalidArgument(f"{stream} stream must start with a header")
+                assembler.add(value)
+        if assembler is not None:
+            received[assembler.name] = assembler.finish()
+    except BaseException:
+        received.clear()
+        assembler = None
+        raise
+    return received
 
 
 def tensor_to_proto(t: torch.Tensor) -> tensor_pb2.Tensor:

@@ -227,7 +227,7 @@ class ModelRpcs:
         metadata = dict(context.invocation_metadata())
         model = self._ctx.models.get(metadata.get(MODEL_METADATA_KEY, ""))
         try:
-            received = _received_state_dict(request_iterator)
+            received = codec.assemble_named_tensors(request_iterator, "LoadStateDict")
             with model.lock:
                 _check_state_dict(model, received)
                 model.module.load_state_dict(received)
@@ -388,25 +388,6 @@ def _store_inline(store, call_id: str, tensors: list[worker_pb2.InlineTensor]) -
     """Stores a call's inline tensors under their names, which must lie under the call."""
     for name, t in _inline_inputs(call_id, tensors).items():
         store.put(name, t)
-
-
-def _received_state_dict(request_iterator: Iterator[bytes]) -> dict[str, torch.Tensor]:
-    """The tensors of a LoadStateDict stream, by name."""
-    received: dict[str, torch.Tensor] = {}
-    assembler: codec.TensorAssembler | None = None
-    for raw in request_iterator:
-        kind, value = codec.decode_part(raw)
-        if kind == "header":
-            if assembler is not None:
-                received[assembler.name] = assembler.finish()
-            assembler = codec.TensorAssembler(value)
-        elif kind == "chunk":
-            if assembler is None:
-                raise InvalidArgument("LoadStateDict stream must start with a header")
-            assembler.add(value)
-    if assembler is not None:
-        received[assembler.name] = assembler.finish()
-    return received
 
 
 def _check_state_dict(model: HostedModel, received: dict[str, torch.Tensor]) -> None:
