@@ -33,6 +33,8 @@ from collectives.v1 import worker_pb2
 from collectives.wire.codec import tensor_from_proto, tensor_to_proto
 from collectives.wire.names import validate_name
 from collectives.wire.pytree import (
+    InlineLeaf,
+    fill_value,
     from_value,
     gather,
     inline_leaves,
@@ -40,7 +42,6 @@ from collectives.wire.pytree import (
     scatter_kwargs,
     tensor_leaves,
     tensors_in,
-    to_value,
 )
 
 __all__ = ["DataParallel"]
@@ -171,26 +172,26 @@ class _RemoteCall:
 
             budget = _Budget(INLINE_BYTES)
 
-            def add(t: torch.Tensor) -> str | worker_pb2.InlineTensor:
+            def add(t: torch.Tensor) -> str | InlineLeaf:
                 k = next(counter)
                 name = f"{self.call_id}/in/{k}"
                 shard.chunk_shapes[k] = t.shape
                 if budget.take(t):
-                    return _inline(name, t)
+                    return InlineLeaf(name, t)
                 put_tensor(shard.endpoint, name, t.detach(), self._left())
                 return name
 
             request = worker_pb2.ForwardRequest(
                 model=self.model,
                 call_id=self.call_id,
-                args=to_value(tuple(parts_args[i]), add),
-                kwargs=to_value(dict(parts_kwargs[i]), add),
                 grad_enabled=grad_on,
                 input_grad_names=[f"{self.call_id}/in/{k}" for k in self.grad_leaf_ids],
                 inline_output_bytes=INLINE_BYTES,
                 version=version,
                 mode=self.mode,
             )
+            fill_value(request.args, tuple(parts_args[i]), add)
+            fill_value(request.kwargs, dict(parts_kwargs[i]), add)
             response = call_unary(
                 shard.endpoint.stub.Forward, request, self._left(), f"forward of {self.model!r}"
             )

@@ -47,6 +47,7 @@ __all__ = [
     "MAX_DIMS",
     "MAX_ELEMENTS",
     "tensor_to_proto",
+    "write_tensor",
     "tensor_from_proto",
     "tensor_from_bytes",
     "wire_tensor",
@@ -401,10 +402,17 @@ def assemble_named_tensors(parts: Iterable[bytes], stream: str) -> dict[str, tor
 
 
 def tensor_to_proto(t: torch.Tensor) -> tensor_pb2.Tensor:
+    msg = tensor_pb2.Tensor()
+    write_tensor(msg, t)
+    return msg
+
+
+def write_tensor(msg: tensor_pb2.Tensor, t: torch.Tensor) -> None:
+    """Writes ``t`` into ``msg`` (a field of a message being built) in place."""
     t = wire_tensor(t)
-    return tensor_pb2.Tensor(
-        dtype=to_wire(t.dtype), shape=list(t.shape), data=tensor_memoryview(t).tobytes()
-    )
+    msg.dtype = to_wire(t.dtype)
+    msg.shape.extend(t.shape)
+    msg.data = tensor_memoryview(t).tobytes()
 
 
 def tensor_from_bytes(data: bytes | memoryview, meta: CheckedHeader) -> torch.Tensor:

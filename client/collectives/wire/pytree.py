@@ -17,12 +17,14 @@ import keyword
 import threading
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from collectives.errors import InvalidArgument
 from collectives.v1 import worker_pb2
+from collectives.wire.codec import write_tensor
 
 __all__ = [
     "replace_tensors",
@@ -30,6 +32,8 @@ __all__ = [
     "scatter_kwargs",
     "gather",
     "to_value",
+    "fill_value",
+    "InlineLeaf",
     "from_value",
     "is_namedtuple",
     "namedtuple_class",
@@ -193,54 +197,77 @@ def namedtuple_class(type_name: str, fields: tuple[str, ...]) -> type:
     return cls
 
 
-def to_value(
-    obj: Any, add_tensor: Callable[[torch.Tensor], str | worker_pb2.InlineTensor]
-) -> worker_pb2.Value:
+@dataclass(frozen=True, slots=True)
+class InlineLeaf:
+    """A tensor leaf that travels in the message itself, under ``name``."""
+
+    name: str
+    tensor: torch.Tensor
+
+
+AddTensor = Callable[[torch.Tensor], "str | InlineLeaf | worker_pb2.InlineTensor"]
+
+
+def to_value(obj: Any, add_tensor: AddTensor) -> worker_pb2.Value:
     """``obj`` as a wire Value; ``add_tensor`` names each tensor leaf (and uploads
-    it), or returns it as an ``InlineTensor`` to carry in the message."""
+    it), or returns it as an :class:`InlineLeaf` (or ``InlineTensor``) to carry in
+    the message."""
+    value = worker_pb2.Value()
+    fill_value(value, obj, add_tensor)
+    return value
+
+
+def fill_value(value: worker_pb2.Value, obj: Any, add_tensor: AddTensor) -> None:
+    """Writes ``obj`` into ``value`` (a field of the message being built) in place.
+
+    Building a message bottom-up copies every submessage into its parent, an
+    inline tensor's bytes once per level; filling in place writes them once.
+    """
     if isinstance(obj, torch.Tensor):
         leaf = add_tensor(obj)
-        if isinstance(leaf, worker_pb2.InlineTensor):
-            return worker_pb2.Value(inline_tensor=leaf)
-        return worker_pb2.Value(tensor=leaf)
-    if obj is None:
-        return worker_pb2.Value(none=True)
-    if isinstance(obj, bool):
-        return worker_pb2.Value(bool_value=obj)
-    if isinstance(obj, int):
-        return worker_pb2.Value(int_value=obj)
-    if isinstance(obj, float):
-        return worker_pb2.Value(float_value=obj)
-    if isinstance(obj, str):
-        return worker_pb2.Value(str_value=obj)
-    if is_namedtuple(obj):
-        return worker_pb2.Value(
-            named_tuple=worker_pb2.NamedTupleValue(
-                type_name=type(obj).__name__,
-                fields=list(obj._fields),
-                values=[to_value(v, add_tensor) for v in obj],
-            )
-        )
-    if isinstance(obj, tuple):
-        return worker_pb2.Value(
-            tuple=worker_pb2.ValueList(items=[to_value(v, add_tensor) for v in obj])
-        )
-    if isinstance(obj, list):
-        return worker_pb2.Value(
-            list=worker_pb2.ValueList(items=[to_value(v, add_tensor) for v in obj])
-        )
-    if isinstance(obj, dict):
+        if isinstance(leaf, InlineLeaf):
+            inline = value.inline_tensor
+            inline.name = leaf.name
+            write_tensor(inline.tensor, leaf.tensor)
+        elif isinstance(leaf, worker_pb2.InlineTensor):
+            value.inline_tensor.CopyFrom(leaf)
+        else:
+            value.tensor = leaf
+    elif obj is None:
+        value.none = True
+    elif isinstance(obj, bool):
+        value.bool_value = obj
+    elif isinstance(obj, int):
+        value.int_value = obj
+    elif isinstance(obj, float):
+        value.float_value = obj
+    elif isinstance(obj, str):
+        value.str_value = obj
+    elif is_namedtuple(obj):
+        nt = value.named_tuple
+        nt.type_name = type(obj).__name__
+        nt.fields.extend(obj._fields)
+        for v in obj:
+            fill_value(nt.values.add(), v, add_tensor)
+    elif isinstance(obj, (tuple, list)):
+        items = value.tuple if isinstance(obj, tuple) else value.list
+        items.SetInParent()  # an empty sequence is still a sequence
+        for v in obj:
+            fill_value(items.items.add(), v, add_tensor)
+    elif isinstance(obj, dict):
         if not all(isinstance(k, str) for k in obj):
             raise InvalidArgument("dict inputs need str keys to travel to the workers")
-        return worker_pb2.Value(
-            dict=worker_pb2.ValueDict(
-                keys=list(obj), values=[to_value(v, add_tensor) for v in obj.values()]
-            )
+        d = value.dict
+        d.SetInParent()
+        d.keys.extend(obj)
+        for v in obj.values():
+            fill_value(d.values.add(), v, add_tensor)
+    else:
+        raise InvalidArgument(
+            f"cannot send a {type(obj).__name__} to the workers: inputs must be tensors, "
+            "numbers, strings, None, or tuples/lists/dicts/namedtuples of them (no pickle on "
+            "the wire)"
         )
-    raise InvalidArgument(
-        f"cannot send a {type(obj).__name__} to the workers: inputs must be tensors, numbers, "
-        "strings, None, or tuples/lists/dicts/namedtuples of them (no pickle on the wire)"
-    )
 
 
 def from_value(

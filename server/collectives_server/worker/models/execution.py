@@ -20,9 +20,8 @@ from torch import nn
 
 from collectives.errors import InvalidArgument, NotFound
 from collectives.v1 import worker_pb2
-from collectives.wire.codec import tensor_to_proto
 from collectives.wire.names import reserved_prefix, validate_name
-from collectives.wire.pytree import from_value, to_value
+from collectives.wire.pytree import InlineLeaf, fill_value, from_value
 from collectives_server.worker.data.store import TensorStore
 from collectives_server.worker.kernels.op_failures import backend_message
 from collectives_server.worker.models import versions as model_versions
@@ -180,14 +179,14 @@ def forward(
         inline_left = request.inline_output_bytes
         inlining = inline_left > 0 and not output_names
 
-        def store_leaf(t: torch.Tensor) -> str | worker_pb2.InlineTensor:
+        def store_leaf(t: torch.Tensor) -> str | InlineLeaf:
             nonlocal inline_left, inlining
             name = f"{call_id}/out/{len(stored)}"
             stored[name] = t
             nbytes = t.numel() * t.element_size()
             if inlining and nbytes <= inline_left:
                 inline_left -= nbytes
-                return worker_pb2.InlineTensor(name=name, tensor=tensor_to_proto(t))
+                return InlineLeaf(name, t)
             inlining = False
             store.put(name, t.detach())
             return name
@@ -199,8 +198,9 @@ def forward(
             stored[name] = t.detach()
             return name
 
+        response = worker_pb2.ForwardResponse()
         try:
-            value = to_value(output, name_leaf if output_names else store_leaf)
+            fill_value(response.output, output, name_leaf if output_names else store_leaf)
         except InvalidArgument as exc:
             raise InvalidArgument(
                 f"model {request.model!r} returned an output that cannot travel: {exc.message}"
@@ -226,9 +226,9 @@ def forward(
         # loaded them all, skips the scan of the store.
         if stored_inputs or not inline or not finished:
             store.delete_prefix(f"{call_id}/in/")
-    return worker_pb2.ForwardResponse(
-        output=value, latency_s=time.perf_counter() - started, version=version
-    )
+    response.version = version
+    response.latency_s = time.perf_counter() - started
+    return response
 
 
 def backward(
