@@ -1,4 +1,4 @@
-"""The store's commit fences: a read of a name with a pending write waits for it.
+"""The store's commit fences: a read, put or delete of a name with a pending write waits for it.
 
 This is what lets a follower serve a client that read it right after the leader
 answered (the leader does not wait for every rank's commit): the follower fences
@@ -35,11 +35,53 @@ def test_get_of_a_fenced_name_waits_for_the_commit() -> None:
     reader, got = _reader(store, "y")
     wait_until(lambda: store.readers_waiting() == 1, 10, "the read to wait on the fence")
     assert reader.is_alive() and not got  # not served the value from before the op
-    store.put_many({"y": torch.ones(3)}, enforce_quota=False)  # the commit
+    store.replace("y", torch.ones(3))  # the commit (OpContext.commit)
     fence.release()
     reader.join(10)
     assert torch.equal(got[0], torch.ones(3))
     assert store.fenced() == [] and store.readers_waiting() == 0
+
+
+def _in_thread(fn) -> threading.Thread:
+    thread = threading.Thread(target=fn, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_put_to_a_fenced_name_lands_after_the_commit_not_under_it() -> None:
+    """A client's put issued once the leader answered reaches a follower whose commit
+    of the op's result is still on its way: the put must win, as it came later."""
+    store = TensorStore(torch.device("cpu"))
+    store.put("x", torch.zeros(3))
+    fence = store.fence("x", timeout_s=30)
+    put = _in_thread(lambda: store.put("x", torch.full((3,), 5.0)))
+    wait_until(lambda: store.readers_waiting() == 1, 10, "the put to wait on the fence")
+    assert put.is_alive() and torch.equal(store.peek("x"), torch.zeros(3))
+    store.replace("x", torch.ones(3))  # the commit
+    fence.release()
+    put.join(10)
+    assert torch.equal(store.get("x"), torch.full((3,), 5.0))
+    # The same for several names at once (a forward's named outputs).
+    fence = store.fence("x", timeout_s=30)
+    many = _in_thread(lambda: store.put_many({"x": torch.full((3,), 6.0), "z": torch.ones(1)}))
+    wait_until(lambda: store.readers_waiting() == 1, 10, "put_many to wait on the fence")
+    store.replace("x", torch.ones(3))
+    fence.release()
+    many.join(10)
+    assert torch.equal(store.get("x"), torch.full((3,), 6.0))
+
+
+def test_a_delete_of_a_fenced_name_deletes_the_committed_value() -> None:
+    store = TensorStore(torch.device("cpu"))
+    store.put("d", torch.zeros(2))
+    fence = store.fence("d", timeout_s=30)
+    deleted: list[bool] = []
+    delete = _in_thread(lambda: deleted.append(store.delete("d")))
+    wait_until(lambda: store.readers_waiting() == 1, 10, "the delete to wait on the fence")
+    store.replace("d", torch.ones(2))
+    fence.release()
+    delete.join(10)
+    assert deleted == [True] and store.peek("d") is None
 
 
 def test_listing_waits_for_every_fence_and_peek_never_waits() -> None:
@@ -49,7 +91,7 @@ def test_listing_waits_for_every_fence_and_peek_never_waits() -> None:
     assert store.peek("x") is not None and store.peek("new") is None  # the executor's view
     reader, got = _reader(store, "", method="infos")
     wait_until(lambda: store.readers_waiting() == 1, 10, "the listing to wait on the fence")
-    store.put_many({"new": torch.ones(4)}, enforce_quota=False)
+    store.replace("new", torch.ones(4))
     fence.release()
     reader.join(10)
     assert [i.name for i in got[0]] == ["new", "x"]
@@ -104,7 +146,7 @@ def test_release_wakes_every_waiting_reader(timeout_s: float) -> None:
     fence = store.fence("w", timeout_s)
     readers = [_reader(store, "w") for _ in range(3)]
     wait_until(lambda: store.readers_waiting() == 3, 10, "three reads to wait")
-    store.put_many({"w": torch.ones(1)}, enforce_quota=False)
+    store.replace("w", torch.ones(1))
     fence.release()
     for thread, got in readers:
         thread.join(10)

@@ -13,7 +13,10 @@ with the other ranks (which the leader cannot complete before every rank has
 entered it) and lifts the fence after committing or giving up; a read
 (:meth:`TensorStore.get`, :meth:`TensorStore.infos`) of a fenced name waits for
 that. So a client that reads any rank right after the leader answered sees the
-result, never the value before it, without a cluster-wide barrier per op.
+result, never the value before it, without a cluster-wide barrier per op. A
+put or a delete of a fenced name waits the same way, so it lands after the
+commit instead of under it (a put issued once the leader answered would
+otherwise be overwritten by a follower's commit still on its way).
 :meth:`TensorStore.peek` is the executor's own unfenced look-up.
 """
 
@@ -200,7 +203,7 @@ class TensorStore:
             return sorted(self._fences)
 
     def readers_waiting(self) -> int:
-        """Reads waiting for a fence right now (for status and tests)."""
+        """Calls (reads, puts, deletes) waiting for a fence right now (for status and tests)."""
         with self._lock:
             return self._waiting
 
@@ -210,11 +213,16 @@ class TensorStore:
         if t.device != self.device:
             t = t.to(self.device)
         with self._lock:
+            if self._fences:
+                self._wait_unfenced(name)  # after a pending commit, not under it
             self.check_quota(name, _nbytes(t))
             return self._set(name, t)
 
     def put_many(self, tensors: dict[str, torch.Tensor], enforce_quota: bool = True) -> None:
         with self._lock:
+            if self._fences:
+                for name in tensors:
+                    self._wait_unfenced(name)  # after pending commits, not under them
             for name, t in tensors.items():
                 if enforce_quota:
                     self.check_quota(name, _nbytes(t))
@@ -274,7 +282,10 @@ class TensorStore:
             return self._tensors.get(name)
 
     def delete(self, name: str) -> bool:
+        """Deletes ``name``; waits for a pending write to it (a fence) first."""
         with self._lock:
+            if self._fences:
+                self._wait_unfenced(name)
             if name.startswith(ARCHIVE_PREFIX):
                 self._uploads.pop(name, None)
             t = self._tensors.pop(name, None)
