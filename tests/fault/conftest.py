@@ -9,6 +9,30 @@ from error_fields import field_problems, recording_errors
 from harness import DAEMON_LOGS, RESULTS, SOAK_LINES, FaultCluster
 from helpers import internal_lines
 
+# How much of each daemon's log a failed test shows (its last lines).
+LOG_TAIL_LINES = 40
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test shows the tails of the logs of the daemons it started: the logs
+    are deleted when the session ends, so a CI failure is otherwise undiagnosable."""
+    outcome = yield
+    report = outcome.get_result()
+    first = getattr(item, "_first_daemon_log", None)
+    if report.failed and first is not None:
+        for log in DAEMON_LOGS[first:]:
+            try:
+                lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+            except OSError:
+                continue
+            report.sections.append((f"daemon log {log.name}", "\n".join(lines)))
+
+
+@pytest.fixture(autouse=True)
+def _note_first_daemon_log(request) -> None:
+    request.node._first_daemon_log = len(DAEMON_LOGS)
+
 
 def pytest_terminal_summary(terminalreporter) -> None:
     tr = terminalreporter
