@@ -73,6 +73,10 @@ class Daemon:
 DAEMON_LOGS: list[Path] = []
 
 
+class DaemonExited(AssertionError):
+    """A daemon ended before printing its address (its log's last lines say why)."""
+
+
 def _spawn(name: str, args: list[str], timeout_s: float = 60.0) -> Daemon:
     fd, log_name = tempfile.mkstemp(prefix=f"fault-{name}-", suffix=".log")
     DAEMON_LOGS.append(Path(log_name))
@@ -90,7 +94,13 @@ def _spawn(name: str, args: list[str], timeout_s: float = 60.0) -> Daemon:
     reader.join(timeout_s)
     if not first or not first[0].strip():
         proc.kill()
-        raise AssertionError(f"{name} did not print its address within {timeout_s} s")
+        code = proc.wait(10)
+        tail = "\n".join(Path(log_name).read_text(errors="replace").splitlines()[-5:])
+        if first:  # its standard output ended: it exited on its own
+            raise DaemonExited(
+                f"{name} exited with code {code} before printing its address:\n{tail}"
+            )
+        raise AssertionError(f"{name} did not print its address within {timeout_s} s:\n{tail}")
     drain = threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True)
     drain.start()
     return Daemon(name, proc, first[0].strip(), drain)

@@ -15,6 +15,7 @@ import torch
 from harness import (
     LEASE_S,
     OP_TIMEOUT_S,
+    DaemonExited,
     TcpProxy,
     checksum,
     free_port,
@@ -167,9 +168,20 @@ def test_coordinator_restart_workers_reregister_and_data_plane_keeps_serving(
 
 def test_worker_whose_grpc_port_is_cut_fails_clearly_and_recovers(fault_cluster, gen) -> None:
     cluster = fault_cluster(2, 2, max_workers=3)
-    real, advertised = free_port(), free_port()
-    proxy = TcpProxy(advertised, real)
-    cut_worker = cluster.start_worker("--port", str(real), "--advertise-port", str(advertised))
+    for attempt in range(3):
+        # A port free a moment ago can be taken (as some connection's local port)
+        # before the worker binds it: the worker then says so and exits; pick again.
+        real, advertised = free_port(), free_port()
+        proxy = TcpProxy(advertised, real)
+        try:
+            cut_worker = cluster.start_worker(
+                "--port", str(real), "--advertise-port", str(advertised)
+            )
+            break
+        except DaemonExited as exc:
+            proxy.cut()
+            if "the port is in use" not in str(exc) or attempt == 2:
+                raise
     cluster.workers.append(cut_worker)
     members = cluster.wait_ready(3, after_generation=0)
     assert members[2].address == f"127.0.0.1:{advertised}"

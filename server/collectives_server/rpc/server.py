@@ -138,12 +138,18 @@ def start_server(
     names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
     credentials = security.credentials()
-    if credentials is None:
-        bound = server.add_insecure_port(f"{host}:{port}")
-    else:
-        bound = server.add_secure_port(f"{host}:{port}", credentials)
+    try:
+        if credentials is None:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        else:
+            bound = server.add_secure_port(f"{host}:{port}", credentials)
+    except RuntimeError:  # grpc's "Failed to bind to address ..."
+        bound = 0
     if bound == 0:
-        raise OSError(f"could not bind gRPC server to {host}:{port}")
+        raise OSError(
+            f"cannot listen on {host}:{port}: the port is in use, or the address is not "
+            "one of this host's"
+        )
     server.start()
     for name in service_names:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
