@@ -62,6 +62,8 @@ if sys.byteorder != "little":  # pragma: no cover - no big-endian torch builds i
 # A chunk plus its framing stays under gRPC's default 4 MiB message limit, so
 # clients with default settings (grpcurl, other languages) can stream too.
 CHUNK_BYTES = 4 * 1024 * 1024 - 4096
+# Tensors up to this size are decoded onto a bytearray (see tensor_from_bytes).
+SMALL_TENSOR_BYTES = 1 << 20
 # What our own channels and servers accept (MAX_MESSAGE_BYTES, from .limits):
 # one chunk, framing, and a header.
 # A sanity bound for declared sizes (1 TiB): larger headers are rejected before allocating.
@@ -412,13 +414,38 @@ def write_tensor(msg: tensor_pb2.Tensor, t: torch.Tensor) -> None:
     t = wire_tensor(t)
     msg.dtype = to_wire(t.dtype)
     msg.shape.extend(t.shape)
-    msg.data = tensor_memoryview(t).tobytes()
+    msg.data = t.numpy().tobytes() if t.dtype in _NUMPY_DTYPES else tensor_memoryview(t).tobytes()
+
+
+# The wire dtypes numpy has (a contiguous CPU tensor of one is copied out by numpy).
+_NUMPY_DTYPES = frozenset(
+    {
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
+    }
+)
 
 
 def tensor_from_bytes(data: bytes | memoryview, meta: CheckedHeader) -> torch.Tensor:
-    """A new tensor of ``meta``'s dtype and shape holding a copy of ``data``."""
+    """A new tensor of ``meta``'s dtype and shape holding a copy of ``data``.
+
+    Up to :data:`SMALL_TENSOR_BYTES` the copy is a ``bytearray`` the tensor is made
+    on, the cheapest way for the small tensors of every forward and small op;
+    larger ones get a buffer of :func:`allocate_bytes` (huge pages, and a clear
+    error when the host cannot hold it)."""
     if len(data) != meta.nbytes:
         raise InvalidArgument(f"{len(data)} bytes for a tensor of {meta.nbytes} bytes")
+    if 0 < meta.nbytes <= SMALL_TENSOR_BYTES:
+        return torch.frombuffer(bytearray(data), dtype=meta.dtype).view(meta.shape)
     buffer = allocate_bytes(meta.nbytes)
     if meta.nbytes:
         tensor_memoryview(buffer)[:] = data

@@ -513,6 +513,8 @@ class ModelRegistry:
         now = time.monotonic() if now is None else now
         dropped = 0
         for model in self.all():
+            if not model.graphs:  # read without the lock: a graph added meanwhile is not due
+                continue
             # Never wait on a busy model (a publish, a step): the heartbeat calls
             # this, and must not miss its lease; the next call gets it. Forwards
             # holding the lock shared never touch the graphs, so they do not stop it.
