@@ -11,8 +11,7 @@ import torch
 from helpers import connect_ready, wait_until
 
 from collectives.v1 import worker_pb2, worker_pb2_grpc
-from collectives.wire.codec import tensor_to_proto
-from collectives.wire.pytree import to_value
+from collectives.wire.pytree import InlineLeaf, to_value
 
 ZOO = "collectives_server.model_zoo"
 KWARGS = {"in_features": 512, "hidden": 2048, "out_features": 512, "depth": 2, "seed": 5}
@@ -50,9 +49,7 @@ def test_an_orphaned_graph_expires_under_unbroken_inference(local_cluster, gen, 
             inline_output_bytes=1 << 20,
             args=to_value(
                 (x,),
-                lambda t: worker_pb2.InlineTensor(
-                    name=f"{call_id}/in/0", tensor=tensor_to_proto(t)
-                ),
+                lambda t: InlineLeaf(f"{call_id}/in/0", t),
             ),
         )
         with grpc.insecure_channel(rank0.address) as channel:

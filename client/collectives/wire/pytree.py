@@ -205,13 +205,12 @@ class InlineLeaf:
     tensor: torch.Tensor
 
 
-AddTensor = Callable[[torch.Tensor], "str | InlineLeaf | worker_pb2.InlineTensor"]
+AddTensor = Callable[[torch.Tensor], "str | InlineLeaf"]
 
 
 def to_value(obj: Any, add_tensor: AddTensor) -> worker_pb2.Value:
     """``obj`` as a wire Value; ``add_tensor`` names each tensor leaf (and uploads
-    it), or returns it as an :class:`InlineLeaf` (or ``InlineTensor``) to carry in
-    the message."""
+    it), or returns it as an :class:`InlineLeaf` to carry in the message."""
     value = worker_pb2.Value()
     fill_value(value, obj, add_tensor)
     return value
@@ -229,8 +228,6 @@ def fill_value(value: worker_pb2.Value, obj: Any, add_tensor: AddTensor) -> None
             inline = value.inline_tensor
             inline.name = leaf.name
             write_tensor(inline.tensor, leaf.tensor)
-        elif isinstance(leaf, worker_pb2.InlineTensor):
-            value.inline_tensor.CopyFrom(leaf)
         else:
             value.tensor = leaf
     elif obj is None:
