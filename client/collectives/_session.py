@@ -496,15 +496,22 @@ class ClusterSession:
             CollectiveError: some rank failed (the message names the rank).
         """
         self.check_open()
-        if len(fns) == 1:
-            ((rank, fn),) = fns.items()
-            return {rank: _on_rank(what, rank, fn)}
+        if not fns:
+            return {}
+        *others, (own_rank, own_fn) = fns.items()
         try:
             futures = {
-                rank: self._io_executor.submit(_on_rank, what, rank, fn) for rank, fn in fns.items()
+                rank: self._io_executor.submit(_on_rank, what, rank, fn) for rank, fn in others
             }
         except RuntimeError:
             raise Unavailable(f"the connection to {self._address} is closed") from None
+        # The last call runs on the caller's thread: one hand-off to the pool fewer.
+        own: concurrent.futures.Future[R] = concurrent.futures.Future()
+        try:
+            own.set_result(_on_rank(what, own_rank, own_fn))
+        except Exception as exc:  # raised below, once the others ended
+            own.set_exception(exc)
+        futures[own_rank] = own
         concurrent.futures.wait(futures.values())
         for rank in sorted(futures):
             if futures[rank].exception() is not None:
