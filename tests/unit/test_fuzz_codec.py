@@ -208,3 +208,19 @@ def test_a_stream_of_named_tensors_assembles_by_name() -> None:
         codec.assemble_named_tensors(iter(parts[1:]), "LoadStateDict")
     with pytest.raises(InvalidArgument, match="stream ended after 16 of 60 declared bytes"):
         codec.assemble_named_tensors(iter(parts[:2]), "LoadStateDict")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.complex128], ids=str)
+@pytest.mark.parametrize("delta", [-1, 0, 1], ids=["under", "at", "over"])
+def test_proto_round_trip_around_the_small_tensor_bound(dtype: torch.dtype, delta: int) -> None:
+    """Both decode paths (a bytearray up to SMALL_TENSOR_BYTES, a buffer beyond) give a
+    tensor of its own: bit exact, writable, and independent of the message."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel = codec.SMALL_TENSOR_BYTES // itemsize + delta
+    t = torch.randn(numel, dtype=torch.float64).to(dtype)
+    msg = tensor_pb2.Tensor.FromString(codec.tensor_to_proto(t).SerializeToString())
+    out = codec.tensor_from_proto(msg)
+    assert (out.dtype, tuple(out.shape)) == (dtype, (numel,))
+    assert _raw(out) == _raw(t)
+    out.zero_()
+    assert _raw(codec.tensor_from_proto(msg)) == _raw(t)

@@ -24,7 +24,7 @@ import torch
 
 from collectives.errors import InvalidArgument, ResourceExhausted
 from collectives.v1 import tensor_pb2
-from collectives.wire.dtypes import from_wire, to_wire
+from collectives.wire.dtypes import SUPPORTED_DTYPES, from_wire, to_wire
 from collectives.wire.limits import MAX_MESSAGE_BYTES
 from collectives.wire.memory import empty_bytes
 
@@ -418,21 +418,7 @@ def write_tensor(msg: tensor_pb2.Tensor, t: torch.Tensor) -> None:
 
 
 # The wire dtypes numpy has (a contiguous CPU tensor of one is copied out by numpy).
-_NUMPY_DTYPES = frozenset(
-    {
-        torch.float32,
-        torch.float64,
-        torch.float16,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.uint8,
-        torch.bool,
-        torch.complex64,
-        torch.complex128,
-    }
-)
+_NUMPY_DTYPES = frozenset(SUPPORTED_DTYPES) - {torch.bfloat16}
 
 
 def tensor_from_bytes(data: bytes | memoryview, meta: CheckedHeader) -> torch.Tensor:
