@@ -7,8 +7,8 @@ partial tensor until a full garbage collection. The cluster runs with
 ``--no-bulk`` so the get streams over gRPC.
 
 The resident size is read after ``malloc_trim``: glibc keeps the freed 4 MiB
-chunks of a stream in its heaps, more of them in a long-lived process (145 MiB
-once, in the full suite), and that is not memory the client holds. A partial
+chunks of a stream in its heaps, more of them in a long-lived process such as
+the full suite's, and that is not memory the client holds. A partial
 tensor still referenced stays resident whatever the trim.
 """
 
