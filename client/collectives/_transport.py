@@ -29,7 +29,7 @@ from typing import TypeVar
 import grpc
 import torch
 
-from collectives import bulk
+from collectives import bulk, lanes
 from collectives._channels import (
     CHANNEL_OPTIONS,
     call_unary,
@@ -59,6 +59,7 @@ __all__ = [
     "DataPath",
     "Route",
     "WorkerEndpoint",
+    "call_forward",
     "call_unary",
     "choose_path",
     "get_tensor",
@@ -88,6 +89,8 @@ class WorkerEndpoint:
     get_raw: grpc.UnaryStreamMultiCallable
     # The worker's bulk port, asked on first use (see collectives.bulk).
     bulk: bulk.BulkPort = field(default_factory=bulk.BulkPort)
+    # Kept call lanes on that port for small calls (see collectives.lanes).
+    lanes: lanes.CallLanes = field(default_factory=lanes.CallLanes)
 
     @classmethod
     def open(
@@ -109,6 +112,26 @@ class WorkerEndpoint:
                 response_deserializer=None,
             ),
         )
+
+
+def call_forward(
+    endpoint: WorkerEndpoint, request: worker_pb2.ForwardRequest, timeout: float, what: str
+) -> worker_pb2.ForwardResponse:
+    """``Forward`` on the worker, on a call lane when one can carry it (see
+    :mod:`collectives.lanes`), else as a gRPC call; the same answer and errors either way.
+
+    Raises:
+        CollectiveError: the call failed (subclass by status code).
+    """
+    try:
+        raw = endpoint.lanes.call(
+            endpoint, lanes.FORWARD, request.SerializeToString(), _deadline_s(timeout, what)
+        )
+    except grpc.RpcError as err:
+        raise _from_rpc_error(err, what) from None
+    if raw is None:
+        return call_unary(endpoint.stub.Forward, request, timeout, what)
+    return worker_pb2.ForwardResponse.FromString(raw)
 
 
 class ChannelPool:
@@ -143,6 +166,7 @@ class ChannelPool:
             self._closed = True
             endpoints, self._endpoints = list(self._endpoints.values()), {}
         for endpoint in endpoints:
+            endpoint.lanes.close()
             endpoint.channel.close()
 
 

@@ -67,6 +67,8 @@ __all__ = [
     "new_ticket",
     "put_tensor_bulk",
     "get_tensor_bulk",
+    "host_of",
+    "looks_open",
 ]
 
 log = logging.getLogger(__name__)
@@ -149,7 +151,7 @@ class BulkPort:
                 if not self._idle:
                     break
                 since, sock = self._idle.pop()
-            if now - since < _IDLE_KEEP_S and _looks_open(sock):
+            if now - since < _IDLE_KEEP_S and looks_open(sock):
                 return sock
             sock.close()
         sock = socket.create_connection((host, port), timeout=timeout)
@@ -188,7 +190,7 @@ def _ticket_never_arrived(err: grpc.RpcError) -> bool:
     )
 
 
-def _looks_open(sock: socket.socket) -> bool:
+def looks_open(sock: socket.socket) -> bool:
     """False when the peer closed (EOF), reset, or sent bytes we did not ask for."""
     try:
         sock.setblocking(False)
@@ -209,7 +211,7 @@ def _left(deadline: float, what: str, done: int, total: int) -> float:
     return time_left(deadline, f"{what} (after {done} of {total} bytes)")
 
 
-def _host_of(address: str) -> str:
+def host_of(address: str) -> str:
     return address.rpartition(":")[0].strip("[]")
 
 
@@ -225,7 +227,7 @@ def _connect(
     """
     timeout = timeout_left(timeout, f"bulk connection to {endpoint.address}")
     try:
-        sock = endpoint.bulk.connection(_host_of(endpoint.address), port, timeout)
+        sock = endpoint.bulk.connection(host_of(endpoint.address), port, timeout)
     except OSError as exc:
         endpoint.bulk.forget()
         raise BulkUnreachable(

@@ -27,7 +27,13 @@ import torch
 from collectives._deadlines import time_left
 from collectives._models import Models
 from collectives._session import Session
-from collectives._transport import WorkerEndpoint, call_unary, get_tensor, put_tensor
+from collectives._transport import (
+    WorkerEndpoint,
+    call_forward,
+    call_unary,
+    get_tensor,
+    put_tensor,
+)
 from collectives.errors import CollectiveError, InvalidArgument, NotFound, Reason, Unavailable
 from collectives.v1 import worker_pb2
 from collectives.wire.codec import tensor_from_proto, tensor_to_proto
@@ -192,8 +198,8 @@ class _RemoteCall:
             )
             fill_value(request.args, tuple(parts_args[i]), add)
             fill_value(request.kwargs, dict(parts_kwargs[i]), add)
-            response = call_unary(
-                shard.endpoint.stub.Forward, request, self._left(), f"forward of {self.model!r}"
+            response = call_forward(
+                shard.endpoint, request, self._left(), f"forward of {self.model!r}"
             )
             shard.output_names = tensor_leaves(response.output)
             fetched = _decode_inline(inline_leaves(response.output))

@@ -54,6 +54,7 @@ __all__ = [
     "annotate",
     "from_rpc_error",
     "error_for_code",
+    "status_code",
     "to_grpc_status",
     "ERROR_DOMAIN",
     "NEVER_STARTED",
@@ -267,6 +268,14 @@ _BY_CODE: dict[grpc.StatusCode, type[CollectiveError]] = {
     grpc.StatusCode.UNAUTHENTICATED: PermissionDenied,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
+
+
+_CODES_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_code(number: int) -> grpc.StatusCode:
+    """The ``grpc.StatusCode`` whose wire number is ``number``; UNKNOWN for none."""
+    return _CODES_BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
 
 
 def error_for_code(

@@ -139,16 +139,20 @@ class GetTensorShmResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class DataPlaneRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("open_lane",)
+    OPEN_LANE_FIELD_NUMBER: _ClassVar[int]
+    open_lane: bool
+    def __init__(self, open_lane: _Optional[bool] = ...) -> None: ...
 
 class DataPlaneResponse(_message.Message):
-    __slots__ = ("bulk_port", "bulk_min_bytes")
+    __slots__ = ("bulk_port", "bulk_min_bytes", "lane_ticket")
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     BULK_MIN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LANE_TICKET_FIELD_NUMBER: _ClassVar[int]
     bulk_port: int
     bulk_min_bytes: int
-    def __init__(self, bulk_port: _Optional[int] = ..., bulk_min_bytes: _Optional[int] = ...) -> None: ...
+    lane_ticket: bytes
+    def __init__(self, bulk_port: _Optional[int] = ..., bulk_min_bytes: _Optional[int] = ..., lane_ticket: _Optional[bytes] = ...) -> None: ...
 
 class PutTensorBulkRequest(_message.Message):
     __slots__ = ("header", "ticket")

@@ -22,6 +22,7 @@ module                 what it holds
 :mod:`.pytree`         nested inputs and outputs as the wire's ``Value``
 :mod:`.limits`         the largest gRPC message either side sends or accepts
 :mod:`.bulk_frames`    the bulk port's preludes, acknowledgement, tickets
+:mod:`.lane_frames`    the call lane's prelude and request/response frames
 :mod:`.shm`            ``/dev/shm`` segments: names, creation, checked opens
 :mod:`.memory`         receive buffers that fault in huge pages
 :mod:`.security`       channel security (TLS, bearer token), token checks

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from collectives.errors import status_code
 from collectives.v1 import flight_record_pb2, worker_pb2_grpc
 from collectives.wire.cluster_state import ClusterSnapshot
 
@@ -47,10 +48,8 @@ def _outcome(code: int) -> str:
         return "in flight"
     if code == 0:
         return "ok"
-    for status in grpc.StatusCode:
-        if status.value[0] == code:
-            return status.name
-    return f"code {code}"
+    status = status_code(code)
+    return status.name if status is not grpc.StatusCode.UNKNOWN or code == 2 else f"code {code}"
 
 
 @dataclass(frozen=True)

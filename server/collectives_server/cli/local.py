@@ -67,6 +67,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="workers open no bulk port: every payload goes through gRPC streams",
     )
     p.add_argument(
+        "--no-call-lanes",
+        action="store_true",
+        help="workers serve no call lanes: every forward is a gRPC call",
+    )
+    p.add_argument(
         "--min-workers",
         type=positive_int,
         default=None,
@@ -202,7 +207,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _model_hosting_args(args: argparse.Namespace) -> list[str]:
     """What every worker of the local cluster gets of --allow-factory/--graph-ttl-s,
-    --factory-batching, --queue-size, --flight-recorder-ops, --max-tensor-bytes and --no-bulk."""
+    --factory-batching, --queue-size, --flight-recorder-ops, --max-tensor-bytes, --no-bulk
+    and --no-call-lanes."""
     modules = allowed_factories(args.allow_factory)
     extra = [f"--graph-ttl-s={args.graph_ttl_s}"]
     if modules:
@@ -218,6 +224,8 @@ def _model_hosting_args(args: argparse.Namespace) -> list[str]:
         extra.append(f"--max-tensor-bytes={args.max_tensor_bytes}")
     if args.no_bulk:
         extra.append("--no-bulk")
+    if args.no_call_lanes:
+        extra.append("--no-call-lanes")
     return extra
 
 

@@ -123,6 +123,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="no bulk port: every payload goes through gRPC streams",
     )
+    p.add_argument(
+        "--no-call-lanes",
+        action="store_true",
+        help="serve no call lanes on the bulk port: every forward is a gRPC call "
+        "(with --no-bulk or TLS there are none anyway)",
+    )
     add_max_tensor_bytes(p)
     add_group_flags(p)
     add_data_plane_flags(p)
@@ -167,6 +173,7 @@ def config_from_args(
         graph_ttl_s=args.graph_ttl_s,
         factory_batching=args.factory_batching,
         bulk_port=None if args.no_bulk else args.bulk_port,
+        call_lanes=not args.no_call_lanes,
         security=server_security_from_args(args, parser),
         coordinator_security=client_security_from_args(args, parser),
         worker_token=worker_token_from_args(args, parser),

@@ -58,6 +58,9 @@ class WorkerConfig:
     # TCP port of the bulk data plane (raw bytes of large put/get next to gRPC);
     # 0 picks a free one; None: no bulk port. Never opened when TLS is on.
     bulk_port: int | None = 0
+    # Serve call lanes on the bulk port (small forwards framed over kept raw TCP
+    # connections instead of a gRPC call each; worker/rpc/lanes.py).
+    call_lanes: bool = True
     # TLS / mutual TLS / bearer token of this worker's gRPC server.
     security: ServerSecurity = field(default_factory=ServerSecurity)
     # How this worker reaches the coordinator (TLS, client certificate, token).

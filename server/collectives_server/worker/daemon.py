@@ -34,6 +34,7 @@ from collectives_server import gc_tuning as heap
 from collectives_server.control_protocol import worker_metadata
 from collectives_server.hosts import dialled_name
 from collectives_server.metrics import MetricsServer
+from collectives_server.rpc.errors import ErrorBoundary
 from collectives_server.rpc.server import GRPC_OPTIONS, WORKER_OPTIONS, start_server
 from collectives_server.signals import StopSignal
 from collectives_server.store_socket import start_store
@@ -55,7 +56,13 @@ from collectives_server.worker.enrolment import bounded_status, register
 from collectives_server.worker.heartbeats import HeartbeatStream, reply_interval_s
 from collectives_server.worker.models.archive.upload import ModelUploads
 from collectives_server.worker.models.registry import ModelRegistry
-from collectives_server.worker.rpc.service import SERVICE_NAME, WorkerService, add_worker_service
+from collectives_server.worker.rpc.lanes import CallLanes, lane_handlers
+from collectives_server.worker.rpc.service import (
+    SERVICE_NAME,
+    WorkerService,
+    add_worker_service,
+    worker_handlers,
+)
 from collectives_server.worker.stats import WorkerStats
 from collectives_server.worker.status import heartbeat_status, op_done, worker_state
 
@@ -161,6 +168,8 @@ class WorkerDaemon:
             self.ctx.bulk = BulkListener(
                 self.config.host, self.config.bulk_port, self.config.bulk_limits
             )
+            if self.config.call_lanes:
+                self.ctx.bulk.serve_lanes(self._call_lanes(servicer))
         # This worker's rendezvous store: a generation's process groups meet in the
         # store of its rank 0, so they outlive any coordinator (see docs/engine.md).
         self._rendezvous, self._store_port = start_store(self.config.host, 0, _STORE_TIMEOUT_S)
@@ -171,6 +180,18 @@ class WorkerDaemon:
         self._register(self.config.connect_timeout_s)
         threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
         threading.Thread(target=self._watch_loop, name="watch", daemon=True).start()
+
+    def _call_lanes(self, servicer: WorkerService) -> CallLanes:
+        """The call lanes, whose calls run the gRPC server's handlers behind the same
+        interceptors (the ticket stands for the token check)."""
+        assert self._server is not None
+        interceptors = [i for i in (self._server.limits, ErrorBoundary()) if i is not None]
+        limits = self.config.bulk_limits
+        return CallLanes(
+            lane_handlers(worker_handlers(servicer), interceptors),
+            limits.ticket_ttl_s,
+            limits.idle_s,
+        )
 
     def stop(self) -> None:
         self._stop.set()

@@ -241,6 +241,14 @@ def _connections(ctx: WorkerContext) -> Iterator[Metric]:
             "Bulk-port connections closed at once for a connection cap",
             ctx.bulk.refused_connections,
         )
+        lanes = ctx.bulk.lanes
+        if lanes is not None:
+            yield _counter(
+                "collectives_call_lane_calls",
+                "Calls answered on call lanes (forwards over kept bulk-port connections, "
+                "not a gRPC call each)",
+                lanes.calls,
+            )
 
 
 def worker_registry(ctx: WorkerContext) -> CollectorRegistry:

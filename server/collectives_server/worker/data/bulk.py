@@ -26,7 +26,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -40,9 +40,10 @@ from collectives.wire.bulk_frames import (
     TICKET_BYTES,
 )
 from collectives.wire.codec import tensor_memoryview
+from collectives.wire.lane_frames import LANE_MAGIC
 from collectives_server.worker.data.limits import BulkLimits
 
-__all__ = ["BulkLimits", "BulkListener", "PRELUDE_BYTES"]
+__all__ = ["BulkLimits", "BulkListener", "LaneServer", "PRELUDE_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +68,22 @@ class _Transfer:
             self.reservation = None
 
 
+class LaneServer(Protocol):
+    """What serves the call lanes (``worker.rpc.lanes.CallLanes``): a connection whose
+    prelude is ``LANE_MAGIC`` + a ticket is handed to it for good."""
+
+    calls: int  # calls answered on lanes
+
+    def issue(self, peer: str, metadata: Any) -> bytes: ...
+
+    def claim(self, ticket: bytes) -> Any | None: ...
+
+    def serve(self, conn: socket.socket, ticket: Any) -> None: ...
+
+
 class BulkListener:
-    """Accepts bulk connections and matches them with registered transfers."""
+    """Accepts bulk connections and matches them with registered transfers; hands
+    call-lane connections to the lane server (:meth:`serve_lanes`)."""
 
     def __init__(self, host: str, port: int = 0, limits: BulkLimits | None = None) -> None:
         self.limits = limits or BulkLimits()
@@ -80,8 +95,17 @@ class BulkListener:
         self._connections: Counter[str] = Counter()
         self.refused_connections = 0  # closed at once for a connection cap (a counter)
         self._closed = False
+        self._lanes: LaneServer | None = None
         self._thread = threading.Thread(target=self._accept_loop, name="bulk-accept", daemon=True)
         self._thread.start()
+
+    def serve_lanes(self, lanes: LaneServer) -> None:
+        """From now on, connections that open a call lane are served by ``lanes``."""
+        self._lanes = lanes
+
+    @property
+    def lanes(self) -> LaneServer | None:
+        return self._lanes
 
     # ------------------------------------------------------------ gRPC side
     def receive(self, ticket: bytes, buffer: torch.Tensor, timeout_s: float) -> None:
@@ -256,6 +280,11 @@ class BulkListener:
             conn, memoryview(bytearray(PRELUDE_BYTES)), time.monotonic() + wait_s
         )
         magic = bytes(prelude[: len(MAGIC)]) if prelude is not None else b""
+        if magic == LANE_MAGIC and self._lanes is not None:
+            lane = self._lanes.claim(bytes(prelude[len(MAGIC) :]))
+            if lane is not None:
+                self._lanes.serve(conn, lane)
+            return False
         if magic not in (MAGIC, MAGIC_ACKED):
             return False
         transfer = self._claim(bytes(prelude[len(MAGIC) :]))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from collectives.errors import Reason
+from collectives.errors import Reason, status_code
 from collectives.wire.codec import tensor_memoryview
 from collectives_server.worker.engine.control_rounds import rounds_of
 from collectives_server.worker.engine.validation import (
@@ -36,7 +36,6 @@ __all__ = [
 ]
 
 _STATUS_BYTES = 512
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 # A failure's machine-readable reason travels as one byte: 0 none, i + 1 the i-th Reason.
 _REASONS = list(Reason)
 _HEAD = 4  # code, reason, message length (2 bytes)
@@ -195,7 +194,7 @@ def agree_with(
     extras = []
     for rank in range(size):
         base = rank * row_bytes
-        status = _CODES.get(raw[base], grpc.StatusCode.UNKNOWN)
+        status = status_code(raw[base])
         if status != grpc.StatusCode.OK:
             which = raw[base + 1]
             why = _REASONS[which - 1].value if 0 < which <= len(_REASONS) else None

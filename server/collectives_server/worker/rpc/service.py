@@ -134,8 +134,16 @@ class WorkerService:
     @_guard
     def GetDataPlane(self, request, context) -> worker_pb2.DataPlaneResponse:
         bulk = self._ctx.bulk
+        lanes = bulk.lanes if bulk is not None else None
+        ticket = (
+            lanes.issue(context.peer(), context.invocation_metadata())
+            if request.open_lane and lanes is not None
+            else b""
+        )
         return worker_pb2.DataPlaneResponse(
-            bulk_port=bulk.port if bulk is not None else 0, bulk_min_bytes=BULK_MIN_BYTES
+            bulk_port=bulk.port if bulk is not None else 0,
+            bulk_min_bytes=BULK_MIN_BYTES,
+            lane_ticket=ticket,
         )
 
     @_guard
@@ -432,6 +440,12 @@ _RAW_RESPONSE = {"GetTensor", "GetModelTensors"}
 
 def add_worker_service(servicer: WorkerService, server: grpc.Server) -> None:
     """Registers every Worker method; the data-plane ones with identity serializers."""
+    handlers = worker_handlers(servicer)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
+def worker_handlers(servicer: WorkerService) -> dict[str, grpc.RpcMethodHandler]:
+    """The handler of every Worker method ``servicer`` implements, by method name."""
     service = worker_pb2.DESCRIPTOR.services_by_name["Worker"]
     handlers = {}
     for method in service.methods:
@@ -453,4 +467,4 @@ def add_worker_service(servicer: WorkerService, server: grpc.Server) -> None:
         handlers[method.name] = make(
             behaviour, request_deserializer=deserializer, response_serializer=serializer
         )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    return handlers

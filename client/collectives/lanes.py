@@ -1,0 +1,258 @@
+"""Call lanes, client side: small unary calls over kept raw TCP connections.
+
+A small forward costs more in gRPC's per-call work (HTTP/2 framing, the
+completion queue, a thread hand-off on each side) than in the model. A call
+lane carries the same request and response messages over a connection to the
+worker's bulk port, framed by length (:mod:`collectives.wire.lane_frames`),
+one call at a time; a client keeps a few such connections per worker and
+takes an idle one for each call, so concurrent calls of one client run on
+separate lanes.
+
+Each lane opens with a one-time ticket from ``GetDataPlane(open_lane=true)``,
+a gRPC call (so the worker's token check applies once per lane), then runs
+the worker's own gRPC handler for each call: answers, error codes, messages
+and details are the gRPC call's. A failed call raises a ``grpc.RpcError``
+(:class:`LaneError`) that :func:`collectives.errors.from_rpc_error` reads like
+any other. What gRPC does on its own, the lane does by hand:
+
+* the deadline travels with the request (the worker's handler sees it) and
+  bounds the wait for the answer; once it passes the lane is closed and the
+  call ends in ``DEADLINE_EXCEEDED``;
+* a connection that breaks while a call waits ends it in ``UNAVAILABLE``, as
+  a gRPC call whose worker went away; a call whose request could not be
+  written (a lane the worker closed) takes gRPC instead.
+
+No lane (the worker has no bulk port: TLS, ``--no-bulk``; or serves no lanes:
+``--no-call-lanes``; or its bulk port refused the connection): the call takes
+gRPC, and the lane is not asked for again for a while.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any, Protocol
+
+import grpc
+from google.rpc import status_pb2
+
+from collectives.bulk import BulkPort, host_of, looks_open
+from collectives.errors import STATUS_DETAILS_METADATA_KEY, status_code
+from collectives.v1 import worker_pb2
+from collectives.wire.bulk_frames import ACK
+from collectives.wire.lane_frames import (
+    FAILED,
+    LANE_MAGIC,
+    MAX_LANE_REQUEST_BYTES,
+    OK,
+    REQUEST_HEADER,
+    RESPONSE_HEADER,
+)
+from collectives.wire.limits import MAX_MESSAGE_BYTES
+
+__all__ = ["FORWARD", "CallLanes", "LaneEndpoint", "LaneError"]
+
+# The method ids of lane_frames.LANE_METHODS the SDK sends.
+FORWARD = 1
+# Idle lanes kept per worker, and for how long (the worker closes them after its
+# bulk idle timeout, longer than this).
+_MAX_IDLE = 16
+_IDLE_KEEP_S = 20.0
+# How long a lane's opening (ticket, connection, the worker's ACK) may take.
+_OPEN_TIMEOUT_S = 5.0
+# After a worker served no lane (none offered, refused, or broken at opening),
+# its calls take gRPC this long before a lane is asked for again.
+_SUSPEND_S = 30.0
+
+
+class LaneEndpoint(Protocol):
+    """What a lane needs of a worker's endpoint (the SDK's ``WorkerEndpoint``)."""
+
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def stub(self) -> Any: ...
+
+    @property
+    def bulk(self) -> BulkPort: ...
+
+
+class LaneError(grpc.RpcError):
+    """A call on a lane that failed: the status a gRPC call would have ended with."""
+
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        details: str,
+        trailing: tuple[tuple[str, str | bytes], ...] = (),
+    ) -> None:
+        super().__init__(details)
+        self._code = code
+        self._details = details
+        self._trailing = trailing
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
+        return self._trailing
+
+
+class _LaneBroken(Exception):
+    """The request could not be written: the worker never saw it, gRPC may carry it."""
+
+
+class CallLanes:
+    """One client's call lanes to one worker: idle connections kept for reuse."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[tuple[float, socket.socket]] = []  # (since, connection)
+        self._suspended_until = 0.0
+        self._closed = False
+
+    def call(
+        self, endpoint: LaneEndpoint, method: int, request: bytes, timeout: float
+    ) -> bytes | None:
+        """The serialized response of ``request`` to ``method`` on a lane; None when no
+        lane can carry it (the caller then makes the gRPC call).
+
+        Raises:
+            LaneError: the call failed: its status (``DEADLINE_EXCEEDED`` once
+                ``timeout`` passed, ``UNAVAILABLE`` if the lane broke while waiting).
+        """
+        if len(request) > MAX_LANE_REQUEST_BYTES:
+            return None
+        started = time.monotonic()
+        sock = self._take(endpoint, timeout)
+        if sock is None:
+            return None
+        left = timeout - (time.monotonic() - started)
+        try:
+            return self._exchange(sock, method, request, left)
+        except _LaneBroken:
+            sock.close()
+            return None
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for _, sock in idle:
+            sock.close()
+
+    def _exchange(self, sock: socket.socket, method: int, request: bytes, left: float) -> bytes:
+        if left <= 0:
+            sock.close()
+            raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        try:
+            sock.settimeout(left)
+            sock.sendall(REQUEST_HEADER.pack(method, len(request), left) + request)
+        except OSError:
+            raise _LaneBroken() from None
+        deadline = time.monotonic() + left
+        try:
+            header = _receive(sock, RESPONSE_HEADER.size, deadline)
+            outcome, size = RESPONSE_HEADER.unpack(header)
+            if outcome not in (OK, FAILED) or size > MAX_MESSAGE_BYTES:
+                raise ConnectionResetError("the worker sent a frame this client cannot read")
+            body = _receive(sock, size, deadline)
+        except TimeoutError:
+            sock.close()  # its answer may still come: this lane cannot be reused
+            raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        except OSError as exc:
+            sock.close()
+            raise LaneError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the call lane broke before the worker answered ({exc or 'closed'}): "
+                "the worker stopped or restarted",
+            ) from None
+        if outcome == OK:
+            self._keep(sock)
+            return body
+        status = status_pb2.Status.FromString(body)
+        self._keep(sock)
+        trailing = ((STATUS_DETAILS_METADATA_KEY, body),) if len(status.details) else ()
+        raise LaneError(status_code(status.code), status.message, trailing)
+
+    def _take(self, endpoint: LaneEndpoint, timeout: float) -> socket.socket | None:
+        now = time.monotonic()
+        while True:
+            with self._lock:
+                if self._closed or now < self._suspended_until:
+                    return None
+                if not self._idle:
+                    break
+                since, sock = self._idle.pop()
+            if now - since < _IDLE_KEEP_S and looks_open(sock):
+                return sock
+            sock.close()
+        sock = self._open(endpoint, min(timeout, _OPEN_TIMEOUT_S))
+        if sock is None:
+            with self._lock:
+                self._suspended_until = time.monotonic() + _SUSPEND_S
+        return sock
+
+    def _open(self, endpoint: LaneEndpoint, timeout: float) -> socket.socket | None:
+        """A new lane to the worker, acknowledged; None when it has none to give."""
+        if timeout <= 0:
+            return None
+        port = endpoint.bulk.port(endpoint, timeout)
+        if not port:
+            return None
+        try:
+            answer = endpoint.stub.GetDataPlane(
+                worker_pb2.DataPlaneRequest(open_lane=True), timeout=timeout
+            )
+        except grpc.RpcError:
+            return None
+        if not answer.lane_ticket or answer.bulk_port != port:
+            return None
+        try:
+            sock = socket.create_connection((host_of(endpoint.address), port), timeout=timeout)
+        except OSError:
+            endpoint.bulk.forget()
+            return None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(LANE_MAGIC + answer.lane_ticket)
+            if sock.recv(1) != ACK:
+                raise ConnectionResetError("the worker refused the lane")
+        except OSError:
+            sock.close()
+            return None
+        return sock
+
+    def _keep(self, sock: socket.socket) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < _MAX_IDLE:
+                self._idle.append((time.monotonic(), sock))
+                return
+        sock.close()
+
+
+def _receive(sock: socket.socket, size: int, deadline: float) -> bytes:
+    """``size`` bytes before ``deadline``.
+
+    Raises:
+        TimeoutError: the deadline passed first.
+        ConnectionResetError: the connection closed first.
+    """
+    buffer = bytearray(size)
+    view = memoryview(buffer)
+    got = 0
+    while got < size:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        sock.settimeout(left)
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionResetError("the worker closed the lane")
+        got += n
+    return bytes(buffer)

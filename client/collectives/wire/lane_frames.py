@@ -1,0 +1,55 @@
+"""The call lane's framing: small unary calls over a kept raw TCP connection.
+
+A gRPC unary call in Python costs the caller and the worker each a few hundred
+microseconds of CPU beyond its payload (the HTTP/2 framing, the completion
+queue, a thread hand-off on each side): for a small forward that is more than
+the model's own work. A call lane carries the same request and response
+messages over one of the worker's bulk-port connections, framed by length:
+
+* the connection opens with the prelude ``LANE_MAGIC`` + a 16-byte ticket that
+  the client got from ``GetDataPlane(open_lane=true)``, a gRPC call, so the
+  lane inherits that call's token check; the worker answers ``ACK``;
+* then, one call at a time: a request frame (:data:`REQUEST_HEADER`: the
+  method, the payload's length, the seconds left of the call's deadline) and
+  its serialized request message; the worker answers a response frame
+  (:data:`RESPONSE_HEADER`: ``OK`` and the serialized response, or ``FAILED``
+  and a serialized ``google.rpc.Status`` carrying the code, the message and the
+  details a gRPC call would have ended with).
+
+The worker runs the call through the same handler, error boundary and
+data-plane limits as the gRPC method, so an answer is the same on both paths.
+The SDK's side is :mod:`collectives.lanes`, the worker's
+``collectives_server.worker.rpc.lanes``.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from collectives.wire.limits import MAX_MESSAGE_BYTES
+
+__all__ = [
+    "FAILED",
+    "LANE_MAGIC",
+    "LANE_METHODS",
+    "MAX_LANE_REQUEST_BYTES",
+    "OK",
+    "REQUEST_HEADER",
+    "RESPONSE_HEADER",
+]
+
+# A call-lane connection's prelude starts with this (then the ticket), where a
+# bulk transfer's starts with ``bulk_frames.MAGIC``; same length.
+LANE_MAGIC = b"CBL1"
+# A request frame's header: method id (u8), payload bytes (u32), seconds left of
+# the call's deadline (f64; 0 or less: the call has none).
+REQUEST_HEADER = struct.Struct("<BId")
+# A response frame's header: outcome (u8, OK or FAILED), payload bytes (u32).
+RESPONSE_HEADER = struct.Struct("<BI")
+OK = 0
+FAILED = 1
+# The methods a lane carries, by id, as gRPC names them.
+LANE_METHODS: dict[int, str] = {1: "/collectives.v1.Worker/Forward"}
+# The largest request a lane carries (as a gRPC call would); the SDK sends larger
+# ones, and a worker refuses them, as gRPC does.
+MAX_LANE_REQUEST_BYTES = MAX_MESSAGE_BYTES

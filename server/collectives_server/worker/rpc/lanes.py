@@ -1,0 +1,342 @@
+"""The worker's call lanes: small unary calls served over kept bulk-port connections.
+
+A lane is a raw TCP connection to the worker's bulk port that opened with
+``LANE_MAGIC`` and a ticket from ``GetDataPlane(open_lane=true)`` (a gRPC call,
+so the token check applies; framing in :mod:`collectives.wire.lane_frames`).
+The bulk listener hands such a connection to :meth:`CallLanes.serve`, which
+answers its calls one at a time on the connection's own thread: no HTTP/2, no
+completion queue, no hand-off to a pool.
+
+A call on a lane runs the very handler the gRPC server runs for that method,
+wrapped by the same server interceptors (the data-plane limits and the error
+boundary; the ticket stands for the token check), with a :class:`LaneContext`
+for its ``grpc.ServicerContext``: its deadline is the one the client sent, its
+peer and metadata those of the ``GetDataPlane`` call that issued the ticket (so
+the operator's view shows one client, not one per connection), and an abort
+becomes a ``FAILED`` frame with the ``google.rpc.Status`` a gRPC call would end
+with. The client's side is :mod:`collectives.lanes`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.rpc import status_pb2
+
+from collectives.errors import STATUS_DETAILS_METADATA_KEY
+from collectives.wire.bulk_frames import ACK, TICKET_BYTES, new_ticket
+from collectives.wire.lane_frames import (
+    FAILED,
+    LANE_METHODS,
+    MAX_LANE_REQUEST_BYTES,
+    OK,
+    REQUEST_HEADER,
+    RESPONSE_HEADER,
+)
+
+__all__ = ["CallLanes", "LaneContext", "LaneTicket", "lane_handlers"]
+
+log = logging.getLogger(__name__)
+
+# Tickets issued and not yet presented, at most this many (the oldest go first).
+_MAX_PENDING_TICKETS = 4096
+
+Metadata = tuple[tuple[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class LaneTicket:
+    """Who asked for a lane: the ``GetDataPlane`` call's peer and metadata, and until when."""
+
+    peer: str
+    metadata: Metadata
+    expires: float
+
+
+def lane_handlers(
+    handlers: Mapping[str, grpc.RpcMethodHandler],
+    interceptors: Sequence[grpc.ServerInterceptor],
+) -> dict[int, grpc.RpcMethodHandler]:
+    """The handler of each lane method: the Worker service's handler of that name
+    (``handlers``, as the gRPC server registers them) behind ``interceptors``
+    (outermost first), as the gRPC server wraps it for a call of that method."""
+    lane = {}
+    for method_id, method in LANE_METHODS.items():
+        base = handlers[method.rsplit("/", 1)[-1]]
+
+        def innermost(_details: grpc.HandlerCallDetails, base=base):
+            return base
+
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None]
+        continuation = innermost
+        for interceptor in reversed(interceptors):
+            continuation = _intercepted(interceptor, continuation)
+        handler = continuation(_CallDetails(method, ()))
+        if handler is None or handler.unary_unary is None:
+            raise ValueError(f"{method}: the interceptors left no unary handler")
+        lane[method_id] = handler
+    return lane
+
+
+def _intercepted(interceptor: grpc.ServerInterceptor, continuation):
+    def call(details: grpc.HandlerCallDetails):
+        return interceptor.intercept_service(continuation, details)
+
+    return call
+
+
+class _CallDetails(grpc.HandlerCallDetails):
+    def __init__(self, method: str, invocation_metadata: Metadata) -> None:
+        self.method = method
+        self.invocation_metadata = invocation_metadata
+
+
+class LaneContext(grpc.ServicerContext):
+    """The ``grpc.ServicerContext`` of one call on a lane."""
+
+    def __init__(self, ticket: LaneTicket, timeout_s: float, cancel: Callable[[], None]) -> None:
+        self._ticket = ticket
+        self._deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
+        self._cancel = cancel
+        self._callbacks: list[Callable[[], None]] = []
+        self.cancelled = False
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+        self._trailers: Metadata = ()
+
+    # -- what handlers and interceptors read
+    def peer(self) -> str:
+        return self._ticket.peer
+
+    def invocation_metadata(self) -> Metadata:
+        return self._ticket.metadata
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else self._deadline - time.monotonic()
+
+    def is_active(self) -> bool:
+        return not self.cancelled and (self._deadline is None or time.monotonic() < self._deadline)
+
+    def cancel(self) -> None:
+        """Ends the call now (the data-plane watchdog's bound): the client is told
+        CANCELLED and the connection closes; the handler's answer is dropped."""
+        self.cancelled = True
+        self._cancel()
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        self._callbacks.append(callback)
+        return True
+
+    def run_callbacks(self) -> None:
+        for callback in self._callbacks:
+            with contextlib.suppress(Exception):
+                callback()
+
+    # -- what handlers set
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.code, self.details = code, details
+        # A bare Exception, as grpc's own abort raises: the error boundary and the
+        # guards know it (rpc.errors.is_abort) and let it pass.
+        raise Exception()
+
+    def abort_with_status(self, status: grpc.Status) -> None:
+        self._trailers = tuple(status.trailing_metadata or ())
+        self.abort(status.code, status.details)
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+
+    def set_trailing_metadata(self, trailing_metadata: Metadata) -> None:
+        self._trailers = tuple(trailing_metadata)
+
+    def trailing_metadata(self) -> Metadata:
+        return self._trailers
+
+    def send_initial_metadata(self, initial_metadata: Metadata) -> None:
+        pass
+
+    def auth_context(self) -> dict:
+        return {}
+
+    def peer_identities(self) -> None:
+        return None  # a lane is plaintext: no client certificate
+
+    def peer_identity_key(self) -> None:
+        return None
+
+    def set_compression(self, compression: Any) -> None:
+        pass
+
+    def disable_next_message_compression(self) -> None:
+        pass
+
+    def status(self) -> status_pb2.Status:
+        """The call's failure as a ``google.rpc.Status``: code, message, and the
+        details a gRPC call would carry in its trailers."""
+        code = self.code or grpc.StatusCode.UNKNOWN
+        status = status_pb2.Status(code=code.value[0], message=self.details)
+        for key, value in self._trailers:
+            if key == STATUS_DETAILS_METADATA_KEY and isinstance(value, bytes):
+                with contextlib.suppress(Exception):
+                    carried = status_pb2.Status.FromString(value)
+                    status.details.extend(carried.details)
+        return status
+
+
+class CallLanes:
+    """Issues lane tickets and serves the calls of the connections that present them."""
+
+    def __init__(
+        self, handlers: dict[int, grpc.RpcMethodHandler], ticket_ttl_s: float, idle_s: float
+    ) -> None:
+        self._handlers = handlers
+        self._ticket_ttl_s = ticket_ttl_s
+        self._idle_s = idle_s
+        self._lock = threading.Lock()
+        self._tickets: OrderedDict[bytes, LaneTicket] = OrderedDict()
+        self.calls = 0  # calls answered on lanes (a counter)
+
+    def issue(self, peer: str, metadata: Iterable[tuple[str, Any]]) -> bytes:
+        """A one-time ticket for one lane connection of the caller ``peer``."""
+        ticket = new_ticket()
+        now = time.monotonic()
+        kept = tuple((k, v) for k, v in metadata if k != "authorization")
+        with self._lock:
+            self._expire_locked(now)
+            while len(self._tickets) >= _MAX_PENDING_TICKETS:
+                self._tickets.popitem(last=False)
+            self._tickets[ticket] = LaneTicket(peer, kept, now + self._ticket_ttl_s)
+        return ticket
+
+    def claim(self, ticket: bytes) -> LaneTicket | None:
+        """The lane ``ticket`` opens (spent now), or None: unknown, spent or expired."""
+        if len(ticket) != TICKET_BYTES:
+            return None
+        with self._lock:
+            self._expire_locked(time.monotonic())
+            return self._tickets.pop(ticket, None)
+
+    def _expire_locked(self, now: float) -> None:
+        while self._tickets:
+            ticket, issued = next(iter(self._tickets.items()))
+            if issued.expires >= now:
+                return
+            del self._tickets[ticket]
+
+    def serve(self, conn: socket.socket, ticket: LaneTicket) -> None:
+        """Acknowledges the lane, then answers its calls until it closes or idles out."""
+        try:
+            self._serve(conn, ticket)
+        except OSError:
+            pass
+        except Exception:  # a bug of ours: this lane closes, the worker goes on
+            log.exception("call lane from %s failed", ticket.peer)
+
+    def _serve(self, conn: socket.socket, ticket: LaneTicket) -> None:
+        conn.settimeout(self._idle_s)
+        conn.sendall(ACK)
+        header = bytearray(REQUEST_HEADER.size)
+        while _recv_into(conn, memoryview(header)):
+            method_id, size, timeout_s = REQUEST_HEADER.unpack(header)
+            handler = self._handlers.get(method_id)
+            if handler is None or size > MAX_LANE_REQUEST_BYTES:
+                why = (
+                    f"the call lane carries no method {method_id}"
+                    if handler is None
+                    else f"a lane request of {size} bytes is over {MAX_LANE_REQUEST_BYTES}"
+                )
+                code = (
+                    grpc.StatusCode.UNIMPLEMENTED
+                    if handler is None
+                    else grpc.StatusCode.RESOURCE_EXHAUSTED
+                )
+                _send_failure(conn, status_pb2.Status(code=code.value[0], message=why))
+                return  # the payload is not read: the connection cannot go on
+            payload = bytearray(size)
+            if not _recv_into(conn, memoryview(payload)):
+                return
+            if not self._answer(conn, handler, bytes(payload), ticket, timeout_s):
+                return
+
+    def _answer(
+        self,
+        conn: socket.socket,
+        handler: grpc.RpcMethodHandler,
+        payload: bytes,
+        ticket: LaneTicket,
+        timeout_s: float,
+    ) -> bool:
+        """Runs one call and sends its answer; False when the connection must close."""
+        sent = threading.Lock()
+        answered = False
+
+        def cancel() -> None:
+            nonlocal answered
+            with sent:
+                if answered:
+                    return
+                answered = True
+                status = status_pb2.Status(
+                    code=grpc.StatusCode.CANCELLED.value[0],
+                    message="the worker cancelled the call (a data-plane bound)",
+                )
+                with contextlib.suppress(OSError):
+                    _send_failure(conn, status)
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+
+        context = LaneContext(ticket, timeout_s, cancel)
+        try:
+            response = handler.unary_unary(payload, context)
+            frame = _frame(OK, handler.response_serializer(response))
+        except Exception:
+            if context.code is None:  # not an abort: the error boundary let it through
+                context.code, context.details = grpc.StatusCode.INTERNAL, "internal error"
+            frame = _frame(FAILED, context.status().SerializeToString())
+        finally:
+            context.run_callbacks()
+        with sent:
+            if answered:
+                return False
+            answered = True
+            with self._lock:
+                self.calls += 1
+            try:
+                conn.sendall(frame)
+            except OSError:
+                return False  # the client went (its deadline passed): nobody to tell
+        return True
+
+
+def _frame(outcome: int, body: bytes) -> bytes:
+    return RESPONSE_HEADER.pack(outcome, len(body)) + body
+
+
+def _send_failure(conn: socket.socket, status: status_pb2.Status) -> None:
+    conn.sendall(_frame(FAILED, status.SerializeToString()))
+
+
+def _recv_into(conn: socket.socket, view: memoryview) -> bool:
+    """Fills ``view``; False on EOF, a reset, or no byte within the socket's timeout."""
+    got = 0
+    try:
+        while got < view.nbytes:
+            n = conn.recv_into(view[got:])
+            if n == 0:
+                return False
+            got += n
+    except OSError:
+        return False
+    return True
