@@ -178,6 +178,15 @@ class Session(Protocol):
         """Runs one call per rank in parallel and returns their results by rank."""
         ...
 
+    def fan_out_sent(
+        self,
+        what: str,
+        sends: dict[int, Callable[[], Callable[[], R] | None]],
+        fns: dict[int, Callable[[], R]],
+    ) -> dict[int, R]:
+        """``fan_out`` of calls sent from this thread and answered after (or ``fns``)."""
+        ...
+
 
 class ClusterSession:
     """The :class:`Session` of one ``Cluster``: connects in its constructor."""
@@ -512,11 +521,59 @@ class ClusterSession:
         except Exception as exc:  # raised below, once the others ended
             own.set_exception(exc)
         futures[own_rank] = own
-        concurrent.futures.wait(futures.values())
-        for rank in sorted(futures):
-            if futures[rank].exception() is not None:
-                raise futures[rank].exception()  # type: ignore[misc]
-        return {rank: f.result() for rank, f in futures.items()}
+        return _ended(futures)
+
+    def fan_out_sent(
+        self,
+        what: str,
+        sends: dict[int, Callable[[], Callable[[], R] | None]],
+        fns: dict[int, Callable[[], R]],
+    ) -> dict[int, R]:
+        """:meth:`fan_out` for calls that can be sent first and answered after.
+
+        ``sends[rank]()`` sends that rank's call from this thread and returns what
+        waits for its answer, or None when it cannot (nothing sent): then
+        ``fns[rank]`` makes the call on the pool, as :meth:`fan_out` does. Once
+        every call is sent, the answers are awaited here, so when every rank's call
+        could be sent no thread is handed anything. Waits for all, then raises the
+        lowest rank's error.
+        """
+        self.check_open()
+        sent: dict[int, Callable[[], R]] = {}
+        futures: dict[int, concurrent.futures.Future[R]] = {}
+        for rank, send in sends.items():
+            try:
+                answer = _on_rank(what, rank, send)
+            except Exception as exc:  # raised below, once the others ended
+                futures[rank] = concurrent.futures.Future()
+                futures[rank].set_exception(exc)
+                continue
+            if answer is not None:
+                sent[rank] = answer
+        rest = {rank: fn for rank, fn in fns.items() if rank not in sent and rank not in futures}
+        if rest and not sent:
+            return self.fan_out(what, rest)
+        try:
+            for rank, fn in rest.items():
+                futures[rank] = self._io_executor.submit(_on_rank, what, rank, fn)
+        except RuntimeError:
+            raise Unavailable(f"the connection to {self._address} is closed") from None
+        for rank, answer in sent.items():
+            futures[rank] = concurrent.futures.Future()
+            try:
+                futures[rank].set_result(_on_rank(what, rank, answer))
+            except Exception as exc:
+                futures[rank].set_exception(exc)
+        return _ended(futures)
+
+
+def _ended(futures: dict[int, concurrent.futures.Future[R]]) -> dict[int, R]:
+    """Every rank's result once all ended; the lowest rank's error if some failed."""
+    concurrent.futures.wait(futures.values())
+    for rank in sorted(futures):
+        if futures[rank].exception() is not None:
+            raise futures[rank].exception()  # type: ignore[misc]
+    return {rank: f.result() for rank, f in futures.items()}
 
 
 def _on_rank(what: str, rank: int, fn: Callable[[], R]) -> R:

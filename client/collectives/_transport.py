@@ -61,6 +61,7 @@ __all__ = [
     "WorkerEndpoint",
     "call_forward",
     "call_unary",
+    "send_forward",
     "choose_path",
     "get_tensor",
     "is_retryable_read",
@@ -123,15 +124,37 @@ def call_forward(
     Raises:
         CollectiveError: the call failed (subclass by status code).
     """
+    pending = send_forward(endpoint, request, timeout, what)
+    if pending is None:
+        return call_unary(endpoint.stub.Forward, request, timeout, what)
+    return pending()
+
+
+def send_forward(
+    endpoint: WorkerEndpoint, request: worker_pb2.ForwardRequest, timeout: float, what: str
+) -> Callable[[], worker_pb2.ForwardResponse] | None:
+    """Sends ``Forward`` on a call lane and returns what waits for its answer; None
+    when no lane can carry it (nothing sent: make the gRPC call, :func:`call_forward`).
+
+    Raises:
+        CollectiveError: the call failed before it was sent (its deadline passed).
+    """
     try:
-        raw = endpoint.lanes.call(
+        pending = endpoint.lanes.send(
             endpoint, lanes.FORWARD, request.SerializeToString(), _deadline_s(timeout, what)
         )
     except grpc.RpcError as err:
         raise _from_rpc_error(err, what) from None
-    if raw is None:
-        return call_unary(endpoint.stub.Forward, request, timeout, what)
-    return worker_pb2.ForwardResponse.FromString(raw)
+    if pending is None:
+        return None
+
+    def answer() -> worker_pb2.ForwardResponse:
+        try:
+            return worker_pb2.ForwardResponse.FromString(pending.result())
+        except grpc.RpcError as err:
+            raise _from_rpc_error(err, what) from None
+
+    return answer
 
 
 class ChannelPool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,7 @@ from collectives._transport import (
     call_unary,
     get_tensor,
     put_tensor,
+    send_forward,
 )
 from collectives.errors import CollectiveError, InvalidArgument, NotFound, Reason, Unavailable
 from collectives.v1 import worker_pb2
@@ -172,7 +173,7 @@ class _RemoteCall:
         self.state = _CallState(self.models, self.model, self.call_id, self.shards)
         types = _namedtuple_types((inputs, kwargs))
 
-        def run(i: int, version: int) -> tuple[Any, int]:
+        def request_of(i: int, version: int) -> worker_pb2.ForwardRequest:
             shard = self.shards[i]
             counter = iter(range(1 << 30))
 
@@ -198,9 +199,10 @@ class _RemoteCall:
             )
             fill_value(request.args, tuple(parts_args[i]), add)
             fill_value(request.kwargs, dict(parts_kwargs[i]), add)
-            response = call_forward(
-                shard.endpoint, request, self._left(), f"forward of {self.model!r}"
-            )
+            return request
+
+        def outputs_of(i: int, response: worker_pb2.ForwardResponse) -> tuple[Any, int]:
+            shard = self.shards[i]
             shard.output_names = tensor_leaves(response.output)
             fetched = _decode_inline(inline_leaves(response.output))
             for n in shard.output_names:
@@ -209,8 +211,30 @@ class _RemoteCall:
             shard.outputs = [fetched[n] for n in shard.output_names]
             return from_value(response.output, fetched.__getitem__, types), response.version
 
+        what = f"forward of {self.model!r}"
+
+        def run(i: int, version: int) -> tuple[Any, int]:
+            request = request_of(i, version)
+            return outputs_of(i, call_forward(self.shards[i].endpoint, request, self._left(), what))
+
+        # A shard whose inputs all travel inline can be sent on a call lane from this
+        # thread, every shard first, then each answer awaited (no puts to make first).
+        inline = [
+            sum(t.numel() * t.element_size() for t in tensors_in((parts_args[i], parts_kwargs[i])))
+            <= INLINE_BYTES
+            for i in range(len(self.shards))
+        ]
+
+        def send(i: int, version: int) -> Callable[[], tuple[Any, int]] | None:
+            if not inline[i]:
+                return None
+            answer = send_forward(
+                self.shards[i].endpoint, request_of(i, version), self._left(), what
+            )
+            return None if answer is None else (lambda: outputs_of(i, answer()))
+
         try:
-            per_worker = self._run_one_version(run)
+            per_worker = self._run_one_version(send, run)
         except CollectiveError:
             _release(self.state)
             raise
@@ -224,7 +248,11 @@ class _RemoteCall:
         outs = _GatherFromWorkers.apply(self, flat, anchor, *self.grad_leaves)
         return replace_tensors(gathered, list(outs))
 
-    def _run_one_version(self, run: Callable[[int, int], tuple[Any, int]]) -> dict[int, Any]:
+    def _run_one_version(
+        self,
+        send: Callable[[int, int], Callable[[], tuple[Any, int]] | None],
+        run: Callable[[int, int], tuple[Any, int]],
+    ) -> dict[int, Any]:
         """Every shard's output, all computed by one model version (then ``self.version``).
 
         Each shard first runs on whatever version its worker serves. A publish
@@ -237,15 +265,11 @@ class _RemoteCall:
         shards = range(len(self.shards))
         for _ in range(_VERSION_ATTEMPTS):
             try:
-                done = self.session.fan_out(what, {i: (lambda i=i: run(i, 0)) for i in shards})
+                done = self._fan_out(what, shards, 0, send, run)
                 newest = max(v for _, v in done.values())
                 behind = [i for i in shards if done[i][1] != newest]
                 if behind:
-                    done.update(
-                        self.session.fan_out(
-                            what, {i: (lambda i=i, v=newest: run(i, v)) for i in behind}
-                        )
-                    )
+                    done.update(self._fan_out(what, behind, newest, send, run))
             except CollectiveError as err:
                 if err.reason == Reason.VERSION_MOVED:
                     continue
@@ -255,6 +279,21 @@ class _RemoteCall:
         raise Unavailable(
             f"{what}: the model's version changed under every one of {_VERSION_ATTEMPTS} "
             "attempts (publishes faster than a forward); retry, or publish less often"
+        )
+
+    def _fan_out(
+        self,
+        what: str,
+        shards: Iterable[int],
+        version: int,
+        send: Callable[[int, int], Callable[[], tuple[Any, int]] | None],
+        run: Callable[[int, int], tuple[Any, int]],
+    ) -> dict[int, tuple[Any, int]]:
+        """Each of ``shards``' output at ``version`` (0: whichever its worker serves)."""
+        return self.session.fan_out_sent(
+            what,
+            {i: (lambda i=i: send(i, version)) for i in shards},
+            {i: (lambda i=i: run(i, version)) for i in shards},
         )
 
     def backward(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:

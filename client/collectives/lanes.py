@@ -59,6 +59,8 @@ FORWARD = 1
 # bulk idle timeout, longer than this).
 _MAX_IDLE = 16
 _IDLE_KEEP_S = 20.0
+# A lane idle less than this is reused without checking it is still open.
+_FRESH_S = 1.0
 # How long a lane's opening (ticket, connection, the worker's ACK) may take.
 _OPEN_TIMEOUT_S = 5.0
 # After a worker served no lane (none offered, refused, or broken at opening),
@@ -103,10 +105,6 @@ class LaneError(grpc.RpcError):
         return self._trailing
 
 
-class _LaneBroken(Exception):
-    """The request could not be written: the worker never saw it, gRPC may carry it."""
-
-
 class CallLanes:
     """One client's call lanes to one worker: idle connections kept for reuse."""
 
@@ -126,18 +124,37 @@ class CallLanes:
             LaneError: the call failed: its status (``DEADLINE_EXCEEDED`` once
                 ``timeout`` passed, ``UNAVAILABLE`` if the lane broke while waiting).
         """
+        pending = self.send(endpoint, method, request, timeout)
+        return None if pending is None else pending.result()
+
+    def send(
+        self, endpoint: LaneEndpoint, method: int, request: bytes, timeout: float
+    ) -> PendingCall | None:
+        """Sends ``request`` on a lane and returns the call, whose answer
+        :meth:`PendingCall.result` waits for; None when no lane can carry it (nothing
+        was sent: the caller makes the gRPC call). Sending to several workers first
+        and then waiting puts their calls in flight together, from one thread.
+
+        Raises:
+            LaneError: ``DEADLINE_EXCEEDED``: ``timeout`` passed before it was sent.
+        """
         if len(request) > MAX_LANE_REQUEST_BYTES:
             return None
-        started = time.monotonic()
+        deadline = time.monotonic() + timeout
         sock = self._take(endpoint, timeout)
         if sock is None:
             return None
-        left = timeout - (time.monotonic() - started)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            self.keep(sock)
+            raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
         try:
-            return self._exchange(sock, method, request, left)
-        except _LaneBroken:
-            sock.close()
+            sock.settimeout(left)
+            sock.sendall(REQUEST_HEADER.pack(method, len(request), left) + request)
+        except OSError:
+            sock.close()  # the worker never saw the call: it may take gRPC
             return None
+        return PendingCall(self, sock, deadline)
 
     def close(self) -> None:
         with self._lock:
@@ -145,40 +162,6 @@ class CallLanes:
             idle, self._idle = self._idle, []
         for _, sock in idle:
             sock.close()
-
-    def _exchange(self, sock: socket.socket, method: int, request: bytes, left: float) -> bytes:
-        if left <= 0:
-            sock.close()
-            raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-        try:
-            sock.settimeout(left)
-            sock.sendall(REQUEST_HEADER.pack(method, len(request), left) + request)
-        except OSError:
-            raise _LaneBroken() from None
-        deadline = time.monotonic() + left
-        try:
-            header = _receive(sock, RESPONSE_HEADER.size, deadline)
-            outcome, size = RESPONSE_HEADER.unpack(header)
-            if outcome not in (OK, FAILED) or size > MAX_MESSAGE_BYTES:
-                raise ConnectionResetError("the worker sent a frame this client cannot read")
-            body = _receive(sock, size, deadline)
-        except TimeoutError:
-            sock.close()  # its answer may still come: this lane cannot be reused
-            raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
-        except OSError as exc:
-            sock.close()
-            raise LaneError(
-                grpc.StatusCode.UNAVAILABLE,
-                f"the call lane broke before the worker answered ({exc or 'closed'}): "
-                "the worker stopped or restarted",
-            ) from None
-        if outcome == OK:
-            self._keep(sock)
-            return body
-        status = status_pb2.Status.FromString(body)
-        self._keep(sock)
-        trailing = ((STATUS_DETAILS_METADATA_KEY, body),) if len(status.details) else ()
-        raise LaneError(status_code(status.code), status.message, trailing)
 
     def _take(self, endpoint: LaneEndpoint, timeout: float) -> socket.socket | None:
         now = time.monotonic()
@@ -189,7 +172,11 @@ class CallLanes:
                 if not self._idle:
                     break
                 since, sock = self._idle.pop()
-            if now - since < _IDLE_KEEP_S and looks_open(sock):
+            idle_s = now - since
+            # A lane used a moment ago is taken as is (a worker closes idle lanes
+            # only after a minute); one idle longer is first checked for the
+            # worker's close, which a restart leaves behind.
+            if idle_s < _FRESH_S or (idle_s < _IDLE_KEEP_S and looks_open(sock)):
                 return sock
             sock.close()
         sock = self._open(endpoint, min(timeout, _OPEN_TIMEOUT_S))
@@ -228,12 +215,53 @@ class CallLanes:
             return None
         return sock
 
-    def _keep(self, sock: socket.socket) -> None:
+    def keep(self, sock: socket.socket) -> None:
+        """Keeps a lane whose call was answered, for the next call."""
         with self._lock:
             if not self._closed and len(self._idle) < _MAX_IDLE:
                 self._idle.append((time.monotonic(), sock))
                 return
         sock.close()
+
+
+class PendingCall:
+    """A call sent on a lane, its answer not yet read."""
+
+    def __init__(self, lanes: CallLanes, sock: socket.socket, deadline: float) -> None:
+        self._lanes = lanes
+        self._sock = sock
+        self._deadline = deadline
+
+    def result(self) -> bytes:
+        """The serialized response (the lane is then kept for the next call).
+
+        Raises:
+            LaneError: the call's status: the worker's, or ``DEADLINE_EXCEEDED``
+                once the deadline passed, or ``UNAVAILABLE`` if the lane broke.
+        """
+        sock = self._sock
+        try:
+            header = _receive(sock, RESPONSE_HEADER.size, self._deadline)
+            outcome, size = RESPONSE_HEADER.unpack(header)
+            if outcome not in (OK, FAILED) or size > MAX_MESSAGE_BYTES:
+                raise ConnectionResetError("the worker sent a frame this client cannot read")
+            body = _receive(sock, size, self._deadline)
+        except TimeoutError:
+            sock.close()  # its answer may still come: this lane cannot be reused
+            raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        except OSError as exc:
+            sock.close()
+            raise LaneError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the call lane broke before the worker answered ({exc or 'closed'}): "
+                "the worker stopped or restarted",
+            ) from None
+        self._lanes.keep(sock)
+        if outcome == OK:
+            return body
+        status = status_pb2.Status.FromString(body)
+        trailing = ((STATUS_DETAILS_METADATA_KEY, body),) if len(status.details) else ()
+        raise LaneError(status_code(status.code), status.message, trailing)
 
 
 def _receive(sock: socket.socket, size: int, deadline: float) -> bytes:
@@ -250,7 +278,11 @@ def _receive(sock: socket.socket, size: int, deadline: float) -> bytes:
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError
-        sock.settimeout(left)
+        # The socket's timeout bounds each read; it is cut to what is left once it
+        # would overshoot the deadline by more than a little (each change is a syscall).
+        current = sock.gettimeout()
+        if current is None or current - left > 0.005 + 0.05 * left:
+            sock.settimeout(left)
         n = sock.recv_into(view[got:])
         if n == 0:
             raise ConnectionResetError("the worker closed the lane")
