@@ -93,6 +93,9 @@ class _Caller:
     output: Any = None
     version: int = 0
     error: BaseException | None = None
+    # Set when this caller has something to act on: its result came, it was made
+    # its company's leader, or (leading) a caller joined its company.
+    wake: threading.Event = field(default_factory=threading.Event)
 
 
 def _split_rows(output: Any, sizes: Sequence[int]) -> list[Any] | None:
@@ -111,17 +114,23 @@ def _split_rows(output: Any, sizes: Sequence[int]) -> list[Any] | None:
 
 
 class Batcher:
-    """One model's dynamic batcher (see the module)."""
+    """One model's dynamic batcher (see the module).
+
+    Each caller sleeps on its own event and is woken only when it has something
+    to act on (its result, the lead, company joining its gathering), never by
+    another company's or another caller's business: with many concurrent
+    callers a shared condition woke every one of them at each step.
+    """
 
     def __init__(self, policy: Batching) -> None:
         self.policy = policy
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._queue: list[_Caller] = []
         self._leading: dict[tuple, _Caller] = {}  # company -> the caller leading it
         self._stats = BatchingStats()
 
     def stats(self) -> BatchingStats:
-        with self._cond:
+        with self._lock:
             return self._stats.copy()
 
     def run(
@@ -144,35 +153,56 @@ class Batcher:
             whatever ``hold`` or ``call`` raise for this caller.
         """
         me = _Caller(company, args, rows)
-        with self._cond:
+        with self._lock:
             self._queue.append(me)
-            self._cond.notify_all()
-        while True:
-            with self._cond:
-                # Taken by a leader: wait for its result; else lead once nobody does.
-                while not me.done and (me.taken or company in self._leading):
-                    left = deadline - time.monotonic()
-                    if left <= 0 and not me.taken:
-                        self._queue.remove(me)
-                        raise DeadlineExceeded("the forward waited for its batch past its deadline")
-                    self._cond.wait(min(max(left, 0.05), 1.0))
-                if me.done:
-                    break
+            leader = self._leading.get(company)
+            if leader is None:
                 self._leading[company] = me
-            try:
-                self._lead(me, hold, call, deadline)
-            finally:
-                with self._cond:
+            else:
+                leader.wake.set()  # it may be gathering: one caller more
+        while True:
+            with self._lock:
+                leads = self._leading.get(company) is me
+                me.wake.clear()
+            if leads:
+                try:
+                    self._lead(me, hold, call, deadline)
+                finally:
                     self._hand_on(me)
+            elif not me.done:
+                # Taken by a leader: wait for its result; else wait to lead.
+                left = deadline - time.monotonic()
+                # Once taken, the result comes whatever the deadline: keep waiting.
+                if not me.wake.wait(min(max(left, 0.05), 1.0)):
+                    with self._lock:
+                        if time.monotonic() >= deadline and not me.taken and not me.done:
+                            self._queue.remove(me)
+                            if self._leading.get(company) is me:
+                                self._hand_on_locked(me)
+                            raise DeadlineExceeded(
+                                "the forward waited for its batch past its deadline"
+                            )
+            if me.done:
+                break
         if me.error is not None:
             raise me.error
         return me.output, me.version
 
     def _hand_on(self, leader: _Caller) -> None:
-        """``leader`` leads its company no more (the caller holds ``_cond``)."""
-        if self._leading.get(leader.company) is leader:
-            del self._leading[leader.company]
-        self._cond.notify_all()
+        with self._lock:
+            self._hand_on_locked(leader)
+
+    def _hand_on_locked(self, leader: _Caller) -> None:
+        """``leader`` leads its company no more: the oldest caller of the company still
+        waiting to be taken leads next (the caller holds ``_lock``)."""
+        if self._leading.get(leader.company) is not leader:
+            return
+        del self._leading[leader.company]
+        for c in self._queue:
+            if c.company == leader.company and not c.taken:
+                self._leading[c.company] = c
+                c.wake.set()
+                return
 
     def _gathered_rows(self, company: tuple) -> int:
         return sum(c.rows for c in self._queue if c.company == company)
@@ -186,40 +216,43 @@ class Batcher:
     ) -> None:
         company = me.company
         until = min(time.monotonic() + self.policy.max_delay_ms / 1000.0, deadline)
-        with self._cond:
-            while self._gathered_rows(company) < self.policy.max_rows:
-                left = until - time.monotonic()
-                if left <= 0:
+        while True:
+            with self._lock:
+                if self._gathered_rows(company) >= self.policy.max_rows:
                     break
-                self._cond.wait(left)
+                me.wake.clear()
+            left = until - time.monotonic()
+            if left <= 0:
+                break
+            me.wake.wait(left)
         batch: list[_Caller] = []
         try:
             with hold() as (version, module):
-                with self._cond:
+                with self._lock:
                     batch = self._take(company)
-                    self._hand_on(me)  # the next batch gathers while this one runs
+                    self._hand_on_locked(me)  # the next batch gathers while this one runs
                 outputs, runs = self._forward(batch, lambda inputs: call(module, inputs))
         except BaseException as exc:
             # The model could not be held at the version wanted (or the forward broke
             # in a way not of one caller's making): this leader fails, and the
             # callers of its batch, if it took one, with it.
-            with self._cond:
+            with self._lock:
                 if me in self._queue:
                     self._queue.remove(me)
                     me.taken = True
                 for c in [me, *batch]:
                     if not c.done:
                         c.error, c.done = exc, True
-                self._cond.notify_all()
+                        c.wake.set()
             if isinstance(exc, Exception):
                 return
             raise
-        with self._cond:
+        with self._lock:
             for calls, rows in runs:
                 self._stats.count(calls, rows)
             for c, (output, error) in zip(batch, outputs, strict=True):
                 c.output, c.error, c.version, c.done = output, error, version, True
-            self._cond.notify_all()
+                c.wake.set()
 
     def _take(self, company: tuple) -> list[_Caller]:
         """The waiting callers of ``company``, FIFO, up to max_rows rows (at least one)."""
