@@ -39,7 +39,7 @@ import torch
 from collectives._data_plane import DataPlane
 from collectives._generation_binding import GenerationBinding, is_not_executed
 from collectives._session import Session, server_timeout_s
-from collectives._transport import call_unary
+from collectives._transport import call_unary, call_worker
 from collectives._validation import (
     check_group,
     check_name,
@@ -543,8 +543,13 @@ class Collectives:
                 timeout_s=server_timeout_s(remaining),
                 membership_digest=snapshot.digest_of(generation),
             )
-            stub_method = getattr(self._session.endpoint(leader).stub, method)
-            return call_unary(stub_method, request(options), remaining, f"{what} on {leader}")
+            return call_worker(
+                self._session.endpoint(leader),
+                method,
+                request(options),
+                remaining,
+                f"{what} on {leader}",
+            )
 
         def run() -> Any:
             response = self._session.retry(what, deadline, attempt, binding.retryable)

@@ -42,7 +42,7 @@ from collectives._model_transport import get_model_tensors, load_model_on
 from collectives._programs import ProgramCache, as_module, example_like, program_name
 from collectives._progress import progress
 from collectives._session import Session, server_timeout_s
-from collectives._transport import WorkerEndpoint, call_forward, call_unary, is_retryable_read
+from collectives._transport import WorkerEndpoint, call_unary, call_worker, is_retryable_read
 from collectives.errors import CollectiveError, InvalidArgument, NotFound
 from collectives.reduce_ops import ReduceOp, parse_reduce_op
 from collectives.v1 import worker_pb2
@@ -553,7 +553,7 @@ class Models:
                 args=args,
                 output_names=output_names,
             )
-            call_forward(endpoint, request, self._remaining(deadline), "apply")
+            call_worker(endpoint, "Forward", request, self._remaining(deadline), "apply")
 
         calls = {r: (lambda e=endpoints[r]: run(e)) for r in targets}
         try:
@@ -644,8 +644,8 @@ class Models:
                 tuple=worker_pb2.ValueList(items=[worker_pb2.Value(tensor=inputs)])
             ),
         )
-        response = call_forward(
-            endpoint, request, self._remaining(deadline), f"a forward of {model!r}"
+        response = call_worker(
+            endpoint, "Forward", request, self._remaining(deadline), f"a forward of {model!r}"
         )
         names = tensor_leaves(response.output)
         try:

@@ -19,15 +19,18 @@ stream is decided in one place, :func:`choose_path`.
 from __future__ import annotations
 
 import enum
+import functools
 import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import torch
+from google.protobuf import message_factory
+from google.protobuf.message import Message
 
 from collectives import bulk, lanes
 from collectives._channels import (
@@ -51,6 +54,7 @@ from collectives.shm import Segment, SegmentPool
 from collectives.v1 import tensor_pb2, worker_pb2, worker_pb2_grpc
 from collectives.wire import codec, shm
 from collectives.wire.bulk_frames import BULK_MIN_BYTES
+from collectives.wire.lane_frames import LANE_METHOD_IDS
 from collectives.wire.security import PLAINTEXT, ChannelSecurity
 
 __all__ = [
@@ -59,9 +63,9 @@ __all__ = [
     "DataPath",
     "Route",
     "WorkerEndpoint",
-    "call_forward",
     "call_unary",
-    "send_forward",
+    "call_worker",
+    "send_on_lane",
     "choose_path",
     "get_tensor",
     "is_retryable_read",
@@ -115,46 +119,59 @@ class WorkerEndpoint:
         )
 
 
-def call_forward(
-    endpoint: WorkerEndpoint, request: worker_pb2.ForwardRequest, timeout: float, what: str
-) -> worker_pb2.ForwardResponse:
-    """``Forward`` on the worker, on a call lane when one can carry it (see
-    :mod:`collectives.lanes`), else as a gRPC call; the same answer and errors either way.
+def call_worker(
+    endpoint: WorkerEndpoint, method: str, request: Message, timeout: float, what: str
+) -> Any:
+    """The Worker RPC ``method`` (``"Forward"``, ``"AllReduce"``...), on a call lane
+    when one can carry it (see :mod:`collectives.lanes`), else as a gRPC call; the
+    same answer and errors either way.
 
     Raises:
         CollectiveError: the call failed (subclass by status code).
     """
-    pending = send_forward(endpoint, request, timeout, what)
-    if pending is None:
-        return call_unary(endpoint.stub.Forward, request, timeout, what)
-    return pending()
+    answer = send_on_lane(endpoint, method, request, timeout, what)
+    if answer is None:
+        return call_unary(getattr(endpoint.stub, method), request, timeout, what)
+    return answer()
 
 
-def send_forward(
-    endpoint: WorkerEndpoint, request: worker_pb2.ForwardRequest, timeout: float, what: str
-) -> Callable[[], worker_pb2.ForwardResponse] | None:
-    """Sends ``Forward`` on a call lane and returns what waits for its answer; None
-    when no lane can carry it (nothing sent: make the gRPC call, :func:`call_forward`).
+def send_on_lane(
+    endpoint: WorkerEndpoint, method: str, request: Message, timeout: float, what: str
+) -> Callable[[], Any] | None:
+    """Sends the Worker RPC ``method`` on a call lane and returns what waits for its
+    answer; None when no lane can carry it (nothing sent: make the gRPC call, as
+    :func:`call_worker` does).
 
     Raises:
         CollectiveError: the call failed before it was sent (its deadline passed).
     """
+    method_id = LANE_METHOD_IDS.get(method)
+    if method_id is None:
+        return None
     try:
         pending = endpoint.lanes.send(
-            endpoint, lanes.FORWARD, request.SerializeToString(), _deadline_s(timeout, what)
+            endpoint, method_id, request.SerializeToString(), _deadline_s(timeout, what)
         )
     except grpc.RpcError as err:
         raise _from_rpc_error(err, what) from None
     if pending is None:
         return None
+    parse = _response_class(method).FromString
 
-    def answer() -> worker_pb2.ForwardResponse:
+    def answer() -> Any:
         try:
-            return worker_pb2.ForwardResponse.FromString(pending.result())
+            return parse(pending.result())
         except grpc.RpcError as err:
             raise _from_rpc_error(err, what) from None
 
     return answer
+
+
+@functools.cache
+def _response_class(method: str) -> type[Message]:
+    """The response message class of the Worker RPC ``method``."""
+    descriptor = worker_pb2.DESCRIPTOR.services_by_name["Worker"].methods_by_name[method]
+    return message_factory.GetMessageClass(descriptor.output_type)
 
 
 class ChannelPool:

@@ -29,11 +29,11 @@ from collectives._models import Models
 from collectives._session import Session
 from collectives._transport import (
     WorkerEndpoint,
-    call_forward,
     call_unary,
+    call_worker,
     get_tensor,
     put_tensor,
-    send_forward,
+    send_on_lane,
 )
 from collectives.errors import CollectiveError, InvalidArgument, NotFound, Reason, Unavailable
 from collectives.v1 import worker_pb2
@@ -215,7 +215,8 @@ class _RemoteCall:
 
         def run(i: int, version: int) -> tuple[Any, int]:
             request = request_of(i, version)
-            return outputs_of(i, call_forward(self.shards[i].endpoint, request, self._left(), what))
+            response = call_worker(self.shards[i].endpoint, "Forward", request, self._left(), what)
+            return outputs_of(i, response)
 
         # A shard whose inputs all travel inline can be sent on a call lane from this
         # thread, every shard first, then each answer awaited (no puts to make first).
@@ -228,8 +229,8 @@ class _RemoteCall:
         def send(i: int, version: int) -> Callable[[], tuple[Any, int]] | None:
             if not inline[i]:
                 return None
-            answer = send_forward(
-                self.shards[i].endpoint, request_of(i, version), self._left(), what
+            answer = send_on_lane(
+                self.shards[i].endpoint, "Forward", request_of(i, version), self._left(), what
             )
             return None if answer is None else (lambda: outputs_of(i, answer()))
 

@@ -1,8 +1,9 @@
 """Call lanes, client side: small unary calls over kept raw TCP connections.
 
-A small forward costs more in gRPC's per-call work (HTTP/2 framing, the
-completion queue, a thread hand-off on each side) than in the model. A call
-lane carries the same request and response messages over a connection to the
+A small forward, or a collective (whose request names tensors already on the
+workers), costs more in gRPC's per-call work (HTTP/2 framing, the completion
+queue, a thread hand-off on each side) than in the work itself. A call lane
+carries the same request and response messages over a connection to the
 worker's bulk port, framed by length (:mod:`collectives.wire.lane_frames`),
 one call at a time; a client keeps a few such connections per worker and
 takes an idle one for each call, so concurrent calls of one client run on
@@ -43,6 +44,7 @@ from collectives.v1 import worker_pb2
 from collectives.wire.bulk_frames import ACK
 from collectives.wire.lane_frames import (
     FAILED,
+    FAILED_CLOSING,
     LANE_MAGIC,
     MAX_LANE_REQUEST_BYTES,
     OK,
@@ -51,10 +53,8 @@ from collectives.wire.lane_frames import (
 )
 from collectives.wire.limits import MAX_MESSAGE_BYTES
 
-__all__ = ["FORWARD", "CallLanes", "LaneEndpoint", "LaneError"]
+__all__ = ["CallLanes", "LaneEndpoint", "LaneError", "PendingCall"]
 
-# The method ids of lane_frames.LANE_METHODS the SDK sends.
-FORWARD = 1
 # Idle lanes kept per worker, and for how long (the worker closes them after its
 # bulk idle timeout, longer than this).
 _MAX_IDLE = 16
@@ -243,7 +243,7 @@ class PendingCall:
         try:
             header = _receive(sock, RESPONSE_HEADER.size, self._deadline)
             outcome, size = RESPONSE_HEADER.unpack(header)
-            if outcome not in (OK, FAILED) or size > MAX_MESSAGE_BYTES:
+            if outcome not in (OK, FAILED, FAILED_CLOSING) or size > MAX_MESSAGE_BYTES:
                 raise ConnectionResetError("the worker sent a frame this client cannot read")
             body = _receive(sock, size, self._deadline)
         except TimeoutError:
@@ -256,7 +256,10 @@ class PendingCall:
                 f"the call lane broke before the worker answered ({exc or 'closed'}): "
                 "the worker stopped or restarted",
             ) from None
-        self._lanes.keep(sock)
+        if outcome == FAILED_CLOSING:
+            sock.close()
+        else:
+            self._lanes.keep(sock)
         if outcome == OK:
             return body
         status = status_pb2.Status.FromString(body)

@@ -1,4 +1,4 @@
-"""Call lanes on real clusters: forwards over kept bulk-port connections, not gRPC calls.
+"""Call lanes on real clusters: small calls over kept bulk-port connections, not gRPC calls.
 
 What a lane must keep of gRPC: the same outputs (torch's), the same errors (class,
 code, message, structured fields) as a ``--no-call-lanes`` cluster answers, the
@@ -33,6 +33,7 @@ from collectives.v1 import worker_pb2, worker_pb2_grpc
 from collectives.wire.bulk_frames import ACK, TICKET_BYTES
 from collectives.wire.lane_frames import (
     FAILED,
+    FAILED_CLOSING,
     LANE_MAGIC,
     MAX_LANE_REQUEST_BYTES,
     REQUEST_HEADER,
@@ -307,14 +308,14 @@ def test_garbage_on_a_lane_gets_a_status_and_the_worker_goes_on(token_cluster) -
         assert len(status.details) == 1  # the ErrorInfo a gRPC call carries
     with open_lane() as lane:
         outcome, body = _call(lane, 99, b"")
-        assert outcome == FAILED
+        assert outcome == FAILED_CLOSING
         assert status_pb2.Status.FromString(body).code == grpc.StatusCode.UNIMPLEMENTED.value[0]
         assert _closed_without_ack(lane)
     with open_lane() as lane:
         lane.sendall(REQUEST_HEADER.pack(1, MAX_LANE_REQUEST_BYTES + 1, 10.0))
         outcome, size = RESPONSE_HEADER.unpack(_recv_exactly(lane, RESPONSE_HEADER.size))
         status = status_pb2.Status.FromString(_recv_exactly(lane, size))
-        assert outcome == FAILED
+        assert outcome == FAILED_CLOSING
         assert status.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
         assert _closed_without_ack(lane)
     with open_lane() as lane:  # a frame cut short, then the connection closed
@@ -329,40 +330,57 @@ def test_garbage_on_a_lane_gets_a_status_and_the_worker_goes_on(token_cluster) -
 
 
 @pytest.mark.timeout(240)
-def test_a_worker_killed_under_8_forwarding_clients_ends_every_call_cleanly(fresh_cluster):
-    """Each call ends in the right output or a CollectiveError, none hangs, and once
-    the survivor re-formed alone the calls succeed again."""
+def test_a_worker_killed_under_8_clients_of_small_ops_ends_every_op_cleanly(fresh_cluster):
+    """8 clients alternate forwards and 4-element all_reduces on lanes while a worker
+    is killed: each op ends in the right result or a CollectiveError, none hangs, and
+    once the survivor re-formed alone the ops succeed again."""
     local, owner = fresh_cluster(WORKERS, "--allow-factory", ZOO, "--min-workers", "1")
     owner.load_model("lanes/kill", factory=FACTORY, kwargs=KWARGS)
     owner.data_parallel("lanes/kill").eval()
     clients = [collectives.connect(local.address, timeout=60) for _ in range(CLIENTS)]
+    # all_reduce(max) of a value that differs by rank: after the first, every rank
+    # holds the maximum, which no later all_reduce (of any world) changes.
+    maxima = []
+    for i, c in enumerate(clients):
+        parts = [torch.randn(4) for _ in range(WORKERS)]
+        for rank, part in enumerate(parts):
+            c.put(f"lanes/kill/{i}", part, rank=rank)
+        maxima.append(torch.stack(parts).amax(0))
     victim = next(w for w in owner.workers() if w.rank == 1)
     assert local.owns(victim.pid)
     stop = threading.Event()
     killed = threading.Event()
     calls = [0] * CLIENTS
-    after_kill = [0] * CLIENTS  # successes that started after the kill
+    after_kill = [0] * CLIENTS  # ops that started after the kill and succeeded
     wrong: list[str] = []
     errors: list[CollectiveError] = []
 
+    def op(i: int, k: int, gen: torch.Generator) -> None:
+        if k % 2:
+            clients[i].all_reduce(f"lanes/kill/{i}", op="max", timeout=10)
+            got = clients[i].get(f"lanes/kill/{i}", rank=0, timeout=10)
+            if not torch.equal(got, maxima[i]):
+                wrong.append(f"client {i}: all_reduce(max) gave {got}")
+            return
+        x = torch.randn(int(torch.randint(2, 40, (1,), generator=gen)), 16, generator=gen)
+        with torch.no_grad():
+            got = clients[i].data_parallel("lanes/kill", timeout=10)(x)
+        if not torch.allclose(got, _expected(x), atol=1e-5, rtol=1e-4):
+            wrong.append(f"client {i}: a wrong forward output")
+
     def work(i: int) -> None:
-        dp = clients[i].data_parallel("lanes/kill", timeout=10)
         gen = torch.Generator().manual_seed(i)
-        for _ in range(2000):
+        for k in range(2000):
             if stop.is_set():
                 return
-            x = torch.randn(int(torch.randint(2, 40, (1,), generator=gen)), 16, generator=gen)
             was_killed = killed.is_set()
             try:
-                with torch.no_grad():
-                    got = dp(x)
+                op(i, k, gen)
             except CollectiveError as err:
                 errors.append(err)
                 continue
             finally:
                 calls[i] += 1
-            if not torch.allclose(got, _expected(x), atol=1e-5, rtol=1e-4):
-                wrong.append(f"client {i}: a wrong output")
             if was_killed:
                 after_kill[i] += 1
 
@@ -370,17 +388,17 @@ def test_a_worker_killed_under_8_forwarding_clients_ends_every_call_cleanly(fres
     try:
         for t in threads:
             t.start()
-        wait_until(lambda: min(calls) >= 5, 60, "every client's first 5 calls")
+        wait_until(lambda: min(calls) >= 6, 60, "every client's first 6 ops")
         os.kill(victim.pid, signal.SIGKILL)
         killed.set()
-        wait_until(lambda: min(after_kill) >= 3, 120, "3 correct calls per client after the kill")
+        wait_until(lambda: min(after_kill) >= 4, 120, "4 correct ops per client after the kill")
     finally:
         stop.set()
         for t in threads:
             t.join(30)
         for c in clients:
             c.close()
-    assert not any(t.is_alive() for t in threads), "a call hung"
+    assert not any(t.is_alive() for t in threads), "an op hung"
     assert not wrong, wrong[:3]
     for err in errors:
         assert err.code in (
@@ -390,3 +408,27 @@ def test_a_worker_killed_under_8_forwarding_clients_ends_every_call_cleanly(fres
             grpc.StatusCode.ABORTED,
             grpc.StatusCode.NOT_FOUND,
         ), err
+
+
+def test_the_workers_call_duration_bound_cancels_a_lane_call(local_cluster) -> None:
+    """``--max-rpc-s`` ends a lane call as it ends a gRPC call: the client is told
+    at once (CANCELLED, the SDK's DeadlineExceeded) and its next call works."""
+    address = local_cluster(WORKERS, "--allow-factory", ZOO, "--max-rpc-s", "1")
+    client = connect_ready(address, WORKERS)
+    try:
+        big = {"in_features": 512, "hidden": 4096, "out_features": 512, "depth": 3}
+        client.load_model("lanes/long", factory=FACTORY, kwargs=big)
+        client.data_parallel("lanes/long").eval()
+        client.load_model("lanes/short", factory=FACTORY, kwargs=KWARGS)
+        client.data_parallel("lanes/short").eval()
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceeded) as ended, torch.no_grad():
+            client.data_parallel("lanes/long", timeout=60)(torch.randn(8192, 512))
+        assert time.monotonic() - started < 1 + 2.0, "the bound did not end the call"
+        assert "cancelled" in ended.value.message
+        y = torch.randn(7, KWARGS["in_features"])
+        with torch.no_grad():
+            got = client.data_parallel("lanes/short", timeout=60)(y)
+        torch.testing.assert_close(got, _expected(y), atol=1e-5, rtol=1e-4)
+    finally:
+        client.close()

@@ -10,11 +10,13 @@ messages over one of the worker's bulk-port connections, framed by length:
   the client got from ``GetDataPlane(open_lane=true)``, a gRPC call, so the
   lane inherits that call's token check; the worker answers ``ACK``;
 * then, one call at a time: a request frame (:data:`REQUEST_HEADER`: the
-  method, the payload's length, the seconds left of the call's deadline) and
-  its serialized request message; the worker answers a response frame
+  method, one of :data:`LANE_METHODS` (a forward, a collective), the payload's
+  length, the seconds left of the call's deadline) and its serialized request
+  message; the worker answers a response frame
   (:data:`RESPONSE_HEADER`: ``OK`` and the serialized response, or ``FAILED``
-  and a serialized ``google.rpc.Status`` carrying the code, the message and the
-  details a gRPC call would have ended with).
+  (``FAILED_CLOSING`` when the lane closes after it) and a serialized
+  ``google.rpc.Status`` carrying the code, the message and the details a gRPC
+  call would have ended with).
 
 The worker runs the call through the same handler, error boundary and
 data-plane limits as the gRPC method, so an answer is the same on both paths.
@@ -30,8 +32,10 @@ from collectives.wire.limits import MAX_MESSAGE_BYTES
 
 __all__ = [
     "FAILED",
+    "FAILED_CLOSING",
     "LANE_MAGIC",
     "LANE_METHODS",
+    "LANE_METHOD_IDS",
     "MAX_LANE_REQUEST_BYTES",
     "OK",
     "REQUEST_HEADER",
@@ -44,12 +48,28 @@ LANE_MAGIC = b"CBL1"
 # A request frame's header: method id (u8), payload bytes (u32), seconds left of
 # the call's deadline (f64; 0 or less: the call has none).
 REQUEST_HEADER = struct.Struct("<BId")
-# A response frame's header: outcome (u8, OK or FAILED), payload bytes (u32).
+# A response frame's header: outcome (u8: OK, FAILED or FAILED_CLOSING), payload
+# bytes (u32).
 RESPONSE_HEADER = struct.Struct("<BI")
 OK = 0
 FAILED = 1
-# The methods a lane carries, by id, as gRPC names them.
-LANE_METHODS: dict[int, str] = {1: "/collectives.v1.Worker/Forward"}
+# Failed, and the worker closes the lane after this frame (the call was cancelled
+# by the worker's limits, or the request frame was one it cannot read past).
+FAILED_CLOSING = 2
+# The Worker methods a lane carries, by id: unary calls whose requests are small
+# (tensors travel by name or, for a forward's inputs, inline up to a budget).
+LANE_METHODS: dict[int, str] = {
+    1: "Forward",
+    2: "Broadcast",
+    3: "AllReduce",
+    4: "Reduce",
+    5: "AllGather",
+    6: "Gather",
+    7: "ReduceScatter",
+    8: "AllToAll",
+    9: "Barrier",
+}
+LANE_METHOD_IDS: dict[str, int] = {name: i for i, name in LANE_METHODS.items()}
 # The largest request a lane carries (as a gRPC call would); the SDK sends larger
 # ones, and a worker refuses them, as gRPC does.
 MAX_LANE_REQUEST_BYTES = MAX_MESSAGE_BYTES

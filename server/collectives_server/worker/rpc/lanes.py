@@ -36,12 +36,14 @@ from collectives.errors import STATUS_DETAILS_METADATA_KEY
 from collectives.wire.bulk_frames import ACK, TICKET_BYTES, new_ticket
 from collectives.wire.lane_frames import (
     FAILED,
+    FAILED_CLOSING,
     LANE_METHODS,
     MAX_LANE_REQUEST_BYTES,
     OK,
     REQUEST_HEADER,
     RESPONSE_HEADER,
 )
+from collectives_server.worker.rpc.service import SERVICE_NAME
 
 __all__ = ["CallLanes", "LaneContext", "LaneTicket", "lane_handlers"]
 
@@ -66,12 +68,14 @@ def lane_handlers(
     handlers: Mapping[str, grpc.RpcMethodHandler],
     interceptors: Sequence[grpc.ServerInterceptor],
 ) -> dict[int, grpc.RpcMethodHandler]:
-    """The handler of each lane method: the Worker service's handler of that name
-    (``handlers``, as the gRPC server registers them) behind ``interceptors``
-    (outermost first), as the gRPC server wraps it for a call of that method."""
+    """The handler of each lane method (``LANE_METHODS``): the Worker service's
+    handler of that name (``handlers``, as the gRPC server registers them) behind
+    ``interceptors`` (outermost first), as the gRPC server wraps it for a call of
+    that method."""
     lane = {}
-    for method_id, method in LANE_METHODS.items():
-        base = handlers[method.rsplit("/", 1)[-1]]
+    for method_id, name in LANE_METHODS.items():
+        base = handlers[name]
+        method = f"/{SERVICE_NAME}/{name}"
 
         def innermost(_details: grpc.HandlerCallDetails, base=base):
             return base
@@ -262,7 +266,7 @@ class CallLanes:
                     if handler is None
                     else grpc.StatusCode.RESOURCE_EXHAUSTED
                 )
-                _send_failure(conn, status_pb2.Status(code=code.value[0], message=why))
+                _send_closing(conn, status_pb2.Status(code=code.value[0], message=why))
                 return  # the payload is not read: the connection cannot go on
             payload = bytearray(size)
             if not _recv_into(conn, memoryview(payload)):
@@ -293,7 +297,7 @@ class CallLanes:
                     message="the worker cancelled the call (a data-plane bound)",
                 )
                 with contextlib.suppress(OSError):
-                    _send_failure(conn, status)
+                    _send_closing(conn, status)
                 with contextlib.suppress(OSError):
                     conn.shutdown(socket.SHUT_RDWR)
 
@@ -324,8 +328,9 @@ def _frame(outcome: int, body: bytes) -> bytes:
     return RESPONSE_HEADER.pack(outcome, len(body)) + body
 
 
-def _send_failure(conn: socket.socket, status: status_pb2.Status) -> None:
-    conn.sendall(_frame(FAILED, status.SerializeToString()))
+def _send_closing(conn: socket.socket, status: status_pb2.Status) -> None:
+    """Sends a failure after which this lane closes."""
+    conn.sendall(_frame(FAILED_CLOSING, status.SerializeToString()))
 
 
 def _recv_into(conn: socket.socket, view: memoryview) -> bool:
