@@ -39,7 +39,7 @@ import grpc
 from google.rpc import status_pb2
 
 from collectives.bulk import BulkPort, host_of, looks_open
-from collectives.errors import STATUS_DETAILS_METADATA_KEY, status_code
+from collectives.errors import STATUS_DETAILS_METADATA_KEY, CollectiveError, status_code
 from collectives.v1 import worker_pb2
 from collectives.wire.bulk_frames import ACK
 from collectives.wire.lane_frames import (
@@ -189,7 +189,10 @@ class CallLanes:
         """A new lane to the worker, acknowledged; None when it has none to give."""
         if timeout <= 0:
             return None
-        port = endpoint.bulk.port(endpoint, timeout)
+        try:
+            port = endpoint.bulk.port(endpoint, timeout)
+        except CollectiveError:  # the worker did not answer: the gRPC call will say why
+            return None
         if not port:
             return None
         try:
