@@ -29,7 +29,6 @@ from collectives._models import Models
 from collectives._session import Session
 from collectives._transport import (
     WorkerEndpoint,
-    call_unary,
     call_worker,
     get_tensor,
     put_tensor,
@@ -336,8 +335,9 @@ class _RemoteCall:
                 else:
                     put_tensor(shard.endpoint, name, g.contiguous(), self._left())
                 names.append(name)
-            response = call_unary(
-                shard.endpoint.stub.Backward,
+            response = call_worker(
+                shard.endpoint,
+                "Backward",
                 worker_pb2.BackwardRequest(
                     model=self.model,
                     call_id=self.call_id,

@@ -10,9 +10,9 @@ messages over one of the worker's bulk-port connections, framed by length:
   the client got from ``GetDataPlane(open_lane=true)``, a gRPC call, so the
   lane inherits that call's token check; the worker answers ``ACK``;
 * then, one call at a time: a request frame (:data:`REQUEST_HEADER`: the
-  method, one of :data:`LANE_METHODS` (a forward, a collective), the payload's
-  length, the seconds left of the call's deadline) and its serialized request
-  message; the worker answers a response frame
+  method, one of :data:`LANE_METHODS` (a forward or backward, a collective),
+  the payload's length, the seconds left of the call's deadline) and its
+  serialized request message; the worker answers a response frame
   (:data:`RESPONSE_HEADER`: ``OK`` and the serialized response, or ``FAILED``
   (``FAILED_CLOSING`` when the lane closes after it) and a serialized
   ``google.rpc.Status`` carrying the code, the message and the details a gRPC
@@ -57,7 +57,8 @@ FAILED = 1
 # by the worker's limits, or the request frame was one it cannot read past).
 FAILED_CLOSING = 2
 # The Worker methods a lane carries, by id: unary calls whose requests are small
-# (tensors travel by name or, for a forward's inputs, inline up to a budget).
+# (tensors travel by name or, for a forward's inputs and a backward's gradients,
+# inline up to a budget).
 LANE_METHODS: dict[int, str] = {
     1: "Forward",
     2: "Broadcast",
@@ -68,6 +69,7 @@ LANE_METHODS: dict[int, str] = {
     7: "ReduceScatter",
     8: "AllToAll",
     9: "Barrier",
+    10: "Backward",
 }
 LANE_METHOD_IDS: dict[str, int] = {name: i for i, name in LANE_METHODS.items()}
 # The largest request a lane carries (as a gRPC call would); the SDK sends larger
