@@ -93,6 +93,16 @@ def _expected(x: torch.Tensor) -> torch.Tensor:
         return REFERENCE(x)
 
 
+def _assert_serves(client: collectives.Cluster, name: str, rows: int) -> None:
+    """Loads the reference MLP as ``name`` and checks one forward of fresh rows."""
+    client.load_model(name, factory=FACTORY, kwargs=KWARGS)
+    client.data_parallel(name).eval()
+    x = torch.randn(rows, KWARGS["in_features"])
+    with torch.no_grad():
+        got = client.data_parallel(name, timeout=60)(x)
+    torch.testing.assert_close(got, _expected(x), atol=1e-5, rtol=1e-4)
+
+
 def test_concurrent_forwards_take_the_lanes_and_equal_torch(lanes_cluster) -> None:
     """8 clients, fresh random inputs of 1 to 100 rows: each output is torch's on its
     rows, and every shard's Forward was answered on a lane."""
@@ -183,12 +193,7 @@ def test_a_deadline_on_a_lane_ends_the_call_and_the_next_call_works(local_cluste
         with pytest.raises(DeadlineExceeded), torch.no_grad():
             client.data_parallel("lanes/slow", timeout=0.05)(x)
         assert time.monotonic() - started < 5.0
-        client.load_model("lanes/fast", factory=FACTORY, kwargs=KWARGS)
-        client.data_parallel("lanes/fast").eval()
-        y = torch.randn(10, KWARGS["in_features"])
-        with torch.no_grad():
-            got = client.data_parallel("lanes/fast", timeout=60)(y)
-        torch.testing.assert_close(got, _expected(y), atol=1e-5, rtol=1e-4)
+        _assert_serves(client, "lanes/fast", 10)
     finally:
         client.close()
 
@@ -321,12 +326,7 @@ def test_garbage_on_a_lane_gets_a_status_and_the_worker_goes_on(token_cluster) -
     with open_lane() as lane:  # a frame cut short, then the connection closed
         lane.sendall(struct.pack("<B", 1))
     # The worker still answers, on lanes and correctly.
-    client.load_model("lanes/after", factory=FACTORY, kwargs=KWARGS)
-    client.data_parallel("lanes/after").eval()
-    x = torch.randn(9, KWARGS["in_features"])
-    with torch.no_grad():
-        got = client.data_parallel("lanes/after", timeout=60)(x)
-    torch.testing.assert_close(got, _expected(x), atol=1e-5, rtol=1e-4)
+    _assert_serves(client, "lanes/after", 9)
 
 
 @pytest.mark.timeout(240)
