@@ -13,9 +13,11 @@ import contextlib
 import functools
 import os
 import queue
+import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -87,6 +89,44 @@ def required_binary(name: str, missing: str) -> str:
 
 
 # --------------------------------------------------------------------------- time
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for outgoing connections (Linux)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_port_block(count: int = 1) -> int:
+    """A port P such that P .. P+count-1 are free on 127.0.0.1 right now, for a daemon
+    told its port on the command line. Chosen below the kernel's ephemeral range: a
+    port inside it (what binding port 0 returns) can be taken by any outgoing
+    connection before the daemon binds it, and a worker once failed to start on
+    "Address already in use" that way."""
+    ephemeral_low = _ephemeral_low()
+    for _ in range(200):
+        base = random.randrange(10000, ephemeral_low - count)
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket()
+                sockets.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError(f"no block of {count} free ports found")
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 right now, outside the ephemeral range (see
+    :func:`free_port_block`)."""
+    return free_port_block(1)
 
 
 def wait_until(

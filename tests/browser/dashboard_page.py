@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import urllib.request
 from pathlib import Path
@@ -14,14 +13,6 @@ ROWS_JS = """
 return Array.from(document.querySelectorAll('#worker-rows tr[data-worker-id]'))
   .map(r => [r.dataset.workerId, r.dataset.state]);
 """
-
-
-def free_port() -> int:
-    # The dashboard needs a port number on the command line; the race with
-    # another process taking it in between is negligible on a test machine.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def screenshot(driver, name: str) -> Path:

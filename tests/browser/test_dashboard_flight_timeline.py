@@ -15,7 +15,8 @@ import signal
 
 import pytest
 import torch
-from dashboard_page import ARTIFACTS, fits, free_port, set_viewport
+from dashboard_page import ARTIFACTS, fits, set_viewport
+from helpers import free_port
 
 _STUCK_JS = """
 return Array.from(document.querySelectorAll('#stuck .stuck-line')).map(n => n.textContent);

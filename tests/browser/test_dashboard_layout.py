@@ -19,7 +19,8 @@ import time
 
 import pytest
 import torch
-from dashboard_page import ARTIFACTS, FixedSource, fits, free_port, screenshot, set_viewport, text
+from dashboard_page import ARTIFACTS, FixedSource, fits, screenshot, set_viewport, text
+from helpers import free_port
 
 import collectives
 

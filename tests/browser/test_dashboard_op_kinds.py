@@ -21,7 +21,8 @@ import time
 
 import pytest
 import torch
-from dashboard_page import ARTIFACTS, fits, free_port, set_viewport
+from dashboard_page import ARTIFACTS, fits, set_viewport
+from helpers import free_port
 
 import collectives
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import grpc
 from etcd_server import EtcdServer
-from harness import TIMING_FLAGS, ClusterViews, Daemon, TcpProxy, _spawn, free_port
-from helpers import wait_until
+from harness import TIMING_FLAGS, ClusterViews, Daemon, TcpProxy, _spawn
+from helpers import free_port, wait_until
 
 import collectives
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc

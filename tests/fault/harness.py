@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from helpers import wait_until
+from helpers import free_port, wait_until
 
 import collectives
 
@@ -29,12 +29,6 @@ LEASE_S = 1.5
 OP_TIMEOUT_S = 4.0
 RESULTS: list[dict] = []  # one row per fault, printed by conftest at the end
 SOAK_LINES: list[str] = []  # the soak's summary, printed by conftest at the end
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def checksum(t: torch.Tensor) -> str:

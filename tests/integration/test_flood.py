@@ -31,7 +31,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import torch
-from helpers import wait_until
+from helpers import free_port, wait_until
 from hostile import Aftermath, assert_serving
 from test_metrics import _free_port_block, scrape, value
 
@@ -47,12 +47,6 @@ IDLE_BULK = 300
 IDLE_DASHBOARD = 100
 OPS = 200
 SLACK_S = 0.005
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run_ops(client, gen: torch.Generator, members: list, tag: str) -> list[float]:
@@ -160,7 +154,7 @@ def _taken_in(
 
 
 def test_a_flood_of_idle_connections_leaves_collectives_at_speed(fresh_cluster, gen) -> None:
-    dashboard, metrics = _free_port(), _free_port_block(3)
+    dashboard, metrics = free_port(), _free_port_block(3)
     local, client = fresh_cluster(
         2, "--dashboard-port", str(dashboard), "--metrics-port", str(metrics)
     )

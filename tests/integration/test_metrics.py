@@ -5,14 +5,12 @@ with prometheus_client's parser and its counters agree with a scripted workload.
 
 from __future__ import annotations
 
-import random
-import socket
 import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import wait_until
+from helpers import free_port_block, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 import collectives
@@ -22,22 +20,7 @@ WORKERS = 2
 
 
 def _free_port_block(count: int) -> int:
-    """A port P such that P .. P+count-1 are free on 127.0.0.1 right now."""
-    for _ in range(200):
-        base = random.randrange(20000, 60000)
-        sockets = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                sockets.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError(f"no block of {count} free ports found")
+    return free_port_block(count)
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
