@@ -28,7 +28,7 @@ import threading
 import dashboard_page as page
 import pytest
 import torch
-from helpers import LEASE_S, wait_until
+from helpers import LEASE_S, free_port, wait_until
 
 import collectives
 
@@ -57,7 +57,7 @@ MLP = {"in_features": 4, "hidden": 3, "out_features": 2}
 def test_dashboard_shows_workers_live_and_a_killed_worker_lost(browser, fresh_cluster):
     from selenium.webdriver.support.ui import WebDriverWait
 
-    port = page.free_port()
+    port = free_port()
     local, client = fresh_cluster(3, "--min-workers", "2", "--dashboard-port", str(port), *ZOO)
     members = sorted((w for w in client.workers() if w.rank >= 0), key=lambda w: w.rank)
     assert len(members) == 3
