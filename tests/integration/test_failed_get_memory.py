@@ -10,9 +10,9 @@ What the test counts is the partial tensors themselves: the bytes of every
 live tensor of 1 MiB or more (found among the objects the garbage collector
 tracks) before and after the failed gets, which a kept partial tensor raises
 by its whole size. The resident size is only a coarse second check: read
-after ``malloc_trim``, it still carried the stream's in-flight chunks and the
-heaps' fragments in a long-lived process such as the full suite's (CI read
-over 128 MiB once with no tensor kept), so it is bounded by one whole tensor.
+after ``malloc_trim``, it still carries a cancelled stream's in-flight chunks
+and the heaps' fragments in a long-lived process such as the full suite's,
+with no tensor kept, so it is bounded by one whole tensor.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The call lane's framing: small unary calls over a kept raw TCP connection.
 
-A gRPC unary call in Python costs the caller and the worker each a few hundred
-microseconds of CPU beyond its payload (the HTTP/2 framing, the completion
-queue, a thread hand-off on each side): for a small forward that is more than
-the model's own work. A call lane carries the same request and response
-messages over one of the worker's bulk-port connections, framed by length:
+A gRPC unary call in Python costs the caller and the worker each more CPU
+than a small call's own work (the HTTP/2 framing, the completion queue, a
+thread hand-off on each side; measured in docs/perf-log.md, "Call lanes"). A
+call lane carries the same request and response messages over one of the
+worker's bulk-port connections, framed by length:
 
 * the connection opens with the prelude ``LANE_MAGIC`` + a 16-byte ticket that
   the client got from ``GetDataPlane(open_lane=true)``, a gRPC call, so the
