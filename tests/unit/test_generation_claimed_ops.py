@@ -10,7 +10,9 @@ loop would, after which the generation rebuilds and runs ops again.
 
 A fused run's outcomes are set together when the run ends
 (``Generation._run_ops``): an op that finished before a later one raised
-still gets its own result, never the error that ended the run.
+still gets its own result, never the error that ended the run. With ops
+queued behind it, a run is answered once the next run is announced; with
+none, before the loop waits for one (never only at its idle tick).
 """
 
 from __future__ import annotations
@@ -223,3 +225,58 @@ def test_ops_that_finished_before_a_later_op_raised_keep_their_results(pair: Pai
         store.put("after", t.clone())
     pair.submit("all_reduce", name="after", op=SUM).future.result(TIMEOUT_S)
     assert torch.equal(leader.peek("after"), after[0] + after[1])
+
+
+def test_a_run_is_answered_once_the_next_queued_run_is_announced(pair: Pair) -> None:
+    gen = torch.Generator().manual_seed(33)
+    a = _put(pair, "a", 6, gen)
+    b = _put(pair, "b", 6, gen)
+    leader = pair.generations[0]
+    store = pair.stores[0]
+    store.hold_commits = True  # the loop stops at the first op's commit ...
+    first = pair.submit("all_reduce", name="a", op=SUM)
+    assert store.held.wait(TIMEOUT_S)
+    second = pair.submit("all_reduce", name="b", op=SUM)  # ... while the next one queues
+    depth_at_answer: list[int] = []
+    first.future.add_done_callback(lambda _: depth_at_answer.append(leader.queue_depth))
+    store.hold_commits = False
+    store.release.set()
+    assert first.future.result(TIMEOUT_S).result_name == "a"
+    # The second op had left the queue (taken and announced) before the first's answer.
+    assert depth_at_answer == [0]
+    assert second.future.result(TIMEOUT_S).result_name == "b"
+    _follower_caught_up(pair)
+    for name, parts in (("a", a), ("b", b)):
+        for s in pair.stores:
+            assert torch.equal(s.peek(name), parts[0] + parts[1])
+
+
+def test_a_run_with_nothing_queued_is_answered_before_anything_else_is_announced(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gen = torch.Generator().manual_seed(34)
+    a = _put(pair, "a", 5, gen)
+    sequencer = pair.generations[0]._seq
+    events: list[str] = []
+    announced = sequencer.announced
+
+    def noting_announced() -> None:
+        events.append("announced")
+        announced()
+
+    monkeypatch.setattr(sequencer, "announced", noting_announced)
+    store = pair.stores[0]
+    store.hold_commits = True
+    ticket = pair.submit("all_reduce", name="a", op=SUM)  # on the loop, not claimed
+    assert store.held.wait(TIMEOUT_S)
+    before = len(events)  # the op's own announcement is in
+    ticket.future.add_done_callback(lambda _: events.append("answered"))
+    store.hold_commits = False
+    store.release.set()
+    assert ticket.future.result(TIMEOUT_S).result_name == "a"
+    # Nothing was queued: the answer did not wait for the next announcement (the
+    # idle tick, up to a tick away).
+    wait_until(lambda: "answered" in events, TIMEOUT_S, "the answer's callback")
+    assert events[before] == "answered", events[before:]
+    _follower_caught_up(pair)
+    assert torch.equal(pair.stores[1].peek("a"), a[0] + a[1])

@@ -69,6 +69,18 @@ log = logging.getLogger(__name__)
 
 Outcome = OpResult | ModelOpResult | PublishResult | CollectiveError
 
+_Answer = tuple[Ticket, Outcome]
+
+
+def _answer(answers: list[_Answer]) -> None:
+    """Sets each ticket's outcome (waking its client's thread) and empties ``answers``."""
+    for ticket, outcome in answers:
+        if isinstance(outcome, CollectiveError):
+            ticket.future.set_exception(outcome)
+        else:
+            ticket.future.set_result(outcome)
+    answers.clear()
+
 
 _Item = tuple[worker_pb2.OpDescriptor, int | None]  # an op and its inline capacity
 
@@ -262,23 +274,27 @@ class Generation:
         with self._cond:
             return self._seq.cancel(ticket)
 
-    def _wait_for_op(self) -> Ticket | EpochEnd | None:
+    def _wait_for_op(self, unanswered: list[_Answer]) -> Ticket | EpochEnd | None:
         """Leader: the next op, the end of the epoch (a claimed op ended it), or None
         when a tick is due or the generation is stopping. Waits as the sequencer says:
-        parked until a submit or the tick, or while a submitter runs a claimed op."""
-        with self._cond:
-            while True:
+        parked until a submit or the tick, or while a submitter runs a claimed op.
+        The last run's ``unanswered`` clients are answered before it parks."""
+        while True:
+            with self._cond:
                 step = self._seq.loop_next()
                 if not isinstance(step, Park):
                     return step
-                if step.seconds is None:
-                    self._cond.wait()
+                if not unanswered:
+                    if step.seconds is None:
+                        self._cond.wait()
+                        continue
+                    self._seq.loop_parked = True
+                    try:
+                        self._cond.wait(step.seconds)
+                    finally:
+                        self._seq.loop_parked = False
                     continue
-                self._seq.loop_parked = True
-                try:
-                    self._cond.wait(step.seconds)
-                finally:
-                    self._seq.loop_parked = False
+            _answer(unanswered)
 
     def _fused_run_from(self, ctx: OpContext, first: Ticket) -> tuple[list[Ticket], fusion.Run]:
         """``first`` and the queued ops that can run fused with it (``fusion``)."""
@@ -387,16 +403,19 @@ class Generation:
         )
         return ctx
 
-    def _next_ops(self, ctx: OpContext) -> tuple[list[Ticket], list[_Item]] | EpochEnd:
+    def _next_ops(
+        self, ctx: OpContext, unanswered: list[_Answer]
+    ) -> tuple[list[Ticket], list[_Item]] | EpochEnd:
         """Leader: takes the next op, or run of fused ops, or a tick (a no-op, or a
         stop); follower: receives what the leader announced. Returns (the leader's
-        tickets, the ops), or, on the leader, the end of the epoch a claimed op ended."""
+        tickets, the ops), or, on the leader, the end of the epoch a claimed op ended.
+        The leader answers ``unanswered`` before it waits for an op."""
         if not self.is_leader:
             items = ctx.call(descriptor.receive_batch, ctx.control)
             for desc, _ in items:
                 self._check_announced(desc)
             return [], items
-        first = self._wait_for_op()
+        first = self._wait_for_op(unanswered)
         if isinstance(first, EpochEnd):
             return first
         if first is None:
@@ -438,30 +457,38 @@ class Generation:
     def _run_epoch(self, epoch: int) -> str | None:
         """Returns None when retired cleanly, else why the group broke."""
         current: list[Ticket] = []
+        # The leader answers a run's clients once the next run is announced (or before
+        # it waits for one): their threads then take the GIL while this one waits for
+        # the followers' half of that run's exchange, not before its announcement.
+        unanswered: list[_Answer] = []
         try:
             ctx = self._join(epoch)
             with self._cond:
                 self._ctx = ctx
                 self._seq.open_epoch()
             while True:
-                ops = self._next_ops(ctx)
+                ops = self._next_ops(ctx, unanswered)
                 if isinstance(ops, EpochEnd):
                     return ops.failure
                 current, items = ops
                 pending = self._announce(ctx, items) if self.is_leader else None
                 announced = time.monotonic()
+                _answer(unanswered)
                 kind = items[0][0].kind
                 if kind == OpKind.STOP:
                     return None
                 if kind == OpKind.NOOP:
                     continue
-                self._run_ops(ctx, current, items, pending, announced)
+                unanswered = self._run_ops(ctx, current, items, pending, announced, False)
                 current = []
         except GroupBroken as exc:
+            _answer(unanswered)
             return self._broken(exc, current)
         except Exception as exc:  # a bug: never take the daemon down with it
+            _answer(unanswered)
             return self._internal_error(exc, current)
         finally:
+            _answer(unanswered)
             with self._cond:
                 self._ctx = None
                 self._seq.close_epoch()
@@ -477,15 +504,19 @@ class Generation:
         items: list[_Item],
         pending: Announced | None,
         announced: float = 0.0,
-    ) -> None:
+        answer: bool = True,
+    ) -> list[_Answer]:
         """Runs announced ops (one, or a fused run) and sets their tickets' outcomes,
         recording each in the flight recorder (announced at ``announced``).
 
         A fused run's outcomes are set together when it ends, those of the ops that
         finished even when a later one raised: each set wakes a client's RPC thread,
         which would contend for the GIL with the rest of the run (set together, many
-        clients get more ops through: see docs/perf-log.md)."""
+        clients get more ops through: see docs/perf-log.md). Without ``answer`` a run
+        that ended whole is left for the caller to answer (:func:`_answer`): returns
+        its tickets and outcomes; a run cut short is answered here."""
         outcomes: list[Outcome] = []
+        answers: list[_Answer] = []
         slots = self._record(tickets, items, announced)
         try:
             if len(items) == 1:
@@ -501,11 +532,10 @@ class Generation:
                 for slot in slots[len(outcomes) :]:
                     if slot is not None and slot.code < 0:
                         slot.finish(now, grpc.StatusCode.UNAVAILABLE.value[0], _UNFINISHED)
-            for ticket, outcome in zip(tickets, outcomes, strict=False):
-                if isinstance(outcome, CollectiveError):
-                    ticket.future.set_exception(outcome)
-                else:
-                    ticket.future.set_result(outcome)
+            answers = list(zip(tickets, outcomes, strict=False))
+            if answer or len(outcomes) < len(items):
+                _answer(answers)
+        return answers
 
     def _record(
         self, tickets: list[Ticket], items: list[_Item], announced: float
