@@ -23,6 +23,10 @@ any other. What gRPC does on its own, the lane does by hand:
   a gRPC call whose worker went away; a call whose request could not be
   written (a lane the worker closed) takes gRPC instead.
 
+A lane's socket is blocking, its timeout kept by the kernel and fitted to each
+call's deadline (:mod:`collectives.wire.socket_timeouts`): a read or write is
+one system call and one drop of the GIL, where Python's own timeout polls first.
+
 No lane (the worker has no bulk port: TLS, ``--no-bulk``; or serves no lanes:
 ``--no-call-lanes``; or its bulk port refused the connection): the call takes
 gRPC, and the lane is not asked for again for a while.
@@ -52,6 +56,7 @@ from collectives.wire.lane_frames import (
     RESPONSE_HEADER,
 )
 from collectives.wire.limits import MAX_MESSAGE_BYTES
+from collectives.wire.socket_timeouts import KernelTimeouts
 
 __all__ = ["CallLanes", "LaneEndpoint", "LaneError", "PendingCall"]
 
@@ -105,12 +110,32 @@ class LaneError(grpc.RpcError):
         return self._trailing
 
 
+class _Lane:
+    """One lane: its connection, and the timeout the kernel keeps on it."""
+
+    __slots__ = ("sock", "timeouts")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.timeouts = KernelTimeouts(sock, _OPEN_TIMEOUT_S)
+
+    def fit(self, left: float) -> None:
+        """Makes the socket's timeout ``left``, unless it already is within a little
+        (changing it is a system call): a read may overshoot the deadline by that
+        little, and one that stops short is retried."""
+        if abs(self.timeouts.seconds - left) > 0.005 + 0.05 * left:
+            self.timeouts.set(left)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 class CallLanes:
     """One client's call lanes to one worker: idle connections kept for reuse."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._idle: list[tuple[float, socket.socket]] = []  # (since, connection)
+        self._idle: list[tuple[float, _Lane]] = []  # (since, lane)
         self._suspended_until = 0.0
         self._closed = False
 
@@ -141,29 +166,29 @@ class CallLanes:
         if len(request) > MAX_LANE_REQUEST_BYTES:
             return None
         deadline = time.monotonic() + timeout
-        sock = self._take(endpoint, timeout)
-        if sock is None:
+        lane = self._take(endpoint, timeout)
+        if lane is None:
             return None
         left = deadline - time.monotonic()
         if left <= 0:
-            self.keep(sock)
+            self.keep(lane)
             raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
         try:
-            sock.settimeout(left)
-            sock.sendall(REQUEST_HEADER.pack(method, len(request), left) + request)
-        except OSError:
-            sock.close()  # the worker never saw the call: it may take gRPC
+            lane.fit(left)
+            lane.sock.sendall(REQUEST_HEADER.pack(method, len(request), left) + request)
+        except OSError:  # a timeout too: the request may be cut short
+            lane.close()  # the worker never saw the call: it may take gRPC
             return None
-        return PendingCall(self, sock, deadline)
+        return PendingCall(self, lane, deadline)
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
-        for _, sock in idle:
-            sock.close()
+        for _, lane in idle:
+            lane.close()
 
-    def _take(self, endpoint: LaneEndpoint, timeout: float) -> socket.socket | None:
+    def _take(self, endpoint: LaneEndpoint, timeout: float) -> _Lane | None:
         now = time.monotonic()
         while True:
             with self._lock:
@@ -171,19 +196,20 @@ class CallLanes:
                     return None
                 if not self._idle:
                     break
-                since, sock = self._idle.pop()
+                since, lane = self._idle.pop()
             idle_s = now - since
             # A lane used a moment ago is taken as is (a worker closes idle lanes
             # only after a minute); one idle longer is first checked for the
             # worker's close, which a restart leaves behind.
-            if idle_s < _FRESH_S or (idle_s < _IDLE_KEEP_S and looks_open(sock)):
-                return sock
-            sock.close()
-        sock = self._open(endpoint, min(timeout, _OPEN_TIMEOUT_S))
-        if sock is None:
+            if idle_s < _FRESH_S or (idle_s < _IDLE_KEEP_S and looks_open(lane.sock)):
+                return lane
+            lane.close()
+        opened = self._open(endpoint, min(timeout, _OPEN_TIMEOUT_S))
+        if opened is None:
             with self._lock:
                 self._suspended_until = time.monotonic() + _SUSPEND_S
-        return sock
+            return None
+        return _Lane(opened)
 
     def _open(self, endpoint: LaneEndpoint, timeout: float) -> socket.socket | None:
         """A new lane to the worker, acknowledged; None when it has none to give."""
@@ -218,21 +244,21 @@ class CallLanes:
             return None
         return sock
 
-    def keep(self, sock: socket.socket) -> None:
+    def keep(self, lane: _Lane) -> None:
         """Keeps a lane whose call was answered, for the next call."""
         with self._lock:
             if not self._closed and len(self._idle) < _MAX_IDLE:
-                self._idle.append((time.monotonic(), sock))
+                self._idle.append((time.monotonic(), lane))
                 return
-        sock.close()
+        lane.close()
 
 
 class PendingCall:
     """A call sent on a lane, its answer not yet read."""
 
-    def __init__(self, lanes: CallLanes, sock: socket.socket, deadline: float) -> None:
+    def __init__(self, lanes: CallLanes, lane: _Lane, deadline: float) -> None:
         self._lanes = lanes
-        self._sock = sock
+        self._lane = lane
         self._deadline = deadline
 
     def result(self) -> bytes:
@@ -242,27 +268,27 @@ class PendingCall:
             LaneError: the call's status: the worker's, or ``DEADLINE_EXCEEDED``
                 once the deadline passed, or ``UNAVAILABLE`` if the lane broke.
         """
-        sock = self._sock
+        lane = self._lane
         try:
-            header = _receive(sock, RESPONSE_HEADER.size, self._deadline)
+            header = _receive(lane, RESPONSE_HEADER.size, self._deadline)
             outcome, size = RESPONSE_HEADER.unpack(header)
             if outcome not in (OK, FAILED, FAILED_CLOSING) or size > MAX_MESSAGE_BYTES:
                 raise ConnectionResetError("the worker sent a frame this client cannot read")
-            body = _receive(sock, size, self._deadline)
+            body = _receive(lane, size, self._deadline)
         except TimeoutError:
-            sock.close()  # its answer may still come: this lane cannot be reused
+            lane.close()  # its answer may still come: this lane cannot be reused
             raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
         except OSError as exc:
-            sock.close()
+            lane.close()
             raise LaneError(
                 grpc.StatusCode.UNAVAILABLE,
                 f"the call lane broke before the worker answered ({exc or 'closed'}): "
                 "the worker stopped or restarted",
             ) from None
         if outcome == FAILED_CLOSING:
-            sock.close()
+            lane.close()
         else:
-            self._lanes.keep(sock)
+            self._lanes.keep(lane)
         if outcome == OK:
             return body
         status = status_pb2.Status.FromString(body)
@@ -270,7 +296,7 @@ class PendingCall:
         raise LaneError(status_code(status.code), status.message, trailing)
 
 
-def _receive(sock: socket.socket, size: int, deadline: float) -> bytes:
+def _receive(lane: _Lane, size: int, deadline: float) -> bytes:
     """``size`` bytes before ``deadline``.
 
     Raises:
@@ -284,12 +310,11 @@ def _receive(sock: socket.socket, size: int, deadline: float) -> bytes:
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError
-        # The socket's timeout bounds each read; it is cut to what is left once it
-        # would overshoot the deadline by more than a little (each change is a syscall).
-        current = sock.gettimeout()
-        if current is None or current - left > 0.005 + 0.05 * left:
-            sock.settimeout(left)
-        n = sock.recv_into(view[got:])
+        lane.fit(left)  # bounds each read: within a little of the deadline
+        try:
+            n = lane.sock.recv_into(view[got:])
+        except BlockingIOError:  # the kernel's timeout: the deadline check says
+            continue
         if n == 0:
             raise ConnectionResetError("the worker closed the lane")
         got += n

@@ -11,27 +11,28 @@ client can parse; the bulk port's preludes and the ``/dev/shm`` segment names
 are spelled out here), so a client or server in another language can
 interoperate by reading these modules and ``protos/``.
 
-=====================  =====================================================
-module                 what it holds
-=====================  =====================================================
-:mod:`.op_specs`       every op kind: its arguments, result tensors, checks
-:mod:`.op_args`        checks of an op's arguments shared by SDK and worker
-:mod:`.names`          tensor names: the grammar and the reserved prefixes
-:mod:`.dtypes`         torch dtypes to and from the wire's enum
-:mod:`.codec`          hand-framed put/get bytes, tensor headers, checks
-:mod:`.pytree`         nested inputs and outputs as the wire's ``Value``
-:mod:`.limits`         the largest gRPC message either side sends or accepts
-:mod:`.bulk_frames`    the bulk port's preludes, acknowledgement, tickets
-:mod:`.lane_frames`    the call lane's prelude and request/response frames
-:mod:`.shm`            ``/dev/shm`` segments: names, creation, checked opens
-:mod:`.memory`         receive buffers that fault in huge pages
-:mod:`.security`       channel security (TLS, bearer token), token checks
-:mod:`.membership`     the digest naming which membership a generation is
-:mod:`.cluster_state`  the cluster's state as values (SDK and dashboard JSON)
-:mod:`.batching`       the dynamic batching policy a model is loaded with
-:mod:`.flight_record`  the ranks' flight records read and merged by op
-:mod:`.stuck_ops`      the ops in flight too long and the ranks they wait on
-=====================  =====================================================
+========================  =====================================================
+module                    what it holds
+========================  =====================================================
+:mod:`.op_specs`          every op kind: its arguments, result tensors, checks
+:mod:`.op_args`           checks of an op's arguments shared by SDK and worker
+:mod:`.names`             tensor names: the grammar and the reserved prefixes
+:mod:`.dtypes`            torch dtypes to and from the wire's enum
+:mod:`.codec`             hand-framed put/get bytes, tensor headers, checks
+:mod:`.pytree`            nested inputs and outputs as the wire's ``Value``
+:mod:`.limits`            the largest gRPC message either side sends or accepts
+:mod:`.bulk_frames`       the bulk port's preludes, acknowledgement, tickets
+:mod:`.lane_frames`       the call lane's prelude and request/response frames
+:mod:`.socket_timeouts`   read and write timeouts the kernel keeps on a socket
+:mod:`.shm`               ``/dev/shm`` segments: names, creation, checked opens
+:mod:`.memory`            receive buffers that fault in huge pages
+:mod:`.security`          channel security (TLS, bearer token), token checks
+:mod:`.membership`        the digest naming which membership a generation is
+:mod:`.cluster_state`     the cluster's state as values (SDK and dashboard JSON)
+:mod:`.batching`          the dynamic batching policy a model is loaded with
+:mod:`.flight_record`     the ranks' flight records read and merged by op
+:mod:`.stuck_ops`         the ops in flight too long and the ranks they wait on
+========================  =====================================================
 
 Nothing is imported here, so ``import collectives.wire.security`` (no torch)
 stays cheap.

@@ -25,6 +25,11 @@ token under the group's prefix; each follower connects and presents its rank
 and the token. Frames carry a kind and a length that the receiver checks
 against what it expects, so ranks that fell out of step fail loudly.
 
+The sockets are blocking, their timeouts kept by the kernel
+(``collectives.wire.socket_timeouts``): a read or write is one system call and
+one drop of the GIL, which the generation thread, on the path of every op,
+takes back only behind the other threads that took it meanwhile.
+
 Only the generation thread uses a channel. A peer that closed, reset or stayed
 silent past the op timeout raises ``RuntimeError`` naming it (a transport
 failure: ``OpContext.call`` turns it into ``GroupBroken``); :meth:`close` on
@@ -43,6 +48,8 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from collectives.wire import socket_timeouts
+from collectives.wire.socket_timeouts import KernelTimeouts
 from collectives_server.hosts import dialled_name, is_wildcard
 
 if TYPE_CHECKING:
@@ -70,8 +77,8 @@ class ControlChannel:
         self._peers = peers  # leader: every follower's socket; follower: {0: the leader's}
         self._followers = sorted(peers) if rank == 0 else []
         self._closed = False
-        for sock in peers.values():
-            sock.settimeout(timeout_s)  # once: each read or send is bounded by it
+        # Once: each read or send is bounded by it (lowered near a deadline).
+        self._timeouts = {peer: KernelTimeouts(sock, timeout_s) for peer, sock in peers.items()}
 
     # -- forming it ---------------------------------------------------------
 
@@ -109,7 +116,8 @@ class ControlChannel:
         sock = self._sock(0)
         deadline = time.monotonic() + self.timeout_s
         head = bytearray(_FRAME.size)
-        _read_exact(sock, memoryview(head), deadline, 0, self.timeout_s)
+        timeouts = self._timeouts[0]
+        _read_exact(sock, timeouts, memoryview(head), deadline, 0, self.timeout_s)
         kind, nbytes = _FRAME.unpack(head)
         if kind != _BROADCAST or nbytes > max_bytes:
             raise RuntimeError(
@@ -117,7 +125,7 @@ class ControlChannel:
                 f"most {max_bytes} bytes, got a {_KIND_NAMES.get(kind, kind)} of {nbytes}"
             )
         body = bytearray(nbytes)
-        _read_exact(sock, memoryview(body), deadline, 0, self.timeout_s)
+        _read_exact(sock, timeouts, memoryview(body), deadline, 0, self.timeout_s)
         return bytes(body)
 
     def all_gather(self, row: Buffer, before: Waitable | None = None) -> memoryview:
@@ -151,10 +159,10 @@ class ControlChannel:
         head = _FRAME.pack(kind, len(payload))
         try:
             if len(payload) <= _SMALL:
-                sock.sendall(head + payload)
+                socket_timeouts.sendall(sock, head + payload)
             else:
-                sock.sendall(head)
-                sock.sendall(payload)
+                socket_timeouts.sendall(sock, head)
+                socket_timeouts.sendall(sock, payload)
         except TimeoutError as exc:
             raise RuntimeError(
                 f"control channel: timed out after {self.timeout_s:g}s sending to rank {peer}"
@@ -169,7 +177,8 @@ class ControlChannel:
         deadline = time.monotonic() + self.timeout_s
         # The header ends where the payload starts 16-byte aligned: tensors view it.
         frame = memoryview(bytearray(_ALIGN + nbytes))[_ALIGN - _FRAME.size :]
-        got = _read_exact(sock, frame, deadline, peer, self.timeout_s, _FRAME.size)
+        timeouts = self._timeouts[peer]
+        got = _read_exact(sock, timeouts, frame, deadline, peer, self.timeout_s, _FRAME.size)
         got_kind, got_bytes = _FRAME.unpack(frame[: _FRAME.size])
         if got_kind != kind or got_bytes != nbytes:
             raise RuntimeError(
@@ -177,12 +186,13 @@ class ControlChannel:
                 f"{_KIND_NAMES.get(kind)} of {nbytes} bytes, got a "
                 f"{_KIND_NAMES.get(got_kind, got_kind)} of {got_bytes}"
             )
-        _read_exact(sock, frame, deadline, peer, self.timeout_s, start=got)
+        _read_exact(sock, timeouts, frame, deadline, peer, self.timeout_s, start=got)
         return frame[_FRAME.size :]
 
 
 def _read_exact(
     sock: socket.socket,
+    timeouts: KernelTimeouts,
     into: memoryview,
     deadline: float,
     peer: int,
@@ -192,13 +202,12 @@ def _read_exact(
 ) -> int:
     """Fills ``into`` from ``start`` until ``until`` bytes of it (all of it by default)
     are filled, by ``deadline``; returns how many are (it may read beyond ``until``,
-    never beyond ``into``). The socket's own timeout bounds each read; it is lowered
-    to what is left only when that is shorter by more than ``_SLACK_S`` (setting it
-    costs a system call), and put back afterwards."""
+    never beyond ``into``). The socket's timeout (``timeouts``) bounds each read; it
+    is lowered to what is left only when that is shorter by more than ``_SLACK_S``
+    (setting it costs a system call), and put back afterwards."""
     need = len(into) if until is None else until
     got = start
-    preset = sock.gettimeout()
-    lowered = False
+    preset = timeouts.seconds
     try:
         while got < need:
             left = deadline - time.monotonic()
@@ -206,11 +215,9 @@ def _read_exact(
                 raise RuntimeError(
                     f"control channel: timed out after {timeout_s:g}s waiting for rank {peer}"
                 )
-            if lowered or preset is None or preset > left + _SLACK_S:
-                sock.settimeout(left)
-                lowered = True
+            timeouts.at_most(left, _SLACK_S)
             try:
-                n = sock.recv_into(into[got:])
+                n = socket_timeouts.recv_into(sock, into[got:])
             except TimeoutError:
                 continue  # the deadline check above reports it
             except OSError as exc:
@@ -221,9 +228,9 @@ def _read_exact(
                 raise RuntimeError(f"control channel: connection closed by rank {peer}")
             got += n
     finally:
-        if lowered:
+        if timeouts.seconds != preset:
             with contextlib.suppress(OSError):
-                sock.settimeout(preset)
+                timeouts.set(preset)
     return got
 
 
@@ -291,7 +298,8 @@ def _hello(sock: socket.socket, token: bytes, size: int, deadline: float) -> int
     """The connecting follower's rank, or None if it did not say it right in time."""
     buf = bytearray(_HELLO.size)
     try:
-        _read_exact(sock, memoryview(buf), min(deadline, time.monotonic() + 5.0), -1, 5.0)
+        timeouts = KernelTimeouts(sock, 5.0)
+        _read_exact(sock, timeouts, memoryview(buf), min(deadline, time.monotonic() + 5.0), -1, 5.0)
     except RuntimeError:
         return None
     rank, presented = _HELLO.unpack(buf)
@@ -316,7 +324,7 @@ def _join_leader(store: dist.Store, rank: int, timeout_s: float) -> socket.socke
     try:
         sock.sendall(_HELLO.pack(rank, bytes.fromhex(token)))
         ack = bytearray(1)
-        _read_exact(sock, memoryview(ack), deadline, 0, timeout_s)
+        _read_exact(sock, KernelTimeouts(sock, timeout_s), memoryview(ack), deadline, 0, timeout_s)
     except BaseException:
         sock.close()
         raise

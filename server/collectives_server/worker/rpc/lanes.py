@@ -43,6 +43,7 @@ from collectives.wire.lane_frames import (
     REQUEST_HEADER,
     RESPONSE_HEADER,
 )
+from collectives.wire.socket_timeouts import KernelTimeouts
 from collectives_server.worker.rpc.service import SERVICE_NAME
 
 __all__ = ["CallLanes", "LaneContext", "LaneTicket", "lane_handlers"]
@@ -249,7 +250,9 @@ class CallLanes:
             log.exception("call lane from %s failed", ticket.peer)
 
     def _serve(self, conn: socket.socket, ticket: LaneTicket) -> None:
-        conn.settimeout(self._idle_s)
+        # Blocking, with the idle bound kept by the kernel: one system call (and one
+        # drop of the GIL) per read and write (``collectives.wire.socket_timeouts``).
+        KernelTimeouts(conn, self._idle_s)
         conn.sendall(ACK)
         header = bytearray(REQUEST_HEADER.size)
         while _recv_into(conn, memoryview(header)):
