@@ -45,6 +45,7 @@ from google.rpc import status_pb2
 from collectives.bulk import BulkPort, host_of, looks_open
 from collectives.errors import STATUS_DETAILS_METADATA_KEY, CollectiveError, status_code
 from collectives.v1 import worker_pb2
+from collectives.wire import socket_timeouts
 from collectives.wire.bulk_frames import ACK
 from collectives.wire.lane_frames import (
     FAILED,
@@ -120,11 +121,9 @@ class _Lane:
         self.timeouts = KernelTimeouts(sock, _OPEN_TIMEOUT_S)
 
     def fit(self, left: float) -> None:
-        """Makes the socket's timeout ``left``, unless it already is within a little
-        (changing it is a system call): a read may overshoot the deadline by that
-        little, and one that stops short is retried."""
-        if abs(self.timeouts.seconds - left) > 0.005 + 0.05 * left:
-            self.timeouts.set(left)
+        """Bounds the next reads and writes by ``left``, the call's time left, within
+        a little of it (changing the kernel's timeout is a system call)."""
+        self.timeouts.fit(left, 0.005 + 0.05 * left)
 
     def close(self) -> None:
         self.sock.close()
@@ -312,8 +311,8 @@ def _receive(lane: _Lane, size: int, deadline: float) -> bytes:
             raise TimeoutError
         lane.fit(left)  # bounds each read: within a little of the deadline
         try:
-            n = lane.sock.recv_into(view[got:])
-        except BlockingIOError:  # the kernel's timeout: the deadline check says
+            n = socket_timeouts.recv_into(lane.sock, view[got:])
+        except TimeoutError:  # stopped short of the deadline: the check above says
             continue
         if n == 0:
             raise ConnectionResetError("the worker closed the lane")

@@ -48,6 +48,10 @@ def test_the_timeouts_are_the_kernels_and_the_socket_is_blocking(pair) -> None:
     timeouts.at_most(1.0, slack=0.1)
     assert timeouts.seconds == 1.0
     assert _kernel_timeout(client, socket.SO_RCVTIMEO) == pytest.approx(1.0, abs=0.01)
+    timeouts.fit(1.02, slack=0.05)  # within the slack either way: kept
+    assert timeouts.seconds == 1.0
+    timeouts.fit(3.0, slack=0.05)  # a longer deadline raises it
+    assert _kernel_timeout(client, socket.SO_SNDTIMEO) == pytest.approx(3.0, abs=0.01)
     timeouts.set(0.0)  # never "forever": the shortest the kernel is given
     assert 0 < _kernel_timeout(client, socket.SO_RCVTIMEO) <= 0.01
 

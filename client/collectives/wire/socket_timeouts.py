@@ -57,6 +57,12 @@ class KernelTimeouts:
         if self.seconds - seconds > slack:
             self.set(seconds)
 
+    def fit(self, seconds: float, slack: float) -> None:
+        """Makes the timeout ``seconds`` unless it is already within ``slack`` of it:
+        a wait may overrun by ``slack``, or stop short by it (the caller reads again)."""
+        if abs(self.seconds - seconds) > slack:
+            self.set(seconds)
+
 
 def recv_into(sock: socket.socket, view: memoryview) -> int:
     """``sock.recv_into(view)``; its kernel timeout passing raises :class:`TimeoutError`."""
