@@ -24,13 +24,20 @@ from collectives.errors import InvalidArgument
 from collectives.v1 import worker_pb2, worker_pb2_grpc
 
 __all__ = [
+    "COORDINATOR_VARIABLE",
     "REFUSED_GRACE_S",
+    "coordinator_from_environment",
     "not_a_coordinator",
     "other_protocol",
     "parse_address",
     "parse_addresses",
     "refused_within",
+    "resolve_coordinator",
 ]
+
+# The environment variable that names the coordinator(s) when no address is
+# given, to ``collectives.connect()`` and to every ``collectives`` command.
+COORDINATOR_VARIABLE = "COLLECTIVES_COORDINATOR"
 
 # How long a refused connection is retried before it is reported: covers a
 # coordinator that is just starting, and is the bound on a wrong address.
@@ -43,6 +50,28 @@ _HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _TLS_RECORD_TYPES = (0x15, 0x16)  # alert, handshake
 # Environment variables that make gRPC connect through a proxy.
 _PROXY_VARIABLES = ("grpc_proxy", "https_proxy", "http_proxy", "GRPC_PROXY", "HTTPS_PROXY")
+
+
+def coordinator_from_environment() -> str | None:
+    """The coordinator address(es) in ``COLLECTIVES_COORDINATOR``; None when unset or empty."""
+    return os.environ.get(COORDINATOR_VARIABLE) or None
+
+
+def resolve_coordinator(address: str | None) -> str:
+    """``address``, or ``COLLECTIVES_COORDINATOR`` when it is None (argument > environment).
+
+    Raises:
+        InvalidArgument: ``address`` is None and the variable is unset or empty.
+    """
+    if address is not None:
+        return address
+    from_env = coordinator_from_environment()
+    if from_env is None:
+        raise InvalidArgument(
+            "no coordinator address: pass connect('host:port') or set "
+            f"{COORDINATOR_VARIABLE}=host:port (several: h1:p1,h2:p2)"
+        )
+    return from_env
 
 
 def parse_address(text: object, what: str = "coordinator address") -> tuple[str, int]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 import threading
@@ -45,6 +44,7 @@ from collectives._status_tables import (
 )
 from collectives.addresses import (
     REFUSED_GRACE_S,
+    coordinator_from_environment,
     not_a_coordinator,
     other_protocol,
     parse_addresses,
@@ -73,7 +73,7 @@ _STOP_JOIN_S = 2.0
 
 def _add_coordinator(command: argparse.ArgumentParser) -> None:
     """``--coordinator``, or ``COLLECTIVES_COORDINATOR`` when the flag is not given."""
-    from_env = os.environ.get("COLLECTIVES_COORDINATOR") or None
+    from_env = coordinator_from_environment()
     command.add_argument(
         "--coordinator",
         required=from_env is None,

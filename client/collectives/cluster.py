@@ -34,6 +34,7 @@ from collectives._models import ModelInfo, Models
 from collectives._operations import Operations
 from collectives._p2p import PeerToPeer
 from collectives._session import DEFAULT_CONNECT_TIMEOUT_S, ClusterSession
+from collectives.addresses import resolve_coordinator
 from collectives.data_parallel import DataParallel
 from collectives.flight_record import OpRecord
 from collectives.groups import Group
@@ -61,7 +62,7 @@ class Cluster:
 
     def __init__(
         self,
-        address: str,
+        address: str | None = None,
         timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
         *,
         token: str | None = None,
@@ -75,7 +76,7 @@ class Cluster:
     ) -> None:
         """Connects to the coordinator at ``address``; see :func:`connect`."""
         self._session = ClusterSession(
-            address,
+            resolve_coordinator(address),
             timeout,
             token=token,
             tls=tls,
@@ -1250,7 +1251,7 @@ class Cluster:
 
 
 def connect(
-    address: str,
+    address: str | None = None,
     timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
     *,
     token: str | None = None,
@@ -1269,6 +1270,9 @@ def connect(
         with collectives.connect("127.0.0.1:50051") as cluster:
             cluster.put("x", torch.ones(4))
             cluster.all_reduce("x")
+
+    ``address`` None (``collectives.connect()``) reads ``COLLECTIVES_COORDINATOR``,
+    the variable the ``collectives`` commands read for ``--coordinator``.
 
     Security (see ``docs/security.md``): ``token`` is sent as ``authorization:
     Bearer <token>`` on every call; ``tls_ca`` (PEM path or bytes) verifies the
@@ -1294,7 +1298,8 @@ def connect(
     the ops it issued, in ``collectives top``, ``status`` and the dashboard.
 
     Raises:
-        InvalidArgument: ``address`` or ``timeout`` is malformed, a TLS or
+        InvalidArgument: ``address`` is None and ``COLLECTIVES_COORDINATOR`` is
+            unset or empty; ``address`` or ``timeout`` is malformed, a TLS or
             token setting is unreadable or inconsistent, or ``address`` is not
             a coordinator: a worker (the message names its coordinator) or an
             HTTP port such as the dashboard's.

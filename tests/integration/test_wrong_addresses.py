@@ -138,3 +138,30 @@ def test_a_client_name_given_at_connect_reaches_the_workers(cluster2_address, un
             return any(c.name == name for c in snapshot.clients())
 
         wait_until(named, 30, f"client {name!r} in the workers' client lists")
+
+
+def test_connect_without_an_address_reads_collectives_coordinator(
+    cluster2_address, cluster2, monkeypatch, uname, gen
+):
+    """The variable the CLI reads for ``--coordinator`` is what ``connect()`` dials."""
+    monkeypatch.setenv("COLLECTIVES_COORDINATOR", cluster2_address)
+    name, t = uname("env"), torch.randn(5, generator=gen)
+    with collectives.connect(timeout=30) as client:
+        assert client.address == cluster2_address
+        client.put(name, t, rank=1)
+        torch.testing.assert_close(client.get(name, rank=1, timeout=30), t)
+        client.delete(name, timeout=30)
+    with collectives.Cluster(timeout=30) as client:  # the class, too
+        assert client.address == cluster2_address
+
+
+def test_connect_without_an_address_or_the_variable_names_the_variable(monkeypatch):
+    monkeypatch.delenv("COLLECTIVES_COORDINATOR", raising=False)
+    for connect in (collectives.connect, collectives.Cluster):
+        start = time.monotonic()
+        with pytest.raises(collectives.InvalidArgument, match="COLLECTIVES_COORDINATOR"):
+            connect()
+        assert time.monotonic() - start < 1, "a usage error, before any connection"
+    monkeypatch.setenv("COLLECTIVES_COORDINATOR", "")  # empty is unset, as for the CLI
+    with pytest.raises(collectives.InvalidArgument, match="COLLECTIVES_COORDINATOR"):
+        collectives.connect()

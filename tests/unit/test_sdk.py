@@ -124,7 +124,8 @@ def test_connect_signature_and_cluster_protocol() -> None:
     sig = inspect.signature(collectives.connect)
     params = list(sig.parameters.values())
     positional = [p for p in params if p.kind != inspect.Parameter.KEYWORD_ONLY]
-    assert [(p.name, p.default) for p in positional] == [("address", _E), ("timeout", 30.0)]
+    # address None: COLLECTIVES_COORDINATOR (issue 44)
+    assert [(p.name, p.default) for p in positional] == [("address", None), ("timeout", 30.0)]
     # Security settings (docs/security.md), the shared-memory fast path and
     # progress bars are keyword-only extensions, all optional.
     assert [(p.name, p.default) for p in params[len(positional) :]] == [
