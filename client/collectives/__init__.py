@@ -5,8 +5,9 @@ place named tensors on the workers (``put``/``get``/``scatter``/``delete``) and
 run collectives on them (``broadcast``, ``all_reduce``, ``reduce``,
 ``all_gather``, ``gather``, ``reduce_scatter``, ``all_to_all``, ``barrier``,
 ``new_group``, ``destroy_group``) and move them point to point (``send``,
-``exchange``). Failures raise :class:`CollectiveError` subclasses carrying the
-gRPC status code and the server's message.
+``exchange``); ``cluster.data_parallel(name)`` returns a :class:`DataParallel`.
+Failures raise :class:`CollectiveError` subclasses carrying the gRPC status
+code and the server's message.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collectives.errors import (
 
 if TYPE_CHECKING:
     from collectives.cluster import Cluster, connect
+    from collectives.data_parallel import DataParallel
     from collectives.flight_record import OpRecord, RankPhases
     from collectives.groups import Group
     from collectives.reduce_ops import ReduceOp
@@ -41,6 +43,7 @@ _LAZY = {
     "Batching": "collectives.wire.batching",
     "Cluster": "collectives.cluster",
     "connect": "collectives.cluster",
+    "DataParallel": "collectives.data_parallel",
     "Group": "collectives.groups",
     "OpRecord": "collectives.flight_record",
     "RankPhases": "collectives.flight_record",
@@ -70,6 +73,7 @@ __all__ = [
     "Batching",
     "Cluster",
     "CollectiveError",
+    "DataParallel",
     "DeadlineExceeded",
     "FailedPrecondition",
     "Group",

@@ -73,6 +73,7 @@ def test_mlp_inference_matches_local(cluster, gen, uname) -> None:
     name = uname("mlp")
     cluster.load_model(name, model, example_inputs=(torch.randn(4, 6, generator=gen),))
     dp = cluster.data_parallel(name)
+    assert isinstance(dp, collectives.DataParallel)  # the public type (issue 44)
     for batch in _batches(cluster.world_size):
         x = torch.randn(batch, 6, generator=gen)
         with torch.no_grad():

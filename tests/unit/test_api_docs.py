@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import collectives
-from collectives.data_parallel import DataParallel
+from collectives import DataParallel
 from collectives.groups import Group
 from collectives.work import Work
 
@@ -149,6 +149,17 @@ def listing_errors(cls: type, text: str) -> list[str]:
 @pytest.mark.parametrize("cls", [collectives.Cluster, DataParallel], ids=lambda c: c.__name__)
 def test_api_md_lists_every_method_with_its_signature(cls: type) -> None:
     assert listing_errors(cls, API_MD.read_text()) == []
+
+
+def test_the_public_types_are_exported_and_named_in_api_md() -> None:
+    """``collectives.DataParallel`` is what ``data_parallel()`` returns (for isinstance)."""
+    import collectives.data_parallel
+
+    assert collectives.DataParallel is collectives.data_parallel.DataParallel
+    assert "DataParallel" in collectives.__all__
+    assert "`collectives.DataParallel`" in API_MD.read_text()
+    returns = inspect.signature(collectives.Cluster.data_parallel).return_annotation
+    assert returns in ("DataParallel", DataParallel)
 
 
 def test_a_changed_default_in_api_md_fails() -> None:

@@ -32,6 +32,7 @@ EXPECTED_EXPORTS = {
     "Batching",
     "Cluster",
     "CollectiveError",
+    "DataParallel",
     "DeadlineExceeded",
     "FailedPrecondition",
     "Group",
