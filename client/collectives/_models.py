@@ -118,11 +118,12 @@ class Models:
         state_dict: dict[str, torch.Tensor] | None = None,
         timeout: float | None = None,
         batching: Batching | None = None,
+        batch_dim: int = 0,
     ) -> ModelInfo:
         """Loads a model on every worker, replacing one of the same name.
 
         Either ``module`` with ``example_inputs`` (shipped as a torch.export
-        archive with dim 0 dynamic; one of 4 MiB or more on two or more workers
+        archive with dim ``batch_dim`` dynamic; one of 4 MiB or more on two or more workers
         is sent once and broadcast among them, a smaller one streamed to each
         worker), or ``factory="pkg.module:fn"`` with JSON
         ``kwargs`` (the workers must allow it with ``--allow-factory``).
@@ -151,7 +152,7 @@ class Models:
                 raise InvalidArgument(
                     "load_model(name, module) needs example_inputs to export the module"
                 )
-            archive = self._programs.archive(module, example_inputs)
+            archive = self._programs.archive(module, example_inputs, batch_dim)
             spec = worker_pb2.ModelSpec(name=name, archive_nbytes=len(archive))
         else:
             try:

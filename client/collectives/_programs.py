@@ -11,7 +11,8 @@ model name, ``__fn/<digest of its archive>``.
 Exporting is the slow part of a load (``torch.export`` traces the module), so
 a client exports each module once per input signature and set of weights:
 :class:`ProgramCache` keys an archive by the module's identity, the inputs'
-dtypes and shapes (dimension 0 is dynamic, so it is left out), the training
+dtypes and shapes (the batch dimension, 0 unless ``load_model(batch_dim=)``
+says otherwise, is dynamic, so it is left out), the batch dimension, the training
 flag and every parameter's and buffer's in-place version counter and storage
 (a changed weight is a new archive).
 """
@@ -37,6 +38,7 @@ __all__ = [
     "FunctionModule",
     "ProgramCache",
     "as_module",
+    "checked_batch_dim",
     "example_like",
     "export_archive",
     "program_name",
@@ -82,21 +84,45 @@ def example_like(info: worker_pb2.TensorInfo) -> torch.Tensor:
     return torch.randint(0, 2, shape, dtype=dtype)  # small: valid class indices too
 
 
+def checked_batch_dim(dim: object) -> int:
+    """``dim`` if it can name a tensor dimension (an int; negative counts from the end).
+
+    Raises:
+        InvalidArgument: ``dim`` is not an int.
+    """
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise InvalidArgument(f"batch_dim must be an int, got {dim!r}")
+    return dim
+
+
+def _batch_axis(t: torch.Tensor, dim: int) -> int | None:
+    """Which axis of ``t`` is dimension ``dim`` (negative: from the end); None if it has none."""
+    if -t.dim() <= dim < t.dim():
+        return dim % t.dim()
+    return None
+
+
 def export_archive(module: nn.Module, example_inputs: Any, dim: int = 0) -> bytes:
     """A torch.export archive of ``module`` with dimension ``dim`` of every tensor input dynamic.
 
+    ``dim`` is the batch dimension ``data_parallel(name, dim=)`` splits along;
+    the other dimensions keep the example's sizes.
+
     Raises:
         InvalidArgument: the module cannot be exported (the message says why and
-            names the factory alternative).
+            names the factory alternative), or ``dim`` is not an int.
     """
     from torch.export import Dim
 
+    dim = checked_batch_dim(dim)
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    dynamic = tree_map(
-        lambda t: {dim: Dim.DYNAMIC} if isinstance(t, torch.Tensor) and t.dim() > dim else None,
-        example_inputs,
-    )
+
+    def dynamic_of(t: object) -> dict[int, Any] | None:
+        axis = _batch_axis(t, dim) if isinstance(t, torch.Tensor) else None
+        return None if axis is None else {axis: Dim.DYNAMIC}
+
+    dynamic = tree_map(dynamic_of, example_inputs)
     if isinstance(module, FunctionModule):
         dynamic = (dynamic,)  # its forward takes them all as one *args parameter
     try:
@@ -123,12 +149,12 @@ def program_name(archive: bytes) -> str:
 def _signature(example_inputs: Any, dim: int) -> tuple[Any, ...]:
     """What an export depends on in the inputs: structure, dtypes, shapes but ``dim``."""
     leaves = tuple(
-        (leaf.dtype, tuple(s for i, s in enumerate(leaf.shape) if i != dim))
+        (leaf.dtype, tuple(s for i, s in enumerate(leaf.shape) if i != _batch_axis(leaf, dim)))
         if isinstance(leaf, torch.Tensor)
         else (type(leaf).__name__, repr(leaf)[:64])
         for leaf in tree_leaves(example_inputs)
     )
-    return (str(tree_structure(example_inputs)), *leaves)
+    return (str(tree_structure(example_inputs)), dim, *leaves)
 
 
 def _weights_version(module: nn.Module) -> tuple[Any, ...]:
@@ -154,6 +180,7 @@ class ProgramCache:
     def archive(self, module: nn.Module, example_inputs: Any, dim: int = 0) -> bytes:
         """``module``'s archive, exported now only if this client has not exported it
         for these input signatures and these weights before."""
+        dim = checked_batch_dim(dim)
         key = (id(module), _signature(example_inputs, dim), _weights_version(module))
         with self._lock:
             hit = self._archives.get(key)

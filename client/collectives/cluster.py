@@ -819,13 +819,15 @@ class Cluster:
         state_dict: dict[str, torch.Tensor] | None = None,
         timeout: float | None = None,
         batching: Batching | None = None,
+        batch_dim: int = 0,
     ) -> ModelInfo:
         """Loads a model on every worker, replacing one of the same name.
 
         Either ``module`` with ``example_inputs`` (shipped as a torch.export
-        archive with dim 0 dynamic; one of 4 MiB or more on two or more workers
-        is sent once and broadcast among them, a smaller one streamed to each
-        worker), or ``factory`` with JSON ``kwargs``.
+        archive with dimension ``batch_dim`` of every tensor input dynamic, the
+        rest fixed at the example's sizes; one of 4 MiB or more on two or more
+        workers is sent once and broadcast among them, a smaller one streamed
+        to each worker), or ``factory`` with JSON ``kwargs``.
 
         Args:
             name: the model's name on the cluster.
@@ -847,13 +849,18 @@ class Cluster:
                 (``Batching(max_rows=256, max_delay_ms=2.0)``); forwards with
                 autograd or in training mode are never merged; None: each
                 forward runs alone. Defaults to ``None``.
+            batch_dim: the dimension of ``module``'s inputs that
+                ``data_parallel(name, dim=batch_dim)`` splits (negative counts
+                from the end); a factory's model is not exported and takes any.
+                Defaults to ``0``.
 
         Returns:
             The ``ModelInfo`` rank 0 reports.
 
         Raises:
-            InvalidArgument: the module cannot be exported, bad arguments, or a
-                ``batching`` that is not a ``Batching``.
+            InvalidArgument: the module cannot be exported, bad arguments (a
+                ``batch_dim`` that is not an int), or a ``batching`` that is not
+                a ``Batching``.
             PermissionDenied: the factory is not allowed on the workers.
             CollectiveError: a worker refused the model or the call failed.
         """
@@ -866,6 +873,7 @@ class Cluster:
             state_dict=state_dict,
             timeout=timeout,
             batching=batching,
+            batch_dim=batch_dim,
         )
 
     def unload_model(
@@ -933,8 +941,9 @@ class Cluster:
 
         Args:
             name: the model.
-            dim: the dimension inputs are split and outputs gathered along.
-                Defaults to ``0``.
+            dim: the dimension inputs are split and outputs gathered along (a
+                module loaded with ``load_model`` must have been loaded with
+                ``batch_dim=dim``). Defaults to ``0``.
             timeout: seconds for each call of the callable; None means
                 ``default_timeout_s``. Defaults to ``None``.
 

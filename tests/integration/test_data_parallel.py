@@ -108,6 +108,38 @@ def test_nested_dict_tuple_inputs_and_outputs(cluster, gen, uname) -> None:
         torch.testing.assert_close(got["pair"][1], want["pair"][1])
 
 
+class TimeMajor(nn.Module):
+    """A sequence model on (time, batch, features) inputs: the batch is dim 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)).cumsum(0)
+
+
+def test_a_loaded_module_splits_along_the_batch_dim_it_was_loaded_with(cluster, gen, uname) -> None:
+    """``load_model(..., batch_dim=1)`` exports dim 1 dynamic, so ``dim=1`` splits run."""
+    model = TimeMajor()
+    name = uname("time-major")
+    cluster.load_model(name, model, example_inputs=(torch.randn(5, 4, 6),), batch_dim=1)
+    dp = cluster.data_parallel(name, dim=1)
+    for batch in _batches(cluster.world_size):
+        x = torch.randn(5, batch, 6, generator=gen)
+        with torch.no_grad():
+            out = dp(x)
+        assert out.shape == (5, batch, 4)
+        torch.testing.assert_close(out, model(x).detach())
+    x = torch.randn(5, 9, 6, generator=gen, requires_grad=True)  # and backward, on dim 1
+    dp(x).pow(2).sum().backward()
+    local = x.detach().requires_grad_()
+    model(local).pow(2).sum().backward()
+    assert x.grad is not None and local.grad is not None
+    torch.testing.assert_close(x.grad, local.grad)
+    cluster.unload_model(name)
+
+
 def test_scalar_outputs_are_unsqueezed_with_the_seed_warning(cluster3, gen, uname) -> None:
     model = ScalarLoss()
     name = uname("scalar")

@@ -121,6 +121,9 @@ def test_unnamed_payload_and_oversized_payload_refused(tmp_path, base, gen):
         "Symbol('s77', positive=True, integer=True)",
         "s0*s1 + FloorDiv(s2, 4) - 1",
         "Max(2, u0) >= 3",
+        # the stride of dim 0 when dim 1 is the dynamic one (load_model(batch_dim=1))
+        "Mul(Integer(4), Symbol('s27', positive=True, integer=True))",
+        "Add(Mul(Integer(6), Symbol('s0', integer=True)), Pow(Symbol('s1'), Integer(2)))",
     ],
 )
 def test_symbolic_expressions_torch_writes_pass(expr):

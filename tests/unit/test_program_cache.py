@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from collectives._programs import FunctionModule, ProgramCache, as_module, program_name
+from collectives.errors import InvalidArgument
 
 
 def test_the_same_module_and_signature_is_exported_once() -> None:
@@ -52,3 +54,14 @@ def test_weights_given_new_storage_export_again() -> None:
     first = cache.archive(model, (torch.randn(4, 3),))
     model.weight.data = torch.randn(2, 3)
     assert cache.archive(model, (torch.randn(4, 3),)) is not first
+
+
+def test_the_batch_dim_is_the_dynamic_one_and_part_of_the_key() -> None:
+    """``load_model(batch_dim=1)``: dim 1 varies freely, the other sizes are fixed."""
+    cache = ProgramCache()
+    model = nn.Linear(3, 2)
+    first = cache.archive(model, (torch.randn(5, 4, 3),), 1)
+    assert cache.archive(model, (torch.randn(5, 9, 3),), 1) is first
+    assert cache.archive(model, (torch.randn(5, 4, 3),), 0) is not first
+    with pytest.raises(InvalidArgument, match="batch_dim must be an int"):
+        cache.archive(model, (torch.randn(5, 4, 3),), "1")  # type: ignore[arg-type]

@@ -78,6 +78,11 @@ _FUNCTIONS = frozenset(
 # sympy's relations/logic and the Symbol declaration with its assumptions.
 _EXPR_NAMES = frozenset(
     [
+        # sympy's arithmetic, as srepr writes it: a stride of a tensor whose
+        # dynamic dimension is not its first is Mul(Integer(4), Symbol('s0', ...)).
+        "Add",
+        "Mul",
+        "Pow",
         "FloorDiv",
         "ModularIndexing",
         "Where",
