@@ -260,6 +260,31 @@ def test_backward_runs_once(cluster2, gen, uname) -> None:
         out.sum().backward()
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_wrong_inputs_name_what_the_model_takes_and_what_came(cluster2, gen, uname, grad) -> None:
+    model = _mlp(gen)
+    name = uname("inputs")
+    cluster2.load_model(name, model, example_inputs=(torch.randn(4, 6),))
+    dp = cluster2.data_parallel(name)
+    x = torch.randn(8, 6, generator=gen)
+    cases = [
+        ((x, x), {}, "got 2: (tensor, tensor)"),
+        (({"a": x},), {}, "got 1: ({'a': tensor})"),
+        ((x, 3), {}, "got 2: (tensor, int)"),
+        ((), {"x": x}, "and no keyword inputs, got none and keywords x=tensor"),
+    ]
+    for args, kwargs, got in cases:
+        with pytest.raises(collectives.InvalidArgument) as info, torch.set_grad_enabled(grad):
+            dp(*args, **kwargs)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        message = info.value.message
+        assert f"model {name!r} takes 1 positional input (a tensor)" in message, message
+        assert got in message and "example_inputs" in message, message
+        assert "tree spec" not in message, message
+    torch.testing.assert_close(dp(x).detach(), model(x).detach())  # and it still serves
+    cluster2.unload_model(name)
+
+
 def test_unknown_model_is_not_found(cluster2) -> None:
     with pytest.raises(collectives.NotFound, match="no-such-model"), torch.no_grad():
         cluster2.data_parallel("no-such-model")(torch.randn(4, 3))

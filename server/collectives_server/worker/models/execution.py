@@ -26,6 +26,7 @@ from collectives_server.worker.data.store import TensorStore
 from collectives_server.worker.kernels.op_failures import backend_message
 from collectives_server.worker.models import versions as model_versions
 from collectives_server.worker.models.batching import company_of
+from collectives_server.worker.models.inputs_expected import inputs_mismatch
 from collectives_server.worker.models.registry import HostedModel, ModelRegistry, RetainedGraph
 
 __all__ = ["forward", "backward", "release"]
@@ -65,7 +66,8 @@ def _call(
             return _run(model, module, args, kwargs)
         except (RuntimeError, TypeError, ValueError, IndexError) as exc:
             raise InvalidArgument(
-                f"model {name!r} failed on these inputs: {backend_message(exc)}"
+                inputs_mismatch(name, args, kwargs, module, model.module)
+                or f"model {name!r} failed on these inputs: {backend_message(exc)}"
             ) from None
 
 
