@@ -69,7 +69,8 @@ class ModelInfo:
     # 1 after load_model, +1 per publish (load_state_dict), step or train_step
     # with an optimizer; equal on every rank between ops.
     version: int = 1
-    # The mode forwards run in, like nn.Module.training (see set_model_mode).
+    # The recorded mode, like nn.Module.training: the loaded module's, changed only
+    # by set_model_mode; calls naming no mode run in it.
     training: bool = True
     # How concurrent no-grad forwards are merged on each worker (None: they are not),
     # and on rank 0: forwards the batcher ran, the calls and rows they served.
@@ -77,6 +78,9 @@ class ModelInfo:
     batches: int = 0
     batched_calls: int = 0
     batched_rows: int = 0
+    # Whether train mode normalises over the batch (batch norm): a train-mode
+    # DataParallel call then gives no worker a shard of one row.
+    batch_statistics: bool = False
 
 
 class Models:
@@ -87,24 +91,11 @@ class Models:
         self._data_plane = data_plane
         # In-flight fire-and-forget ReleaseGraph calls (see release_graph).
         self._releases: set[Any] = set()
-        # Models whose gradients on the workers came from a DataParallel backward of
-        # a loss over the whole batch (until zero_grad or train_step): their shards'
-        # gradients already add up to the full-batch gradient.
-        self._whole_batch_grads: set[str] = set()
-        self._grads_lock = threading.Lock()
+        self._examples_lock = threading.Lock()
         # Exported archives of this client's modules and functions (exported once).
         self._programs = ProgramCache()
         # Example outputs a custom loss is traced on, per (model, inputs, targets shapes).
         self._output_examples: dict[tuple[Any, ...], Any] = {}
-
-    def note_remote_backward(self, name: str) -> None:
-        """A DataParallel backward of ``name`` accumulated gradients on the workers."""
-        with self._grads_lock:
-            self._whole_batch_grads.add(name)
-
-    def _forget_gradients(self, name: str) -> None:
-        with self._grads_lock:
-            self._whole_batch_grads.discard(name)
 
     # --------------------------------------------------------------- loading
     def load_model(
@@ -153,7 +144,9 @@ class Models:
                     "load_model(name, module) needs example_inputs to export the module"
                 )
             archive = self._programs.archive(module, example_inputs, batch_dim)
-            spec = worker_pb2.ModelSpec(name=name, archive_nbytes=len(archive))
+            # The recorded mode is the module's own, whatever its graph holds.
+            mode = worker_pb2.MODEL_MODE_TRAIN if module.training else worker_pb2.MODEL_MODE_EVAL
+            spec = worker_pb2.ModelSpec(name=name, archive_nbytes=len(archive), mode=mode)
         else:
             try:
                 kwargs_json = json.dumps(kwargs or {})
@@ -284,33 +277,21 @@ class Models:
         Which ``op``: after ``loss = f(dp(x)); loss.backward()`` (a loss over the
         whole gathered batch) each worker holds its shard's part of the gradient
         and the parts *add up* to the full-batch gradient: ``"sum"`` (the default)
-        is right, and ``"avg"`` would divide it by the world size, so this client
-        refuses ``"avg"`` until ``zero_grad`` or a ``"sum"`` (after which every worker
-        holds the same full gradient, which "avg" leaves as it is). ``"avg"`` is for gradients of
-        per-worker mean losses (what DDP averages), e.g. after local steps on
-        each worker's own data.
+        is right, and ``"avg"`` would divide it by the world size, so the workers
+        refuse ``"avg"``, whichever client asks, until ``zero_grad`` or a ``"sum"``
+        (after which every worker holds the same full gradient, which "avg"
+        leaves as it is). ``"avg"`` is for gradients of per-worker mean losses
+        (what DDP averages), e.g. after local steps on each worker's own data.
 
         Raises:
-            InvalidArgument: ``op`` is not sum/avg, ``"avg"`` on gradients this
-                client computed with a DataParallel backward, or a bad bucket size.
+            InvalidArgument: ``op`` is not sum/avg, ``"avg"`` on gradients left by a
+                DataParallel backward (any client's), or a bad bucket size.
             NotFound / FailedPrecondition: the model is missing on all / some ranks.
         """
         validate_name(name, "model name")
         reduce_op = parse_reduce_op(op)
         if reduce_op not in (ReduceOp.SUM, ReduceOp.AVG):
             raise InvalidArgument(f"all_reduce_gradients takes op 'sum' or 'avg', not {op!r}")
-        with self._grads_lock:
-            whole_batch = name in self._whole_batch_grads
-        if reduce_op is ReduceOp.AVG and whole_batch:
-            raise InvalidArgument(
-                f"all_reduce_gradients({name!r}, op='avg') would divide the gradient by the "
-                f"world size: the gradients of {name!r} come from a data_parallel backward of a "
-                "loss over the whole batch, so each worker holds its shard's part and their "
-                "sum is the full-batch gradient. Use op='sum' (the default). 'avg' is for "
-                "per-worker mean losses, as in DDP (see docs/api.md, 'Which reduction')"
-            )
-        if reduce_op is ReduceOp.SUM:
-            self._forget_gradients(name)  # reduced: every rank holds the full gradient
         if bucket_bytes is not None and bucket_bytes <= 0:
             raise InvalidArgument(f"bucket_bytes must be positive, got {bucket_bytes}")
         deadline = self._session.deadline(timeout)
@@ -339,17 +320,22 @@ class Models:
         max_grad_norm: float | None = None,
         **hyper: Any,
     ) -> Any:
-        """A DDP-style step on data already on the workers; returns the global loss.
+        """A DDP-style step on data already on the workers; returns the loss it optimised.
 
-        Every worker computes ``loss`` (mean over its shard) of the model on the
-        tensors named ``inputs``/``targets`` in its store, backpropagates, and
-        the gradients are averaged across workers (bucketed). With
-        ``optimizer`` (sgd/adam/adamw and ``**hyper``) each worker then steps.
+        Every worker runs the model in train mode (whatever mode it is recorded
+        in, which stays as it is) on the tensors named ``inputs``/``targets`` in
+        its store and computes ``loss`` over its shard. The step optimises one
+        objective, the loss over the whole batch as one ``nn.DataParallel`` step
+        computes it: each shard's loss weighed by its share of the rows,
+        ``sum(rows_r / rows * loss_r)`` (the full-batch mean for a mean loss,
+        even and uneven shards alike). That is the loss returned, and its
+        gradient is the one every worker holds afterwards (bucketed). A worker
+        whose shard is empty contributes nothing. With ``optimizer``
+        (sgd/adam/adamw and ``**hyper``) each worker then steps.
         """
         validate_name(name, "model name")
         validate_name(inputs, "inputs tensor name")
         validate_name(targets, "targets tensor name")
-        self._forget_gradients(name)  # it sets the gradients itself, averaged
         if isinstance(loss, str) and loss not in BUILTIN_LOSSES:
             raise InvalidArgument(
                 f"loss {loss!r} is not supported; use one of {BUILTIN_LOSSES}, or pass your "
@@ -426,7 +412,6 @@ class Models:
             self._session.deadline(timeout),
             lambda e, t: call_unary(e.stub.ZeroGrad, request, t, f"zero_grad {name!r}"),
         )
-        self._forget_gradients(name)
 
     def gradients(
         self, name: str, rank: int = 0, timeout: float | None = None
@@ -624,11 +609,11 @@ class Models:
         endpoint = self._member_endpoints(deadline)[0]
         infos = self._tensor_infos(endpoint, [inputs, targets], deadline)
         key = (model, _shape_key(infos[inputs]), _shape_key(infos[targets]))
-        with self._grads_lock:
+        with self._examples_lock:
             output = self._output_examples.get(key)
         if output is None:
             output = self._output_example(endpoint, model, inputs, deadline)
-            with self._grads_lock:
+            with self._examples_lock:
                 self._output_examples[key] = output
         return self._program(loss, (output, example_like(infos[targets])), deadline)
 
@@ -641,6 +626,7 @@ class Models:
         request = worker_pb2.ForwardRequest(
             model=model,
             call_id=call_id,
+            mode=worker_pb2.MODEL_MODE_EVAL,  # eval mode changes no running statistic
             args=worker_pb2.Value(
                 tuple=worker_pb2.ValueList(items=[worker_pb2.Value(tensor=inputs)])
             ),
@@ -792,6 +778,7 @@ def _model_info(m: worker_pb2.ModelInfo) -> ModelInfo:
         steps=m.steps,
         version=m.version,
         training=m.training,
+        batch_statistics=m.batch_statistics,
         batching=Batching.from_proto(m.batching) if m.HasField("batching") else None,
         batches=m.batching_stats.batches,
         batched_calls=m.batching_stats.calls,

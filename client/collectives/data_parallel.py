@@ -137,17 +137,20 @@ class _RemoteCall:
         dim: int,
         timeout: float | None,
         training: bool | None = None,
+        batch_statistics: bool = False,
     ) -> None:
         self.session = session
         self.models = models
         self.model = model
         self.dim = dim
-        # The mode every shard runs in; None: each worker's mode for the model.
+        # The mode every shard runs in; None: the model's recorded mode.
         self.mode = {
             None: worker_pb2.MODEL_MODE_UNSPECIFIED,
             True: worker_pb2.MODEL_MODE_TRAIN,
             False: worker_pb2.MODEL_MODE_EVAL,
         }[training]
+        # Train mode of a model that normalises over the batch: no shard of one row.
+        self.min_rows = 2 if training and batch_statistics else 1
         self.deadline = session.deadline(timeout)
         self.call_id = f"__dp/{uuid.uuid4().hex}"
         self.version = 0  # the model version that computed the outputs, once known
@@ -156,7 +159,9 @@ class _RemoteCall:
         snapshot = self.session.formed_snapshot(self.deadline)
         members = [w for w in snapshot.workers if w.rank >= 0]
         members.sort(key=lambda w: w.rank)
-        parts_args, parts_kwargs = scatter_kwargs(inputs, kwargs, len(members), self.dim)
+        parts_args, parts_kwargs = scatter_kwargs(
+            inputs, kwargs, len(members), self.dim, self.min_rows
+        )
         grad_on = torch.is_grad_enabled()
         all_leaves = tensors_in(inputs) + tensors_in(kwargs)
         self.grad_leaf_ids = [
@@ -304,9 +309,6 @@ class _RemoteCall:
             )
         self.state.finished = True
         self.deadline = self.session.deadline(None)
-        # Gradients of a whole-batch loss accumulate on the workers: their sum is
-        # the batch's gradient (all_reduce_gradients refuses "avg" on them).
-        self.models.note_remote_backward(self.model)
 
         def slices(j: int, grad: torch.Tensor) -> list[torch.Tensor]:
             parts = [s.outputs[j] for s in self.shards]
@@ -426,13 +428,18 @@ class DataParallel:
         self.dim = dim
         self.timeout = timeout
         self._local = threading.local()
-        self._training: bool | None = None  # known once set or asked
+        # This callable's own mode: the model's recorded mode when first needed,
+        # then whatever train()/eval() set; every call carries it.
+        self._training: bool | None = None
+        self._batch_statistics = False  # the model's ModelInfo.batch_statistics, with it
 
     @property
     def training(self) -> bool:
-        """Whether the model runs in train mode (dropout on, batch norm on each
-        shard's statistics), as ``nn.Module.training``; asks rank 0 until this
-        callable set the mode itself.
+        """Whether this callable runs the model in train mode (dropout on, batch norm
+        on each shard's statistics), as ``nn.Module.training``. It starts as the
+        model's recorded mode (``ModelInfo.training``, read on first use) and is
+        this callable's own from then on: another client's ``eval()`` does not
+        change it.
 
         Raises:
             NotFound: the model is not loaded.
@@ -441,14 +448,19 @@ class DataParallel:
             infos = {m.name: m for m in self._models.models(timeout=self.timeout)}
             if self.name not in infos:
                 raise NotFound(f"model {self.name!r} is not loaded; load_model it first")
+            self._batch_statistics = infos[self.name].batch_statistics
             self._training = infos[self.name].training
         return self._training
 
     def train(self, mode: bool = True) -> DataParallel:
-        """Switches the model to train mode (``mode=False``: eval mode) on every worker.
+        """Switches this callable to train mode (``mode=False``: eval mode), and the
+        model's recorded mode with it (``Cluster.set_model_mode``: what callables made
+        later start with).
 
         Like ``nn.Module.train``: every later call of this callable runs every
-        shard in that mode.
+        shard in that mode, whatever other callables do. In train mode a batch
+        is cut so that no worker gets a shard of one row (fewer workers for a
+        small batch, for a model with batch norm; see ``docs/training.md``).
 
         Args:
             mode: True for train mode, False for eval mode. Defaults to ``True``.
@@ -461,7 +473,8 @@ class DataParallel:
             FailedPrecondition: its exported graph cannot be switched (see
                 ``Cluster.set_model_mode``).
         """
-        self._models.set_model_mode(self.name, bool(mode), timeout=self.timeout)
+        info = self._models.set_model_mode(self.name, bool(mode), timeout=self.timeout)
+        self._batch_statistics = info.batch_statistics
         self._training = bool(mode)
         return self
 
@@ -508,7 +521,8 @@ class DataParallel:
 
         Returns:
             The outputs gathered along ``dim`` in worker order, all computed by one
-            model version (:attr:`last_version`).
+            model version (:attr:`last_version`), in this callable's mode
+            (:attr:`training`).
 
         Raises:
             NotFound: the model is not loaded.
@@ -516,8 +530,15 @@ class DataParallel:
             Unavailable: publishes kept moving the model's version under the call.
             CollectiveError: a worker failed or the call timed out.
         """
+        training = self.training
         call = _RemoteCall(
-            self._session, self._models, self.name, self.dim, self.timeout, self._training
+            self._session,
+            self._models,
+            self.name,
+            self.dim,
+            self.timeout,
+            training,
+            self._batch_statistics,
         )
         output = call.forward(inputs, kwargs)
         self._local.version = call.version

@@ -124,7 +124,7 @@ def test_a_shared_forward_switches_the_mode_only_when_nobody_runs_the_model() ->
         # Another reader in the same mode joins without waiting for this one.
         with model_versions.serving(model, 0, time.monotonic() + _WAIT_S, False, shared=True):
             pass
-    assert model.training is False
+    assert model.training is True  # a call's own mode leaves the recorded mode as it was
 
 
 def test_graphs_can_be_expired_beside_shared_forwards_but_not_beside_a_writer() -> None:

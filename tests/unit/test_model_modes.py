@@ -49,7 +49,13 @@ def test_a_graph_captured_in_train_mode_runs_in_eval_mode_as_torch_does() -> Non
         dict(evaluating.named_parameters())["0.weight"]
         is dict(graph.named_parameters())["0.weight"]
     )
-    assert model_modes.for_mode(graph, True, "m") is graph
+    training = model_modes.for_mode(graph, True, "m")  # torch's input checks put back
+    assert dict(training.named_buffers())["2.running_var"] is dict(graph.named_buffers())[
+        "2.running_var"
+    ]
+    torch.testing.assert_close(training(x[:4]).shape, module.train()(x[:4]).shape)
+    plain = _captured(nn.Sequential(nn.Linear(6, 3), nn.ReLU()), x)
+    assert model_modes.for_mode(plain, True, "m") is plain  # nothing to switch or check
 
 
 def test_a_graph_captured_in_eval_mode_runs_batch_norm_on_the_batch_in_train_mode() -> None:
@@ -80,3 +86,45 @@ def test_an_unknown_mode_dependent_operator_is_refused() -> None:
     module = fx.GraphModule(nn.Module(), graph)
     with pytest.raises(FailedPrecondition, match="native_dropout"):
         model_modes.for_mode(module, False, "odd")
+
+
+@pytest.mark.parametrize("captured_in_train", [True, False])
+def test_a_train_mode_graph_refuses_one_value_per_channel_as_torch_does(
+    captured_in_train: bool,
+) -> None:
+    """A captured graph calls aten.batch_norm without torch.nn.functional's check: one
+    row in train mode would write NaN into running_var. The train-mode graph gives
+    torch's ValueError back, and restoring_buffers undoes an earlier layer's update."""
+    torch.manual_seed(5)
+    module = nn.Sequential(
+        nn.Linear(6, 4), nn.BatchNorm1d(4), nn.Unflatten(1, (4, 1)), nn.BatchNorm1d(4)
+    )
+    module.train(captured_in_train)
+    graph = _captured(module, torch.randn(5, 6))
+    training = model_modes.for_mode(graph, True, "m")
+    one_row = torch.randn(1, 6)
+    with pytest.raises(ValueError) as torch_said:
+        module.train()(one_row)
+    before = {k: v.clone() for k, v in graph.named_buffers()}
+    with pytest.raises(ValueError) as ours:
+        with model_modes.restoring_buffers(graph, True):
+            training(one_row)
+    assert str(ours.value) == str(torch_said.value)
+    for key, value in graph.named_buffers():
+        assert torch.equal(value, before[key]), key  # nothing changed, no NaN
+    # Three-dimensional input: one row but two values per channel is what torch allows.
+    ok = nn.Sequential(nn.Linear(6, 8), nn.Unflatten(1, (4, 2)), nn.BatchNorm1d(4))
+    graph = _captured(ok.train(captured_in_train), torch.randn(5, 6))
+    got = model_modes.for_mode(graph, True, "m")(one_row)
+    torch.testing.assert_close(got, ok.train()(one_row))
+
+
+def test_instance_norm_on_one_spatial_element_is_refused_in_train_mode() -> None:
+    module = nn.Sequential(nn.Unflatten(1, (3, 2)), nn.InstanceNorm1d(3, track_running_stats=True))
+    graph = _captured(module.eval(), torch.randn(4, 6))
+    training = model_modes.for_mode(graph, True, "m")
+    torch.testing.assert_close(training(x := torch.randn(4, 6)), module.train()(x))
+    narrow = nn.Sequential(nn.Unflatten(1, (6, 1)), nn.InstanceNorm1d(6, track_running_stats=True))
+    graph = _captured(narrow.eval(), torch.randn(4, 6))
+    with pytest.raises(ValueError, match="more than 1 spatial element"):
+        model_modes.for_mode(graph, True, "m")(torch.randn(4, 6))

@@ -449,20 +449,22 @@ class GetStateResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., generation: _Optional[int] = ..., is_leader: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., tensors_held: _Optional[int] = ..., bytes_held: _Optional[int] = ..., ops_completed: _Optional[int] = ..., ops_failed: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., status: _Optional[_Union[_status_pb2.WorkerStatus, _Mapping]] = ..., address: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., world_size: _Optional[int] = ..., membership_digest: _Optional[str] = ..., coordinator: _Optional[str] = ...) -> None: ...
 
 class ModelSpec(_message.Message):
-    __slots__ = ("name", "factory", "factory_kwargs_json", "archive_nbytes", "archive_tensor", "batching")
+    __slots__ = ("name", "factory", "factory_kwargs_json", "archive_nbytes", "archive_tensor", "batching", "mode")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FACTORY_FIELD_NUMBER: _ClassVar[int]
     FACTORY_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     ARCHIVE_NBYTES_FIELD_NUMBER: _ClassVar[int]
     ARCHIVE_TENSOR_FIELD_NUMBER: _ClassVar[int]
     BATCHING_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     name: str
     factory: str
     factory_kwargs_json: str
     archive_nbytes: int
     archive_tensor: str
     batching: ForwardBatching
-    def __init__(self, name: _Optional[str] = ..., factory: _Optional[str] = ..., factory_kwargs_json: _Optional[str] = ..., archive_nbytes: _Optional[int] = ..., archive_tensor: _Optional[str] = ..., batching: _Optional[_Union[ForwardBatching, _Mapping]] = ...) -> None: ...
+    mode: ModelMode
+    def __init__(self, name: _Optional[str] = ..., factory: _Optional[str] = ..., factory_kwargs_json: _Optional[str] = ..., archive_nbytes: _Optional[int] = ..., archive_tensor: _Optional[str] = ..., batching: _Optional[_Union[ForwardBatching, _Mapping]] = ..., mode: _Optional[_Union[ModelMode, str]] = ...) -> None: ...
 
 class ForwardBatching(_message.Message):
     __slots__ = ("max_rows", "max_delay_ms")
@@ -493,7 +495,7 @@ class LoadModelRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., archive_chunk: _Optional[bytes] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "parameters", "parameter_bytes", "devices", "source", "optimizer", "graphs_retained", "steps", "version", "training", "batching", "batching_stats")
+    __slots__ = ("name", "parameters", "parameter_bytes", "devices", "source", "optimizer", "graphs_retained", "steps", "version", "training", "batching", "batching_stats", "batch_statistics")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     PARAMETER_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -506,6 +508,7 @@ class ModelInfo(_message.Message):
     TRAINING_FIELD_NUMBER: _ClassVar[int]
     BATCHING_FIELD_NUMBER: _ClassVar[int]
     BATCHING_STATS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_STATISTICS_FIELD_NUMBER: _ClassVar[int]
     name: str
     parameters: int
     parameter_bytes: int
@@ -518,7 +521,8 @@ class ModelInfo(_message.Message):
     training: bool
     batching: ForwardBatching
     batching_stats: BatchingStats
-    def __init__(self, name: _Optional[str] = ..., parameters: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., source: _Optional[str] = ..., optimizer: _Optional[str] = ..., graphs_retained: _Optional[int] = ..., steps: _Optional[int] = ..., version: _Optional[int] = ..., training: _Optional[bool] = ..., batching: _Optional[_Union[ForwardBatching, _Mapping]] = ..., batching_stats: _Optional[_Union[BatchingStats, _Mapping]] = ...) -> None: ...
+    batch_statistics: bool
+    def __init__(self, name: _Optional[str] = ..., parameters: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., source: _Optional[str] = ..., optimizer: _Optional[str] = ..., graphs_retained: _Optional[int] = ..., steps: _Optional[int] = ..., version: _Optional[int] = ..., training: _Optional[bool] = ..., batching: _Optional[_Union[ForwardBatching, _Mapping]] = ..., batching_stats: _Optional[_Union[BatchingStats, _Mapping]] = ..., batch_statistics: _Optional[bool] = ...) -> None: ...
 
 class SetModelModeRequest(_message.Message):
     __slots__ = ("name", "mode")

@@ -6,6 +6,9 @@ follows tuples, lists, dicts and namedtuples, and duplicates everything else,
 exactly as ``torch.nn.parallel.scatter_gather`` does for devices. ``gather``
 concatenates per-worker outputs along ``dim`` in worker order, with the seed's
 handling of nested outputs and of 0-dim outputs (unsqueezed, with a warning).
+With ``min_rows=2`` (a train-mode call) it uses as many workers as keep every
+chunk at two rows or more (7 rows over 3 workers: 4, 3), so no batch norm
+ever sees a one-row shard that the caller's batch did not have.
 ``to_value``/``from_value`` turn those structures into the wire's ``Value``,
 with tensor leaves travelling separately as named tensors.
 """
@@ -30,6 +33,7 @@ __all__ = [
     "replace_tensors",
     "tensors_in",
     "scatter_kwargs",
+    "chunk_parts",
     "gather",
     "to_value",
     "fill_value",
@@ -72,16 +76,35 @@ def _scatter(obj: Any, parts: int, dim: int) -> list[Any]:
     return [obj for _ in range(parts)]
 
 
+def chunk_parts(rows: int, parts: int, min_rows: int = 1) -> int:
+    """The most chunks, at most ``parts``, that ``torch.chunk`` cuts ``rows`` rows into
+    with every chunk holding at least ``min_rows`` rows (1 when none can)."""
+    for k in range(max(parts, 1), 1, -1):
+        size = -(-rows // k)  # torch.chunk's chunk size
+        count = -(-rows // size) if size else 0
+        if count and size >= min_rows and rows - size * (count - 1) >= min_rows:
+            return k
+    return 1
+
+
 def scatter_kwargs(
-    inputs: tuple[Any, ...], kwargs: dict[str, Any], parts: int, dim: int = 0
+    inputs: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    parts: int,
+    dim: int = 0,
+    min_rows: int = 1,
 ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
     """Per-worker (args, kwargs); fewer than ``parts`` when the batch is smaller.
 
     The number of parts is the number of chunks the tensors split into (the
     seed would also pad with empty calls when a kwarg is not a tensor; a
-    remote worker with nothing to compute is better left out).
+    remote worker with nothing to compute is better left out), and no more
+    than keeps every chunk at ``min_rows`` rows or more.
     """
     leaves = tensors_in((inputs, kwargs))
+    if leaves and min_rows > 1:
+        rows = min((t.shape[dim] for t in leaves if t.dim() > dim), default=0)
+        parts = chunk_parts(rows, parts, min_rows)
     if leaves:
         parts = min(len(torch.chunk(t, parts, dim)) if t.dim() else parts for t in leaves)
     scattered_inputs = _scatter(inputs, parts, dim) if inputs else []

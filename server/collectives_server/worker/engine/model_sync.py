@@ -72,6 +72,8 @@ class _Held:
     entries: list[tuple[str, int, list[int]]]  # key, wire dtype, shape
     # Its dynamic batching as [max_rows, max_delay_ms]; None: none.
     batching: list[float] | None = None
+    # Its recorded mode (ModelInfo.training); None: the module's own.
+    training: bool | None = None
 
     def batching_policy(self) -> Batching | None:
         if self.batching is None:
@@ -149,6 +151,7 @@ def _inventory(ctx: OpContext) -> dict[str, dict]:
                 "batching": None
                 if model.batcher is None
                 else [model.batcher.policy.max_rows, model.batcher.policy.max_delay_ms],
+                "training": model.training,
             }
     return out
 
@@ -275,6 +278,7 @@ def _build_in_background(ctx: OpContext, uploads: ModelUploads, arrival: _Arriva
                 src.factory or "export",
                 definition,
                 batching=src.batching_policy(),
+                training=src.training,
             )
             _commit(hosted, arrival)
         except Exception as exc:

@@ -24,15 +24,13 @@ from collectives.wire.names import reserved_prefix, validate_name
 from collectives.wire.pytree import InlineLeaf, fill_value, from_value
 from collectives_server.worker.data.store import TensorStore
 from collectives_server.worker.kernels.op_failures import backend_message
+from collectives_server.worker.models import modes as model_modes
 from collectives_server.worker.models import versions as model_versions
 from collectives_server.worker.models.batching import company_of
 from collectives_server.worker.models.inputs_expected import inputs_mismatch
 from collectives_server.worker.models.registry import HostedModel, ModelRegistry, RetainedGraph
 
 __all__ = ["forward", "backward", "release"]
-
-# ModelMode -> training (None: the model's own mode).
-_MODES = {worker_pb2.MODEL_MODE_TRAIN: True, worker_pb2.MODEL_MODE_EVAL: False}
 
 
 def _run(model: HostedModel, module: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -55,15 +53,18 @@ def _call(
     args: tuple,
     kwargs: dict,
     grad_enabled: bool,
+    training: bool = False,
 ) -> Any:
-    """The output of ``module`` (the model held at a version, in a mode) on these inputs.
+    """The output of ``module`` (the model held at a version, in ``training`` mode) on
+    these inputs. A train-mode call that fails leaves the model's buffers as they were.
 
     Raises:
         InvalidArgument: the model failed on them.
     """
     with torch.set_grad_enabled(grad_enabled):
         try:
-            return _run(model, module, args, kwargs)
+            with model_modes.restoring_buffers(model.module, training):
+                return _run(model, module, args, kwargs)
         except (RuntimeError, TypeError, ValueError, IndexError) as exc:
             raise InvalidArgument(
                 inputs_mismatch(name, args, kwargs, module, model.module)
@@ -156,7 +157,7 @@ def forward(
         if not isinstance(args, tuple) or not isinstance(kwargs, dict):
             raise InvalidArgument("forward args must be a tuple value and kwargs a dict value")
         deadline = time.monotonic() + timeout_s
-        training = _MODES.get(request.mode)
+        training = model_modes.training_of(request.mode)
         merged = _mergeable(model, request, training, args, kwargs)
         shared = _reads_only(model, request, training)
         if merged is not None:
@@ -173,8 +174,11 @@ def forward(
             )
         else:
             held = model_versions.serving(model, request.version, deadline, training, shared=shared)
+            mode = bool(model.training if training is None else training)
             with held as (version, module):
-                output = _call(model, module, request.model, args, kwargs, request.grad_enabled)
+                output = _call(
+                    model, module, request.model, args, kwargs, request.grad_enabled, mode
+                )
         stored: dict[str, torch.Tensor] = {}
         # Output leaves travel in the response, depth first, while they fit in the
         # bytes the caller allows; the rest (and every one after) wait in the store.
@@ -274,6 +278,9 @@ def backward(
                     torch.autograd.backward(tensors, grads)
                 finally:
                     arena.settle(seeded)
+                # A data-parallel backward of a loss over the gathered batch: this
+                # rank holds its shard's part of the batch's gradient.
+                model.grads_are_shares = True
         names = []
         for i, (name, leaf) in enumerate(graph.inputs.items()):
             if leaf.grad is None:

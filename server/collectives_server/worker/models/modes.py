@@ -18,19 +18,37 @@ and updates that worker's running statistics, exactly as each replica of
 ``nn.DataParallel`` does. A graph holding another operator whose result
 depends on the mode is refused (``FAILED_PRECONDITION``), never run in the
 wrong mode silently.
+
+A captured graph calls ``aten.batch_norm`` / ``aten.instance_norm`` directly,
+without the checks ``torch.nn.functional`` makes first, so a train-mode graph
+gets them back here: batch norm on one value per channel, or instance norm on
+one spatial element, raises torch's own ``ValueError`` instead of writing NaN
+into a running statistic. :func:`restoring_buffers` puts back the buffers a
+failed train-mode call had already changed, so a refused call changes nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import fx, nn
 
 from collectives.errors import FailedPrecondition
+from collectives.v1 import worker_pb2
 
-__all__ = ["captured_mode", "for_mode", "is_graph"]
+__all__ = [
+    "captured_mode",
+    "for_mode",
+    "is_graph",
+    "restoring_buffers",
+    "snapshot_buffers",
+    "training_of",
+    "uses_batch_statistics",
+]
 
 _aten = torch.ops.aten
 # Operator -> index of its mode argument (True: train).
@@ -52,6 +70,14 @@ _UNHANDLED = {
 }
 
 
+_TRAINING = {worker_pb2.MODEL_MODE_TRAIN: True, worker_pb2.MODEL_MODE_EVAL: False}
+
+
+def training_of(mode: int) -> bool | None:
+    """A wire ``ModelMode`` as ``training`` (None: unspecified)."""
+    return _TRAINING.get(mode)
+
+
 def is_graph(module: nn.Module) -> bool:
     """Whether ``module`` is a captured graph (from an export archive)."""
     return isinstance(module, fx.GraphModule)
@@ -64,15 +90,32 @@ def captured_mode(module: nn.Module) -> bool:
     if not is_graph(module):
         return module.training
     for node in module.graph.nodes:
-        index = _MODE_ARG.get(node.target) if node.op == "call_function" else None
+        if node.op != "call_function":
+            continue
+        index = _MODE_ARG.get(node.target)
         if index is not None:
             return bool(_full_args(node)[index])
+        if node.target is _aten.instance_norm.default and node.args[3] is not None:
+            return bool(node.args[5])  # use_input_stats: the batch's only in train mode
     return True
+
+
+def uses_batch_statistics(module: nn.Module) -> bool:
+    """Whether ``module`` in train mode normalises over the batch (batch norm), so a
+    shard of one row is one it cannot run."""
+    if is_graph(module):
+        return any(
+            n.op == "call_function" and n.target is _aten.batch_norm.default
+            for n in module.graph.nodes
+        )
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
 
 
 def for_mode(module: nn.Module, training: bool, model: str) -> nn.Module:
     """``module`` in ``training`` mode: the module itself, switched (plain), or a
-    graph that shares its parameters and buffers (captured in the other mode).
+    graph that shares its parameters and buffers (captured in the other mode, or
+    given back torch's input checks for train mode); the captured graph itself
+    when nothing changes.
 
     Raises:
         FailedPrecondition: the graph holds a mode-dependent operator this
@@ -81,32 +124,19 @@ def for_mode(module: nn.Module, training: bool, model: str) -> nn.Module:
     if not is_graph(module):
         module.train(training)
         return module
-    if captured_mode(module) == training:
+    switch = captured_mode(module) != training
+    if not switch and not (training and any(map(_needs_check, module.graph.nodes))):
         return module
     graph = copy.deepcopy(module.graph)
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
-        if node.target in _UNHANDLED:
-            raise FailedPrecondition(
-                f"model {model!r} cannot run in {'train' if training else 'eval'} mode: its "
-                f"exported graph calls {node.target}, whose result depends on the mode, in "
-                "a form this worker cannot switch; export the model in the mode you will run"
-            )
-        index = _MODE_ARG.get(node.target)
-        if index is not None:
-            args = _full_args(node)
-            args[index] = training
-            positional = {a.name for a in node.target._schema.arguments[: len(args)]}
-            node.kwargs = {k: v for k, v in node.kwargs.items() if k not in positional}
-            node.args = tuple(args)
-        elif node.target is _aten.instance_norm.default and node.args[3] is not None:
-            args = list(node.args)
-            args[5] = training  # use_input_stats: the batch's in train, the running ones in eval
-            node.args = tuple(args)
-        elif not training and _counts_batches(node):
-            node.replace_all_uses_with(node.args[0])
-            graph.erase_node(node)
+        if switch:
+            _switch(graph, node, training, model)
+        if training and _needs_check(node):
+            batch = node.target is _aten.batch_norm.default
+            with graph.inserting_before(node):
+                graph.call_function(_verify_batch if batch else _verify_spatial, (node.args[0],))
     graph.lint()
     switched = fx.GraphModule(module, graph)  # attributes are shared, not copied
     # The captured module's own input checks (shapes, pytree layout) run as its
@@ -116,6 +146,89 @@ def for_mode(module: nn.Module, training: bool, model: str) -> nn.Module:
         switched.register_forward_pre_hook(_on(module, hook, with_kwargs), with_kwargs=with_kwargs)
     switched.train(training)
     return switched
+
+
+def _switch(graph: fx.Graph, node: fx.Node, training: bool, model: str) -> None:
+    """Rewrites ``node`` (a call) to compute what it computes in ``training`` mode."""
+    if node.target in _UNHANDLED:
+        raise FailedPrecondition(
+            f"model {model!r} cannot run in {'train' if training else 'eval'} mode: its "
+            f"exported graph calls {node.target}, whose result depends on the mode, in "
+            "a form this worker cannot switch; export the model in the mode you will run"
+        )
+    index = _MODE_ARG.get(node.target)
+    if index is not None:
+        args = _full_args(node)
+        args[index] = training
+        positional = {a.name for a in node.target._schema.arguments[: len(args)]}
+        node.kwargs = {k: v for k, v in node.kwargs.items() if k not in positional}
+        node.args = tuple(args)
+    elif node.target is _aten.instance_norm.default and node.args[3] is not None:
+        args = list(node.args)
+        args[5] = training  # use_input_stats: the batch's in train, the running ones in eval
+        node.args = tuple(args)
+    elif not training and _counts_batches(node):
+        node.replace_all_uses_with(node.args[0])
+        graph.erase_node(node)
+
+
+def _needs_check(node: fx.Node) -> bool:
+    """Whether ``node`` normalises over its input's own statistics in train mode: a
+    batch norm, or an instance norm (train mode uses the input's statistics)."""
+    return node.op == "call_function" and node.target in (
+        _aten.batch_norm.default,
+        _aten.instance_norm.default,
+    )
+
+
+def _verify_batch(x: torch.Tensor) -> None:
+    """torch.nn.functional.batch_norm's check in train mode."""
+    values = x.shape[0] if x.dim() else 1
+    for d in x.shape[2:]:
+        values *= d
+    if values == 1:
+        raise ValueError(
+            f"Expected more than 1 value per channel when training, got input size {x.size()}"
+        )
+
+
+def _verify_spatial(x: torch.Tensor) -> None:
+    """torch.nn.functional.instance_norm's check when it uses the input's statistics."""
+    values = 1
+    for d in x.shape[2:]:
+        values *= d
+    if values == 1:
+        raise ValueError(
+            f"Expected more than 1 spatial element when training, got input size {x.size()}"
+        )
+
+
+@contextlib.contextmanager
+def restoring_buffers(module: nn.Module, training: bool) -> Iterator[None]:
+    """Runs the body; if it raises in ``training`` mode, the module's buffers (batch
+    norm's running statistics and batch count) are put back as they were, so a
+    refused train-mode call leaves no trace. Eval mode changes no buffer: no copy."""
+    if not training:
+        yield
+        return
+    restore = snapshot_buffers(module)
+    try:
+        yield
+    except BaseException:
+        restore()
+        raise
+
+
+def snapshot_buffers(module: nn.Module) -> Callable[[], None]:
+    """A copy of the module's buffers now; calling the result puts them back."""
+    kept = [(b, b.detach().clone()) for b in module.buffers()]
+
+    def restore() -> None:
+        with torch.no_grad():
+            for buffer, before in kept:
+                buffer.copy_(before)
+
+    return restore
 
 
 def _on(module: nn.Module, hook: Any, with_kwargs: bool) -> Any:

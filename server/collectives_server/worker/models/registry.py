@@ -208,48 +208,69 @@ class HostedModel:
     reusable: list[torch.Tensor] = field(default_factory=list)
     reusable_reservation: Reservation | None = None
     _arena: GradArena | None = None
-    # The mode forwards run in (model_modes); None: the loaded module's own.
+    # The recorded mode (ModelInfo.training): the loaded module's ``.training`` (an
+    # archive's: the client module's, sent at load), what a call that names no mode
+    # runs in. Changed only by set_mode, never by a call that names its own mode.
     training: bool | None = None
-    # The other mode's graph of an exported model, and what it was built from.
-    _switched: tuple[tuple[int, ...], nn.Module] | None = None
-    _captured: tuple[int, bool] | None = None  # (id of module, the mode it was captured in)
+    # Whether the gradients held here came from a data-parallel backward of a loss
+    # over the whole batch (each rank holds its shard's part; their sum is the
+    # batch's gradient) and were not sum-reduced since: "avg" would divide them.
+    grads_are_shares: bool = False
+    # Whether train mode normalises over the batch (model_modes.uses_batch_statistics).
+    batch_statistics: bool = field(init=False, default=False)
+    # The module to call per mode, and the module, parameters and buffers it was
+    # built for (a publish may replace them): model_modes.for_mode's graphs.
+    _runnables: dict[bool, tuple[tuple[int, ...], nn.Module]] = field(default_factory=dict)
     _switched_plain: tuple[int, bool] | None = None  # (id of module, the mode set on it)
 
     def __post_init__(self) -> None:
         if self.training is None:
             self.training = model_modes.captured_mode(self.module)
+        self.batch_statistics = model_modes.uses_batch_statistics(self.module)
 
     def runnable(self, training: bool | None = None) -> nn.Module:
-        """The module to call, in ``training`` mode (kept as the model's mode) or, when
-        None, in the model's mode. An exported model's other-mode graph is built once
-        per set of weights (a publish may replace them) and shares them.
+        """The module to call in ``training`` mode (None: the recorded mode). The
+        recorded mode is left as it is. An exported model's graph for a mode is built
+        once per set of weights (a publish may replace them) and shares them.
 
         Raises:
             FailedPrecondition: the exported graph cannot run in that mode.
         """
         with self.lock:
-            mode = bool(self.training if training is None else training)
-            runnable = self._in_mode(mode)
-            self.training = mode  # kept only once the mode could be had
-            return runnable
+            return self._in_mode(bool(self.training if training is None else training))
+
+    def set_mode(self, training: bool) -> None:
+        """Records ``training`` as the model's mode (``set_model_mode``) once the model
+        can run in it.
+
+        Raises:
+            FailedPrecondition: the exported graph cannot run in that mode.
+        """
+        with self.lock:
+            self._in_mode(training)
+            self.training = training
 
     def runnable_as_is(self, training: bool) -> nn.Module | None:
         """The module to call in ``training`` mode if nothing must change to have it (the
         caller holds the lock, shared or not), else None: then :meth:`runnable`."""
-        return self._built_for(training) if self.training == training else None
+        return self._built_for(training)
 
     def _built_for(self, mode: bool) -> nn.Module | None:
         """The module already set up to run in ``mode`` (None: it must be switched or built)."""
         module = self.module
         if not model_modes.is_graph(module):
             return module if self._switched_plain == (id(module), mode) else None
-        if self._captured is None or self._captured[0] != id(module):
+        built = self._runnables.get(mode)
+        if built is None:
             return None
-        if self._captured[1] == mode:
+        key, runnable = built
+        if runnable is module:  # the captured graph itself holds its own weights
             return module
-        key = (id(module), *map(id, module.parameters()), *map(id, module.buffers()))
-        switched = self._switched
-        return switched[1] if switched is not None and switched[0] == key else None
+        return runnable if key == self._weights_key() else None
+
+    def _weights_key(self) -> tuple[int, ...]:
+        module = self.module
+        return (id(module), *map(id, module.parameters()), *map(id, module.buffers()))
 
     def _in_mode(self, mode: bool) -> nn.Module:
         built = self._built_for(mode)
@@ -261,13 +282,9 @@ class HostedModel:
             model_modes.for_mode(module, mode, self.name)
             self._switched_plain = (id(module), mode)
             return module
-        if self._captured is None or self._captured[0] != id(module):
-            self._captured = (id(module), model_modes.captured_mode(module))
-            if self._captured[1] == mode:
-                return module
-        key = (id(module), *map(id, module.parameters()), *map(id, module.buffers()))
-        self._switched = (key, model_modes.for_mode(module, mode, self.name))
-        return self._switched[1]
+        runnable = model_modes.for_mode(module, mode, self.name)
+        self._runnables[mode] = (self._weights_key(), runnable)
+        return runnable
 
     @property
     def parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -392,9 +409,11 @@ class ModelRegistry:
         source: str,
         definition: ModelDefinition | None = None,
         batching: Batching | None = None,
+        training: bool | None = None,
     ) -> HostedModel:
         """Hosts ``module`` under ``name`` (replacing any), merging its concurrent
-        no-grad forwards by ``batching`` when given.
+        no-grad forwards by ``batching`` when given, with ``training`` as its recorded
+        mode (None: the module's own, ``model_modes.captured_mode``).
 
         Raises:
             ResourceExhausted: its parameters and buffers do not fit in the quota.
@@ -414,6 +433,7 @@ class ModelRegistry:
             list(self.devices),
             definition=definition or ModelDefinition(),
             batcher=None if batching is None else Batcher(batching),
+            training=training,
         )
         with self._lock:
             replaced = self._models.get(name)

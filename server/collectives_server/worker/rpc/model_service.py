@@ -31,6 +31,7 @@ from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.data.memory_release import drop_partial
 from collectives_server.worker.data.store import UPLOAD_PREFIX
 from collectives_server.worker.models import execution as model_exec
+from collectives_server.worker.models import modes as model_modes
 from collectives_server.worker.models import versions as model_versions
 from collectives_server.worker.models.optimizers import (
     check_max_grad_norm,
@@ -85,7 +86,14 @@ class ModelRpcs:
                     raise
                 source = "export"
                 definition = ModelDefinition(archive=kept)
-        hosted = models.add(spec.name, module, source, definition, batching=batching)
+        hosted = models.add(
+            spec.name,
+            module,
+            source,
+            definition,
+            batching=batching,
+            training=model_modes.training_of(spec.mode),
+        )
         return worker_pb2.LoadModelResponse(model=_model_info(hosted))
 
     @_guard
@@ -104,7 +112,7 @@ class ModelRpcs:
         if request.mode not in (worker_pb2.MODEL_MODE_TRAIN, worker_pb2.MODEL_MODE_EVAL):
             raise InvalidArgument("SetModelMode needs mode MODEL_MODE_TRAIN or MODEL_MODE_EVAL")
         model = self._ctx.models.get(request.name)
-        model.runnable(request.mode == worker_pb2.MODEL_MODE_TRAIN)  # builds (or refuses) it now
+        model.set_mode(request.mode == worker_pb2.MODEL_MODE_TRAIN)  # builds (or refuses) it now
         return worker_pb2.SetModelModeResponse(model=_model_info(model))
 
     @_guard
@@ -187,6 +195,7 @@ class ModelRpcs:
         model = self._ctx.models.get(request.model)
         with model.lock:
             model.module.zero_grad(set_to_none=True)
+            model.grads_are_shares = False
         return worker_pb2.ZeroGradResponse()
 
     @_guard
@@ -364,6 +373,7 @@ def _model_info(model) -> worker_pb2.ModelInfo:
         steps=model.steps,
         version=model.version,
         training=bool(model.training),
+        batch_statistics=model.batch_statistics,
     )
 
 

@@ -14,6 +14,22 @@ gradients because all-reduce gives every rank the same bytes.
 Like DDP's, the reduction is in place: an all_reduce_gradients that fails
 part-way (a worker lost) leaves this rank's gradients undefined; compute them
 again (zero_grad, forward, backward) before the next step.
+
+Gradients left by a data-parallel backward are each rank's part of one
+batch's gradient (``HostedModel.grads_are_shares``): their sum is the batch's
+gradient, and "avg" is refused on them, whichever client asks, until a "sum"
+(after which every rank holds the whole gradient) or a ``zero_grad``.
+
+``train_step`` optimises the loss it returns: the mean over the whole batch,
+as one ``nn.DataParallel`` step computes it. Each rank weighs its shard's loss
+by its share of the batch's rows before its backward, and the gradients are
+summed: the applied gradient is the gradient of
+``sum(rows_r / rows * loss_r)``, which is the full-batch mean for a mean loss,
+for even and uneven shards alike. It always runs the model in train mode,
+whatever mode the model is recorded in, and leaves that mode as it is. A rank
+whose shard is empty runs no forward and contributes zeros. A failed step puts
+back the buffers (batch norm's running statistics) it had changed on every
+rank.
 """
 
 from __future__ import annotations
@@ -37,6 +53,7 @@ from collectives_server.worker.engine import agreement
 from collectives_server.worker.engine.op_context import Announcement, OpContext
 from collectives_server.worker.kernels import op_failures
 from collectives_server.worker.kernels.collective_ops import copy_into
+from collectives_server.worker.models import modes as model_modes
 from collectives_server.worker.models import versions as model_versions
 from collectives_server.worker.models.optimizers import (
     OptimizerPlan,
@@ -51,7 +68,10 @@ __all__ = ["LOSSES", "ModelOpResult", "run_model_op", "ModelArgs", "DEFAULT_BUCK
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 # By the names in collectives.wire.names.BUILTIN_LOSSES.
 LOSSES = {"mse": functional.mse_loss, "cross_entropy": functional.cross_entropy}
-_INFO = 6  # present, signature, has inputs, has targets, all parameters have a gradient, 0
+# present, signature, has inputs, has targets, all parameters have a gradient, gradients
+# are shares of a data-parallel backward, rows of the inputs (train_step).
+_INFO = 7
+_SHARES, _ROWS = 5, 6
 
 
 @dataclass(frozen=True)
@@ -191,7 +211,17 @@ def _loss_function(ctx: OpContext, loss: str) -> Callable[..., torch.Tensor]:
     return program.runnable()
 
 
-def _local_train(ctx: OpContext, model: HostedModel, args: ModelArgs) -> tuple[float, int]:
+def _rows(t: torch.Tensor) -> int:
+    """The batch rows of a train_step input (a 0-d input is one row)."""
+    return int(t.shape[0]) if t.dim() else 1
+
+
+def _local_train(
+    ctx: OpContext, model: HostedModel, args: ModelArgs, share: float
+) -> tuple[float, int]:
+    """Forward, loss and backward of this rank's shard, in train mode; the gradient is
+    that of the loss weighed by ``share`` (this shard's part of the batch's rows).
+    Returns the shard's (unweighed) loss and its rows; an empty shard runs nothing."""
     # peek, not get: the executor never waits on a commit fence (every rank
     # checked these names are present before this point).
     inputs = ctx.store.peek(args.inputs)
@@ -201,11 +231,15 @@ def _local_train(ctx: OpContext, model: HostedModel, args: ModelArgs) -> tuple[f
     loss_fn = _loss_function(ctx, args.loss)
     for p in model.module.parameters():
         p.grad = None
+    model.grads_are_shares = False
+    rows = _rows(inputs)
+    if rows == 0:
+        return 0.0, 0
     arena = model.grad_arena()
     seeded = arena.seed()
     try:
         with torch.enable_grad():
-            out = model.runnable()(inputs)
+            out = model.runnable(True)(inputs)
             loss = loss_fn(out, targets)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -214,10 +248,10 @@ def _local_train(ctx: OpContext, model: HostedModel, args: ModelArgs) -> tuple[f
                 )
             if not loss.requires_grad:
                 raise InvalidArgument("the loss does not depend on the model's output")
-            loss.backward()
+            (loss * share).backward()
     finally:
         arena.settle(seeded)
-    return float(loss.detach()), int(inputs.shape[0]) if inputs.dim() else 1
+    return float(loss.detach()), rows
 
 
 def run_model_op(ctx: OpContext, desc: worker_pb2.OpDescriptor, ann: Announcement):
@@ -262,14 +296,17 @@ def _info_rows(
         if not args.is_train:
             flags = [p.grad is not None for _, p in model.parameters]
             info[4] = int(all(flags))
+            info[_SHARES] = int(model.grads_are_shares)
     if args.is_train:
-        info[2] = int(ctx.store.peek(args.inputs) is not None)
+        inputs = ctx.store.peek(args.inputs)
+        info[2] = int(inputs is not None)
         info[3] = int(ctx.store.peek(args.targets) is not None)
+        info[_ROWS] = _rows(inputs) if inputs is not None else 0
     rows = ctx.call(agreement.all_gather_rows, ctx.control, info, ctx.world_size).tolist()
     return rows, flags
 
 
-def _local_phase(ctx: OpContext, model: HostedModel, args: ModelArgs) -> _Local:
+def _local_phase(ctx: OpContext, model: HostedModel, args: ModelArgs, share: float) -> _Local:
     """The optimizer plan and the local training step: the only parts that can fail
     here; every rank agrees on their outcome before gradients move."""
     local = _Local()
@@ -278,7 +315,7 @@ def _local_phase(ctx: OpContext, model: HostedModel, args: ModelArgs) -> _Local:
             hyper = parse_json_object(args.hyper_json, "optimizer hyperparameters")
             local.plan = plan_optimizer(model, args.optimizer, hyper)  # installed once all agreed
         if args.is_train:
-            local.loss, local.batch = _local_train(ctx, model, args)
+            local.loss, local.batch = _local_train(ctx, model, args, share)
     except CollectiveError as exc:
         local.code, local.message = exc.code, exc.message
     except (RuntimeError, ValueError, TypeError, IndexError) as exc:
@@ -308,7 +345,10 @@ def _run_model_op(
     if verdict is not None:
         return verdict
     assert model is not None
-    local = _local_phase(ctx, model, args)
+    total_rows = sum(row[_ROWS] for row in rows)
+    share = rows[ctx.rank][_ROWS] / total_rows if total_rows else 0.0
+    restore = model_modes.snapshot_buffers(model.module) if args.is_train else None
+    local = _local_phase(ctx, model, args, share)
     if args.is_train:
         flags = [p.grad is not None for _, p in model.parameters]
     rank_losses: list[float] = []
@@ -320,13 +360,18 @@ def _run_model_op(
             agreement.agree_with, ctx.control, ctx.world_size, local.code, local.message, extra
         )
         if failures:
+            if restore is not None:
+                restore()  # a refused step leaves no running statistic changed
             return ctx.fail_all(failures)
         everywhere = all(e[2] for e in extras)
         if args.is_train:
             global_loss, rank_losses = _weighted_loss(extras)
-    op = ReduceOp.AVG if args.is_train else ReduceOp.from_wire(args.op)
+    # train_step: every rank's gradient is already weighed by its share of the rows.
+    op = ReduceOp.SUM if args.is_train else ReduceOp.from_wire(args.op)
     bucket_bytes = args.bucket_bytes or DEFAULT_BUCKET_BYTES
     buckets, nbytes = reduce_gradients(ctx, model, op, bucket_bytes, _mask(ctx, flags, everywhere))
+    if op is ReduceOp.SUM:
+        model.grads_are_shares = False  # every rank holds the whole gradient now
     clip_gradients(model, args.max_grad_norm)
     if local.plan is not None:
         install(model, local.plan).step()
@@ -342,6 +387,19 @@ def _decide(args: ModelArgs, rows: list[list[int]]) -> CollectiveError | None:
     )
     if absent is not None:
         return absent
+    if not args.is_train and args.op == ReduceOp.AVG.wire:
+        sharing = [r for r in ranks if rows[r][_SHARES]]
+        if sharing:
+            return error_for_code(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"all_reduce_gradients({args.name!r}, op='avg') would divide the gradient by "
+                f"the world size: the gradients of {args.name!r} on rank(s) "
+                f"{', '.join(map(str, sharing))} come from a data_parallel backward of a loss "
+                "over the whole batch, so each worker holds its shard's part and their sum is "
+                "the full-batch gradient. Use op='sum' (the default). 'avg' is for per-worker "
+                "mean losses, as in DDP (see docs/api.md, 'Which reduction')",
+                ranks=sharing,
+            )
     if args.is_train:
         for column, what in ((2, args.inputs), (3, args.targets)):
             lacking = [r for r in ranks if not rows[r][column]]
