@@ -15,6 +15,10 @@ until Ctrl-C or SIGTERM, then exits 0. A lost coordinator is retried.
 worker with its state, ops per second (from consecutive snapshots), queue
 depth, memory and tensors held.
 
+Piped into a reader that stops early (``collectives status --watch | head -n
+3``), every command exits 0 without a word on stderr once the reader is gone:
+a long-running one notices at once, even with nothing more to write.
+
 ``collectives trace`` and ``collectives diagnose`` read every rank's flight
 record (``_flight_cli``): a Chrome trace of the recent ops, and the ops that
 are stuck with the ranks they wait on (exit 1 when one is).
@@ -24,12 +28,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import select
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
+from typing import TextIO
 
 import grpc
 
@@ -222,8 +229,38 @@ class _Session:
             channel.close()
 
 
+def _reader_gone(stream: TextIO) -> bool:
+    """Whether ``stream`` is a pipe whose reading end is closed (``| head`` exited):
+    poll reports an error on the writing end then, before anything is written."""
+    if not hasattr(select, "poll"):
+        return False  # Windows: the next write says so (BrokenPipeError)
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    poller = select.poll()
+    poller.register(fd, 0)  # errors and hang-ups are always reported
+    try:
+        events = poller.poll(0)
+    except OSError:
+        return False
+    return any(mask & select.POLLERR for _, mask in events)
+
+
+def _silence_stdout() -> None:
+    """Points stdout at /dev/null, so the interpreter's last flush of what the gone
+    reader never took does not print "Exception ignored ... BrokenPipeError"."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError):
+        pass
+
+
 def _until_stopped(body: Callable[[_Session], int]) -> int:
-    """Runs ``body``; SIGTERM or Ctrl-C end it with exit code 0."""
+    """Runs ``body``; SIGTERM, Ctrl-C or the reader of stdout going away end it with
+    exit code 0."""
     session = _Session()
     outcome: dict[str, object] = {}
 
@@ -240,20 +277,28 @@ def _until_stopped(body: Callable[[_Session], int]) -> int:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     worker = threading.Thread(target=run, name="collectives-cli", daemon=True)
+    reader_gone = False
     try:
         worker.start()
-        # A wait with a timeout, so the signal handlers run promptly.
+        # A wait with a timeout, so the signal handlers run promptly, and a closed
+        # pipe is noticed while the body has nothing to write.
         while not session.stop.wait(_SIGNAL_POLL_S):
-            pass
+            if _reader_gone(sys.stdout):
+                reader_gone = True
+                break
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         session.close()
-    worker.join(_STOP_JOIN_S)
+    worker.join(_STOP_JOIN_S)  # before main() points stdout elsewhere
+    if reader_gone:
+        raise BrokenPipeError(f"the reader of {sys.stdout.name} is gone")  # main(): quiet
     if worker.is_alive() or ("code" not in outcome and "error" not in outcome):
         return EXIT_OK  # stopped by a signal
     error = outcome.get("error")
     if isinstance(error, BaseException):
+        if isinstance(error, BrokenPipeError):
+            raise error  # main() ends quietly
         if session.stop.is_set() and isinstance(error, (grpc.RpcError, CollectiveError)):
             return EXIT_OK  # the channel was closed under it by the stop
         raise error
@@ -413,10 +458,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        return _run(args)
+        code = _run(args)
+        sys.stdout.flush()  # here, where a closed pipe can still be caught
+        return code
     except KeyboardInterrupt:  # Ctrl-C before the command's own handler is installed
         print(file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # the reader stopped reading (`| head`): not an error
+        _silence_stdout()
+        return EXIT_OK
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -93,3 +94,62 @@ def test_server_cli_help(argv):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "usage" in result.stdout.lower()
+
+
+# What a reader that stopped reading must never see on the CLI's stderr.
+_PIPE_NOISE = ("Traceback", "BrokenPipeError", "Exception ignored")
+# The CLI's start (interpreter, imports) plus its stop, for a closed pipe.
+_PIPE_EXIT_S = 30.0
+
+
+@pytest.mark.parametrize(
+    ("argv", "lines"),
+    [
+        (["status", "--watch"], 3),
+        (["status", "--watch", "--json"], 1),
+        (["top", "--interval", "600"], 3),  # nothing more to write for longer than we wait
+        (["top", "--interval", "0.05"], 3),  # writing all the time
+        (["status"], 1),
+    ],
+    ids=["status-watch", "status-watch-json", "top-idle", "top-busy", "status"],
+)
+def test_a_closed_pipe_ends_the_command_quietly(cluster2_address, cluster2, argv, lines):
+    """``collectives status --watch | head -n 3``: once the reader is gone the command
+    exits 0 with nothing on stderr, also while the cluster does not change (nothing
+    more to write) and while it keeps writing (``top``)."""
+    env = dict(os.environ, COLUMNS="200")
+    proc = subprocess.Popen(
+        [COLLECTIVES_CLI, *argv, "--coordinator", cluster2_address],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        got: list[str] = []
+        reader = threading.Thread(
+            target=lambda: got.extend(next(proc.stdout) for _ in range(lines))
+        )
+        reader.start()
+        reader.join(_PIPE_EXIT_S)
+        assert len(got) == lines, (got, proc.poll())
+        proc.stdout.close()  # the reader is gone, as `head` exits
+        code = proc.wait(timeout=_PIPE_EXIT_S)
+        stderr = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 0, (code, stderr)
+    assert not any(noise in stderr for noise in _PIPE_NOISE), stderr
+
+
+@pytest.mark.parametrize("command", ["status --watch", "top"])
+def test_piped_into_head_the_pipeline_ends_with_status_0(cluster2_address, cluster2, command):
+    """The shell line a user types, with ``pipefail``: every member of it exits 0."""
+    line = f"{COLLECTIVES_CLI} {command} --coordinator {cluster2_address} | head -n 3"
+    result = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", line],
+        capture_output=True, text=True, timeout=_PIPE_EXIT_S * 2, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result
+    assert len(result.stdout.splitlines()) == 3, result.stdout
+    assert not any(noise in result.stderr for noise in _PIPE_NOISE), result.stderr
