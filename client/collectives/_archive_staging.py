@@ -118,7 +118,7 @@ def drop_staged(session: Session, endpoints: list[WorkerEndpoint], name: str) ->
         return
 
     def drop(endpoint: WorkerEndpoint) -> None:
-        with contextlib.suppress(CollectiveError, grpc.RpcError):
+        with contextlib.suppress(CollectiveError, grpc.RpcError, ValueError):  # ValueError: closed
             endpoint.stub.DeleteTensor(
                 worker_pb2.DeleteTensorRequest(name=name, missing_ok=True), timeout=2.0
             )

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import grpc
 
 from collectives._deadlines import timeout_left
-from collectives.errors import Unavailable
+from collectives.errors import Unavailable, channel_was_closed, closed_handle
 from collectives.errors import from_rpc_error as _from_rpc_error
 from collectives.wire.limits import MAX_MESSAGE_BYTES
 from collectives.wire.security import PLAINTEXT, ChannelSecurity
@@ -104,6 +104,10 @@ def call_unary(
         return method(request, timeout=deadline_s(timeout, what), **kwargs)
     except grpc.RpcError as err:
         raise _from_rpc_error(err, what) from None
+    except ValueError as err:
+        if not channel_was_closed(err):
+            raise
+        raise closed_handle(what) from None  # close() from another thread
 
 
 def deadline_s(timeout: float, what: str) -> float:

@@ -14,7 +14,7 @@ import torch
 
 from collectives._progress import NO_PROGRESS, Progress
 from collectives._transport import WorkerEndpoint
-from collectives.errors import InvalidArgument, error_for_code
+from collectives.errors import InvalidArgument, channel_was_closed, closed_handle, error_for_code
 from collectives.errors import from_rpc_error as _from_rpc_error
 from collectives.v1 import worker_pb2
 from collectives.wire import codec
@@ -45,17 +45,26 @@ def load_model_on(
             return endpoint.stub.LoadModel(messages(sent), timeout=timeout)
     except grpc.RpcError as err:
         raise _from_rpc_error(err, what) from None
+    except ValueError as err:
+        if not channel_was_closed(err):
+            raise
+        raise closed_handle(what) from None
 
 
 def get_model_tensors(
     endpoint: WorkerEndpoint, model: str, which: str, timeout: float
 ) -> dict[str, torch.Tensor]:
-    call = endpoint.channel.unary_stream(
-        _GET_MODEL_TENSORS,
-        request_serializer=worker_pb2.ModelTensorsRequest.SerializeToString,
-        response_deserializer=None,
-    )(worker_pb2.ModelTensorsRequest(model=model, which=which), timeout=timeout)
     what = f"{which} of model {model!r} from {endpoint.address}"
+    try:
+        call = endpoint.channel.unary_stream(
+            _GET_MODEL_TENSORS,
+            request_serializer=worker_pb2.ModelTensorsRequest.SerializeToString,
+            response_deserializer=None,
+        )(worker_pb2.ModelTensorsRequest(model=model, which=which), timeout=timeout)
+    except ValueError as err:
+        if not channel_was_closed(err):
+            raise
+        raise closed_handle(what) from None
     try:
         return codec.assemble_named_tensors(call, "GetModelTensors")
     except grpc.RpcError as err:

@@ -101,7 +101,7 @@ def publish(
 def _drop_uploads(leader: WorkerEndpoint, prefix: str, keys: list[str]) -> None:
     """Best effort: the leader also drops them after ``UPLOAD_IDLE_S``."""
     for key in keys:
-        with contextlib.suppress(CollectiveError, grpc.RpcError):
+        with contextlib.suppress(CollectiveError, grpc.RpcError, ValueError):  # ValueError: closed
             leader.stub.DeleteTensor(
                 worker_pb2.DeleteTensorRequest(name=prefix + key, missing_ok=True), timeout=2.0
             )

@@ -102,7 +102,7 @@ def replicate(
 
 def _drop_upload(leader: WorkerEndpoint, upload: str) -> None:
     """Best effort: the leader also drops it after ``UPLOAD_IDLE_S``."""
-    with contextlib.suppress(CollectiveError, grpc.RpcError):
+    with contextlib.suppress(CollectiveError, grpc.RpcError, ValueError):  # ValueError: closed
         leader.stub.DeleteTensor(
             worker_pb2.DeleteTensorRequest(name=upload, missing_ok=True), timeout=2.0
         )

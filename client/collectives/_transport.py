@@ -47,6 +47,8 @@ from collectives.errors import (
     InvalidArgument,
     ResourceExhausted,
     Unavailable,
+    channel_was_closed,
+    closed_handle,
     error_for_code,
 )
 from collectives.errors import from_rpc_error as _from_rpc_error
@@ -291,6 +293,10 @@ def put_tensor(
             return endpoint.put_raw(frames, timeout=_deadline_s(timeout, what))
     except grpc.RpcError as err:
         raise _from_rpc_error(err, what) from None
+    except ValueError as err:
+        if not channel_was_closed(err):
+            raise
+        raise closed_handle(what) from None
 
 
 def get_tensor(
@@ -330,10 +336,15 @@ def get_tensor(
             # No quota left for a ticket's copy: the stream needs none.
             timeout -= time.monotonic() - started
     what = f"GetTensor {name!r} from {endpoint.address}"
-    call = endpoint.get_raw(
-        worker_pb2.GetTensorRequest(name=name, consume=consume),
-        timeout=_deadline_s(timeout, what),
-    )
+    try:
+        call = endpoint.get_raw(
+            worker_pb2.GetTensorRequest(name=name, consume=consume),
+            timeout=_deadline_s(timeout, what),
+        )
+    except ValueError as err:
+        if not channel_was_closed(err):
+            raise
+        raise closed_handle(what) from None
     assembler: codec.TensorAssembler | None = None
     received = NO_PROGRESS
     try:

@@ -37,6 +37,8 @@ from collectives.errors import (
     DeadlineExceeded,
     InvalidArgument,
     Unavailable,
+    channel_was_closed,
+    closed_handle,
     error_for_code,
 )
 from collectives.errors import from_rpc_error as _from_rpc_error
@@ -113,6 +115,7 @@ class BulkPort:
                 return 0
             if self._port is not None:
                 return self._port
+        what = f"GetDataPlane on {endpoint.address}"
         try:
             response = endpoint.stub.GetDataPlane(
                 worker_pb2.DataPlaneRequest(), timeout=max(min(timeout, 5.0), 0.001)
@@ -120,8 +123,12 @@ class BulkPort:
             port = int(response.bulk_port)
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.UNIMPLEMENTED:
-                raise _from_rpc_error(err, f"GetDataPlane on {endpoint.address}") from None
+                raise _from_rpc_error(err, what) from None
             port = 0
+        except ValueError as err:
+            if not channel_was_closed(err):
+                raise
+            raise closed_handle(what) from None
         with self._lock:
             self._port = port
         return port
@@ -270,7 +277,12 @@ def put_tensor_bulk(
     ticket = new_ticket()
     deadline = time.monotonic() + timeout
     request = worker_pb2.PutTensorBulkRequest(header=codec.make_header(name, t), ticket=ticket)
-    call = endpoint.stub.PutTensorBulk.future(request, timeout=max(timeout, 0.001))
+    try:
+        call = endpoint.stub.PutTensorBulk.future(request, timeout=max(timeout, 0.001))
+    except ValueError as err:
+        if not channel_was_closed(err):
+            raise
+        raise closed_handle(what) from None
     try:
         sock = _connect(endpoint, port, ticket, timeout, acked=True)
     except Unavailable:
@@ -350,6 +362,10 @@ def get_tensor_bulk(
         )
     except grpc.RpcError as err:
         raise _from_rpc_error(err, what) from None
+    except ValueError as err:
+        if not channel_was_closed(err):
+            raise
+        raise closed_handle(what) from None
     try:
         meta = codec.check_header(response.header)
     except InvalidArgument as err:

@@ -193,7 +193,9 @@ class Cluster:
         """Stops watching the coordinator and closes every channel; idempotent.
 
         Pending ``async_op`` calls that have not started are cancelled (their
-        ``Work`` raises ``Unavailable``).
+        ``Work`` raises ``Unavailable``). A call in flight on another thread ends
+        at once with ``Unavailable`` ("the cluster handle was closed"), never
+        ``DeadlineExceeded``: nothing timed out, and a retry cannot succeed.
         """
         self._session.close()
 

@@ -52,10 +52,13 @@ __all__ = [
     "PermissionDenied",
     "Reason",
     "annotate",
+    "channel_was_closed",
+    "closed_handle",
     "from_rpc_error",
     "error_for_code",
     "status_code",
     "to_grpc_status",
+    "CHANNEL_CLOSED_DETAILS",
     "ERROR_DOMAIN",
     "NEVER_STARTED",
     "STATUS_DETAILS_METADATA_KEY",
@@ -65,6 +68,11 @@ __all__ = [
 STATUS_DETAILS_METADATA_KEY = "grpc-status-details-bin"
 # ErrorInfo.domain of every error this service produces.
 ERROR_DOMAIN = "collectives.v1"
+# What gRPC says of the calls a channel's close() cut short (CANCELLED, these
+# details), and in the ValueError of a call made on a closed channel: this
+# client's own close(), never a timeout, so never DeadlineExceeded.
+CHANNEL_CLOSED_DETAILS = "Channel closed!"
+_CLOSED_CHANNEL_TEXT = "closed channel"
 # ErrorInfo.reason when the error has none (reason is required on the wire).
 _NO_REASON = "UNSPECIFIED"
 # Bounds on what an error puts on the wire: trailers share gRPC's metadata limit.
@@ -319,7 +327,8 @@ def from_rpc_error(err: grpc.RpcError, what: str = "") -> CollectiveError:
     """Converts a ``grpc.RpcError`` into the SDK's hierarchy.
 
     This is the only place that maps transport errors: ``DEADLINE_EXCEEDED`` and
-    ``CANCELLED`` become :class:`DeadlineExceeded`; the fields of a
+    ``CANCELLED`` become :class:`DeadlineExceeded`, except a call this client's
+    own ``close()`` cut short (:func:`closed_handle`: :class:`Unavailable`); the fields of a
     ``google.rpc.ErrorInfo`` in the status details (domain :data:`ERROR_DOMAIN`)
     fill ``op_id``, ``generation``, ``kind``, ``tensor``, ``ranks``, ``reason``
     and ``executed``. Details that do not decode are ignored.
@@ -337,8 +346,26 @@ def from_rpc_error(err: grpc.RpcError, what: str = "") -> CollectiveError:
         if key == STATUS_DETAILS_METADATA_KEY and not fields:
             fields = _fields_of_status(value, code, details)
     if code == grpc.StatusCode.CANCELLED:
+        if CHANNEL_CLOSED_DETAILS in (details or ""):
+            return closed_handle(what)
         code = grpc.StatusCode.DEADLINE_EXCEEDED
     return error_for_code(code, message, **fields)
+
+
+def closed_handle(what: str = "") -> Unavailable:
+    """The error of a call that the client's own ``close()`` (from another thread) cut
+    short: ``Unavailable``, since nothing timed out and a retry on this handle cannot
+    succeed."""
+    prefix = f"{what}: " if what else ""
+    return Unavailable(
+        f"{prefix}the cluster handle was closed (close()) while the call was in flight"
+    )
+
+
+def channel_was_closed(err: BaseException) -> bool:
+    """Whether ``err`` is the ``ValueError`` gRPC raises for a call made on a closed
+    channel (then raise :func:`closed_handle`)."""
+    return isinstance(err, ValueError) and _CLOSED_CHANNEL_TEXT in str(err)
 
 
 class _Status(NamedTuple):

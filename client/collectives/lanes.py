@@ -21,7 +21,10 @@ any other. What gRPC does on its own, the lane does by hand:
   call ends in ``DEADLINE_EXCEEDED``;
 * a connection that breaks while a call waits ends it in ``UNAVAILABLE``, as
   a gRPC call whose worker went away; a call whose request could not be
-  written (a lane the worker closed) takes gRPC instead.
+  written (a lane the worker closed) takes gRPC instead;
+* the client's ``close()`` ends the calls waiting on its lanes at once, as
+  closing a channel cancels its calls (``CANCELLED``, "Channel closed!"), which
+  :func:`~collectives.errors.from_rpc_error` reads as the handle closed.
 
 A lane's socket is blocking, its timeout kept by the kernel and fitted to each
 call's deadline (:mod:`collectives.wire.socket_timeouts`): a read or write is
@@ -34,6 +37,7 @@ gRPC, and the lane is not asked for again for a while.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -43,7 +47,12 @@ import grpc
 from google.rpc import status_pb2
 
 from collectives.bulk import BulkPort, host_of, looks_open
-from collectives.errors import STATUS_DETAILS_METADATA_KEY, CollectiveError, status_code
+from collectives.errors import (
+    CHANNEL_CLOSED_DETAILS,
+    STATUS_DETAILS_METADATA_KEY,
+    CollectiveError,
+    status_code,
+)
 from collectives.v1 import worker_pb2
 from collectives.wire import socket_timeouts
 from collectives.wire.bulk_frames import ACK
@@ -128,6 +137,11 @@ class _Lane:
     def close(self) -> None:
         self.sock.close()
 
+    def shut_down(self) -> None:
+        """Ends the connection under a thread blocked reading it (that thread closes it)."""
+        with contextlib.suppress(OSError):  # closed already
+            self.sock.shutdown(socket.SHUT_RDWR)
+
 
 class CallLanes:
     """One client's call lanes to one worker: idle connections kept for reuse."""
@@ -135,8 +149,14 @@ class CallLanes:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._idle: list[tuple[float, _Lane]] = []  # (since, lane)
+        self._busy: set[_Lane] = set()  # lanes a call was sent on, not yet answered
         self._suspended_until = 0.0
         self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran (the client's ``close()``)."""
+        return self._closed
 
     def call(
         self, endpoint: LaneEndpoint, method: int, request: bytes, timeout: float
@@ -172,20 +192,32 @@ class CallLanes:
         if left <= 0:
             self.keep(lane)
             raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._busy.add(lane)  # close() can now end its wait
+        if closed:
+            lane.close()
+            raise LaneError(grpc.StatusCode.CANCELLED, CHANNEL_CLOSED_DETAILS)
         try:
             lane.fit(left)
             lane.sock.sendall(REQUEST_HEADER.pack(method, len(request), left) + request)
         except OSError:  # a timeout too: the request may be cut short
-            lane.close()  # the worker never saw the call: it may take gRPC
+            self.drop(lane)  # the worker never saw the call: it may take gRPC
             return None
         return PendingCall(self, lane, deadline)
 
     def close(self) -> None:
+        """Closes the idle lanes and ends the calls waiting on the others: their
+        connections are shut down, so a waiting read returns at once."""
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
+            busy, self._busy = list(self._busy), set()
         for _, lane in idle:
             lane.close()
+        for lane in busy:
+            lane.shut_down()  # the waiting thread closes it
 
     def _take(self, endpoint: LaneEndpoint, timeout: float) -> _Lane | None:
         now = time.monotonic()
@@ -224,7 +256,7 @@ class CallLanes:
             answer = endpoint.stub.GetDataPlane(
                 worker_pb2.DataPlaneRequest(open_lane=True), timeout=timeout
             )
-        except grpc.RpcError:
+        except (grpc.RpcError, ValueError):  # ValueError: a channel close() closed
             return None
         if not answer.lane_ticket or answer.bulk_port != port:
             return None
@@ -246,9 +278,16 @@ class CallLanes:
     def keep(self, lane: _Lane) -> None:
         """Keeps a lane whose call was answered, for the next call."""
         with self._lock:
+            self._busy.discard(lane)
             if not self._closed and len(self._idle) < _MAX_IDLE:
                 self._idle.append((time.monotonic(), lane))
                 return
+        lane.close()
+
+    def drop(self, lane: _Lane) -> None:
+        """Closes a lane that cannot be reused (its call failed or was cut short)."""
+        with self._lock:
+            self._busy.discard(lane)
         lane.close()
 
 
@@ -275,17 +314,21 @@ class PendingCall:
                 raise ConnectionResetError("the worker sent a frame this client cannot read")
             body = _receive(lane, size, self._deadline)
         except TimeoutError:
-            lane.close()  # its answer may still come: this lane cannot be reused
+            self._lanes.drop(lane)  # its answer may still come: this lane cannot be reused
+            if self._lanes.closed:
+                raise LaneError(grpc.StatusCode.CANCELLED, CHANNEL_CLOSED_DETAILS) from None
             raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
         except OSError as exc:
-            lane.close()
+            self._lanes.drop(lane)
+            if self._lanes.closed:  # close() shut it down under this call
+                raise LaneError(grpc.StatusCode.CANCELLED, CHANNEL_CLOSED_DETAILS) from None
             raise LaneError(
                 grpc.StatusCode.UNAVAILABLE,
                 f"the call lane broke before the worker answered ({exc or 'closed'}): "
                 "the worker stopped or restarted",
             ) from None
         if outcome == FAILED_CLOSING:
-            lane.close()
+            self._lanes.drop(lane)
         else:
             self._lanes.keep(lane)
         if outcome == OK:
