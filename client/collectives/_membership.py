@@ -11,15 +11,22 @@ expires, which also bounds how long a silently dead connection goes unnoticed.
 
 Callers that just saw a failure (a worker lost, a generation changed) call
 :meth:`Membership.refresh` for an authoritative ``GetCluster`` answer rather than
-waiting for the stream. Snapshots only move forward: one whose ``version`` is
-older than the current one is dropped, so a slow ``GetCluster`` racing the
-stream cannot roll the view back.
+waiting for the stream. Snapshots only move forward: one of an older generation,
+or of the same generation at an older ``version``, is dropped
+(:meth:`ClusterSnapshot.older_than`), so a slow ``GetCluster`` racing the stream
+cannot roll the view back, and neither can a coordinator of an HA set that
+answers with an older view than another one did. Given several coordinator
+addresses, the channel spreads calls over them; an older answer, or an
+UNAVAILABLE (a coordinator that cannot show that its view is current), sends
+``refresh`` on to the next coordinator, and an older message on the watch stream
+re-opens the stream (on the next coordinator).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import grpc
@@ -28,6 +35,7 @@ from collectives._transport import call_unary
 from collectives.errors import Unavailable
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
 from collectives.wire.cluster_state import ClusterSnapshot
+from collectives.wire.targets import split_addresses
 
 __all__ = ["Membership"]
 
@@ -44,6 +52,8 @@ class Membership:
 
     def __init__(self, channel: grpc.Channel, address: str) -> None:
         self.address = address
+        # GetCluster tries at most this many coordinators (the channel spreads calls over them).
+        self._coordinators = max(1, len(split_addresses(address)))
         self._stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         self._cond = threading.Condition()
         self._snapshot: ClusterSnapshot | None = None
@@ -70,16 +80,38 @@ class Membership:
     def refresh(self, timeout: float) -> ClusterSnapshot:
         """Asks the coordinator (``GetCluster``) and returns the newest snapshot known.
 
+        With several coordinator addresses, an answer older than the newest
+        snapshot seen is not taken and neither is an UNAVAILABLE: the call goes on
+        to the next coordinator, each at most once within ``timeout``.
+
         Raises:
-            CollectiveError: the coordinator did not answer within ``timeout``.
+            CollectiveError: no coordinator answered within ``timeout`` (the last
+                one's error).
         """
-        msg = call_unary(
-            self._stub.GetCluster,
-            coordinator_pb2.GetClusterRequest(),
-            timeout,
-            f"GetCluster from {self.address}",
-        )
-        self._offer(ClusterSnapshot.from_proto(msg))
+        deadline = time.monotonic() + timeout
+        for attempt in range(1, self._coordinators + 1):
+            try:
+                msg = call_unary(
+                    self._stub.GetCluster,
+                    coordinator_pb2.GetClusterRequest(),
+                    deadline - time.monotonic(),
+                    f"GetCluster from {self.address}",
+                )
+            except Unavailable as err:
+                if attempt == self._coordinators or time.monotonic() >= deadline:
+                    raise
+                log.debug("%s; asking the next coordinator", err)
+                continue
+            answer = ClusterSnapshot.from_proto(msg)
+            if self._offer(answer) or time.monotonic() >= deadline:
+                break
+            log.info(
+                "GetCluster from %s answered generation %d (version %d), older than the "
+                "view already seen; asking the next coordinator",
+                self.address,
+                answer.generation,
+                answer.version,
+            )
         return self.snapshot
 
     def wait_until(
@@ -121,11 +153,12 @@ class Membership:
 
     # --- internals -----------------------------------------------------------
 
-    def _offer(self, snapshot: ClusterSnapshot) -> None:
+    def _offer(self, snapshot: ClusterSnapshot) -> bool:
+        """Takes ``snapshot`` unless it is older than the current one; whether it did."""
         with self._cond:
             current = self._snapshot
-            if current is not None and snapshot.version < current.version:
-                return
+            if current is not None and snapshot.older_than(current):
+                return False
             if current is None or snapshot.generation != current.generation:
                 log.info(
                     "cluster %s: generation %d, world size %d, formed=%s (%s)",
@@ -137,6 +170,7 @@ class Membership:
                 )
             self._snapshot = snapshot
             self._cond.notify_all()
+            return True
 
     def _version(self) -> int:
         with self._cond:
@@ -153,10 +187,22 @@ class Membership:
                     return
                 self._call = call
             try:
-                for msg in call:
-                    self._offer(ClusterSnapshot.from_proto(msg))
-                    backoff = WATCH_BACKOFF_MIN_S
                 failed = False  # the server ended the stream; re-open after a pause
+                for msg in call:
+                    answer = ClusterSnapshot.from_proto(msg)
+                    if self._offer(answer):
+                        backoff = WATCH_BACKOFF_MIN_S
+                    elif self._coordinators > 1:
+                        log.info(
+                            "WatchCluster on %s sent generation %d (version %d), older than "
+                            "the view already seen; watching the next coordinator",
+                            self.address,
+                            answer.generation,
+                            answer.version,
+                        )
+                        call.cancel()
+                        failed = True
+                        break
             except grpc.RpcError as err:
                 if self._stop.is_set():
                     return

@@ -223,7 +223,10 @@ class ClusterSession:
                 token setting is unreadable or inconsistent, or ``address`` is
                 not a coordinator (a worker, an HTTP port: the message says which).
             PermissionDenied: the server refused the token (or its absence).
-            Unavailable: nothing answers at ``address`` within ``timeout``.
+            Unavailable: nothing answers at ``address`` within ``timeout``, or
+                what answers refuses until then (a coordinator of an HA set that
+                cannot show that its view is current answers UNAVAILABLE, and
+                another address of the set is asked).
             DeadlineExceeded: no generation was formed within ``timeout`` (the
                 message quotes the coordinator's status).
         """
@@ -275,7 +278,7 @@ class ClusterSession:
                 f"{timeout:g} s, the timeout given to connect()",
             )
             try:
-                self._membership.refresh(deadline - time.monotonic())
+                self._first_view(deadline)
             except CollectiveError as err:
                 if err.code != grpc.StatusCode.UNIMPLEMENTED:
                     raise
@@ -297,6 +300,26 @@ class ClusterSession:
             self.close()
             raise
         log.info("connected to %s: %s", self._address, self.describe())
+
+    def _first_view(self, deadline: float) -> None:
+        """The first ``GetCluster``. A coordinator answering UNAVAILABLE (it is stopping,
+        or it cannot show that its view of an HA set is current) is asked again after a
+        backoff, or another of the set is (see ``Membership.refresh``), until the deadline.
+
+        Raises:
+            CollectiveError: the last answer's error when the deadline passes.
+        """
+        backoff = RETRY_BACKOFF_MIN_S
+        while True:
+            try:
+                self._membership.refresh(deadline - time.monotonic())
+                return
+            except Unavailable as err:
+                if time.monotonic() + backoff >= deadline:
+                    raise
+                log.info("connecting to %s: %s; asking again", self._address, err)
+            time.sleep(backoff)  # a retry's pause, inside connect()'s deadline
+            backoff = min(backoff * 2, RETRY_BACKOFF_MAX_S)
 
     # --- state -------------------------------------------------------------------
 

@@ -50,9 +50,15 @@ def stored_state(etcd: EtcdServer, cluster_name: str) -> dict:
 
 class HaCluster(ClusterViews):
     def __init__(
-        self, tmp: Path, workers: int = 3, min_workers: int = 2, coordinators: int = 3
+        self,
+        tmp: Path,
+        workers: int = 3,
+        min_workers: int = 2,
+        coordinators: int = 3,
+        leader_ttl_s: int = LEADER_TTL_S,
     ) -> None:
         self.etcd = EtcdServer(tmp / "etcd")
+        self.leader_ttl_s = leader_ttl_s
         self.name = f"ha-{free_port()}"
         self.min_workers = min_workers
         self.max_workers = workers
@@ -87,7 +93,7 @@ class HaCluster(ClusterViews):
                 "--cluster-name",
                 self.name,
                 "--leader-ttl-s",
-                str(LEADER_TTL_S),
+                str(self.leader_ttl_s),
                 "--min-workers",
                 str(self.min_workers),
                 "--max-workers",
@@ -110,6 +116,10 @@ class HaCluster(ClusterViews):
         for proxy in self.proxies:
             proxy.cut()
         self.etcd.stop()
+
+    def address(self, i: int) -> str:
+        """The gRPC address of coordinator ``i``."""
+        return f"127.0.0.1:{self.ports[i]}"
 
     # ---- views -----------------------------------------------------------------------
 

@@ -7,8 +7,13 @@
    resumes once etcd is back; the stored state is intact.
 3. The leader cut off from etcd (a partition, by a proxy) steps down; a standby
    leads; every generation in the history has one sealer and numbers only grow.
+4. etcd stopped for 10 s, another coordinator leads after it, a worker is lost and
+   the next generation sealed while the old leader's reads of etcd are held up:
+   no coordinator answers an older generation, and a fresh client, given any one
+   address or the whole list, sees the newest generation or a clean UNAVAILABLE.
 
-``COLLECTIVES_HA_RUNS`` repeats the first scenario (10 for a thorough run).
+``COLLECTIVES_HA_RUNS`` repeats the first scenario (10 for a thorough run),
+``COLLECTIVES_HA_STALE_RUNS`` the fourth.
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ from ha_harness import LEADER_TTL_S, TAKEOVER_BOUND_S, HaCluster, cluster_of, st
 from harness import LEASE_S, checksum, put_checksummed, record, wait_until
 
 import collectives
+from collectives.v1 import coordinator_pb2
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 RUNS = int(os.environ.get("COLLECTIVES_HA_RUNS", "1"))
+STALE_RUNS = int(os.environ.get("COLLECTIVES_HA_STALE_RUNS", "1"))
 CLIENTS = 8
 
 
@@ -263,3 +270,135 @@ def test_a_leader_partitioned_from_etcd_steps_down(ha, gen) -> None:
     after = [r for r in history if r.generation > generation]
     assert after and all(r.sealed_by == new_address for r in after), after
     record("HA: leader cut off from etcd", takeover_s, 0.0, f"new leader {new_address}")
+
+
+# Scenario 4: a longer leader TTL, so that a coordinator cut off from etcd goes on
+# believing it is in touch (it refuses reads only after a TTL of silence) for longer
+# than a lost worker takes to be replaced by a new generation.
+STALE_TTL_S = 4
+OUTAGE_S = 10.0
+FRESH_CONNECT_S = 3.0
+
+
+def _answer(address: str) -> coordinator_pb2.Cluster | grpc.RpcError:
+    """One GetCluster from ``address``: its Cluster, or the error it answered."""
+    try:
+        return cluster_of(address)
+    except grpc.RpcError as err:
+        return err
+
+
+def _not_older(what: str, answer: coordinator_pb2.Cluster | grpc.RpcError, newest: int) -> None:
+    """``answer`` is generation ``newest`` or later, or a clean UNAVAILABLE that says why."""
+    if isinstance(answer, grpc.RpcError):
+        assert answer.code() == grpc.StatusCode.UNAVAILABLE, (what, answer.code(), answer.details())
+        assert "may be stale" in answer.details(), (what, answer.details())
+        return
+    assert answer.generation >= newest, (
+        f"{what} answered generation {answer.generation} ({answer.world_size} workers) "
+        f"after generation {newest} was sealed"
+    )
+
+
+def _fresh_client(address: str) -> int | collectives.Unavailable:
+    """The generation a new ``collectives.connect(address)`` sees, or its Unavailable."""
+    try:
+        with collectives.connect(address, timeout=FRESH_CONNECT_S) as fresh:
+            return fresh.generation
+    except collectives.Unavailable as err:
+        return err
+
+
+def _agreed_leader(cluster: HaCluster, among: list[int]) -> tuple[int] | None:
+    """The index every coordinator of ``among`` names as leader, when they agree on one of them."""
+    named = set()
+    for i in among:
+        answer = _answer(cluster.address(i))
+        if isinstance(answer, grpc.RpcError):
+            return None
+        named.add(answer.leader)
+    found = [i for i in among if named == {cluster.address(i)}]
+    return (found[0],) if found else None
+
+
+@pytest.mark.parametrize("run", range(STALE_RUNS))
+def test_no_coordinator_serves_an_older_generation_after_an_etcd_outage(ha, run) -> None:
+    cluster = ha(workers=3, min_workers=2, leader_ttl_s=STALE_TTL_S)
+    old = cluster.wait_for_leader()
+    generation = cluster.client.generation
+    indices = list(range(len(cluster.ports)))
+    addresses = [cluster.address(i) for i in indices]
+
+    # etcd stops: every coordinator is cut off from it, the leader steps down.
+    stopped_at = time.monotonic()
+    cluster.etcd.stop()
+
+    def all_refuse() -> bool:
+        answers = [_answer(a) for a in addresses]
+        for a, answer in zip(addresses, answers, strict=True):
+            _not_older(a, answer, generation)
+        return all(isinstance(answer, grpc.RpcError) for answer in answers)
+
+    wait_until(all_refuse, STALE_TTL_S + 5, "every coordinator to refuse reads without etcd")
+    while time.monotonic() - stopped_at < OUTAGE_S:  # the outage lasts; nothing is sealed
+        for a in addresses:
+            answer = _answer(a)
+            if not isinstance(answer, grpc.RpcError):
+                assert answer.generation == generation, "a generation was sealed without etcd"
+        time.sleep(0.2)  # polling what the coordinators show, not synchronisation
+
+    # etcd returns while the old leader still cannot reach it: another one leads.
+    cluster.proxies[old].cut()
+    restarted_at = time.monotonic()
+    cluster.etcd.start()
+    others = [i for i in indices if i != old]
+    (new,) = wait_until(
+        lambda: _agreed_leader(cluster, others), 2 * STALE_TTL_S + 10, "a standby to lead"
+    )
+    takeover_s = time.monotonic() - restarted_at
+    cluster.proxies[old].restore()
+
+    def old_stands_by() -> bool:
+        answer = _answer(cluster.address(old))
+        return not isinstance(answer, grpc.RpcError) and answer.leader == cluster.address(new)
+
+    wait_until(old_stands_by, STALE_TTL_S + 10, "the old leader to stand by the new one")
+
+    # The old leader's reads of etcd are held up (as an etcd slow after its restart
+    # holds them) while a worker is lost and the new leader seals the next generation.
+    cluster.proxies[old].cut()
+    victim = cluster.daemon_at(cluster.members()[-1].address)
+    victim.signal(signal.SIGKILL)
+    cluster.wait_ready(2, after_generation=generation, timeout_s=LEASE_S + 15)
+    newest = cluster.client.generation
+    for i in [old, *others]:
+        _not_older(f"coordinator {i} (old leader: {old})", _answer(addresses[i]), newest)
+    for i in [old, *others]:
+        seen = _fresh_client(addresses[i])
+        if isinstance(seen, int):
+            assert seen >= newest, f"a client of coordinator {i} (old leader {old}) saw {seen}"
+        else:
+            assert "may be stale" in str(seen), seen
+    seen = _fresh_client(cluster.addresses)
+    assert isinstance(seen, int) and seen >= newest, (seen, newest)
+    history = cluster.client.snapshot().history
+    assert history[-1].sealed_by == cluster.address(new) and history[-1].world_size == 2
+
+    # Back in touch with etcd, the old leader serves the newest generation again.
+    restored_at = time.monotonic()
+    cluster.proxies[old].restore()
+
+    def caught_up() -> bool:
+        answer = _answer(cluster.address(old))
+        return not isinstance(answer, grpc.RpcError) and answer.generation >= newest
+
+    wait_until(caught_up, STALE_TTL_S + 10, "the old leader to serve the newest generation")
+    caught_up_s = time.monotonic() - restored_at
+    assert _fresh_client(cluster.address(old)) == cluster.client.generation >= newest
+    record(
+        "HA: no older generation served",
+        takeover_s,
+        caught_up_s,
+        f"etcd away {OUTAGE_S:g} s, new leader {cluster.address(new)}, gen {newest} sealed; "
+        "the old leader refused reads until it could check its copy",
+    )

@@ -640,6 +640,15 @@ class ClusterSnapshot:
             )
         return worker.address
 
+    def older_than(self, other: ClusterSnapshot) -> bool:
+        """Whether this view precedes ``other``: an earlier generation, or an earlier
+        version of the same generation (a later generation is newer whatever its
+        version). A client's view never moves to an older one, whichever coordinator
+        of a set answered it."""
+        if self.generation != other.generation:
+            return self.generation < other.generation
+        return self.version < other.version
+
     def require_formed(self) -> None:
         """Raises :class:`ClusterNotFormed` quoting the coordinator's status when not formed."""
         if not self.formed or self.world_size <= 0:

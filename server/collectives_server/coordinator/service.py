@@ -24,6 +24,15 @@ holds a server thread for its lifetime; the daemon sizes the pool for one per
 worker, and beyond ``max_heartbeat_streams`` the call answers RESOURCE_EXHAUSTED
 and workers fall back to unary Heartbeat. A stream whose worker was declared
 LOST is cancelled, so a connection that died silently does not keep its thread.
+
+With an etcd store, a read (``GetCluster``, and every message of a
+``WatchCluster`` stream) is answered only with a membership as new as the one
+etcd stores: a leader's own while its lease is fresh or etcd confirms it still
+leads; a standby's copy once etcd says its revision is the stored one (fetching
+the stored one first when it is not). When that cannot be shown (etcd does not
+answer, the copy cannot be brought up to date), the read fails with
+UNAVAILABLE, saying the view may be stale, and the client asks another
+coordinator: a client never sees a generation older than etcd's.
 """
 
 from __future__ import annotations
@@ -57,6 +66,8 @@ log = logging.getLogger(__name__)
 
 # Safety net for WatchCluster waits; streams normally wake on a notification.
 _WATCH_WAKE_S = 5.0
+# Reads of etcd one read may make to bring a standby's copy up to the stored document.
+_CATCH_UP_ATTEMPTS = 3
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
@@ -92,6 +103,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._notified_version = membership.version
         self._cond = threading.Condition(threading.Lock())
         self._heartbeats_received = 0
+        # With an etcd store: whether the membership is this leader's own (taken over
+        # and deciding), else the etcd revision of the document it copies (-1: none).
+        self._own_state = False
+        self._copy_revision = -1
 
     # ---- used by the daemon ----------------------------------------------------
 
@@ -129,7 +144,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return self._replication is None or self._replication.leading
 
     def on_leadership(self, leading: bool) -> None:
-        """Takes over from the stored state, or becomes a standby (keeping its copy)."""
+        """Takes over from the stored state, or becomes a standby.
+
+        A leader that steps down keeps its membership, but serves it to nobody
+        until it holds a copy of the stored document again (:meth:`on_state`).
+        """
         assert self._replication is not None
         failed: Exception | None = None
         with self._cond:
@@ -142,9 +161,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     failed = exc
                 else:
                     self._membership = membership
+                    self._own_state = True
                     self._persist(retry=True)
                     self._log_outcome(outcome)
                     log.info("leading: %s", self._membership.status)
+            elif self._own_state:
+                self._own_state = False
+                self._copy_revision = -1  # its own decisions are no copy of etcd's
             streams = [] if leading else list(self._heartbeat_streams)
             self._notify_if_changed()
         if failed is not None:  # outside the lock: stepping down calls us back
@@ -158,17 +181,22 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         with self._cond:
             self._cond.notify_all()
 
-    def on_state(self, doc: dict) -> None:
-        """A standby's copy follows the document the leader wrote."""
+    def on_state(self, doc: dict | None, revision: int) -> None:
+        """A standby's copy follows the document the leader wrote (etcd ``revision``;
+        ``doc`` None and revision 0 while etcd holds none). Copies only move forward."""
         assert self._replication is not None
         with self._cond:
             if self._replication.leading:
                 return
+            if not self._own_state and revision <= self._copy_revision:
+                return  # this copy, or a newer one, is already held
             try:
                 self._membership = self._replication.replica(doc, self.guard.leases)
             except (KeyError, ValueError) as exc:
                 log.error("unreadable membership document in etcd: %s", exc)
                 return
+            self._own_state = False
+            self._copy_revision = revision
             self._notify_if_changed()
 
     def close(self) -> None:
@@ -321,13 +349,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def GetCluster(
         self, request: coordinator_pb2.GetClusterRequest, context: grpc.ServicerContext
     ) -> coordinator_pb2.Cluster:
-        self._check_current(context, "GetCluster")
-        return self.snapshot()
+        return self._current_cluster(context, "GetCluster")
 
     def WatchCluster(
         self, request: coordinator_pb2.WatchClusterRequest, context: grpc.ServicerContext
     ) -> Iterator[coordinator_pb2.Cluster]:
-        self._check_current(context, "WatchCluster")
+        self._check_reachable(context, "WatchCluster")
         with self._cond:
             self._check_open(context)
             peer = self.guard.open_watch(context)
@@ -341,18 +368,23 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         context.add_callback(on_end)
         last = request.after_version
         try:
-            while (msg := self._next_change(last, ended, context)) is not None:
-                last = msg.version
-                yield msg
+            while (woke_at := self._next_change(last, ended, context)) is not None:
+                msg = self._current_cluster(context, "WatchCluster")
+                if msg.version > last:
+                    last = msg.version
+                    yield msg
+                else:  # the current view is no newer than the last one sent: wait for more
+                    last = woke_at
         finally:
             with self._cond:
                 self.guard.close_watch(peer)
-        self._check_current(context, "WatchCluster")
+        self._check_reachable(context, "WatchCluster")
 
     def _next_change(
         self, after_version: int, ended: threading.Event, context: grpc.ServicerContext
-    ) -> coordinator_pb2.Cluster | None:
-        """Blocks until the version passes ``after_version``; None when the stream must end."""
+    ) -> int | None:
+        """Blocks until the visible version passes ``after_version`` and returns it;
+        None when the stream must end."""
         with self._cond:
             while True:
                 self._cond.wait_for(
@@ -367,7 +399,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 if self._closed or ended.is_set() or not context.is_active() or self._cut_off():
                     return None
                 if self._visible_version() > after_version:
-                    return self._cluster()
+                    return self._visible_version()
 
     def _heartbeat(
         self,
@@ -467,7 +499,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def _cut_off(self) -> bool:
         return self._replication is not None and self._replication.leadership.cut_off
 
-    def _check_current(self, context: grpc.ServicerContext, rpc: str) -> None:
+    def _check_reachable(self, context: grpc.ServicerContext, rpc: str) -> None:
         """Refuses reads from a coordinator that lost etcd: its copy may be stale."""
         if self._cut_off():
             context.abort(
@@ -476,6 +508,51 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 f"{self._replication.leadership.ttl_s} s, so its view may be stale; "  # type: ignore[union-attr]
                 "ask another coordinator of the set",
             )
+
+    def _current_cluster(self, context: grpc.ServicerContext, rpc: str) -> coordinator_pb2.Cluster:
+        """The Cluster message for a read, shown to be as new as etcd's (see the module).
+
+        Takes the lock only between reads of etcd. Aborts the call with
+        UNAVAILABLE when this coordinator cannot show that its view is current.
+        """
+        replication = self._replication
+        if replication is None:
+            return self.snapshot()
+        self._check_reachable(context, rpc)
+        leadership = replication.leadership
+        asked = time.monotonic()
+        why = "its copy could not be brought up to the document etcd stores"
+        try:
+            for _ in range(_CATCH_UP_ATTEMPTS):
+                with self._cond:
+                    own = self._own_state
+                    if own and leadership.lease_fresh:
+                        return self._cluster()
+                if own:
+                    if not leadership.confirm_leading():
+                        why = "it led until now, and etcd names another leader or none"
+                        break
+                    with self._cond:
+                        if self._own_state:
+                            return self._cluster()
+                    continue
+                stored = leadership.state_revision(asked)
+                with self._cond:
+                    if not self._own_state and self._copy_revision == stored:
+                        return self._cluster()
+                    if not self._own_state and stored < self._copy_revision:
+                        self._copy_revision = -1  # etcd's history restarted: take what it holds
+                leadership.read_state()  # hands the stored document to on_state
+        except StoreUnavailableError as exc:
+            why = f"etcd did not answer the check of its copy ({exc})"
+        except ValueError as exc:
+            why = f"the document in etcd is unreadable ({exc})"
+        context.abort(
+            grpc.StatusCode.UNAVAILABLE,
+            f"{rpc}: this coordinator's view may be stale: {why}; "
+            "try another address of the coordinator set",
+        )
+        raise AssertionError("unreachable")  # context.abort raises
 
     def _visible_version(self) -> int:
         held = self._replication.held if self._replication is not None else None

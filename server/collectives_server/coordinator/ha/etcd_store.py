@@ -14,7 +14,18 @@
   by etcd, not merely frowned upon.
 
 A leader that cannot renew its lease for ``ttl - poll`` seconds steps down by
-itself (it cannot know whether another took over). When all of etcd is away
+itself (it cannot know whether another took over).
+
+A standby follows ``state`` by reading it every poll, but a poll can be late or
+fail, so what a standby serves is checked at the time of the read: it asks etcd
+for the document's revision (:meth:`EtcdLeadership.state_revision`, one read
+answering every caller that asked before it started) and serves its copy only
+if that is the revision it holds, after fetching the newer one
+(:meth:`EtcdLeadership.read_state`) if not. A leader serves its own state while
+its lease is fresh (renewed, counting from the request, less than ``ttl -
+poll`` ago, so no other coordinator can have been elected), and otherwise only
+once etcd confirms that its key is still the one it created
+(:meth:`EtcdLeadership.confirm_leading`). When all of etcd is away
 for a while, nobody leads, and the lease survives: etcd restarts leases with
 their full TTL, so the same coordinator picks up where it was when etcd comes
 back. Talks to etcd's v3 JSON gateway through ``etcd3gw`` (OpenStack's client),
@@ -112,9 +123,15 @@ class _Etcd:
     def txn(self, body: dict[str, Any]) -> dict[str, Any]:
         return self.call(lambda c: c.transaction(body))
 
-    def range(self, key: str) -> dict[str, Any] | None:
-        """The key's kv (value decoded, revisions as ints), or None if absent."""
-        reply = self.call(lambda c: c.post(c.get_url("/kv/range"), json={"key": _b64(key)}))
+    def range(self, key: str, keys_only: bool = False) -> dict[str, Any] | None:
+        """The key's kv (value decoded, revisions as ints), or None if absent.
+
+        ``keys_only``: the revisions without the value (which is then "").
+        """
+        body: dict[str, Any] = {"key": _b64(key)}
+        if keys_only:
+            body["keys_only"] = True
+        reply = self.call(lambda c: c.post(c.get_url("/kv/range"), json=body))
         kvs = reply.get("kvs") or []
         if not kvs:
             return None
@@ -131,8 +148,12 @@ class EtcdLeadership:
     """Campaigns for leadership of ``cluster`` and keeps its membership document.
 
     ``on_change(leading)`` is called from the election thread when this
-    coordinator starts or stops leading; ``on_state(doc)`` when a standby sees a
-    new document. Both are called without any lock of this object held.
+    coordinator starts or stops leading; ``on_state(doc, revision)`` when a
+    standby reads a document it has not delivered yet (``doc`` None and
+    ``revision`` 0 when etcd holds none), from the election thread's poll or
+    from a caller of :meth:`read_state`. ``on_change`` is called without any
+    lock of this object held, ``on_state`` with only the lock that orders the
+    reads of the document (so copies are delivered in the order they were read).
     """
 
     def __init__(
@@ -143,7 +164,7 @@ class EtcdLeadership:
         *,
         ttl_s: int = 3,
         on_change: Callable[[bool], None] = lambda leading: None,
-        on_state: Callable[[dict[str, Any]], None] = lambda doc: None,
+        on_state: Callable[[dict[str, Any] | None, int], None] = lambda doc, revision: None,
         on_reach: Callable[[bool], None] = lambda reached: None,
     ) -> None:
         if ttl_s < 1:
@@ -154,6 +175,7 @@ class EtcdLeadership:
         endpoints = parse_etcd_url(url)
         self._etcd = _Etcd(endpoints)  # the election thread's
         self._writer = _Etcd(endpoints)  # the servicer's (persist, load): its own connections
+        self._reader = _Etcd(endpoints)  # reads of the document (poll and readers), in order
         self._leader_key = f"{_PREFIX}/{cluster}/leader"
         self._state_key = f"{_PREFIX}/{cluster}/state"
         self.on_change = on_change
@@ -163,8 +185,12 @@ class EtcdLeadership:
         self._lease_id = 0
         self._token = 0  # create_revision of our leader key while we lead
         self._leader = ""  # the leader's address as last read ("" when none)
-        self._state_rev = 0  # mod_revision of the last document seen
-        self._renewed_at = 0.0
+        self._state_rev = -1  # mod_revision of the last document delivered (-1: none yet)
+        # Reads of the document, one at a time: (when the last one was sent, its revision).
+        self._read_lock = threading.Lock()
+        self._read_at = -1.0
+        self._read_rev = 0
+        self._renewed_at = 0.0  # when the last lease grant or renewal that etcd accepted was sent
         self._reached_at = time.monotonic()  # the last etcd request that was answered
         self._untold = False  # stepped down inside persist(): on_change(False) still due
         self._told_cut_off = False
@@ -189,6 +215,75 @@ class EtcdLeadership:
     def cut_off(self) -> bool:
         """True when etcd has not answered for a whole TTL: this view may be stale."""
         return time.monotonic() - self._reached_at > self.ttl_s
+
+    @property
+    def lease_fresh(self) -> bool:
+        """True while this coordinator leads on a lease renewed less than ``ttl - poll``
+        ago (counted from the renewal's request): no other can have been elected since."""
+        with self._lock:
+            return (
+                self._token != 0 and time.monotonic() - self._renewed_at < self.ttl_s - self.poll_s
+            )
+
+    # ---- proving a copy current (any thread) --------------------------------------------
+
+    def state_revision(self, asked_at: float) -> int:
+        """The stored document's revision in etcd now (0 while there is none).
+
+        "Now" is a read sent at or after ``asked_at`` (``time.monotonic()``): one
+        read answers every caller that asked before it was sent, so a crowd of
+        readers costs etcd one request. etcd reads are linearizable, so the answer
+        includes every write acknowledged before the caller asked.
+
+        Raises StoreUnavailableError (no endpoint answered).
+        """
+        with self._read_lock:
+            if self._read_at >= asked_at:
+                return self._read_rev
+            sent = time.monotonic()
+            kv = self._reader.range(self._state_key, keys_only=True)
+            self._note_read(sent, 0 if kv is None else kv["mod_revision"])
+            return self._read_rev
+
+    def read_state(self) -> int:
+        """Reads the stored document, delivers it to ``on_state`` and returns its
+        revision (0 while there is none).
+
+        Raises StoreUnavailableError (no endpoint answered).
+        """
+        with self._read_lock:
+            self._read_and_deliver(force=True)
+            return self._read_rev
+
+    def confirm_leading(self) -> bool:
+        """Whether etcd still holds the leader key this coordinator created (its token).
+
+        Raises StoreUnavailableError (no endpoint answered).
+        """
+        with self._lock:
+            token = self._token
+        if not token:
+            return False
+        with self._read_lock:
+            kv = self._reader.range(self._leader_key, keys_only=True)
+        return kv is not None and kv["create_revision"] == token
+
+    def _note_read(self, sent: float, revision: int) -> None:
+        """Records a read of the document (call with ``_read_lock`` held)."""
+        if sent > self._read_at:
+            self._read_at, self._read_rev = sent, revision
+
+    def _read_and_deliver(self, force: bool) -> None:
+        """Reads the document and hands it to ``on_state`` when it is new to this
+        object, or always with ``force`` (call with ``_read_lock`` held)."""
+        sent = time.monotonic()
+        kv = self._reader.range(self._state_key)
+        revision = 0 if kv is None else kv["mod_revision"]
+        self._note_read(sent, revision)
+        if revision == self._state_rev and not force:
+            return
+        self.on_state(None if kv is None else json.loads(kv["value"]), revision)
+        self._state_rev = revision
 
     # ---- lifecycle ------------------------------------------------------------
 
@@ -290,21 +385,25 @@ class EtcdLeadership:
             self._stop.wait(self.poll_s)
 
     def _grant(self) -> None:
+        sent = time.monotonic()
         reply = self._etcd.call(
             lambda c: c.post(c.get_url("/lease/grant"), json={"TTL": self.ttl_s, "ID": 0})
         )
         self._lease_id = int(reply["ID"])
-        self._renewed_at = time.monotonic()
+        with self._lock:
+            self._renewed_at = sent
 
     def _keepalive(self) -> None:
         lease = self._lease_id
+        sent = time.monotonic()
         reply = self._etcd.call(lambda c: c.post(c.get_url("/lease/keepalive"), json={"ID": lease}))
         if int(reply.get("result", {}).get("TTL", -1)) <= 0:
             self._lease_id = 0
             if self.leading:
                 self._lose("its etcd lease expired")
             return
-        self._renewed_at = time.monotonic()
+        with self._lock:
+            self._renewed_at = sent
 
     def _campaign(self) -> None:
         key = _b64(self._leader_key)
@@ -343,7 +442,7 @@ class EtcdLeadership:
         with self._lock:
             was, self._token = self._token, 0
             self._leader = ""
-            self._state_rev = 0  # read the document afresh as a standby
+            self._state_rev = -1  # deliver the document afresh to the standby
             self._untold = self._untold or (bool(was) and not notify)
         if was:
             log.warning("stepping down as leader: %s", why)
@@ -351,8 +450,5 @@ class EtcdLeadership:
                 self.on_change(False)
 
     def _follow_state(self) -> None:
-        kv = self._etcd.range(self._state_key)
-        if kv is None or kv["mod_revision"] == self._state_rev:
-            return
-        self._state_rev = kv["mod_revision"]
-        self.on_state(json.loads(kv["value"]))
+        with self._read_lock:
+            self._read_and_deliver(force=False)

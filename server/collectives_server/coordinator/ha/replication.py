@@ -9,7 +9,8 @@ one lock; with an etcd store it also holds a :class:`Replication`:
   that etcd has not recorded is never announced;
 * as **standby**, the membership is a read-only copy of the document the leader
   wrote (:meth:`Replication.replica`), served to ``GetCluster`` and
-  ``WatchCluster``, and the worker-only writes (Register, Heartbeat, Leave) are
+  ``WatchCluster`` only once etcd confirms it is the stored one (the servicer
+  asks at every read), and the worker-only writes (Register, Heartbeat, Leave) are
   forwarded to the leader with the caller's metadata (:meth:`Replication.forward`);
 * on **taking over**, the new leader restores the document, gives every live
   worker a fresh lease, and numbers versions above anything handed out before.
@@ -134,13 +135,14 @@ class Replication:
 
     # ---- standby (lock) ------------------------------------------------------------
 
-    def replica(self, doc: dict[str, Any], leases: LeaseBook) -> Membership:
+    def replica(self, doc: dict[str, Any] | None, leases: LeaseBook) -> Membership:
         """A read-only copy of the leader's document, at the leader's version: it
         decides nothing (``deciding=False``), so it shows exactly what the leader
-        recorded."""
+        recorded (``doc`` None: etcd holds none yet, an empty membership)."""
         membership = self._new_membership()
         membership.deciding = False
-        restore_state(doc, membership, leases, now=self._clock(), unix_now=time.time())
+        if doc is not None:
+            restore_state(doc, membership, leases, now=self._clock(), unix_now=time.time())
         self.held = None
         return membership
 
