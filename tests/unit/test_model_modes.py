@@ -50,9 +50,10 @@ def test_a_graph_captured_in_train_mode_runs_in_eval_mode_as_torch_does() -> Non
         is dict(graph.named_parameters())["0.weight"]
     )
     training = model_modes.for_mode(graph, True, "m")  # torch's input checks put back
-    assert dict(training.named_buffers())["2.running_var"] is dict(graph.named_buffers())[
-        "2.running_var"
-    ]
+    assert (
+        dict(training.named_buffers())["2.running_var"]
+        is dict(graph.named_buffers())["2.running_var"]
+    )
     torch.testing.assert_close(training(x[:4]).shape, module.train()(x[:4]).shape)
     plain = _captured(nn.Sequential(nn.Linear(6, 3), nn.ReLU()), x)
     assert model_modes.for_mode(plain, True, "m") is plain  # nothing to switch or check
@@ -106,9 +107,8 @@ def test_a_train_mode_graph_refuses_one_value_per_channel_as_torch_does(
     with pytest.raises(ValueError) as torch_said:
         module.train()(one_row)
     before = {k: v.clone() for k, v in graph.named_buffers()}
-    with pytest.raises(ValueError) as ours:
-        with model_modes.restoring_buffers(graph, True):
-            training(one_row)
+    with pytest.raises(ValueError) as ours, model_modes.restoring_buffers(graph, True):
+        training(one_row)
     assert str(ours.value) == str(torch_said.value)
     for key, value in graph.named_buffers():
         assert torch.equal(value, before[key]), key  # nothing changed, no NaN
@@ -128,3 +128,17 @@ def test_instance_norm_on_one_spatial_element_is_refused_in_train_mode() -> None
     graph = _captured(narrow.eval(), torch.randn(4, 6))
     with pytest.raises(ValueError, match="more than 1 spatial element"):
         model_modes.for_mode(graph, True, "m")(torch.randn(4, 6))
+
+
+def test_a_graph_captured_in_eval_mode_counts_batches_in_train_mode() -> None:
+    """An eval-mode capture holds no ``num_batches_tracked += 1``: train mode adds it."""
+    torch.manual_seed(2)
+    module = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4)).eval()
+    graph = _captured(module, torch.randn(5, 6))
+    training = model_modes.for_mode(graph, True, "m")
+    x = torch.randn(5, 6)
+    torch.testing.assert_close(training(x), module.train()(x))
+    got = dict(graph.named_buffers())
+    for key, want in module.named_buffers():
+        torch.testing.assert_close(got[key], want, rtol=1e-6, atol=1e-7)
+    assert int(got["1.num_batches_tracked"]) == 1

@@ -132,7 +132,7 @@ def for_mode(module: nn.Module, training: bool, model: str) -> nn.Module:
         if node.op != "call_function":
             continue
         if switch:
-            _switch(graph, node, training, model)
+            _switch(module, graph, node, training, model)
         if training and _needs_check(node):
             batch = node.target is _aten.batch_norm.default
             with graph.inserting_before(node):
@@ -148,7 +148,7 @@ def for_mode(module: nn.Module, training: bool, model: str) -> nn.Module:
     return switched
 
 
-def _switch(graph: fx.Graph, node: fx.Node, training: bool, model: str) -> None:
+def _switch(owner: nn.Module, graph: fx.Graph, node: fx.Node, training: bool, model: str) -> None:
     """Rewrites ``node`` (a call) to compute what it computes in ``training`` mode."""
     if node.target in _UNHANDLED:
         raise FailedPrecondition(
@@ -163,6 +163,8 @@ def _switch(graph: fx.Graph, node: fx.Node, training: bool, model: str) -> None:
         positional = {a.name for a in node.target._schema.arguments[: len(args)]}
         node.kwargs = {k: v for k, v in node.kwargs.items() if k not in positional}
         node.args = tuple(args)
+        if training and node.target is _aten.batch_norm.default:
+            _count_batches(owner, graph, node)
     elif node.target is _aten.instance_norm.default and node.args[3] is not None:
         args = list(node.args)
         args[5] = training  # use_input_stats: the batch's in train, the running ones in eval
@@ -248,6 +250,28 @@ def _full_args(node: fx.Node) -> list[Any]:
         else:
             args.append(argument.default_value)
     return args
+
+
+def _count_batches(owner: nn.Module, graph: fx.Graph, batch_norm: fx.Node) -> None:
+    """Before ``batch_norm`` (switched to train mode), ``num_batches_tracked += 1`` of
+    its module, as nn.BatchNorm counts in train mode: a graph captured in eval mode
+    holds no such increment, only the buffer."""
+    running_mean = batch_norm.args[3]
+    if not isinstance(running_mean, fx.Node) or running_mean.op != "get_attr":
+        return
+    prefix = str(running_mean.target).removesuffix("running_mean")
+    target = f"{prefix}num_batches_tracked"
+    if prefix == str(running_mean.target):
+        return
+    try:
+        owner.get_buffer(target)
+    except AttributeError:
+        return  # a batch norm that tracks no batch count
+    counter = next((n for n in graph.nodes if n.op == "get_attr" and n.target == target), None)
+    with graph.inserting_before(batch_norm):
+        if counter is None:
+            counter = graph.get_attr(target)
+        graph.call_function(_aten.add_.Tensor, (counter, 1))
 
 
 def _counts_batches(node: fx.Node) -> bool:

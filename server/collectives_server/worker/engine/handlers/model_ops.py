@@ -29,7 +29,7 @@ for even and uneven shards alike. It always runs the model in train mode,
 whatever mode the model is recorded in, and leaves that mode as it is. A rank
 whose shard is empty runs no forward and contributes zeros. A failed step puts
 back the buffers (batch norm's running statistics) it had changed on every
-rank.
+rank and leaves the gradients cleared there, as it clears them first.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional
 
-from collectives.errors import CollectiveError, InvalidArgument, NotFound, error_for_code
+from collectives.errors import CollectiveError, InvalidArgument, NotFound, Reason, error_for_code
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
 from collectives.wire.names import FUNCTION_PREFIX
@@ -361,7 +361,11 @@ def _run_model_op(
         )
         if failures:
             if restore is not None:
-                restore()  # a refused step leaves no running statistic changed
+                # A refused step leaves no running statistic changed, and the
+                # gradients cleared on every rank (it clears them first).
+                restore()
+                for p in model.module.parameters():
+                    p.grad = None
             return ctx.fail_all(failures)
         everywhere = all(e[2] for e in extras)
         if args.is_train:
@@ -403,10 +407,20 @@ def _decide(args: ModelArgs, rows: list[list[int]]) -> CollectiveError | None:
     if args.is_train:
         for column, what in ((2, args.inputs), (3, args.targets)):
             lacking = [r for r in ranks if not rows[r][column]]
+            if len(lacking) == len(rows):
+                return error_for_code(
+                    grpc.StatusCode.NOT_FOUND,
+                    f"train_step needs tensor {what!r}, and no rank holds it "
+                    "(place it with scatter or put)",
+                    tensor=what,
+                )
             if lacking:
                 return error_for_code(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"train_step needs tensor {what!r} on every rank; missing on rank(s) "
                     f"{', '.join(map(str, lacking))} (place it with scatter or put)",
+                    tensor=what,
+                    ranks=lacking,
+                    reason=Reason.OPERAND_MISSING,
                 )
     return None
