@@ -21,12 +21,14 @@ STUB_DIR := client/collectives/v1
 TEST_DIRS := $(wildcard tests/unit tests/integration tests/browser tests/fault)
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test fault bench bench-quick lint format proto proto-check clean distclean
+.PHONY: help install demo test test-quick soak fault bench bench-quick lint format proto proto-check clean distclean
 
 help:
 	@echo "make demo         start a local cluster of 2 workers, run examples/demo.py, stop it"
 	@echo "make test         lint + proto-check + unit, integration, browser and fault tests"
+	@echo "make test-quick   lint + proto-check + unit and the core integration tests (< 3 min)"
 	@echo "make fault        the fault-injection suite and the soak alone (COLLECTIVES_SOAK_S=40)"
+	@echo "make soak         the many-clients model test, long (SOAK_EXAMPLES=200 examples of 60 steps)"
 	@echo "make bench        the benchmark table: every figure beside its anchor (full sizes, minutes)"
 	@echo "make bench-quick  the same at small sizes (< 2 min; CI runs it); tables in artifacts/"
 	@echo "make install      create $(VENV) with the pinned dependencies (done by every target)"
@@ -43,7 +45,7 @@ $(STAMP): constraints.txt client/pyproject.toml server/pyproject.toml
 		"collectives needs Python >= 3.11; run make PYTHON=python3.11 ...")'
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_ARGS) $(TORCH_INDEX) -c constraints.txt torch==2.13.0 \
-		-e client -e server pytest pytest-timeout ruff grpcio-tools numpy \
+		-e client -e server pytest pytest-timeout pytest-xdist ruff grpcio-tools numpy \
 		selenium pyyaml kubernetes-validate cryptography hypothesis
 	@[ -n "$(TORCH_CUDA)" ] || $(VPY) -c 'import sys, torch; sys.exit(0 if torch.version.cuda is None else \
 		"pip installed a CUDA build of torch " + torch.__version__ + "; install the CPU wheel " \
@@ -60,13 +62,42 @@ demo: $(STAMP)
 ARG_PATHS := $(wildcard $(foreach a,$(PYTEST_ARGS),$(firstword $(subst ::, ,$(a)))))
 TEST_PATHS := $(if $(ARG_PATHS),,$(TEST_DIRS))
 
+# The suite runs in TEST_PROCESSES pytest-xdist processes, each taking whole test
+# files (--dist loadfile: a module's shared cluster starts once) in collection
+# order (--no-loadscope-reorder: each process runs its integration files one
+# after the other, so the shared clusters stop when it leaves them;
+# tests/conftest.py); 1 runs it in this process alone. The default is the
+# fastest measured on the 2-core CI machine.
+TEST_PROCESSES ?= 2
+XDIST := $(if $(filter 1,$(TEST_PROCESSES)),-p no:xdist,-n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder)
+
 test: lint proto-check
-	$(VPY) -m pytest $(TEST_PATHS) $(PYTEST_ARGS)
+	$(VPY) -m pytest $(XDIST) $(TEST_PATHS) $(PYTEST_ARGS)
+
+# The inner loop: the unit tests and the integration tests of the core calls
+# (collectives, DataParallel, training, errors, several clients), on the shared
+# clusters only. `make test` (what CI runs) is the whole suite.
+QUICK_TESTS := tests/unit $(addprefix tests/integration/,test_collectives_reductions.py \
+	test_collectives_data_movement.py test_collectives_groups_async.py test_data_parallel.py \
+	test_training.py test_many_clients.py test_errors.py test_placement.py)
+
+test-quick: lint proto-check
+	$(VPY) -m pytest $(XDIST) $(QUICK_TESTS) $(PYTEST_ARGS)
 
 # Real signals to real processes; prints time to detect/recover per fault and
 # the soak's table. COLLECTIVES_SOAK_S sets the soak's length (seconds).
 fault: $(STAMP)
 	$(VPY) -m pytest tests/fault -s -p no:logging $(PYTEST_ARGS)
+
+# The many-clients model test (tests/integration/test_many_clients_model.py), long:
+# SOAK_EXAMPLES examples of up to 60 steps each, from a fresh random seed (printed;
+# COLLECTIVES_MODEL_TEST_SEED=N replays one). make test runs 20 examples.
+SOAK_EXAMPLES ?= 200
+
+soak: $(STAMP)
+	COLLECTIVES_MODEL_TEST_EXAMPLES=$(SOAK_EXAMPLES) COLLECTIVES_MODEL_TEST_STEPS=60 \
+		COLLECTIVES_MODEL_TEST_TIMEOUT_S=7200 $(VPY) -m pytest -p no:xdist -s \
+		tests/integration/test_many_clients_model.py -k against_the_reference $(PYTEST_ARGS)
 
 # One markdown table (service | anchor | ratio | target), also written to
 # artifacts/bench.md and artifacts/bench.json. BENCH_ARGS="--only putget,latency".

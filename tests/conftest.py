@@ -1,9 +1,12 @@
 """Fixtures shared by every test: seeds, unique names, and real local clusters.
 
-Clusters are started with short heartbeats and leases so failure detection is
-quick, and shared per session (``cluster2``, ``cluster3``) because every test
-uses its own tensor names; tests that kill workers get their own cluster from
-``fresh_cluster``.
+Every cluster is started by the tests' one launcher (tests/launcher.py), with
+short heartbeats and leases so failure detection is quick. ``cluster2`` and
+``cluster3`` are shared by the integration tests (every test uses its own
+tensor names) and stop when this process has run the last of them;
+``local_cluster(n, *flags)`` shares a cluster among the tests of one module
+asking for the same flags and stops it after the module; tests that kill,
+stop or reconfigure a daemon get a cluster of their own from ``fresh_cluster``.
 """
 
 from __future__ import annotations
@@ -17,13 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import (
-    CLUSTER_FLAGS,
-    LocalCluster,
-    connect_ready,
-    internal_lines,
-    worker_token_file,
-)
+from helpers import CLUSTER_FLAGS, connect_ready, internal_lines, worker_token_file
+from launcher import LocalCluster, set_log_dir
 from skip_groups import skip_summary
 
 # Random inputs differ per run; set COLLECTIVES_TEST_SEED to replay a run.
@@ -53,6 +51,24 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         for line in lines:
             terminalreporter.write_line(line, yellow=True, bold=True)
     return result
+
+
+# Directories run in this order. Under pytest-xdist each process takes whole files
+# in collection order, so the long fault files start first, the many short files
+# fill in after them, and each process runs its integration files one after the
+# other (the shared clusters stop when it leaves them).
+_DIRECTORY_ORDER = ("fault", "browser", "integration", "unit")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+
+    def rank(item: pytest.Item) -> int:
+        parts = item.path.relative_to(here).parts if item.path.is_relative_to(here) else ()
+        top = parts[0] if len(parts) > 1 else ""
+        return _DIRECTORY_ORDER.index(top) if top in _DIRECTORY_ORDER else len(_DIRECTORY_ORDER)
+
+    items.sort(key=rank)  # stable: each directory keeps its own order
 
 
 @pytest.fixture
@@ -93,50 +109,110 @@ def _assert_no_internal(clusters: list[LocalCluster]) -> None:
     assert not found, "daemons logged INTERNAL:\n" + "\n".join(found[:20])
 
 
-@pytest.fixture(scope="session")
-def local_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., str]]:
-    """``local_cluster(n, *extra_flags)`` starts a cluster of n workers for the
-    rest of the session and returns its coordinator address."""
-    started: list[LocalCluster] = []
-    tmp_dir = tmp_path_factory.mktemp("clusters")
+class ClusterPool:
+    """Live local clusters keyed by their flags: the first test asking for (workers,
+    flags) starts one, every later test asking the same reuses it, and ``stop()``
+    ends them all (with their shared clients)."""
 
-    def start(workers: int, *extra_args: str) -> str:
-        cluster = _start(tmp_dir, workers, extra_args)
-        started.append(cluster)
+    def __init__(self, directory: Path) -> None:
+        self._directory = directory
+        self._clusters: dict[tuple[int, tuple[str, ...]], LocalCluster] = {}
+        self._clients: dict[tuple[int, tuple[str, ...]], object] = {}
+        self.stopped: list[LocalCluster] = []
+
+    def address(self, workers: int, *flags: str) -> str:
+        key = (workers, flags)
+        cluster = self._clusters.get(key)
+        if cluster is None:
+            cluster = self._clusters[key] = _start(self._directory, workers, flags)
         return cluster.address
 
-    yield start
-    for cluster in reversed(started):
-        cluster.stop()
-    _assert_no_internal(started)
+    def client(self, workers: int, *flags: str):
+        """One connected client of that cluster, shared, once all its workers are ready."""
+        key = (workers, flags)
+        client = self._clients.get(key)
+        if client is None:
+            client = self._clients[key] = connect_ready(self.address(workers, *flags), workers)
+        return client
+
+    def stop(self) -> None:
+        for client in self._clients.values():
+            client.close()  # type: ignore[attr-defined]
+        for cluster in reversed(self._clusters.values()):
+            cluster.stop()
+        self.stopped.extend(self._clusters.values())
+        self._clusters.clear()
+        self._clients.clear()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _daemon_logs(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Every daemon's log lives in this session's temporary directory."""
+    set_log_dir(tmp_path_factory.getbasetemp() / "daemons")
+
+
+@pytest.fixture(scope="module")
+def local_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., str]]:
+    """``local_cluster(n, *extra_flags)`` → the coordinator address of a cluster of n
+    workers with those flags, shared by every test of this module asking the same
+    and stopped after the module's last test."""
+    pool = ClusterPool(tmp_path_factory.mktemp("clusters"))
+    yield pool.address
+    pool.stop()
+    _assert_no_internal(pool.stopped)
 
 
 # The shared clusters let load_model(factory=...) use the factories shipped with the server.
 MODEL_ZOO = ("--allow-factory", "collectives_server.model_zoo")
+# Where the tests that share cluster2 / cluster3 live: those clusters stop once this
+# process has run its last test there (see pytest_runtest_teardown).
+SHARED_CLUSTER_TESTS = Path(__file__).parent / "integration"
+_SHARED = pytest.StashKey[ClusterPool]()
 
 
 @pytest.fixture(scope="session")
-def cluster2_address(local_cluster) -> str:
-    return local_cluster(2, *MODEL_ZOO)
+def shared_clusters(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ClusterPool]:
+    """The clusters every integration test may share (``cluster2``, ``cluster3``)."""
+    pool = ClusterPool(tmp_path_factory.mktemp("shared-clusters"))
+    request.config.stash[_SHARED] = pool
+    yield pool
+    pool.stop()
+    _assert_no_internal(pool.stopped)
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """The shared clusters stop as soon as this process leaves the tests that use them
+    (tests run directory by directory; under xdist each process gets whole files in
+    collection order), instead of idling through the rest of the session."""
+    pool = item.config.stash.get(_SHARED, None)
+    if pool is None or not item.path.is_relative_to(SHARED_CLUSTER_TESTS):
+        return
+    if nextitem is None or not nextitem.path.is_relative_to(SHARED_CLUSTER_TESTS):
+        pool.stop()  # their logs are checked when the session's fixture ends
 
 
 @pytest.fixture(scope="session")
-def cluster3_address(local_cluster) -> str:
-    return local_cluster(3, *MODEL_ZOO)
+def cluster2_address(shared_clusters: ClusterPool) -> str:
+    return shared_clusters.address(2, *MODEL_ZOO)
 
 
 @pytest.fixture(scope="session")
-def cluster2(cluster2_address: str) -> Iterator:
+def cluster3_address(shared_clusters: ClusterPool) -> str:
+    return shared_clusters.address(3, *MODEL_ZOO)
+
+
+@pytest.fixture(scope="session")
+def cluster2(shared_clusters: ClusterPool, cluster2_address: str):
     """A connected ``collectives.Cluster`` of 2 workers, shared by the session."""
-    with connect_ready(cluster2_address, 2) as client:
-        yield client
+    return shared_clusters.client(2, *MODEL_ZOO)
 
 
 @pytest.fixture(scope="session")
-def cluster3(cluster3_address: str) -> Iterator:
+def cluster3(shared_clusters: ClusterPool, cluster3_address: str):
     """A connected ``collectives.Cluster`` of 3 workers, shared by the session."""
-    with connect_ready(cluster3_address, 3) as client:
-        yield client
+    return shared_clusters.client(3, *MODEL_ZOO)
 
 
 @pytest.fixture(params=[2, 3], ids=["ws2", "ws3"])

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import urllib.request
 from pathlib import Path
 
 from helpers import required_binary, wait_until
+from launcher import free_port
 
 __all__ = ["EtcdServer", "etcd_binary"]
 
@@ -27,20 +27,14 @@ def etcd_binary() -> str:
     return required_binary("etcd", MISSING)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class EtcdServer:
     """``etcd`` listening on 127.0.0.1 only; ``url`` is the ``--store`` value."""
 
     def __init__(self, data_dir: Path) -> None:
         self.binary = etcd_binary()
         self.data_dir = data_dir
-        self.client_port = _free_port()
-        self.peer_port = _free_port()
+        self.client_port = free_port()
+        self.peer_port = free_port()
         self.log_path = data_dir.parent / f"{data_dir.name}.log"
         self.proc: subprocess.Popen | None = None
         self.start()

@@ -9,18 +9,10 @@ every result with what torch computes locally on the same inputs.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-import queue
-import random
 import re
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -32,7 +24,6 @@ import torch
 __all__ = [
     "BITWISE_OPS",
     "REDUCE_OPS",
-    "LocalCluster",
     "assert_tensor",
     "get_each",
     "make_input",
@@ -91,44 +82,6 @@ def required_binary(name: str, missing: str) -> str:
 # --------------------------------------------------------------------------- time
 
 
-def _ephemeral_low() -> int:
-    """The lowest port the kernel hands out for outgoing connections (Linux)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
-
-
-def free_port_block(count: int = 1) -> int:
-    """A port P such that P .. P+count-1 are free on 127.0.0.1 right now, for a daemon
-    told its port on the command line. Chosen below the kernel's ephemeral range: a
-    port inside it (what binding port 0 returns) can be taken by any outgoing
-    connection before the daemon binds it, and a worker once failed to start on
-    "Address already in use" that way."""
-    ephemeral_low = _ephemeral_low()
-    for _ in range(200):
-        base = random.randrange(10000, ephemeral_low - count)
-        sockets = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                sockets.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError(f"no block of {count} free ports found")
-
-
-def free_port() -> int:
-    """A port free on 127.0.0.1 right now, outside the ephemeral range (see
-    :func:`free_port_block`)."""
-    return free_port_block(1)
-
-
 def wait_until(
     predicate: Callable[[], Any],
     timeout_s: float,
@@ -157,125 +110,6 @@ def wait_until(
 
 
 # ----------------------------------------------------------------------- clusters
-
-_ADDRESS_RE = re.compile(r"((?:\[[0-9A-Fa-f:]+\]|[A-Za-z0-9_.-]+):\d{1,5})")
-
-
-class LocalCluster:
-    """``python -m collectives_server local`` as a child process.
-
-    The launcher prints the coordinator address on its first stdout line; the
-    rest of its stdout is drained by a thread (so it never blocks on a full
-    pipe) and its stderr goes to ``log_path`` for diagnostics.
-    """
-
-    def __init__(self, workers: int, extra_args: Sequence[str], log_path: Path) -> None:
-        self.workers = workers
-        self.argv = [
-            sys.executable,
-            "-m",
-            "collectives_server",
-            "local",
-            "--workers",
-            str(workers),
-            "--port",
-            "0",
-            *extra_args,
-        ]
-        self.log_path = log_path
-        self.proc: subprocess.Popen[str] | None = None
-        self.address = ""
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        self._stdout: list[str] = []
-
-    def start(self, timeout_s: float = 90.0) -> str:
-        """Starts the launcher and returns the coordinator address it prints."""
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            self.argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-            env=env,
-            # Own process group: the teardown's last resort kills the launcher
-            # and every child it started, and nothing else.
-            start_new_session=True,
-        )
-        threading.Thread(target=self._drain, daemon=True).start()
-        try:
-            first = self._lines.get(timeout=timeout_s)
-        except queue.Empty:
-            self.stop()
-            raise RuntimeError(
-                f"{' '.join(self.argv)} printed no address within {timeout_s:.0f} s\n"
-                + self.log_tail()
-            ) from None
-        match = _ADDRESS_RE.search(first or "")
-        if match is None:
-            code = self.proc.poll()
-            self.stop()
-            raise RuntimeError(
-                f"{' '.join(self.argv)} (exit code {code}) did not print HOST:PORT first; "
-                f"first line: {first!r}\n" + self.log_tail()
-            )
-        self.address = match.group(1)
-        return self.address
-
-    def _drain(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._stdout.append(line)
-            self._lines.put(line.strip())
-        self._lines.put(None)
-
-    def owns(self, pid: int) -> bool:
-        """Whether ``pid`` is the launcher or a descendant of it (read from /proc)."""
-        if self.proc is None:
-            return False
-        while pid > 1:
-            if pid == self.proc.pid:
-                return True
-            try:
-                stat = Path(f"/proc/{pid}/stat").read_text()
-            except OSError:
-                return False
-            # Field 4 is the parent pid; the command name (field 2) may hold spaces.
-            pid = int(stat.rsplit(")", 1)[1].split()[1])
-        return False
-
-    def log_tail(self, lines: int = 60) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        tail = "\n".join(text.splitlines()[-lines:])
-        return f"--- last lines of {self.log_path} ---\n{tail}"
-
-    def stop(self, timeout_s: float = 20.0) -> int | None:
-        """SIGTERM, wait (bounded), then SIGKILL the whole process group.
-
-        Returns the launcher's exit code, or None if it had to be killed.
-        """
-        proc = self.proc
-        if proc is None:
-            return None
-        code: int | None = proc.poll()
-        if code is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                code = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                code = None
-        # Whatever the launcher left behind in its group (it should be nothing).
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        if code is None:
-            proc.wait(timeout=10)
-        if not self._log.closed:
-            self._log.close()
-        return code
 
 
 def internal_lines(log_path: Path) -> list[str]:
@@ -405,47 +239,6 @@ def get_each(cluster: Any, name: str, ranks: Sequence[int] | None = None) -> lis
     if ranks is None:
         ranks = range(cluster.world_size)
     return [cluster.get(name, rank=r) for r in ranks]
-
-
-class AddressedDaemon:
-    """A daemon child process whose first stdout line is its address.
-
-    ``log``: where its standard error goes (default: inherited).
-    """
-
-    def __init__(
-        self, argv: Sequence[str], log: Path | None = None, start_timeout_s: float = 60.0
-    ) -> None:
-        self._log = open(log, "a") if log is not None else None  # noqa: SIM115 - closed in kill()
-        self.proc = subprocess.Popen(
-            list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._log,
-            text=True,
-        )  # fmt: skip
-        lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._drain, args=(lines,), daemon=True).start()
-        try:
-            self.address = lines.get(timeout=start_timeout_s).strip()
-        except queue.Empty:
-            self.kill()
-            raise AssertionError(f"{argv} printed no address in {start_timeout_s} s") from None
-        assert self.address, f"{argv} exited ({self.proc.poll()}) without printing its address"
-
-    def _drain(self, lines: queue.Queue[str]) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            lines.put(line)
-        lines.put("")
-
-    def terminate(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int:
-        self.proc.send_signal(sig)
-        return self.proc.wait(timeout=timeout_s)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        if self._log is not None:
-            self._log.close()
 
 
 _METRICS_ENDPOINT = re.compile(r"(coordinator|worker) metrics at http://(\S+)/metrics")

@@ -187,6 +187,13 @@ class Segment:
         failed unanswered, and its worker may still read, write or keep it."""
         self.reusable = False
 
+    def forget_name(self) -> None:
+        """Unlinks the segment's name, keeping the open file and any mapping: nothing
+        can find it again, and its pages go once the last mapping does."""
+        if self.named:
+            self.named = False
+            unlink(self.path)
+
     def destroy(self) -> None:
         self.unmap()
         fd, self.fd = self.fd, -1
@@ -219,10 +226,12 @@ class SegmentPool:
         self._lock = threading.Lock()
         self._free: list[tuple[int, Segment]] = []
         self._lent: dict[str, dict[str, Segment]] = {}  # worker -> path -> segment handed over
+        # Segments leased out and not yet released (a caller, or a tensor lent over one).
+        self._leased: dict[int, Segment] = {}
         self._closed = False
-        # Unlinks the free segments (and the names of those handed over: a worker's
-        # mapping outlives the name) when the pool is closed, collected, or at exit.
-        self._finalizer = weakref.finalize(self, _destroy_all, self._free, self._lent)
+        # Unlinks the free segments (and the names of those handed over or leased:
+        # a mapping outlives the name) when the pool is closed, collected, or at exit.
+        self._finalizer = weakref.finalize(self, _destroy_all, self._free, self._lent, self._leased)
 
     def acquire(self, nbytes: int | None = None) -> Segment | None:
         """A segment of at least ``nbytes`` (created if none is free); with None,
@@ -232,7 +241,7 @@ class SegmentPool:
             if fits:
                 key = max if nbytes is None else min
                 i = key(fits, key=lambda i: self._free[i][0])
-                return self._free.pop(i)[1]
+                return self._lease(self._free.pop(i)[1])
             grow = self._free.pop()[1] if self._free and nbytes is not None else None
         if nbytes is None:
             return None
@@ -240,10 +249,18 @@ class SegmentPool:
             try:
                 grow.unmap()
                 os.ftruncate(grow.fd, nbytes)
-                return grow
+                with self._lock:
+                    return self._lease(grow)
             except OSError:
                 grow.destroy()
-        return Segment.create(max(nbytes, 1))
+        segment = Segment.create(max(nbytes, 1))
+        with self._lock:
+            return self._lease(segment)
+
+    def _lease(self, segment: Segment) -> Segment:
+        """Notes ``segment`` as leased out (the caller holds the lock)."""
+        self._leased[id(segment)] = segment
+        return segment
 
     def hand_over(self, segment: Segment, worker: str, nbytes: int) -> bool:
         """Marks ``segment`` (holding ``nbytes`` for a put to ``worker`` alone) as
@@ -259,6 +276,7 @@ class SegmentPool:
             if self._closed or len(lent) >= MAX_HANDED_OVER:
                 return False
             lent[segment.path] = segment
+            self._leased.pop(id(segment), None)
             segment.holder = worker
         return True
 
@@ -288,6 +306,7 @@ class SegmentPool:
             return
         size = segment.size
         with self._lock:
+            self._leased.pop(id(segment), None)
             if self._closed or not segment.named or not segment.reusable:
                 evicted = [segment]
             else:
@@ -316,9 +335,17 @@ class SegmentPool:
         self._finalizer()
 
 
-def _destroy_all(free: list[tuple[int, Segment]], lent: dict[str, dict[str, Segment]]) -> None:
+def _destroy_all(
+    free: list[tuple[int, Segment]],
+    lent: dict[str, dict[str, Segment]],
+    leased: dict[int, Segment],
+) -> None:
     while free:
         free.pop()[1].destroy()
     while lent:
         for segment in lent.popitem()[1].values():
             segment.destroy()  # the worker's mapping keeps the pages until it drops the tensor
+    while leased:
+        # Still in a caller's hands (or under a lent tensor): its name goes, its
+        # mapping stays until that caller is done; its release then destroys it.
+        leased.popitem()[1].forget_name()

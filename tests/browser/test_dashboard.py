@@ -28,7 +28,8 @@ import threading
 import dashboard_page as page
 import pytest
 import torch
-from helpers import LEASE_S, free_port, wait_until
+from helpers import LEASE_S, wait_until
+from launcher import free_port
 
 import collectives
 

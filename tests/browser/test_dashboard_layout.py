@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 from dashboard_page import ARTIFACTS, FixedSource, fits, screenshot, set_viewport, text
-from helpers import free_port
+from launcher import free_port
 
 import collectives
 

@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 from dashboard_page import ARTIFACTS, fits, set_viewport
-from helpers import free_port
+from launcher import free_port
 
 import collectives
 

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 from error_fields import field_problems, recording_errors
-from harness import DAEMON_LOGS, RESULTS, SOAK_LINES, FaultCluster
+from harness import FAULT_DAEMONS, RESULTS, SOAK_LINES, FaultCluster
 from helpers import internal_lines
 
 # How much of each daemon's log a failed test shows (its last lines).
@@ -16,22 +16,39 @@ LOG_TAIL_LINES = 40
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """A failed test shows the tails of the logs of the daemons it started: the logs
-    are deleted when the session ends, so a CI failure is otherwise undiagnosable."""
+    live in the session's temporary directory, gone with a CI machine."""
     outcome = yield
     report = outcome.get_result()
     first = getattr(item, "_first_daemon_log", None)
     if report.failed and first is not None:
-        for log in DAEMON_LOGS[first:]:
-            try:
-                lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
-            except OSError:
-                continue
-            report.sections.append((f"daemon log {log.name}", "\n".join(lines)))
+        for daemon in FAULT_DAEMONS[first:]:
+            report.sections.append(
+                (f"daemon log {daemon.log_path.name}", daemon.log_tail(LOG_TAIL_LINES))
+            )
 
 
 @pytest.fixture(autouse=True)
-def _note_first_daemon_log(request) -> None:
-    request.node._first_daemon_log = len(DAEMON_LOGS)
+def _note_first_daemon_log(request) -> Iterator[None]:
+    request.node._first_daemon_log = len(FAULT_DAEMONS)
+    rows, lines = len(RESULTS), len(SOAK_LINES)
+    yield
+    # The rows travel with the test's report, so that the process that prints the
+    # summary (pytest-xdist's controller) has them too.
+    for row in RESULTS[rows:]:
+        request.node.user_properties.append(("fault_row", row))
+    for line in SOAK_LINES[lines:]:
+        request.node.user_properties.append(("soak_line", line))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """In pytest-xdist's controller: the rows its workers' tests recorded."""
+    if report.when != "teardown" or not hasattr(report, "node"):
+        return  # run here (no xdist, or an xdist worker): the lists are filled already
+    for key, value in report.user_properties:
+        if key == "fault_row":
+            RESULTS.append(value)
+        elif key == "soak_line":
+            SOAK_LINES.append(value)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
@@ -74,9 +91,7 @@ def no_daemon_logs_internal():
     """INTERNAL means a bug of ours: no daemon of the fault suite may log one,
     whatever was killed, stopped or cut under it."""
     yield
-    found = [line for log in DAEMON_LOGS for line in internal_lines(log)]
-    for log in DAEMON_LOGS:
-        log.unlink(missing_ok=True)
+    found = [line for daemon in FAULT_DAEMONS for line in internal_lines(daemon.log_path)]
     assert not found, "daemons logged INTERNAL:\n" + "\n".join(found[:20])
 
 

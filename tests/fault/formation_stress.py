@@ -26,10 +26,7 @@ from __future__ import annotations
 
 import argparse
 import random
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -41,8 +38,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness import TIMING_FLAGS, Daemon
+from harness import TIMING_FLAGS
 from helpers import wait_until
+from launcher import Daemon, log_dir, server_argv
 
 import collectives
 from collectives.v1 import worker_pb2, worker_pb2_grpc
@@ -70,40 +68,18 @@ class FormationResult:
         return not self.problems
 
 
-def _popen(args: list[str], log: Path) -> subprocess.Popen:
-    with log.open("ab") as stderr:
-        return subprocess.Popen(
-            [sys.executable, "-m", "collectives_server", *args, "--log-level", "INFO"],
-            stdout=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            stderr=stderr,
-            text=True,
-        )
-
-
-def _daemon(name: str, proc: subprocess.Popen, log: Path, timeout_s: float = 60.0) -> Daemon:
-    """Waits for the process's first line (its address) and drains the rest."""
-    first: list[str] = []
-    reader = threading.Thread(target=lambda: first.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(timeout_s)
-    if not first or not first[0].strip():
-        proc.kill()
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-        raise AssertionError(
-            f"{name} did not print its address within {timeout_s} s "
-            f"(exit code {proc.poll()}); its log ends:\n{tail}"
-        )
-    drain = threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True)
-    drain.start()
-    return Daemon(name, proc, first[0].strip(), drain)
+def _begin(name: str, args: list[str], log: Path) -> Daemon:
+    """``collectives-server ARGS`` started (its address not yet awaited), logging to ``log``."""
+    daemon = Daemon(name, server_argv(*args, "--log-level", "INFO"), log)
+    daemon.begin()
+    return daemon
 
 
 class Formation:
     """One formation: coordinators, three workers at ``offsets``, the checks, teardown."""
 
     def __init__(self, store: str, offsets: tuple[float, ...], etcd_url: str = "") -> None:
-        self.log = Path(tempfile.mkstemp(prefix="formation-", suffix=".log")[1])
+        self.log = log_dir() / f"formation-{uuid.uuid4().hex[:12]}.log"
         self.store = store
         self.offsets = offsets
         self.etcd_url = etcd_url
@@ -161,9 +137,10 @@ class Formation:
     def _start_coordinators(self) -> None:
         count = 3 if self.store == "etcd" else 1
         name = f"stress-{uuid.uuid4().hex[:12]}"
-        procs = [_popen(self._coordinator_args(name), self.log) for _ in range(count)]
-        self.coordinators = [_daemon(f"coordinator-{i}", p, self.log) for i, p in enumerate(procs)]
-        self.addresses = [d.address for d in self.coordinators]
+        self.coordinators = [
+            _begin(f"coordinator-{i}", self._coordinator_args(name), self.log) for i in range(count)
+        ]
+        self.addresses = [d.wait_address(60.0) for d in self.coordinators]
         if self.store == "etcd":
             wait_until(self._leader_elected, 20.0, "a coordinator to lead")
 
@@ -182,7 +159,7 @@ class Formation:
         """Starts each worker at its offset; each gets the coordinator list rotated,
         so with etcd the workers first dial different coordinators (leader and standbys)."""
         started = time.monotonic()
-        procs: list[subprocess.Popen] = []
+        self.workers = []
         for i, offset in enumerate(self.offsets):
             start_at = started + offset * JOIN_WINDOW_S
             while (delay := start_at - time.monotonic()) > 0:  # the schedule itself, not a wait
@@ -191,8 +168,10 @@ class Formation:
                 self.addresses[i % len(self.addresses) :]
                 + self.addresses[: i % len(self.addresses)]
             )
-            procs.append(_popen(["worker", "--coordinator", ",".join(rotated)], self.log))
-        self.workers = [_daemon(f"worker-{i}", p, self.log) for i, p in enumerate(procs)]
+            args = ["worker", "--coordinator", ",".join(rotated)]
+            self.workers.append(_begin(f"worker-{i}", args, self.log))
+        for worker in self.workers:
+            worker.wait_address(60.0)
 
     def close(self) -> None:
         for d in [*self.workers, *self.coordinators]:

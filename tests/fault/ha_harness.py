@@ -16,7 +16,8 @@ from pathlib import Path
 import grpc
 from etcd_server import EtcdServer
 from harness import TIMING_FLAGS, ClusterViews, Daemon, TcpProxy, _spawn
-from helpers import free_port, wait_until
+from helpers import wait_until
+from launcher import free_port
 
 import collectives
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc

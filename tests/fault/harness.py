@@ -9,18 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
-import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import threading
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
-from helpers import free_port, wait_until
+from helpers import wait_until
+from launcher import Daemon, free_port, spawn
 
 import collectives
 
@@ -36,68 +30,20 @@ def checksum(t: torch.Tensor) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-@dataclass
-class Daemon:
-    name: str
-    proc: subprocess.Popen
-    address: str
-    _drain: threading.Thread = field(repr=False, default=None)  # type: ignore[assignment]
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def signal(self, sig: int) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, sig)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            with_cont = [signal.SIGCONT, signal.SIGTERM]
-            for sig in with_cont:
-                self.signal(sig)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+# Every daemon the fault harness started, for the session's check that none
+# logged INTERNAL and for a failed test's log tails.
+FAULT_DAEMONS: list[Daemon] = []
 
 
-# Every daemon's log (its stderr), for the session's check that none logged INTERNAL.
-DAEMON_LOGS: list[Path] = []
+def spawn_daemon(name: str, args: list[str], timeout_s: float = 60.0) -> Daemon:
+    """``collectives-server ARGS`` started by the tests' launcher, logging warnings."""
+    daemon = spawn(name, [*args, "--log-level", "WARNING"], timeout_s=timeout_s)
+    FAULT_DAEMONS.append(daemon)
+    return daemon
 
 
-class DaemonExited(AssertionError):
-    """A daemon ended before printing its address (its log's last lines say why)."""
-
-
-def _spawn(name: str, args: list[str], timeout_s: float = 60.0) -> Daemon:
-    fd, log_name = tempfile.mkstemp(prefix=f"fault-{name}-", suffix=".log")
-    DAEMON_LOGS.append(Path(log_name))
-    with os.fdopen(fd, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "collectives_server", *args, "--log-level", "WARNING"],
-            stdout=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            stderr=log,
-            text=True,
-        )
-    first: list[str] = []
-    reader = threading.Thread(target=lambda: first.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(timeout_s)
-    if not first or not first[0].strip():
-        proc.kill()
-        code = proc.wait(10)
-        tail = "\n".join(Path(log_name).read_text(errors="replace").splitlines()[-5:])
-        if first:  # its standard output ended: it exited on its own
-            raise DaemonExited(
-                f"{name} exited with code {code} before printing its address:\n{tail}"
-            )
-        raise AssertionError(f"{name} did not print its address within {timeout_s} s:\n{tail}")
-    drain = threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True)
-    drain.start()
-    return Daemon(name, proc, first[0].strip(), drain)
+# The name the HA harness imported it under.
+_spawn = spawn_daemon
 
 
 class ClusterViews:
@@ -154,7 +100,7 @@ class FaultCluster(ClusterViews):
         self.wait_ready(workers)
 
     def start_coordinator(self) -> Daemon:
-        return _spawn(
+        return spawn_daemon(
             "coordinator",
             [
                 "coordinator",
@@ -170,7 +116,7 @@ class FaultCluster(ClusterViews):
 
     def start_worker(self, *extra: str) -> Daemon:
         argv = ["worker", "--coordinator", f"127.0.0.1:{self.port}", *self.worker_args, *extra]
-        return _spawn("worker", argv)
+        return spawn_daemon("worker", argv)
 
     def close(self) -> None:
         self.client.close()

@@ -15,14 +15,13 @@ import torch
 from harness import (
     LEASE_S,
     OP_TIMEOUT_S,
-    DaemonExited,
     TcpProxy,
     checksum,
-    free_port,
     put_checksummed,
     record,
-    wait_until,
 )
+from helpers import wait_until
+from launcher import DaemonExited, free_port
 
 import collectives
 

@@ -16,8 +16,8 @@ import grpc
 import pytest
 import torch
 from helpers import connect_ready, wait_until
+from launcher import free_port_block
 from prometheus_client.parser import text_string_to_metric_families
-from test_metrics import _free_port_block
 
 import collectives
 from collectives.wire.pytree import scatter_kwargs
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.timeout(300)
 def batching_cluster(local_cluster):
     """(address, metrics port of worker 0) of a 2-worker cluster whose workers batch
     factory-built models by default (``--factory-batching 64:5``)."""
-    base = _free_port_block(WORKERS + 1)
+    base = free_port_block(WORKERS + 1)
     address = local_cluster(
         WORKERS,
         "--allow-factory",

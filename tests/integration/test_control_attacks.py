@@ -21,6 +21,7 @@ import grpc
 import pytest
 from helpers import WORKER_TOKEN, wait_until
 from hostile import Aftermath, MiB, assert_serving, rss_bytes
+from launcher import free_port
 
 import collectives
 from collectives.v1 import coordinator_pb2 as pb
@@ -81,12 +82,6 @@ def _refused(call: Callable[[], object], code: grpc.StatusCode, *needles: str) -
     for needle in needles:
         assert needle in info.value.details(), info.value.details()
     return info.value.details()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ----------------------------------------------------- huge registration fields
@@ -231,7 +226,7 @@ def _closed_by_peer(sock: socket.socket) -> bool:
 
 
 def test_idle_dashboard_connections_are_closed(fresh_cluster) -> None:
-    port = _free_port()
+    port = free_port()
     local, client = fresh_cluster(2, "--dashboard-port", str(port), "--dashboard-idle-s", "2")
     aftermath, coordinator = Aftermath(client).capture(), CoordinatorAftermath(local)
     idle: list[socket.socket] = []

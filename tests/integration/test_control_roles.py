@@ -12,7 +12,6 @@ healthy, and computes collectives on fresh random data.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -22,9 +21,9 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from helpers import AddressedDaemon as Daemon
-from helpers import LocalCluster, wait_until
+from helpers import wait_until
 from hostile import Aftermath, assert_serving
+from launcher import LocalCluster, free_port, launch
 
 import collectives
 from collectives.v1 import coordinator_pb2 as pb
@@ -220,12 +219,6 @@ def test_legitimate_workers_form_the_cluster_and_compute(secured, gen) -> None:
 # ------------------------------------------------------------------ the worker daemon
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _worker_argv(coordinator: str, port: int, *extra: str) -> list[str]:
     return [
         sys.executable, "-m", "collectives_server", "worker", f"--coordinator={coordinator}",
@@ -245,7 +238,7 @@ def test_worker_daemon_needs_the_worker_token_and_waits_out_a_dead_predecessor(
     worker_file.write_text(WORKER_TOKEN)
     worker_file.chmod(0o600)
     token_flag = f"--worker-token-file={worker_file}"
-    coordinator = Daemon(
+    coordinator = launch(
         [
             sys.executable, "-m", "collectives_server", "coordinator", "--world-size=1",
             "--heartbeat=0.5", "--lease=6", "--join-window=0.1", token_flag,
@@ -264,8 +257,8 @@ def test_worker_daemon_needs_the_worker_token_and_waits_out_a_dead_predecessor(
         assert refused.returncode == 1
         assert "PERMISSION_DENIED" in refused.stderr.upper() or "workers only" in refused.stderr
 
-        port = _free_port()
-        worker = Daemon(_worker_argv(coordinator.address, port, token_flag), tmp_path / "w1.log")
+        port = free_port()
+        worker = launch(_worker_argv(coordinator.address, port, token_flag), tmp_path / "w1.log")
         with grpc.insecure_channel(coordinator.address) as channel:
             stub = pb_grpc.CoordinatorStub(channel)
             wait_until(lambda: len(_live_ids(stub)) == 1, 60, "the worker READY")
@@ -274,7 +267,7 @@ def test_worker_daemon_needs_the_worker_token_and_waits_out_a_dead_predecessor(
             # (ALREADY_EXISTS) while the dead one's lease runs, then registered.
             worker.kill()
             started = time.monotonic()
-            worker = Daemon(
+            worker = launch(
                 _worker_argv(coordinator.address, port, token_flag), tmp_path / "w2.log"
             )
             wait_until(

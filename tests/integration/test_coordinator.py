@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
-from helpers import AddressedDaemon as Daemon
+from launcher import Daemon, launch
 
 from collectives.v1 import coordinator_pb2 as pb
 from collectives.v1 import coordinator_pb2_grpc as pb_grpc
@@ -38,7 +38,7 @@ def coordinator_argv(*args: str) -> list[str]:
 
 @pytest.fixture
 def coordinator() -> Iterator[Daemon]:
-    daemon = Daemon(coordinator_argv("--world-size", "2", *FAST))
+    daemon = launch(coordinator_argv("--world-size", "2", *FAST))
     try:
         yield daemon
         assert daemon.terminate() == 0
@@ -209,7 +209,7 @@ def test_console_script_exits_zero_on_signal(sig: signal.Signals) -> None:
     script = shutil.which("collectives-server") or str(
         Path(sys.executable).parent / "collectives-server"
     )
-    daemon = Daemon([script, "coordinator", "--port", "0", "--world-size", "1"])
+    daemon = launch([script, "coordinator", "--port", "0", "--world-size", "1"])
     try:
         host, _, port = daemon.address.rpartition(":")
         assert host == "127.0.0.1" and int(port) > 0

@@ -11,7 +11,6 @@ UNAVAILABLE or DEADLINE_EXCEEDED within connect()'s timeout.
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 
@@ -19,6 +18,7 @@ import grpc
 import pytest
 import torch
 from helpers import assert_tensor, get_each, make_input, put_each, reduce_oracle
+from launcher import free_port
 
 import collectives
 
@@ -259,14 +259,8 @@ def test_per_call_timeout_expiry_is_deadline_exceeded(cluster2, gen, uname):
 # ------------------------------------------------------------ nothing there
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_connect_to_nothing_fails_within_its_timeout():
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     timeout_s = 3.0
     start = time.monotonic()
     with pytest.raises(collectives.CollectiveError) as info:

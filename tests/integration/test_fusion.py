@@ -14,15 +14,9 @@ import threading
 
 import pytest
 import torch
-from helpers import (
-    LocalCluster,
-    assert_tensor,
-    connect_ready,
-    make_input,
-    put_each,
-    reduce_oracle,
-)
-from test_metrics import _free_port_block, scrape, value
+from helpers import assert_tensor, connect_ready, make_input, put_each, reduce_oracle
+from launcher import LocalCluster, free_port_block
+from test_metrics import scrape, value
 
 import collectives
 
@@ -79,7 +73,7 @@ def _run_clients(target, count: int, *args) -> list[BaseException]:
 @pytest.fixture(scope="module")
 def metrics_cluster(tmp_path_factory):
     """A 2-worker cluster with metrics on P (coordinator), P+1, P+2 (workers)."""
-    base = _free_port_block(WORKERS + 1)
+    base = free_port_block(WORKERS + 1)
     log = tmp_path_factory.mktemp("fusion") / "cluster.log"
     local = LocalCluster(WORKERS, ["--metrics-port", str(base)], log)
     address = local.start()

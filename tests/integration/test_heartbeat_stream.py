@@ -12,7 +12,6 @@ pauses are heartbeat intervals, which are the workload itself.
 from __future__ import annotations
 
 import queue
-import socket
 import sys
 import threading
 import time
@@ -22,8 +21,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from helpers import AddressedDaemon as Daemon
 from helpers import wait_until
+from launcher import Daemon, free_port, launch
 from prometheus_client.parser import text_string_to_metric_families
 
 from collectives.v1 import coordinator_pb2 as pb
@@ -39,15 +38,9 @@ LEASE_S = 1.0
 FAST = ["--heartbeat", str(HEARTBEAT_S), "--lease", str(LEASE_S), "--join-window", "0.1"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_coordinator(tmp_path: Path, *args: str) -> Daemon:
     argv = [sys.executable, "-m", "collectives_server", "coordinator", *args, *FAST]
-    return Daemon(argv, tmp_path / "coordinator.log")
+    return launch(argv, tmp_path / "coordinator.log")
 
 
 def start_worker(tmp_path: Path, coordinator: str) -> Daemon:
@@ -65,7 +58,7 @@ def start_worker(tmp_path: Path, coordinator: str) -> Daemon:
         "--devices",
         "cpu",
     ]
-    return Daemon(argv, tmp_path / "worker.log")
+    return launch(argv, tmp_path / "worker.log")
 
 
 @pytest.fixture
@@ -257,7 +250,7 @@ def test_stopping_the_coordinator_ends_open_streams(coordinator: Daemon) -> None
 def test_worker_heartbeats_on_a_stream_and_reregisters_after_a_coordinator_restart(
     tmp_path: Path,
 ) -> None:
-    port, metrics = _free_port(), _free_port()
+    port, metrics = free_port(), free_port()
     args = ["--port", str(port), "--world-size", "1", "--metrics-port", str(metrics)]
     coordinator = start_coordinator(tmp_path, *args)
     worker = None

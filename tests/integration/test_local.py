@@ -16,7 +16,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from helpers import LocalCluster as LauncherProcess
+from launcher import LocalCluster as LauncherProcess
 
 from collectives.v1 import coordinator_pb2 as pb
 from collectives.v1 import coordinator_pb2_grpc as pb_grpc

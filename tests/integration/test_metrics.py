@@ -10,17 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import free_port_block, wait_until
+from helpers import wait_until
+from launcher import free_port_block
 from prometheus_client.parser import text_string_to_metric_families
 
 import collectives
 import collectives_server
 
 WORKERS = 2
-
-
-def _free_port_block(count: int) -> int:
-    return free_port_block(count)
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -60,7 +57,7 @@ def _listening_addresses(port: int) -> list[str]:
 
 @pytest.mark.timeout(180)
 def test_metrics_agree_with_the_workload(fresh_cluster):
-    base = _free_port_block(WORKERS + 1)
+    base = free_port_block(WORKERS + 1)
     _, cluster = fresh_cluster(WORKERS, "--metrics-port", str(base))
     generation = cluster.generation
     x = torch.randn(64, 4)
@@ -153,7 +150,7 @@ def test_metrics_agree_with_the_workload(fresh_cluster):
 
 @pytest.mark.timeout(180)
 def test_metrics_bind_localhost_by_default(fresh_cluster):
-    base = _free_port_block(WORKERS + 1)
+    base = free_port_block(WORKERS + 1)
     fresh_cluster(WORKERS, "--metrics-port", str(base))
     for port in range(base, base + WORKERS + 1):
         addresses = _listening_addresses(port)

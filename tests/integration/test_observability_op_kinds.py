@@ -21,7 +21,8 @@ import time
 import pytest
 import torch
 from helpers import wait_until
-from test_metrics import _free_port_block, scrape, value
+from launcher import free_port_block
+from test_metrics import scrape, value
 
 import collectives
 from collectives.cli import format_table
@@ -36,7 +37,7 @@ NBYTES = 4096  # 1024 float32
 
 @pytest.mark.timeout(180)
 def test_per_kind_rates_bytes_errors_and_clients(fresh_cluster, monkeypatch, uname):
-    base = _free_port_block(WORKERS + 1)
+    base = free_port_block(WORKERS + 1)
     local, _ = fresh_cluster(WORKERS, "--metrics-port", str(base))
     # Named after the cluster started, so only this client carries the name.
     monkeypatch.setenv("COLLECTIVES_CLIENT_NAME", "ops-test")

@@ -28,6 +28,8 @@ from cryptography import x509  # noqa: E402
 from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID  # noqa: E402
+from helpers import wait_until  # noqa: E402
+from launcher import LocalCluster  # noqa: E402
 
 import collectives  # noqa: E402
 from collectives import PermissionDenied, Unavailable  # noqa: E402
@@ -40,7 +42,6 @@ from collectives.v1 import (  # noqa: E402
     worker_pb2_grpc,
 )
 from collectives.wire.security import ChannelSecurity  # noqa: E402
-from tests.helpers import LocalCluster, wait_until  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(120)]
 

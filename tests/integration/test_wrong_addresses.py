@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import wait_until
+from launcher import free_port
 
 import collectives
 
@@ -34,12 +35,6 @@ def _status(address: str, timeout_s: float) -> tuple[subprocess.CompletedProcess
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     return result, time.monotonic() - start
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -77,7 +72,7 @@ def test_status_given_a_workers_port_names_the_worker_and_its_coordinator(
 
 
 def test_status_given_an_http_port_says_so_at_once(fresh_cluster):
-    port = _free_port()
+    port = free_port()
     _, cluster = fresh_cluster(2, "--dashboard-port", str(port))
     cluster.close()
     result, elapsed = _status(f"127.0.0.1:{port}", 20)
@@ -118,7 +113,7 @@ def test_connect_to_a_workers_port_names_the_worker_and_its_coordinator(cluster2
 
 
 def test_connect_to_an_http_port_says_so_at_once(fresh_cluster):
-    port = _free_port()
+    port = free_port()
     _, cluster = fresh_cluster(2, "--dashboard-port", str(port))
     cluster.close()
     start = time.monotonic()

@@ -1,0 +1,316 @@
+"""The one way the tests start daemons and pick ports.
+
+Every daemon a test starts (a coordinator, a worker, a ``local`` launcher with
+its children) is a :class:`Daemon`: ``python -m collectives_server ARGS`` in a
+process group of its own, its standard error in a log under the session's
+temporary directory, its first line of standard output (its address) read
+with a deadline and the rest drained. :class:`LocalCluster` is the ``local``
+launcher as a daemon. The fault harness, the formation stress test and the
+cluster fixtures all start their processes here, so one place knows every
+process this test process made: :func:`started` lists them (for log checks and
+tails). Each inherits the run's id from the environment (tests/leftovers.py),
+by which the run's last check finds a straggler even after its parent died,
+and the run's ``TMPDIR``, where its scratch files go.
+
+Ports: :func:`free_port_block` picks ports below the kernel's ephemeral range,
+from a slice of that range that belongs to this test process alone, so two
+pytest-xdist workers never hand the same port to two daemons.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import random
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from signal import SIGCONT, SIGKILL, SIGTERM
+
+__all__ = [
+    "Daemon",
+    "DaemonExited",
+    "LocalCluster",
+    "free_port",
+    "free_port_block",
+    "launch",
+    "log_dir",
+    "server_argv",
+    "set_log_dir",
+    "spawn",
+    "started",
+]
+
+_ADDRESS_RE = re.compile(r"((?:\[[0-9A-Fa-f:]+\]|[A-Za-z0-9_.-]+):\d{1,5})")
+_STARTED: list[Daemon] = []
+_LOG_DIR: list[Path] = []
+
+
+def set_log_dir(directory: Path) -> None:
+    """Where daemon logs go for the rest of this process (the session's temp dir)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    _LOG_DIR[:] = [directory]
+
+
+def log_dir() -> Path:
+    """The daemon log directory: the session's, or a fresh one for a script run."""
+    if not _LOG_DIR:
+        set_log_dir(Path(tempfile.mkdtemp(prefix="collectives-daemons-")))
+    return _LOG_DIR[0]
+
+
+def started() -> list[Daemon]:
+    """Every daemon this process started, in order (for log checks and tails)."""
+    return list(_STARTED)
+
+
+class DaemonExited(AssertionError):
+    """A daemon ended before printing its address (its log's last lines say why)."""
+
+
+def server_argv(*args: str) -> list[str]:
+    """The command line of ``collectives-server ARGS`` run by this Python."""
+    return [sys.executable, "-m", "collectives_server", *args]
+
+
+class Daemon:
+    """A daemon (``argv``, usually :func:`server_argv`) as a child in its own process
+    group.
+
+    ``start()`` waits (bounded) for the first line of standard output, the
+    daemon's address; the rest of standard output is drained by a thread so it
+    never blocks on a full pipe. Standard error goes to ``log_path``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_path or log_dir() / f"{name}-{uuid.uuid4().hex[:8]}.log"
+        self.env = env
+        self.proc: subprocess.Popen[str] | None = None
+        self.address = ""
+        self._lines: queue.Queue[str | None] = queue.Queue()
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, f"{self.name} was not started"
+        return self.proc.pid
+
+    def start(self, timeout_s: float = 90.0) -> str:
+        """Starts the daemon and returns the address it prints first (see
+        :meth:`begin` and :meth:`wait_address`)."""
+        self.begin()
+        return self.wait_address(timeout_s)
+
+    def begin(self) -> None:
+        """Starts the process without waiting for its address (several daemons can
+        then start at once, and each be waited for)."""
+        env = dict(os.environ if self.env is None else self.env)
+        env["PYTHONUNBUFFERED"] = "1"
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env=env,
+                # Own process group: stop() ends the daemon and every child it
+                # started, and nothing else.
+                start_new_session=True,
+            )
+        _STARTED.append(self)
+        threading.Thread(target=self._drain, name=f"drain-{self.name}", daemon=True).start()
+
+    def wait_address(self, timeout_s: float = 90.0) -> str:
+        """The address the daemon prints first, waited for at most ``timeout_s``.
+
+        Raises:
+            DaemonExited: it ended before printing an address (then stopped).
+            AssertionError: it printed nothing within ``timeout_s`` (then stopped).
+        """
+        assert self.proc is not None, f"{self.name} was not started"
+        try:
+            first = self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            self.stop()
+            raise AssertionError(
+                f"{self.name} ({' '.join(self.argv)}) printed no address within "
+                f"{timeout_s:.0f} s\n{self.log_tail()}"
+            ) from None
+        match = _ADDRESS_RE.search(first or "")
+        if match is None:
+            self.stop()
+            code = self.proc.poll()
+            raise DaemonExited(
+                f"{self.name} ({' '.join(self.argv)}) exited with code {code} before "
+                f"printing its address; first line: {first!r}\n{self.log_tail()}"
+            )
+        self.address = match.group(1)
+        return self.address
+
+    def _drain(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line.strip())
+        self._lines.put(None)
+
+    def signal(self, sig: int) -> None:
+        """Sends ``sig`` to the daemon itself (not its group), if it still runs."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, sig)
+
+    def terminate(self, sig: int = SIGTERM, timeout_s: float = 15.0) -> int:
+        """Sends ``sig`` and returns the exit code (waited for at most ``timeout_s``)."""
+        assert self.proc is not None, f"{self.name} was not started"
+        self.signal(sig)
+        return self.proc.wait(timeout=timeout_s)
+
+    def owns(self, pid: int) -> bool:
+        """Whether ``pid`` is the daemon or a descendant of it (read from /proc)."""
+        if self.proc is None:
+            return False
+        while pid > 1:
+            if pid == self.proc.pid:
+                return True
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                return False
+            # Field 4 is the parent pid; the command name (field 2) may hold spaces.
+            pid = int(stat.rsplit(")", 1)[1].split()[1])
+        return False
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        tail = "\n".join(text.splitlines()[-lines:])
+        return f"--- last lines of {self.log_path} ---\n{tail}"
+
+    def stop(self, timeout_s: float = 20.0) -> int | None:
+        """SIGCONT (a stopped daemon must see the next one), SIGTERM, a bounded wait,
+        then SIGKILL of the whole process group. Returns the exit code, or None
+        if it had to be killed."""
+        proc = self.proc
+        if proc is None:
+            return None
+        code: int | None = proc.poll()
+        if code is None:
+            for sig in (SIGCONT, SIGTERM):
+                self.signal(sig)
+            try:
+                code = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                code = None
+        # Whatever it left behind in its group (it should be nothing).
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, SIGKILL)
+        if code is None:
+            proc.wait(timeout=10)
+        return code
+
+    def kill(self) -> None:
+        """SIGKILL of the whole process group, waited for."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, SIGKILL)
+        self.proc.wait(timeout=10)
+
+
+def launch(
+    argv: Sequence[str], log_path: Path | None = None, timeout_s: float = 60.0, name: str = ""
+) -> Daemon:
+    """A started :class:`Daemon` running ``argv``."""
+    daemon = Daemon(name or Path(argv[0]).name, argv, log_path)
+    daemon.start(timeout_s)
+    return daemon
+
+
+def spawn(
+    name: str, args: Sequence[str], log_path: Path | None = None, timeout_s: float = 60.0
+) -> Daemon:
+    """A started ``collectives-server ARGS`` daemon named ``name``."""
+    return launch(server_argv(*args), log_path, timeout_s, name)
+
+
+class LocalCluster(Daemon):
+    """``python -m collectives_server local --workers N --port 0 EXTRA`` as a daemon:
+    the coordinator address is its first line; ``stop()`` ends every child."""
+
+    def __init__(self, workers: int, extra_args: Sequence[str], log_path: Path) -> None:
+        super().__init__(
+            f"local{workers}",
+            server_argv("local", "--workers", str(workers), "--port", "0", *extra_args),
+            log_path,
+        )
+        self.workers = workers
+
+
+# --------------------------------------------------------------------------- ports
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for outgoing connections (Linux)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _own_ports() -> range:
+    """The ports this test process may hand out: below the ephemeral range, and the
+    slice of it that belongs to this pytest-xdist worker (all of it without xdist)."""
+    low, high = 10000, _ephemeral_low()
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if not worker.startswith("gw") or count <= 1:
+        return range(low, high)
+    index = int(worker[2:])
+    width = (high - low) // count
+    return range(low + index * width, low + (index + 1) * width)
+
+
+def free_port_block(count: int = 1) -> int:
+    """A port P such that P .. P+count-1 are free on 127.0.0.1 right now, for a daemon
+    told its port on the command line. Chosen below the kernel's ephemeral range: a
+    port inside it (what binding port 0 returns) can be taken by any outgoing
+    connection before the daemon binds it; and from this process's own slice, so
+    another test process never picks it."""
+    ports = _own_ports()
+    for _ in range(200):
+        base = random.randrange(ports.start, ports.stop - count)
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket()
+                sockets.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError(f"no block of {count} free ports found in {ports}")
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 right now (see :func:`free_port_block`)."""
+    return free_port_block(1)
