@@ -15,9 +15,9 @@ from pathlib import Path
 
 import grpc
 from etcd_server import EtcdServer
-from harness import TIMING_FLAGS, ClusterViews, Daemon, TcpProxy, _spawn
+from harness import TIMING_FLAGS, ClusterViews, TcpProxy, spawn_daemon
 from helpers import wait_until
-from launcher import free_port
+from launcher import Daemon, free_port
 
 import collectives
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -83,7 +83,7 @@ class HaCluster(ClusterViews):
     # ---- processes -----------------------------------------------------------------
 
     def start_coordinator(self, i: int) -> Daemon:
-        daemon = _spawn(
+        daemon = spawn_daemon(
             f"coordinator-{i}",
             [
                 "coordinator",
@@ -106,7 +106,7 @@ class HaCluster(ClusterViews):
         return daemon
 
     def start_worker(self) -> Daemon:
-        return _spawn("worker", ["worker", "--coordinator", self.addresses])
+        return spawn_daemon("worker", ["worker", "--coordinator", self.addresses])
 
     def close(self) -> None:
         if self.client is not None:

@@ -42,10 +42,6 @@ def spawn_daemon(name: str, args: list[str], timeout_s: float = 60.0) -> Daemon:
     return daemon
 
 
-# The name the HA harness imported it under.
-_spawn = spawn_daemon
-
-
 class ClusterViews:
     """What every process cluster of the fault tests offers: members, readiness, daemons."""
 
