@@ -68,7 +68,7 @@ TEST_PATHS := $(if $(ARG_PATHS),,$(TEST_DIRS))
 # after the other, so the shared clusters stop when it leaves them;
 # tests/conftest.py); 1 runs it in this process alone. The default is the
 # fastest measured on the 2-core CI machine.
-TEST_PROCESSES ?= 2
+TEST_PROCESSES ?= 1
 XDIST := $(if $(filter 1,$(TEST_PROCESSES)),-p no:xdist,-n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder)
 
 test: lint proto-check
