@@ -68,7 +68,7 @@ TEST_PATHS := $(if $(ARG_PATHS),,$(TEST_DIRS))
 # after the other, so the shared clusters stop when it leaves them;
 # tests/conftest.py); 1 runs it in this process alone. The default is the
 # fastest measured on the 2-core CI machine.
-TEST_PROCESSES ?= 1
+TEST_PROCESSES ?= 3
 XDIST := $(if $(filter 1,$(TEST_PROCESSES)),-p no:xdist,-n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder)
 
 test: lint proto-check
@@ -85,9 +85,12 @@ test-quick: lint proto-check
 	$(VPY) -m pytest $(XDIST) $(QUICK_TESTS) $(PYTEST_ARGS)
 
 # Real signals to real processes; prints time to detect/recover per fault and
-# the soak's table. COLLECTIVES_SOAK_S sets the soak's length (seconds).
+# the soak's table. COLLECTIVES_SOAK_S sets the soak's length (seconds; make test
+# runs the test's default, 20).
+COLLECTIVES_SOAK_S ?= 40
+
 fault: $(STAMP)
-	$(VPY) -m pytest tests/fault -s -p no:logging $(PYTEST_ARGS)
+	COLLECTIVES_SOAK_S=$(COLLECTIVES_SOAK_S) $(VPY) -m pytest tests/fault -s -p no:logging $(PYTEST_ARGS)
 
 # The many-clients model test (tests/integration/test_many_clients_model.py), long:
 # SOAK_EXAMPLES examples of up to 60 steps each, from a fresh random seed (printed;

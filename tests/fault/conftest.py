@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 from error_fields import field_problems, recording_errors
-from harness import FAULT_DAEMONS, RESULTS, SOAK_LINES, FaultCluster
+from harness import FAULT_DAEMONS, LEASE_S, RESULTS, SOAK_LINES, FaultCluster
 from helpers import internal_lines
 
 # How much of each daemon's log a failed test shows (its last lines).
@@ -76,8 +76,9 @@ def fault_cluster():
         min_workers: int = 2,
         max_workers: int | None = None,
         worker_args: tuple[str, ...] = (),
+        lease_s: float = LEASE_S,
     ):
-        cluster = FaultCluster(workers, min_workers, max_workers, worker_args)
+        cluster = FaultCluster(workers, min_workers, max_workers, worker_args, lease_s)
         clusters.append(cluster)
         return cluster
 

@@ -67,15 +67,21 @@ class ClusterViews:
         return next(d for d in self.workers if d.address == address)
 
 
-# The timing flags every coordinator of the fault tests runs with.
-TIMING_FLAGS = (
-    "--heartbeat",
-    str(HEARTBEAT_S),
-    "--lease",
-    str(LEASE_S),
-    "--op-timeout-s",
-    str(OP_TIMEOUT_S),
-)
+def timing_flags(lease_s: float = LEASE_S) -> tuple[str, ...]:
+    """The timing flags a coordinator of the fault tests runs with."""
+    return (
+        "--heartbeat",
+        str(HEARTBEAT_S),
+        "--lease",
+        str(lease_s),
+        "--op-timeout-s",
+        str(OP_TIMEOUT_S),
+    )
+
+
+# What every coordinator of the fault tests runs with, unless a test needs its
+# stopped workers kept for longer than a lease (timing_flags).
+TIMING_FLAGS = timing_flags()
 
 
 class FaultCluster(ClusterViews):
@@ -85,8 +91,10 @@ class FaultCluster(ClusterViews):
         min_workers: int,
         max_workers: int | None = None,
         worker_args: tuple[str, ...] = (),
+        lease_s: float = LEASE_S,
     ) -> None:
         self.port = free_port()
+        self.lease_s = lease_s
         self.worker_args = worker_args
         self.min_workers = min_workers
         self.max_workers = max_workers or workers
@@ -106,7 +114,7 @@ class FaultCluster(ClusterViews):
                 str(self.min_workers),
                 "--max-workers",
                 str(self.max_workers),
-                *TIMING_FLAGS,
+                *timing_flags(self.lease_s),
             ],
         )
 

@@ -29,6 +29,10 @@ pytestmark = [
 ]
 
 MiB = 1 << 20
+# The stopped worker must stay a member while the test runs its steps under
+# SIGSTOP, however loaded the machine: what is tested is the client's deadline,
+# not eviction, so the lease is far longer than any step.
+LONG_LEASE_S = 60.0
 
 
 def _pooled(client: collectives.Cluster) -> dict[tuple[int, int], str]:
@@ -42,7 +46,7 @@ def _pooled(client: collectives.Cluster) -> dict[tuple[int, int], str]:
 
 @pytest.mark.parametrize("call", ["get", "put", "handed-over put"])
 def test_a_segment_of_a_call_given_up_on_is_never_reused(fault_cluster, gen, call) -> None:
-    cluster = fault_cluster(2, 2)
+    cluster = fault_cluster(2, 2, lease_s=LONG_LEASE_S)
     src, dst = cluster.members()[1], cluster.members()[0]
     with collectives.connect(cluster.coordinator.address, timeout=60, shared_memory=True) as client:
         big = torch.randn(MiB, generator=gen)

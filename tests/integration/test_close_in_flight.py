@@ -50,11 +50,13 @@ class _Call:
 
     def __init__(self, fn: Callable[[], Any]) -> None:
         self.error: BaseException | None = None
+        self.result: Any = None
+        self.seen_in: str = ""  # the transport frame in_transport() found it waiting in
         self.done = threading.Event()
 
         def run() -> None:
             try:
-                fn()
+                self.result = fn()
             except BaseException as exc:  # checked by the test's thread
                 self.error = exc
             finally:
@@ -69,6 +71,7 @@ class _Call:
         while frame is not None:
             path = frame.f_code.co_filename.replace(os.sep, "/")
             if "/grpc/" in path or path.endswith(("/collectives/lanes.py", "/collectives/bulk.py")):
+                self.seen_in = f"{path}:{frame.f_lineno} ({frame.f_code.co_name})"
                 return True
             frame = frame.f_back
         return False
@@ -76,7 +79,10 @@ class _Call:
 
 def _assert_closed_error(call: _Call) -> None:
     assert call.done.wait(WAIT_S), "close() did not end the call in flight"
-    assert isinstance(call.error, collectives.Unavailable), repr(call.error)
+    assert isinstance(call.error, collectives.Unavailable), (
+        f"{call.error!r}; returned {type(call.result).__name__} "
+        f"{getattr(call.result, 'shape', '')}; seen waiting in {call.seen_in}"
+    )
     assert not isinstance(call.error, TimeoutError), repr(call.error)
     assert "closed" in call.error.message, call.error.message
 
