@@ -15,5 +15,6 @@ Modules:
 * ``validation``: cross-rank operand validation (pure)
 * ``uneven_validation``: the verdict of an uneven all_to_all (pure)
 * ``process_groups``: building a generation's process groups, and the bound on its sub-groups
+* ``device_completion``: an accelerator data group whose wait means completion on the device
 * ``model_sync``: a generation's first step: every rank serves the newest model versions
 """

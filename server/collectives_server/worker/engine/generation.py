@@ -58,7 +58,7 @@ from collectives_server.worker.engine.op_context import (
     OpContext,
     OpResult,
 )
-from collectives_server.worker.engine.process_groups import build_groups
+from collectives_server.worker.engine.process_groups import build_groups, release_groups
 from collectives_server.worker.engine.sequencer import EpochEnd, Park, Sequencer, Ticket
 from collectives_server.worker.kernels import op_failures
 from collectives_server.worker.models.registry import ModelRegistry
@@ -353,7 +353,9 @@ class Generation:
                     failure,
                 )
         finally:
-            # Drop every group of this generation now: their sockets and threads go with them.
+            # End every group of this generation now (NCCL: aborted); their sockets and
+            # threads go with them.
+            release_groups(self.groups)
             self.groups = {0: GroupEntry(0, list(range(self.world_size)), None)}
             self.finished.set()
             with self._cond:
@@ -366,6 +368,7 @@ class Generation:
         if epoch:
             prefix += f"e{epoch}"
         where = (self._spec.tcp_store, prefix, self.rank, self.world_size, self._spec.op_timeout_s)
+        release_groups(self.groups)  # a broken epoch's groups, before the next ones
         try:
             handles = build_groups(*where, self._spec.device, self._spec.host)
             self._channel = ControlChannel.connect(

@@ -84,6 +84,32 @@ _BOOL_AS_UINT8 = {
 }
 
 
+# Reductions NCCL has no op or type for go through an all-gather and a local fold.
+_BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
+_NCCL_REDUCIBLE = frozenset(
+    {
+        torch.int8,
+        torch.uint8,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.float32,
+        torch.float64,
+        torch.bfloat16,
+    }
+)
+_FOLD = {
+    ReduceOp.SUM: torch.add,
+    ReduceOp.AVG: torch.add,
+    ReduceOp.PRODUCT: torch.mul,
+    ReduceOp.MIN: torch.minimum,
+    ReduceOp.MAX: torch.maximum,
+    ReduceOp.BAND: torch.bitwise_and,
+    ReduceOp.BOR: torch.bitwise_or,
+    ReduceOp.BXOR: torch.bitwise_xor,
+}
+
+
 def private_copy(t: torch.Tensor, alloc: Alloc = fresh) -> torch.Tensor:
     """A contiguous copy of ``t`` that shares nothing with it (see :func:`copy_into`)."""
     t = t.detach()
@@ -131,13 +157,37 @@ def _by_ring(t: torch.Tensor, op: ReduceOp, size: int) -> bool:
     return size >= 2 and memmove_ok(t) and ring.reducible(t, op)
 
 
+def _is_nccl(pg: object) -> bool:
+    name = getattr(pg, "name", None)
+    return callable(name) and name() == "nccl"
+
+
+def _nccl_lacks(pg: object, buf: torch.Tensor, op: ReduceOp) -> bool:
+    """Whether NCCL cannot run this reduction: a bitwise op, or a dtype it has no type
+    for (int16, the unsigned types wider than a byte)."""
+    if not _is_nccl(pg):
+        return False
+    return op in _BITWISE or (buf.dtype not in _NCCL_REDUCIBLE and not buf.dtype.is_complex)
+
+
+def _fold_gathered(pg: dist.ProcessGroup, buf: torch.Tensor, op: ReduceOp, size: int):
+    """Every member's ``buf`` gathered as raw bytes, folded in rank order on each
+    member (so the result is bit-identical everywhere)."""
+    parts = _all_gather_bytes(pg, buf, size).unbind(0)
+    folded = functools.reduce(_FOLD[op], parts)
+    return folded / size if op is ReduceOp.AVG else folded
+
+
 def reduce_buffer(
     pg: dist.ProcessGroup, buf: torch.Tensor, op: ReduceOp, size: int
 ) -> torch.Tensor:
     """:func:`all_reduce` of a private contiguous buffer, reduced in place where the
-    backend can (returns ``buf`` or, for bool and complex product, a new tensor)."""
+    backend can (returns ``buf`` or, for bool and complex product and what NCCL lacks,
+    a new tensor)."""
     if buf.numel() == 0:
         return buf
+    if buf.dtype != torch.bool and _nccl_lacks(pg, buf, op):
+        return _fold_gathered(pg, buf, op, size)
     if buf.dtype == torch.bool:
         as_int = buf.to(torch.uint8)
         _native_all_reduce(pg, as_int, _BOOL_AS_UINT8[op])

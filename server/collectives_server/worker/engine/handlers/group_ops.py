@@ -90,7 +90,10 @@ def run_destroy_group(
     entry = ctx.groups.pop(group_id, None)
     if entry is None:
         return group_not_found(group_id, ctx.generation)
-    # Dropping the last reference frees the gloo groups' sockets and threads (process_groups).
+    # NCCL groups are aborted; dropping the last reference frees the gloo groups'
+    # sockets and threads (process_groups).
+    if entry.handles is not None:
+        entry.handles.release()
     entry.handles = None
     return OpResult(desc.op_id, ctx.generation, "", entry.ranks, None, (), 0.0)
 
