@@ -109,7 +109,7 @@ class WorkerDaemon:
                 quota=store,
                 factory_batching=config.factory_batching,
             ),
-            uploads=ModelUploads(config.model_upload),
+            uploads=ModelUploads(config.model_upload, device=devices[0]),
             # /dev/shm segments created for clients' gets: bounded, reaped after a TTL.
             shm_segments=WorkerSegments(config.shm_limits, quota=store),
             stats=WorkerStats(),

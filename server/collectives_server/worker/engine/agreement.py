@@ -59,7 +59,7 @@ def all_gather_rows(pg: object, row: torch.Tensor, size: int, before=None) -> to
     mine = row.contiguous()  # held here: the view below does not keep it alive
     table = rounds_of(pg).all_gather(tensor_memoryview(mine), before)
     if not len(table):
-        return torch.empty((size, row.numel()), dtype=row.dtype)
+        return torch.empty((size, row.numel()), dtype=row.dtype, device="cpu")
     return torch.frombuffer(table, dtype=row.dtype).view(size, row.numel())
 
 
@@ -78,7 +78,7 @@ class Exchanged:
         (a view of the table: copy it before keeping it)."""
         assert info.dtype is not None
         if not info.nbytes:
-            return torch.empty(info.shape, dtype=info.dtype)
+            return torch.empty(info.shape, dtype=info.dtype, device="cpu")
         start = rank * self.stride + self.offset + INFO_BYTES
         count = info.nbytes // info.dtype.itemsize
         return torch.frombuffer(self.table, dtype=info.dtype, count=count, offset=start).view(

@@ -94,7 +94,7 @@ class ProcessGroupRounds:
 
     def announce(self, message: bytes) -> _Pending:
         head = _LENGTH.pack(len(message)) + message[: SLOT_BYTES - _LENGTH.size]
-        slot = torch.zeros(SLOT_BYTES, dtype=torch.uint8)
+        slot = torch.zeros(SLOT_BYTES, dtype=torch.uint8, device="cpu")
         tensor_memoryview(slot)[: len(head)] = head
         tensors = [slot]
         rest = message[SLOT_BYTES - _LENGTH.size :]
@@ -103,7 +103,7 @@ class ProcessGroupRounds:
         return _Pending([self._broadcast(t) for t in tensors], tensors)
 
     def receive_announcement(self, max_bytes: int) -> bytes:
-        slot = torch.empty(SLOT_BYTES, dtype=torch.uint8)
+        slot = torch.empty(SLOT_BYTES, dtype=torch.uint8, device="cpu")
         self._broadcast(slot).wait()
         raw = tensor_memoryview(slot)
         (length,) = _LENGTH.unpack_from(raw)
@@ -112,7 +112,7 @@ class ProcessGroupRounds:
         message = raw[_LENGTH.size : _LENGTH.size + length].tobytes()
         missing = length - len(message)
         if missing > 0:
-            rest = torch.empty(missing, dtype=torch.uint8)
+            rest = torch.empty(missing, dtype=torch.uint8, device="cpu")
             self._broadcast(rest).wait()
             message += tensor_memoryview(rest).tobytes()
         return message
@@ -120,8 +120,8 @@ class ProcessGroupRounds:
     def all_gather(self, row: Buffer, before: Waitable | None = None) -> memoryview:
         mine = torch.frombuffer(bytearray(row), dtype=torch.uint8) if len(row) else None
         if mine is None:
-            mine = torch.empty(0, dtype=torch.uint8)
-        out = torch.empty(mine.numel() * self._pg.size(), dtype=torch.uint8)
+            mine = torch.empty(0, dtype=torch.uint8, device="cpu")
+        out = torch.empty(mine.numel() * self._pg.size(), dtype=torch.uint8, device="cpu")
         work = self._pg._allgather_base(out, mine)
         if before is not None:
             before.wait()

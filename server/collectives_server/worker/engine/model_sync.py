@@ -161,11 +161,11 @@ def _all_gather_json(ctx: OpContext, value: object) -> list[dict]:
     sizes = ctx.call(
         agreement.all_gather_rows,
         ctx.control,
-        torch.tensor([len(data)], dtype=torch.int64),
+        torch.tensor([len(data)], dtype=torch.int64, device="cpu"),
         ctx.world_size,
     )
     longest = int(sizes.max())
-    row = torch.zeros(longest, dtype=torch.uint8)
+    row = torch.zeros(longest, dtype=torch.uint8, device="cpu")
     if data:
         row[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     rows = ctx.call(agreement.all_gather_rows, ctx.control, row, ctx.world_size)
@@ -173,7 +173,10 @@ def _all_gather_json(ctx: OpContext, value: object) -> list[dict]:
 
 
 def _broadcast_archive(ctx: OpContext, name: str, src: _Held, source: int) -> torch.Tensor:
-    t = torch.zeros(src.archive_bytes, dtype=torch.uint8)
+    """The source's archive bytes, on every rank: a CPU tensor, so it travels on the
+    control group (gloo) whatever the data group is (NCCL takes device tensors only;
+    the archive is read from and written to files on the host anyway)."""
+    t = torch.zeros(src.archive_bytes, dtype=torch.uint8, device="cpu")
     if ctx.rank == source:
         model = ctx.models.peek(name)
         path = model.definition.archive if model is not None else None
@@ -184,7 +187,7 @@ def _broadcast_archive(ctx: OpContext, name: str, src: _Held, source: int) -> to
     assert world is not None
     opts = dist.BroadcastOptions()
     opts.rootRank = source
-    ctx.call(lambda: world.data.broadcast([t], opts).wait())
+    ctx.call(lambda: world.control.broadcast([t], opts).wait())
     return t
 
 

@@ -109,7 +109,7 @@ def info_values(
 def encode_info(
     t: torch.Tensor | None, member: bool, quota: tuple[int, int] = (0, -1)
 ) -> torch.Tensor:
-    return torch.tensor(info_values(t, member, quota), dtype=torch.int64)
+    return torch.tensor(info_values(t, member, quota), dtype=torch.int64, device="cpu")
 
 
 def decode_info(v: torch.Tensor | list[int]) -> OperandInfo:

@@ -132,7 +132,9 @@ def _own_part(
     me, size = pg.rank(), pg.size()
     right, left = (me + 1) % size, (me - 1) % size
     longest = max(part.numel() for part in src)
-    scratch = [torch.empty(longest, dtype=own.dtype) for _ in range(min(2, size - 2))]
+    scratch = [
+        torch.empty(longest, dtype=own.dtype, device=own.device) for _ in range(min(2, size - 2))
+    ]
     previous = None
     for step in range(size - 1):
         give, take = (me - step - 1) % size, (me - step - 2) % size

@@ -139,12 +139,16 @@ def forward(
     stored_inputs = False  # whether some input came from the store (deleted after use)
     finished = False
 
+    device = model.devices[0]  # where the module's first replica lives
+
     def load(name: str) -> torch.Tensor:
         nonlocal stored_inputs
         t = inline.get(name)
         if t is None:
             t = store.get(name)
             stored_inputs = True
+        if t.device != device:  # inline inputs arrive on the host; the module may not be
+            t = t.to(device)
         if name in wanted and request.grad_enabled:
             if not (t.dtype.is_floating_point or t.dtype.is_complex):
                 raise InvalidArgument(f"input {name!r} of dtype {t.dtype} cannot require grad")

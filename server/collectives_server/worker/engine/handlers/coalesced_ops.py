@@ -92,7 +92,7 @@ def _rows(ctx: OpContext, job: _Op, member: bool, operands: list) -> torch.Tenso
     quota = _quota_state(ctx, job.targets) if member else (0, -1)
     values = [validation.info_values(None, member, quota)]
     values += [validation.info_values(t, member) for t in operands]
-    return torch.tensor(values, dtype=torch.int64)
+    return torch.tensor(values, dtype=torch.int64, device="cpu")
 
 
 def run_coalesced(

@@ -162,7 +162,9 @@ def reduce_gradients(
             ctx.call(lambda flat=flat: pg.allreduce([flat], opts).wait())
         else:
             views = [arena.view(i) for i in bucket]
-            flat = torch.empty(sum(v.numel() for v in views), dtype=views[0].dtype)
+            flat = torch.empty(
+                sum(v.numel() for v in views), dtype=views[0].dtype, device=views[0].device
+            )
             offset = 0
             for v in views:
                 copy_into(flat.narrow(0, offset, v.numel()), v.reshape(-1))
@@ -181,7 +183,7 @@ def _any_rank_has_grad(ctx: OpContext, flags: list[bool]) -> list[bool]:
     """Which parameters have a gradient on at least one rank (control group, not data)."""
     if not flags:
         return []
-    mine = torch.tensor(flags, dtype=torch.uint8)
+    mine = torch.tensor(flags, dtype=torch.uint8, device="cpu")
     control = ctx.groups[0].handles.control  # type: ignore[union-attr]
     every = ctx.call(agreement.all_gather_rows, control, mine, ctx.world_size)
     return [bool(v) for v in every.amax(0).tolist()]
@@ -288,7 +290,7 @@ def _info_rows(
 ) -> tuple[list[list[int]], list[bool]]:
     """Every rank's info row (model present, signature, inputs, targets, all grads), and
     this rank's per-parameter "has a gradient" flags."""
-    info = torch.zeros(_INFO, dtype=torch.int64)
+    info = torch.zeros(_INFO, dtype=torch.int64, device="cpu")
     flags: list[bool] = []
     if model is not None:
         info[0] = 1

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.export.passes import move_to_device_pass
 
 from collectives.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from collectives.wire.names import ARCHIVE_PREFIX, validate_name
@@ -30,7 +31,7 @@ from collectives_server.worker.models.archive.checks import ModelUploadConfig, c
 if TYPE_CHECKING:
     from collectives_server.worker.data.store import TensorStore
 
-__all__ = ["ModelUploadConfig", "ModelUploads", "ReceivedModel"]
+__all__ = ["ModelUploadConfig", "ModelUploads", "ReceivedModel", "on_device"]
 
 # Two concurrent torch.export.load calls fail ("_CURRENT_DESERIALIZER is already
 # set"): two clients' load_model at once, or a peer's model arriving (model_sync).
@@ -43,11 +44,26 @@ class ReceivedModel:
     archive: Path | None  # the upload on disk (None: a factory)
 
 
+def on_device(program: torch.export.ExportedProgram, device: torch.device | None):
+    """``program`` with everything it holds and makes on ``device`` (None or the CPU:
+    as loaded). ``Module.to()`` on the loaded module would move its parameters and
+    buffers but leave its lifted constants, and the ``device=cpu`` that export baked
+    into factory ops (``arange``, ``zeros``, ``full``...), on the CPU: the first
+    forward on a GPU would then mix devices. torch's ``move_to_device_pass`` rewrites
+    both."""
+    if device is None or device.type == "cpu":
+        return program
+    return move_to_device_pass(program, device)
+
+
 class ModelUploads:
     """A worker's model uploads: receiving, checking, loading; one directory."""
 
-    def __init__(self, config: ModelUploadConfig) -> None:
+    def __init__(self, config: ModelUploadConfig, device: torch.device | None = None) -> None:
         self.config = config
+        # Where the loaded programs run (the worker's first device): an exported
+        # program is moved there by torch's export pass, not by Module.to().
+        self.device = device
         self._lock = threading.Lock()
         self._owned = config.upload_dir is None
         if config.upload_dir is None:
@@ -192,7 +208,8 @@ class ModelUploads:
                 trial_load(checked, self.config.load_timeout_s)
             try:
                 with _EXPORT_LOAD:  # torch.export.load keeps global state: one at a time
-                    module = torch.export.load(str(checked)).module()
+                    program = torch.export.load(str(checked))
+                module = on_device(program, self.device).module()
             except Exception as exc:
                 raise InvalidArgument(
                     f"could not load the torch.export archive: {type(exc).__name__}: "
