@@ -8,7 +8,8 @@ PYTHON ?= python3
 PIP_ARGS ?=
 # GPU machines: TORCH_CUDA=cu128 installs torch 2.13.0 built for that CUDA from
 # PyTorch's wheel index (and allows the CUDA build the CPU check refuses).
-TORCH_CUDA ?=
+# A venv made with TORCH_CUDA remembers it (a later reinstall keeps the CUDA build).
+TORCH_CUDA ?= $(shell cat $(VENV)/.torch-cuda 2>/dev/null)
 TORCH_INDEX := $(if $(TORCH_CUDA),--extra-index-url https://download.pytorch.org/whl/$(TORCH_CUDA),)
 # Extra arguments for pytest (e.g. PYTEST_ARGS="-k all_reduce -x").
 PYTEST_ARGS ?=
@@ -21,7 +22,7 @@ STUB_DIR := client/collectives/v1
 TEST_DIRS := $(wildcard tests/unit tests/integration tests/browser tests/fault)
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test test-quick soak fault bench bench-quick lint format proto proto-check clean distclean
+.PHONY: help install demo test test-quick soak fault bench bench-quick gpu-check lint format proto proto-check clean distclean
 
 help:
 	@echo "make demo         start a local cluster of 2 workers, run examples/demo.py, stop it"
@@ -31,6 +32,7 @@ help:
 	@echo "make soak         the many-clients model test, long (SOAK_EXAMPLES=200 examples of 60 steps)"
 	@echo "make bench        the benchmark table: every figure beside its anchor (full sizes, minutes)"
 	@echo "make bench-quick  the same at small sizes (< 2 min; CI runs it); tables in artifacts/"
+	@echo "make gpu-check    the GPU paths end to end on this machine's GPUs (one line and exit 0 without one)"
 	@echo "make install      create $(VENV) with the pinned dependencies (done by every target)"
 	@echo "make lint         ruff check + ruff format --check"
 	@echo "make format       ruff format + ruff check --fix (rewrites files)"
@@ -50,6 +52,7 @@ $(STAMP): constraints.txt client/pyproject.toml server/pyproject.toml
 	@[ -n "$(TORCH_CUDA)" ] || $(VPY) -c 'import sys, torch; sys.exit(0 if torch.version.cuda is None else \
 		"pip installed a CUDA build of torch " + torch.__version__ + "; install the CPU wheel " \
 		"(point PIP_ARGS=\"--index-url URL\" at a CPU-only wheel index)")'
+	@if [ -n "$(TORCH_CUDA)" ]; then echo "$(TORCH_CUDA)" > $(VENV)/.torch-cuda; fi
 	@touch $@
 
 install: $(STAMP)
@@ -108,6 +111,12 @@ BENCH_ARGS ?=
 
 bench: $(STAMP)
 	$(VPY) -m bench $(BENCH_ARGS)
+
+# NCCL worlds of 1 and 2 GPUs: put/get, every collective against plain
+# torch.distributed, an exported model's forward and train_step, a peer killed
+# mid-collective and its rejoin (bench/gpu_check.py). Exits 1 on a wrong result.
+gpu-check: $(STAMP)
+	$(VPY) -m bench.gpu_check
 
 bench-quick: $(STAMP)
 	$(VPY) -m bench --quick $(BENCH_ARGS)

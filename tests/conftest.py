@@ -18,6 +18,13 @@ import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+# The suite runs on CPU (gloo) whatever the machine has: this process and every
+# daemon it starts see no GPU, so `--devices auto` on a host with GPUs does not
+# silently switch the tests to NCCL. COLLECTIVES_TEST_GPU=1 leaves the GPUs
+# visible; `make gpu-check` is the GPU run.
+if os.environ.get("COLLECTIVES_TEST_GPU") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 import pytest
 import torch
 from helpers import CLUSTER_FLAGS, connect_ready, internal_lines, worker_token_file
