@@ -97,7 +97,7 @@ fault: $(STAMP)
 
 # The many-clients model test (tests/integration/test_many_clients_model.py), long:
 # SOAK_EXAMPLES examples of up to 60 steps each, from a fresh random seed (printed;
-# COLLECTIVES_MODEL_TEST_SEED=N replays one). make test runs 20 examples.
+# COLLECTIVES_MODEL_TEST_SEED=N replays one). make test runs 12 examples.
 SOAK_EXAMPLES ?= 200
 
 soak: $(STAMP)

@@ -21,6 +21,7 @@ import pytest
 import torch
 from hostile import Aftermath
 
+import collectives
 from collectives.v1 import worker_pb2, worker_pb2_grpc
 from collectives.wire import codec
 from collectives.wire.bulk_frames import MAGIC, new_ticket
@@ -33,6 +34,14 @@ FLAGS = (
     "--bulk-ticket-ttl-s", "2", "--bulk-prelude-timeout-s", "1",
     "--max-bulk-connections-per-peer", "16",
 )  # fmt: skip
+
+
+@pytest.fixture
+def client(local_cluster):
+    """A connection to this module's cluster, shared by the attacks with its flags:
+    each leaves it as it found it (its Aftermath checks so)."""
+    with collectives.connect(local_cluster(2, *FLAGS), timeout=60) as connected:
+        yield connected
 
 
 def _target(client):
@@ -59,8 +68,7 @@ def _closed_within(sock: socket.socket, seconds: float) -> float | None:
     return time.monotonic() - started
 
 
-def test_idle_connections_cannot_lock_a_client_out(fresh_cluster, gen) -> None:
-    _, client = fresh_cluster(2, *FLAGS)
+def test_idle_connections_cannot_lock_a_client_out(client, gen) -> None:
     aftermath = Aftermath(client).capture()
     target = _target(client)
     port = _bulk_port(target.address)
@@ -88,8 +96,7 @@ def test_idle_connections_cannot_lock_a_client_out(fresh_cluster, gen) -> None:
     aftermath.check()
 
 
-def test_a_dribbled_prelude_is_cut_at_the_total_timeout(fresh_cluster) -> None:
-    _, client = fresh_cluster(2, *FLAGS)
+def test_a_dribbled_prelude_is_cut_at_the_total_timeout(client) -> None:
     aftermath = Aftermath(client).capture()
     port = _bulk_port(_target(client).address)
     prelude = MAGIC + new_ticket()
@@ -117,8 +124,7 @@ def test_a_dribbled_prelude_is_cut_at_the_total_timeout(fresh_cluster) -> None:
     aftermath.check()
 
 
-def test_a_get_ticket_pins_its_tensor_for_the_ttl_only(fresh_cluster, gen) -> None:
-    _, client = fresh_cluster(2, *FLAGS)
+def test_a_get_ticket_pins_its_tensor_for_the_ttl_only(client, gen) -> None:
     aftermath = Aftermath(client).capture()
     target = _target(client)
     client.put("ticket/x", torch.randn(8 << 20, generator=gen), rank=target.rank)
@@ -139,8 +145,7 @@ def test_a_get_ticket_pins_its_tensor_for_the_ttl_only(fresh_cluster, gen) -> No
     aftermath.check()  # RSS back: the 32 MiB tensor is not pinned by the ticket
 
 
-def test_put_tensor_bulk_without_a_deadline_ends_at_the_ticket_ttl(fresh_cluster, gen) -> None:
-    _, client = fresh_cluster(2, *FLAGS)
+def test_put_tensor_bulk_without_a_deadline_ends_at_the_ticket_ttl(client, gen) -> None:
     aftermath = Aftermath(client).capture()
     target = _target(client)
     t = torch.randn(1 << 20, generator=gen)

@@ -37,8 +37,8 @@ statistics stay exact), and it is never trained through a random forward.
 Replaying: the hypothesis seed is printed (derived from ``COLLECTIVES_TEST_SEED``,
 or forced with ``COLLECTIVES_MODEL_TEST_SEED``); hypothesis prints the failing
 steps and a blob that ``COLLECTIVES_MODEL_TEST_REPRODUCE=<blob>`` replays. The
-bounded run (20 examples of up to 50 steps, about 30 s on an idle 2-core machine,
-60-80 s on a busy one) reports a failure as found, since shrinking takes minutes;
+bounded run (12 examples of up to 50 steps, about 20 s on an idle 2-core machine,
+40-50 s on a busy one; each run draws a new seed, so runs add up) reports a failure as found, since shrinking takes minutes;
 ``COLLECTIVES_MODEL_TEST_SHRINK=1`` shrinks it. A long run (soak, bench):
 
     COLLECTIVES_MODEL_TEST_EXAMPLES=200 COLLECTIVES_MODEL_TEST_STEPS=60 \
@@ -85,7 +85,7 @@ import collectives
 TIMEOUT = 30.0
 WORKERS = int(os.environ.get("COLLECTIVES_MODEL_TEST_WORKERS", "3"))
 CLIENTS = 3
-EXAMPLES = int(os.environ.get("COLLECTIVES_MODEL_TEST_EXAMPLES", "20"))
+EXAMPLES = int(os.environ.get("COLLECTIVES_MODEL_TEST_EXAMPLES", "12"))
 STEPS = int(os.environ.get("COLLECTIVES_MODEL_TEST_STEPS", "50"))
 SHRINK = os.environ.get("COLLECTIVES_MODEL_TEST_SHRINK") == "1"
 VERBOSE = os.environ.get("COLLECTIVES_MODEL_TEST_VERBOSE") == "1"  # print every step

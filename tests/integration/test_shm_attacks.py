@@ -26,6 +26,7 @@ import torch
 from helpers import wait_until
 from hostile import Aftermath, rss_bytes
 
+import collectives
 from collectives.v1 import worker_pb2, worker_pb2_grpc
 from collectives.wire import codec, shm
 from collectives_server.worker.data.peer_identity import loopback_peer_uid
@@ -50,13 +51,20 @@ def _file_of_another_user(payload: bytes) -> str:
     return path
 
 
+@pytest.fixture
+def client(local_cluster):
+    """A connection to this module's plain cluster, shared by the attacks that need no
+    flags: each leaves it as it found it (its Aftermath checks so)."""
+    with collectives.connect(local_cluster(2), timeout=60) as connected:
+        yield connected
+
+
 def _target(client):
     return max((w for w in client.workers() if w.rank >= 0), key=lambda w: w.rank)
 
 
 @needs_root
-def test_a_file_the_client_does_not_own_is_not_read(fresh_cluster, gen) -> None:
-    _, client = fresh_cluster(2)
+def test_a_file_the_client_does_not_own_is_not_read(client, gen) -> None:
     aftermath = Aftermath(client).capture()
     secret = torch.randn(256, generator=gen)
     path = _file_of_another_user(secret.numpy().tobytes())
@@ -78,8 +86,7 @@ def test_a_file_the_client_does_not_own_is_not_read(fresh_cluster, gen) -> None:
 
 
 @needs_root
-def test_another_clients_segment_is_never_written(fresh_cluster, gen) -> None:
-    _, client = fresh_cluster(2)
+def test_another_clients_segment_is_never_written(client, gen) -> None:
     aftermath = Aftermath(client).capture()
     victim = torch.randn(1024, generator=gen)
     path = _file_of_another_user(victim.numpy().tobytes())
