@@ -296,7 +296,7 @@ def _build_in_background(ctx: OpContext, uploads: ModelUploads, arrival: _Arriva
 def _load_archive(uploads: ModelUploads, archive: torch.Tensor) -> tuple[nn.Module, Path]:
     """Checks and loads a peer's archive like a client's upload (kept for the next joiner)."""
     upload = uploads.kept_path(".upload")
-    upload.write_bytes(archive.numpy().tobytes())
+    upload.write_bytes(archive.cpu().numpy().tobytes())  # host bytes already: no copy
     kept = uploads.kept_path()
     try:
         module = uploads.load(upload, keep=kept)
