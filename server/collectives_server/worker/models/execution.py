@@ -30,10 +30,13 @@ from collectives_server.worker.models.batching import company_of
 from collectives_server.worker.models.inputs_expected import inputs_mismatch
 from collectives_server.worker.models.registry import HostedModel, ModelRegistry, RetainedGraph
 
-__all__ = ["forward", "backward", "release"]
+__all__ = ["forward", "backward", "release", "run_on_devices"]
 
 
-def _run(model: HostedModel, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+def run_on_devices(model: HostedModel, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """``module(*args, **kwargs)`` over every local device of ``model`` (split by
+    ``nn.parallel.data_parallel`` when it has several GPUs): the one way a forward and a
+    train_step run the model."""
     devices = model.devices
     if len(devices) > 1 and all(d.type == "cuda" for d in devices):
         return nn.parallel.data_parallel(
@@ -64,7 +67,7 @@ def _call(
     with torch.set_grad_enabled(grad_enabled):
         try:
             with model_modes.restoring_buffers(model.module, training):
-                return _run(model, module, args, kwargs)
+                return run_on_devices(model, module, args, kwargs)
         except (RuntimeError, TypeError, ValueError, IndexError) as exc:
             raise InvalidArgument(
                 inputs_mismatch(name, args, kwargs, module, model.module)

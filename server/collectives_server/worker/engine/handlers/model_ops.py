@@ -55,6 +55,7 @@ from collectives_server.worker.kernels import op_failures
 from collectives_server.worker.kernels.collective_ops import copy_into
 from collectives_server.worker.models import modes as model_modes
 from collectives_server.worker.models import versions as model_versions
+from collectives_server.worker.models.execution import run_on_devices
 from collectives_server.worker.models.optimizers import (
     OptimizerPlan,
     clip_gradients,
@@ -241,7 +242,7 @@ def _local_train(
     seeded = arena.seed()
     try:
         with torch.enable_grad():
-            out = model.runnable(True)(inputs)
+            out = run_on_devices(model, model.runnable(True), (inputs,), {})
             loss = loss_fn(out, targets)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
