@@ -169,12 +169,23 @@ def check_model(cluster: collectives.Cluster, world: int, failures: list[str]) -
     with torch.no_grad():
         if not torch.allclose(dp(x), model(x), rtol=1e-4, atol=1e-5):
             failures.append(f"forward of the exported model on {world} rank(s) differs from torch")
+    # The gradient of an input on the client's device comes back on that device.
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    remote_x = x.detach().clone().to(device).requires_grad_()
+    dp(remote_x).sum().backward()
+    local_x = x.detach().clone().requires_grad_()
+    model(local_x).sum().backward()
+    grad = remote_x.grad
+    if grad is None or grad.device != device or not torch.allclose(grad.cpu(), local_x.grad):
+        failures.append(f"the input gradient on {world} rank(s) is wrong or off {device}")
+    cluster.zero_grad("gpucheck/model", timeout=TIMEOUT_S)
     y = torch.randn(4 * world, 4)
     for rank, (xs, ys) in enumerate(zip(x.chunk(world), y.chunk(world), strict=True)):
         cluster.put("gpucheck/x", xs, rank=rank)
         cluster.put("gpucheck/y", ys, rank=rank)
     loss = cluster.train_step("gpucheck/model", "gpucheck/x", "gpucheck/y", timeout=TIMEOUT_S)
-    want = float(nn.functional.mse_loss(model(x), y))
+    with torch.no_grad():
+        want = float(nn.functional.mse_loss(model(x), y))
     if abs(float(loss) - want) > 1e-4 * max(1.0, abs(want)):
         failures.append(f"train_step loss {float(loss)} on {world} rank(s), torch says {want}")
 

@@ -370,7 +370,8 @@ class _RemoteCall:
                 chunks.append(
                     g if g is not None else torch.zeros(shard.chunk_shapes[k], dtype=leaf.dtype)
                 )
-            result.append(torch.cat(chunks, self.dim).to(leaf.dtype))
+            # On the input's device and in its dtype, as autograd requires of a gradient.
+            result.append(torch.cat(chunks, self.dim).to(device=leaf.device, dtype=leaf.dtype))
         return result
 
     def _left(self) -> float:
