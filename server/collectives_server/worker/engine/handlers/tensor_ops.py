@@ -62,9 +62,12 @@ def inline_capacity(ctx: OpContext, desc: worker_pb2.OpDescriptor) -> int | None
 
     Sized from the leader's own operand, so it is only a guess for the others;
     every rank checks that each contributor's operand fitted (from the infos)
-    and otherwise runs the data collective, all taking the same branch."""
+    and otherwise runs the data collective, all taking the same branch. On an
+    accelerator too: a small operand is copied to the host for the exchange
+    (``agreement``) and the result back to the device, which costs less than a
+    collective launch of its own (and makes the op claimable and fusable)."""
     op = spec(desc.kind)
-    if ctx.device.type != "cpu" or not op.is_collective:
+    if not op.is_collective:
         return None
     if desc.kind == OpKind.BARRIER:
         return 0  # the exchange itself is the barrier
