@@ -223,7 +223,9 @@ def test_dashboard_shows_markup_astext(browser):
         )
         assert page.text(browser, "generation") == "7"
         assert page.text(browser, "status-text") == _HOSTILE
-        browser.find_element("css selector", "#worker-rows tr[data-worker-id]").click()
+        # Found and clicked in one step in the page: the table is redrawn every refresh,
+        # and an element found from here can be replaced before the click reaches it.
+        browser.execute_script("document.querySelector('#worker-rows tr[data-worker-id]').click();")
         WebDriverWait(browser, 5, poll_frequency=0.1).until(
             lambda d: d.find_elements("css selector", "#worker-rows tr.details"), "the details row"
         )
