@@ -36,8 +36,9 @@ FAULT_DAEMONS: list[Daemon] = []
 
 
 def spawn_daemon(name: str, args: list[str], timeout_s: float = 60.0) -> Daemon:
-    """``collectives-server ARGS`` started by the tests' launcher, logging warnings."""
-    daemon = spawn(name, [*args, "--log-level", "WARNING"], timeout_s=timeout_s)
+    """``collectives-server ARGS`` started by the tests' launcher, logging at INFO: a
+    failed test's log tail then says when a daemon joined, left or was told to stop."""
+    daemon = spawn(name, [*args, "--log-level", "INFO"], timeout_s=timeout_s)
     FAULT_DAEMONS.append(daemon)
     return daemon
 

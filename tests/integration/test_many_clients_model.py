@@ -37,8 +37,8 @@ statistics stay exact), and it is never trained through a random forward.
 Replaying: the hypothesis seed is printed (derived from ``COLLECTIVES_TEST_SEED``,
 or forced with ``COLLECTIVES_MODEL_TEST_SEED``); hypothesis prints the failing
 steps and a blob that ``COLLECTIVES_MODEL_TEST_REPRODUCE=<blob>`` replays. The
-bounded run (12 examples of up to 50 steps, about 20 s on an idle 2-core machine,
-40-50 s on a busy one; each run draws a new seed, so runs add up) reports a failure as found, since shrinking takes minutes;
+bounded run (12 examples of up to 50 steps; each run draws a new seed, so runs
+add up) reports a failure as found, since shrinking takes minutes;
 ``COLLECTIVES_MODEL_TEST_SHRINK=1`` shrinks it. A long run (soak, bench):
 
     COLLECTIVES_MODEL_TEST_EXAMPLES=200 COLLECTIVES_MODEL_TEST_STEPS=60 \
