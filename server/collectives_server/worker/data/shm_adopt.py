@@ -60,6 +60,12 @@ class _Mapping:
     size: int
     map: mmap.mmap
     tensors: int = 0  # live buffers (tensors and their views) over this mapping
+    copying: int = 0  # copies into it in flight (copy_into), outside the lock
+
+    @property
+    def idle(self) -> bool:
+        """Nothing lies in it or is being written into it: it may be unmapped."""
+        return self.tensors == 0 and self.copying == 0
 
 
 class AdoptedSegments:
@@ -114,9 +120,20 @@ class AdoptedSegments:
             return
         with self._lock:
             self._apply_freed_locked()
-            _, mapping = self._mapping_locked(fd, path, offset + nbytes)
+            key, mapping = self._mapping_locked(fd, path, offset + nbytes)
             target = torch.frombuffer(mapping.map, dtype=torch.uint8, count=nbytes, offset=offset)
-        target.copy_(torch.frombuffer(tensor_memoryview(wire), dtype=torch.uint8))
+            # The copy runs outside the lock: until it ends, nothing may unmap this
+            # mapping (the reaper finds the client's name gone when the client gave the
+            # call up; the copy's threads would write into unmapped memory).
+            mapping.copying += 1
+        try:
+            target.copy_(torch.frombuffer(tensor_memoryview(wire), dtype=torch.uint8))
+        finally:
+            del target
+            with self._lock:
+                mapping.copying -= 1
+                if mapping.idle and self._maps.get(key) is not mapping:
+                    _close(mapping)  # dropped from the cache while the copy ran
 
     def _mapping_locked(self, fd: int, path: str, end: int) -> tuple[_Key, _Mapping]:
         """The cached mapping of the open file ``fd`` covering ``[0, end)``; made (or
@@ -128,7 +145,7 @@ class AdoptedSegments:
             # Writable: stored tensors may be updated in place by the worker's ops.
             mapping = _Mapping(path, info.st_size, mmap.mmap(fd, info.st_size))
             stale = self._maps.pop(key, None)
-            if stale is not None and stale.tensors == 0:
+            if stale is not None and stale.idle:
                 _close(stale)
             self._maps[key] = mapping
         self._maps.move_to_end(key)
@@ -158,8 +175,8 @@ class AdoptedSegments:
             left = self._paths.pop(mapping.path, 1) - 1
             if left > 0:
                 self._paths[mapping.path] = left
-            if mapping.tensors > 0:
-                continue
+            if not mapping.idle:
+                continue  # more buffers, or a copy whose end closes it if dropped
             current = self._maps.get(key) is mapping
             if current and not self._closed and _exists(mapping, key):
                 continue  # kept: the client will hand this segment over again
@@ -169,7 +186,7 @@ class AdoptedSegments:
         self._trim_locked()
 
     def _trim_locked(self) -> None:
-        idle = [k for k, m in self._maps.items() if m.tensors == 0]
+        idle = [k for k, m in self._maps.items() if m.idle]
         for key in idle[: max(0, len(idle) - MAX_IDLE_MAPPINGS)]:
             _close(self._maps.pop(key))
 
@@ -177,7 +194,7 @@ class AdoptedSegments:
         """Unmaps idle mappings whose file was unlinked (its client closed); how many."""
         with self._lock:
             self._apply_freed_locked()
-            gone = [k for k, m in self._maps.items() if m.tensors == 0 and not _exists(m, k)]
+            gone = [k for k, m in self._maps.items() if m.idle and not _exists(m, k)]
             for key in gone:
                 _close(self._maps.pop(key))
             self._trim_locked()
@@ -188,7 +205,7 @@ class AdoptedSegments:
         with self._lock:
             self._closed = True
             self._apply_freed_locked()
-            idle = [k for k, m in self._maps.items() if m.tensors == 0]
+            idle = [k for k, m in self._maps.items() if m.idle]
             for key in idle:
                 _close(self._maps.pop(key))
 
