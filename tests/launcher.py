@@ -29,10 +29,11 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from signal import SIGCONT, SIGKILL, SIGTERM
+from signal import SIGCONT, SIGKILL, SIGSTOP, SIGTERM
 
 __all__ = [
     "Daemon",
@@ -46,6 +47,7 @@ __all__ = [
     "set_log_dir",
     "spawn",
     "started",
+    "stop_process",
 ]
 
 _ADDRESS_RE = re.compile(r"((?:\[[0-9A-Fa-f:]+\]|[A-Za-z0-9_.-]+):\d{1,5})")
@@ -169,8 +171,12 @@ class Daemon:
         self._lines.put(None)
 
     def signal(self, sig: int) -> None:
-        """Sends ``sig`` to the daemon itself (not its group), if it still runs."""
+        """Sends ``sig`` to the daemon itself (not its group), if it still runs;
+        SIGSTOP returns once the daemon is stopped (:func:`stop_process`)."""
         if self.proc is not None and self.proc.poll() is None:
+            if sig == SIGSTOP:
+                stop_process(self.proc.pid)
+                return
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.proc.pid, sig)
 
@@ -261,6 +267,45 @@ class LocalCluster(Daemon):
             log_path,
         )
         self.workers = workers
+
+
+# --------------------------------------------------------------------------- stopping
+
+
+def stop_process(pid: int, timeout_s: float = 30.0) -> None:
+    """SIGSTOP to ``pid``, returning once every thread of it is stopped.
+
+    ``kill`` only queues the signal: the process stops when one of its threads
+    handles it, and on a loaded machine that thread may wait for a CPU while
+    the others (a gRPC poller) still answer calls. A test that stops a worker
+    to make a call wait must not send the call before then.
+
+    Raises:
+        AssertionError: some thread still ran after ``timeout_s`` (the process
+            is left stopped-pending, as the caller asked).
+    """
+    os.kill(pid, SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    pause = threading.Event()  # never set: a bounded wait between looks
+    while not _all_threads_stopped(pid):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pid {pid} not stopped {timeout_s:g} s after SIGSTOP")
+        pause.wait(0.001)
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True  # gone: nothing of it runs
+    for task in tasks:
+        try:
+            state = Path(f"/proc/{pid}/task/{task}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, IndexError):
+            continue  # the thread ended
+        if state not in ("T", "t", "Z", "X"):
+            return False
+    return True
 
 
 # --------------------------------------------------------------------------- ports

@@ -16,7 +16,7 @@ import signal
 import pytest
 import torch
 from dashboard_page import ARTIFACTS, fits, set_viewport
-from launcher import free_port
+from launcher import free_port, stop_process
 
 _STUCK_JS = """
 return Array.from(document.querySelectorAll('#stuck .stuck-line')).map(n => n.textContent);
@@ -42,7 +42,7 @@ def test_the_op_timeline_marks_the_rank_the_others_waited_for(browser, fresh_clu
     assert local.owns(slow.pid)
     set_viewport(browser)
     browser.get(f"http://127.0.0.1:{port}/")
-    os.kill(slow.pid, signal.SIGSTOP)
+    stop_process(slow.pid)
     try:
         handle = cluster.all_reduce(name, async_op=True, timeout=60)
 

@@ -27,6 +27,7 @@ from helpers import (
     reduce_oracle,
     wait_until,
 )
+from launcher import stop_process
 
 import collectives
 
@@ -71,7 +72,7 @@ def test_sigkill_follower_survivors_reform(fresh_cluster, gen):
     cluster.put("kept/everywhere", everywhere)
     put_each(cluster, "inflight", [make_input(torch.float32, (1 << 20,), gen) for _ in range(3)])
 
-    os.kill(pid, signal.SIGSTOP)
+    stop_process(pid)
     try:
         handle = cluster.all_reduce("inflight", op="sum", async_op=True, timeout=60)
         assert not handle.done(), "the op finished although a member is stopped"

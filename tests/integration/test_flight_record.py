@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import metrics_endpoints, wait_until
+from launcher import stop_process
 from prometheus_client.parser import text_string_to_metric_families
 
 import collectives
@@ -54,7 +55,7 @@ def test_diagnose_names_a_stopped_follower_and_its_op(fresh_cluster) -> None:
         cluster.put("fr/stuck", torch.full((4,), float(rank)), rank=rank)
     victim = _members(cluster)[2]
     assert local.owns(victim.pid), f"pid {victim.pid} is not one of this cluster's processes"
-    os.kill(victim.pid, signal.SIGSTOP)
+    stop_process(victim.pid)
     try:
         issued = time.monotonic()
         handle = cluster.all_reduce("fr/stuck", op="sum", async_op=True, timeout=60)
@@ -199,7 +200,7 @@ def test_a_rank_made_slow_is_the_straggler(fresh_cluster) -> None:
         # Past the inline bound: the op moves its data and the ranks agree on its outcome.
         cluster.put(name, torch.ones(1 << 18))
         names.append(name)
-        os.kill(slow.pid, signal.SIGSTOP)  # rank 1 reaches the op last
+        stop_process(slow.pid)  # rank 1 reaches the op last
         try:
             handle = cluster.all_reduce(name, async_op=True, timeout=60)
 

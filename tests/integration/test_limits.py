@@ -13,6 +13,7 @@ import grpc
 import pytest
 import torch
 from helpers import CONNECT_TIMEOUT_S, wait_until
+from launcher import stop_process
 
 import collectives
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -204,7 +205,7 @@ def test_sdk_retries_a_full_queue_within_the_generation_and_every_op_runs_once(
     leader = worker_pb2_grpc.WorkerStub(channels[0])
     caplog.set_level(logging.INFO, logger="collectives")
     clients = [collectives.connect(limited_address, timeout=CONNECT_TIMEOUT_S) for _ in names]
-    os.kill(follower_pid, signal.SIGSTOP)
+    stop_process(follower_pid)
     try:
         works = [c.all_reduce(n, async_op=True) for c, n in zip(clients[:3], names, strict=False)]
         wait_until(

@@ -15,6 +15,7 @@ import grpc
 import pytest
 import torch
 from helpers import LEASE_S, OP_TIMEOUT_S, make_input, put_each, wait_until
+from launcher import stop_process
 
 import collectives
 
@@ -48,7 +49,7 @@ def test_a_rank_lost_during_a_ring_exchange_fails_it_everywhere_with_nothing_com
     ]
     put_each(cluster, "ring", inputs)
 
-    os.kill(victim, signal.SIGSTOP)
+    stop_process(victim)
     try:
         handle = cluster.exchange("ring", [(0, 1), (1, 2), (2, 0)], async_op=True, timeout=60)
         assert not handle.done(), "the exchange finished although a member is stopped"

@@ -18,6 +18,7 @@ import grpc
 import pytest
 import torch
 from helpers import CONNECT_TIMEOUT_S, LEASE_S, connect_ready, make_input, wait_until
+from launcher import stop_process
 
 import collectives
 import collectives._data_plane as data_plane
@@ -174,7 +175,7 @@ def test_a_put_across_a_generation_change_lands_on_the_new_ranks(fresh_cluster, 
         except BaseException as exc:  # reported below
             failures.append(exc)
 
-    os.kill(victim, signal.SIGSTOP)
+    stop_process(victim)
     thread = threading.Thread(target=put)
     try:
         thread.start()
