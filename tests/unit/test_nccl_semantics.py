@@ -9,20 +9,21 @@ teardown) over the fake and checks what a rank commits and how it fails.
 
 from __future__ import annotations
 
-import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-from fake_nccl import FakeNcclWorld
+from fake_nccl import NOCOLOR, FakeNcclWorld, split_factory
 from fake_pg import run_ranks
 from handler_world import Cluster, check_collective, inputs, reference
 
 from collectives.reduce_ops import ReduceOp
+from collectives.v1 import worker_pb2
 from collectives.wire.op_specs import OpKind
 from collectives_server.worker.engine.device_completion import CompletingGroup, DeviceTimeout
+from collectives_server.worker.engine.handlers.exchange_ops import DEVICE_P2P_MIN_BYTES
 from collectives_server.worker.engine.op_context import OpResult
 from collectives_server.worker.engine.process_groups import (
     NCCL_ERROR_HANDLING_ENV,
@@ -159,27 +160,18 @@ def _build_on_threads(devices: list[torch.device], world: FakeNcclWorld | None):
     handles or exception."""
     store = dist.HashStore()
     size = len(devices)
-    results: list[object] = [None] * size
     made: list[int] = []
 
-    def nccl(st, rank, n, timeout_s, device):
+    def nccl(st, rank, n, timeout_s, device, split=None):
         made.append(rank)
         assert world is not None, "no NCCL group may be made for this membership"
         return world.raw(rank)
 
-    def body(rank: int) -> None:
-        try:
-            results[rank] = build_groups(store, "g1", rank, size, 10.0, devices[rank], nccl=nccl)
-        except BaseException as exc:
-            results[rank] = exc
+    def build(rank: int, _pg: object) -> object:
+        return build_groups(store, "g1", rank, size, 10.0, devices[rank], nccl=nccl)
 
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not any(t.is_alive() for t in threads), "build_groups did not return"
-    return results, made
+    ranks = SimpleNamespace(size=size, pg=lambda rank: None)
+    return run_ranks(ranks, build), made
 
 
 def test_an_accelerator_group_is_wrapped_and_connected_at_formation() -> None:
@@ -270,3 +262,132 @@ def test_what_nccl_lacks_is_reduced_through_a_path_it_has(op, dtype, large) -> N
     want = reference(op, [xs[r] for r in range(3)])
     for r in range(3):
         assert torch.equal(cl.ctxs[r].store.peek("y"), want), f"rank {r}"
+
+
+# --------------------------------------------------------------- point to point
+def _shift(rank: int, pg, n: int, coalesce: bool, x: torch.Tensor) -> torch.Tensor:
+    """A ring shift: send to the right, receive from the left (as exchange does)."""
+    into = torch.empty_like(x)
+    if coalesce:
+        pg._start_coalescing(CPU)
+    sent = pg.send([x], (rank + 1) % n, 0)
+    got = pg.recv([into], (rank - 1) % n, 0)
+    if coalesce:
+        pg._end_coalescing(CPU).wait()
+    else:
+        sent.wait()
+        got.wait()
+    return into
+
+
+def test_the_fakes_uncoalesced_ring_shift_hangs_and_a_group_call_completes() -> None:
+    """NCCL's stream: blocking sends issued before their receives wait forever for
+    the peers' receives, queued behind the peers' own sends."""
+    xs = inputs([0, 1, 2], torch.float32, (64,), seed=11)
+    hung = FakeNcclWorld(3, CPU, timeout_s=0.3)
+    results = run_ranks(hung, lambda r, pg: _shift(r, pg, 3, False, xs[r]))
+    assert all(isinstance(r, DeviceTimeout) for r in results), results
+    done = FakeNcclWorld(3, CPU)
+    results = run_ranks(done, lambda r, pg: _shift(r, pg, 3, True, xs[r]))
+    for r in range(3):
+        assert torch.equal(results[r], xs[(r - 1) % 3]), r
+
+
+def _exchange_on(data: FakeNcclWorld, pairs, xs):
+    cl = Cluster(data.size, data=data)  # type: ignore[arg-type]
+    cl.put("x", xs)
+    before = [c.copy() for c in data.calls]
+    args = worker_pb2.ExchangeArgs(
+        name="x", out="y", srcs=[s for s, _ in pairs], dsts=[d for _, d in pairs]
+    )
+    results = cl.run(worker_pb2.OpDescriptor(kind=OpKind.EXCHANGE, exchange=args))
+    moved = [c - b for c, b in zip(data.calls, before, strict=True)]
+    return cl, results, moved
+
+
+@pytest.mark.parametrize(
+    "pairs", [[(0, 1), (1, 2), (2, 0)], [(2, 0)], [(0, 1), (0, 2), (1, 0)]], ids=str
+)
+def test_a_large_exchange_moves_on_the_device_in_one_group_call(pairs) -> None:
+    """Above DEVICE_P2P_MIN_BYTES every rank's sends and receive go to the NCCL group
+    in one coalesced launch: a ring shift completes (blocking sends would hang) and
+    each dst holds its src's tensor bit for bit; nothing crosses the control group."""
+    rows = DEVICE_P2P_MIN_BYTES // 4 // 8 + 1  # just above the bound in float32
+    xs = inputs([0, 1, 2], torch.float32, (rows, 8), seed=len(pairs))
+    xs[1] = xs[1].to(torch.float64)  # sources may differ in dtype
+    cl, results, moved = _exchange_on(FakeNcclWorld(3, CPU, timeout_s=2.0), pairs, xs)
+    assert all(isinstance(r, OpResult) for r in results), results
+    for s, d in pairs:
+        assert torch.equal(cl.ctxs[d].store.peek("y"), xs[s]), (s, d)
+    for r in range(3):
+        sends, recvs = sum(s == r for s, _ in pairs), sum(d == r for _, d in pairs)
+        assert (moved[r]["send"], moved[r]["recv"]) == (sends, recvs), (r, moved[r])
+        assert cl.calls[r]["send"] == cl.calls[r]["recv"] == 0, cl.calls[r]
+
+
+def test_a_small_exchange_crosses_the_host_on_the_control_group() -> None:
+    xs = inputs([0, 1, 2], torch.float32, (4, 8), seed=3)
+    pairs = [(0, 1), (1, 2), (2, 0)]
+    cl, results, moved = _exchange_on(FakeNcclWorld(3, CPU, timeout_s=2.0), pairs, xs)
+    assert all(isinstance(r, OpResult) for r in results), results
+    for s, d in pairs:
+        assert torch.equal(cl.ctxs[d].store.peek("y"), xs[s]), (s, d)
+    assert all(m["send"] == m["recv"] == 0 for m in moved), moved
+    assert all(cl.calls[r]["send"] == cl.calls[r]["recv"] == 1 for r in range(3)), cl.calls
+
+
+def test_a_peer_hung_in_a_device_exchange_fails_it_on_every_rank_within_its_timeout() -> None:
+    data = FakeNcclWorld(2, CPU, timeout_s=0.5)
+    data.hang(1)
+    xs = inputs([0, 1], torch.float32, (DEVICE_P2P_MIN_BYTES // 4, 2), seed=9)
+    cl, results, _ = _exchange_on(data, [(0, 1), (1, 0)], xs)
+    assert not any(isinstance(r, OpResult) for r in results), results
+    assert "timed out on the device" in str(results[1]), results[1]
+    assert all(ctx.store.peek("y") is None for ctx in cl.ctxs)
+
+
+# ------------------------------------------------------------------ sub-groups
+def test_a_sub_group_is_split_from_the_world_communicator_and_aborted_on_destroy(
+    seed: int,
+) -> None:
+    """new_group on an NCCL world: every rank takes part in one split of the world's
+    communicator (members with the group's color, the non-member with none), the
+    members' data group is the split's, it carries collectives, and destroy_group
+    aborts it and leaves the world's communicator alone."""
+    data = FakeNcclWorld(3, CPU)
+    cl = Cluster(3, data=data, tcp_store=dist.HashStore(), nccl=split_factory)  # type: ignore[arg-type]
+    made = cl.run(
+        worker_pb2.OpDescriptor(
+            kind=OpKind.NEW_GROUP, group_id=4, new_group=worker_pb2.NewGroupArgs(ranks=[2, 0])
+        )
+    )
+    assert all(isinstance(r, OpResult) for r in made), made
+    assert data.splits == [[4], [NOCOLOR], [4]]
+    (sub,) = data.subs.values()
+    for index, r in enumerate([0, 2]):
+        handles = cl.ctxs[r].groups[4].handles
+        assert isinstance(handles.data, CompletingGroup)
+        assert handles.data.wrapped is sub.raw(index)
+        assert sub.calls[index]["allreduce"] == 1  # connected when made
+    xs = inputs([0, 2], torch.float32, (6, 1 << 14), seed=seed)
+    cl.put("x", xs)
+    results = cl.tensor_op(OpKind.ALL_REDUCE, group_id=4, name="x", out="y", op=0)
+    assert all(isinstance(r, OpResult) for r in results), results
+    for r in (0, 2):
+        assert torch.allclose(cl.ctxs[r].store.peek("y"), xs[0] + xs[2]), r
+    assert cl.ctxs[1].store.peek("y") is None
+    destroyed = cl.run(
+        worker_pb2.OpDescriptor(
+            kind=OpKind.DESTROY_GROUP, destroy_group=worker_pb2.DestroyGroupArgs(group_id=4)
+        )
+    )
+    assert all(isinstance(r, OpResult) for r in destroyed), destroyed
+    assert [s.aborts for s in sub.states] == [1, 1]
+    assert [s.aborts for s in data.states] == [0, 0, 0]
+
+
+def test_a_split_without_every_rank_never_completes() -> None:
+    """The fake holds NCCL to its rule: members splitting alone wait for the rest."""
+    data = FakeNcclWorld(3, CPU, timeout_s=0.3)
+    results = run_ranks(data, lambda r, pg: pg.split(7) if r != 1 else None)
+    assert isinstance(results[0], RuntimeError) and "timed out" in str(results[0]), results

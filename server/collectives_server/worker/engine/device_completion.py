@@ -44,6 +44,7 @@ _ENQUEUING = frozenset(
         "send",
         "recv",
         "barrier",
+        "_end_coalescing",  # a group call's (batch_isend_irecv's) one work
     }
 )
 # Completion polling: starts fine (a small op completes in microseconds), backs off

@@ -8,10 +8,19 @@ rank, after the leader's announcement:
   2. :func:`decide_exchange`, identical everywhere: the operand missing on
      every src (NOT_FOUND) or some (FAILED_PRECONDITION), a dst over its quota
      (RESOURCE_EXHAUSTED): every rank fails together before data moves;
-  3. gloo point to point on the group's ranks: every src sends its stored
-     tensor's raw bytes to each of its dsts, every dst receives into a fresh
-     buffer of its src's dtype and shape (sources may differ), all issued and
-     then waited; raw bytes, so every dtype works;
+  3. point to point on the group's ranks: every src sends its stored tensor's
+     raw bytes to each of its dsts, every dst receives into a fresh buffer of
+     its src's dtype and shape (sources may differ), all issued and then
+     waited; raw bytes, so every dtype works. On a CPU worker this is the gloo
+     data group. On an accelerator (NCCL) group, an exchange whose largest
+     operand reaches :data:`DEVICE_P2P_MIN_BYTES` moves on the device, every
+     rank's sends and receive in one NCCL group call (``batch_isend_irecv``'s
+     coalescing: a ring shift of blocking sends would deadlock on NCCL's
+     stream, and a coalesced launch uses the group's communicator instead of
+     building one per pair); a smaller one crosses the host on the gloo
+     control group, which costs less than an NCCL launch and its completion
+     poll. Every rank decides the road from the exchanged sizes, so both ends of
+     every pair take the same one;
   4. an agreement on every rank's outcome, then each dst commits (nothing in
      place: a failure or a lost rank leaves every stored value as it was).
 A follower dst fences its target before the agreement and lifts the fence once
@@ -20,9 +29,11 @@ committed, like the tensor ops (``store.Fence``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import grpc
 import torch
-import torch.distributed as dist
 
 from collectives.errors import CollectiveError, Reason, error_for_code
 from collectives.v1 import worker_pb2
@@ -38,10 +49,13 @@ from collectives_server.worker.engine.op_context import (
 from collectives_server.worker.engine.validation import PRESENT, OperandInfo, OpError, Plan
 from collectives_server.worker.kernels import op_failures
 
-__all__ = ["run_exchange", "decide_exchange"]
+__all__ = ["DEVICE_P2P_MIN_BYTES", "run_exchange", "decide_exchange"]
 
 Pairs = list[tuple[int, int]]
 _CPU = torch.device("cpu")
+# On an accelerator group, exchanges whose largest operand has at least this many
+# bytes move on the device (NCCL); smaller ones cross the host on the control group.
+DEVICE_P2P_MIN_BYTES = 64 << 10
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -153,12 +167,18 @@ def _move(
         return None, code, message
 
 
-def _data_group(ctx: OpContext, group: GroupEntry) -> dist.ProcessGroup:
-    """The group's gloo group: the data group on CPU workers; on CUDA workers the data
-    group is NCCL, so point to point goes through the (gloo) control group on host
-    copies."""
+def _on_accelerator(group: GroupEntry) -> bool:
+    """Whether the group's data group is an accelerator's (NCCL), not gloo."""
     assert group.handles is not None
-    return group.handles.data if ctx.device.type == "cpu" else group.handles.control
+    name = getattr(group.handles.data, "name", None)
+    return callable(name) and name() != "gloo"
+
+
+def _on_device(group: GroupEntry, pairs: Pairs, infos: list[OperandInfo]) -> bool:
+    """Whether this exchange moves on the accelerator group: the same answer on every
+    rank (it reads only the exchanged infos and the group's backend)."""
+    largest = max((infos[s].nbytes for s, _ in pairs), default=0)
+    return _on_accelerator(group) and largest >= DEVICE_P2P_MIN_BYTES
 
 
 def _send_and_receive(
@@ -169,24 +189,48 @@ def _send_and_receive(
     infos: list[OperandInfo],
     operand: torch.Tensor | None,
 ) -> torch.Tensor | None:
-    pg = _data_group(ctx, group)
+    assert group.handles is not None
+    on_device = _on_device(group, pairs, infos)
+    if on_device:
+        pg, device = group.handles.data, ctx.device
+    elif _on_accelerator(group):
+        pg, device = group.handles.control, _CPU
+    else:
+        pg, device = group.handles.data, _CPU
     tag = desc.op_id & 0x7FFFFFFF
     src = next((s for s, d in pairs if d == ctx.rank), None)
     result: torch.Tensor | None = None
     if src is not None:  # allocated before anything is issued
         info = infos[src]
         assert info.dtype is not None
-        result = ctx.replaced.empty(info.shape, info.dtype, _CPU)
-    works = []
+        result = ctx.replaced.empty(info.shape, info.dtype, device)
+    issues: list[Callable[[], Any]] = []
     if operand is not None and operand.numel():
-        wire = operand.detach().to(_CPU).contiguous().reshape(-1).view(torch.uint8)
+        wire = operand.detach().to(device).contiguous().reshape(-1).view(torch.uint8)
         for s, d in pairs:
             if s == ctx.rank:
-                works.append(pg.send([wire], group.index(d), tag))
+                peer = group.index(d)
+                issues.append(lambda peer=peer: pg.send([wire], peer, tag))
     if src is not None and result is not None and result.numel():
-        works.append(pg.recv([result.reshape(-1).view(torch.uint8)], group.index(src), tag))
-    for work in works:
-        work.wait()
+        into, peer = result.reshape(-1).view(torch.uint8), group.index(src)
+        issues.append(lambda: pg.recv([into], peer, tag))
+    if on_device and issues:
+        for work in _coalesced(pg, device, issues):
+            work.wait()
+    else:
+        for work in [issue() for issue in issues]:
+            work.wait()
     if result is not None and result.device != ctx.device:
         result = result.to(ctx.device)
     return result
+
+
+def _coalesced(pg: Any, device: torch.device, issues: list[Callable[[], Any]]) -> list[Any]:
+    """``issues`` launched as one NCCL group call; the group's one work."""
+    pg._start_coalescing(device)
+    try:
+        for issue in issues:
+            issue()  # in a group call, the launch's work is the one that completes
+    finally:
+        work = pg._end_coalescing(device)
+    return [work]
