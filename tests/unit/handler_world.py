@@ -29,7 +29,7 @@ from collectives_server.worker.engine.op_context import (
     OpContext,
     OpResult,
 )
-from collectives_server.worker.engine.process_groups import GroupHandles
+from collectives_server.worker.engine.process_groups import GroupHandles, NcclFactory
 from collectives_server.worker.models.registry import ModelRegistry
 
 TIMEOUT_S = 5.0
@@ -116,9 +116,11 @@ class Cluster:
         timeout_s: float = TIMEOUT_S,
         limits: dict[int, int] | None = None,
         tcp_store: dist.Store | None = None,
+        nccl: NcclFactory | None = None,
     ) -> None:
         self.world = FakeWorld(size, timeout_s)
         self.data = data or self.world
+        self._nccl = nccl  # what makes the sub-groups of an NCCL-like ``data``
         limits = limits or {}
         self.ctxs = [
             OpContext(
@@ -141,7 +143,7 @@ class Cluster:
         self.calls: list[Counter[str]] = []  # control world calls of the last op, per rank
 
     def _handles(self, rank: int, data: FakeWorld) -> GroupHandles:
-        return GroupHandles(control=self.world.pg(rank), data=data.pg(rank))  # type: ignore[arg-type]
+        return GroupHandles(control=self.world.pg(rank), data=data.pg(rank), nccl=self._nccl)  # type: ignore[arg-type]
 
     def add_group(self, group_id: int, ranks: list[int], data: FakeWorld) -> None:
         for r, ctx in enumerate(self.ctxs):

@@ -15,6 +15,15 @@ The NCCL group is wrapped so that a wait means completion on the device
 all-reduce, so that NCCL's own setup errors surface at formation, not inside
 a client's first op.
 
+A sub-group's NCCL communicator is split from the world's (``ncclCommSplit``,
+as ``dist.new_group`` does when the default group is bound to a device): no
+second bootstrap through the store. The split is collective over the world's
+communicator, so every rank takes part: members with the group's color
+(:class:`Split`, :func:`build_groups`), the others with no color
+(:func:`sit_out_split`). Members split first, before their gloo control group
+is built, so a member that fails afterwards never leaves the others waiting in
+the split. Sub-groups are aborted when destroyed, like every NCCL group.
+
 Every gloo sub-group holds file descriptors and threads on each member until
 the Python object is dropped (``ProcessGroup.shutdown()`` alone frees
 neither; dropping the last reference does). So a generation holds at most
@@ -46,19 +55,33 @@ __all__ = [
     "GroupHandles",
     "MixedDevices",
     "NcclFactory",
+    "Split",
     "build_groups",
     "check_group_cap",
     "check_same_devices",
     "configure_nccl_error_handling",
     "nccl_group",
     "release_groups",
+    "sit_out_split",
+    "split_of",
     "subgroup_count",
 ]
 
 log = logging.getLogger(__name__)
 
-# Makes the data group of a CUDA worker: (store, rank, size, timeout_s, device).
-NcclFactory = Callable[[dist.Store, int, int, float, torch.device], Any]
+
+@dataclass(frozen=True)
+class Split:
+    """What a sub-group's NCCL communicator is split from: the world's communicator
+    (``parent``), with this group's ``color`` and its members' global ``ranks``."""
+
+    parent: Any
+    color: int
+    ranks: tuple[int, ...]
+
+
+# Makes the data group of a CUDA worker: (store, rank, size, timeout_s, device, split).
+NcclFactory = Callable[[dist.Store, int, int, float, torch.device, Split | None], Any]
 
 
 class MixedDevices(RuntimeError):
@@ -69,6 +92,8 @@ class MixedDevices(RuntimeError):
 class GroupHandles:
     control: dist.ProcessGroup
     data: Any  # the control group itself on CPU workers; a CompletingGroup on CUDA
+    # What made the NCCL group (sub-groups of this one are made by it too).
+    nccl: NcclFactory | None = None
 
     def release(self) -> None:
         """Ends the data group's communicator (NCCL: aborted, in-flight kernels too).
@@ -99,15 +124,48 @@ def configure_nccl_error_handling(environ: MutableMapping[str, str]) -> None:
 
 
 def nccl_group(
-    store: dist.Store, rank: int, size: int, timeout_s: float, device: torch.device
+    store: dist.Store,
+    rank: int,
+    size: int,
+    timeout_s: float,
+    device: torch.device,
+    split: Split | None = None,
 ) -> Any:
     """torch's ProcessGroupNCCL on ``device`` (the default :data:`NcclFactory`), with
-    the error handling that keeps this worker alive (:func:`configure_nccl_error_handling`)."""
+    the error handling that keeps this worker alive (:func:`configure_nccl_error_handling`);
+    with ``split``, its communicator is split from the parent's when first used."""
     configure_nccl_error_handling(os.environ)
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = datetime.timedelta(seconds=timeout_s)
+    if split is not None:
+        opts.split_from = split.parent
+        opts.split_color = split.color
+        opts.global_ranks_in_group = list(split.ranks)
     torch.cuda.set_device(device)
     return dist.ProcessGroupNCCL(store, rank, size, opts)
+
+
+def _split_parent(world: GroupHandles) -> Any | None:
+    """The world's NCCL communicator when sub-groups can be split from it."""
+    if not isinstance(world.data, CompletingGroup):
+        return None  # gloo: every group is its own
+    parent = world.data.wrapped
+    return parent if getattr(parent, "supports_splitting", False) else None
+
+
+def split_of(world: GroupHandles, group_id: int, ranks: list[int]) -> Split | None:
+    """How a member makes sub-group ``group_id`` of ``ranks`` (global) from the world's
+    handles: split from its NCCL communicator, the group id as color; None on gloo."""
+    parent = _split_parent(world)
+    return None if parent is None else Split(parent, group_id & 0x7FFFFFFF, tuple(ranks))
+
+
+def sit_out_split(world: GroupHandles, device: torch.device) -> None:
+    """A rank outside a new sub-group takes part in its split (no color), as NCCL
+    requires of every rank of the parent communicator; nothing on gloo."""
+    parent = _split_parent(world)
+    if parent is not None:
+        parent.perform_nocolor_split(device)
 
 
 # Device kinds as exchanged at formation; any other accelerator type is "other"
@@ -170,25 +228,54 @@ def build_groups(
     device: torch.device,
     host: str | None = None,
     nccl: NcclFactory = nccl_group,
+    split: Split | None = None,
 ) -> GroupHandles:
     """Blocks until every rank of the group has joined (or ``timeout_s`` passes).
+
+    ``split``: a sub-group of an accelerator world, split from the world's NCCL
+    communicator (its devices were checked when the world formed).
 
     Raises:
         MixedDevices: the members do not share a data backend, or share a GPU.
     """
+    if split is not None:
+        data = _connected_nccl(tcp_store, prefix, rank, size, timeout_s, device, nccl, split)
+        try:
+            control = _gloo(
+                dist.PrefixStore(f"{prefix}/ctl", tcp_store), rank, size, timeout_s, host
+            )
+        except BaseException:
+            data.abort()
+            raise
+        return GroupHandles(control, data, nccl)
     control = _gloo(dist.PrefixStore(f"{prefix}/ctl", tcp_store), rank, size, timeout_s, host)
     check_same_devices(control, rank, size, device)
     if device.type == "cpu":
         return GroupHandles(control, control)
-    raw = nccl(dist.PrefixStore(f"{prefix}/nccl", tcp_store), rank, size, timeout_s, device)
+    data = _connected_nccl(tcp_store, prefix, rank, size, timeout_s, device, nccl, None)
+    return GroupHandles(control, data, nccl)
+
+
+def _connected_nccl(
+    tcp_store: dist.Store,
+    prefix: str,
+    rank: int,
+    size: int,
+    timeout_s: float,
+    device: torch.device,
+    nccl: NcclFactory,
+    split: Split | None,
+) -> CompletingGroup:
+    """The NCCL data group, wrapped and connected now (a split happens here): NCCL's
+    setup errors belong to formation."""
+    raw = nccl(dist.PrefixStore(f"{prefix}/nccl", tcp_store), rank, size, timeout_s, device, split)
     data = CompletingGroup(raw, timeout_s)
-    handles = GroupHandles(control, data)
-    try:  # connect now: NCCL's setup errors belong to formation
+    try:
         data.allreduce([torch.zeros(1, device=device)]).wait()
     except BaseException:
-        handles.release()
+        data.abort()
         raise
-    return handles
+    return data
 
 
 def release_groups(groups: dict) -> None:

@@ -2,8 +2,9 @@
 
 Like ``dist.new_group``, creating a group is collective over the whole world:
 members build their gloo (and NCCL) groups under a store prefix of this
-generation's, non-members only record the membership, and every rank agrees on
-the outcome before the group becomes usable. Groups live as long as the
+generation's, non-members record the membership (and, on accelerator workers,
+take part in the split of the world's NCCL communicator), and every rank agrees
+on the outcome before the group becomes usable. Groups live as long as the
 generation (and its epoch) they were made in, or until ``destroy_group``; at most
 ``ctx.max_groups``.
 
@@ -32,6 +33,9 @@ from collectives_server.worker.engine.op_context import (
 from collectives_server.worker.engine.process_groups import (
     build_groups,
     check_group_cap,
+    nccl_group,
+    sit_out_split,
+    split_of,
     subgroup_count,
 )
 from collectives_server.worker.kernels import op_failures
@@ -50,17 +54,24 @@ def run_new_group(
         check_group_cap(subgroup_count(ctx.groups), ctx.max_groups, ctx.generation)
     except ResourceExhausted as exc:
         code, message = exc.code, exc.message
-    if ctx.rank in ranks and code == grpc.StatusCode.OK:
+    world = ctx.groups[0].handles
+    assert world is not None
+    if code == grpc.StatusCode.OK:
         try:
-            handles = build_groups(
-                ctx.tcp_store,
-                f"{ctx.prefix}/grp{desc.group_id}",
-                ranks.index(ctx.rank),
-                len(ranks),
-                ctx.timeout_s,
-                ctx.device,
-                ctx.host,
-            )
+            if ctx.rank in ranks:
+                handles = build_groups(
+                    ctx.tcp_store,
+                    f"{ctx.prefix}/grp{desc.group_id}",
+                    ranks.index(ctx.rank),
+                    len(ranks),
+                    ctx.timeout_s,
+                    ctx.device,
+                    ctx.host,
+                    nccl=world.nccl or nccl_group,
+                    split=split_of(world, desc.group_id, ranks),
+                )
+            else:
+                sit_out_split(world, ctx.device)
         except Exception as exc:
             code = grpc.StatusCode.UNAVAILABLE
             message = f"could not build group: {op_failures.backend_message(exc)}"
