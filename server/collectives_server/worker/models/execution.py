@@ -33,11 +33,18 @@ from collectives_server.worker.models.registry import HostedModel, ModelRegistry
 __all__ = ["forward", "backward", "release", "run_on_devices"]
 
 
-def run_on_devices(model: HostedModel, module: nn.Module, args: tuple, kwargs: dict) -> Any:
-    """``module(*args, **kwargs)`` over every local device of ``model`` (split by
-    ``nn.parallel.data_parallel`` when it has several GPUs): the one way a forward and a
-    train_step run the model."""
+def run_on_devices(
+    model: HostedModel, module: nn.Module, args: tuple, kwargs: dict, reads_only: bool = False
+) -> Any:
+    """``module(*args, **kwargs)`` over every local device of ``model`` when it has
+    several GPUs: the one way a forward and a train_step run the model. A call that
+    only reads the model (``reads_only``: no autograd, eval mode) runs on its kept
+    copies (:mod:`device_replicas`); one that records a graph or runs in train mode
+    through ``nn.parallel.data_parallel``, which copies the weights per call so that
+    gradients and buffers reach the module's own."""
     devices = model.devices
+    if reads_only and model.replicas is not None and not torch.is_grad_enabled():
+        return model.replicas.run(module, args, kwargs)
     if len(devices) > 1 and all(d.type == "cuda" for d in devices):
         return nn.parallel.data_parallel(
             module,
@@ -67,7 +74,8 @@ def _call(
     with torch.set_grad_enabled(grad_enabled):
         try:
             with model_modes.restoring_buffers(model.module, training):
-                return run_on_devices(model, module, args, kwargs)
+                reads_only = not grad_enabled and not training
+                return run_on_devices(model, module, args, kwargs, reads_only)
         except (RuntimeError, TypeError, ValueError, IndexError) as exc:
             raise InvalidArgument(
                 inputs_mismatch(name, args, kwargs, module, model.module)

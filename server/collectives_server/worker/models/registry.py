@@ -31,6 +31,7 @@ from collectives_server.json_input import parse_json_object
 from collectives_server.worker.data.store import Reservation, TensorStore
 from collectives_server.worker.models import modes as model_modes
 from collectives_server.worker.models.batching import Batcher
+from collectives_server.worker.models.device_replicas import DeviceReplicas
 from collectives_server.worker.models.model_lock import ModelLock
 
 __all__ = ["ModelRegistry", "HostedModel", "ModelDefinition", "RetainedGraph", "GradArena"]
@@ -222,11 +223,16 @@ class HostedModel:
     # built for (a publish may replace them): model_modes.for_mode's graphs.
     _runnables: dict[bool, tuple[tuple[int, ...], nn.Module]] = field(default_factory=dict)
     _switched_plain: tuple[int, bool] | None = None  # (id of module, the mode set on it)
+    # The module's kept copies on each local GPU, for forwards that only read it
+    # (None: one device, or not all GPUs).
+    replicas: DeviceReplicas | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if self.training is None:
             self.training = model_modes.captured_mode(self.module)
         self.batch_statistics = model_modes.uses_batch_statistics(self.module)
+        if len(self.devices) > 1 and all(d.type == "cuda" for d in self.devices):
+            self.replicas = DeviceReplicas([d.index for d in self.devices])
 
     def runnable(self, training: bool | None = None) -> nn.Module:
         """The module to call in ``training`` mode (None: the recorded mode). The
