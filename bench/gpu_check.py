@@ -4,11 +4,15 @@
     python -m bench.gpu_check --cpu     # the same checks on CPU workers (gloo)
 
 For a 1-rank and a 2-rank NCCL world (as many GPUs as there are, up to 2), in
-order: put/get on every rank; every collective at 4 B, 1 MiB and 64 MiB against
-what torch computes locally on the same inputs, timed beside plain
-``torch.distributed`` on the same backend in the same run; a forward and a
+order: put/get on every rank; every collective, and with 2 ranks a ring shift
+(``exchange``, point to point), at 4 B, 1 MiB and 64 MiB against what torch
+computes locally on the same inputs, timed beside plain ``torch.distributed``
+on the same backend in the same run; sub-groups (split from the world's
+communicator) carrying an all_reduce and destroyed; a forward and a
 ``train_step`` of an exported model with ``arange`` and a tensor constant,
-against the same model run locally. With 2 GPUs, a peer killed in the middle of
+against the same model run locally. With 2 GPUs, one worker on both GPUs
+serving eval forwards from its kept copies of a model across publishes; a peer
+killed in the middle of
 a 64 MiB all_reduce: the time until the survivor serves again, then the
 restarted worker rejoining and receiving the model from its peer. Prints one
 table; exits 1 on any wrong result.
@@ -36,7 +40,14 @@ import collectives
 from .core import MiB, Stat, local_cluster, measure
 
 SIZES = (4, MiB, 64 * MiB)
-OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all")
+OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "ring_shift")
+
+
+def ops_for(world: int) -> tuple[str, ...]:
+    """The ops a world of ``world`` ranks runs (a ring shift needs two)."""
+    return OPS if world > 1 else OPS[:-1]
+
+
 REPEATS = 10
 TIMEOUT_S = 120.0
 
@@ -71,6 +82,8 @@ def expected(op: str, parts: list[torch.Tensor], rank: int) -> torch.Tensor:
         return torch.stack(parts)
     if op == "reduce_scatter":
         return sum(parts[1:], parts[0]).chunk(world)[rank]
+    if op == "ring_shift":
+        return parts[(rank - 1) % world]
     return torch.cat([p.chunk(world)[rank] for p in parts])  # all_to_all
 
 
@@ -79,6 +92,9 @@ def run_op(cluster: collectives.Cluster, op: str, name: str) -> None:
     kwargs = {"timeout": TIMEOUT_S}
     if op == "broadcast":
         cluster.broadcast(name, src=0, **kwargs)
+    elif op == "ring_shift":  # exchange: every rank sends right, as batch_isend_irecv
+        world = cluster.world_size
+        cluster.exchange(name, [(r, (r + 1) % world) for r in range(world)], out=out, **kwargs)
     else:
         getattr(cluster, op)(name, out=out, **kwargs)
 
@@ -87,7 +103,7 @@ def check_collectives(cluster: collectives.Cluster, world: int, failures: list[s
     """Service timings per (op, bytes); every result checked against torch."""
     gen = torch.Generator().manual_seed(world)
     timings = {}
-    for op in OPS:
+    for op in ops_for(world):
         for nbytes in SIZES:
             parts = [torch.randn(numel(nbytes, world), generator=gen) for _ in range(world)]
             name = f"gpucheck/{op}/{nbytes}"
@@ -105,6 +121,26 @@ def check_collectives(cluster: collectives.Cluster, world: int, failures: list[s
     return timings
 
 
+def check_sub_groups(cluster: collectives.Cluster, world: int, failures: list[str]) -> None:
+    """Sub-groups (split from the world's communicator on NCCL, a rank outside taking
+    part): each carries an all_reduce checked against torch, then is destroyed."""
+    gen = torch.Generator().manual_seed(100 + world)
+    for ranks in sorted({(world - 1,), tuple(range(world))}):
+        group = cluster.new_group(list(ranks), timeout=TIMEOUT_S)
+        parts = {r: torch.randn(numel(MiB, world), generator=gen) for r in ranks}
+        for rank, part in parts.items():
+            cluster.put("gpucheck/sub", part, rank=rank, timeout=TIMEOUT_S)
+        cluster.all_reduce("gpucheck/sub", out="gpucheck/sub/out", group=group, timeout=TIMEOUT_S)
+        want = sum(parts.values(), torch.zeros_like(parts[ranks[0]]))
+        for rank in ranks:
+            got = cluster.get("gpucheck/sub/out", rank=rank, timeout=TIMEOUT_S)
+            if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+                failures.append(f"all_reduce on sub-group {list(ranks)}: rank {rank} differs")
+        cluster.destroy_group(group, timeout=TIMEOUT_S)
+        for name in ("gpucheck/sub", "gpucheck/sub/out"):
+            cluster.delete(name, missing_ok=True)
+
+
 def _direct_rank(rank: int, world: int, port: int, backend: str, results) -> None:
     """Plain torch.distributed on ``backend``: the anchor, timed like the service."""
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timedelta(seconds=TIMEOUT_S))
@@ -113,7 +149,8 @@ def _direct_rank(rank: int, world: int, port: int, backend: str, results) -> Non
         torch.cuda.set_device(device)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     out = {}
-    for op in OPS:
+    right, left = (rank + 1) % world, (rank - 1) % world
+    for op in ops_for(world):
         for nbytes in SIZES:
             t = torch.randn(numel(nbytes, world), device=device)
             gathered = torch.empty(world * t.numel(), device=device)
@@ -127,6 +164,11 @@ def _direct_rank(rank: int, world: int, port: int, backend: str, results) -> Non
                     dist.all_gather_into_tensor(gathered, t)
                 elif op == "reduce_scatter":
                     dist.reduce_scatter_tensor(t[: t.numel() // world], t)
+                elif op == "ring_shift":
+                    into = torch.empty_like(t)
+                    shift = [dist.P2POp(dist.isend, t, right), dist.P2POp(dist.irecv, into, left)]
+                    for work in dist.batch_isend_irecv(shift):
+                        work.wait()
                 else:
                     dist.all_to_all_single(torch.empty_like(t), t)
                 if backend == "nccl":
@@ -188,6 +230,29 @@ def check_model(cluster: collectives.Cluster, world: int, failures: list[str]) -
         want = float(nn.functional.mse_loss(model(x), y))
     if abs(float(loss) - want) > 1e-4 * max(1.0, abs(want)):
         failures.append(f"train_step loss {float(loss)} on {world} rank(s), torch says {want}")
+
+
+def check_two_gpu_worker(failures: list[str]) -> None:
+    """One worker on two GPUs: eval forwards run on its kept copies of the model, which
+    must follow a publish of new weights (a stale copy would serve the old ones)."""
+    devices = "cpu" if not torch.cuda.is_available() else "cuda:0,cuda:1"
+    with (
+        local_cluster(1, "--devices", devices, "--allow-model-upload") as address,
+        collectives.connect(address, timeout=TIMEOUT_S) as cluster,
+    ):
+        torch.manual_seed(11)
+        model = ArangeModel().eval()
+        x = torch.randn(16, 8)
+        cluster.load_model("gpucheck/model2", model, example_inputs=(x[:2],), timeout=TIMEOUT_S)
+        dp = cluster.data_parallel("gpucheck/model2", timeout=TIMEOUT_S)
+        for step in range(3):
+            with torch.no_grad():
+                for _ in range(2):  # the second forward reuses the copies
+                    if not torch.allclose(dp(x), model(x), rtol=1e-4, atol=1e-5):
+                        failures.append(f"two-GPU worker: forward after {step} publish(es) differs")
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p))
+            cluster.publish("gpucheck/model2", model.state_dict(), timeout=TIMEOUT_S)
 
 
 def check_kill_and_rejoin(address: str, failures: list[str]) -> dict:
@@ -273,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not torch.equal(cluster.get("gpucheck/pg", rank=rank), t):
                     failures.append(f"put/get on rank {rank} of {world} returned other bytes")
             service = check_collectives(cluster, world, failures)
+            check_sub_groups(cluster, world, failures)
             check_model(cluster, world, failures)
         anchor = direct_timings(world, backend)
         for (op, nbytes), stat in service.items():
@@ -280,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((f"{op} {size}, {world} rank(s)", stat, anchor.get((op, nbytes))))
     recovery = {}
     if gpus >= 2:
+        check_two_gpu_worker(failures)
         devices = "cpu" if args.cpu else "cuda:0,cuda:1"
         flags = ("--devices", devices, "--allow-model-upload", "--min-workers", "1")
         with local_cluster(2, *flags, "--max-restarts", "1") as address:
