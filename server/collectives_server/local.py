@@ -14,6 +14,10 @@ the very binaries that production runs one per host, as children of one supervis
   started again (same flags, same metrics port), as torchrun restarts a failed
   worker; the new process rejoins as a newcomer and the cluster re-forms at full
   size. Each slot is restarted at most ``max_restarts`` times;
+* workers are forked from one interpreter that imported them once
+  (:mod:`preloaded_workers`), so starting or restarting one costs a fork, not a
+  fresh import of torch; ``preload=False`` (or another ``python``) starts each as
+  ``python -m collectives_server worker``;
 * :meth:`LocalCluster.stop` sends SIGTERM to the workers, then the coordinator,
   waits within one deadline and SIGKILLs what is left.
 
@@ -38,6 +42,7 @@ from types import TracebackType
 from typing import Any
 
 from collectives_server.cli.common import PARENT_PID_ENV
+from collectives_server.preloaded_workers import PreloadedProcess, PreloadedWorkers, available
 
 __all__ = ["Child", "LocalCluster", "assign_devices"]
 
@@ -52,7 +57,7 @@ class Child:
     """One supervised child process and what it printed first (its address)."""
 
     name: str
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[bytes] | PreloadedProcess
     address: str | None = None
     returncode: int | None = None
     first_line: threading.Event = field(default_factory=threading.Event)
@@ -159,6 +164,7 @@ class LocalCluster:
         on_exit: Callable[[Child], None] | None = None,
         python: str = sys.executable,
         max_restarts: int = 0,
+        preload: bool = True,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -199,6 +205,7 @@ class LocalCluster:
         self._die_with_parent = die_with_parent
         self._on_exit = on_exit
         self._python = python
+        self._preloaded = PreloadedWorkers(python) if preload and available(python) else None
         self._stopping = False
         # Serialises restarts against stop(): no worker is started once stopping.
         self._lock = threading.Lock()
@@ -280,6 +287,8 @@ class LocalCluster:
                 log.warning("%s (pid %d) ignored SIGTERM; killing it", child.name, child.pid)
                 _signal(child, signal.SIGKILL)
                 child.exited.wait(5.0)
+        if self._preloaded is not None:
+            self._preloaded.close()
         if self._owned_token_file is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self._owned_token_file)
@@ -324,7 +333,7 @@ class LocalCluster:
         return self.coordinator.process if self.coordinator else None
 
     @property
-    def worker_processes(self) -> list[subprocess.Popen[bytes]]:
+    def worker_processes(self) -> list[subprocess.Popen[bytes] | PreloadedProcess]:
         return [c.process for c in self.worker_children]
 
     def worker_addresses(self, timeout_s: float = 60.0) -> list[str]:
@@ -368,7 +377,9 @@ class LocalCluster:
     def _children(self) -> list[Child]:
         return [*self.worker_children, *([self.coordinator] if self.coordinator else [])]
 
-    def _spawn(self, name: str, args: list[str], threads: int | None = None) -> Child:
+    def _spawn(
+        self, name: str, args: list[str], threads: int | None = None, preloaded: bool = False
+    ) -> Child:
         env = dict(os.environ)
         if threads is not None:
             # Like torchrun: workers sharing a host share its cores, unless the user
@@ -377,13 +388,17 @@ class LocalCluster:
             env.setdefault("OMP_NUM_THREADS", str(threads))
         if self._die_with_parent:
             env[PARENT_PID_ENV] = str(os.getpid())
-        process = subprocess.Popen(
-            [self._python, "-m", "collectives_server", *args],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=None,  # passes through to ours
-            env=env,
-        )
+        process: subprocess.Popen[bytes] | PreloadedProcess
+        if preloaded and self._preloaded is not None:
+            process = self._preloaded.start(args, env, name)
+        else:
+            process = subprocess.Popen(
+                [self._python, "-m", "collectives_server", *args],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=None,  # passes through to ours
+                env=env,
+            )
         child = Child(name=name, process=process)
         tag = name.replace(" ", "-")
         threading.Thread(target=self._read, args=(child,), name=f"{tag}-out", daemon=True).start()
@@ -406,7 +421,10 @@ class LocalCluster:
 
     def _spawn_worker(self, slot: int) -> Child:
         child = self._spawn(
-            f"worker {slot}", self._slot_args[slot], threads=_threads_per_worker(self.workers)
+            f"worker {slot}",
+            self._slot_args[slot],
+            threads=_threads_per_worker(self.workers),
+            preloaded=True,
         )
         child.slot = slot
         return child

@@ -54,6 +54,25 @@ def children_of(pid: int) -> set[int]:
     return found
 
 
+def descendants_of(pid: int) -> set[int]:
+    """Every process below ``pid`` (the workers are the worker zygote's children)."""
+    found, frontier = set(), {pid}
+    while frontier:
+        below = set().union(*(children_of(p) for p in frontier if Path(f"/proc/{p}").exists()))
+        frontier = below - found
+        found |= below
+    return found
+
+
+def the_coordinator_of(launcher_pid: int) -> int:
+    (pid,) = (
+        p
+        for p in children_of(launcher_pid)
+        if b"coordinator" in Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
+    )
+    return pid
+
+
 def gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -71,8 +90,9 @@ def test_worker_death_is_survived_and_sigterm_stops_everything(tmp_path: Path) -
         ready = watch_until(
             launcher.address, lambda c: c.ready and c.world_size == 2, "a ready cluster of 2"
         )
-        kids = children_of(launcher.proc.pid)
-        assert len(kids) == 3  # coordinator + 2 workers
+        kids = descendants_of(launcher.proc.pid)
+        # the coordinator, the worker zygote and the 2 workers it forked
+        assert len(kids) == 4 and {w.pid for w in ready.workers} <= kids, kids
         victim = ready.workers[1]
         os.kill(victim.pid, signal.SIGKILL)
         watch_until(
@@ -97,7 +117,7 @@ def test_launcher_exits_nonzero_when_the_coordinator_dies(tmp_path: Path) -> Non
         assert launcher.proc is not None
         ready = watch_until(launcher.address, lambda c: c.ready, "a ready cluster of 1")
         worker_pid = ready.workers[0].pid
-        (coordinator_pid,) = children_of(launcher.proc.pid) - {worker_pid}
+        coordinator_pid = the_coordinator_of(launcher.proc.pid)
         os.kill(coordinator_pid, signal.SIGKILL)
         assert launcher.proc.wait(timeout=30) == 1, launcher.log_tail()
         assert gone(worker_pid)

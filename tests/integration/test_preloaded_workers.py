@@ -1,0 +1,43 @@
+"""Workers forked from the preloaded zygote behave as ``Popen`` children would: standard
+output on the pipe, exit codes (negative for a signal), and nothing left when closed."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from helpers import wait_until
+
+from collectives_server.preloaded_workers import PreloadedWorkers
+
+
+@pytest.fixture
+def workers():
+    zygotes = PreloadedWorkers()
+    yield zygotes
+    zygotes.close()
+
+
+def test_output_and_exit_codes_are_a_processs(workers: PreloadedWorkers) -> None:
+    helped = workers.start(["worker", "--help"], dict(os.environ))
+    assert helped.wait(60) == 0
+    assert b"--coordinator" in helped.stdout.read()
+    refused = workers.start(["worker", "--no-such-flag"], dict(os.environ))
+    assert refused.wait(60) == 2
+
+
+def test_a_signal_is_a_negative_code_and_close_ends_the_zygote(
+    workers: PreloadedWorkers,
+) -> None:
+    # A worker whose coordinator never answers keeps trying: it stays up until killed.
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    waiting = workers.start(["worker", "--coordinator", "127.0.0.1:9", "--port", "0"], env)
+    assert waiting.poll() is None
+    zygote = workers.zygote_pid
+    assert zygote is not None and Path(f"/proc/{waiting.pid}").exists()
+    waiting.send_signal(signal.SIGKILL)
+    assert waiting.wait(30) == -signal.SIGKILL
+    workers.close()
+    wait_until(lambda: not Path(f"/proc/{zygote}").exists(), 10, "the zygote to be reaped")
