@@ -31,7 +31,7 @@ help:
 	@echo "make fault        the fault-injection suite and the soak alone (COLLECTIVES_SOAK_S=40)"
 	@echo "make soak         the many-clients model test, long (SOAK_EXAMPLES=200 examples of 60 steps)"
 	@echo "make bench        the benchmark table: every figure beside its anchor (full sizes, minutes)"
-	@echo "make bench-quick  the same at small sizes (< 2 min; CI runs it); tables in artifacts/"
+	@echo "make bench-quick  the same at small sizes (< 3 min); tables in artifacts/"
 	@echo "make gpu-check    the GPU paths end to end on this machine's GPUs (one line and exit 0 without one)"
 	@echo "make install      create $(VENV) with the pinned dependencies (done by every target)"
 	@echo "make lint         ruff check + ruff format --check"
