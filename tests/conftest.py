@@ -28,7 +28,7 @@ if os.environ.get("COLLECTIVES_TEST_GPU") != "1":
 import pytest
 import torch
 from helpers import CLUSTER_FLAGS, connect_ready, internal_lines, worker_token_file
-from launcher import LocalCluster, set_log_dir
+from launcher import LocalCluster, close_zygote, set_log_dir
 from skip_groups import skip_summary
 
 # Random inputs differ per run; set COLLECTIVES_TEST_SEED to replay a run.
@@ -247,3 +247,11 @@ def fresh_cluster(tmp_path: Path) -> Iterator[Callable[..., tuple[LocalCluster, 
             client.close()
         local.stop()
     _assert_no_internal([local for local, _ in owned])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _worker_zygote() -> Iterator[None]:
+    """This process's worker zygote (tests/launcher.py) ends after every fixture that
+    started workers from it, before the run's leftover check would find it."""
+    yield
+    close_zygote()

@@ -2,7 +2,9 @@
 
 Every daemon a test starts (a coordinator, a worker, a ``local`` launcher with
 its children) is a :class:`Daemon`: ``python -m collectives_server ARGS`` in a
-process group of its own, its standard error in a log under the session's
+process group of its own (a worker forked from this test process's preloaded
+worker zygote, as ``local`` forks its workers: :mod:`preloaded_workers`, ended by
+:func:`close_zygote` at the session's end), its standard error in a log under the session's
 temporary directory, its first line of standard output (its address) read
 with a deadline and the rest drained. :class:`LocalCluster` is the ``local``
 launcher as a daemon. The fault harness, the formation stress test and the
@@ -35,7 +37,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from signal import SIGCONT, SIGKILL, SIGSTOP, SIGTERM
 
+from collectives_server.preloaded_workers import PreloadedProcess, PreloadedWorkers, available
+
 __all__ = [
+    "close_zygote",
     "Daemon",
     "DaemonExited",
     "LocalCluster",
@@ -82,6 +87,30 @@ def server_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "collectives_server", *args]
 
 
+_ZYGOTE: list[PreloadedWorkers] = []
+
+
+def _zygote() -> PreloadedWorkers:
+    if not _ZYGOTE:
+        _ZYGOTE.append(PreloadedWorkers())
+    return _ZYGOTE[0]
+
+
+def close_zygote() -> None:
+    """Ends this process's worker zygote, if it started one (its workers are stopped)."""
+    while _ZYGOTE:
+        _ZYGOTE.pop().close()
+
+
+def _worker_args(argv: Sequence[str]) -> list[str] | None:
+    """``ARGS`` of a ``collectives-server worker ARGS`` command line that the zygote can
+    fork; None for any other command."""
+    head = server_argv()
+    if list(argv[: len(head)]) == head and argv[len(head) : len(head) + 1] == ["worker"]:
+        return list(argv[len(head) :]) if available(sys.executable) else None
+    return None
+
+
 class Daemon:
     """A daemon (``argv``, usually :func:`server_argv`) as a child in its own process
     group.
@@ -102,7 +131,7 @@ class Daemon:
         self.argv = list(argv)
         self.log_path = log_path or log_dir() / f"{name}-{uuid.uuid4().hex[:8]}.log"
         self.env = env
-        self.proc: subprocess.Popen[str] | None = None
+        self.proc: subprocess.Popen[str] | PreloadedProcess | None = None
         self.address = ""
         self._lines: queue.Queue[str | None] = queue.Queue()
 
@@ -122,18 +151,25 @@ class Daemon:
         then start at once, and each be waited for)."""
         env = dict(os.environ if self.env is None else self.env)
         env["PYTHONUNBUFFERED"] = "1"
+        worker = _worker_args(self.argv)
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-                env=env,
-                # Own process group: stop() ends the daemon and every child it
-                # started, and nothing else.
-                start_new_session=True,
-            )
+            if worker is not None:
+                # Own session too: stop() ends the daemon and every child it started.
+                self.proc = _zygote().start(
+                    worker, env, self.name, stderr=log.fileno(), new_session=True
+                )
+            else:
+                self.proc = subprocess.Popen(
+                    self.argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    text=True,
+                    env=env,
+                    # Own process group: stop() ends the daemon and every child it
+                    # started, and nothing else.
+                    start_new_session=True,
+                )
         _STARTED.append(self)
         threading.Thread(target=self._drain, name=f"drain-{self.name}", daemon=True).start()
 
@@ -167,7 +203,8 @@ class Daemon:
     def _drain(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
         for line in self.proc.stdout:
-            self._lines.put(line.strip())
+            text = line.decode(errors="replace") if isinstance(line, bytes) else line
+            self._lines.put(text.strip())
         self._lines.put(None)
 
     def signal(self, sig: int) -> None:

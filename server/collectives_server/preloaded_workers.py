@@ -38,7 +38,7 @@ import subprocess
 import sys
 import threading
 import traceback
-from typing import IO
+from typing import IO, NoReturn
 
 from collectives_server.cli.common import PARENT_PID_ENV
 
@@ -115,8 +115,17 @@ class PreloadedWorkers:
         """The zygote's pid once started (None before the first worker)."""
         return self._zygote.pid if self._zygote is not None else None
 
-    def start(self, args: list[str], env: dict[str, str], name: str = "worker") -> PreloadedProcess:
-        """``collectives-server ARGS`` (a worker) with exactly ``env`` as its environment.
+    def start(
+        self,
+        args: list[str],
+        env: dict[str, str],
+        name: str = "worker",
+        stderr: int | None = None,
+        new_session: bool = False,
+    ) -> PreloadedProcess:
+        """``collectives-server ARGS`` (a worker) with exactly ``env`` as its environment;
+        its standard error on the descriptor ``stderr`` (None: the zygote's, which is
+        this process's), in a session and process group of its own if ``new_session``.
 
         Raises:
             RuntimeError: the zygote could not be started or has ended.
@@ -125,8 +134,9 @@ class PreloadedWorkers:
         try:
             with self._lock:
                 sock = self._running()
-                request = json.dumps({"args": args, "env": env}).encode()
-                socket.send_fds(sock, [request], [write_fd])
+                request = {"args": args, "env": env, "new_session": new_session}
+                fds = [write_fd] if stderr is None else [write_fd, stderr]
+                socket.send_fds(sock, [json.dumps(request).encode()], fds)
                 if not self._answered.wait_for(lambda: self._started or self._ended, 60.0):
                     raise RuntimeError(f"the worker zygote did not start {name} within 60 s")
                 if not self._started:
@@ -242,7 +252,7 @@ def _serve(sock: socket.socket) -> None:
                     _report_exits(sock)
                     continue
                 try:
-                    message, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 1)
+                    message, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 2)
                 except OSError:
                     message, fds = b"", []
                 if not message:
@@ -250,7 +260,7 @@ def _serve(sock: socket.socket) -> None:
                 request = json.loads(message)
                 pid = os.fork()
                 if pid == 0:
-                    _become_worker(sock, (wake_r, wake_w), request["args"], request["env"], fds[0])
+                    _become_worker(sock, (wake_r, wake_w), request, fds)
                 for fd in fds:
                     os.close(fd)
                 sock.send(_STARTED + str(pid).encode())
@@ -271,10 +281,11 @@ def _report_exits(sock: socket.socket) -> None:
 
 
 def _become_worker(
-    sock: socket.socket, wake: tuple[int, int], args: list[str], env: dict[str, str], out: int
-) -> None:
-    """In the forked child: standard output to the pipe, ``env`` as the environment,
-    then ``collectives-server ARGS`` as ``python -m collectives_server`` would run it."""
+    sock: socket.socket, wake: tuple[int, int], request: dict, fds: list[int]
+) -> NoReturn:
+    """In the forked child: standard output to the pipe (``fds[0]``), standard error to
+    ``fds[1]`` if given, the request's environment, then ``collectives-server ARGS`` as
+    ``python -m collectives_server`` would run it."""
     code = 1
     try:
         sock.close()
@@ -283,8 +294,12 @@ def _become_worker(
             os.close(fd)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        os.dup2(out, 1)
-        os.close(out)
+        if request["new_session"]:
+            os.setsid()
+        for target, fd in zip((1, 2), fds, strict=False):
+            os.dup2(fd, target)
+            os.close(fd)
+        args, env = request["args"], request["env"]
         sys.stdout = open(1, "w", buffering=1, encoding="utf-8", closefd=False)  # noqa: SIM115
         os.environ.clear()
         os.environ.update(env)
@@ -304,11 +319,9 @@ def _become_worker(
     except BaseException:  # a worker's crash, reported as a process's would be
         traceback.print_exc()
         code = 1
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code)
+    # Unwinds the zygote's loop in this child only: the interpreter then exits as a
+    # fresh one would (standard streams flushed, atexit handlers, threads joined).
+    raise SystemExit(code)
 
 
 def main() -> None:
