@@ -32,6 +32,7 @@ import contextlib
 import json
 import os
 import selectors
+import shlex
 import signal
 import socket
 import subprocess
@@ -39,6 +40,8 @@ import sys
 import threading
 import traceback
 from typing import IO, NoReturn
+
+import setproctitle
 
 from collectives_server.cli.common import PARENT_PID_ENV
 
@@ -300,6 +303,8 @@ def _become_worker(
             os.dup2(fd, target)
             os.close(fd)
         args, env = request["args"], request["env"]
+        # ps and /proc/PID/cmdline show the worker's own command line, not the zygote's.
+        setproctitle.setproctitle(shlex.join([sys.executable, "-m", "collectives_server", *args]))
         sys.stdout = open(1, "w", buffering=1, encoding="utf-8", closefd=False)  # noqa: SIM115
         os.environ.clear()
         os.environ.update(env)

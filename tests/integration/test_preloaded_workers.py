@@ -37,6 +37,12 @@ def test_a_signal_is_a_negative_code_and_close_ends_the_zygote(
     assert waiting.poll() is None
     zygote = workers.zygote_pid
     assert zygote is not None and Path(f"/proc/{waiting.pid}").exists()
+    cmdline = Path(f"/proc/{waiting.pid}/cmdline")
+    wait_until(  # what ps shows: the worker's own command line, not the zygote's
+        lambda: b"collectives_server worker --coordinator 127.0.0.1:9" in cmdline.read_bytes(),
+        30,
+        "the worker's command line",
+    )
     waiting.send_signal(signal.SIGKILL)
     assert waiting.wait(30) == -signal.SIGKILL
     workers.close()
