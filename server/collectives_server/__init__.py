@@ -13,6 +13,7 @@ Modules:
 * ``logfmt``: log formats of the daemons: the classic text line, or one JSON object per line
 * ``metrics``: the Prometheus endpoint shared by the coordinator and the workers
 * ``model_zoo``: model factories shipped with the server, for ``load_model(factory=...)``
+* ``preloaded_workers``: worker processes forked from a zygote that imported torch once
 * ``rpc/``: gRPC for every daemon: servers, the error boundary, call limits, health
 * ``security``: server-side security: TLS/mutual TLS credentials and bearer-token authentication
 * ``signals``: waiting for SIGTERM/SIGINT (or a nudge from another thread) without deadlocks

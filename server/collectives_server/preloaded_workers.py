@@ -29,6 +29,7 @@ when the zygote imported torch).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import selectors
@@ -39,16 +40,19 @@ import subprocess
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from typing import IO, NoReturn
 
 import setproctitle
 
 from collectives_server.cli.common import PARENT_PID_ENV
 
-__all__ = ["PreloadedProcess", "PreloadedWorkers", "available"]
+__all__ = ["SERVER_MAIN", "SERVER_PRELOAD", "PreloadedProcess", "PreloadedWorkers", "available"]
 
-# What the zygote imports once: the command line and the worker daemon (torch).
-_PRELOAD = ("collectives_server.cli.main", "collectives_server.worker.daemon")
+# The zygote's default entry point (``module:function``, called with a worker's
+# arguments) and what it imports once: the command line and the worker daemon.
+SERVER_MAIN = "collectives_server.cli.main:main"
+SERVER_PRELOAD = ("collectives_server.cli.main", "collectives_server.worker.daemon")
 _MAX_MESSAGE = 1 << 20
 _READY, _STARTED, _EXITED = b"R", b"P", b"X"
 
@@ -102,8 +106,15 @@ class PreloadedWorkers:
     """Starts ``collectives-server worker`` processes from one preloaded zygote (started
     with the first worker); :meth:`close` ends the zygote once its workers are gone."""
 
-    def __init__(self, python: str = sys.executable) -> None:
+    def __init__(
+        self,
+        python: str = sys.executable,
+        entry: str = SERVER_MAIN,
+        preload: tuple[str, ...] = SERVER_PRELOAD,
+    ) -> None:
         self._python = python
+        self._entry = entry  # what each forked child runs, ``module:function``
+        self._preload = preload
         self._lock = threading.Lock()  # one request at a time; guards the fields below
         self._zygote: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
@@ -166,7 +177,14 @@ class PreloadedWorkers:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._zygote = subprocess.Popen(
-                [self._python, "-m", "collectives_server.preloaded_workers", str(theirs.fileno())],
+                [
+                    self._python,
+                    "-m",
+                    "collectives_server.preloaded_workers",
+                    str(theirs.fileno()),
+                    self._entry,
+                    *self._preload,
+                ],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 pass_fds=[theirs.fileno()],
@@ -236,7 +254,7 @@ class PreloadedWorkers:
 
 
 # ------------------------------------------------------------------ the zygote itself
-def _serve(sock: socket.socket) -> None:
+def _serve(sock: socket.socket, entry: Callable[[list[str]], int]) -> None:
     """The zygote's loop: fork a worker per request, report each one's exit; return
     when the launcher's end closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; workers restore it
@@ -263,7 +281,7 @@ def _serve(sock: socket.socket) -> None:
                 request = json.loads(message)
                 pid = os.fork()
                 if pid == 0:
-                    _become_worker(sock, (wake_r, wake_w), request, fds)
+                    _become_worker(sock, (wake_r, wake_w), entry, request, fds)
                 for fd in fds:
                     os.close(fd)
                 sock.send(_STARTED + str(pid).encode())
@@ -284,7 +302,11 @@ def _report_exits(sock: socket.socket) -> None:
 
 
 def _become_worker(
-    sock: socket.socket, wake: tuple[int, int], request: dict, fds: list[int]
+    sock: socket.socket,
+    wake: tuple[int, int],
+    entry: Callable[[list[str]], int],
+    request: dict,
+    fds: list[int],
 ) -> NoReturn:
     """In the forked child: standard output to the pipe (``fds[0]``), standard error to
     ``fds[1]`` if given, the request's environment, then ``collectives-server ARGS`` as
@@ -316,9 +338,7 @@ def _become_worker(
             import torch
 
             torch.set_num_threads(int(threads))
-        from collectives_server.cli.main import main
-
-        code = main(args)
+        code = entry(args)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:  # a worker's crash, reported as a process's would be
@@ -330,12 +350,13 @@ def _become_worker(
 
 
 def main() -> None:
-    import importlib
-
-    sock = socket.socket(fileno=int(sys.argv[1]))
-    for module in _PRELOAD:
+    """``python -m collectives_server.preloaded_workers FD MODULE:FUNCTION PRELOAD...``"""
+    fd, entry, *preload = sys.argv[1:]
+    sock = socket.socket(fileno=int(fd))
+    for module in preload:
         importlib.import_module(module)
-    _serve(sock)
+    module, function = entry.split(":")
+    _serve(sock, getattr(importlib.import_module(module), function))
 
 
 if __name__ == "__main__":
