@@ -42,11 +42,13 @@ help:
 
 # torch is pinned in constraints.txt to the CPU build; the check after pip makes
 # a CUDA wheel (gigabytes of nvidia-* packages) a loud failure, not a slow surprise.
+# --no-compile: Python compiles a module when it is first imported (and caches it);
+# pip compiling all of torch up front took 30 s of a fresh install's 80.
 $(STAMP): constraints.txt client/pyproject.toml server/pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else \
 		"collectives needs Python >= 3.11; run make PYTHON=python3.11 ...")'
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install $(PIP_ARGS) $(TORCH_INDEX) -c constraints.txt torch==2.13.0 \
+	$(VENV)/bin/pip install --no-compile $(PIP_ARGS) $(TORCH_INDEX) -c constraints.txt torch==2.13.0 \
 		-e client -e server pytest pytest-timeout pytest-xdist ruff grpcio-tools numpy \
 		selenium pyyaml kubernetes-validate cryptography hypothesis
 	@[ -n "$(TORCH_CUDA)" ] || $(VPY) -c 'import sys, torch; sys.exit(0 if torch.version.cuda is None else \
