@@ -13,6 +13,7 @@ died without leaving still holds its lease) until that lease runs out.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 import time
@@ -22,12 +23,21 @@ import grpc
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc, status_pb2
 from collectives_server.control_protocol import FIELD_LIMITS, worker_metadata
 
-__all__ = ["RETRY_KEY", "bounded_status", "register"]
+__all__ = ["bounded_status", "register", "retry_key"]
 
 log = logging.getLogger(__name__)
 
-# One per worker process: a Register retried by this process carries it.
-RETRY_KEY = secrets.token_hex(16)
+# One per worker process: a Register retried by this process carries it. Made on
+# first use in each process, never at import: workers forked from one preloaded
+# interpreter (preloaded_workers) must not share one, or a restarted worker would
+# pass for its dead predecessor retrying.
+_RETRY_KEYS: dict[int, str] = {}
+
+
+def retry_key() -> str:
+    """This process's retry key."""
+    return _RETRY_KEYS.setdefault(os.getpid(), secrets.token_hex(16))
+
 
 # Between two Register attempts refused with ALREADY_EXISTS.
 _ALREADY_EXISTS_BACKOFF_S = 0.5
@@ -42,7 +52,7 @@ def register(
     stop: threading.Event,
 ) -> coordinator_pb2.RegisterResponse:
     """Register, retried on ALREADY_EXISTS until ``timeout_s`` passed; other errors raise."""
-    request.retry_key = RETRY_KEY
+    request.retry_key = retry_key()
     deadline = time.monotonic() + timeout_s
     while True:
         left = deadline - time.monotonic()
