@@ -102,9 +102,16 @@ def close_zygote() -> None:
         _ZYGOTE.pop().close()
 
 
+# COLLECTIVES_TEST_FORK_WORKERS=0: every worker a fresh interpreter, as on a host that
+# runs `collectives-server worker` itself.
+FORK_WORKERS_ENV = "COLLECTIVES_TEST_FORK_WORKERS"
+
+
 def _worker_args(argv: Sequence[str]) -> list[str] | None:
     """``ARGS`` of a ``collectives-server worker ARGS`` command line that the zygote can
-    fork; None for any other command."""
+    fork; None for any other command (or with forking turned off)."""
+    if os.environ.get(FORK_WORKERS_ENV, "1") == "0":
+        return None
     head = server_argv()
     if list(argv[: len(head)]) == head and argv[len(head) : len(head) + 1] == ["worker"]:
         return list(argv[len(head) :]) if available(sys.executable) else None

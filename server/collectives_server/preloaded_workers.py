@@ -241,6 +241,8 @@ class PreloadedWorkers:
         with self._lock:
             sock, self._sock = self._sock, None
             zygote = self._zygote
+            self._ended = True  # no zygote is started again
+            self._answered.notify_all()
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
