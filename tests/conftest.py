@@ -251,7 +251,8 @@ def fresh_cluster(tmp_path: Path) -> Iterator[Callable[..., tuple[LocalCluster, 
 
 @pytest.fixture(scope="session", autouse=True)
 def _worker_zygote() -> Iterator[None]:
-    """This process's worker zygote (tests/launcher.py) ends after every fixture that
+    """This process's worker zygote (tests/launcher.py, started when first needed),
+    shared with the ``local`` launchers it starts; it ends after every fixture that
     started workers from it, before the run's leftover check would find it."""
     yield
     close_zygote()

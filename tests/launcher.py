@@ -37,7 +37,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from signal import SIGCONT, SIGKILL, SIGSTOP, SIGTERM
 
-from collectives_server.preloaded_workers import PreloadedProcess, PreloadedWorkers, available
+from collectives_server.preloaded_workers import (
+    ZYGOTE_ENV,
+    PreloadedProcess,
+    PreloadedWorkers,
+    available,
+)
 
 __all__ = [
     "close_zygote",
@@ -50,6 +55,7 @@ __all__ = [
     "log_dir",
     "server_argv",
     "set_log_dir",
+    "share_zygote",
     "spawn",
     "started",
     "stop_process",
@@ -96,8 +102,22 @@ def _zygote() -> PreloadedWorkers:
     return _ZYGOTE[0]
 
 
+def share_zygote() -> None:
+    """Starts this process's worker zygote now, serving the ``local`` launchers this
+    process starts too (:data:`ZYGOTE_ENV`, inherited by them): one import of torch
+    per test process instead of one per cluster."""
+    if _ZYGOTE:
+        return
+    path = Path(tempfile.gettempdir()) / f"zygote-{os.getpid()}.sock"
+    zygote = PreloadedWorkers(listen=str(path))
+    zygote.ensure_started()
+    _ZYGOTE.append(zygote)
+    os.environ[ZYGOTE_ENV] = str(path)
+
+
 def close_zygote() -> None:
     """Ends this process's worker zygote, if it started one (its workers are stopped)."""
+    os.environ.pop(ZYGOTE_ENV, None)
     while _ZYGOTE:
         _ZYGOTE.pop().close()
 
@@ -231,9 +251,15 @@ class Daemon:
         return self.proc.wait(timeout=timeout_s)
 
     def owns(self, pid: int) -> bool:
-        """Whether ``pid`` is the daemon or a descendant of it (read from /proc)."""
+        """Whether ``pid`` is the daemon or a descendant of it, or a worker of the
+        cluster whose coordinator it runs (forked by a shared zygote; read from /proc)."""
         if self.proc is None:
             return False
+        if self.address:
+            with contextlib.suppress(OSError):
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+                if f"--coordinator={self.address}".encode() in argv:
+                    return True
         while pid > 1:
             if pid == self.proc.pid:
                 return True
@@ -302,15 +328,33 @@ def spawn(
 
 class LocalCluster(Daemon):
     """``python -m collectives_server local --workers N --port 0 EXTRA`` as a daemon:
-    the coordinator address is its first line; ``stop()`` ends every child."""
+    the coordinator address is its first line; ``stop()`` ends every child. Its
+    workers are forked by this test process's zygote (:func:`share_zygote`), unless
+    ``shared_zygote`` is False: then by the launcher's own, as for a user."""
 
-    def __init__(self, workers: int, extra_args: Sequence[str], log_path: Path) -> None:
+    def __init__(
+        self,
+        workers: int,
+        extra_args: Sequence[str],
+        log_path: Path,
+        shared_zygote: bool = True,
+    ) -> None:
         super().__init__(
             f"local{workers}",
             server_argv("local", "--workers", str(workers), "--port", "0", *extra_args),
             log_path,
         )
         self.workers = workers
+        self.shared_zygote = shared_zygote
+
+    def begin(self) -> None:
+        forking = os.environ.get(FORK_WORKERS_ENV, "1") != "0"
+        if self.shared_zygote and forking and available(sys.executable):
+            share_zygote()
+            self.env = None  # this process's environment, which now names the zygote
+        else:
+            self.env = {k: v for k, v in os.environ.items() if k != ZYGOTE_ENV}
+        super().begin()
 
 
 # --------------------------------------------------------------------------- stopping

@@ -42,7 +42,12 @@ from types import TracebackType
 from typing import Any
 
 from collectives_server.cli.common import PARENT_PID_ENV
-from collectives_server.preloaded_workers import PreloadedProcess, PreloadedWorkers, available
+from collectives_server.preloaded_workers import (
+    ZYGOTE_ENV,
+    PreloadedProcess,
+    PreloadedWorkers,
+    available,
+)
 
 __all__ = ["Child", "LocalCluster", "assign_devices"]
 
@@ -205,7 +210,10 @@ class LocalCluster:
         self._die_with_parent = die_with_parent
         self._on_exit = on_exit
         self._python = python
-        self._preloaded = PreloadedWorkers(python) if preload and available(python) else None
+        self._preloaded = None
+        if preload and available(python):
+            shared = os.environ.get(ZYGOTE_ENV) or None  # another launcher's zygote
+            self._preloaded = PreloadedWorkers(python, connect=shared)
         self._stopping = False
         # Serialises restarts against stop(): no worker is started once stopping.
         self._lock = threading.Lock()

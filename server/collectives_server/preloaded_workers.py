@@ -15,7 +15,12 @@ request is the worker's arguments and environment (JSON) with the write end of
 its standard-output pipe attached (``SCM_RIGHTS``); the answer is its pid; and
 the zygote, its parent, reports each worker's exit status as it reaps it. The
 zygote exits when the launcher closes its end (or dies); a worker asked to die
-with its parent (:data:`PARENT_PID_ENV`) then gets its SIGTERM.
+with its parent (:data:`PARENT_PID_ENV`) then gets its SIGTERM. A zygote may also
+listen on a Unix socket path (mode 0600, peers of another uid refused) and serve
+other launchers of the same user (:data:`ZYGOTE_ENV`), so that several local
+clusters on one host import torch once between them; when such a launcher's
+connection closes (it stopped, or died), the workers it started and did not stop
+are resumed and sent SIGTERM.
 
 A started worker is a :class:`PreloadedProcess`, which the launcher treats as a
 ``subprocess.Popen``: its pid, its standard output on a pipe, standard input
@@ -36,6 +41,7 @@ import selectors
 import shlex
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -47,7 +53,18 @@ import setproctitle
 
 from collectives_server.cli.common import PARENT_PID_ENV
 
-__all__ = ["SERVER_MAIN", "SERVER_PRELOAD", "PreloadedProcess", "PreloadedWorkers", "available"]
+__all__ = [
+    "SERVER_MAIN",
+    "SERVER_PRELOAD",
+    "ZYGOTE_ENV",
+    "PreloadedProcess",
+    "PreloadedWorkers",
+    "available",
+]
+
+# A launcher that finds this set uses the zygote serving on that Unix socket path
+# (started by another launcher of this user with ``listen``) instead of its own.
+ZYGOTE_ENV = "COLLECTIVES_WORKER_ZYGOTE"
 
 # The zygote's default entry point (``module:function``, called with a worker's
 # arguments) and what it imports once: the command line and the worker daemon.
@@ -111,10 +128,16 @@ class PreloadedWorkers:
         python: str = sys.executable,
         entry: str = SERVER_MAIN,
         preload: tuple[str, ...] = SERVER_PRELOAD,
+        listen: str | None = None,
+        connect: str | None = None,
     ) -> None:
+        """``listen``: the zygote this starts also serves other launchers of this user on
+        that Unix socket path. ``connect``: start no zygote; use the one serving there."""
         self._python = python
         self._entry = entry  # what each forked child runs, ``module:function``
         self._preload = preload
+        self._listen_path = listen
+        self._connect_path = connect
         self._lock = threading.Lock()  # one request at a time; guards the fields below
         self._zygote: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
@@ -168,12 +191,19 @@ class PreloadedWorkers:
             if read_fd >= 0:
                 os.close(read_fd)
 
+    def ensure_started(self) -> None:
+        """Starts (or connects to) the zygote now rather than with the first worker."""
+        with self._lock:
+            self._running()
+
     def _running(self) -> socket.socket:
         """The zygote's socket, starting the zygote the first time (lock held)."""
         if self._ended:
             raise RuntimeError("the worker zygote ended")
         if self._sock is not None:
             return self._sock
+        if self._connect_path is not None:
+            return self._connected(self._connect_path)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._zygote = subprocess.Popen(
@@ -183,6 +213,7 @@ class PreloadedWorkers:
                     "collectives_server.preloaded_workers",
                     str(theirs.fileno()),
                     self._entry,
+                    self._listen_path or "-",
                     *self._preload,
                 ],
                 stdin=subprocess.DEVNULL,
@@ -206,6 +237,24 @@ class PreloadedWorkers:
         self._sock = ours
         threading.Thread(target=self._listen, args=(ours,), name="zygote", daemon=True).start()
         return ours
+
+    def _connected(self, path: str) -> socket.socket:
+        """A connection to the zygote serving at ``path`` (lock held)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.settimeout(30.0)
+            sock.connect(path)
+            ready = sock.recv(16)
+            sock.settimeout(None)
+        except OSError as exc:
+            sock.close()
+            raise RuntimeError(f"no worker zygote serves at {path}: {exc}") from None
+        if ready != _READY:
+            sock.close()
+            raise RuntimeError(f"the worker zygote at {path} did not answer")
+        self._sock = sock
+        threading.Thread(target=self._listen, args=(sock,), name="zygote", daemon=True).start()
+        return sock
 
     def _listen(self, sock: socket.socket) -> None:
         """The zygote's answers and exit reports; on its end, what it left is killed."""
@@ -256,55 +305,123 @@ class PreloadedWorkers:
 
 
 # ------------------------------------------------------------------ the zygote itself
-def _serve(sock: socket.socket, entry: Callable[[list[str]], int]) -> None:
-    """The zygote's loop: fork a worker per request, report each one's exit; return
-    when the launcher's end closes."""
+class _Zygote:
+    """The zygote's state: its owner's connection (it lives as long as that), other
+    launchers' connections (when it listens), and which connection started each child."""
+
+    def __init__(self, owner: socket.socket, listener: socket.socket | None) -> None:
+        self.owner = owner
+        self.listener = listener
+        self.clients: dict[socket.socket, set[int]] = {owner: set()}
+        self.started_by: dict[int, socket.socket] = {}
+
+    def report_exits(self) -> None:
+        """Reaps every ended child and tells the connection that started it."""
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            client = self.started_by.pop(pid, None)
+            if client is None:
+                continue
+            self.clients.get(client, set()).discard(pid)
+            with contextlib.suppress(OSError):
+                client.send(_EXITED + f"{pid} {os.waitstatus_to_exitcode(status)}".encode())
+
+    def drop(self, client: socket.socket) -> None:
+        """A launcher's connection closed (it stopped, or died): what it started and did
+        not stop ends now (resumed if stopped, then SIGTERM), as its own children would."""
+        for pid in self.clients.pop(client, set()):
+            self.started_by.pop(pid, None)
+            for sig in (signal.SIGCONT, signal.SIGTERM):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+        client.close()
+
+
+def _serve(
+    owner: socket.socket, listener: socket.socket | None, entry: Callable[[list[str]], int]
+) -> None:
+    """The zygote's loop: fork a worker per request, report each one's exit to whoever
+    asked for it; return when the owner's connection closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; workers restore it
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the loop through wake_w
-    sock.send(_READY)
+    zygote = _Zygote(owner, listener)
+    owner.send(_READY)
     with selectors.DefaultSelector() as selector:
-        selector.register(sock, selectors.EVENT_READ)
+        selector.register(owner, selectors.EVENT_READ)
         selector.register(wake_r, selectors.EVENT_READ)
+        if listener is not None:
+            selector.register(listener, selectors.EVENT_READ)
         while True:
             for key, _ in selector.select():
                 if key.fileobj == wake_r:
                     os.read(wake_r, 4096)
-                    _report_exits(sock)
-                    continue
-                try:
-                    message, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 2)
-                except OSError:
-                    message, fds = b"", []
-                if not message:
-                    return
-                request = json.loads(message)
-                pid = os.fork()
-                if pid == 0:
-                    _become_worker(sock, (wake_r, wake_w), entry, request, fds)
-                for fd in fds:
-                    os.close(fd)
-                sock.send(_STARTED + str(pid).encode())
-            _report_exits(sock)
+                elif key.fileobj is listener:
+                    _accept(zygote, selector)
+                else:
+                    client = key.fileobj
+                    assert isinstance(client, socket.socket)
+                    if not _serve_request(zygote, client, (wake_r, wake_w), entry):
+                        if client is owner:
+                            return
+                        selector.unregister(client)
+                        zygote.drop(client)
+            zygote.report_exits()
 
 
-def _report_exits(sock: socket.socket) -> None:
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        code = os.waitstatus_to_exitcode(status)
-        with contextlib.suppress(OSError):
-            sock.send(_EXITED + f"{pid} {code}".encode())
+def _accept(zygote: _Zygote, selector: selectors.BaseSelector) -> None:
+    """A launcher of this user connecting to a listening zygote (anyone else: refused)."""
+    assert zygote.listener is not None
+    try:
+        client, _ = zygote.listener.accept()
+    except OSError:
+        return
+    creds = client.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _, uid, _ = struct.unpack("3i", creds)
+    if uid != os.getuid():
+        client.close()
+        return
+    zygote.clients[client] = set()
+    selector.register(client, selectors.EVENT_READ)
+    with contextlib.suppress(OSError):
+        client.send(_READY)
+
+
+def _serve_request(
+    zygote: _Zygote,
+    client: socket.socket,
+    wake: tuple[int, int],
+    entry: Callable[[list[str]], int],
+) -> bool:
+    """Forks the worker ``client`` asks for; False when ``client`` has closed."""
+    try:
+        message, fds, _, _ = socket.recv_fds(client, _MAX_MESSAGE, 2)
+    except OSError:
+        message, fds = b"", []
+    if not message:
+        return False
+    request = json.loads(message)
+    pid = os.fork()
+    if pid == 0:
+        _become_worker(zygote, wake, entry, request, fds)
+    for fd in fds:
+        os.close(fd)
+    zygote.clients[client].add(pid)
+    zygote.started_by[pid] = client
+    with contextlib.suppress(OSError):
+        client.send(_STARTED + str(pid).encode())
+    return True
 
 
 def _become_worker(
-    sock: socket.socket,
+    zygote: _Zygote,
     wake: tuple[int, int],
     entry: Callable[[list[str]], int],
     request: dict,
@@ -315,7 +432,9 @@ def _become_worker(
     ``python -m collectives_server`` would run it."""
     code = 1
     try:
-        sock.close()
+        for connection in [*zygote.clients, zygote.listener]:
+            if connection is not None:
+                connection.close()
         signal.set_wakeup_fd(-1)
         for fd in wake:
             os.close(fd)
@@ -352,13 +471,33 @@ def _become_worker(
 
 
 def main() -> None:
-    """``python -m collectives_server.preloaded_workers FD MODULE:FUNCTION PRELOAD...``"""
-    fd, entry, *preload = sys.argv[1:]
-    sock = socket.socket(fileno=int(fd))
+    """``python -m collectives_server.preloaded_workers FD MODULE:FUNCTION LISTEN PRELOAD...``
+    (LISTEN: a Unix socket path to serve other launchers on, or ``-``)."""
+    fd, entry, listen, *preload = sys.argv[1:]
+    owner = socket.socket(fileno=int(fd))
     for module in preload:
         importlib.import_module(module)
     module, function = entry.split(":")
-    _serve(sock, getattr(importlib.import_module(module), function))
+    listener = None
+    if listen != "-":
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(listen)  # a dead zygote's, left behind
+        old_mask = os.umask(0o177)  # this user only
+        try:
+            listener.bind(listen)
+        finally:
+            os.umask(old_mask)
+        listener.listen(64)
+    zygote_pid = os.getpid()
+    try:
+        _serve(owner, listener, getattr(importlib.import_module(module), function))
+    finally:
+        # A forked worker unwinds through here too: only the zygote removes its path.
+        if listener is not None and os.getpid() == zygote_pid:
+            listener.close()
+            with contextlib.suppress(OSError):
+                os.unlink(listen)
 
 
 if __name__ == "__main__":

@@ -82,7 +82,7 @@ def gone(pid: int) -> bool:
 
 
 def test_worker_death_is_survived_and_sigterm_stops_everything(tmp_path: Path) -> None:
-    launcher = LauncherProcess(2, FAST, tmp_path / "local.log")
+    launcher = LauncherProcess(2, FAST, tmp_path / "local.log", shared_zygote=False)
     launcher.start()
     try:
         assert launcher.address.startswith("127.0.0.1:")
@@ -111,7 +111,7 @@ def test_worker_death_is_survived_and_sigterm_stops_everything(tmp_path: Path) -
 
 
 def test_launcher_exits_nonzero_when_the_coordinator_dies(tmp_path: Path) -> None:
-    launcher = LauncherProcess(1, FAST, tmp_path / "local.log")
+    launcher = LauncherProcess(1, FAST, tmp_path / "local.log", shared_zygote=False)
     launcher.start()
     try:
         assert launcher.proc is not None

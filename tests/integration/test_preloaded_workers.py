@@ -47,3 +47,29 @@ def test_a_signal_is_a_negative_code_and_close_ends_the_zygote(
     assert waiting.wait(30) == -signal.SIGKILL
     workers.close()
     wait_until(lambda: not Path(f"/proc/{zygote}").exists(), 10, "the zygote to be reaped")
+
+
+def test_a_listening_zygote_serves_another_launcher_and_ends_what_it_leaves(
+    tmp_path: Path,
+) -> None:
+    """Another launcher connected to a listening zygote gets its workers' pids and exit
+    codes; when its connection closes, the workers it did not stop are ended."""
+    path = tmp_path / "zygote.sock"
+    owner = PreloadedWorkers(listen=str(path))
+    try:
+        owner.ensure_started()
+        assert path.exists() and (path.stat().st_mode & 0o777) == 0o600
+        other = PreloadedWorkers(connect=str(path))
+        helped = other.start(["worker", "--help"], dict(os.environ))
+        assert helped.wait(60) == 0
+        left = other.start(
+            ["worker", "--coordinator", "127.0.0.1:9", "--port", "0"], dict(os.environ)
+        )
+        assert left.poll() is None
+        parent = int(Path(f"/proc/{left.pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        assert parent == owner.zygote_pid  # the owner's zygote forked it
+        other.close()  # as a launcher that died: its worker is ended by the zygote
+        wait_until(lambda: not Path(f"/proc/{left.pid}").exists(), 30, "the left worker to end")
+    finally:
+        owner.close()
+    assert not path.exists()
