@@ -93,33 +93,36 @@ def server_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "collectives_server", *args]
 
 
-_ZYGOTE: list[PreloadedWorkers] = []
+_ZYGOTE: list[tuple[PreloadedWorkers, str]] = []
 
 
 def _zygote() -> PreloadedWorkers:
+    """This process's worker zygote (started with its first worker). It listens on a
+    Unix socket, so the ``local`` launchers this process starts fork from it too."""
     if not _ZYGOTE:
-        _ZYGOTE.append(PreloadedWorkers())
-    return _ZYGOTE[0]
+        path = Path(tempfile.gettempdir()) / f"zygote-{os.getpid()}.sock"
+        _ZYGOTE.append((PreloadedWorkers(listen=str(path)), str(path)))
+    return _ZYGOTE[0][0]
 
 
-def share_zygote() -> None:
-    """Starts this process's worker zygote now, serving the ``local`` launchers this
-    process starts too (:data:`ZYGOTE_ENV`, inherited by them): one import of torch
-    per test process instead of one per cluster."""
-    if _ZYGOTE:
-        return
-    path = Path(tempfile.gettempdir()) / f"zygote-{os.getpid()}.sock"
-    zygote = PreloadedWorkers(listen=str(path))
-    zygote.ensure_started()
-    _ZYGOTE.append(zygote)
-    os.environ[ZYGOTE_ENV] = str(path)
+def share_zygote() -> str:
+    """Starts this process's worker zygote now and returns where it listens, for the
+    :data:`ZYGOTE_ENV` of a ``local`` launcher: one import of torch per test process
+    instead of one per cluster. :class:`LocalCluster` hands the path to its launcher
+    explicitly (no test that saves and restores ``os.environ`` can take it away); it
+    is also left in this process's environment, for the launchers a test runs as a
+    user would (README blocks, examples)."""
+    _zygote().ensure_started()
+    path = _ZYGOTE[0][1]
+    os.environ[ZYGOTE_ENV] = path
+    return path
 
 
 def close_zygote() -> None:
     """Ends this process's worker zygote, if it started one (its workers are stopped)."""
     os.environ.pop(ZYGOTE_ENV, None)
     while _ZYGOTE:
-        _ZYGOTE.pop().close()
+        _ZYGOTE.pop()[0].close()
 
 
 # COLLECTIVES_TEST_FORK_WORKERS=0: every worker a fresh interpreter, as on a host that
@@ -350,8 +353,7 @@ class LocalCluster(Daemon):
     def begin(self) -> None:
         forking = os.environ.get(FORK_WORKERS_ENV, "1") != "0"
         if self.shared_zygote and forking and available(sys.executable):
-            share_zygote()
-            self.env = None  # this process's environment, which now names the zygote
+            self.env = {**os.environ, ZYGOTE_ENV: share_zygote()}
         else:
             self.env = {k: v for k, v in os.environ.items() if k != ZYGOTE_ENV}
         super().begin()

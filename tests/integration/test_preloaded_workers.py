@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from helpers import wait_until
+from helpers import connect_ready, wait_until
 
 from collectives_server.preloaded_workers import PreloadedWorkers
 
@@ -73,3 +73,23 @@ def test_a_listening_zygote_serves_another_launcher_and_ends_what_it_leaves(
     finally:
         owner.close()
     assert not path.exists()
+
+
+def _parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_test_clusters_workers_come_from_this_processs_one_zygote(local_cluster) -> None:
+    """The tests' clusters fork their workers from this test process's zygote, whatever
+    started it first (the fault harness's workers or a cluster): no launcher of a
+    test cluster pays for an interpreter that imports torch again."""
+    client = connect_ready(local_cluster(2), 2)
+    try:
+        pids = [w.pid for w in client.workers()]
+    finally:
+        client.close()
+    zygotes = {_parent_of(pid) for pid in pids}
+    assert len(zygotes) == 1, zygotes
+    zygote = zygotes.pop()
+    assert "collectives_server.preloaded_workers" in Path(f"/proc/{zygote}/cmdline").read_text()
+    assert _parent_of(zygote) == os.getpid()  # this process's, not a launcher's own
