@@ -65,6 +65,8 @@ __all__ = [
 # A launcher that finds this set uses the zygote serving on that Unix socket path
 # (started by another launcher of this user with ``listen``) instead of its own.
 ZYGOTE_ENV = "COLLECTIVES_WORKER_ZYGOTE"
+# A started worker's standard error, unless the launcher names another descriptor.
+STDERR_FILENO = 2
 
 # The zygote's default entry point (``module:function``, called with a worker's
 # arguments) and what it imports once: the command line and the worker daemon.
@@ -161,8 +163,9 @@ class PreloadedWorkers:
         new_session: bool = False,
     ) -> PreloadedProcess:
         """``collectives-server ARGS`` (a worker) with exactly ``env`` as its environment;
-        its standard error on the descriptor ``stderr`` (None: the zygote's, which is
-        this process's), in a session and process group of its own if ``new_session``.
+        its standard error on the descriptor ``stderr`` (None: this process's, also
+        when the zygote is another launcher's), in a session and process group of its
+        own if ``new_session``.
 
         Raises:
             RuntimeError: the zygote could not be started or has ended.
@@ -172,7 +175,7 @@ class PreloadedWorkers:
             with self._lock:
                 sock = self._running()
                 request = {"args": args, "env": env, "new_session": new_session}
-                fds = [write_fd] if stderr is None else [write_fd, stderr]
+                fds = [write_fd, STDERR_FILENO if stderr is None else stderr]
                 socket.send_fds(sock, [json.dumps(request).encode()], fds)
                 if not self._answered.wait_for(lambda: self._started or self._ended, 60.0):
                     raise RuntimeError(f"the worker zygote did not start {name} within 60 s")
