@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import struct
 import threading
 import time
 from collections import OrderedDict
@@ -43,6 +44,7 @@ from collectives.wire.lane_frames import (
     REQUEST_HEADER,
     RESPONSE_HEADER,
 )
+from collectives.wire.limits import MAX_MESSAGE_BYTES
 from collectives.wire.socket_timeouts import KernelTimeouts
 from collectives_server.worker.rpc.service import SERVICE_NAME
 
@@ -52,6 +54,18 @@ log = logging.getLogger(__name__)
 
 # Tickets issued and not yet presented, at most this many (the oldest go first).
 _MAX_PENDING_TICKETS = 4096
+# A request's payload is read at most this much at a time, so memory follows the
+# bytes that arrived, not the length a header claims.
+_READ_BYTES = 256 * 1024
+# A frame's deadline is kept by the kernel's socket timeout, changed only when it
+# is off by more than this (each change is a system call): a frame may overrun its
+# deadline by this much.
+_SLACK_S = 0.05
+# An answer ready after its call's deadline is still offered this long (a client
+# whose deadline passed during the send is reading it; any other has gone).
+_ANSWER_GRACE_S = 1.0
+# SO_LINGER on, 0 s: closing the socket resets the connection, discarding unsent bytes.
+_RESET_AT_CLOSE = struct.pack("ii", 1, 0)
 
 Metadata = tuple[tuple[str, Any], ...]
 
@@ -250,12 +264,21 @@ class CallLanes:
             log.exception("call lane from %s failed", ticket.peer)
 
     def _serve(self, conn: socket.socket, ticket: LaneTicket) -> None:
-        # Blocking, with the idle bound kept by the kernel: one system call (and one
-        # drop of the GIL) per read and write (``collectives.wire.socket_timeouts``).
-        KernelTimeouts(conn, self._idle_s)
+        # Blocking, with the bounds kept by the kernel: one system call (and one drop
+        # of the GIL) per read and write (``collectives.wire.socket_timeouts``).
+        timeouts = KernelTimeouts(conn, self._idle_s)
         conn.sendall(ACK)
         header = bytearray(REQUEST_HEADER.size)
-        while _recv_into(conn, memoryview(header)):
+        while True:
+            # Between calls a lane may idle ``idle_s``. From a frame's first byte, the
+            # whole frame must arrive within ``idle_s``: a deadline that a client
+            # dripping a byte at a time cannot push back.
+            timeouts.fit(self._idle_s, _SLACK_S)
+            if not _recv_into(conn, memoryview(header)[:1]):
+                return
+            deadline = time.monotonic() + self._idle_s
+            if not _recv_until(conn, timeouts, memoryview(header)[1:], deadline):
+                return
             method_id, size, timeout_s = REQUEST_HEADER.unpack(header)
             handler = self._handlers.get(method_id)
             if handler is None or size > MAX_LANE_REQUEST_BYTES:
@@ -271,21 +294,28 @@ class CallLanes:
                 )
                 _send_closing(conn, status_pb2.Status(code=code.value[0], message=why))
                 return  # the payload is not read: the connection cannot go on
-            payload = bytearray(size)
-            if not _recv_into(conn, memoryview(payload)):
+            payload = _recv_payload(conn, timeouts, size, deadline)
+            if payload is None:
                 return
-            if not self._answer(conn, handler, bytes(payload), ticket, timeout_s):
+            if not self._answer(conn, timeouts, handler, payload, ticket, timeout_s):
                 return
 
     def _answer(
         self,
         conn: socket.socket,
+        timeouts: KernelTimeouts,
         handler: grpc.RpcMethodHandler,
         payload: bytes,
         ticket: LaneTicket,
         timeout_s: float,
     ) -> bool:
-        """Runs one call and sends its answer; False when the connection must close."""
+        """Runs one call and sends its answer; False when the connection must close.
+
+        The answer obeys gRPC's bound on a message (over it, the client gets the
+        ``RESOURCE_EXHAUSTED`` a gRPC call would end with), and must be taken by the
+        client within the call's deadline (``idle_s`` for a call without one; at
+        least ``_ANSWER_GRACE_S`` after it is ready): a client that does not read it
+        loses it and the lane, and the worker keeps nothing for it."""
         sent = threading.Lock()
         answered = False
 
@@ -307,7 +337,16 @@ class CallLanes:
         context = LaneContext(ticket, timeout_s, cancel)
         try:
             response = handler.unary_unary(payload, context)
-            frame = _frame(OK, handler.response_serializer(response))
+            body = handler.response_serializer(response)
+            if len(body) > MAX_MESSAGE_BYTES:
+                context.code = grpc.StatusCode.RESOURCE_EXHAUSTED
+                context.details = (
+                    f"Sent message larger than max ({len(body)} vs. {MAX_MESSAGE_BYTES})"
+                )
+                frame = _frame(FAILED, context.status().SerializeToString())
+            else:
+                frame = _frame(OK, body)
+            del response, body
         except Exception:
             if context.code is None:  # not an abort: the error boundary let it through
                 context.code, context.details = grpc.StatusCode.INTERNAL, "internal error"
@@ -320,11 +359,17 @@ class CallLanes:
             answered = True
             with self._lock:
                 self.calls += 1
-            try:
-                conn.sendall(frame)
-            except OSError:
-                return False  # the client went (its deadline passed): nobody to tell
-        return True
+            left = context.time_remaining()
+            taken_by = time.monotonic() + max(
+                self._idle_s if left is None else left, _ANSWER_GRACE_S
+            )
+            if _send_until(conn, timeouts, frame, taken_by):
+                return True
+            # Not taken in time: drop what the kernel still holds of it too (a reset
+            # at close, not a FIN queued behind megabytes nobody reads).
+            with contextlib.suppress(OSError):
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_AT_CLOSE)
+            return False
 
 
 def _frame(outcome: int, body: bytes) -> bytes:
@@ -334,6 +379,69 @@ def _frame(outcome: int, body: bytes) -> bytes:
 def _send_closing(conn: socket.socket, status: status_pb2.Status) -> None:
     """Sends a failure after which this lane closes."""
     conn.sendall(_frame(FAILED_CLOSING, status.SerializeToString()))
+
+
+def _recv_until(
+    conn: socket.socket, timeouts: KernelTimeouts, view: memoryview, deadline: float
+) -> bool:
+    """Fills ``view`` by ``deadline``; False on EOF, a reset, or the deadline passing."""
+    got = 0
+    try:
+        while got < view.nbytes:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            timeouts.fit(left, _SLACK_S)
+            n = conn.recv_into(view[got:])
+            if n == 0:
+                return False
+            got += n
+    except OSError:
+        return False
+    return True
+
+
+def _recv_payload(
+    conn: socket.socket, timeouts: KernelTimeouts, size: int, deadline: float
+) -> bytes | None:
+    """``size`` bytes by ``deadline`` (None: EOF, a reset, or the deadline passed),
+    held in memory only as they arrive: a header promising megabytes reserves
+    nothing."""
+    parts: list[bytes] = []
+    got = 0
+    try:
+        while got < size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            timeouts.fit(left, _SLACK_S)
+            part = conn.recv(min(size - got, _READ_BYTES))
+            if not part:
+                return None
+            parts.append(part)
+            got += len(part)
+    except OSError:
+        return None
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _send_until(
+    conn: socket.socket, timeouts: KernelTimeouts, frame: bytes, deadline: float
+) -> bool:
+    """Sends ``frame`` by ``deadline``; False when it could not (the connection is
+    then unusable: part of the frame may have gone)."""
+    view = memoryview(frame)
+    sent = 0
+    try:
+        while sent < len(view):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            timeouts.fit(left, _SLACK_S)
+            sent += conn.send(view[sent:])
+    except OSError:
+        return False
+    return True
 
 
 def _recv_into(conn: socket.socket, view: memoryview) -> bool:
