@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -405,3 +406,63 @@ def _reflection_list(channel: grpc.Channel) -> object:
     stub = reflection_pb2_grpc.ServerReflectionStub(channel)
     request = reflection_pb2.ServerReflectionRequest(list_services="")
     return list(stub.ServerReflectionInfo(iter([request]), timeout=10))
+
+
+def test_the_dashboard_of_a_token_cluster_shows_no_names_clients_or_messages(
+    pki: Pki, tmp_path: Path
+) -> None:
+    """The dashboard takes no credentials: on a token cluster it shows the workers and
+    their ops' kinds and outcomes, and none of what the token guards on gRPC (the
+    names an op carried, the clients, the error messages), which the token's
+    holder still reads."""
+    secret, client_name = "payroll/q3-gradients", "billing-batch-7"
+    cluster = _start(
+        tmp_path, "dashboard", f"--token-file={pki.token_file}", "--dashboard-port", "0"
+    )
+    try:
+        dashboard = _dashboard_address(cluster)
+        with _connect(cluster.address, token=TOKEN, name=client_name) as client:
+            for rank in range(WORKERS):
+                client.put(secret, torch.randn(7), rank=rank)
+            client.all_reduce(secret)
+            with pytest.raises(collectives.NotFound):
+                client.all_reduce(secret + "/missing")
+
+            def reported() -> dict | None:
+                snap = client.refresh(timeout=10)
+                ops = [op for w in snap.workers for op in w.recent_ops]
+                errors = [e for w in snap.workers for e in w.recent_errors]
+                named = any(secret in op.names for op in ops) and errors
+                return snap if named else None
+
+            # The token's holder sees names, messages and this client.
+            held = wait_until(reported, 30, "the workers to report the ops")
+            assert any(secret in e.message for w in held.workers for e in w.recent_errors)
+            with urllib.request.urlopen(f"http://{dashboard}/api/cluster", timeout=10) as r:
+                shown = r.read().decode()
+            with urllib.request.urlopen(f"http://{dashboard}/api/events", timeout=10) as r:
+                event = b""
+                while b"\n\n" not in event:
+                    event += r.read1(65536)
+        for body in (shown, event.decode()):
+            assert secret not in body and client_name not in body
+            assert "127.0.0.1:" in body  # the workers' addresses are shown
+            assert "all_reduce" in body and "NOT_FOUND" in body  # kinds and outcomes are
+            assert "details need the cluster's token" in body
+        page = json.loads(shown)
+        assert all(w["clients"] == [] for w in page["workers"])
+        assert any(w["recent_ops"] for w in page["workers"])
+    finally:
+        cluster.stop()
+
+
+def _dashboard_address(cluster: LocalCluster) -> str:
+    """The dashboard's host:port, from the coordinator's log line."""
+
+    def logged() -> str | None:
+        for line in cluster.log_path.read_text().splitlines():
+            if "dashboard on http://" in line:
+                return line.rsplit("http://", 1)[1].strip().rstrip("/")
+        return None
+
+    return wait_until(logged, 30, "the dashboard's address in the log")

@@ -277,3 +277,35 @@ def test_coordinator_serves_its_dashboard() -> None:
     assert coordinator.dashboard_address is None
     with Coordinator(CoordinatorConfig(min_workers=1, max_workers=1)) as coordinator:
         assert coordinator.dashboard_address is None
+
+
+def test_without_details_keeps_kinds_and_outcomes_and_withholds_names_clients_messages():
+    from collectives.v1 import flight_record_pb2
+    from collectives_server.coordinator.dashboard.json_api import WITHHELD, without_details
+
+    cluster = coordinator_pb2.Cluster(generation=3, formed=True, world_size=1)
+    worker = cluster.workers.add(rank=0, address="127.0.0.1:5000")
+    status = worker.status
+    status.clients.add(peer="ipv4:10.1.2.3:4000", name="billing", user_agent="grpc-python")
+    status.recent_ops.append(
+        flight_record_pb2.FlightRecordOp(
+            op_id=9, kind="all_reduce", names=["secret/w"], client="billing (ipv4:10.1.2.3)",
+            call_id="c-77", code=5, message="tensor 'secret/w' not found",
+        )
+    )  # fmt: skip
+    status.recent_errors.add(op_id=9, kind="all_reduce", code="NOT_FOUND", message="'secret/w'")
+    status.error_groups.add(kind="all_reduce", code="NOT_FOUND", message="'secret/w'",
+                            count=4, client="billing (ipv4:10.1.2.3)")  # fmt: skip
+    status.stuck = "op 9 all_reduce 'secret/w' (generation 3): data phase for 9.0 s on rank 0"
+
+    shown = without_details(cluster)
+    text = str(shown)
+    assert "secret" not in text and "billing" not in text and "10.1.2.3" not in text
+    assert "c-77" not in text
+    op = shown.workers[0].status.recent_ops[0]
+    assert (op.op_id, op.kind, op.code, op.message) == (9, "all_reduce", 5, WITHHELD)
+    group = shown.workers[0].status.error_groups[0]
+    assert (group.kind, group.code, group.count) == ("all_reduce", "NOT_FOUND", 4)
+    assert shown.workers[0].status.stuck.endswith(WITHHELD)
+    assert shown.workers[0].address == "127.0.0.1:5000"
+    assert "secret" in str(cluster)  # the original is left as it was

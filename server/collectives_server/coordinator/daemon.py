@@ -247,6 +247,7 @@ class Coordinator:
                     port=cfg.dashboard_port,
                     idle_s=cfg.dashboard_idle_s,
                     max_connections=cfg.dashboard_max_connections,
+                    withhold_details=cfg.security.token is not None,
                 ).start()
             except OSError as exc:
                 self.stop()

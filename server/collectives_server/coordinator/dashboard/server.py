@@ -25,9 +25,12 @@ are answered 503 and closed by the accepting thread), and the listen backlog is
 1024; so no connection holds a thread forever and an idle crowd cannot starve
 ``/healthz``. See :mod:`.dashboard_limits`.
 
-Read-only: nothing here changes the cluster. The data (addresses, hostnames,
-error messages) is operator information; bind it to a public interface only on a
-network you trust.
+Read-only: nothing here changes the cluster, and nothing here asks for
+credentials. The data (addresses, hostnames, states, rates) is operator
+information; bind it to a public interface only on a network you trust. On a
+cluster with a token (``--token-file``), what a token guards on gRPC is withheld
+here: no tensor, model or client name an op carried, no call id, no error message
+(``withhold_details``; :func:`.json_api.without_details`).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from importlib import resources
 from typing import Any, Protocol
 
 from collectives.v1 import coordinator_pb2
-from collectives_server.coordinator.dashboard.json_api import cluster_to_json
+from collectives_server.coordinator.dashboard.json_api import cluster_to_json, without_details
 from collectives_server.coordinator.dashboard.limits import BoundedHTTPServer, BoundedIPv6Server
 
 __all__ = ["ClusterSource", "DashboardServer", "cluster_to_json"]
@@ -102,7 +105,10 @@ class DashboardServer:
         max_streams: int = 32,
         idle_s: float = 10.0,
         max_connections: int = 256,
+        withhold_details: bool = False,
     ) -> None:
+        """``withhold_details``: serve :func:`~.json_api.without_details` of every
+        Cluster (a cluster whose gRPC endpoints need a token: these take none)."""
         if refresh_s <= 0:
             raise ValueError(f"refresh_s must be > 0, got {refresh_s}")
         if idle_s <= 0 or max_connections < 1:
@@ -116,6 +122,7 @@ class DashboardServer:
         self._port = port
         self.refresh_s = refresh_s
         self.max_streams = max_streams
+        self.withhold_details = withhold_details
         self._streams = 0
         self._lock = threading.Lock()
         self._assets = _load_assets()
@@ -193,7 +200,10 @@ class DashboardServer:
         return self._assets[name], _ASSETS[name]
 
     def snapshot(self) -> coordinator_pb2.Cluster:
-        return self._source.snapshot()
+        return self._shown(self._source.snapshot())
+
+    def _shown(self, cluster: coordinator_pb2.Cluster) -> coordinator_pb2.Cluster:
+        return without_details(cluster) if self.withhold_details else cluster
 
     def next_event(self, after_version: int) -> coordinator_pb2.Cluster | None:
         """The next Cluster to push: on a change, or the current one after refresh_s.
@@ -205,7 +215,7 @@ class DashboardServer:
         changed = self._source.wait_for_change(after_version, self.refresh_s)
         if self._stopping.is_set() or self._source.closed:
             return None
-        return changed if changed is not None else self._source.snapshot()
+        return self._shown(changed) if changed is not None else self.snapshot()
 
 
 class _Handler(BaseHTTPRequestHandler):
