@@ -118,6 +118,8 @@ class WorkerEndpoint:
                 request_serializer=worker_pb2.GetTensorRequest.SerializeToString,
                 response_deserializer=None,
             ),
+            # Raw TCP (bulk transfers, call lanes) only when this client is plaintext.
+            bulk=bulk.BulkPort(plaintext_allowed=not security.tls),
         )
 
 

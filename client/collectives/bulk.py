@@ -100,16 +100,25 @@ class BulkPort:
     ``port`` is None until asked, 0 when the worker has none (TLS, ``--no-bulk``,
     or a worker that predates it). Forgotten after a refused connection, so a
     restarted worker's new port is asked for again.
+
+    ``plaintext_allowed`` False (a client whose own channel is TLS): the port is
+    always 0, whatever the worker says. The bulk port and the call lanes on it are
+    plaintext TCP; a TLS client never sends a call or a tensor in cleartext, even
+    to a plaintext worker behind a TLS proxy that offers one.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, plaintext_allowed: bool = True) -> None:
+        self.plaintext_allowed = plaintext_allowed
         self._lock = threading.Lock()
         self._port: int | None = None
         self._idle: list[tuple[float, socket.socket]] = []  # (since, connection)
         self._suspended_until = 0.0
 
     def port(self, endpoint: BulkEndpoint, timeout: float) -> int:
-        """The bulk port; 0 when the worker has none, or while it is suspended."""
+        """The bulk port; 0 when the worker has none, or while it is suspended, or
+        when this client is TLS (``plaintext_allowed`` False)."""
+        if not self.plaintext_allowed:
+            return 0
         with self._lock:
             if time.monotonic() < self._suspended_until:
                 return 0
