@@ -234,3 +234,87 @@ def test_a_call_that_outlives_the_ring_does_not_write_into_a_newer_op() -> None:
     slow.finish_if_held(seq, now + 5, 0)
     ops = recorder.snapshot()
     assert [o.op_id for o in ops] == [1, 2] and all(o.in_flight for o in ops)
+
+
+def test_a_record_is_bounded_in_bytes_and_says_what_it_left_out() -> None:
+    """A coalesced op of 1,024 long names and a message naming each: the record keeps
+    16 names and 1,024 characters, and counts the rest; a small descriptor is kept
+    as it is (by reference: recording stays cheap)."""
+    recorder = FlightRecorder(8)
+    big = worker_pb2.OpDescriptor(op_id=7, generation=3, kind=OpKind.ALL_REDUCE_COALESCED)
+    big.coalesced.names.extend(f"n/{i:04d}/" + "x" * 240 for i in range(1024))
+    slot = recorder.open(big, 0, [0, 1], time.monotonic())
+    assert slot is not None and slot.desc is not big
+    slot.finish(time.monotonic(), 5, "missing: " + ", ".join(big.coalesced.names))
+    small = _desc(8)
+    kept = recorder.open(small, 0, [0, 1], time.monotonic())
+    assert kept is not None and kept.desc is small
+    call = recorder.open_call("forward", tuple(f"in/{i}" for i in range(40)), "c1", 0, 3, 0.0)
+    assert call is not None
+    op, small_op, forward = recorder.snapshot()
+    assert (op.op_id, op.kind, op.code) == (7, "all_reduce_coalesced", 5)
+    assert op.names == tuple(big.coalesced.names[:16]) and op.names_omitted == 1008
+    full = "missing: " + ", ".join(big.coalesced.names)
+    assert op.message == full[:1024] and op.message_omitted == len(full) - 1024
+    assert small_op.names == ("x",) and small_op.names_omitted == 0
+    assert len(forward.names) == 16 and forward.names_omitted == 24
+
+
+def test_snapshot_pages_back_by_sequence_number() -> None:
+    recorder = FlightRecorder(10)
+    for op_id in range(1, 26):  # the ring holds ops 16..25 (sequence numbers 15..24)
+        slot = recorder.open(_desc(op_id), 0, [0], time.monotonic())
+        assert slot is not None
+        slot.finish(time.monotonic(), 0)
+    newest = recorder.snapshot(4)
+    assert [op.op_id for op in newest] == [22, 23, 24, 25]
+    assert [op.seq for op in newest] == [21, 22, 23, 24]
+    assert recorder.held_before(newest[0].seq) == 6
+    page = recorder.snapshot(4, before=newest[0].seq)
+    assert [op.op_id for op in page] == [18, 19, 20, 21]
+    rest = recorder.snapshot(0, before=page[0].seq)
+    assert [op.op_id for op in rest] == [16, 17]
+    assert recorder.held_before(rest[0].seq) == 0
+
+
+def test_a_ring_too_big_for_one_answer_is_read_in_pages() -> None:
+    """600 records of the largest kind (about 3 MiB): each answer stays under its byte
+    budget, says how many older ops it left out, and the reader pages back to an
+    answer holding every op, in order."""
+    from types import SimpleNamespace
+
+    from collectives.wire.flight_record import read_paged
+    from collectives_server.worker.telemetry.flight_record import (
+        RESPONSE_BYTES,
+        flight_record_response,
+    )
+
+    recorder = FlightRecorder(2000)
+    for op_id in range(1, 601):
+        big = worker_pb2.OpDescriptor(op_id=op_id, generation=3, kind=OpKind.ALL_REDUCE_COALESCED)
+        big.coalesced.names.extend(f"n/{op_id}/{i:04d}/" + "x" * 230 for i in range(64))
+        slot = recorder.open(big, 0, [0, 1], time.monotonic())
+        assert slot is not None
+        slot.finish(time.monotonic(), 5, "y" * 5000)
+    ctx = SimpleNamespace(
+        runtime=None, worker_id="w1", address="127.0.0.1:1", recorder=recorder, op_timeout_s=60.0
+    )
+    asked: list[flight_record_pb2.FlightRecordRequest] = []
+
+    class Stub:  # the worker's handler, called in-process
+        def GetFlightRecord(self, request, timeout):  # noqa: N802 - the RPC's name
+            asked.append(request)
+            answer = flight_record_response(ctx, request.last, request.before_seq)
+            assert answer.ByteSize() < RESPONSE_BYTES + 4096
+            return answer
+
+    first = Stub().GetFlightRecord(flight_record_pb2.FlightRecordRequest(), 5.0)
+    assert 0 < len(first.ops) < 600 and first.older == 600 - len(first.ops)
+    asked.clear()
+    whole = read_paged(Stub(), 0, 5.0)
+    assert [op.op_id for op in whole.ops] == list(range(1, 601))
+    assert whole.older == 0 and len(asked) >= 2
+    assert all(len(op.names) == 16 and op.names_omitted == 48 for op in whole.ops)
+    assert all(op.message_chars_omitted == 5000 - 1024 for op in whole.ops)
+    last = read_paged(Stub(), 450, 5.0)
+    assert [op.op_id for op in last.ops] == list(range(151, 601))

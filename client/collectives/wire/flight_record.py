@@ -21,6 +21,7 @@ failed here).
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -38,6 +39,7 @@ __all__ = [
     "RankReply",
     "merge",
     "read_flight_record",
+    "read_paged",
 ]
 
 PHASES = ("admitted", "announced", "started", "finished")
@@ -92,6 +94,9 @@ class OpRecord:
     # A forward (run by each worker on its own, op_id 0): its call id, shared by the
     # ranks that ran a share of one data-parallel call.
     call_id: str = ""
+    # Names the workers' records left out (they keep an op's first 16; ``names``
+    # holds those).
+    names_omitted: int = 0
 
     @property
     def label(self) -> str:
@@ -182,7 +187,40 @@ def _record(
         outcome=outcome,
         per_rank=dict(sorted(per_rank.items())),
         call_id=call_id,
+        names_omitted=max(op.names_omitted for _, op in seen),
     )
+
+
+# A worker answers at most a few MiB of ops at a time (older ones on the next page);
+# a ring of the largest records takes a few pages, never more than this.
+_MAX_PAGES = 64
+
+
+def read_paged(
+    stub: worker_pb2_grpc.WorkerStub, last: int, timeout: float
+) -> flight_record_pb2.FlightRecordResponse:
+    """A worker's last ``last`` ops (0: all it holds), asked page by page, newest
+    first, within ``timeout`` in all; one answer, oldest first."""
+    deadline = time.monotonic() + timeout
+    pages: list[flight_record_pb2.FlightRecordResponse] = []
+    before, got = 0, 0
+    while len(pages) < _MAX_PAGES:
+        wanted = last - got if last else 0
+        request = flight_record_pb2.FlightRecordRequest(last=wanted, before_seq=before)
+        page = stub.GetFlightRecord(request, timeout=max(deadline - time.monotonic(), 0.001))
+        pages.append(page)
+        got += len(page.ops)
+        if not page.ops or not page.older or (last and got >= last):
+            break
+        before = page.first_seq
+    answer = flight_record_pb2.FlightRecordResponse()
+    answer.CopyFrom(pages[0])
+    del answer.ops[:]
+    for page in reversed(pages):
+        answer.ops.extend(page.ops)
+    answer.first_seq = pages[-1].first_seq
+    answer.older = pages[-1].older
+    return answer
 
 
 def read_flight_record(
@@ -202,12 +240,11 @@ def read_flight_record(
         members = [w for w in snapshot.workers if w.address]
     else:
         members = [w for w in snapshot.workers if w.rank >= 0 and w.rank in wanted]
-    request = flight_record_pb2.FlightRecordRequest(last=max(0, last))
 
     def ask(rank: int, address: str) -> RankReply:
         try:
             stub = worker_pb2_grpc.WorkerStub(channel_for(address))
-            return RankReply(rank, address, stub.GetFlightRecord(request, timeout=timeout))
+            return RankReply(rank, address, read_paged(stub, max(0, last), timeout))
         except grpc.RpcError as err:
             code = err.code() if hasattr(err, "code") else None
             detail = err.details() if hasattr(err, "details") else str(err)

@@ -14,6 +14,12 @@ phase it reached:
 Recording is cheap: the slots are preallocated, a slot is reused in place,
 the stamps are ``time.monotonic()`` floats and the descriptor is kept by
 reference; nothing is formatted until the ring is read (:meth:`snapshot`).
+
+Each record is bounded in bytes, whatever the op named: a descriptor over
+:data:`RECORD_DESCRIPTOR_BYTES` (a coalesced op of a thousand long names) is
+kept as a summary with its first :data:`RECORD_NAMES` names, and a message as
+its first :data:`RECORD_MESSAGE_CHARS` characters; the record says how much it
+left out. The ring's bytes are thus bounded by its capacity.
 Only the generation thread (or the submitter running a claimed op, never at
 the same time) writes; a reader copies the slots it reads, so a read racing a
 write sees one op's stamps a moment old, never another op's.
@@ -29,9 +35,17 @@ from dataclasses import dataclass, field
 from collectives.v1 import worker_pb2
 from collectives.wire.op_specs import kind_name
 
-__all__ = ["PHASES", "FlightRecorder", "FlightSlot", "RecordedOp", "op_names"]
+__all__ = [
+    "PHASES", "RECORD_DESCRIPTOR_BYTES", "RECORD_MESSAGE_CHARS", "RECORD_NAMES",
+    "FlightRecorder", "FlightSlot", "RecordedOp", "op_names",
+]  # fmt: skip
 
 DEFAULT_OPS = 2000
+# What one record keeps of an op: its descriptor by reference up to this size
+# (else a summary), this many of its names, this much of its failure message.
+RECORD_DESCRIPTOR_BYTES = 2048
+RECORD_NAMES = 16
+RECORD_MESSAGE_CHARS = 1024
 
 # The phases of an op, in the order every rank reaches them.
 PHASES = ("admitted", "announced", "started", "finished")
@@ -59,8 +73,14 @@ class FlightSlot:
     call_id: str = ""
     # The recorder's sequence number of the op in this slot now.
     seq: int = -1
+    # What the record left out of the op's names and message (see RECORD_*).
+    names_omitted: int = 0
+    message_omitted: int = 0
 
     def finish(self, at: float, code: int, message: str = "", result: object = None) -> None:
+        if len(message) > RECORD_MESSAGE_CHARS:
+            self.message_omitted = len(message) - RECORD_MESSAGE_CHARS
+            message = message[:RECORD_MESSAGE_CHARS]
         self.code, self.message, self.result, self.finished = code, message, result, at
 
     def start_if_held(self, seq: int, at: float) -> None:
@@ -93,6 +113,11 @@ class RecordedOp:
     dtype: str = ""
     # A forward's call id (the same on every rank of one data-parallel call); op_id 0.
     call_id: str = ""
+    # The recorder's sequence number of this op (the order ops were recorded in).
+    seq: int = 0
+    # Names and message characters the record left out (see RECORD_*).
+    names_omitted: int = 0
+    message_omitted: int = 0
 
     @property
     def in_flight(self) -> bool:
@@ -170,9 +195,11 @@ class FlightRecorder:
         if not self.capacity:
             return None
         slot = self._take()
-        slot.desc, slot.rank, slot.ranks, slot.client = desc, rank, ranks, client
+        kept, omitted = _bounded(desc)
+        slot.desc, slot.rank, slot.ranks, slot.client = kept, rank, ranks, client
         slot.admitted, slot.announced = admitted, announced
         slot.kind, slot.names, slot.generation, slot.call_id = "", (), 0, ""
+        slot.names_omitted = omitted
         return slot
 
     def open_call(
@@ -192,6 +219,8 @@ class FlightRecorder:
         slot = self._take()
         slot.desc, slot.rank, slot.ranks, slot.client = None, rank, [rank], client
         slot.admitted, slot.announced = admitted, 0.0
+        slot.names_omitted = max(0, len(names) - RECORD_NAMES)
+        names = names[:RECORD_NAMES]
         slot.kind, slot.names, slot.generation, slot.call_id = kind, names, generation, call_id
         return slot
 
@@ -201,25 +230,32 @@ class FlightRecorder:
             slot = self._slots[self._next % self.capacity]
             slot.started = slot.finished = 0.0
             slot.code, slot.message, slot.result = -1, "", None
+            slot.message_omitted = 0
             slot.desc = None  # not readable until the caller fills it in
             slot.kind = ""
             slot.seq = self._next
             self._next += 1
         return slot
 
+    def held_before(self, seq: int) -> int:
+        """How many ops the ring still holds that were recorded before ``seq``."""
+        return max(0, min(seq, self._next) - max(0, self._next - self.capacity))
+
     @property
     def recorded(self) -> int:
         """Ops recorded since the start (the sequence number of the next one)."""
         return self._next
 
-    def snapshot(self, last: int = 0) -> list[RecordedOp]:
-        """The last ``last`` ops (0: all held), oldest first, in wall-clock seconds."""
+    def snapshot(self, last: int = 0, before: int = 0) -> list[RecordedOp]:
+        """The last ``last`` ops (0: all held) recorded before sequence number
+        ``before`` (0: up to the newest), oldest first, in wall-clock seconds."""
         if not self.capacity:
             return []
-        count = min(self._next, self.capacity)
+        end = self._next if before <= 0 else min(before, self._next)
+        start = max(0, self._next - self.capacity)
         if last > 0:
-            count = min(count, last)
-        return self._read(range(self._next - count, self._next))
+            start = max(start, end - last)
+        return self._read(range(start, end)) if end > start else []
 
     def finished_since(self, seq: int) -> tuple[list[RecordedOp], int]:
         """The ops recorded from sequence number ``seq`` on that finished, up to the first
@@ -261,9 +297,37 @@ class FlightRecorder:
                     nbytes=nbytes,
                     dtype=dtype,
                     call_id=slot.call_id,
+                    seq=i,
+                    names_omitted=slot.names_omitted,
+                    message_omitted=slot.message_omitted,
                 )
             )
         return ops
+
+
+def _bounded(desc: worker_pb2.OpDescriptor) -> tuple[worker_pb2.OpDescriptor, int]:
+    """``desc`` itself when it is small, else a summary of it a record can keep (its
+    ids, kind and first :data:`RECORD_NAMES` names), and how many names it left out."""
+    if desc.ByteSize() <= RECORD_DESCRIPTOR_BYTES:
+        return desc, 0
+    kept = worker_pb2.OpDescriptor(
+        op_id=desc.op_id, generation=desc.generation, group_id=desc.group_id,
+        timeout_s=desc.timeout_s, kind=desc.kind,
+    )  # fmt: skip
+    which = desc.WhichOneof("args")
+    if which is None:
+        return kept, 0
+    args, kept_args = getattr(desc, which), getattr(kept, which)
+    kept_args.SetInParent()
+    for attr in ("name", "model", "out", "prefix"):
+        value = getattr(args, attr, None)
+        if isinstance(value, str) and value:
+            setattr(kept_args, attr, value)
+    names = getattr(args, "names", None)
+    if names is None:
+        return kept, 0
+    kept_args.names.extend(names[:RECORD_NAMES])
+    return kept, max(0, len(names) - RECORD_NAMES)
 
 
 def _result_bytes(result: object) -> tuple[int, str]:

@@ -277,7 +277,7 @@ class WorkerService:
 
     @_guard
     def GetFlightRecord(self, request, context) -> flight_record_pb2.FlightRecordResponse:
-        return flight_record_response(self._ctx, request.last)
+        return flight_record_response(self._ctx, request.last, request.before_seq)
 
     # ----------------------------------------------------------- collectives
     def _collective(

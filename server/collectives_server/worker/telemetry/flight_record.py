@@ -25,12 +25,17 @@ from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.engine.flight_recorder import FlightRecorder, RecordedOp
 
 __all__ = [
-    "PHASE_BUCKETS_S", "STATUS_OPS", "PhaseHistograms", "add_flight_summary",
+    "PHASE_BUCKETS_S", "RESPONSE_BYTES", "STATUS_OPS", "PhaseHistograms", "add_flight_summary",
     "flight_record_response", "stuck_here",
 ]  # fmt: skip
 
 # The ops of the flight recorder every heartbeat's status carries.
 STATUS_OPS = 24
+# A GetFlightRecord answer's ops stay under this many bytes (well under the gRPC
+# message bound); a reader pages for older ones (FlightRecordRequest.before_seq).
+RESPONSE_BYTES = 2 * 1024 * 1024
+# A repeated message field's tag and length prefix, at most.
+_FIELD_OVERHEAD = 6
 
 # Upper bounds of the phase histogram (seconds); +Inf is implied.
 PHASE_BUCKETS_S = (
@@ -73,9 +78,12 @@ class PhaseHistograms:
 
 
 def flight_record_response(
-    ctx: WorkerContext, last: int = 0
+    ctx: WorkerContext, last: int = 0, before_seq: int = 0
 ) -> flight_record_pb2.FlightRecordResponse:
-    """The last ``last`` ops of ``ctx``'s flight recorder (0: all it holds), oldest first."""
+    """The last ``last`` ops of ``ctx``'s flight recorder (0: all it holds) recorded
+    before sequence number ``before_seq`` (0: up to the newest), oldest first: the
+    newest of them that fit in :data:`RESPONSE_BYTES`, and in ``older`` how many
+    more the ring holds before them (the reader's next page)."""
     runtime = ctx.runtime
     reply = flight_record_pb2.FlightRecordResponse(
         rank=runtime.rank if runtime is not None else -1,
@@ -85,7 +93,20 @@ def flight_record_response(
         capacity=ctx.recorder.capacity,
         op_timeout_s=ctx.op_timeout_s,
     )
-    reply.ops.extend(_op_proto(op) for op in ctx.recorder.snapshot(last))
+    ops = ctx.recorder.snapshot(last, before_seq)
+    kept: list[flight_record_pb2.FlightRecordOp] = []
+    budget = RESPONSE_BYTES
+    for op in reversed(ops):
+        proto = _op_proto(op)
+        budget -= proto.ByteSize() + _FIELD_OVERHEAD
+        if budget < 0:
+            break
+        kept.append(proto)
+    kept.reverse()
+    reply.ops.extend(kept)
+    if kept:
+        reply.first_seq = ops[len(ops) - len(kept)].seq
+        reply.older = ctx.recorder.held_before(reply.first_seq)
     reply.now_s = time.time()
     return reply
 
@@ -135,4 +156,6 @@ def _op_proto(op: RecordedOp, message: bool = True) -> flight_record_pb2.FlightR
         nbytes=op.nbytes,
         dtype=op.dtype,
         call_id=op.call_id,
+        names_omitted=op.names_omitted,
+        message_chars_omitted=op.message_omitted if message else 0,
     )
