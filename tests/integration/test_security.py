@@ -441,9 +441,11 @@ def test_the_dashboard_of_a_token_cluster_shows_no_names_clients_or_messages(
             with urllib.request.urlopen(f"http://{dashboard}/api/cluster", timeout=10) as r:
                 shown = r.read().decode()
             with urllib.request.urlopen(f"http://{dashboard}/api/events", timeout=10) as r:
-                event = b""
-                while b"\n\n" not in event:
-                    event += r.read1(65536)
+                event = b""  # up to the end of the first event that carries data
+                while b"data:" not in event or b"\n\n" not in event.split(b"data:", 1)[1]:
+                    chunk = r.read1(65536)
+                    assert chunk, f"the event stream ended after {event!r}"
+                    event += chunk
         for body in (shown, event.decode()):
             assert secret not in body and client_name not in body
             assert "127.0.0.1:" in body  # the workers' addresses are shown
