@@ -356,20 +356,18 @@ class CallLanes:
         with sent:
             if answered:
                 return False
-            answered = True
+            answered = True  # from here a cancel finds the call answered: it waits for nothing
             with self._lock:
                 self.calls += 1
-            left = context.time_remaining()
-            taken_by = time.monotonic() + max(
-                self._idle_s if left is None else left, _ANSWER_GRACE_S
-            )
-            if _send_until(conn, timeouts, frame, taken_by):
-                return True
-            # Not taken in time: drop what the kernel still holds of it too (a reset
-            # at close, not a FIN queued behind megabytes nobody reads).
-            with contextlib.suppress(OSError):
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_AT_CLOSE)
-            return False
+        left = context.time_remaining()
+        taken_by = time.monotonic() + max(self._idle_s if left is None else left, _ANSWER_GRACE_S)
+        if _send_until(conn, timeouts, frame, taken_by):
+            return True
+        # Not taken in time: drop what the kernel still holds of it too (a reset at
+        # close, not a FIN queued behind megabytes nobody reads).
+        with contextlib.suppress(OSError):
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_AT_CLOSE)
+        return False
 
 
 def _frame(outcome: int, body: bytes) -> bytes:
@@ -381,24 +379,33 @@ def _send_closing(conn: socket.socket, status: status_pb2.Status) -> None:
     conn.sendall(_frame(FAILED_CLOSING, status.SerializeToString()))
 
 
-def _recv_until(
-    conn: socket.socket, timeouts: KernelTimeouts, view: memoryview, deadline: float
+def _move_by(
+    timeouts: KernelTimeouts, deadline: float, total: int, step: Callable[[int], int]
 ) -> bool:
-    """Fills ``view`` by ``deadline``; False on EOF, a reset, or the deadline passing."""
-    got = 0
+    """Calls ``step(done)`` (one read or write, returning the bytes it moved; 0 at
+    EOF) until ``total`` bytes moved by ``deadline``, each call's wait bounded by
+    the kernel to the time left; False on EOF, a reset, or the deadline passing."""
+    done = 0
     try:
-        while got < view.nbytes:
+        while done < total:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
             timeouts.fit(left, _SLACK_S)
-            n = conn.recv_into(view[got:])
-            if n == 0:
+            moved = step(done)
+            if moved == 0:
                 return False
-            got += n
+            done += moved
     except OSError:
         return False
     return True
+
+
+def _recv_until(
+    conn: socket.socket, timeouts: KernelTimeouts, view: memoryview, deadline: float
+) -> bool:
+    """Fills ``view`` by ``deadline``; False on EOF, a reset, or the deadline passing."""
+    return _move_by(timeouts, deadline, view.nbytes, lambda done: conn.recv_into(view[done:]))
 
 
 def _recv_payload(
@@ -408,19 +415,12 @@ def _recv_payload(
     held in memory only as they arrive: a header promising megabytes reserves
     nothing."""
     parts: list[bytes] = []
-    got = 0
-    try:
-        while got < size:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            timeouts.fit(left, _SLACK_S)
-            part = conn.recv(min(size - got, _READ_BYTES))
-            if not part:
-                return None
-            parts.append(part)
-            got += len(part)
-    except OSError:
+
+    def read(done: int) -> int:
+        parts.append(conn.recv(min(size - done, _READ_BYTES)))
+        return len(parts[-1])
+
+    if not _move_by(timeouts, deadline, size, read):
         return None
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
@@ -431,17 +431,7 @@ def _send_until(
     """Sends ``frame`` by ``deadline``; False when it could not (the connection is
     then unusable: part of the frame may have gone)."""
     view = memoryview(frame)
-    sent = 0
-    try:
-        while sent < len(view):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            timeouts.fit(left, _SLACK_S)
-            sent += conn.send(view[sent:])
-    except OSError:
-        return False
-    return True
+    return _move_by(timeouts, deadline, len(view), lambda done: conn.send(view[done:]))
 
 
 def _recv_into(conn: socket.socket, view: memoryview) -> bool:
