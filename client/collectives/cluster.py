@@ -792,15 +792,17 @@ class Cluster:
             last: how many of the most recent ops (0: all the rings hold). Defaults
                 to ``100``.
             ranks: read only these ranks (None: every member). Defaults to ``None``.
-            timeout: seconds for the coordinator and for each rank's answer; None
-                means ``default_timeout_s``. Defaults to ``None``.
+            timeout: seconds for the coordinator and for each rank's answer (a
+                rank answers a large ring in pages, all within it); None means
+                ``default_timeout_s``. Defaults to ``None``.
 
         Returns:
             One ``collectives.OpRecord`` per op, oldest first: ``op_id``,
-            ``generation``, ``kind``, ``names``, ``nbytes``, ``ranks``, ``client``,
-            ``outcome`` and ``per_rank`` (rank -> ``RankPhases``: phase times in
-            Unix seconds, that rank's outcome). A rank that did not answer is
-            absent from ``per_rank``.
+            ``generation``, ``kind``, ``names`` (an op's first 16; ``names_omitted``
+            counts the rest), ``nbytes``, ``ranks``, ``client``, ``outcome`` and
+            ``per_rank`` (rank -> ``RankPhases``: phase times in Unix seconds, that
+            rank's outcome and message, at most 1,024 characters). A rank that did
+            not answer is absent from ``per_rank``.
 
         Raises:
             InvalidArgument: ``last`` is negative, or ``ranks`` names a non-member.
