@@ -56,7 +56,36 @@ def _bits(t: torch.Tensor) -> bytes:
 
 
 def _our_segments() -> set[str]:
-    return set(glob.glob(os.path.join(shm.SHM_DIR, "collectives-*")))
+    """The SDK's segments in /dev/shm made by this process or one it started (its
+    clusters' workers): the other test processes running beside it make and free
+    segments of their own meanwhile (each name carries its maker's pid)."""
+    return {
+        path
+        for path in glob.glob(os.path.join(shm.SHM_DIR, "collectives-*"))
+        if _started_here(_maker_pid(path))
+    }
+
+
+def _maker_pid(path: str) -> int:
+    try:
+        return int(os.path.basename(path).split("-")[2])
+    except (IndexError, ValueError):
+        return -1
+
+
+def _started_here(pid: int) -> bool:
+    """``pid`` is this process or a descendant of it (False once it has ended)."""
+    for _ in range(64):  # bounded: a process tree is never this deep
+        if pid == os.getpid():
+            return True
+        if pid <= 1:
+            return False
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+    return False
 
 
 class _Spy:
