@@ -169,8 +169,12 @@ def local_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable
     _assert_no_internal(pool.stopped)
 
 
-# The shared clusters let load_model(factory=...) use the factories shipped with the server.
+# The shared clusters let load_model(factory=...) use the factories shipped with the server,
 MODEL_ZOO = ("--allow-factory", "collectives_server.model_zoo")
+# and keep their members whatever the machine's load: no test kills one of theirs (those
+# tests take a cluster of their own), so a lease of seconds would only evict a live worker
+# whose heartbeat a loaded machine delayed, and move the cluster under a running test.
+SHARED_FLAGS = (*MODEL_ZOO, "--lease", "30")
 # Where the tests that share cluster2 / cluster3 live: those clusters stop once this
 # process has run its last test there (see pytest_runtest_teardown).
 SHARED_CLUSTER_TESTS = Path(__file__).parent / "integration"
@@ -202,24 +206,24 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 @pytest.fixture(scope="session")
 def cluster2_address(shared_clusters: ClusterPool) -> str:
-    return shared_clusters.address(2, *MODEL_ZOO)
+    return shared_clusters.address(2, *SHARED_FLAGS)
 
 
 @pytest.fixture(scope="session")
 def cluster3_address(shared_clusters: ClusterPool) -> str:
-    return shared_clusters.address(3, *MODEL_ZOO)
+    return shared_clusters.address(3, *SHARED_FLAGS)
 
 
 @pytest.fixture(scope="session")
 def cluster2(shared_clusters: ClusterPool, cluster2_address: str):
     """A connected ``collectives.Cluster`` of 2 workers, shared by the session."""
-    return shared_clusters.client(2, *MODEL_ZOO)
+    return shared_clusters.client(2, *SHARED_FLAGS)
 
 
 @pytest.fixture(scope="session")
 def cluster3(shared_clusters: ClusterPool, cluster3_address: str):
     """A connected ``collectives.Cluster`` of 3 workers, shared by the session."""
-    return shared_clusters.client(3, *MODEL_ZOO)
+    return shared_clusters.client(3, *SHARED_FLAGS)
 
 
 @pytest.fixture(params=[2, 3], ids=["ws2", "ws3"])
