@@ -30,6 +30,7 @@ import uuid
 import grpc
 import torch
 
+from collectives._calls import Job
 from collectives._deadlines import time_left
 from collectives._model_transport import load_model_on
 from collectives._progress import NO_PROGRESS, Progress
@@ -100,7 +101,7 @@ def load_staged(
 
     try:
         return session.fan_out(
-            what, {rank: (lambda r=rank, e=e: load_on(r, e)) for rank, e in endpoints.items()}
+            what, {rank: Job(lambda r=rank, e=e: load_on(r, e)) for rank, e in endpoints.items()}
         )
     finally:
         drop_staged(session, [e for r, e in endpoints.items() if r not in loaded], staged)
@@ -117,14 +118,13 @@ def drop_staged(session: Session, endpoints: list[WorkerEndpoint], name: str) ->
     if not endpoints:
         return
 
-    def drop(endpoint: WorkerEndpoint) -> None:
-        with contextlib.suppress(CollectiveError, grpc.RpcError, ValueError):  # ValueError: closed
-            endpoint.stub.DeleteTensor(
-                worker_pb2.DeleteTensorRequest(name=name, missing_ok=True), timeout=2.0
-            )
-
+    what = f"delete staged archive {name!r}"
+    request = worker_pb2.DeleteTensorRequest(name=name, missing_ok=True)
     with contextlib.suppress(CollectiveError):
         session.fan_out(
-            f"delete staged archive {name!r}",
-            {i: (lambda e=e: drop(e)) for i, e in enumerate(endpoints)},
+            what,
+            {
+                i: (lambda e=e: e.unary("DeleteTensor").future(request, 2.0, what))
+                for i, e in enumerate(endpoints)
+            },
         )

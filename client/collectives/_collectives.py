@@ -39,7 +39,6 @@ import torch
 from collectives._data_plane import DataPlane
 from collectives._generation_binding import GenerationBinding, is_not_executed
 from collectives._session import Session, server_timeout_s
-from collectives._transport import call_unary, call_worker
 from collectives._validation import (
     check_group,
     check_name,
@@ -400,8 +399,7 @@ class Collectives:
                     timeout_s=server_timeout_s(remaining),
                     membership_digest=snapshot.membership_digest,
                 )
-                resp = call_unary(
-                    self._session.endpoint(leader).stub.NewGroup,
+                resp = self._session.endpoint(leader).unary("NewGroup")(
                     worker_pb2.NewGroupRequest(options=options, ranks=checked),
                     remaining,
                     f"new_group {checked} on leader {leader}",
@@ -543,12 +541,8 @@ class Collectives:
                 timeout_s=server_timeout_s(remaining),
                 membership_digest=snapshot.digest_of(generation),
             )
-            return call_worker(
-                self._session.endpoint(leader),
-                method,
-                request(options),
-                remaining,
-                f"{what} on {leader}",
+            return self._session.endpoint(leader).unary(method)(
+                request(options), remaining, f"{what} on {leader}"
             )
 
         def run() -> Any:

@@ -25,13 +25,13 @@ import grpc
 import torch
 
 from collectives import shm
+from collectives._calls import Job
 from collectives._progress import Deferred, Progress, progress
 from collectives._replicate import REPLICATE_MIN_BYTES, UseParallelPuts, replicate
 from collectives._session import Session
 from collectives._transport import (
     DataPath,
     WorkerEndpoint,
-    call_unary,
     choose_path,
     get_tensor,
     get_tensor_shm,
@@ -197,7 +197,7 @@ class DataPlane:
 
         def delete_on(endpoint: WorkerEndpoint, remaining: float) -> bool:
             request = worker_pb2.DeleteTensorRequest(name=name, missing_ok=True)
-            response = call_unary(endpoint.stub.DeleteTensor, request, remaining, what)
+            response = endpoint.unary("DeleteTensor")(request, remaining, what)
             return bool(response.deleted)
 
         deleted = self._session.fan_out(
@@ -323,7 +323,7 @@ class DataPlane:
 
         # A bar once the size is known (shared memory: none, it is one copy).
         with Deferred(what, self._session.progress) as bar:
-            return self._rank_call(rank, deadline, what, get_on)()
+            return self._rank_call(rank, deadline, what, get_on).fn()
 
     def _put(
         self,
@@ -393,7 +393,7 @@ class DataPlane:
         deadline: float,
         what: str,
         fn: Callable[[WorkerEndpoint, float], R],
-    ) -> Callable[[], R]:
+    ) -> Job[R]:
         """A retrying call of ``fn(endpoint_of_rank, remaining_s)``, re-resolving the rank."""
 
         def attempt(remaining: float) -> R:
@@ -408,7 +408,7 @@ class DataPlane:
             except CollectiveError as err:
                 raise annotate(err, f"{what} on rank {rank}") from None
 
-        return call
+        return Job(call)
 
 
 def _put_stream(

@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import grpc
 
-from collectives._transport import call_unary
+from collectives._channels import call_unary
 from collectives.errors import Unavailable
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
 from collectives.wire.cluster_state import ClusterSnapshot

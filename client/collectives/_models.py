@@ -35,6 +35,7 @@ from torch import nn
 
 from collectives import _publish
 from collectives._archive_staging import load_staged, stage_archive
+from collectives._calls import Call, Job
 from collectives._data_plane import DataPlane
 from collectives._deadlines import time_left
 from collectives._generation_binding import GenerationBinding
@@ -42,7 +43,7 @@ from collectives._model_transport import get_model_tensors, load_model_on
 from collectives._programs import ProgramCache, as_module, example_like, program_name
 from collectives._progress import progress
 from collectives._session import Session, server_timeout_s
-from collectives._transport import WorkerEndpoint, call_unary, call_worker, is_retryable_read
+from collectives._transport import WorkerEndpoint, is_retryable_read
 from collectives.errors import CollectiveError, InvalidArgument, NotFound
 from collectives.reduce_ops import ReduceOp, parse_reduce_op
 from collectives.v1 import worker_pb2
@@ -180,7 +181,7 @@ class Models:
                 responses = self._session.fan_out(
                     what,
                     {
-                        rank: (
+                        rank: Job(
                             lambda e=e: load_model_on(
                                 e, spec, archive, self._remaining(deadline), bar
                             )
@@ -203,14 +204,10 @@ class Models:
         validate_name(name, "model name")
         deadline = self._session.deadline(timeout)
         results = self._per_rank(
-            "unload_model",
+            f"unload_model {name!r}",
             deadline,
-            lambda e, t: call_unary(
-                e.stub.UnloadModel,
-                worker_pb2.UnloadModelRequest(name=name, missing_ok=True),
-                t,
-                f"unload_model {name!r}",
-            ),
+            "UnloadModel",
+            worker_pb2.UnloadModelRequest(name=name, missing_ok=True),
         )
         if not missing_ok and not any(r.unloaded for r in results.values()):
             raise NotFound(f"model {name!r} is not loaded on any worker")
@@ -219,8 +216,7 @@ class Models:
         """Models loaded on the cluster (as rank 0 holds them)."""
         deadline = self._session.deadline(timeout)
         endpoint = self._member_endpoints(deadline)[0]
-        response = call_unary(
-            endpoint.stub.ListModels,
+        response = endpoint.unary("ListModels")(
             worker_pb2.ListModelsRequest(),
             self._remaining(deadline),
             "models",
@@ -255,9 +251,7 @@ class Models:
         mode = worker_pb2.MODEL_MODE_TRAIN if training else worker_pb2.MODEL_MODE_EVAL
         request = worker_pb2.SetModelModeRequest(name=name, mode=mode)
         what = f"set_model_mode {name!r}"
-        answers = self._per_rank(
-            what, deadline, lambda e, left: call_unary(e.stub.SetModelMode, request, left, what)
-        )
+        answers = self._per_rank(what, deadline, "SetModelMode", request)
         return _model_info(answers[min(answers)].model)
 
     # ------------------------------------------------------- gradients, steps
@@ -397,21 +391,13 @@ class Models:
             hyper_json=_hyper_json(hyper),
             max_grad_norm=_max_grad_norm(max_grad_norm),
         )
-        self._per_rank(
-            f"step {name!r}",
-            self._session.deadline(timeout),
-            lambda e, t: call_unary(e.stub.Step, request, t, f"step {name!r}"),
-        )
+        self._per_rank(f"step {name!r}", self._session.deadline(timeout), "Step", request)
 
     def zero_grad(self, name: str, timeout: float | None = None) -> None:
         """Clears every parameter's gradient (sets it to None) on every worker."""
         validate_name(name, "model name")
         request = worker_pb2.ZeroGradRequest(model=name)
-        self._per_rank(
-            f"zero_grad {name!r}",
-            self._session.deadline(timeout),
-            lambda e, t: call_unary(e.stub.ZeroGrad, request, t, f"zero_grad {name!r}"),
-        )
+        self._per_rank(f"zero_grad {name!r}", self._session.deadline(timeout), "ZeroGrad", request)
 
     def gradients(
         self, name: str, rank: int = 0, timeout: float | None = None
@@ -532,16 +518,16 @@ class Models:
             tuple=worker_pb2.ValueList(items=[worker_pb2.Value(tensor=n) for n in input_names])
         )
 
-        def run(endpoint: WorkerEndpoint) -> None:
+        def start(endpoint: WorkerEndpoint) -> Call[worker_pb2.ForwardResponse]:
             request = worker_pb2.ForwardRequest(
                 model=program,
                 call_id=f"apply-{uuid.uuid4().hex}",
                 args=args,
                 output_names=output_names,
             )
-            call_worker(endpoint, "Forward", request, self._remaining(deadline), "apply")
+            return endpoint.unary("Forward").future(request, self._remaining(deadline), "apply")
 
-        calls = {r: (lambda e=endpoints[r]: run(e)) for r in targets}
+        calls = {r: (lambda e=endpoints[r]: start(e)) for r in targets}
         try:
             self._session.fan_out("apply", calls)
         except NotFound as err:
@@ -582,8 +568,7 @@ class Models:
         Raises:
             NotFound: one of them is not there.
         """
-        response = call_unary(
-            endpoint.stub.ListTensors,
+        response = endpoint.unary("ListTensors")(
             worker_pb2.ListTensorsRequest(names=names),
             self._remaining(deadline),
             "the inputs' shapes",
@@ -631,8 +616,8 @@ class Models:
                 tuple=worker_pb2.ValueList(items=[worker_pb2.Value(tensor=inputs)])
             ),
         )
-        response = call_worker(
-            endpoint, "Forward", request, self._remaining(deadline), f"a forward of {model!r}"
+        response = endpoint.unary("Forward")(
+            request, self._remaining(deadline), f"a forward of {model!r}"
         )
         names = tensor_leaves(response.output)
         try:
@@ -640,8 +625,7 @@ class Models:
         finally:
             for name in names:
                 with contextlib.suppress(CollectiveError):
-                    call_unary(
-                        endpoint.stub.DeleteTensor,
+                    endpoint.unary("DeleteTensor")(
                         worker_pb2.DeleteTensorRequest(name=name, missing_ok=True),
                         self._remaining(deadline),
                         "delete",
@@ -655,11 +639,15 @@ class Models:
         snapshot = self._session.formed_snapshot(deadline)
         return {w.rank: self._session.endpoint(w.address) for w in snapshot.workers if w.rank >= 0}
 
-    def _per_rank(self, what: str, deadline: float, fn) -> dict[int, Any]:
+    def _per_rank(self, what: str, deadline: float, method: str, request: Any) -> dict[int, Any]:
+        """The Worker RPC ``method`` with ``request`` on every member, answers by rank."""
         endpoints = self._member_endpoints(deadline)
         return self._session.fan_out(
             what,
-            {rank: (lambda e=e: fn(e, self._remaining(deadline))) for rank, e in endpoints.items()},
+            {
+                rank: (lambda e=e: e.unary(method).future(request, self._remaining(deadline), what))
+                for rank, e in endpoints.items()
+            },
         )
 
     def _model_tensors(
@@ -694,8 +682,9 @@ class Models:
                 membership_digest=snapshot.membership_digest,
             )
             leader = snapshot.leader_address or ""
-            stub_method = getattr(self._session.endpoint(leader).stub, method)
-            return call_unary(stub_method, request(options), remaining, f"{what} on {leader}")
+            return self._session.endpoint(leader).unary(method)(
+                request(options), remaining, f"{what} on {leader}"
+            )
 
         def run() -> Any:
             return finish(self._session.retry(what, deadline, attempt, binding.retryable))

@@ -22,7 +22,6 @@ from collectives._collectives import Collectives
 from collectives._data_plane import DataPlane
 from collectives._generation_binding import is_not_executed
 from collectives._session import Session, server_timeout_s
-from collectives._transport import call_unary
 from collectives._validation import check_group, check_out, check_single
 from collectives.errors import InvalidArgument, NotFound
 from collectives.groups import Group
@@ -117,8 +116,9 @@ class PeerToPeer:
                 membership_digest=snapshot.digest_of(group.generation),
             )
             request = worker_pb2.DestroyGroupRequest(options=options)
-            stub = self._session.endpoint(leader).stub
-            call_unary(stub.DestroyGroup, request, remaining, f"{what} on {leader}")
+            self._session.endpoint(leader).unary("DestroyGroup")(
+                request, remaining, f"{what} on {leader}"
+            )
 
         def run() -> None:
             self._session.retry(what, deadline, attempt, is_not_executed)

@@ -24,7 +24,7 @@ import torch
 
 from collectives._progress import progress
 from collectives._session import Session, server_timeout_s
-from collectives._transport import WorkerEndpoint, call_unary, put_tensor
+from collectives._transport import WorkerEndpoint, put_tensor
 from collectives.errors import CollectiveError, InvalidArgument, Reason
 from collectives.v1 import worker_pb2
 from collectives.wire.names import MAX_NAME_LENGTH, UPLOAD_PREFIX, validate_name
@@ -88,7 +88,7 @@ def publish(
             request = worker_pb2.PublishModelRequest(
                 options=options, model=name, prefix=prefix, strict=strict, cast=cast
             )
-            return call_unary(leader.stub.PublishModel, request, deadline - time.monotonic(), what)
+            return leader.unary("PublishModel")(request, deadline - time.monotonic(), what)
         except CollectiveError:
             # Not run, or given up on (a timeout): the op, if it still runs, holds
             # what it read; anything left would wait for the leader's expiry.
@@ -101,7 +101,7 @@ def publish(
 def _drop_uploads(leader: WorkerEndpoint, prefix: str, keys: list[str]) -> None:
     """Best effort: the leader also drops them after ``UPLOAD_IDLE_S``."""
     for key in keys:
-        with contextlib.suppress(CollectiveError, grpc.RpcError, ValueError):  # ValueError: closed
-            leader.stub.DeleteTensor(
-                worker_pb2.DeleteTensorRequest(name=prefix + key, missing_ok=True), timeout=2.0
+        with contextlib.suppress(CollectiveError):
+            leader.unary("DeleteTensor")(
+                worker_pb2.DeleteTensorRequest(name=prefix + key, missing_ok=True), 2.0, "drop"
             )

@@ -27,7 +27,7 @@ import torch
 
 from collectives._progress import Progress
 from collectives._session import Session, server_timeout_s
-from collectives._transport import WorkerEndpoint, call_unary, put_tensor
+from collectives._transport import WorkerEndpoint, put_tensor
 from collectives.errors import CollectiveError, Reason
 from collectives.v1 import worker_pb2
 from collectives.wire.names import UPLOAD_PREFIX
@@ -88,9 +88,7 @@ def replicate(
                 upload=upload,
                 name=name,
             )
-            return call_unary(
-                leader.stub.ReplicateTensor, request, deadline - time.monotonic(), what
-            )
+            return leader.unary("ReplicateTensor")(request, deadline - time.monotonic(), what)
         except CollectiveError:
             # Not run, or given up on (a timeout): the op, if it still runs, holds
             # what it read; anything left would wait for the leader's expiry.
@@ -102,7 +100,7 @@ def replicate(
 
 def _drop_upload(leader: WorkerEndpoint, upload: str) -> None:
     """Best effort: the leader also drops it after ``UPLOAD_IDLE_S``."""
-    with contextlib.suppress(CollectiveError, grpc.RpcError, ValueError):  # ValueError: closed
-        leader.stub.DeleteTensor(
-            worker_pb2.DeleteTensorRequest(name=upload, missing_ok=True), timeout=2.0
+    with contextlib.suppress(CollectiveError):
+        leader.unary("DeleteTensor")(
+            worker_pb2.DeleteTensorRequest(name=upload, missing_ok=True), 2.0, "drop"
         )

@@ -29,12 +29,13 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
-from typing import Protocol, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Generic, Protocol, TypeVar
 
 import grpc
 
 from collectives import _progress, shm
+from collectives._calls import Call, Done, Job, Start
 from collectives._membership import Membership
 from collectives._transport import (
     ChannelPool,
@@ -174,17 +175,8 @@ class Session(Protocol):
         """Runs ``fn`` in this connection's op order: ``Work`` if ``async_op``, else its result."""
         ...
 
-    def fan_out(self, what: str, fns: dict[int, Callable[[], R]]) -> dict[int, R]:
-        """Runs one call per rank in parallel and returns their results by rank."""
-        ...
-
-    def fan_out_sent(
-        self,
-        what: str,
-        sends: dict[int, Callable[[], Callable[[], R] | None]],
-        fns: dict[int, Callable[[], R]],
-    ) -> dict[int, R]:
-        """``fan_out`` of calls sent from this thread and answered after (or ``fns``)."""
+    def fan_out(self, what: str, starts: Mapping[int, Start[R]]) -> dict[int, R]:
+        """Starts one call per rank, then returns their answers by rank."""
         ...
 
 
@@ -521,82 +513,60 @@ class ClusterSession:
         with self._ordered_lock:
             self._ordered_pending -= 1
 
-    def fan_out(self, what: str, fns: dict[int, Callable[[], R]]) -> dict[int, R]:
-        """Runs one call per rank in parallel; waits for all, then raises the lowest rank's error.
+    def fan_out(self, what: str, starts: Mapping[int, Start[R]]) -> dict[int, R]:
+        """Starts each rank's call from this thread (``starts[rank]()`` sends it and
+        returns the started :class:`~collectives._calls.Call`), then waits for every
+        answer, so the calls are in flight together. A :class:`~collectives._calls.Job`
+        (work that blocks) runs on the I/O pool, the last one on this thread. Waits
+        for all, then raises the lowest rank's error.
 
         Raises:
             CollectiveError: some rank failed (the message names the rank).
         """
         self.check_open()
-        if not fns:
-            return {}
-        *others, (own_rank, own_fn) = fns.items()
+        calls: dict[int, Call[R]] = {}
+        jobs = [(rank, start) for rank, start in starts.items() if isinstance(start, Job)]
         try:
-            futures = {
-                rank: self._io_executor.submit(_on_rank, what, rank, fn) for rank, fn in others
-            }
+            for rank, job in jobs[:-1]:
+                calls[rank] = _PoolCall(self._io_executor.submit(_on_rank, what, rank, job.fn))
         except RuntimeError:
             raise Unavailable(f"the connection to {self._address} is closed") from None
-        # The last call runs on the caller's thread: one hand-off to the pool fewer.
-        own: concurrent.futures.Future[R] = concurrent.futures.Future()
-        try:
-            own.set_result(_on_rank(what, own_rank, own_fn))
-        except Exception as exc:  # raised below, once the others ended
-            own.set_exception(exc)
-        futures[own_rank] = own
-        return _ended(futures)
-
-    def fan_out_sent(
-        self,
-        what: str,
-        sends: dict[int, Callable[[], Callable[[], R] | None]],
-        fns: dict[int, Callable[[], R]],
-    ) -> dict[int, R]:
-        """:meth:`fan_out` for calls that can be sent first and answered after.
-
-        ``sends[rank]()`` sends that rank's call from this thread and returns what
-        waits for its answer, or None when it cannot (nothing sent): then
-        ``fns[rank]`` makes the call on the pool, as :meth:`fan_out` does. Once
-        every call is sent, the answers are awaited here, so when every rank's call
-        could be sent no thread is handed anything. Waits for all, then raises the
-        lowest rank's error.
-        """
-        self.check_open()
-        sent: dict[int, Callable[[], R]] = {}
-        futures: dict[int, concurrent.futures.Future[R]] = {}
-        for rank, send in sends.items():
+        for rank, start in starts.items():
+            if not isinstance(start, Job):
+                calls[rank] = _started(what, rank, start)
+        if jobs:  # every other call is on its way: the last job runs here
+            rank, job = jobs[-1]
+            calls[rank] = _started(what, rank, job)
+        ended: dict[int, R] = {}
+        failed: dict[int, BaseException] = {}
+        for rank in starts:
             try:
-                answer = _on_rank(what, rank, send)
+                ended[rank] = _on_rank(what, rank, calls[rank].result)
             except Exception as exc:  # raised below, once the others ended
-                futures[rank] = concurrent.futures.Future()
-                futures[rank].set_exception(exc)
-                continue
-            if answer is not None:
-                sent[rank] = answer
-        rest = {rank: fn for rank, fn in fns.items() if rank not in sent and rank not in futures}
-        if rest and not sent:
-            return self.fan_out(what, rest)
-        try:
-            for rank, fn in rest.items():
-                futures[rank] = self._io_executor.submit(_on_rank, what, rank, fn)
-        except RuntimeError:
-            raise Unavailable(f"the connection to {self._address} is closed") from None
-        for rank, answer in sent.items():
-            futures[rank] = concurrent.futures.Future()
-            try:
-                futures[rank].set_result(_on_rank(what, rank, answer))
-            except Exception as exc:
-                futures[rank].set_exception(exc)
-        return _ended(futures)
+                failed[rank] = exc
+        if failed:
+            raise failed[min(failed)]
+        return ended
 
 
-def _ended(futures: dict[int, concurrent.futures.Future[R]]) -> dict[int, R]:
-    """Every rank's result once all ended; the lowest rank's error if some failed."""
-    concurrent.futures.wait(futures.values())
-    for rank in sorted(futures):
-        if futures[rank].exception() is not None:
-            raise futures[rank].exception()  # type: ignore[misc]
-    return {rank: f.result() for rank, f in futures.items()}
+class _PoolCall(Generic[R]):
+    """A job running on the I/O pool."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: concurrent.futures.Future[R]) -> None:
+        self._future = future
+
+    def result(self) -> R:
+        return self._future.result()
+
+
+def _started(what: str, rank: int, start: Start[R]) -> Call[R]:
+    """``start()``, a failure to start being the call's (annotated with the rank)."""
+    try:
+        return _on_rank(what, rank, start)
+    except Exception as exc:
+        return Done(error=exc)
 
 
 def _on_rank(what: str, rank: int, fn: Callable[[], R]) -> R:

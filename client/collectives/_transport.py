@@ -33,6 +33,7 @@ from google.protobuf import message_factory
 from google.protobuf.message import Message
 
 from collectives import bulk, lanes
+from collectives._calls import Call
 from collectives._channels import (
     CHANNEL_OPTIONS,
     call_unary,
@@ -56,7 +57,6 @@ from collectives.shm import Segment, SegmentPool
 from collectives.v1 import tensor_pb2, worker_pb2, worker_pb2_grpc
 from collectives.wire import codec, shm
 from collectives.wire.bulk_frames import BULK_MIN_BYTES
-from collectives.wire.lane_frames import LANE_METHOD_IDS
 from collectives.wire.security import PLAINTEXT, ChannelSecurity
 
 __all__ = [
@@ -65,9 +65,8 @@ __all__ = [
     "DataPath",
     "Route",
     "WorkerEndpoint",
+    "WorkerMethod",
     "call_unary",
-    "call_worker",
-    "send_on_lane",
     "choose_path",
     "get_tensor",
     "is_retryable_read",
@@ -122,53 +121,103 @@ class WorkerEndpoint:
             bulk=bulk.BulkPort(plaintext_allowed=not security.tls),
         )
 
+    def unary(self, method: str) -> WorkerMethod:
+        """The Worker RPC ``method`` (``"Forward"``, ``"AllReduce"``...) on this worker."""
+        return WorkerMethod(self, method)
 
-def call_worker(
-    endpoint: WorkerEndpoint, method: str, request: Message, timeout: float, what: str
-) -> Any:
-    """The Worker RPC ``method`` (``"Forward"``, ``"AllReduce"``...), on a call lane
-    when one can carry it (see :mod:`collectives.lanes`), else as a gRPC call; the
-    same answer and errors either way.
 
-    Raises:
-        CollectiveError: the call failed (subclass by status code).
+class WorkerMethod:
+    """A Worker RPC on one worker, shaped like a gRPC multi-callable: calling it
+    waits for the answer; :meth:`future` sends it and returns the started
+    :class:`~collectives._calls.Call`.
+
+    The road is chosen here alone: a call lane when the worker's lanes carry the
+    method and the request fits one (:mod:`collectives.lanes`; never for a TLS
+    client), else a gRPC call. The answer and the errors are the same either way:
+    every failure is a :class:`~collectives.errors.CollectiveError`.
     """
-    answer = send_on_lane(endpoint, method, request, timeout, what)
-    if answer is None:
-        return call_unary(getattr(endpoint.stub, method), request, timeout, what)
-    return answer()
 
+    __slots__ = ("_endpoint", "_name")
 
-def send_on_lane(
-    endpoint: WorkerEndpoint, method: str, request: Message, timeout: float, what: str
-) -> Callable[[], Any] | None:
-    """Sends the Worker RPC ``method`` on a call lane and returns what waits for its
-    answer; None when no lane can carry it (nothing sent: make the gRPC call, as
-    :func:`call_worker` does).
+    def __init__(self, endpoint: WorkerEndpoint, name: str) -> None:
+        self._endpoint = endpoint
+        self._name = name
 
-    Raises:
-        CollectiveError: the call failed before it was sent (its deadline passed).
-    """
-    method_id = LANE_METHOD_IDS.get(method)
-    if method_id is None:
-        return None
-    try:
-        pending = endpoint.lanes.send(
-            endpoint, method_id, request.SerializeToString(), _deadline_s(timeout, what)
-        )
-    except grpc.RpcError as err:
-        raise _from_rpc_error(err, what) from None
-    if pending is None:
-        return None
-    parse = _response_class(method).FromString
+    def __call__(self, request: Message, timeout: float, what: str) -> Any:
+        """The call's response, waited for.
 
-    def answer() -> Any:
+        Raises:
+            CollectiveError: the call failed (subclass by status code).
+        """
+        sent = self._on_lane(request, timeout, what)
+        if sent is not None:
+            return sent.result()
+        return call_unary(getattr(self._endpoint.stub, self._name), request, timeout, what)
+
+    def future(self, request: Message, timeout: float, what: str) -> Call[Any]:
+        """Sends the call and returns it; its ``result()`` waits for the response.
+
+        Raises:
+            CollectiveError: the call could not be sent (its deadline passed, or the
+                cluster was closed); a failure after sending is ``result()``'s.
+        """
+        sent = self._on_lane(request, timeout, what)
+        if sent is not None:
+            return sent
         try:
-            return parse(pending.result())
+            future = getattr(self._endpoint.stub, self._name).future(
+                request, timeout=_deadline_s(timeout, what)
+            )
+        except ValueError as err:
+            if not channel_was_closed(err):
+                raise
+            raise closed_handle(what) from None
+        return _GrpcCall(future, what)
+
+    def _on_lane(self, request: Message, timeout: float, what: str) -> Call[Any] | None:
+        """The call, sent on a lane; None when no lane carries it (nothing sent)."""
+        try:
+            pending = self._endpoint.lanes.send(
+                self._endpoint, self._name, request.SerializeToString(), _deadline_s(timeout, what)
+            )
         except grpc.RpcError as err:
             raise _from_rpc_error(err, what) from None
+        if pending is None:
+            return None
+        return _LaneCall(pending, _response_class(self._name).FromString, what)
 
-    return answer
+
+class _LaneCall:
+    __slots__ = ("_parse", "_pending", "_what")
+
+    def __init__(
+        self, pending: lanes.PendingCall, parse: Callable[[bytes], Any], what: str
+    ) -> None:
+        self._pending = pending
+        self._parse = parse
+        self._what = what
+
+    def result(self) -> Any:
+        try:
+            return self._parse(self._pending.result())
+        except grpc.RpcError as err:
+            raise _from_rpc_error(err, self._what) from None
+
+
+class _GrpcCall:
+    __slots__ = ("_future", "_what")
+
+    def __init__(self, future: grpc.Future, what: str) -> None:
+        self._future = future
+        self._what = what
+
+    def result(self) -> Any:
+        try:
+            return self._future.result()
+        except grpc.RpcError as err:
+            raise _from_rpc_error(err, self._what) from None
+        except grpc.FutureCancelledError:
+            raise closed_handle(self._what) from None
 
 
 @functools.cache
@@ -419,7 +468,7 @@ def put_tensor_shm(
         lent=pool.handed_over(worker, but=segment.path) if pool is not None else (),
     )
     try:
-        response = call_unary(endpoint.stub.PutTensorShm, request, timeout, what)
+        response = endpoint.unary("PutTensorShm")(request, timeout, what)
     except BaseException as err:
         if isinstance(err, CollectiveError) and err.code in _REFUSED_BEFORE_READING:
             if offered and pool is not None:
@@ -468,7 +517,7 @@ def get_tensor_shm(
             name=name, consume=consume, path=lease.path if lease else ""
         )
         try:
-            response = call_unary(endpoint.stub.GetTensorShm, request, timeout, what)
+            response = endpoint.unary("GetTensorShm")(request, timeout, what)
         except BaseException as err:
             if lease is not None and not _answered(err):
                 pool.discard(lease)  # the worker may still write the tensor into it

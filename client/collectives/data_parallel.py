@@ -18,22 +18,17 @@ from __future__ import annotations
 import threading
 import uuid
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from collectives._calls import Job, Mapped, Start
 from collectives._deadlines import time_left
 from collectives._models import Models
 from collectives._session import Session
-from collectives._transport import (
-    WorkerEndpoint,
-    call_worker,
-    get_tensor,
-    put_tensor,
-    send_on_lane,
-)
+from collectives._transport import WorkerEndpoint, get_tensor, put_tensor
 from collectives.errors import CollectiveError, InvalidArgument, NotFound, Reason, Unavailable
 from collectives.v1 import worker_pb2
 from collectives.wire.codec import tensor_from_proto, tensor_to_proto
@@ -217,29 +212,25 @@ class _RemoteCall:
 
         what = f"forward of {self.model!r}"
 
-        def run(i: int, version: int) -> tuple[Any, int]:
-            request = request_of(i, version)
-            response = call_worker(self.shards[i].endpoint, "Forward", request, self._left(), what)
-            return outputs_of(i, response)
-
-        # A shard whose inputs all travel inline can be sent on a call lane from this
-        # thread, every shard first, then each answer awaited (no puts to make first).
+        # A shard whose inputs all travel inline is sent from this thread, every such
+        # shard first, then each answer awaited; one with inputs to put first is a job.
         inline = [
             sum(t.numel() * t.element_size() for t in tensors_in((parts_args[i], parts_kwargs[i])))
             <= INLINE_BYTES
             for i in range(len(self.shards))
         ]
 
-        def send(i: int, version: int) -> Callable[[], tuple[Any, int]] | None:
-            if not inline[i]:
-                return None
-            answer = send_on_lane(
-                self.shards[i].endpoint, "Forward", request_of(i, version), self._left(), what
-            )
-            return None if answer is None else (lambda: outputs_of(i, answer()))
+        def start(i: int, version: int) -> Start[tuple[Any, int]]:
+            forward = self.shards[i].endpoint.unary("Forward")
+            if inline[i]:
+                return lambda: Mapped(
+                    forward.future(request_of(i, version), self._left(), what),
+                    lambda response: outputs_of(i, response),
+                )
+            return Job(lambda: outputs_of(i, forward(request_of(i, version), self._left(), what)))
 
         try:
-            per_worker = self._run_one_version(send, run)
+            per_worker = self._run_one_version(start)
         except CollectiveError:
             _release(self.state)
             raise
@@ -254,9 +245,7 @@ class _RemoteCall:
         return replace_tensors(gathered, list(outs))
 
     def _run_one_version(
-        self,
-        send: Callable[[int, int], Callable[[], tuple[Any, int]] | None],
-        run: Callable[[int, int], tuple[Any, int]],
+        self, start: Callable[[int, int], Start[tuple[Any, int]]]
     ) -> dict[int, Any]:
         """Every shard's output, all computed by one model version (then ``self.version``).
 
@@ -270,11 +259,11 @@ class _RemoteCall:
         shards = range(len(self.shards))
         for _ in range(_VERSION_ATTEMPTS):
             try:
-                done = self._fan_out(what, shards, 0, send, run)
+                done = self.session.fan_out(what, {i: start(i, 0) for i in shards})
                 newest = max(v for _, v in done.values())
                 behind = [i for i in shards if done[i][1] != newest]
                 if behind:
-                    done.update(self._fan_out(what, behind, newest, send, run))
+                    done.update(self.session.fan_out(what, {i: start(i, newest) for i in behind}))
             except CollectiveError as err:
                 if err.reason == Reason.VERSION_MOVED:
                     continue
@@ -284,21 +273,6 @@ class _RemoteCall:
         raise Unavailable(
             f"{what}: the model's version changed under every one of {_VERSION_ATTEMPTS} "
             "attempts (publishes faster than a forward); retry, or publish less often"
-        )
-
-    def _fan_out(
-        self,
-        what: str,
-        shards: Iterable[int],
-        version: int,
-        send: Callable[[int, int], Callable[[], tuple[Any, int]] | None],
-        run: Callable[[int, int], tuple[Any, int]],
-    ) -> dict[int, tuple[Any, int]]:
-        """Each of ``shards``' output at ``version`` (0: whichever its worker serves)."""
-        return self.session.fan_out_sent(
-            what,
-            {i: (lambda i=i: send(i, version)) for i in shards},
-            {i: (lambda i=i: run(i, version)) for i in shards},
         )
 
     def backward(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
@@ -321,10 +295,13 @@ class _RemoteCall:
             for j, g in enumerate(grads)
         ]
 
-        def run(i: int) -> list[torch.Tensor | None]:
+        what = f"backward of {self.model!r}"
+
+        def start(i: int) -> Start[list[torch.Tensor | None]]:
             shard = self.shards[i]
             names = []
             inline = []
+            to_put: list[tuple[str, torch.Tensor]] = []
             budget = _Budget(INLINE_BYTES)
             for j in range(len(shard.output_names)):
                 g = per_leaf[j][i]
@@ -335,32 +312,43 @@ class _RemoteCall:
                 if budget.take(g):
                     inline.append(_inline(name, g))
                 else:
-                    put_tensor(shard.endpoint, name, g.contiguous(), self._left())
+                    to_put.append((name, g))
                 names.append(name)
-            response = call_worker(
-                shard.endpoint,
-                "Backward",
-                worker_pb2.BackwardRequest(
-                    model=self.model,
-                    call_id=self.call_id,
-                    output_names=shard.output_names,
-                    grad_names=names,
-                    inline_grads=inline,
-                    inline_output_bytes=INLINE_BYTES,
-                ),
-                self._left(),
-                f"backward of {self.model!r}",
+            request = worker_pb2.BackwardRequest(
+                model=self.model,
+                call_id=self.call_id,
+                output_names=shard.output_names,
+                grad_names=names,
+                inline_grads=inline,
+                inline_output_bytes=INLINE_BYTES,
             )
-            came = _decode_inline(response.inline_input_grads)
-            for n in response.input_grad_names:
-                if n and n not in came:
-                    came[n] = get_tensor(shard.endpoint, n, self._left(), consume=True)
-            return [came[n] if n else None for n in response.input_grad_names]
+            backward = shard.endpoint.unary("Backward")
 
-        per_worker = self.session.fan_out(
-            f"backward of {self.model!r}",
-            {i: (lambda i=i: run(i)) for i in range(len(self.shards))},
-        )
+            def input_grads(response: worker_pb2.BackwardResponse) -> list[torch.Tensor | None]:
+                came = _decode_inline(response.inline_input_grads)
+                for n in response.input_grad_names:
+                    if n and n not in came:
+                        came[n] = get_tensor(shard.endpoint, n, self._left(), consume=True)
+                return [came[n] if n else None for n in response.input_grad_names]
+
+            if not to_put:  # every gradient travels inline: sent from this thread
+                return lambda: Mapped(backward.future(request, self._left(), what), input_grads)
+
+            def put_then_call() -> list[torch.Tensor | None]:
+                for name, g in to_put:
+                    put_tensor(shard.endpoint, name, g.contiguous(), self._left())
+                return input_grads(backward(request, self._left(), what))
+
+            return Job(put_then_call)
+
+        try:
+            per_worker = self.session.fan_out(what, {i: start(i) for i in range(len(self.shards))})
+        except CollectiveError:
+            # A shard whose backward never ran (its deadline passed first) still holds
+            # its graph, which would block publishes until --graph-ttl-s: drop them.
+            self.state.finished = False
+            _release(self.state)
+            raise
         result: list[torch.Tensor | None] = []
         for position, k in enumerate(self.grad_leaf_ids):
             leaf = self.grad_leaves[position]

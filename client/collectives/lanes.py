@@ -64,6 +64,7 @@ from collectives.wire.lane_frames import (
     OK,
     REQUEST_HEADER,
     RESPONSE_HEADER,
+    lane_method_ids,
 )
 from collectives.wire.limits import MAX_MESSAGE_BYTES
 from collectives.wire.socket_timeouts import KernelTimeouts
@@ -123,10 +124,12 @@ class LaneError(grpc.RpcError):
 class _Lane:
     """One lane: its connection, and the timeout the kernel keeps on it."""
 
-    __slots__ = ("sock", "timeouts")
+    __slots__ = ("method_ids", "sock", "timeouts")
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, method_ids: dict[str, int]) -> None:
         self.sock = sock
+        # The methods this lane carries, by the ids its worker gave them.
+        self.method_ids = method_ids
         self.timeouts = KernelTimeouts(sock, _OPEN_TIMEOUT_S)
 
     def fit(self, left: float) -> None:
@@ -152,6 +155,9 @@ class CallLanes:
         self._busy: set[_Lane] = set()  # lanes a call was sent on, not yet answered
         self._suspended_until = 0.0
         self._closed = False
+        # The methods the worker's latest lane carries (None: no lane opened yet): a
+        # call of another takes gRPC without taking a lane.
+        self._methods: frozenset[str] | None = None
 
     @property
     def closed(self) -> bool:
@@ -159,10 +165,10 @@ class CallLanes:
         return self._closed
 
     def call(
-        self, endpoint: LaneEndpoint, method: int, request: bytes, timeout: float
+        self, endpoint: LaneEndpoint, method: str, request: bytes, timeout: float
     ) -> bytes | None:
-        """The serialized response of ``request`` to ``method`` on a lane; None when no
-        lane can carry it (the caller then makes the gRPC call).
+        """The serialized response of ``request`` to the Worker method ``method`` on a
+        lane; None when no lane can carry it (the caller then makes the gRPC call).
 
         Raises:
             LaneError: the call failed: its status (``DEADLINE_EXCEEDED`` once
@@ -172,21 +178,29 @@ class CallLanes:
         return None if pending is None else pending.result()
 
     def send(
-        self, endpoint: LaneEndpoint, method: int, request: bytes, timeout: float
+        self, endpoint: LaneEndpoint, method: str, request: bytes, timeout: float
     ) -> PendingCall | None:
-        """Sends ``request`` on a lane and returns the call, whose answer
-        :meth:`PendingCall.result` waits for; None when no lane can carry it (nothing
-        was sent: the caller makes the gRPC call). Sending to several workers first
-        and then waiting puts their calls in flight together, from one thread.
+        """Sends ``request`` to the Worker method ``method`` on a lane and returns the
+        call, whose answer :meth:`PendingCall.result` waits for; None when no lane can
+        carry it (nothing was sent: the caller makes the gRPC call), e.g. the worker's
+        lanes do not carry ``method``. Sending to several workers first and then
+        waiting puts their calls in flight together, from one thread.
 
         Raises:
             LaneError: ``DEADLINE_EXCEEDED``: ``timeout`` passed before it was sent.
         """
         if len(request) > MAX_LANE_REQUEST_BYTES:
             return None
+        known = self._methods
+        if known is not None and method not in known:
+            return None
         deadline = time.monotonic() + timeout
         lane = self._take(endpoint, timeout)
         if lane is None:
+            return None
+        method_id = lane.method_ids.get(method)
+        if method_id is None:
+            self.keep(lane)
             return None
         left = deadline - time.monotonic()
         if left <= 0:
@@ -201,7 +215,7 @@ class CallLanes:
             raise LaneError(grpc.StatusCode.CANCELLED, CHANNEL_CLOSED_DETAILS)
         try:
             lane.fit(left)
-            lane.sock.sendall(REQUEST_HEADER.pack(method, len(request), left) + request)
+            lane.sock.sendall(REQUEST_HEADER.pack(method_id, len(request), left) + request)
         except OSError:  # a timeout too: the request may be cut short
             self.drop(lane)  # the worker never saw the call: it may take gRPC
             return None
@@ -236,13 +250,14 @@ class CallLanes:
                 return lane
             lane.close()
         opened = self._open(endpoint, min(timeout, _OPEN_TIMEOUT_S))
-        if opened is None:
-            with self._lock:
+        with self._lock:
+            if opened is None:
                 self._suspended_until = time.monotonic() + _SUSPEND_S
-            return None
-        return _Lane(opened)
+                return None
+            self._methods = frozenset(opened.method_ids)
+        return opened
 
-    def _open(self, endpoint: LaneEndpoint, timeout: float) -> socket.socket | None:
+    def _open(self, endpoint: LaneEndpoint, timeout: float) -> _Lane | None:
         """A new lane to the worker, acknowledged; None when it has none to give."""
         if timeout <= 0:
             return None
@@ -273,7 +288,7 @@ class CallLanes:
         except OSError:
             sock.close()
             return None
-        return sock
+        return _Lane(sock, lane_method_ids(list(answer.lane_methods)))
 
     def keep(self, lane: _Lane) -> None:
         """Keeps a lane whose call was answered, for the next call."""

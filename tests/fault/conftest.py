@@ -77,8 +77,11 @@ def fault_cluster():
         max_workers: int | None = None,
         worker_args: tuple[str, ...] = (),
         lease_s: float = LEASE_S,
+        each_worker_args: tuple[tuple[str, ...], ...] = (),
     ):
-        cluster = FaultCluster(workers, min_workers, max_workers, worker_args, lease_s)
+        cluster = FaultCluster(
+            workers, min_workers, max_workers, worker_args, lease_s, each_worker_args
+        )
         clusters.append(cluster)
         return cluster
 

@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import socket
 import threading
+from collections.abc import Sequence
 
 import torch
 from helpers import wait_until
@@ -93,14 +94,18 @@ class FaultCluster(ClusterViews):
         max_workers: int | None = None,
         worker_args: tuple[str, ...] = (),
         lease_s: float = LEASE_S,
+        each_worker_args: Sequence[Sequence[str]] = (),
     ) -> None:
+        """``worker_args`` go to every worker; ``each_worker_args[i]``, if given,
+        to the i-th of the first ``workers`` too."""
         self.port = free_port()
         self.lease_s = lease_s
         self.worker_args = worker_args
         self.min_workers = min_workers
         self.max_workers = max_workers or workers
         self.coordinator = self.start_coordinator()
-        self.workers = [self.start_worker() for _ in range(workers)]
+        own = [*each_worker_args, *[()] * workers][:workers]
+        self.workers = [self.start_worker(*extra) for extra in own]
         self.client = collectives.connect(self.coordinator.address, timeout=60)
         self.wait_ready(workers)
 

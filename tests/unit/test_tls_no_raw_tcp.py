@@ -16,7 +16,7 @@ import socket
 
 import pytest
 
-from collectives._transport import WorkerEndpoint, send_on_lane
+from collectives._transport import WorkerEndpoint
 from collectives.v1 import worker_pb2
 from collectives.wire.security import ChannelSecurity
 
@@ -41,7 +41,8 @@ def test_a_tls_endpoint_dials_no_bulk_port_and_no_lane(listener) -> None:
     try:
         assert endpoint.bulk.port(endpoint, timeout=2.0) == 0
         request = worker_pb2.ForwardRequest(model="m", call_id="c")
-        assert send_on_lane(endpoint, "Forward", request, 2.0, "forward") is None
+        # No lane carries it (the road is then a gRPC call on the TLS channel).
+        assert endpoint.lanes.send(endpoint, "Forward", request.SerializeToString(), 2.0) is None
         assert not _dialled(listener, 0.5), "a TLS client dialled the worker for raw TCP"
     finally:
         endpoint.channel.close()

@@ -30,6 +30,7 @@ from collectives_server.cli.control import (
 from collectives_server.cli.data_plane import add_data_plane_flags, data_plane_from_args
 from collectives_server.cli.groups import add_group_flags, groups_from_args
 from collectives_server.worker.config import WorkerConfig
+from collectives_server.worker.rpc.lanes import LANE_METHODS
 
 __all__ = ["add_parser", "config_from_args", "parse_devices", "run"]
 
@@ -129,6 +130,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="serve no call lanes on the bulk port: every forward is a gRPC call "
         "(with --no-bulk or TLS there are none anyway)",
     )
+    p.add_argument(
+        "--lane-methods",
+        type=_lane_methods,
+        default=None,
+        metavar="NAMES",
+        help="comma-separated Worker methods the call lanes carry; the others are gRPC "
+        f"calls (default: every one a lane can carry: {','.join(LANE_METHODS)})",
+    )
     add_max_tensor_bytes(p)
     add_group_flags(p)
     add_data_plane_flags(p)
@@ -149,6 +158,17 @@ def parse_devices(text: str) -> tuple[str, ...]:
         if kind not in ("cpu", "cuda") or (index and not index.isdigit()):
             raise argparse.ArgumentTypeError(f"unknown device {d!r}; use cpu or cuda:N")
     return devices
+
+
+def _lane_methods(text: str) -> tuple[str, ...]:
+    methods = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in methods if m not in LANE_METHODS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(unknown)}: not a method a call lane carries "
+            f"(one of {', '.join(LANE_METHODS)})"
+        )
+    return methods
 
 
 def config_from_args(
@@ -174,6 +194,7 @@ def config_from_args(
         factory_batching=args.factory_batching,
         bulk_port=None if args.no_bulk else args.bulk_port,
         call_lanes=not args.no_call_lanes,
+        lane_methods=args.lane_methods,
         security=server_security_from_args(args, parser),
         coordinator_security=client_security_from_args(args, parser),
         worker_token=worker_token_from_args(args, parser),

@@ -61,6 +61,8 @@ class WorkerConfig:
     # Serve call lanes on the bulk port (small forwards framed over kept raw TCP
     # connections instead of a gRPC call each; worker/rpc/lanes.py).
     call_lanes: bool = True
+    # The methods the lanes carry (--lane-methods); None: every one they can.
+    lane_methods: tuple[str, ...] | None = None
     # TLS / mutual TLS / bearer token of this worker's gRPC server.
     security: ServerSecurity = field(default_factory=ServerSecurity)
     # How this worker reaches the coordinator (TLS, client certificate, token).

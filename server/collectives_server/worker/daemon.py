@@ -56,7 +56,7 @@ from collectives_server.worker.enrolment import bounded_status, register
 from collectives_server.worker.heartbeats import HeartbeatStream, reply_interval_s
 from collectives_server.worker.models.archive.upload import ModelUploads
 from collectives_server.worker.models.registry import ModelRegistry
-from collectives_server.worker.rpc.lanes import CallLanes, lane_handlers
+from collectives_server.worker.rpc.lanes import LANE_METHODS, CallLanes, lane_handlers
 from collectives_server.worker.rpc.service import (
     SERVICE_NAME,
     WorkerService,
@@ -187,8 +187,13 @@ class WorkerDaemon:
         assert self._server is not None
         interceptors = [i for i in (self._server.limits, ErrorBoundary()) if i is not None]
         limits = self.config.bulk_limits
+        served = self.config.lane_methods
         return CallLanes(
-            lane_handlers(worker_handlers(servicer), interceptors),
+            lane_handlers(
+                worker_handlers(servicer),
+                interceptors,
+                LANE_METHODS if served is None else served,
+            ),
             limits.ticket_ttl_s,
             limits.idle_s,
         )

@@ -243,12 +243,15 @@ def _connections(ctx: WorkerContext) -> Iterator[Metric]:
         )
         lanes = ctx.bulk.lanes
         if lanes is not None:
-            yield _counter(
+            calls = CounterMetricFamily(
                 "collectives_call_lane_calls",
-                "Calls answered on call lanes (forwards over kept bulk-port connections, "
-                "not a gRPC call each)",
-                lanes.calls,
+                "Calls answered on call lanes (over kept bulk-port connections, not a "
+                "gRPC call each), by Worker method",
+                labels=["method"],
             )
+            for method in filter(None, lanes.methods):
+                calls.add_metric([method], lanes.calls.get(method, 0))
+            yield calls
 
 
 def worker_registry(ctx: WorkerContext) -> CollectorRegistry:

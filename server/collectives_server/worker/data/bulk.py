@@ -25,6 +25,7 @@ import socket
 import threading
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -72,7 +73,8 @@ class LaneServer(Protocol):
     """What serves the call lanes (``worker.rpc.lanes.CallLanes``): a connection whose
     prelude is ``LANE_MAGIC`` + a ticket is handed to it for good."""
 
-    calls: int  # calls answered on lanes
+    calls: Mapping[str, int]  # calls answered on lanes, by method
+    methods: tuple[str, ...]  # the methods the lanes carry, by id (from 1; "": not served)
 
     def issue(self, peer: str, metadata: Any) -> bytes: ...
 

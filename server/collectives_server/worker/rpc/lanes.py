@@ -25,7 +25,7 @@ import socket
 import struct
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,11 +34,13 @@ import grpc
 from google.rpc import status_pb2
 
 from collectives.errors import STATUS_DETAILS_METADATA_KEY
+from collectives.v1 import worker_pb2
 from collectives.wire.bulk_frames import ACK, TICKET_BYTES, new_ticket
 from collectives.wire.lane_frames import (
     FAILED,
     FAILED_CLOSING,
-    LANE_METHODS,
+    FIRST_LANE_METHODS,
+    MAX_LANE_METHODS,
     MAX_LANE_REQUEST_BYTES,
     OK,
     REQUEST_HEADER,
@@ -46,9 +48,8 @@ from collectives.wire.lane_frames import (
 )
 from collectives.wire.limits import MAX_MESSAGE_BYTES
 from collectives.wire.socket_timeouts import KernelTimeouts
-from collectives_server.worker.rpc.service import SERVICE_NAME
 
-__all__ = ["CallLanes", "LaneContext", "LaneTicket", "lane_handlers"]
+__all__ = ["LANE_METHODS", "CallLanes", "LaneContext", "LaneTicket", "lane_handlers"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,26 @@ _RESET_AT_CLOSE = struct.pack("ii", 1, 0)
 
 Metadata = tuple[tuple[str, Any], ...]
 
+_SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+# The Worker methods this release's lanes carry, in id order (from 1): the first
+# lane release's, whose ids a client of that release sends without reading the
+# names, then those added since. Each is a unary call whose request is small
+# (tensors travel by name, or inline up to a budget).
+LANE_METHODS: tuple[str, ...] = (
+    *FIRST_LANE_METHODS,
+    "Exchange",
+    "NewGroup",
+    "DestroyGroup",
+    "DeleteTensor",
+    "SetModelMode",
+    "ZeroGrad",
+    "Step",
+    "AllReduceGradients",
+    "TrainStep",
+)
+assert len(LANE_METHODS) <= MAX_LANE_METHODS
+
 
 @dataclass(frozen=True)
 class LaneTicket:
@@ -82,15 +103,24 @@ class LaneTicket:
 def lane_handlers(
     handlers: Mapping[str, grpc.RpcMethodHandler],
     interceptors: Sequence[grpc.ServerInterceptor],
-) -> dict[int, grpc.RpcMethodHandler]:
-    """The handler of each lane method (``LANE_METHODS``): the Worker service's
-    handler of that name (``handlers``, as the gRPC server registers them) behind
-    ``interceptors`` (outermost first), as the gRPC server wraps it for a call of
-    that method."""
+    served: Iterable[str] = LANE_METHODS,
+) -> dict[str, grpc.RpcMethodHandler]:
+    """The handler of each method of ``served`` (a subset of :data:`LANE_METHODS`):
+    the Worker service's handler of that name (``handlers``, as the gRPC server
+    registers them) behind ``interceptors`` (outermost first), as the gRPC server
+    wraps it for a call of that method.
+
+    Raises:
+        ValueError: a method of ``served`` is not one a lane carries.
+    """
     lane = {}
-    for method_id, name in LANE_METHODS.items():
+    for name in served:
+        if name not in LANE_METHODS or name not in handlers:
+            raise ValueError(
+                f"{name!r} is not a method a call lane carries (one of {', '.join(LANE_METHODS)})"
+            )
         base = handlers[name]
-        method = f"/{SERVICE_NAME}/{name}"
+        method = f"/{_SERVICE_NAME}/{name}"
 
         def innermost(_details: grpc.HandlerCallDetails, base=base):
             return base
@@ -102,7 +132,7 @@ def lane_handlers(
         handler = continuation(_CallDetails(method, ()))
         if handler is None or handler.unary_unary is None:
             raise ValueError(f"{method}: the interceptors left no unary handler")
-        lane[method_id] = handler
+        lane[name] = handler
     return lane
 
 
@@ -218,14 +248,20 @@ class CallLanes:
     """Issues lane tickets and serves the calls of the connections that present them."""
 
     def __init__(
-        self, handlers: dict[int, grpc.RpcMethodHandler], ticket_ttl_s: float, idle_s: float
+        self, handlers: Mapping[str, grpc.RpcMethodHandler], ticket_ttl_s: float, idle_s: float
     ) -> None:
-        self._handlers = handlers
+        # Ids are positions in LANE_METHODS (from 1), the same whichever are served:
+        # a method not served is named "" in a ticket's answer, its id unused.
+        self.methods = tuple(name if name in handlers else "" for name in LANE_METHODS)
+        self._handlers = {
+            i: (name, handlers[name]) for i, name in enumerate(self.methods, start=1) if name
+        }
         self._ticket_ttl_s = ticket_ttl_s
         self._idle_s = idle_s
         self._lock = threading.Lock()
         self._tickets: OrderedDict[bytes, LaneTicket] = OrderedDict()
-        self.calls = 0  # calls answered on lanes (a counter)
+        # Calls answered on lanes, by method (counters).
+        self.calls: Counter[str] = Counter()
 
     def issue(self, peer: str, metadata: Iterable[tuple[str, Any]]) -> bytes:
         """A one-time ticket for one lane connection of the caller ``peer``."""
@@ -280,7 +316,7 @@ class CallLanes:
             if not _recv_until(conn, timeouts, memoryview(header)[1:], deadline):
                 return
             method_id, size, timeout_s = REQUEST_HEADER.unpack(header)
-            handler = self._handlers.get(method_id)
+            method, handler = self._handlers.get(method_id, ("", None))
             if handler is None or size > MAX_LANE_REQUEST_BYTES:
                 why = (
                     f"the call lane carries no method {method_id}"
@@ -297,13 +333,14 @@ class CallLanes:
             payload = _recv_payload(conn, timeouts, size, deadline)
             if payload is None:
                 return
-            if not self._answer(conn, timeouts, handler, payload, ticket, timeout_s):
+            if not self._answer(conn, timeouts, method, handler, payload, ticket, timeout_s):
                 return
 
     def _answer(
         self,
         conn: socket.socket,
         timeouts: KernelTimeouts,
+        method: str,
         handler: grpc.RpcMethodHandler,
         payload: bytes,
         ticket: LaneTicket,
@@ -358,7 +395,7 @@ class CallLanes:
                 return False
             answered = True  # from here a cancel finds the call answered: it waits for nothing
             with self._lock:
-                self.calls += 1
+                self.calls[method] += 1
         left = context.time_remaining()
         taken_by = time.monotonic() + max(self._idle_s if left is None else left, _ANSWER_GRACE_S)
         if _send_until(conn, timeouts, frame, taken_by):

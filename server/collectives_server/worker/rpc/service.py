@@ -144,6 +144,7 @@ class WorkerService:
             bulk_port=bulk.port if bulk is not None else 0,
             bulk_min_bytes=BULK_MIN_BYTES,
             lane_ticket=ticket,
+            lane_methods=lanes.methods if ticket and lanes is not None else (),
         )
 
     @_guard
