@@ -60,10 +60,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     return result
 
 
-# Directories run in this order. Under pytest-xdist each process takes whole files
-# in collection order, so the long fault files start first, the many short files
-# fill in after them, and each process runs its integration files one after the
-# other (the shared clusters stop when it leaves them).
+# Directories run in this order without pytest-xdist. Under it (--dist loadfile) each
+# process takes whole files, the files with the most tests first, so a process may
+# leave the integration files for another directory's and come back: the shared
+# clusters stop when it leaves them and start again if it returns (their fixtures
+# are per module).
 _DIRECTORY_ORDER = ("fault", "browser", "integration", "unit")
 
 
@@ -204,25 +205,27 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         pool.stop()  # their logs are checked when the session's fixture ends
 
 
-@pytest.fixture(scope="session")
+# Per module, not per session: a process that left the integration files stopped
+# them (pytest_runtest_teardown), and its next integration module starts them again.
+@pytest.fixture(scope="module")
 def cluster2_address(shared_clusters: ClusterPool) -> str:
     return shared_clusters.address(2, *SHARED_FLAGS)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def cluster3_address(shared_clusters: ClusterPool) -> str:
     return shared_clusters.address(3, *SHARED_FLAGS)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def cluster2(shared_clusters: ClusterPool, cluster2_address: str):
-    """A connected ``collectives.Cluster`` of 2 workers, shared by the session."""
+    """A connected ``collectives.Cluster`` of 2 workers, shared across modules."""
     return shared_clusters.client(2, *SHARED_FLAGS)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def cluster3(shared_clusters: ClusterPool, cluster3_address: str):
-    """A connected ``collectives.Cluster`` of 3 workers, shared by the session."""
+    """A connected ``collectives.Cluster`` of 3 workers, shared across modules."""
     return shared_clusters.client(3, *SHARED_FLAGS)
 
 
