@@ -75,11 +75,15 @@ class ServerHandle:
         port: int,
         health_servicer: HealthService,
         limits: DataPlaneLimits | None = None,
+        interceptors: Sequence[grpc.ServerInterceptor] = (),
     ):
         self.server = server
         self.port = port
         self.health = health_servicer
         self.limits = limits
+        # The server's interceptors, outermost first: what every call passes through
+        # (the worker's call lanes wrap their handlers in the same list).
+        self.interceptors = tuple(interceptors)
 
     def set_serving(self, service: str, serving: bool) -> None:
         status = (
@@ -154,4 +158,4 @@ def start_server(
     for name in service_names:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    return ServerHandle(server, bound, health_servicer, data_plane)
+    return ServerHandle(server, bound, health_servicer, data_plane, interceptors)

@@ -34,7 +34,6 @@ from collectives_server import gc_tuning as heap
 from collectives_server.control_protocol import worker_metadata
 from collectives_server.hosts import dialled_name
 from collectives_server.metrics import MetricsServer
-from collectives_server.rpc.errors import ErrorBoundary
 from collectives_server.rpc.server import GRPC_OPTIONS, WORKER_OPTIONS, start_server
 from collectives_server.signals import StopSignal
 from collectives_server.store_socket import start_store
@@ -56,7 +55,12 @@ from collectives_server.worker.enrolment import bounded_status, register
 from collectives_server.worker.heartbeats import HeartbeatStream, reply_interval_s
 from collectives_server.worker.models.archive.upload import ModelUploads
 from collectives_server.worker.models.registry import ModelRegistry
-from collectives_server.worker.rpc.lanes import LANE_METHODS, CallLanes, lane_handlers
+from collectives_server.worker.rpc.lanes import (
+    LANE_METHODS,
+    CallLanes,
+    lane_handlers,
+    lane_interceptors,
+)
 from collectives_server.worker.rpc.service import (
     SERVICE_NAME,
     WorkerService,
@@ -185,7 +189,7 @@ class WorkerDaemon:
         """The call lanes, whose calls run the gRPC server's handlers behind the same
         interceptors (the ticket stands for the token check)."""
         assert self._server is not None
-        interceptors = [i for i in (self._server.limits, ErrorBoundary()) if i is not None]
+        interceptors = lane_interceptors(self._server.interceptors)
         limits = self.config.bulk_limits
         served = self.config.lane_methods
         return CallLanes(

@@ -48,8 +48,16 @@ from collectives.wire.lane_frames import (
 )
 from collectives.wire.limits import MAX_MESSAGE_BYTES
 from collectives.wire.socket_timeouts import KernelTimeouts
+from collectives_server.security import TokenAuthInterceptor
 
-__all__ = ["LANE_METHODS", "CallLanes", "LaneContext", "LaneTicket", "lane_handlers"]
+__all__ = [
+    "LANE_METHODS",
+    "CallLanes",
+    "LaneContext",
+    "LaneTicket",
+    "lane_handlers",
+    "lane_interceptors",
+]
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +106,15 @@ class LaneTicket:
     peer: str
     metadata: Metadata
     expires: float
+
+
+def lane_interceptors(
+    server_interceptors: Iterable[grpc.ServerInterceptor],
+) -> list[grpc.ServerInterceptor]:
+    """What a lane call passes through: the gRPC server's own interceptors, in its
+    order, but the token check (a lane's ticket came from a call that passed it), so
+    an interceptor added to the server guards lanes too."""
+    return [i for i in server_interceptors if not isinstance(i, TokenAuthInterceptor)]
 
 
 def lane_handlers(
