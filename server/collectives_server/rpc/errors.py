@@ -39,6 +39,7 @@ from typing import Any
 import grpc
 
 from collectives.errors import CollectiveError, InvalidArgument, Reason, to_grpc_status
+from collectives_server.rpc.call_context import CallContext
 
 __all__ = [
     "ErrorBoundary",
@@ -60,14 +61,14 @@ def internal_error_id() -> str:
     return secrets.token_hex(6)
 
 
-def abort_internal(context: grpc.ServicerContext, where: str, exc: BaseException) -> None:
+def abort_internal(context: CallContext, where: str, exc: BaseException) -> None:
     """Logs ``exc`` with a fresh id and aborts the call with ``INTERNAL`` and only that id."""
     error_id = internal_error_id()
     log.error("internal error (id %s) in %s", error_id, where, exc_info=exc)
     context.abort(grpc.StatusCode.INTERNAL, f"internal error (id {error_id})")
 
 
-def abort_with_error(context: grpc.ServicerContext, err: CollectiveError) -> None:
+def abort_with_error(context: CallContext, err: CollectiveError) -> None:
     """Aborts the call with ``err``'s code and message, and its fields (``executed``
     among them: ``no`` for an op that never ran) as an ``ErrorInfo`` in the status details.
 
@@ -79,7 +80,7 @@ def abort_with_error(context: grpc.ServicerContext, err: CollectiveError) -> Non
     context.abort_with_status(to_grpc_status(err, current))
 
 
-def is_abort(context: grpc.ServicerContext, exc: BaseException) -> bool:
+def is_abort(context: CallContext, exc: BaseException) -> bool:
     """Whether ``exc`` is the one ``context.abort`` raises (the call's status is set)."""
     state = getattr(context, "_state", None)
     if getattr(state, "aborted", False):
@@ -87,7 +88,7 @@ def is_abort(context: grpc.ServicerContext, exc: BaseException) -> bool:
     return type(exc) is Exception and not exc.args  # grpc's abort raises a bare Exception()
 
 
-def _handle(exc: Exception, context: grpc.ServicerContext, method: str) -> None:
+def _handle(exc: Exception, context: CallContext, method: str) -> None:
     """Turns ``exc`` into the call's status; always raises."""
     if is_abort(context, exc):
         raise exc

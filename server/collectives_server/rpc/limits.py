@@ -35,6 +35,8 @@ from typing import Any
 
 import grpc
 
+from collectives_server.rpc.call_context import CallContext
+
 __all__ = [
     "DataPlaneLimits",
     "RpcLimits",
@@ -268,7 +270,7 @@ class DataPlaneLimits(grpc.ServerInterceptor):
         self.watchdog.close()
 
 
-def _admit(limits: DataPlaneLimits, context: grpc.ServicerContext, idle: bool):
+def _admit(limits: DataPlaneLimits, context: CallContext, idle: bool):
     peer = peer_host(context.peer())
     refusal = limits.slots.acquire(peer)
     if refusal is not None:
@@ -296,7 +298,7 @@ def _limited(handler: grpc.RpcMethodHandler, limits: DataPlaneLimits) -> grpc.Rp
         handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
     )
 
-    def unary_response(request: Any, context: grpc.ServicerContext) -> Any:
+    def unary_response(request: Any, context: CallContext) -> Any:
         peer, watch = _admit(limits, context, handler.request_streaming)
         try:
             if handler.request_streaming:
@@ -306,7 +308,7 @@ def _limited(handler: grpc.RpcMethodHandler, limits: DataPlaneLimits) -> grpc.Rp
             watch.done()
             limits.slots.release(peer)
 
-    def stream_response(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+    def stream_response(request: Any, context: CallContext) -> Iterator[Any]:
         peer, watch = _admit(limits, context, True)
         try:
             if handler.request_streaming:

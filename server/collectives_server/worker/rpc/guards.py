@@ -28,6 +28,7 @@ import grpc
 
 from collectives.errors import CollectiveError, DeadlineExceeded, error_for_code
 from collectives.wire.names import MAX_NAME_LENGTH
+from collectives_server.rpc.call_context import CallContext
 from collectives_server.rpc.errors import abort_internal, abort_with_error, is_abort
 from collectives_server.worker.status import data_op_done
 
@@ -36,7 +37,7 @@ __all__ = ["abort", "departure", "guard", "guard_stream", "counted"]
 _INTERNAL = "internal error (see the worker's log)"
 
 
-def departure(context: grpc.ServicerContext, tensor: str = "") -> CollectiveError | None:
+def departure(context: CallContext, tensor: str = "") -> CollectiveError | None:
     """The client's end of the call, if the client ended it: DEADLINE_EXCEEDED once
     its deadline passed (a stream cut off by it may even look half-closed here),
     CANCELLED when it cancelled (or its connection went); None while the call is live."""
@@ -58,12 +59,12 @@ def departure(context: grpc.ServicerContext, tensor: str = "") -> CollectiveErro
     )
 
 
-def abort(context: grpc.ServicerContext, err: CollectiveError, request: object = None) -> None:
+def abort(context: CallContext, err: CollectiveError, request: object = None) -> None:
     """Aborts with ``err`` (status details included), naming the request's tensor if unset."""
     abort_with_error(context, _annotated(err, request))
 
 
-def _caller(servicer: object, context: grpc.ServicerContext) -> str:
+def _caller(servicer: object, context: CallContext) -> str:
     """Notes the call's client in the worker's ``stats.clients``; its label ("" if
     unknown: a servicer without a worker context, a context without a peer)."""
     stats = getattr(getattr(servicer, "_ctx", None), "stats", None)
@@ -139,7 +140,7 @@ def _annotated(err: CollectiveError, request: object, kind: str | None = None) -
     return copy.copy(err).with_context(kind=kind, tensor=_named(request))
 
 
-def _counted_failure(context: grpc.ServicerContext, exc: Exception) -> CollectiveError:
+def _counted_failure(context: CallContext, exc: Exception) -> CollectiveError:
     """What a failed call counts as: the client's departure when it went (whatever
     the handler raised as its stream broke), else the domain error as raised, else
     INTERNAL (a bug of ours; the exception itself goes on to the error boundary)."""

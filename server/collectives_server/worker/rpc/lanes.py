@@ -28,7 +28,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from google.rpc import status_pb2
@@ -166,8 +166,9 @@ class _CallDetails(grpc.HandlerCallDetails):
         self.invocation_metadata = invocation_metadata
 
 
-class LaneContext(grpc.ServicerContext):
-    """The ``grpc.ServicerContext`` of one call on a lane."""
+class LaneContext:
+    """The :class:`~collectives_server.rpc.call_context.CallContext` of one call on a
+    lane (what a gRPC call's ``ServicerContext`` offers the same code)."""
 
     def __init__(self, ticket: LaneTicket, timeout_s: float, cancel: Callable[[], None]) -> None:
         self._ticket = ticket
@@ -208,13 +209,13 @@ class LaneContext(grpc.ServicerContext):
                 callback()
 
     # -- what handlers set
-    def abort(self, code: grpc.StatusCode, details: str) -> None:
+    def abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
         self.code, self.details = code, details
         # A bare Exception, as grpc's own abort raises: the error boundary and the
         # guards know it (rpc.errors.is_abort) and let it pass.
         raise Exception()
 
-    def abort_with_status(self, status: grpc.Status) -> None:
+    def abort_with_status(self, status: grpc.Status) -> NoReturn:
         self._trailers = tuple(status.trailing_metadata or ())
         self.abort(status.code, status.details)
 
@@ -226,27 +227,6 @@ class LaneContext(grpc.ServicerContext):
 
     def set_trailing_metadata(self, trailing_metadata: Metadata) -> None:
         self._trailers = tuple(trailing_metadata)
-
-    def trailing_metadata(self) -> Metadata:
-        return self._trailers
-
-    def send_initial_metadata(self, initial_metadata: Metadata) -> None:
-        pass
-
-    def auth_context(self) -> dict:
-        return {}
-
-    def peer_identities(self) -> None:
-        return None  # a lane is plaintext: no client certificate
-
-    def peer_identity_key(self) -> None:
-        return None
-
-    def set_compression(self, compression: Any) -> None:
-        pass
-
-    def disable_next_message_compression(self) -> None:
-        pass
 
     def status(self) -> status_pb2.Status:
         """The call's failure as a ``google.rpc.Status``: code, message, and the

@@ -14,12 +14,11 @@ from __future__ import annotations
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
-import grpc
-
 from collectives.errors import DeadlineExceeded, Unavailable
 from collectives.v1 import worker_pb2
 from collectives.wire.dtypes import to_wire
 from collectives.wire.op_specs import kind_name
+from collectives_server.rpc.call_context import CallContext
 from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.engine.handlers.group_ops import group_not_found
 from collectives_server.worker.engine.op_context import GroupEntry, OpResult
@@ -57,7 +56,7 @@ class Leader:
 
     def run(
         self,
-        context: grpc.ServicerContext,
+        context: CallContext,
         generation: Generation,
         desc: worker_pb2.OpDescriptor,
         options: worker_pb2.OpOptions,
