@@ -170,8 +170,15 @@ class LaneContext:
     """The :class:`~collectives_server.rpc.call_context.CallContext` of one call on a
     lane (what a gRPC call's ``ServicerContext`` offers the same code)."""
 
-    def __init__(self, ticket: LaneTicket, timeout_s: float, cancel: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        ticket: LaneTicket,
+        timeout_s: float,
+        cancel: Callable[[], None],
+        conn: socket.socket | None = None,
+    ) -> None:
         self._ticket = ticket
+        self._conn = conn  # the lane: a client that left closed it
         self._deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
         self._cancel = cancel
         self._callbacks: list[Callable[[], None]] = []
@@ -191,7 +198,15 @@ class LaneContext:
         return None if self._deadline is None else self._deadline - time.monotonic()
 
     def is_active(self) -> bool:
-        return not self.cancelled and (self._deadline is None or time.monotonic() < self._deadline)
+        """False once cancelled, past the client's deadline, or the client left: a
+        client cancels a lane call by closing the lane (its ``close()``, or its
+        deadline passing), which a peek at the connection sees without reading."""
+        if self.cancelled or (self._deadline is not None and time.monotonic() >= self._deadline):
+            return False
+        if self._conn is not None and _peer_left(self._conn):
+            self.cancelled = True
+            return False
+        return True
 
     def cancel(self) -> None:
         """Ends the call now (the data-plane watchdog's bound): the client is told
@@ -368,7 +383,7 @@ class CallLanes:
                 with contextlib.suppress(OSError):
                     conn.shutdown(socket.SHUT_RDWR)
 
-        context = LaneContext(ticket, timeout_s, cancel)
+        context = LaneContext(ticket, timeout_s, cancel, conn)
         try:
             response = handler.unary_unary(payload, context)
             body = handler.response_serializer(response)
@@ -402,6 +417,17 @@ class CallLanes:
         with contextlib.suppress(OSError):
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_AT_CLOSE)
         return False
+
+
+def _peer_left(conn: socket.socket) -> bool:
+    """Whether the client closed or reset the lane (nothing is read: a byte sent
+    during a call is left for the next frame's read)."""
+    try:
+        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False  # nothing to read: still there
+    except OSError:
+        return True  # reset
 
 
 def _frame(outcome: int, body: bytes) -> bytes:
