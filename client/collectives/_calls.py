@@ -5,8 +5,9 @@ A call to a worker is started (sent) and then awaited, as gRPC's
 workers first and then waiting puts their calls in flight together from one
 thread. :class:`Call` is that shape; the transport returns one for a call on a
 lane or a gRPC call alike (``WorkerEndpoint.unary(method).future(...)``), and
-:class:`Job` is work that blocks (a put, then a call, then a get) for the
-fan-out to run on a thread of its choosing.
+:class:`Job` is work that blocks (a put, then a call, then a get; or a gRPC call,
+whose future would start a thread of gRPC's on an idle channel) for the fan-out
+to run on a thread of its choosing.
 """
 
 from __future__ import annotations
@@ -66,17 +67,18 @@ class Mapped(Generic[S, R]):
 
 
 class Job(Generic[R]):
-    """Blocking work as a fan-out's start: ``fn`` runs on a thread the fan-out
-    chooses (the pool, or the caller's for the last one), its return value the
-    call's answer. Called directly, it runs ``fn`` here."""
+    """Blocking work, not started: ``fn`` runs on a thread the fan-out chooses (the
+    pool, or the caller's for the last one), its return value the call's answer;
+    awaited outside a fan-out, it runs then, on the awaiting thread. A Job is its own
+    start (calling it returns it), and a start may return one."""
 
     __slots__ = ("fn",)
 
     def __init__(self, fn: Callable[[], R]) -> None:
         self.fn = fn
 
-    def __call__(self) -> Call[R]:
-        try:
-            return Done(self.fn())
-        except Exception as exc:
-            return Done(error=exc)
+    def __call__(self) -> Job[R]:
+        return self
+
+    def result(self) -> R:
+        return self.fn()

@@ -517,26 +517,27 @@ class ClusterSession:
         """Starts each rank's call from this thread (``starts[rank]()`` sends it and
         returns the started :class:`~collectives._calls.Call`), then waits for every
         answer, so the calls are in flight together. A :class:`~collectives._calls.Job`
-        (work that blocks) runs on the I/O pool, the last one on this thread. Waits
-        for all, then raises the lowest rank's error.
+        (work that blocks, as a start or what a start returned) runs on the I/O pool,
+        the last one on this thread. Waits for all, then raises the lowest rank's
+        error.
 
         Raises:
             CollectiveError: some rank failed (the message names the rank).
         """
         self.check_open()
         calls: dict[int, Call[R]] = {}
-        jobs = [(rank, start) for rank, start in starts.items() if isinstance(start, Job)]
+        jobs: list[int] = []
+        for rank, start in starts.items():
+            calls[rank] = _started(what, rank, start)
+            if isinstance(calls[rank], Job):
+                jobs.append(rank)
         try:
-            for rank, job in jobs[:-1]:
-                calls[rank] = _PoolCall(self._io_executor.submit(_on_rank, what, rank, job.fn))
+            for rank in jobs[:-1]:  # the last one runs on this thread, when awaited
+                job = calls[rank]
+                assert isinstance(job, Job)
+                calls[rank] = _PoolCall(self._io_executor.submit(job.fn))
         except RuntimeError:
             raise Unavailable(f"the connection to {self._address} is closed") from None
-        for rank, start in starts.items():
-            if not isinstance(start, Job):
-                calls[rank] = _started(what, rank, start)
-        if jobs:  # every other call is on its way: the last job runs here
-            rank, job = jobs[-1]
-            calls[rank] = _started(what, rank, job)
         ended: dict[int, R] = {}
         failed: dict[int, BaseException] = {}
         for rank in starts:

@@ -33,7 +33,7 @@ from google.protobuf import message_factory
 from google.protobuf.message import Message
 
 from collectives import bulk, lanes
-from collectives._calls import Call
+from collectives._calls import Call, Job
 from collectives._channels import (
     CHANNEL_OPTIONS,
     call_unary,
@@ -155,24 +155,22 @@ class WorkerMethod:
         return call_unary(getattr(self._endpoint.stub, self._name), request, timeout, what)
 
     def future(self, request: Message, timeout: float, what: str) -> Call[Any]:
-        """Sends the call and returns it; its ``result()`` waits for the response.
+        """The call, started: on a lane it is sent now; as a gRPC call it is a
+        :class:`~collectives._calls.Job` that ``Session.fan_out`` runs on its pool
+        (or that runs when awaited). ``result()`` waits for the response.
 
         Raises:
-            CollectiveError: the call could not be sent (its deadline passed, or the
-                cluster was closed); a failure after sending is ``result()``'s.
+            CollectiveError: a lane call could not be sent (its deadline passed, or
+                the cluster was closed); any other failure is ``result()``'s.
         """
         sent = self._on_lane(request, timeout, what)
         if sent is not None:
             return sent
-        try:
-            future = getattr(self._endpoint.stub, self._name).future(
-                request, timeout=_deadline_s(timeout, what)
-            )
-        except ValueError as err:
-            if not channel_was_closed(err):
-                raise
-            raise closed_handle(what) from None
-        return _GrpcCall(future, what)
+        # A gRPC call, made by the thread that runs the job (a gRPC future would
+        # start a thread of gRPC's on an idle channel, dearer than a small call).
+        method = getattr(self._endpoint.stub, self._name)
+        deadline = time.monotonic() + timeout
+        return Job(lambda: call_unary(method, request, deadline - time.monotonic(), what))
 
     def _on_lane(self, request: Message, timeout: float, what: str) -> Call[Any] | None:
         """The call, sent on a lane; None when no lane carries it (nothing sent)."""
@@ -202,22 +200,6 @@ class _LaneCall:
             return self._parse(self._pending.result())
         except grpc.RpcError as err:
             raise _from_rpc_error(err, self._what) from None
-
-
-class _GrpcCall:
-    __slots__ = ("_future", "_what")
-
-    def __init__(self, future: grpc.Future, what: str) -> None:
-        self._future = future
-        self._what = what
-
-    def result(self) -> Any:
-        try:
-            return self._future.result()
-        except grpc.RpcError as err:
-            raise _from_rpc_error(err, self._what) from None
-        except grpc.FutureCancelledError:
-            raise closed_handle(self._what) from None
 
 
 @functools.cache

@@ -58,16 +58,17 @@ def test_every_call_is_started_before_any_answer_is_awaited(session) -> None:
     assert sorted(log[4:]) == [("result", r) for r in range(4)]
 
 
-def test_jobs_run_on_the_pool_and_the_last_one_on_the_callers_thread(session) -> None:
+@pytest.mark.parametrize("given", ["as the start", "by the start (a gRPC call's road)"])
+def test_jobs_run_on_the_pool_and_the_last_one_on_the_callers_thread(session, given) -> None:
     caller = threading.get_ident()
     ran_on: dict[int, int] = {}
 
-    def job(rank: int) -> Job[int]:
+    def job(rank: int):
         def work() -> int:
             ran_on[rank] = threading.get_ident()
             return rank
 
-        return Job(work)
+        return Job(work) if given == "as the start" else (lambda: Job(work))
 
     assert session.fan_out("op", {r: job(r) for r in range(3)}) == {0: 0, 1: 1, 2: 2}
     assert ran_on[2] == caller
