@@ -164,19 +164,6 @@ class CallLanes:
         """True once :meth:`close` ran (the client's ``close()``)."""
         return self._closed
 
-    def call(
-        self, endpoint: LaneEndpoint, method: str, request: bytes, timeout: float
-    ) -> bytes | None:
-        """The serialized response of ``request`` to the Worker method ``method`` on a
-        lane; None when no lane can carry it (the caller then makes the gRPC call).
-
-        Raises:
-            LaneError: the call failed: its status (``DEADLINE_EXCEEDED`` once
-                ``timeout`` passed, ``UNAVAILABLE`` if the lane broke while waiting).
-        """
-        pending = self.send(endpoint, method, request, timeout)
-        return None if pending is None else pending.result()
-
     def send(
         self, endpoint: LaneEndpoint, method: str, request: bytes, timeout: float
     ) -> PendingCall | None:
