@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 import functools
 import os
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -55,7 +56,7 @@ from collectives.errors import (
 from collectives.errors import from_rpc_error as _from_rpc_error
 from collectives.shm import Segment, SegmentPool
 from collectives.v1 import tensor_pb2, worker_pb2, worker_pb2_grpc
-from collectives.wire import codec, shm
+from collectives.wire import codec, raw_tls, shm
 from collectives.wire.bulk_frames import BULK_MIN_BYTES
 from collectives.wire.security import PLAINTEXT, ChannelSecurity
 
@@ -117,8 +118,8 @@ class WorkerEndpoint:
                 request_serializer=worker_pb2.GetTensorRequest.SerializeToString,
                 response_deserializer=None,
             ),
-            # Raw TCP (bulk transfers, call lanes) only when this client is plaintext.
-            bulk=bulk.BulkPort(plaintext_allowed=not security.tls),
+            # Raw TCP (bulk transfers, call lanes) through TLS when this client is TLS.
+            bulk=bulk.BulkPort(_raw_tls(security)),
         )
 
     def unary(self, method: str) -> WorkerMethod:
@@ -202,6 +203,13 @@ class _LaneCall:
             raise _from_rpc_error(err, self._what) from None
 
 
+@functools.lru_cache(maxsize=8)
+def _raw_tls(security: ChannelSecurity) -> ssl.SSLContext | None:
+    """The TLS context of raw-TCP connections, one per client settings (loading a
+    client certificate costs file writes)."""
+    return raw_tls.client_context(security)
+
+
 @functools.cache
 def _response_class(method: str) -> type[Message]:
     """The response message class of the Worker RPC ``method``."""
@@ -269,7 +277,8 @@ def choose_path(
     Shared memory when the caller may use it with this worker (``shared_memory``:
     opted in, same host, not refused, and for a put the payload already in a
     segment); else the worker's bulk port when it has one (asked once per
-    channel; none with TLS, ``--no-bulk``, or while suspended after a refusal) and
+    channel; none with ``--no-bulk``, of the other kind than this client (TLS or
+    plaintext), or while suspended after a refusal) and
     a put holds at least ``BULK_MIN_BYTES``; else the gRPC stream. A path that
     fails before moving a byte falls back to the next one: the caller chooses
     again without ``shared_memory``, and a refused bulk port gives the stream.

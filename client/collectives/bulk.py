@@ -8,8 +8,10 @@ ticket that travelled in the gRPC call, so only that call's caller can feed or
 read it. A put sends the call and the bytes at the same time; a get asks first
 (small tensors come back inline) and then pulls the bytes with its ticket.
 
-Workers offer a bulk port only in plaintext (``DataPlaneResponse.bulk_port``
-is 0 with TLS on, or with ``--no-bulk``); the SDK then streams over gRPC.
+A worker under TLS serves its bulk port over TLS (``DataPlaneResponse.bulk_tls``),
+and a TLS client's connections to it are TLS ones (:mod:`collectives.wire.raw_tls`);
+with ``--no-bulk`` (``bulk_port`` 0), or a port of the other kind than the
+client's channel, the SDK streams over gRPC.
 
 A leaf of the SDK: it imports :mod:`collectives.wire` (the framing it shares
 with the worker, :mod:`collectives.wire.bulk_frames`), :mod:`collectives.errors`
@@ -22,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -43,7 +46,7 @@ from collectives.errors import (
 )
 from collectives.errors import from_rpc_error as _from_rpc_error
 from collectives.v1 import worker_pb2
-from collectives.wire import codec
+from collectives.wire import codec, socket_timeouts
 from collectives.wire.bulk_frames import (
     ACK,
     BULK_MIN_BYTES,
@@ -97,18 +100,20 @@ SUSPEND_S = 30.0
 class BulkPort:
     """What one worker said about its bulk port, asked once per channel.
 
-    ``port`` is None until asked, 0 when the worker has none (TLS, ``--no-bulk``,
-    or a worker that predates it). Forgotten after a refused connection, so a
-    restarted worker's new port is asked for again.
+    ``port`` is None until asked, 0 when the worker has none (``--no-bulk``, or a
+    worker that predates it) or one of the other kind (see ``tls``). Forgotten
+    after a refused connection, so a restarted worker's new port is asked for again.
 
-    ``plaintext_allowed`` False (a client whose own channel is TLS): the port is
-    always 0, whatever the worker says. The bulk port and the call lanes on it are
-    plaintext TCP; a TLS client never sends a call or a tensor in cleartext, even
-    to a plaintext worker behind a TLS proxy that offers one.
+    ``tls`` (a client whose own channel is TLS: its channel's CA and client
+    certificate, :func:`collectives.wire.raw_tls.client_context`): only a bulk port
+    that the worker serves over TLS is used, every connection to it a TLS one that
+    checks the worker's certificate; a plaintext port is 0 to this client, so a TLS
+    client never sends a call or a tensor in cleartext, even to a plaintext worker
+    behind a TLS proxy that offers one. Without ``tls``, a TLS port is 0 likewise.
     """
 
-    def __init__(self, plaintext_allowed: bool = True) -> None:
-        self.plaintext_allowed = plaintext_allowed
+    def __init__(self, tls: ssl.SSLContext | None = None) -> None:
+        self.tls = tls
         self._lock = threading.Lock()
         self._port: int | None = None
         self._idle: list[tuple[float, socket.socket]] = []  # (since, connection)
@@ -116,9 +121,7 @@ class BulkPort:
 
     def port(self, endpoint: BulkEndpoint, timeout: float) -> int:
         """The bulk port; 0 when the worker has none, or while it is suspended, or
-        when this client is TLS (``plaintext_allowed`` False)."""
-        if not self.plaintext_allowed:
-            return 0
+        when it speaks TLS and this client not, or the other way round."""
         with self._lock:
             if time.monotonic() < self._suspended_until:
                 return 0
@@ -129,7 +132,7 @@ class BulkPort:
             response = endpoint.stub.GetDataPlane(
                 worker_pb2.DataPlaneRequest(), timeout=max(min(timeout, 5.0), 0.001)
             )
-            port = int(response.bulk_port)
+            port = int(response.bulk_port) if response.bulk_tls == (self.tls is not None) else 0
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.UNIMPLEMENTED:
                 raise _from_rpc_error(err, what) from None
@@ -170,12 +173,27 @@ class BulkPort:
             if now - since < _IDLE_KEEP_S and looks_open(sock):
                 return sock
             sock.close()
+        return self.dial(host, port, timeout)
+
+    def dial(self, host: str, port: int, timeout: float) -> socket.socket:
+        """A new connection to ``host:port``, through TLS for a TLS client (the
+        worker's certificate checked against ``host``), not yet used.
+
+        Raises:
+            OSError: the connection or its TLS handshake failed.
+        """
         sock = socket.create_connection((host, port), timeout=timeout)
         # A prelude, then a payload whose last segment is short: with Nagle's
         # algorithm that segment waits for the ACK of the previous ones, which the
         # worker delays: every put would wait out a delayed ACK.
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
+        if self.tls is None:
+            return sock
+        try:
+            return self.tls.wrap_socket(sock, server_hostname=host)
+        except BaseException:
+            sock.close()
+            raise
 
     def keep(self, sock: socket.socket) -> None:
         """Keeps a connection whose last transfer completed, for the next one."""
@@ -207,7 +225,11 @@ def _ticket_never_arrived(err: grpc.RpcError) -> bool:
 
 
 def looks_open(sock: socket.socket) -> bool:
-    """False when the peer closed (EOF), reset, or sent bytes we did not ask for."""
+    """False when the peer closed (EOF), reset, or (plaintext) sent bytes we did not
+    ask for. A TLS connection may carry records nobody asked for (session
+    tickets): only its close or reset counts."""
+    if isinstance(sock, ssl.SSLSocket):
+        return not socket_timeouts.peer_closed(sock)
     try:
         sock.setblocking(False)
         try:

@@ -30,9 +30,13 @@ A lane's socket is blocking, its timeout kept by the kernel and fitted to each
 call's deadline (:mod:`collectives.wire.socket_timeouts`): a read or write is
 one system call and one drop of the GIL, where Python's own timeout polls first.
 
-No lane (the worker has no bulk port: TLS, ``--no-bulk``; or serves no lanes:
-``--no-call-lanes``; or its bulk port refused the connection): the call takes
-gRPC, and the lane is not asked for again for a while.
+Under TLS a lane is a TLS connection with the channel's credentials (the
+worker's bulk port then speaks TLS, :mod:`collectives.wire.raw_tls`).
+
+No lane (the worker has no bulk port: ``--no-bulk``, or one of the other kind,
+TLS or plaintext, than this client's channel; or serves no lanes:
+``--no-call-lanes``; or its bulk port refused the connection or the handshake):
+the call takes gRPC, and the lane is not asked for again for a while.
 """
 
 from __future__ import annotations
@@ -143,7 +147,9 @@ class _Lane:
     def shut_down(self) -> None:
         """Ends the connection under a thread blocked reading it (that thread closes it)."""
         with contextlib.suppress(OSError):  # closed already
-            self.sock.shutdown(socket.SHUT_RDWR)
+            # The TCP connection's, also under TLS (an SSLSocket's own shutdown
+            # drops its TLS state under the reading thread).
+            socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
 
 
 class CallLanes:
@@ -263,12 +269,11 @@ class CallLanes:
         if not answer.lane_ticket or answer.bulk_port != port:
             return None
         try:
-            sock = socket.create_connection((host_of(endpoint.address), port), timeout=timeout)
-        except OSError:
+            sock = endpoint.bulk.dial(host_of(endpoint.address), port, timeout)
+        except OSError:  # refused, or (TLS) the handshake failed
             endpoint.bulk.forget()
             return None
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(LANE_MAGIC + answer.lane_ticket)
             if sock.recv(1) != ACK:
                 raise ConnectionResetError("the worker refused the lane")

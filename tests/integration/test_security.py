@@ -11,6 +11,8 @@ import datetime
 import functools
 import ipaddress
 import json
+import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -30,7 +32,8 @@ from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID  # noqa: E402
 from helpers import wait_until  # noqa: E402
-from launcher import LocalCluster  # noqa: E402
+from launcher import LocalCluster, free_port_block  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 import collectives  # noqa: E402
 from collectives import PermissionDenied, Unavailable  # noqa: E402
@@ -42,6 +45,8 @@ from collectives.v1 import (  # noqa: E402
     worker_pb2,
     worker_pb2_grpc,
 )
+from collectives.wire.bulk_frames import ACK  # noqa: E402
+from collectives.wire.lane_frames import LANE_MAGIC  # noqa: E402
 from collectives.wire.security import ChannelSecurity  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -188,42 +193,85 @@ def _round_trip(client: collectives.Cluster) -> None:
     for rank in range(WORKERS):
         assert torch.equal(client.get("sec_x", rank=rank), expected)
     client.delete("sec_x")
-    # Large enough for the bulk port where there is one (plaintext), streamed under TLS.
+    # Large enough for the bulk port (over TLS on a TLS cluster).
     big = torch.randn(3 << 18)
     client.put("sec_big", big, rank=WORKERS - 1)
     assert torch.equal(client.get("sec_big", rank=WORKERS - 1), big)
     client.delete("sec_big")
 
 
+@dataclass(frozen=True)
+class TlsCluster:
+    address: str
+    metrics_ports: list[int]  # the workers'
+
+
 @pytest.fixture(scope="module")
-def tls_cluster(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def tls_cluster(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsCluster]:
+    base = free_port_block(WORKERS + 1)
     cluster = _start(
         tmp_path_factory.mktemp("tls"), "tls",
         f"--tls-cert={pki.server_cert}", f"--tls-key={pki.server_key}", f"--tls-ca={pki.ca}",
+        "--metrics-port", str(base),
     )  # fmt: skip
-    yield cluster.address
+    yield TlsCluster(cluster.address, [base + 1 + r for r in range(WORKERS)])
     cluster.stop()
+
+
+def _lane_calls(metrics_ports: list[int]) -> float:
+    """``collectives_call_lane_calls_total`` summed over the workers' /metrics."""
+    total = 0.0
+    for port in metrics_ports:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            for family in text_string_to_metric_families(r.read().decode()):
+                total += sum(
+                    s.value for s in family.samples if s.name == "collectives_call_lane_calls_total"
+                )
+    return total
+
+
+def _raw_bulk_answer(address: str, port: int, context: ssl.SSLContext | None) -> bytes:
+    """What the bulk port at ``address``'s host answers a lane prelude with an
+    unknown ticket, through ``context`` (None: plaintext): b"" or an error when it
+    closes the connection first."""
+    host = address.rpartition(":")[0]
+    with socket.create_connection((host, port), timeout=10) as raw:
+        try:
+            sock = context.wrap_socket(raw, server_hostname=host) if context else raw
+            sock.sendall(LANE_MAGIC + bytes(16))
+            return sock.recv(1)
+        except (OSError, ssl.SSLError) as exc:
+            return repr(exc).encode()
 
 
 # ------------------------------------------------------------------------- tests
 
 
-def test_tls_end_to_end_and_plaintext_client_refused(tls_cluster: str, pki: Pki) -> None:
-    # (a) The SDK with the CA: every channel (coordinator, both workers) is TLS.
-    with _connect(tls_cluster, tls_ca=str(pki.ca)) as client:
+def test_tls_end_to_end_and_plaintext_client_refused(tls_cluster: TlsCluster, pki: Pki) -> None:
+    # (a) The SDK with the CA: every channel (coordinator, both workers) is TLS, and
+    # so are the bulk port's connections: the large tensor and the small calls (on
+    # lanes) go over TLS with the same certificate.
+    with _connect(tls_cluster.address, tls_ca=str(pki.ca)) as client:
+        before = _lane_calls(tls_cluster.metrics_ports)
         _round_trip(client)
         worker_addresses = [w.address for w in client.workers()]
+    assert _lane_calls(tls_cluster.metrics_ports) > before
 
-    # No bulk port under TLS: raw TCP would carry the payload unencrypted.
+    # The bulk port speaks TLS only: a plaintext prelude gets no answer.
     creds = grpc.ssl_channel_credentials(pki.ca.read_bytes())
     with grpc.secure_channel(worker_addresses[0], creds) as channel:
         plane = worker_pb2_grpc.WorkerStub(channel).GetDataPlane(
             worker_pb2.DataPlaneRequest(), timeout=10
         )
-        assert plane.bulk_port == 0
+    assert plane.bulk_port and plane.bulk_tls
+    assert _raw_bulk_answer(worker_addresses[0], plane.bulk_port, None) != ACK
+    trusting = ssl.create_default_context(cafile=str(pki.ca))
+    # Through TLS, an unknown ticket is refused as on a plaintext port (closed, no ACK).
+    assert _raw_bulk_answer(worker_addresses[0], plane.bulk_port, trusting) == b""
+    coordinator = tls_cluster.address
 
     # (b) A plaintext client fails cleanly, UNAVAILABLE within its timeout.
-    for address in [tls_cluster, worker_addresses[0]]:
+    for address in [coordinator, worker_addresses[0]]:
         start = time.monotonic()
         with pytest.raises(Unavailable) as info:
             collectives.connect(address, timeout=2.0, tls=False)
@@ -236,7 +284,7 @@ def test_tls_end_to_end_and_plaintext_client_refused(tls_cluster: str, pki: Pki)
 
     # A TLS client that does not trust the CA (system roots) is refused the same way.
     with pytest.raises(Unavailable):
-        collectives.connect(tls_cluster, timeout=2.0, tls=True)
+        collectives.connect(coordinator, timeout=2.0, tls=True)
 
     # The environment supplies what the arguments do not.
     env_security = ChannelSecurity.resolve(environ={"COLLECTIVES_TLS_CA": str(pki.ca)})
@@ -244,7 +292,7 @@ def test_tls_end_to_end_and_plaintext_client_refused(tls_cluster: str, pki: Pki)
 
     # `collectives status` with --tls-ca.
     out = subprocess.run(
-        [sys.executable, "-m", "collectives.cli", "status", "--coordinator", tls_cluster,
+        [sys.executable, "-m", "collectives.cli", "status", "--coordinator", coordinator,
          "--tls-ca", str(pki.ca), "--json"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
@@ -281,6 +329,21 @@ def test_mutual_tls_with_token(pki: Pki, tmp_path: Path) -> None:
         creds = grpc.ssl_channel_credentials(
             pki.ca.read_bytes(), pki.client_key.read_bytes(), pki.client_cert.read_bytes()
         )
+        # The bulk port (lanes, large tensors) asks for the client certificate as the
+        # gRPC port does: without one the handshake is refused.
+        with grpc.secure_channel(worker, creds) as channel:
+            plane = worker_pb2_grpc.WorkerStub(channel).GetDataPlane(
+                worker_pb2.DataPlaneRequest(),
+                timeout=10,
+                metadata=(("authorization", f"Bearer {TOKEN}"),),
+            )
+        assert plane.bulk_port and plane.bulk_tls
+        no_certificate = ssl.create_default_context(cafile=str(pki.ca))
+        refused = _raw_bulk_answer(worker, plane.bulk_port, no_certificate)
+        assert refused not in (b"", ACK) and b"SSL" in refused, refused
+        with_certificate = ssl.create_default_context(cafile=str(pki.ca))
+        with_certificate.load_cert_chain(str(pki.client_cert), str(pki.client_key))
+        assert _raw_bulk_answer(worker, plane.bulk_port, with_certificate) == b""
         with grpc.secure_channel(worker, creds) as channel:
             with pytest.raises(grpc.RpcError) as raw:
                 worker_pb2_grpc.WorkerStub(channel).GetState(

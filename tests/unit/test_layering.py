@@ -16,6 +16,7 @@ import pytest
 
 from collectives._transport import DataPath, choose_path
 from collectives.bulk import BulkPort
+from collectives.v1 import worker_pb2
 from collectives.wire.bulk_frames import BULK_MIN_BYTES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,7 +108,7 @@ class _Endpoint:
 
     def GetDataPlane(self, request, timeout):  # noqa: N802 - the RPC's name
         self.asked += 1
-        return type("DataPlaneResponse", (), {"bulk_port": self._bulk_port})()
+        return worker_pb2.DataPlaneResponse(bulk_port=self._bulk_port)
 
 
 def test_choose_path_prefers_shared_memory_then_the_bulk_port_then_the_stream() -> None:

@@ -1,23 +1,27 @@
-"""A TLS client never dials a plaintext road: no bulk transfer, no call lane.
+"""A TLS client dials only a TLS bulk port; a plaintext client only a plaintext one.
 
-The bulk port and the call lanes on it are raw TCP. A worker under TLS offers
-neither; but a plaintext worker behind a TLS proxy on the same host would, and a
-TLS client that took the offer would send calls and tensors in cleartext past
-the proxy. The client's own channel decides: a TLS endpoint asks no worker for
-a bulk port and opens no lane. Here the "worker" is one listening socket that
-counts the connections it is offered: a TLS endpoint offers none, a plaintext
-one (the control) asks it for its bulk port.
+The bulk port and the call lanes on it are raw TCP. A worker under TLS serves
+them over TLS with its gRPC port's credentials and says so
+(``DataPlaneResponse.bulk_tls``); a plaintext worker behind a TLS proxy on the
+same host offers a plaintext port, and a TLS client that took it would send
+calls and tensors in cleartext past the proxy. The client's own channel
+decides: here the "worker" is one listening socket that records what it is sent,
+and its data-plane answer is given by a stub of the gRPC call.
 """
 
 from __future__ import annotations
 
 import select
 import socket
+import ssl
+from dataclasses import dataclass, field
 
 import pytest
 
-from collectives._transport import WorkerEndpoint
+from collectives.bulk import BulkPort
+from collectives.lanes import CallLanes
 from collectives.v1 import worker_pb2
+from collectives.wire.raw_tls import client_context
 from collectives.wire.security import ChannelSecurity
 
 
@@ -35,26 +39,66 @@ def _dialled(listener: socket.socket, within_s: float) -> bool:
     return bool(ready)
 
 
-def test_a_tls_endpoint_dials_no_bulk_port_and_no_lane(listener) -> None:
-    address = f"127.0.0.1:{listener.getsockname()[1]}"
-    endpoint = WorkerEndpoint.open(address, ChannelSecurity(tls=True))
-    try:
-        assert endpoint.bulk.port(endpoint, timeout=2.0) == 0
-        request = worker_pb2.ForwardRequest(model="m", call_id="c")
-        # No lane carries it (the road is then a gRPC call on the TLS channel).
-        assert endpoint.lanes.send(endpoint, "Forward", request.SerializeToString(), 2.0) is None
-        assert not _dialled(listener, 0.5), "a TLS client dialled the worker for raw TCP"
-    finally:
-        endpoint.channel.close()
+@dataclass
+class _Stub:
+    """The worker's ``GetDataPlane`` answer."""
+
+    answer: worker_pb2.DataPlaneResponse
+
+    def GetDataPlane(self, request, timeout):  # noqa: N802 - the gRPC method's name
+        answer = worker_pb2.DataPlaneResponse()
+        answer.CopyFrom(self.answer)
+        if request.open_lane:
+            answer.lane_ticket = bytes(16)
+        return answer
 
 
-def test_a_plaintext_endpoint_asks_for_the_bulk_port(listener) -> None:
-    """The control: the same calls from a plaintext client reach the listener."""
-    address = f"127.0.0.1:{listener.getsockname()[1]}"
-    endpoint = WorkerEndpoint.open(address)
-    try:
-        with pytest.raises(Exception):  # noqa: B017 - the listener is no gRPC server
-            endpoint.bulk.port(endpoint, timeout=1.0)
+@dataclass
+class _Endpoint:
+    address: str
+    stub: _Stub
+    bulk: BulkPort
+    lanes: CallLanes = field(default_factory=CallLanes)
+
+
+def _endpoint(listener: socket.socket, *, client_tls: bool, port_tls: bool) -> _Endpoint:
+    port = listener.getsockname()[1]
+    context = client_context(ChannelSecurity(tls=True)) if client_tls else None
+    answer = worker_pb2.DataPlaneResponse(bulk_port=port, bulk_tls=port_tls)
+    return _Endpoint(f"127.0.0.1:{port}", _Stub(answer), BulkPort(context))
+
+
+@pytest.mark.parametrize(
+    ("client_tls", "port_tls"), [(True, False), (False, True)], ids=["tls-client", "plain-client"]
+)
+def test_a_bulk_port_of_the_other_kind_is_never_dialled(listener, client_tls, port_tls) -> None:
+    endpoint = _endpoint(listener, client_tls=client_tls, port_tls=port_tls)
+    assert endpoint.bulk.port(endpoint, timeout=2.0) == 0
+    request = worker_pb2.ForwardRequest(model="m", call_id="c").SerializeToString()
+    # No lane carries it (the road is then a gRPC call on the client's channel).
+    assert endpoint.lanes.send(endpoint, "Forward", request, 2.0) is None
+    assert not _dialled(listener, 0.5), "a client dialled a bulk port of the other kind"
+
+
+def test_a_tls_client_dials_a_tls_port_through_tls(listener) -> None:
+    endpoint = _endpoint(listener, client_tls=True, port_tls=True)
+    port = endpoint.bulk.port(endpoint, timeout=2.0)
+    assert port == listener.getsockname()[1]
+    # The listener speaks no TLS: the handshake fails, but its first bytes were a TLS
+    # ClientHello, not a prelude in cleartext.
+    with pytest.raises(OSError):
+        endpoint.bulk.dial("127.0.0.1", port, timeout=2.0)
+    conn, _ = listener.accept()
+    with conn:
+        conn.settimeout(5)
+        first = conn.recv(3)
+    assert first[:1] == b"\x16" and first[1:2] == b"\x03", first  # handshake record, TLS
+
+
+def test_a_plaintext_client_dials_a_plaintext_port_in_the_clear(listener) -> None:
+    endpoint = _endpoint(listener, client_tls=False, port_tls=False)
+    port = endpoint.bulk.port(endpoint, timeout=2.0)
+    sock = endpoint.bulk.dial("127.0.0.1", port, timeout=2.0)
+    with sock:
+        assert not isinstance(sock, ssl.SSLSocket)
         assert _dialled(listener, 5.0)
-    finally:
-        endpoint.channel.close()

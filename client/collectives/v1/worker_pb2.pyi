@@ -145,16 +145,18 @@ class DataPlaneRequest(_message.Message):
     def __init__(self, open_lane: _Optional[bool] = ...) -> None: ...
 
 class DataPlaneResponse(_message.Message):
-    __slots__ = ("bulk_port", "bulk_min_bytes", "lane_ticket", "lane_methods")
+    __slots__ = ("bulk_port", "bulk_min_bytes", "lane_ticket", "lane_methods", "bulk_tls")
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     BULK_MIN_BYTES_FIELD_NUMBER: _ClassVar[int]
     LANE_TICKET_FIELD_NUMBER: _ClassVar[int]
     LANE_METHODS_FIELD_NUMBER: _ClassVar[int]
+    BULK_TLS_FIELD_NUMBER: _ClassVar[int]
     bulk_port: int
     bulk_min_bytes: int
     lane_ticket: bytes
     lane_methods: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, bulk_port: _Optional[int] = ..., bulk_min_bytes: _Optional[int] = ..., lane_ticket: _Optional[bytes] = ..., lane_methods: _Optional[_Iterable[str]] = ...) -> None: ...
+    bulk_tls: bool
+    def __init__(self, bulk_port: _Optional[int] = ..., bulk_min_bytes: _Optional[int] = ..., lane_ticket: _Optional[bytes] = ..., lane_methods: _Optional[_Iterable[str]] = ..., bulk_tls: _Optional[bool] = ...) -> None: ...
 
 class PutTensorBulkRequest(_message.Message):
     __slots__ = ("header", "ticket")

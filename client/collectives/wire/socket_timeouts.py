@@ -16,10 +16,12 @@ call.
 
 from __future__ import annotations
 
+import select
 import socket
+import ssl
 import struct
 
-__all__ = ["KernelTimeouts", "recv_into", "sendall"]
+__all__ = ["KernelTimeouts", "peer_closed", "recv_into", "sendall"]
 
 # The kernel reads 0 as "never": the shortest timeout it is given is this.
 _SHORTEST_S = 1e-3
@@ -64,11 +66,16 @@ class KernelTimeouts:
             self.set(seconds)
 
 
+# What a read or write that ran into the kernel's timeout raises: EAGAIN, which a
+# TLS socket reports as wanting to read or write again.
+_TIMED_OUT = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
+
+
 def recv_into(sock: socket.socket, view: memoryview) -> int:
     """``sock.recv_into(view)``; its kernel timeout passing raises :class:`TimeoutError`."""
     try:
         return sock.recv_into(view)
-    except BlockingIOError:
+    except _TIMED_OUT:
         raise TimeoutError("the socket's read timed out") from None
 
 
@@ -77,5 +84,13 @@ def sendall(sock: socket.socket, data: bytes | bytearray | memoryview) -> None:
     (part of ``data`` may have gone: the connection cannot carry more frames)."""
     try:
         sock.sendall(data)
-    except BlockingIOError:
+    except _TIMED_OUT:
         raise TimeoutError("the socket's write timed out") from None
+
+
+def peer_closed(sock: socket.socket) -> bool:
+    """Whether the peer closed or reset the connection, seen without reading a byte
+    (so it works under TLS too, where a peek would read a record)."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+    return any(events for _, events in poller.poll(0))

@@ -116,8 +116,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         default=0,
         metavar="P",
         help="TCP port of the bulk data plane: large put/get payloads go over raw TCP, "
-        "authorised by one-time tickets sent over gRPC; plaintext workers only "
-        "(default: 0, any free port)",
+        "authorised by one-time tickets sent over gRPC; over TLS with the gRPC port's "
+        "certificate when TLS is on (default: 0, any free port)",
     )
     p.add_argument(
         "--no-bulk",
@@ -128,7 +128,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--no-call-lanes",
         action="store_true",
         help="serve no call lanes on the bulk port: every forward is a gRPC call "
-        "(with --no-bulk or TLS there are none anyway)",
+        "(with --no-bulk there are none anyway)",
     )
     p.add_argument(
         "--lane-methods",

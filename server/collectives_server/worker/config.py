@@ -56,7 +56,7 @@ class WorkerConfig:
     # (--factory-batching); None: they batch only if their load asks.
     factory_batching: Batching | None = None
     # TCP port of the bulk data plane (raw bytes of large put/get next to gRPC);
-    # 0 picks a free one; None: no bulk port. Never opened when TLS is on.
+    # 0 picks a free one; None: no bulk port. Under TLS it speaks TLS (raw_tls).
     bulk_port: int | None = 0
     # Serve call lanes on the bulk port (small forwards framed over kept raw TCP
     # connections instead of a gRPC call each; worker/rpc/lanes.py).

@@ -30,6 +30,7 @@ import collectives_server
 from collectives.errors import CollectiveError
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2
 from collectives.wire.membership import membership_digest
+from collectives.wire.raw_tls import server_context
 from collectives_server import gc_tuning as heap
 from collectives_server.control_protocol import worker_metadata
 from collectives_server.hosts import dialled_name
@@ -168,9 +169,16 @@ class WorkerDaemon:
         self.ctx.port = self._server.port
         self.ctx.data_streams = self._server.limits.slots if self._server.limits else None
         self.ctx.address = f"{host}:{self.config.advertise_port or self._server.port}"
-        if self.config.bulk_port is not None and not self.config.security.tls:
+        if self.config.bulk_port is not None:
+            security = self.config.security
             self.ctx.bulk = BulkListener(
-                self.config.host, self.config.bulk_port, self.config.bulk_limits
+                self.config.host,
+                self.config.bulk_port,
+                self.config.bulk_limits,
+                # Under TLS the bulk port is TLS too, with the gRPC port's credentials.
+                tls=server_context(security.tls_cert, security.tls_key, security.tls_client_ca)
+                if security.tls_cert is not None and security.tls_key is not None
+                else None,
             )
             if self.config.call_lanes:
                 self.ctx.bulk.serve_lanes(self._call_lanes(servicer))

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import socket
+import ssl
 import threading
 import time
 from collections import Counter
@@ -87,8 +89,16 @@ class BulkListener:
     """Accepts bulk connections and matches them with registered transfers; hands
     call-lane connections to the lane server (:meth:`serve_lanes`)."""
 
-    def __init__(self, host: str, port: int = 0, limits: BulkLimits | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int = 0,
+        limits: BulkLimits | None = None,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.limits = limits or BulkLimits()
+        # Every connection a TLS one (a worker under TLS: its gRPC port's certificate).
+        self.tls = tls
         self._io_timeout_s = self.limits.idle_s
         self._sock = socket.create_server((host, port), backlog=128)
         self.port: int = self._sock.getsockname()[1]
@@ -265,9 +275,15 @@ class BulkListener:
         try:
             with conn:
                 wait_s = self.limits.prelude_timeout_s
-                while self._serve_one(conn, wait_s):
-                    wait_s = self.limits.idle_s
-        except OSError:
+                if self.tls is not None:
+                    # The handshake and the first prelude share the prelude timeout.
+                    deadline = time.monotonic() + wait_s
+                    conn = _tls_handshake(self.tls, conn, deadline)
+                    wait_s = max(deadline - time.monotonic(), 0.0)
+                with conn:
+                    while self._serve_one(conn, wait_s):
+                        wait_s = self.limits.idle_s
+        except OSError:  # ssl.SSLError too: a failed handshake
             pass
         finally:
             self._release(peer)
@@ -347,6 +363,35 @@ class BulkListener:
 
 # A spent or refused ticket is remembered this long, so its connection is closed at once.
 _TOMBSTONE_S = 30.0
+
+
+def _tls_handshake(context: ssl.SSLContext, conn: socket.socket, deadline: float) -> ssl.SSLSocket:
+    """``conn`` after a TLS handshake done by ``deadline`` (an absolute bound, which a
+    client dripping its handshake cannot push back).
+
+    Raises:
+        TimeoutError: the handshake did not end in time.
+        ssl.SSLError: it failed (no or a wrong client certificate, not TLS).
+    """
+    tls = context.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+    try:  # ``conn`` is detached now: ``tls`` holds the connection
+        tls.setblocking(False)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the TLS handshake did not end within the prelude timeout")
+            try:
+                tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                select.select([tls], [], [], left)
+            except ssl.SSLWantWriteError:
+                select.select([], [tls], [], left)
+        tls.settimeout(None)
+    except BaseException:
+        tls.close()
+        raise
+    return tls
 
 
 def _tombstone() -> _Transfer:

@@ -47,7 +47,7 @@ from collectives.wire.lane_frames import (
     RESPONSE_HEADER,
 )
 from collectives.wire.limits import MAX_MESSAGE_BYTES
-from collectives.wire.socket_timeouts import KernelTimeouts
+from collectives.wire.socket_timeouts import KernelTimeouts, peer_closed
 from collectives_server.security import TokenAuthInterceptor
 
 __all__ = [
@@ -203,7 +203,7 @@ class LaneContext:
         deadline passing), which a peek at the connection sees without reading."""
         if self.cancelled or (self._deadline is not None and time.monotonic() >= self._deadline):
             return False
-        if self._conn is not None and _peer_left(self._conn):
+        if self._conn is not None and peer_closed(self._conn):
             self.cancelled = True
             return False
         return True
@@ -381,7 +381,9 @@ class CallLanes:
                 with contextlib.suppress(OSError):
                     _send_closing(conn, status)
                 with contextlib.suppress(OSError):
-                    conn.shutdown(socket.SHUT_RDWR)
+                    # The TCP connection's, also under TLS (an SSLSocket's own
+                    # shutdown drops its TLS state under the lane's thread).
+                    socket.socket.shutdown(conn, socket.SHUT_RDWR)
 
         context = LaneContext(ticket, timeout_s, cancel, conn)
         try:
@@ -417,17 +419,6 @@ class CallLanes:
         with contextlib.suppress(OSError):
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_AT_CLOSE)
         return False
-
-
-def _peer_left(conn: socket.socket) -> bool:
-    """Whether the client closed or reset the lane (nothing is read: a byte sent
-    during a call is left for the next frame's read)."""
-    try:
-        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except BlockingIOError:
-        return False  # nothing to read: still there
-    except OSError:
-        return True  # reset
 
 
 def _frame(outcome: int, body: bytes) -> bytes:

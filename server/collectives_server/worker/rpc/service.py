@@ -145,6 +145,7 @@ class WorkerService:
             bulk_min_bytes=BULK_MIN_BYTES,
             lane_ticket=ticket,
             lane_methods=lanes.methods if ticket and lanes is not None else (),
+            bulk_tls=bulk is not None and bulk.tls is not None,
         )
 
     @_guard
