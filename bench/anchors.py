@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -111,12 +112,18 @@ def memcpy_gbps(nbytes: int, repeats: int) -> Stat:
     return measure(lambda: dst.copy_(src), repeats, unit="GB/s", per=lambda s: nbytes / s / 1e9)
 
 
-def grpc_empty_rtt(address: str, samples: int) -> list[float]:
-    """Seconds of ``samples`` health Check round trips to the gRPC server at ``address``."""
+def grpc_empty_rtt(address: str, samples: int, credentials: Any = None) -> list[float]:
+    """Seconds of ``samples`` health Check round trips to the gRPC server at ``address``
+    (through TLS with ``credentials``, a ``grpc.ChannelCredentials``, when given)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    channel = (
+        grpc.insecure_channel(address)
+        if credentials is None
+        else grpc.secure_channel(address, credentials)
+    )
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         request = health_pb2.HealthCheckRequest()
         for _ in range(max(10, samples // 10)):  # connect and warm up

@@ -27,9 +27,10 @@ import os
 import subprocess
 import sys
 from concurrent import futures
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["FloorFanout", "FloorClient"]
+__all__ = ["FloorClient", "FloorFanout", "FloorTls"]
 
 _ROOT = Path(__file__).resolve().parent.parent
 _METHOD = "/floor.Fanout/Forward"
@@ -40,11 +41,25 @@ def _identity(b: bytes) -> bytes:
     return b
 
 
-class FloorFanout:
-    """``world`` floor servers of the MLP built from ``kwargs`` (close them when done)."""
+@dataclass(frozen=True)
+class FloorTls:
+    """TLS for the floor: the servers' certificate and key, the clients' CA, and a
+    bearer token the clients send on every call (as a TLS + token client of the
+    service does; the floor's servers do not check it)."""
 
-    def __init__(self, kwargs: dict, world: int) -> None:
+    cert: Path
+    key: Path
+    ca: Path
+    token: str
+
+
+class FloorFanout:
+    """``world`` floor servers of the MLP built from ``kwargs`` (close them when done),
+    over TLS with ``tls``."""
+
+    def __init__(self, kwargs: dict, world: int, tls: FloorTls | None = None) -> None:
         self.kwargs = kwargs
+        self.tls = tls
         threads = max(1, (os.cpu_count() or 1) // world)
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(threads))
@@ -60,6 +75,11 @@ class FloorFanout:
                             "bench.direct_fanout",
                             "--kwargs",
                             json.dumps(kwargs),
+                            *(
+                                ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key)]
+                                if tls is not None
+                                else []
+                            ),
                         ],
                         cwd=_ROOT,
                         env=env,
@@ -79,7 +99,7 @@ class FloorFanout:
 
     def client(self) -> FloorClient:
         """A caller with channels of its own (as each SDK client has)."""
-        return FloorClient(self.addresses, int(self.kwargs["out_features"]))
+        return FloorClient(self.addresses, int(self.kwargs["out_features"]), self.tls)
 
     def close(self) -> None:
         for proc in self._procs:
@@ -95,12 +115,21 @@ class FloorFanout:
 class FloorClient:
     """One caller of the floor servers: a channel to each."""
 
-    def __init__(self, addresses: list[str], out_features: int) -> None:
+    def __init__(
+        self, addresses: list[str], out_features: int, tls: FloorTls | None = None
+    ) -> None:
         import grpc
 
         self._out_features = out_features
         self._pool = futures.ThreadPoolExecutor(max_workers=len(addresses))
-        self._channels = [grpc.insecure_channel(a) for a in addresses]
+        if tls is None:
+            self._channels = [grpc.insecure_channel(a) for a in addresses]
+        else:
+            credentials = grpc.composite_channel_credentials(
+                grpc.ssl_channel_credentials(tls.ca.read_bytes()),
+                grpc.access_token_call_credentials(tls.token),
+            )
+            self._channels = [grpc.secure_channel(a, credentials) for a in addresses]
         for channel in self._channels:
             grpc.channel_ready_future(channel).result(timeout=_TIMEOUT_S)
         self._calls = [
@@ -131,7 +160,7 @@ class FloorClient:
             channel.close()
 
 
-def _serve(kwargs: dict) -> None:
+def _serve(kwargs: dict, tls_cert: str | None, tls_key: str | None) -> None:
     import grpc
     import torch
 
@@ -161,7 +190,13 @@ def _serve(kwargs: dict) -> None:
         ],
     )
     server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
+    if tls_cert and tls_key:
+        credentials = grpc.ssl_server_credentials(
+            [(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())]
+        )
+        port = server.add_secure_port("127.0.0.1:0", credentials)
+    else:
+        port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     print(port, flush=True)
     with contextlib.suppress(KeyboardInterrupt):
@@ -171,7 +206,10 @@ def _serve(kwargs: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kwargs", required=True, help="the MLP's factory kwargs (JSON)")
-    _serve(json.loads(parser.parse_args().kwargs))
+    parser.add_argument("--tls-cert", help="serve over TLS with this certificate (PEM)")
+    parser.add_argument("--tls-key", help="and this key (PEM)")
+    args = parser.parse_args()
+    _serve(json.loads(args.kwargs), args.tls_cert, args.tls_key)
 
 
 if __name__ == "__main__":
