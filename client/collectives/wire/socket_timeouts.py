@@ -92,5 +92,9 @@ def peer_closed(sock: socket.socket) -> bool:
     """Whether the peer closed or reset the connection, seen without reading a byte
     (so it works under TLS too, where a peek would read a record)."""
     poller = select.poll()
-    poller.register(sock.fileno(), select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+    poller.register(sock.fileno(), _PEER_GONE)
     return any(events for _, events in poller.poll(0))
+
+
+# The peer's FIN (Linux's POLLRDHUP), a hang-up, an error (a reset).
+_PEER_GONE = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR
