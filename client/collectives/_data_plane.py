@@ -28,11 +28,10 @@ from collectives import shm
 from collectives._calls import Job
 from collectives._progress import Deferred, Progress, progress
 from collectives._replicate import REPLICATE_MIN_BYTES, UseParallelPuts, replicate
+from collectives._roads import DataPath, choose_path
 from collectives._session import Session
 from collectives._transport import (
-    DataPath,
     WorkerEndpoint,
-    choose_path,
     get_tensor,
     get_tensor_shm,
     is_retryable_read,

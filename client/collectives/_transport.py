@@ -13,12 +13,11 @@ multi-callable with ``request_serializer=None`` passes bytes through), and
 splits into a header and memoryview chunks. The messages on the wire are still
 the ``PutTensorRequest``/``GetTensorResponse`` protobufs of ``worker.proto``.
 Whether a put or get takes shared memory, the worker's bulk port or that gRPC
-stream is decided in one place, :func:`choose_path`.
+stream is decided in one place, :func:`collectives._roads.choose_path`.
 """
 
 from __future__ import annotations
 
-import enum
 import functools
 import os
 import ssl
@@ -44,6 +43,7 @@ from collectives._channels import (
 from collectives._channels import deadline_s as _deadline_s
 from collectives._deadlines import timeout_left
 from collectives._progress import NO_PROGRESS, Progress
+from collectives._roads import DataPath, Route, choose_path
 from collectives.errors import (
     CollectiveError,
     InvalidArgument,
@@ -57,18 +57,14 @@ from collectives.errors import from_rpc_error as _from_rpc_error
 from collectives.shm import Segment, SegmentPool
 from collectives.v1 import tensor_pb2, worker_pb2, worker_pb2_grpc
 from collectives.wire import codec, raw_tls, shm
-from collectives.wire.bulk_frames import BULK_MIN_BYTES
 from collectives.wire.security import PLAINTEXT, ChannelSecurity
 
 __all__ = [
     "CHANNEL_OPTIONS",
     "ChannelPool",
-    "DataPath",
-    "Route",
     "WorkerEndpoint",
     "WorkerMethod",
     "call_unary",
-    "choose_path",
     "get_tensor",
     "is_retryable_read",
     "open_channel",
@@ -251,48 +247,6 @@ class ChannelPool:
         for endpoint in endpoints:
             endpoint.lanes.close()
             endpoint.channel.close()
-
-
-class DataPath(enum.Enum):
-    """How a tensor's bytes travel between the SDK and a worker."""
-
-    SHM = "shm"  # a /dev/shm segment (same host, opt-in; see collectives.shm)
-    BULK = "bulk"  # the worker's bulk port: raw TCP beside gRPC (see collectives.bulk)
-    STREAM = "stream"  # 4 MiB chunks on the PutTensor/GetTensor gRPC stream
-
-
-@dataclass(frozen=True)
-class Route:
-    """A :class:`DataPath`, with the worker's bulk port for :attr:`DataPath.BULK`."""
-
-    path: DataPath
-    bulk_port: int = 0
-
-
-def choose_path(
-    endpoint: WorkerEndpoint, timeout: float, *, nbytes: int | None, shared_memory: bool = False
-) -> Route:
-    """How a put of ``nbytes`` (a get: None, its size is not known yet) travels.
-
-    Shared memory when the caller may use it with this worker (``shared_memory``:
-    opted in, same host, not refused, and for a put the payload already in a
-    segment); else the worker's bulk port when it has one (asked once per
-    channel; none with ``--no-bulk``, of the other kind than this client (TLS or
-    plaintext), or while suspended after a refusal) and
-    a put holds at least ``BULK_MIN_BYTES``; else the gRPC stream. A path that
-    fails before moving a byte falls back to the next one: the caller chooses
-    again without ``shared_memory``, and a refused bulk port gives the stream.
-
-    Raises:
-        CollectiveError: asking the worker for its bulk port failed.
-    """
-    if shared_memory:
-        return Route(DataPath.SHM)
-    if nbytes is None or nbytes >= BULK_MIN_BYTES:
-        port = endpoint.bulk.port(endpoint, timeout)
-        if port:
-            return Route(DataPath.BULK, port)
-    return Route(DataPath.STREAM)
 
 
 def put_tensor(

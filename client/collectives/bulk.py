@@ -16,7 +16,7 @@ client's channel, the SDK streams over gRPC.
 A leaf of the SDK: it imports :mod:`collectives.wire` (the framing it shares
 with the worker, :mod:`collectives.wire.bulk_frames`), :mod:`collectives.errors`
 and the generated stubs, nothing else of the SDK; whether a transfer takes the
-bulk port at all is decided in :func:`collectives._transport.choose_path`.
+bulk port at all is decided in :func:`collectives._roads.choose_path`.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ import torch
 from collectives._calls import Job, Mapped, Start
 from collectives._deadlines import time_left
 from collectives._models import Models
+from collectives._roads import INLINE_BYTES, InlineBudget
 from collectives._session import Session
 from collectives._transport import WorkerEndpoint, get_tensor, put_tensor
 from collectives.errors import CollectiveError, InvalidArgument, NotFound, Reason, Unavailable
@@ -61,26 +62,8 @@ def _namedtuple_types(obj: Any, found: dict[str, type] | None = None) -> dict[st
     return found
 
 
-# Per call and direction, tensors up to this many bytes in total travel inside
-# the Forward/Backward messages instead of a put before and a get after: one
-# RPC per worker instead of three (gRPC's 4 MiB message limit leaves room).
-INLINE_BYTES = 1 << 20
 # Whole-call attempts when publishes keep moving the model's version under a forward.
 _VERSION_ATTEMPTS = 8
-
-
-class _Budget:
-    """Bytes left for inline tensors in one message."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.left = nbytes
-
-    def take(self, t: torch.Tensor) -> bool:
-        nbytes = t.numel() * t.element_size()
-        if nbytes > self.left:
-            return False
-        self.left -= nbytes
-        return True
 
 
 def _inline(name: str, t: torch.Tensor) -> worker_pb2.InlineTensor:
@@ -176,7 +159,7 @@ class _RemoteCall:
             shard = self.shards[i]
             counter = iter(range(1 << 30))
 
-            budget = _Budget(INLINE_BYTES)
+            budget = InlineBudget()
 
             def add(t: torch.Tensor) -> str | InlineLeaf:
                 k = next(counter)
@@ -302,7 +285,7 @@ class _RemoteCall:
             names = []
             inline = []
             to_put: list[tuple[str, torch.Tensor]] = []
-            budget = _Budget(INLINE_BYTES)
+            budget = InlineBudget()
             for j in range(len(shard.output_names)):
                 g = per_leaf[j][i]
                 if g is None or not (g.is_floating_point() or g.is_complex()):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from collectives._transport import DataPath, choose_path
+from collectives._roads import DataPath, choose_path
 from collectives.bulk import BulkPort
 from collectives.v1 import worker_pb2
 from collectives.wire.bulk_frames import BULK_MIN_BYTES
