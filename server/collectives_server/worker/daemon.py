@@ -81,6 +81,8 @@ log = logging.getLogger(__name__)
 _STREAM_RETRY_BEATS = 10
 # Server-side wait of the rendezvous store this worker hosts (clients set their own).
 _STORE_TIMEOUT_S = 300.0
+# How long stopping waits for a generation being joined (see stop()).
+_STOP_WAIT_S = 2.0
 
 
 def resolve_devices(requested: tuple[str, ...]) -> list[torch.device]:
@@ -226,10 +228,18 @@ class WorkerDaemon:
                 )
         except grpc.RpcError:
             pass
-        with self._lock:
-            if self.runtime is not None:
-                self.runtime.stop()
-                self._set_runtime(None)
+        # A generation being joined holds the lock while it connects to rank 0's
+        # store, which may be stopping too (up to the op timeout): stopping waits for
+        # it only briefly, and the process ends its threads anyway.
+        if self._lock.acquire(timeout=_STOP_WAIT_S):
+            try:
+                if self.runtime is not None:
+                    self.runtime.stop()
+                    self._set_runtime(None)
+            finally:
+                self._lock.release()
+        else:
+            log.warning("stopping while a generation is still being joined: not waiting for it")
         if self._server is not None:
             self._server.stop(1.0)
         if self.ctx.bulk is not None:
