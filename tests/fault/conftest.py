@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 from error_fields import field_problems, recording_errors
-from harness import FAULT_DAEMONS, LEASE_S, RESULTS, SOAK_LINES, FaultCluster
+from harness import FAULT_DAEMONS, LEASE_S, OP_TIMEOUT_S, RESULTS, SOAK_LINES, FaultCluster
 from helpers import internal_lines
 
 # How much of each daemon's log a failed test shows (its last lines).
@@ -78,9 +78,10 @@ def fault_cluster():
         worker_args: tuple[str, ...] = (),
         lease_s: float = LEASE_S,
         each_worker_args: tuple[tuple[str, ...], ...] = (),
+        op_timeout_s: float = OP_TIMEOUT_S,
     ):
         cluster = FaultCluster(
-            workers, min_workers, max_workers, worker_args, lease_s, each_worker_args
+            workers, min_workers, max_workers, worker_args, lease_s, each_worker_args, op_timeout_s
         )
         clusters.append(cluster)
         return cluster

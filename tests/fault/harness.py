@@ -69,7 +69,7 @@ class ClusterViews:
         return next(d for d in self.workers if d.address == address)
 
 
-def timing_flags(lease_s: float = LEASE_S) -> tuple[str, ...]:
+def timing_flags(lease_s: float = LEASE_S, op_timeout_s: float = OP_TIMEOUT_S) -> tuple[str, ...]:
     """The timing flags a coordinator of the fault tests runs with."""
     return (
         "--heartbeat",
@@ -77,7 +77,7 @@ def timing_flags(lease_s: float = LEASE_S) -> tuple[str, ...]:
         "--lease",
         str(lease_s),
         "--op-timeout-s",
-        str(OP_TIMEOUT_S),
+        str(op_timeout_s),
     )
 
 
@@ -95,11 +95,13 @@ class FaultCluster(ClusterViews):
         worker_args: tuple[str, ...] = (),
         lease_s: float = LEASE_S,
         each_worker_args: Sequence[Sequence[str]] = (),
+        op_timeout_s: float = OP_TIMEOUT_S,
     ) -> None:
         """``worker_args`` go to every worker; ``each_worker_args[i]``, if given,
         to the i-th of the first ``workers`` too."""
         self.port = free_port()
         self.lease_s = lease_s
+        self.op_timeout_s = op_timeout_s
         self.worker_args = worker_args
         self.min_workers = min_workers
         self.max_workers = max_workers or workers
@@ -120,7 +122,7 @@ class FaultCluster(ClusterViews):
                 str(self.min_workers),
                 "--max-workers",
                 str(self.max_workers),
-                *timing_flags(self.lease_s),
+                *timing_flags(self.lease_s, self.op_timeout_s),
             ],
         )
 

@@ -107,7 +107,11 @@ def test_a_rolling_upgrade_of_the_lane_methods_loses_no_call(fault_cluster) -> N
         min_workers=2,
         max_workers=2,
         worker_args=("--allow-factory", ZOO),
-        lease_s=30.0,  # no worker is killed: each leaves
+        # No worker is killed (each leaves), and a loaded machine must not turn a
+        # late heartbeat or a slow backward (it takes the cluster's op timeout) into
+        # a failure: the calls' own deadlines are what this test is about.
+        lease_s=30.0,
+        op_timeout_s=TIMEOUT_S,
         each_worker_args=tuple(
             (*PREVIOUS_RELEASE, "--metrics-port", str(port)) for port in old_ports
         ),
