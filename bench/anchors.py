@@ -112,6 +112,23 @@ def memcpy_gbps(nbytes: int, repeats: int) -> Stat:
     return measure(lambda: dst.copy_(src), repeats, unit="GB/s", per=lambda s: nbytes / s / 1e9)
 
 
+def all_reduce_seconds(cluster: Any, name: str, samples: int) -> list[float]:
+    """Seconds of each of ``samples`` ``cluster.all_reduce`` calls of a 4-byte tensor
+    stored as ``name`` on every rank (after a warm-up); the tensor is deleted after."""
+    import torch
+
+    cluster.put(name, torch.ones(1, dtype=torch.float32))  # every rank
+    for _ in range(max(10, samples // 10)):
+        cluster.all_reduce(name, op="max")
+    values = []
+    for _ in range(samples):
+        started = time.perf_counter()
+        cluster.all_reduce(name, op="max")
+        values.append(time.perf_counter() - started)
+    cluster.delete(name, missing_ok=True)
+    return values
+
+
 def grpc_empty_rtt(address: str, samples: int, credentials: Any = None) -> list[float]:
     """Seconds of ``samples`` health Check round trips to the gRPC server at ``address``
     (through TLS with ``credentials``, a ``grpc.ChannelCredentials``, when given)."""

@@ -8,13 +8,9 @@ worker (``grpc.health.v1`` Check, p50) plus twice a direct gloo all_reduce of
 
 from __future__ import annotations
 
-import time
-
-import torch
-
 import collectives
 
-from .anchors import gloo_all_reduce, grpc_empty_rtt, percentile
+from .anchors import all_reduce_seconds, gloo_all_reduce, grpc_empty_rtt, percentile
 from .core import BenchContext, Row, Stat, shared_cluster
 
 NAME = "latency"
@@ -27,18 +23,9 @@ def _ms(values: list[float]) -> list[float]:
 def run(ctx: BenchContext) -> list[Row]:
     samples = 100 if ctx.quick else 1000
     with collectives.connect(shared_cluster(2), timeout=60) as cluster:
-        name = "bench/latency"
-        cluster.put(name, torch.ones(1, dtype=torch.float32))  # every rank
-        for _ in range(max(10, samples // 10)):
-            cluster.all_reduce(name, op="max")
-        service = []
-        for _ in range(samples):
-            started = time.perf_counter()
-            cluster.all_reduce(name, op="max")
-            service.append(time.perf_counter() - started)
+        service = all_reduce_seconds(cluster, "bench/latency", samples)
         worker = next(w for w in cluster.workers() if w.rank == 0)
         rtt = grpc_empty_rtt(worker.address, samples)
-        cluster.delete(name, missing_ok=True)
     gloo = gloo_all_reduce(4, samples)
 
     service_ms, rtt_ms, gloo_ms = _ms(service), _ms(rtt), _ms(gloo)

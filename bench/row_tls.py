@@ -16,7 +16,6 @@ same run:
 from __future__ import annotations
 
 import tempfile
-import time
 from pathlib import Path
 
 import grpc
@@ -25,7 +24,7 @@ import torch
 import collectives
 from collectives_server.model_zoo import mlp
 
-from .anchors import gloo_all_reduce, grpc_empty_rtt, percentile
+from .anchors import all_reduce_seconds, gloo_all_reduce, grpc_empty_rtt, percentile
 from .core import BenchContext, Row, Stat, local_cluster, measure
 from .direct_fanout import FloorFanout, FloorTls
 from .pki import make_pki
@@ -95,17 +94,8 @@ def _rows(cluster, floor_client, pki, kwargs, latency_n: int, samples: int) -> l
         )
     ]
 
-    name = "bench/tls-latency"
-    cluster.put(name, torch.ones(1, dtype=torch.float32))
-    for _ in range(max(10, samples // 10)):
-        cluster.all_reduce(name, op="max")
-    service = []
-    for _ in range(samples):
-        started = time.perf_counter()
-        cluster.all_reduce(name, op="max")
-        service.append(1e3 * (time.perf_counter() - started))
+    service = [1e3 * s for s in all_reduce_seconds(cluster, "bench/tls-latency", samples)]
     worker = next(w for w in cluster.workers() if w.rank == 0)
-    cluster.delete(name, missing_ok=True)
     credentials = grpc.ssl_channel_credentials(pki.ca.read_bytes())
     rtt = [1e3 * s for s in grpc_empty_rtt(worker.address, samples, credentials)]
     gloo = [1e3 * s for s in gloo_all_reduce(4, samples)]
