@@ -532,12 +532,14 @@ class ClusterSession:
             if isinstance(calls[rank], Job):
                 jobs.append(rank)
         try:
-            for rank in jobs[:-1]:  # the last one runs on this thread, when awaited
+            for rank in jobs[:-1]:
                 job = calls[rank]
                 assert isinstance(job, Job)
                 calls[rank] = _PoolCall(self._io_executor.submit(job.fn))
         except RuntimeError:
             raise Unavailable(f"the connection to {self._address} is closed") from None
+        if jobs:  # the last one runs on this thread now, while the others run
+            calls[jobs[-1]] = _ran(calls[jobs[-1]])
         ended: dict[int, R] = {}
         failed: dict[int, BaseException] = {}
         for rank in starts:
@@ -560,6 +562,14 @@ class _PoolCall(Generic[R]):
 
     def result(self) -> R:
         return self._future.result()
+
+
+def _ran(call: Call[R]) -> Done[R]:
+    """``call`` awaited now: its answer or its error, kept for the fan-out to collect."""
+    try:
+        return Done(value=call.result())
+    except Exception as exc:
+        return Done(error=exc)
 
 
 def _started(what: str, rank: int, start: Start[R]) -> Call[R]:

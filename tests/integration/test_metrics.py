@@ -71,12 +71,18 @@ def test_metrics_agree_with_the_workload(fresh_cluster):
     cluster.get("m", rank=0)
 
     # --- the coordinator on P --------------------------------------------------
-    coordinator = scrape(base)
+    def quiet():
+        # A worker's state is what its last heartbeat said: one sent while the last
+        # op ran says busy until the next one arrives.
+        samples = scrape(base)
+        ready = value(samples, "collectives_workers", state="ready") == WORKERS
+        return samples if ready else None
+
+    coordinator = wait_until(quiet, 30, "both workers reported ready after the workload")
     assert value(coordinator, "collectives_generation") == generation
     assert value(coordinator, "collectives_world_size") == WORKERS
     assert value(coordinator, "collectives_cluster_formed") == 1
     assert value(coordinator, "collectives_coordinator_leader") == 1  # the memory store's
-    assert value(coordinator, "collectives_workers", state="ready") == WORKERS
     for state in ("joining", "busy", "draining", "lost"):
         assert value(coordinator, "collectives_workers", state=state) == 0
     assert value(coordinator, "collectives_membership_changes_total", reason="joined") == WORKERS

@@ -75,6 +75,19 @@ def test_jobs_run_on_the_pool_and_the_last_one_on_the_callers_thread(session, gi
     assert ran_on[0] != caller and ran_on[1] != caller
 
 
+def test_jobs_run_at_the_same_time_the_callers_one_too(session) -> None:
+    # Each job waits for all the others to be running: run one after another, the
+    # barrier breaks (after its timeout) instead of opening.
+    barrier = threading.Barrier(3, timeout=20)
+
+    def work(rank: int) -> int:
+        barrier.wait()
+        return rank
+
+    got = session.fan_out("op", {r: Job(lambda r=r: work(r)) for r in range(3)})
+    assert got == {0: 0, 1: 1, 2: 2}
+
+
 def test_the_lowest_ranks_error_is_raised_once_every_call_ended(session) -> None:
     log: list[tuple[str, int]] = []
     errors = {0: NotFound("tensor 'a' is missing"), 2: Unavailable("worker gone")}
