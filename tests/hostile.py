@@ -76,9 +76,9 @@ class Aftermath:
     def capture(self) -> Aftermath:
         cluster = self.cluster
         gen = torch.Generator().manual_seed(int(time.time_ns()) & 0xFFFF_FFFF)
-        members = [w for w in cluster.workers() if w.rank >= 0]
+        members = sorted((w for w in cluster.workers() if w.rank >= 0), key=lambda w: w.rank)
         self.sentinels = [torch.randn(*self.shape, generator=gen) for _ in members]
-        for w, t in zip(sorted(members, key=lambda w: w.rank), self.sentinels, strict=True):
+        for w, t in zip(members, self.sentinels, strict=True):
             cluster.put(self.name, t, rank=w.rank)
             self.addresses[w.rank] = w.address
         # RSS after the sentinels are stored, so they are part of the baseline.
@@ -104,6 +104,11 @@ class Aftermath:
                 f"worker pid {pid}: RSS back to its baseline {before / MiB:.0f} MiB "
                 f"(+{rss_slack_bytes / MiB:.0f} MiB)",
             )
+        # Each worker is found by its address: a loaded machine may have delayed a
+        # heartbeat past the lease, and the cluster re-formed with other ranks.
+        rank_now = {w.address: w.rank for w in self.cluster.workers() if w.rank >= 0}
         for rank, expected in enumerate(self.sentinels):
-            got = self.cluster.get(self.name, rank=rank)
-            assert torch.equal(got, expected), f"sentinel on rank {rank} changed"
+            address = self.addresses[rank]
+            assert address in rank_now, f"worker {address} (rank {rank}) left the cluster"
+            got = self.cluster.get(self.name, rank=rank_now[address])
+            assert torch.equal(got, expected), f"sentinel on worker {address} changed"
