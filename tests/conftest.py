@@ -175,7 +175,9 @@ MODEL_ZOO = ("--allow-factory", "collectives_server.model_zoo")
 # and keep their members whatever the machine's load: no test kills one of theirs (those
 # tests take a cluster of their own), so a lease of seconds would only evict a live worker
 # whose heartbeat a loaded machine delayed, and move the cluster under a running test.
-SHARED_FLAGS = (*MODEL_ZOO, "--lease", "30")
+# With a lease that long, a beat a second is plenty: each beat costs the worker and the
+# coordinator CPU, and these clusters live through most of the run.
+SHARED_FLAGS = (*MODEL_ZOO, "--lease", "30", "--heartbeat", "1.0")
 # Where the tests that share cluster2 / cluster3 live: those clusters stop once this
 # process has run its last test there (see pytest_runtest_teardown).
 SHARED_CLUSTER_TESTS = Path(__file__).parent / "integration"

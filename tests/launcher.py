@@ -2,8 +2,8 @@
 
 Every daemon a test starts (a coordinator, a worker, a ``local`` launcher with
 its children) is a :class:`Daemon`: ``python -m collectives_server ARGS`` in a
-process group of its own (a worker forked from this test process's preloaded
-worker zygote, as ``local`` forks its workers: :mod:`preloaded_workers`, ended by
+process group of its own (forked from this test process's preloaded zygote, as
+``local`` forks its coordinator and workers: :mod:`preloaded_workers`, ended by
 :func:`close_zygote` at the session's end), its standard error in a log under the session's
 temporary directory, its first line of standard output (its address) read
 with a deadline and the rest drained. :class:`LocalCluster` is the ``local``
@@ -130,13 +130,19 @@ def close_zygote() -> None:
 FORK_WORKERS_ENV = "COLLECTIVES_TEST_FORK_WORKERS"
 
 
-def _worker_args(argv: Sequence[str]) -> list[str] | None:
-    """``ARGS`` of a ``collectives-server worker ARGS`` command line that the zygote can
-    fork; None for any other command (or with forking turned off)."""
+# The daemons the zygote forks: it has imported each (preloaded_workers.SERVER_PRELOAD).
+_FORKED_COMMANDS = ("worker", "coordinator", "local")
+
+
+def _forked_args(argv: Sequence[str]) -> list[str] | None:
+    """``ARGS`` of a ``collectives-server ARGS`` command line (a worker, a coordinator
+    or a ``local`` launcher) that the zygote can fork; None for any other command (or
+    with forking turned off)."""
     if os.environ.get(FORK_WORKERS_ENV, "1") == "0":
         return None
     head = server_argv()
-    if list(argv[: len(head)]) == head and argv[len(head) : len(head) + 1] == ["worker"]:
+    command = argv[len(head) : len(head) + 1]
+    if list(argv[: len(head)]) == head and command and command[0] in _FORKED_COMMANDS:
         return list(argv[len(head) :]) if available(sys.executable) else None
     return None
 
@@ -181,12 +187,12 @@ class Daemon:
         then start at once, and each be waited for)."""
         env = dict(os.environ if self.env is None else self.env)
         env["PYTHONUNBUFFERED"] = "1"
-        worker = _worker_args(self.argv)
+        forked = _forked_args(self.argv)
         with open(self.log_path, "ab") as log:
-            if worker is not None:
+            if forked is not None:
                 # Own session too: stop() ends the daemon and every child it started.
                 self.proc = _zygote().start(
-                    worker, env, self.name, stderr=log.fileno(), new_session=True
+                    forked, env, self.name, stderr=log.fileno(), new_session=True
                 )
             else:
                 self.proc = subprocess.Popen(

@@ -14,10 +14,10 @@ the very binaries that production runs one per host, as children of one supervis
   started again (same flags, same metrics port), as torchrun restarts a failed
   worker; the new process rejoins as a newcomer and the cluster re-forms at full
   size. Each slot is restarted at most ``max_restarts`` times;
-* workers are forked from one interpreter that imported them once
-  (:mod:`preloaded_workers`), so starting or restarting one costs a fork, not a
-  fresh import of torch; ``preload=False`` (or another ``python``) starts each as
-  ``python -m collectives_server worker``;
+* the coordinator and the workers are forked from one interpreter that imported
+  them once (:mod:`preloaded_workers`), so starting or restarting one costs a fork,
+  not a fresh import of torch; ``preload=False`` (or another ``python``) starts each
+  as ``python -m collectives_server coordinator`` / ``worker``;
 * :meth:`LocalCluster.stop` sends SIGTERM to the workers, then the coordinator,
   waits within one deadline and SIGKILLs what is left.
 
@@ -250,6 +250,7 @@ class LocalCluster:
                 *self._metrics_args(0),
                 *self._common,
             ],
+            preloaded=True,  # the zygote the workers need anyway: one import for all
         )
         child = self.coordinator
         printed = child.first_line.wait(self._start_timeout_s)
@@ -337,7 +338,7 @@ class LocalCluster:
         return self.coordinator.address
 
     @property
-    def coordinator_process(self) -> subprocess.Popen[bytes] | None:
+    def coordinator_process(self) -> subprocess.Popen[bytes] | PreloadedProcess | None:
         return self.coordinator.process if self.coordinator else None
 
     @property

@@ -68,10 +68,15 @@ ZYGOTE_ENV = "COLLECTIVES_WORKER_ZYGOTE"
 # A started worker's standard error, unless the launcher names another descriptor.
 STDERR_FILENO = 2
 
-# The zygote's default entry point (``module:function``, called with a worker's
-# arguments) and what it imports once: the command line and the worker daemon.
+# The zygote's default entry point (``module:function``, called with a daemon's
+# arguments) and what it imports once: the command line, the worker daemon, and the
+# coordinator (``local`` forks its coordinator from the zygote too).
 SERVER_MAIN = "collectives_server.cli.main:main"
-SERVER_PRELOAD = ("collectives_server.cli.main", "collectives_server.worker.daemon")
+SERVER_PRELOAD = (
+    "collectives_server.cli.main",
+    "collectives_server.worker.daemon",
+    "collectives_server.coordinator.daemon",
+)
 _MAX_MESSAGE = 1 << 20
 _READY, _STARTED, _EXITED = b"R", b"P", b"X"
 

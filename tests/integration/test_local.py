@@ -65,10 +65,12 @@ def descendants_of(pid: int) -> set[int]:
 
 
 def the_coordinator_of(launcher_pid: int) -> int:
+    """The launcher's coordinator (forked by its zygote, as its workers are)."""
     (pid,) = (
         p
-        for p in children_of(launcher_pid)
-        if b"coordinator" in Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
+        for p in descendants_of(launcher_pid)
+        # A forked process's title is its command line (setproctitle), spaces and all.
+        if b"collectives_server coordinator " in Path(f"/proc/{p}/cmdline").read_bytes()
     )
     return pid
 
