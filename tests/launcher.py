@@ -52,6 +52,7 @@ __all__ = [
     "free_port",
     "free_port_block",
     "launch",
+    "listening_pid",
     "log_dir",
     "server_argv",
     "set_log_dir",
@@ -260,14 +261,17 @@ class Daemon:
         return self.proc.wait(timeout=timeout_s)
 
     def owns(self, pid: int) -> bool:
-        """Whether ``pid`` is the daemon or a descendant of it, or a worker of the
-        cluster whose coordinator it runs (forked by a shared zygote; read from /proc)."""
+        """Whether ``pid`` is the daemon or a descendant of it, or the coordinator or a
+        worker of the cluster it runs (forked by a shared zygote; read from /proc)."""
         if self.proc is None:
             return False
         if self.address:
             with contextlib.suppress(OSError):
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes()
                 if f"--coordinator={self.address}".encode() in argv:
+                    return True
+                port = int(self.address.rpartition(":")[2])
+                if b"collectives_server coordinator " in argv and listening_pid(port) == pid:
                     return True
         while pid > 1:
             if pid == self.proc.pid:
@@ -405,6 +409,31 @@ def _all_threads_stopped(pid: int) -> bool:
 
 
 # --------------------------------------------------------------------------- ports
+
+
+def listening_pid(port: int) -> int | None:
+    """The process with a TCP socket listening on ``port`` (any local address), from
+    /proc; None if there is none. A ``local`` launcher's coordinator is forked by the
+    zygote, not by the launcher: its listening port is what ties it to its cluster."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                # fields[3] == "0A": LISTEN; fields[9]: the socket's inode.
+                if fields[3] == "0A" and int(fields[1].rpartition(":")[2], 16) == port:
+                    inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return None
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{entry}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{entry}/fd/{fd}") in inodes:
+                        return int(entry)
+    return None
 
 
 def _ephemeral_low() -> int:

@@ -11,7 +11,6 @@ workers' health, memory and sentinel tensors.
 from __future__ import annotations
 
 import http.client
-import os
 import socket
 import time
 from collections.abc import Callable
@@ -21,7 +20,7 @@ import grpc
 import pytest
 from helpers import WORKER_TOKEN, wait_until
 from hostile import Aftermath, MiB, assert_serving, rss_bytes
-from launcher import free_port
+from launcher import free_port, listening_pid
 
 import collectives
 from collectives.v1 import coordinator_pb2 as pb
@@ -35,20 +34,9 @@ GRPC_MAX_MESSAGE = 4 * MiB
 
 def _coordinator_pid(local) -> int:
     """The pid of the coordinator that ``local`` (the launcher process) started."""
-    launcher = local.proc.pid
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if ppid == launcher and b"coordinator" in argv:
-            return int(entry)
-    raise AssertionError(f"no coordinator child of launcher pid {launcher}")
+    pid = listening_pid(int(local.address.rpartition(":")[2]))
+    assert pid is not None, f"no process listens on {local.address}"
+    return pid
 
 
 class CoordinatorAftermath:
