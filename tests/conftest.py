@@ -196,10 +196,12 @@ def shared_clusters(
     _assert_no_internal(pool.stopped)
 
 
+@pytest.hookimpl(trylast=True)  # after the item's fixtures (a module's own) are torn down
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     """The shared clusters stop as soon as this process leaves the tests that use them
     (tests run directory by directory; under xdist each process gets whole files in
-    collection order), instead of idling through the rest of the session."""
+    collection order), instead of idling through the rest of the session. Last among
+    the teardown hooks: a module fixture's teardown may still call the cluster."""
     pool = item.config.stash.get(_SHARED, None)
     if pool is None or not item.path.is_relative_to(SHARED_CLUSTER_TESTS):
         return

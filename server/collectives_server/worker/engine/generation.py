@@ -597,7 +597,7 @@ class Generation:
         slot: FlightSlot | None = None,
     ) -> Outcome:
         started = time.perf_counter()
-        ctx.op_started = time.monotonic()
+        ctx.op_started, ctx.synced_at = time.monotonic(), 0.0
         entry = self.groups.get(desc.group_id)
         ctx.op_ranks = entry.ranks if entry is not None else None
         if slot is not None:
@@ -619,6 +619,7 @@ class Generation:
         """Each op's outcome of a fused run, as it finishes (``handlers.fused_ops``)."""
         started = time.perf_counter()
         ctx.op_started = now = time.monotonic()
+        ctx.synced_at = 0.0
         entry = self.groups.get(items[0][0].group_id)
         ctx.op_ranks = entry.ranks if entry is not None else None
         if self._recorder is not None:

@@ -75,7 +75,7 @@ class Announcement:
     def wait(self, ctx: OpContext) -> None:
         """Waits for the leader's own broadcast before a handler relies on delivery."""
         if self.pending is not None:
-            ctx.call(self.pending.wait)
+            ctx.call_alone(self.pending.wait)
             self.pending = None
 
 
@@ -99,9 +99,11 @@ class OpContext:
     max_groups: int = 64
     on_data_collectives: Callable[[int, int], None] | None = None
     # The leader is told which rank each agreed op waited for (the straggler);
-    # op_started: when this rank's handler of the current op began (monotonic).
+    # op_started: when this rank's handler of the current op began (monotonic);
+    # synced_at: when its first exchange with the other ranks returned (0: not yet).
     on_straggler: Callable[[int], None] | None = None
     op_started: float = 0.0
+    synced_at: float = 0.0
     op_ranks: list[int] | None = None  # the current op's group (None: every rank)
 
     @property
@@ -118,7 +120,16 @@ class OpContext:
         return t
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Runs a group operation; a backend failure means the group is broken."""
+        """Runs a group operation that every rank takes part in; a backend failure means
+        the group is broken. The first one of an op to return marks ``synced_at``."""
+        result = self.call_alone(fn, *args)
+        if self.op_started and not self.synced_at:
+            self.synced_at = time.monotonic()
+        return result
+
+    def call_alone(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """:meth:`call` for a step this rank may finish without the others (the leader's
+        wait for its own announcement to be sent): no mark of ``synced_at``."""
         try:
             return fn(*args)
         except (RuntimeError, dist.DistError) as exc:
@@ -145,16 +156,20 @@ class OpContext:
         """Exchanges this rank's outcome of the op with every rank's: the error every
         rank returns when some failed, None when all succeeded.
 
-        Each rank adds how long it has been in the op's handler: the rank that spent
-        least arrived last, the others waited for it. The leader tells
-        ``on_straggler`` (the ``collectives_op_straggler_total`` counter)."""
+        Each rank adds how long it was in the op's handler before its first exchange
+        with the others returned (or until now, if this is the first): the rank that
+        spent least arrived last, the others waited for it. Measured to the first
+        exchange, not to this one, so that work after it, which a loaded machine
+        may stretch on one rank, does not count. The leader tells ``on_straggler``
+        (the ``collectives_op_straggler_total`` counter)."""
         if not self.op_started:  # outside a handler (every rank alike)
             failures = self.call(
                 agreement.agree, self.control, self.world_size, code, message, reason
             )
         else:
             member = self.op_ranks is None or self.rank in self.op_ranks
-            spent = [time.monotonic() - self.op_started if member else -1.0]
+            arrived_by = self.synced_at or time.monotonic()
+            spent = [arrived_by - self.op_started if member else -1.0]
             failures, extras = self.call(
                 agreement.agree_with, self.control, self.world_size, code, message, spent, reason
             )
