@@ -86,6 +86,19 @@ _Item = tuple[worker_pb2.OpDescriptor, int | None]  # an op and its inline capac
 
 # The outcome recorded for an op its group broke under before this rank finished it.
 _UNFINISHED = "did not finish here: the process group broke or the generation ended"
+# A rebuild waits this many op timeouts for every member to arrive at its epoch, then
+# tries the next; it looks at the rendezvous store every _REBUILD_POLL_S meanwhile.
+_REBUILD_WAIT_OP_TIMEOUTS = 6
+_REBUILD_POLL_S = 0.05
+
+
+def _raise_counter(store: dist.Store, key: str, at_least: int) -> int:
+    """The store's counter ``key``, raised to ``at_least`` if it was lower (atomically:
+    compare-and-set); its value now."""
+    current = store.add(key, 0)
+    while current < at_least:
+        current = int(store.compare_set(key, str(current), str(at_least)))
+    return current
 
 
 @dataclass(frozen=True)
@@ -329,8 +342,9 @@ class Generation:
         than the op timeout, then resumed). If the coordinator does not seal a
         new generation within ``rebuild_after_s``, every member rebuilds the same
         generation's group under a new store prefix (an epoch), so the cluster
-        never stays wedged. Ranks that fail at different times converge because
-        each waits the same timeout for the others at each epoch.
+        never stays wedged. Ranks that fail at different times (one at once, one
+        only when its op times out) converge on one epoch through the rendezvous
+        store (:meth:`_rebuild_epoch`): none forms it before all have arrived.
         """
         epoch = 0
         try:
@@ -345,7 +359,10 @@ class Generation:
                     if self._seq.closed:
                         return
                     self.failure = None
-                epoch += 1
+                rebuilt = self._rebuild_epoch(epoch)
+                if rebuilt is None:
+                    return
+                epoch = rebuilt
                 log.warning(
                     "generation %d: rebuilding the process group (epoch %d) after: %s",
                     self.generation,
@@ -360,6 +377,43 @@ class Generation:
             self.finished.set()
             with self._cond:
                 self._seq.close(self.failure or "retired")
+
+    def _rebuild_epoch(self, failed: int) -> int | None:
+        """The epoch every member rebuilds in after ``failed`` broke, once all of them
+        have arrived at it; None if the generation ended meanwhile.
+
+        The epoch is a counter in the rendezvous store that only grows: a rank takes
+        the larger of it and ``failed + 1``, so one that failed late joins the epoch
+        the others already wait in instead of counting its own. Each rank then
+        counts itself in and waits (polling, woken by the generation's end) for the
+        others, however late they fail: waiting in gloo's own rendezvous instead, an
+        early rank gave up each epoch after the op timeout, and ranks that failed
+        far apart never met. An epoch not complete within ``_REBUILD_WAIT_OP_TIMEOUTS``
+        op timeouts is left for the next one."""
+        store = self._spec.tcp_store
+        counter = f"g{self.generation}m{self.membership_digest}/epoch"
+        patience = _REBUILD_WAIT_OP_TIMEOUTS * self._spec.op_timeout_s
+        epoch, arrived_at = failed + 1, -1
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                epoch = _raise_counter(store, counter, epoch)
+                arrived = f"g{self.generation}m{self.membership_digest}e{epoch}/rebuild-arrived"
+                if arrived_at != epoch:
+                    store.add(arrived, 1)
+                    arrived_at, deadline = epoch, time.monotonic() + patience
+                if store.add(arrived, 0) >= self.world_size:
+                    return epoch
+            except (RuntimeError, dist.DistError) as exc:  # the store's host is gone: wait
+                log.debug("generation %d: rendezvous store: %s", self.generation, exc)
+            if time.monotonic() > deadline:
+                epoch += 1
+            with self._cond:
+                if self._seq.closed:
+                    return None
+                self._cond.wait(_REBUILD_POLL_S)
+                if self._seq.closed:
+                    return None
 
     def _join(self, epoch: int) -> OpContext:
         # One generation number could name two memberships only through a bug
