@@ -51,6 +51,7 @@ from typing import IO, NoReturn
 
 import setproctitle
 
+from collectives_server import gc_tuning as heap
 from collectives_server.cli.common import PARENT_PID_ENV
 
 __all__ = [
@@ -485,6 +486,11 @@ def main() -> None:
     owner = socket.socket(fileno=int(fd))
     for module in preload:
         importlib.import_module(module)
+    # Everything imported goes to the collector's permanent generation before any
+    # fork: a child's collections then never walk (nor write to, un-sharing its pages)
+    # the preloaded heap, which a forked coordinator's first collection did for
+    # seconds on a loaded machine, answering nothing meanwhile.
+    heap.settle()
     module, function = entry.split(":")
     listener = None
     if listen != "-":
