@@ -386,10 +386,9 @@ class Generation:
         the larger of it and ``failed + 1``, so one that failed late joins the epoch
         the others already wait in instead of counting its own. Each rank then
         counts itself in and waits (polling, woken by the generation's end) for the
-        others, however late they fail: waiting in gloo's own rendezvous instead, an
-        early rank gave up each epoch after the op timeout, and ranks that failed
-        far apart never met. An epoch not complete within ``_REBUILD_WAIT_OP_TIMEOUTS``
-        op timeouts is left for the next one."""
+        others, however late they fail, rather than in gloo's rendezvous, which gives
+        up after one op timeout. An epoch not complete within
+        ``_REBUILD_WAIT_OP_TIMEOUTS`` op timeouts is left for the next one."""
         store = self._spec.tcp_store
         counter = f"g{self.generation}m{self.membership_digest}/epoch"
         patience = _REBUILD_WAIT_OP_TIMEOUTS * self._spec.op_timeout_s
