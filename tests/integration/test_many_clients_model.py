@@ -91,6 +91,9 @@ SHRINK = os.environ.get("COLLECTIVES_MODEL_TEST_SHRINK") == "1"
 VERBOSE = os.environ.get("COLLECTIVES_MODEL_TEST_VERBOSE") == "1"  # print every step
 # Float32 on shards of other shapes than the reference's: rounding only.
 TOL = {"rtol": 1e-4, "atol": 1e-5}
+# How many times the reference's own float32 rounding (float32 against float64 on the
+# same inputs) a gradient may stray where that rounding exceeds TOL.
+SLACK_FACTOR = 8
 
 KINDS = ("drop", "det", "plain")
 DROPOUT_P = {"drop": 0.5, "det": 0.0, "plain": 0.0}
@@ -178,6 +181,11 @@ class RefModel:
     training: bool  # the recorded mode
     batching: collectives.Batching | None
     grads: list[dict[str, Any]] = field(default_factory=list)  # absent key: no gradient
+    # Per rank and parameter, how far float32 may stray from ``grads`` where the
+    # computation is ill-conditioned: the difference between the float32 and a float64
+    # reference of the same train_step (batch norm over a 2-row shard whose rows are
+    # nearly equal amplifies rounding far beyond TOL). Empty: TOL alone.
+    grad_slack: list[dict[str, torch.Tensor]] = field(default_factory=list)
     # Unreduced dp-backward gradients on the workers: "clear", "set", or "maybe"
     # (after a publish or reload dropped them; the contract is silent there).
     whole_batch: str = "clear"
@@ -185,6 +193,13 @@ class RefModel:
     def __post_init__(self) -> None:
         if not self.grads:
             self.grads = [{} for _ in range(WORKERS)]
+        if not self.grad_slack:
+            self.grad_slack = [{} for _ in range(WORKERS)]
+
+    def reset_grads(self) -> None:
+        """No gradient on any rank (zero_grad, a publish, a reload)."""
+        self.grads = [{} for _ in range(WORKERS)]
+        self.grad_slack = [{} for _ in range(WORKERS)]
 
 
 @dataclass
@@ -193,11 +208,35 @@ class RefHandle:
     mode: bool | None = None  # None until its first use
 
 
-def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+def close(
+    actual: torch.Tensor, expected: torch.Tensor, what: str, slack: torch.Tensor | None = None
+) -> None:
+    """``actual`` equals ``expected`` within TOL, widened element by element by ``slack``
+    (the rounding an ill-conditioned reference itself shows; see ``RefModel.grad_slack``)."""
     assert isinstance(actual, torch.Tensor), f"{what}: got {actual!r}"
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
     assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
-    torch.testing.assert_close(actual, expected, **TOL, msg=lambda m: f"{what}: {m}")
+    if slack is None:
+        torch.testing.assert_close(actual, expected, **TOL, msg=lambda m: f"{what}: {m}")
+        return
+    allowed = TOL["atol"] + TOL["rtol"] * expected.abs() + SLACK_FACTOR * slack
+    off = (actual - expected).abs() > allowed
+    assert not bool(off.any()), (
+        f"{what}: {int(off.sum())} of {off.numel()} elements beyond TOL and the reference's "
+        f"own float32 rounding x{SLACK_FACTOR}: {actual[off].tolist()} != {expected[off].tolist()}"
+    )
+
+
+def float64_gradients(
+    replica: nn.Sequential, x: torch.Tensor, y: torch.Tensor, weight: float
+) -> dict[str, torch.Tensor]:
+    """The parameters' gradients of ``weight * mse(replica(x), y)`` in train mode, computed
+    in float64 on a copy (the replica and its running statistics are left alone): how far
+    the float32 reference's own rounding goes on these inputs."""
+    twin = copy.deepcopy(replica).double().train(True)
+    loss = functional.mse_loss(twin(x.double()), y.double()) * weight
+    loss.backward()
+    return {name: p.grad for name, p in twin.named_parameters() if p.grad is not None}
 
 
 def check_masked(actual: torch.Tensor, masked: Masked, what: str) -> None:
@@ -382,7 +421,8 @@ class ManyClients(RuleBasedStateMachine):
             for key, value in grads.items():
                 want = ref[key]
                 want = torch.zeros_like(value) if want is MAYBE_ZERO else want
-                close(value, want, f"{kind} rank {rank} grad {key}")
+                slack = model.grad_slack[rank].get(key)
+                close(value, want, f"{kind} rank {rank} grad {key}", slack)
                 if adopt and isinstance(ref[key], torch.Tensor):
                     ref[key] = value.clone()
 
@@ -696,6 +736,11 @@ class ManyClients(RuleBasedStateMachine):
                 reduced = reduce_oracle(op, full)
             for g in model.grads:
                 g[pname] = reduced
+            slacks = [sl[pname] for sl in model.grad_slack if pname in sl]
+            if slacks:
+                combined = sum(slacks) / (len(full) if op == "avg" else 1)
+                for sl in model.grad_slack:
+                    sl[pname] = combined
         if op == "sum":
             model.whole_batch = "clear"
 
@@ -707,7 +752,7 @@ class ManyClients(RuleBasedStateMachine):
             return
         expect(f"zero_grad {kind}", call)
         model = self.models[kind]
-        model.grads = [{} for _ in range(WORKERS)]
+        model.reset_grads()
         model.whole_batch = "clear"
 
     @rule(client=st.integers(0, CLIENTS - 1), kind=st.sampled_from(KINDS), lr=LRS)
@@ -774,7 +819,7 @@ class ManyClients(RuleBasedStateMachine):
             # Running statistics and weights as they were (checked by the next verify);
             # the gradients cleared on every rank, as train_step clears them first.
             model = self.models[kind]
-            model.grads = [{} for _ in range(WORKERS)]
+            model.reset_grads()
             model.whole_batch = "clear"
             return
         model = self.models[kind]
@@ -783,10 +828,12 @@ class ManyClients(RuleBasedStateMachine):
         for rep in model.replicas:
             rep.zero_grad(set_to_none=True)
         summed: dict[str, torch.Tensor] = {}
+        slack: dict[str, torch.Tensor] = {}
         for rank, n in enumerate(sizes):
             if n == 0:
                 continue  # no forward there, zero gradient
             assert xs[rank] is not None and ys[rank] is not None
+            twin = float64_gradients(model.replicas[rank], xs[rank], ys[rank], n / total)
             out = self.ref_run(model, rank, xs[rank], True)
             assert isinstance(out, torch.Tensor)
             part = functional.mse_loss(out, ys[rank]) * (n / total)
@@ -795,11 +842,14 @@ class ManyClients(RuleBasedStateMachine):
             for pname, p in model.replicas[rank].named_parameters():
                 if p.grad is not None:
                     summed[pname] = summed.get(pname, 0) + p.grad
+                    off = (p.grad.double() - twin[pname]).abs().float()
+                    slack[pname] = slack.get(pname, 0) + off
                 p.grad = None
         assert got == pytest.approx(expected_loss, rel=TOL["rtol"], abs=TOL["atol"]), (
             f"{what}: loss {got}, expected {expected_loss} (shards {sizes})"
         )
         model.grads = [dict(summed) for _ in range(WORKERS)]
+        model.grad_slack = [dict(slack) for _ in range(WORKERS)]
         model.whole_batch = "clear"
         if optimizer:
             with torch.no_grad():
@@ -857,7 +907,7 @@ class ManyClients(RuleBasedStateMachine):
         for rep in model.replicas:
             rep.load_state_dict(state)
         model.version += 1
-        model.grads = [{} for _ in range(WORKERS)]  # published parameters start without .grad
+        model.reset_grads()  # published parameters start without .grad
         if model.whole_batch == "set":
             model.whole_batch = "maybe"
         assert version == model.version, f"publish {kind}: version {version}"
