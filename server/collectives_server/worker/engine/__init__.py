@@ -5,6 +5,7 @@ Modules:
 * ``handlers/``: one handler per op kind
 * ``generation``: one generation's loop on one worker: sequence, announce, dispatch
 * ``sequencer``: the leader's op queue: admission, order, ticks (pure)
+* ``run_schedule``: the leader's runs: which ops run together, on which thread, when answered
 * ``fusion``: which queued ops run together (pure)
 * ``descriptor``: op announcements through the control rounds
 * ``control_channel``: the control collectives over plain TCP

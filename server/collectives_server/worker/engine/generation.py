@@ -13,10 +13,11 @@ On the leader one thread at a time runs ops: the loop, or, for an op on small
 operands submitted while the loop is parked with nothing queued, the
 submitter's own thread (a claim, :meth:`Generation.run_claimed`: the RPC
 thread announces and runs it, two thread hand-offs fewer), while the loop
-waits for it. The claim handshake is the sequencer's (``sequencer``): this
-module only waits on its condition as the sequencer says. What an op does is
-its handler's business; this module only sequences, dispatches, and turns a
-broken process group into a retired or rebuilt one.
+waits for it. Which ops make a run, on which thread, and when their clients
+are answered is the run schedule's (``run_schedule``, over the ``sequencer``'s
+rules). What an op does is its handler's business; this module only
+sequences, announces, dispatches, and turns a broken process group into a
+retired or rebuilt one.
 
 A generation that is superseded admits nothing more, fails what is queued
 (naming both generations), and its thread is left to finish or time out
@@ -26,6 +27,7 @@ A generation that is superseded admits nothing more, fails what is queued
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -41,7 +43,7 @@ from collectives.v1 import worker_pb2
 from collectives.wire.op_specs import OpKind
 from collectives_server.worker.data.replaced_memory import ReplacedMemory, pool_bytes
 from collectives_server.worker.data.store import TensorStore
-from collectives_server.worker.engine import descriptor, fusion
+from collectives_server.worker.engine import descriptor
 from collectives_server.worker.engine.control_channel import ControlChannel
 from collectives_server.worker.engine.descriptor import Announced
 from collectives_server.worker.engine.flight_recorder import FlightRecorder, FlightSlot
@@ -59,7 +61,8 @@ from collectives_server.worker.engine.op_context import (
     OpResult,
 )
 from collectives_server.worker.engine.process_groups import build_groups, release_groups
-from collectives_server.worker.engine.sequencer import EpochEnd, Park, Sequencer, Ticket
+from collectives_server.worker.engine.run_schedule import Answer, RunSchedule, set_outcomes
+from collectives_server.worker.engine.sequencer import EpochEnd, Sequencer, Ticket
 from collectives_server.worker.kernels import op_failures
 from collectives_server.worker.models.registry import ModelRegistry
 
@@ -68,19 +71,6 @@ __all__ = ["Generation", "GenerationHooks", "GenerationSpec"]
 log = logging.getLogger(__name__)
 
 Outcome = OpResult | ModelOpResult | PublishResult | CollectiveError
-
-_Answer = tuple[Ticket, Outcome]
-
-
-def _answer(answers: list[_Answer]) -> None:
-    """Sets each ticket's outcome (waking its client's thread) and empties ``answers``."""
-    for ticket, outcome in answers:
-        if isinstance(outcome, CollectiveError):
-            ticket.future.set_exception(outcome)
-        else:
-            ticket.future.set_result(outcome)
-    answers.clear()
-
 
 _Item = tuple[worker_pb2.OpDescriptor, int | None]  # an op and its inline capacity
 
@@ -172,6 +162,7 @@ class Generation:
             min(1.0, spec.op_timeout_s / 4),
             membership_digest=spec.membership_digest,
         )
+        self._schedule = RunSchedule(self._seq, self._cond)
         self._next_group_id = 1
         # Leader: the epoch's context while ops may run (a submitter that claimed a
         # small op runs it in this context, see run_claimed).
@@ -255,10 +246,9 @@ class Generation:
         assert ctx is not None
         current: list[Ticket] = []
         try:
-            with self._cond:
-                first = self._seq.next()
-            if first is not None:
-                current, run = self._fused_run_from(ctx, first)
+            claimed = self._schedule.claimed_run(functools.partial(inline_capacity, ctx))
+            if claimed is not None:
+                current, run = claimed
                 pending = self._announce(ctx, run.items)
                 self._run_ops(ctx, current, run.items, pending, time.monotonic())
                 current = []
@@ -286,49 +276,6 @@ class Generation:
         """Removes a queued op; False if it already started."""
         with self._cond:
             return self._seq.cancel(ticket)
-
-    def _wait_for_op(self, unanswered: list[_Answer]) -> Ticket | EpochEnd | None:
-        """Leader: the next op, the end of the epoch (a claimed op ended it), or None
-        when a tick is due or the generation is stopping. Waits as the sequencer says:
-        parked until a submit or the tick, or while a submitter runs a claimed op.
-        The last run's ``unanswered`` clients are answered before it parks."""
-        while True:
-            with self._cond:
-                step = self._seq.loop_next()
-                if not isinstance(step, Park):
-                    return step
-                if not unanswered:
-                    if step.seconds is None:
-                        self._cond.wait()
-                        continue
-                    self._seq.loop_parked = True
-                    try:
-                        self._cond.wait(step.seconds)
-                    finally:
-                        self._seq.loop_parked = False
-                    continue
-            _answer(unanswered)
-
-    def _fused_run_from(self, ctx: OpContext, first: Ticket) -> tuple[list[Ticket], fusion.Run]:
-        """``first`` and the queued ops that can run fused with it (``fusion``)."""
-        run, tickets = fusion.Run(), [first]
-        inline = inline_capacity(ctx, first.desc)
-        fusable = run.admits(first.desc, inline)
-        run.add(first.desc, inline)
-        while fusable:
-            with self._cond:
-                ticket = self._seq.peek()  # None once closed
-            if ticket is None:
-                break
-            inline = inline_capacity(ctx, ticket.desc)
-            if not run.admits(ticket.desc, inline):
-                break
-            with self._cond:
-                if not self._seq.take(ticket):
-                    break
-            run.add(ticket.desc, inline)
-            tickets.append(ticket)
-        return tickets, run
 
     def _drain(self, why: str) -> None:
         with self._cond:
@@ -460,7 +407,7 @@ class Generation:
         return ctx
 
     def _next_ops(
-        self, ctx: OpContext, unanswered: list[_Answer]
+        self, ctx: OpContext, unanswered: list[Answer]
     ) -> tuple[list[Ticket], list[_Item]] | EpochEnd:
         """Leader: takes the next op, or run of fused ops, or a tick (a no-op, or a
         stop); follower: receives what the leader announced. Returns (the leader's
@@ -471,16 +418,16 @@ class Generation:
             for desc, _ in items:
                 self._check_announced(desc)
             return [], items
-        first = self._wait_for_op(unanswered)
-        if isinstance(first, EpochEnd):
-            return first
-        if first is None:
+        scheduled = self._schedule.next_run(functools.partial(inline_capacity, ctx), unanswered)
+        if isinstance(scheduled, EpochEnd):
+            return scheduled
+        if scheduled is None:
             kind = OpKind.STOP if self._seq.closed else OpKind.NOOP
             tick = worker_pb2.OpDescriptor(
                 kind=kind, generation=self.generation, membership_digest=self.membership_digest
             )
             return [], [(tick, None)]
-        tickets, run = self._fused_run_from(ctx, first)
+        tickets, run = scheduled
         return tickets, run.items
 
     def _check_announced(self, desc: worker_pb2.OpDescriptor) -> None:
@@ -516,7 +463,7 @@ class Generation:
         # The leader answers a run's clients once the next run is announced (or before
         # it waits for one): their threads then take the GIL while this one waits for
         # the followers' half of that run's exchange, not before its announcement.
-        unanswered: list[_Answer] = []
+        unanswered: list[Answer] = []
         try:
             ctx = self._join(epoch)
             with self._cond:
@@ -529,7 +476,7 @@ class Generation:
                 current, items = ops
                 pending = self._announce(ctx, items) if self.is_leader else None
                 announced = time.monotonic()
-                _answer(unanswered)
+                set_outcomes(unanswered)
                 kind = items[0][0].kind
                 if kind == OpKind.STOP:
                     return None
@@ -538,13 +485,13 @@ class Generation:
                 unanswered = self._run_ops(ctx, current, items, pending, announced, False)
                 current = []
         except GroupBroken as exc:
-            _answer(unanswered)
+            set_outcomes(unanswered)
             return self._broken(exc, current)
         except Exception as exc:  # a bug: never take the daemon down with it
-            _answer(unanswered)
+            set_outcomes(unanswered)
             return self._internal_error(exc, current)
         finally:
-            _answer(unanswered)
+            set_outcomes(unanswered)
             with self._cond:
                 self._ctx = None
                 self._seq.close_epoch()
@@ -561,7 +508,7 @@ class Generation:
         pending: Announced | None,
         announced: float = 0.0,
         answer: bool = True,
-    ) -> list[_Answer]:
+    ) -> list[Answer]:
         """Runs announced ops (one, or a fused run) and sets their tickets' outcomes,
         recording each in the flight recorder (announced at ``announced``).
 
@@ -569,10 +516,11 @@ class Generation:
         finished even when a later one raised: each set wakes a client's RPC thread,
         which would contend for the GIL with the rest of the run (set together, many
         clients get more ops through: see docs/perf-log.md). Without ``answer`` a run
-        that ended whole is left for the caller to answer (:func:`_answer`): returns
-        its tickets and outcomes; a run cut short is answered here."""
+        that ended whole is left for the caller to answer
+        (``run_schedule.set_outcomes``): returns its tickets and outcomes; a run cut
+        short is answered here."""
         outcomes: list[Outcome] = []
-        answers: list[_Answer] = []
+        answers: list[Answer] = []
         slots = self._record(tickets, items, announced)
         try:
             if len(items) == 1:
@@ -590,7 +538,7 @@ class Generation:
                         slot.finish(now, grpc.StatusCode.UNAVAILABLE.value[0], _UNFINISHED)
             answers = list(zip(tickets, outcomes, strict=False))
             if answer or len(outcomes) < len(items):
-                _answer(answers)
+                set_outcomes(answers)
         return answers
 
     def _record(
