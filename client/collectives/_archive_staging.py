@@ -30,14 +30,14 @@ import uuid
 import grpc
 import torch
 
-from collectives._calls import Job
 from collectives._deadlines import time_left
-from collectives._model_transport import load_model_on
 from collectives._progress import NO_PROGRESS, Progress
 from collectives._replicate import REPLICATE_MIN_BYTES, UseParallelPuts, replicate
 from collectives._session import Session
-from collectives._transport import WorkerEndpoint
 from collectives.errors import CollectiveError
+from collectives.transport.calls import Job
+from collectives.transport.endpoints import WorkerEndpoint
+from collectives.transport.model_streams import load_model_on
 from collectives.v1 import worker_pb2
 from collectives.wire.names import ARCHIVE_PREFIX
 

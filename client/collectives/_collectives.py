@@ -89,13 +89,29 @@ class Collectives:
         """Copies ``name`` from global rank ``src`` to every rank of ``group``.
 
         Only ``src`` needs the tensor; the others' copies are created or replaced.
-        A list of names is one atomic op (see the module). Like
-        ``torch.distributed.broadcast`` it works in place: ``out`` is taken by
-        every op for uniformity and refused here with the reason.
+        A list of names is one atomic op. Like ``torch.distributed.broadcast`` it
+        works in place: ``out`` is taken by every op for uniformity and refused
+        here with the reason.
+
+        Args:
+            name: a tensor name, or a list of names (one atomic op).
+            src: the global rank that holds the tensor. Defaults to ``0``.
+            group: a ``Group`` from :meth:`new_group`; None means every rank.
+                Defaults to ``None``.
+            async_op: return a ``Work`` at once instead of waiting. Defaults to ``False``.
+            timeout: seconds for the whole call; None means ``default_timeout_s``.
+                Defaults to ``None``.
+            out: refused (InvalidArgument) when given. Defaults to ``None``.
+
+        Returns:
+            None, or a ``Work`` with ``async_op``.
 
         Raises:
-            InvalidArgument: ``out`` was given.
+            InvalidArgument: ``out`` was given, or a bad name, ``src`` or group.
             NotFound: ``src`` holds no tensor under ``name``.
+            Unavailable: a rank was lost, the generation changed, or not formed.
+            DeadlineExceeded: not done within ``timeout`` seconds.
+            ResourceExhausted: the leader's op queue is full, or over a quota.
         """
         if out is not None:
             raise InvalidArgument(
@@ -132,9 +148,28 @@ class Collectives:
         A list of names is one atomic op; each result goes under its name, or under
         the matching name of ``out`` (a list of as many names).
 
+        Args:
+            name: a tensor name, or a list of names (one atomic op).
+            op: a ``ReduceOp``, its name in any case, or a
+                ``torch.distributed.ReduceOp``. Defaults to ``"sum"``.
+            group: a ``Group`` from :meth:`new_group`; None means every rank.
+                Defaults to ``None``.
+            out: the name to store the result under (a list for a list of names);
+                None means ``name``. Defaults to ``None``.
+            async_op: return a ``Work`` at once instead of waiting. Defaults to ``False``.
+            timeout: seconds for the whole call; None means ``default_timeout_s``.
+                Defaults to ``None``.
+
+        Returns:
+            None, or a ``Work`` with ``async_op``.
+
         Raises:
+            InvalidArgument: a bad name, op, ``out`` or group.
             NotFound: no rank holds ``name``.
             FailedPrecondition: some ranks lack ``name`` or disagree on dtype/shape.
+            Unavailable: a rank was lost, the generation changed, or not formed.
+            DeadlineExceeded: not done within ``timeout`` seconds.
+            ResourceExhausted: the leader's op queue is full, or over a quota.
         """
         if is_coalesced(name):
             names = cast(Sequence[str], name)
@@ -166,13 +201,33 @@ class Collectives:
         async_op: bool = False,
         timeout: float | None = None,
     ) -> torch.Tensor | Work[torch.Tensor]:
-        """Reduces ``name`` onto global rank ``dst`` and returns the result (a CPU tensor).
+        """Reduces ``name`` onto global rank ``dst`` and returns the result.
 
         ``dst`` stores it under ``out`` or ``name``; other ranks keep their input.
 
+        Args:
+            name: the tensor name (one name only).
+            dst: the global rank that receives the result. Defaults to ``0``.
+            op: a ``ReduceOp``, its name in any case, or a
+                ``torch.distributed.ReduceOp``. Defaults to ``"sum"``.
+            group: a ``Group`` from :meth:`new_group`; None means every rank.
+                Defaults to ``None``.
+            out: the name ``dst`` stores the result under; None means ``name``.
+                Defaults to ``None``.
+            async_op: return a ``Work`` at once instead of waiting. Defaults to ``False``.
+            timeout: seconds for the whole call; None means ``default_timeout_s``.
+                Defaults to ``None``.
+
+        Returns:
+            The reduction as a CPU tensor, or a ``Work`` of it with ``async_op``.
+
         Raises:
+            InvalidArgument: a list of names, or a bad name, ``dst``, op or group.
             NotFound: no rank holds ``name``.
             FailedPrecondition: some ranks lack ``name`` or disagree on dtype/shape.
+            Unavailable: a rank was lost, the generation changed, or not formed.
+            DeadlineExceeded: not done within ``timeout`` seconds.
+            ResourceExhausted: the leader's op queue is full, or over a quota.
         """
         check_single("reduce", name)
         reduce_op = check_op(op)
@@ -204,13 +259,29 @@ class Collectives:
     ) -> list[torch.Tensor] | list[list[torch.Tensor]] | Work[Any]:
         """Gathers ``name`` from every rank of ``group``; returns the parts in rank order.
 
-        Every member stores ``torch.stack(parts)`` under ``out`` or ``name``. A list
-        of names is one atomic op returning one list of parts per name, in order;
-        ``out`` is then None or a list of as many names.
+        Every member stores ``torch.stack(parts)`` under ``out`` or ``name``.
+
+        Args:
+            name: a tensor name, or a list of names (one atomic op).
+            out: the name to store the stacked parts under (a list for a list of
+                names); None means ``name``. Defaults to ``None``.
+            group: a ``Group`` from :meth:`new_group`; None means every rank.
+                Defaults to ``None``.
+            async_op: return a ``Work`` at once instead of waiting. Defaults to ``False``.
+            timeout: seconds for the whole call; None means ``default_timeout_s``.
+                Defaults to ``None``.
+
+        Returns:
+            The parts as CPU tensors in rank order (for a list of names, one list of
+            parts per name, in order), or a ``Work`` of that with ``async_op``.
 
         Raises:
+            InvalidArgument: a bad name, ``out`` or group.
             NotFound: no rank holds ``name``.
             FailedPrecondition: some ranks lack ``name`` or disagree on dtype/shape.
+            Unavailable: a rank was lost, the generation changed, or not formed.
+            DeadlineExceeded: not done within ``timeout`` seconds.
+            ResourceExhausted: the leader's op queue is full, or over a quota.
         """
         if is_coalesced(name):
             names = cast(Sequence[str], name)
@@ -253,9 +324,27 @@ class Collectives:
         ``dst`` stores ``torch.stack(parts)`` under ``out`` or ``name``; other
         ranks keep their input.
 
+        Args:
+            name: the tensor name (one name only).
+            dst: the global rank that receives the parts. Defaults to ``0``.
+            out: the name ``dst`` stores the stacked parts under; None means ``name``.
+                Defaults to ``None``.
+            group: a ``Group`` from :meth:`new_group`; None means every rank.
+                Defaults to ``None``.
+            async_op: return a ``Work`` at once instead of waiting. Defaults to ``False``.
+            timeout: seconds for the whole call; None means ``default_timeout_s``.
+                Defaults to ``None``.
+
+        Returns:
+            The parts as CPU tensors in rank order, or a ``Work`` of them with ``async_op``.
+
         Raises:
+            InvalidArgument: a list of names, or a bad name, ``dst``, ``out`` or group.
             NotFound: no rank holds ``name``.
             FailedPrecondition: some ranks lack ``name`` or disagree on dtype/shape.
+            Unavailable: a rank was lost, the generation changed, or not formed.
+            DeadlineExceeded: not done within ``timeout`` seconds.
+            ResourceExhausted: the leader's op queue is full, or over a quota.
         """
         check_single("gather", name)
         out_name = check_out(out)
@@ -289,10 +378,29 @@ class Collectives:
     ) -> Work[None] | None:
         """Reduces ``name`` across ranks; the i-th member stores reduced chunk i of dim 0.
 
+        Args:
+            name: the tensor name (one name only).
+            op: a ``ReduceOp``, its name in any case, or a
+                ``torch.distributed.ReduceOp``. Defaults to ``"sum"``.
+            out: the name to store each chunk under; None means ``name``.
+                Defaults to ``None``.
+            group: a ``Group`` from :meth:`new_group`; None means every rank.
+                Defaults to ``None``.
+            async_op: return a ``Work`` at once instead of waiting. Defaults to ``False``.
+            timeout: seconds for the whole call; None means ``default_timeout_s``.
+                Defaults to ``None``.
+
+        Returns:
+            None, or a ``Work`` with ``async_op``.
+
         Raises:
-            InvalidArgument: dim 0 is not divisible by the group size (from the server).
+            InvalidArgument: dim 0 is not divisible by the group size (from the
+                server), or a bad name, op, ``out`` or group.
             NotFound: no rank holds ``name``.
             FailedPrecondition: some ranks lack ``name`` or disagree on dtype/shape.
+            Unavailable: a rank was lost, the generation changed, or not formed.
+            DeadlineExceeded: not done within ``timeout`` seconds.
+            ResourceExhausted: the leader's op queue is full, or over a quota.
         """
         check_single("reduce_scatter", name)
         reduce_op = check_op(op)
@@ -322,12 +430,26 @@ class Collectives:
     ) -> Work[None] | None:
         """Chunk j (of dim 0) of member i lands as chunk i of member j.
 
-        Without ``split_sizes`` dim 0 splits evenly. With it (a square matrix of the
-        group's size, group-local indices as the members' order), member i sends
+        Without ``split_sizes`` dim 0 splits evenly. With it, member i sends
         ``split_sizes[i][j]`` rows of dim 0 to member j, in order, and member j
         stores ``torch.cat([chunk i->j for every member i])``: each member's result
         has its own dim 0 (column j's sum; 0 rows is fine). Row i must sum to dim 0
         of member i's tensor; dtypes and the dims after 0 must agree.
+
+        Args:
+            name: the tensor name (one name only).
+            out: the name to store each result under; None means ``name``.
+                Defaults to ``None``.
+            group: a ``Group`` from :meth:`new_group`; None means every rank.
+                Defaults to ``None``.
+            async_op: return a ``Work`` at once instead of waiting. Defaults to ``False``.
+            timeout: seconds for the whole call; None means ``default_timeout_s``.
+                Defaults to ``None``.
+            split_sizes: a square matrix of the group's size (group-local indices,
+                the members' order); None splits dim 0 evenly. Defaults to ``None``.
+
+        Returns:
+            None, or a ``Work`` with ``async_op``.
 
         Raises:
             InvalidArgument: dim 0 is not divisible by the group size, or (with
@@ -336,6 +458,9 @@ class Collectives:
             NotFound: no rank holds ``name``.
             FailedPrecondition: some ranks lack ``name`` or disagree on dtype/shape
                 (with ``split_sizes``: on dtype or the dims after 0).
+            Unavailable: a rank was lost, the generation changed, or not formed.
+            DeadlineExceeded: not done within ``timeout`` seconds.
+            ResourceExhausted: the leader's op queue is full, or over a quota.
         """
         check_single("all_to_all", name)
         out_name = check_out(out)
@@ -362,8 +487,21 @@ class Collectives:
     ) -> Work[None] | None:
         """Returns once every rank of ``group`` reached the barrier (ops before it are done).
 
+        Args:
+            group: a ``Group`` from :meth:`new_group`; None means every rank.
+                Defaults to ``None``.
+            async_op: return a ``Work`` at once instead of waiting. Defaults to ``False``.
+            timeout: seconds for the whole call; None means ``default_timeout_s``.
+                Defaults to ``None``.
+
+        Returns:
+            None, or a ``Work`` with ``async_op``.
+
         Raises:
-            Unavailable: a rank was lost.
+            InvalidArgument: a bad group.
+            Unavailable: a rank was lost, the generation changed, or not formed.
+            DeadlineExceeded: not done within ``timeout`` seconds.
+            ResourceExhausted: the leader's op queue is full.
         """
         group = check_group(group)
         deadline = self._session.deadline(timeout)
@@ -382,8 +520,18 @@ class Collectives:
 
         The group is valid until the generation changes; create it again then.
 
+        Args:
+            ranks: the members' global ranks.
+            timeout: seconds for the whole call; None means ``default_timeout_s``.
+                Defaults to ``None``.
+
+        Returns:
+            The new ``Group``, to pass as ``group=``.
+
         Raises:
             InvalidArgument: empty, repeated or out-of-range ranks.
+            ResourceExhausted: the generation already holds the workers' maximum
+                number of sub-groups (``--max-groups``).
             Unavailable: the cluster is not formed or the leader was lost.
             DeadlineExceeded: not done within ``timeout`` seconds.
         """

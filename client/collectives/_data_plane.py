@@ -24,20 +24,9 @@ from typing import TypeVar
 import grpc
 import torch
 
-from collectives import shm
-from collectives._calls import Job
 from collectives._progress import Deferred, Progress, progress
 from collectives._replicate import REPLICATE_MIN_BYTES, UseParallelPuts, replicate
-from collectives._roads import DataPath, choose_path
 from collectives._session import Session
-from collectives._transport import (
-    WorkerEndpoint,
-    get_tensor,
-    get_tensor_shm,
-    is_retryable_read,
-    put_tensor,
-    put_tensor_shm,
-)
 from collectives._validation import (
     check_group,
     check_name,
@@ -54,6 +43,17 @@ from collectives.errors import (
     annotate,
 )
 from collectives.groups import Group
+from collectives.transport import shm
+from collectives.transport.calls import Job
+from collectives.transport.endpoints import (
+    WorkerEndpoint,
+    get_tensor,
+    get_tensor_shm,
+    is_retryable_read,
+    put_tensor,
+    put_tensor_shm,
+)
+from collectives.transport.roads import DataPath, choose_path
 from collectives.v1 import worker_pb2
 from collectives.wire import codec
 from collectives.wire.names import UPLOAD_PREFIX, reserved_prefix
@@ -86,7 +86,15 @@ class DataPlane:
         among themselves (a sequenced op: every rank stores it, or, if it fails
         anywhere, e.g. over some rank's quota, none does and every old value
         stays); smaller tensors, and a client using shared memory with same-host
-        workers, upload to every rank in parallel.
+        workers, upload to every rank in parallel. Retried within the deadline.
+
+        Args:
+            name: the tensor's name on the workers.
+            t: the tensor to store (any device; sent as a CPU copy).
+            rank: the global rank to store it on; None means every rank.
+                Defaults to ``None``.
+            timeout: seconds for the whole call; None means ``default_timeout_s``.
+                Defaults to ``None``.
 
         Raises:
             InvalidArgument: bad name, rank, tensor type or dtype (before any RPC).
@@ -151,18 +159,27 @@ class DataPlane:
         timeout: float | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Downloads the tensor stored under ``name`` on ``rank``: a CPU tensor, same dtype/shape.
+        """Downloads the tensor stored under ``name`` on ``rank``.
 
-        With ``out`` (a contiguous CPU tensor of the stored dtype and shape), the bytes
-        are received straight into it and ``out`` is returned: no new memory, which for
-        large tensors saves the page faults of a fresh buffer (a model's parameter, or
-        the buffer of the previous get). If the get fails after data started to
-        arrive, ``out`` holds a mix of old and new bytes.
+        With ``out`` the bytes are received straight into it: no new memory,
+        which for large tensors saves the page faults of a fresh buffer (a
+        model's parameter, or the buffer of the previous get). If the get fails
+        after data started to arrive, ``out`` holds a mix of old and new bytes.
+
+        Args:
+            name: the tensor's name on the workers.
+            rank: the global rank to read from. Defaults to ``0``.
+            timeout: seconds for the whole call; None means ``default_timeout_s``.
+                Defaults to ``None``.
+            out: a contiguous CPU tensor of the stored dtype and shape that does
+                not require grad, to receive into. Defaults to ``None``.
+
+        Returns:
+            A CPU tensor of the stored dtype and shape (``out`` itself when given).
 
         Raises:
-            InvalidArgument: bad name or rank (before any RPC), or ``out`` does not fit
-                (not a contiguous CPU tensor, requires grad, or another dtype or shape
-                than the stored tensor; ``out`` is then left as it was).
+            InvalidArgument: bad name or rank (before any RPC), or ``out`` does not
+                fit (``out`` is then left as it was).
             NotFound: ``rank`` holds no tensor under ``name``.
             Unavailable: the worker stayed unreachable (retried until the deadline).
             DeadlineExceeded: not done within ``timeout`` seconds.
@@ -182,6 +199,15 @@ class DataPlane:
         timeout: float | None = None,
     ) -> None:
         """Deletes ``name`` on ``rank``, or wherever it exists when ``rank`` is None.
+
+        Args:
+            name: the tensor's name on the workers.
+            rank: the global rank to delete it on; None means every rank.
+                Defaults to ``None``.
+            missing_ok: do not raise when no targeted rank holds the name.
+                Defaults to ``False``.
+            timeout: seconds for the whole call; None means ``default_timeout_s``.
+                Defaults to ``None``.
 
         Raises:
             InvalidArgument: bad name or rank (before any RPC).
@@ -223,11 +249,25 @@ class DataPlane:
         Part i is ``torch.tensor_split(t, n, dim)[i]``, or ``torch.split(t,
         chunk_sizes, dim)[i]`` when ``chunk_sizes`` is given, with ``n`` the world
         size; with ``group``, ``n`` is the group's size and part i goes to its i-th
-        member in ascending global rank (other ranks are untouched).
+        member in ascending global rank (other ranks are untouched). A data-plane
+        call, not a collective.
 
-        With ``async_op`` the call returns a :class:`~collectives.Work` at once
-        (after the arguments are checked) and runs in this client's op order, as
-        the collectives do; ``t`` must not change until it completes.
+        Args:
+            name: the name every part is stored under.
+            t: the tensor to split.
+            dim: the dimension to split along. Defaults to ``0``.
+            chunk_sizes: the size of each part along ``dim`` (``n`` of them, summing
+                to ``t.shape[dim]``); None splits evenly. Defaults to ``None``.
+            timeout: seconds for the whole call; None means ``default_timeout_s``.
+                Defaults to ``None``.
+            group: a ``Group`` from :meth:`new_group`; None means every rank.
+                Defaults to ``None``.
+            async_op: return a ``Work`` at once (after the arguments are checked)
+                and run in this client's op order, as the collectives do; ``t``
+                must not change until it completes. Defaults to ``False``.
+
+        Returns:
+            None, or a ``Work`` with ``async_op``.
 
         Raises:
             InvalidArgument: bad name, tensor, ``dim``, or ``chunk_sizes`` whose

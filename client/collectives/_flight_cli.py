@@ -19,8 +19,8 @@ from typing import Any
 
 import grpc
 
-from collectives._channels import open_channel
 from collectives._trace_events import trace_events
+from collectives.transport.channels import open_channel
 from collectives.wire.cluster_state import ClusterSnapshot
 from collectives.wire.flight_record import FlightRecord, read_flight_record
 from collectives.wire.security import ChannelSecurity

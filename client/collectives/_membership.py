@@ -31,8 +31,8 @@ from collections.abc import Callable
 
 import grpc
 
-from collectives._channels import call_unary
 from collectives.errors import Unavailable
+from collectives.transport.channels import call_unary
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
 from collectives.wire.cluster_state import ClusterSnapshot
 from collectives.wire.targets import split_addresses

@@ -35,17 +35,17 @@ from torch import nn
 
 from collectives import _publish
 from collectives._archive_staging import load_staged, stage_archive
-from collectives._calls import Call, Job
 from collectives._data_plane import DataPlane
 from collectives._deadlines import time_left
 from collectives._generation_binding import GenerationBinding
-from collectives._model_transport import get_model_tensors, load_model_on
 from collectives._programs import ProgramCache, as_module, example_like, program_name
 from collectives._progress import progress
 from collectives._session import Session, server_timeout_s
-from collectives._transport import WorkerEndpoint, is_retryable_read
 from collectives.errors import CollectiveError, InvalidArgument, NotFound
 from collectives.reduce_ops import ReduceOp, parse_reduce_op
+from collectives.transport.calls import Call, Job
+from collectives.transport.endpoints import WorkerEndpoint, is_retryable_read
+from collectives.transport.model_streams import get_model_tensors, load_model_on
 from collectives.v1 import worker_pb2
 from collectives.wire.batching import Batching
 from collectives.wire.limits import MODEL_LOAD_TIMEOUT_S
@@ -115,19 +115,43 @@ class Models:
         """Loads a model on every worker, replacing one of the same name.
 
         Either ``module`` with ``example_inputs`` (shipped as a torch.export
-        archive with dim ``batch_dim`` dynamic; one of 4 MiB or more on two or more workers
-        is sent once and broadcast among them, a smaller one streamed to each
-        worker), or ``factory="pkg.module:fn"`` with JSON
-        ``kwargs`` (the workers must allow it with ``--allow-factory``).
-        ``state_dict`` then loads weights (tensors, never pickle). ``batching``
-        merges concurrent no-grad forwards on each worker (:class:`Batching`).
-        ``timeout`` bounds the whole call (export, upload, load); None allows
-        ``default_timeout_s`` plus the time a worker gives one load by default
-        (``MODEL_LOAD_TIMEOUT_S``, its ``--model-load-timeout-s``), as a
-        sandboxed trial load starts a Python that imports torch.
+        archive with dimension ``batch_dim`` of every tensor input dynamic, the
+        rest fixed at the example's sizes; one of 4 MiB or more on two or more
+        workers is sent once and broadcast among them, a smaller one streamed
+        to each worker), or ``factory`` with JSON ``kwargs``.
+
+        Args:
+            name: the model's name on the cluster.
+            module: the ``nn.Module`` to export and ship. Defaults to ``None``.
+            example_inputs: inputs to export ``module`` with (a tuple, or one
+                input). Defaults to ``None``.
+            factory: ``"pkg.module:fn"`` building the model on each worker (the
+                workers must allow it with ``--allow-factory``). Defaults to ``None``.
+            kwargs: JSON-serializable keyword arguments of ``factory``.
+                Defaults to ``None``.
+            state_dict: weights to publish after loading (tensors, never pickle;
+                the model is then at version 2). Defaults to ``None``.
+            timeout: seconds for the whole call (export, upload, load); None
+                means ``default_timeout_s`` plus ``MODEL_LOAD_TIMEOUT_S``, the
+                time a worker gives one load by default (a sandboxed trial load
+                starts a Python that imports torch). Defaults to ``None``.
+            batching: merge concurrent no-grad forwards of this model, from any
+                clients, into one forward on each worker
+                (``Batching(max_rows=256, max_delay_ms=2.0)``); forwards with
+                autograd or in training mode are never merged; None: each
+                forward runs alone. Defaults to ``None``.
+            batch_dim: the dimension of ``module``'s inputs that
+                ``data_parallel(name, dim=batch_dim)`` splits (negative counts
+                from the end); a factory's model is not exported and takes any.
+                Defaults to ``0``.
+
+        Returns:
+            The ``ModelInfo`` rank 0 reports.
 
         Raises:
-            InvalidArgument: the module cannot be exported, or bad arguments.
+            InvalidArgument: the module cannot be exported, bad arguments (a
+                ``batch_dim`` that is not an int), or a ``batching`` that is not
+                a ``Batching``.
             PermissionDenied: the factory is not allowed on the workers.
             CollectiveError: a worker refused the model or the call failed.
         """
@@ -198,8 +222,16 @@ class Models:
     ) -> None:
         """Unloads a model from every worker.
 
+        Args:
+            name: the model.
+            missing_ok: do not raise when no worker has it. Defaults to ``False``.
+            timeout: seconds for the whole call; None means ``default_timeout_s``.
+                Defaults to ``None``.
+
         Raises:
+            InvalidArgument: a bad model name.
             NotFound: no worker had it (unless ``missing_ok``).
+            CollectiveError: a worker failed or the call timed out.
         """
         validate_name(name, "model name")
         deadline = self._session.deadline(timeout)
@@ -213,7 +245,18 @@ class Models:
             raise NotFound(f"model {name!r} is not loaded on any worker")
 
     def models(self, timeout: float | None = None) -> list[ModelInfo]:
-        """Models loaded on the cluster (as rank 0 holds them)."""
+        """Models loaded on the cluster (as rank 0 holds them).
+
+        Args:
+            timeout: seconds for the whole call; None means ``default_timeout_s``.
+                Defaults to ``None``.
+
+        Returns:
+            One ``ModelInfo`` per model.
+
+        Raises:
+            CollectiveError: rank 0 failed or the call timed out.
+        """
         deadline = self._session.deadline(timeout)
         endpoint = self._member_endpoints(deadline)[0]
         response = endpoint.unary("ListModels")(
@@ -226,16 +269,18 @@ class Models:
     def set_model_mode(
         self, name: str, training: bool = True, timeout: float | None = None
     ) -> ModelInfo:
-        """Sets the mode model ``name`` runs in on every worker, like
-        ``nn.Module.train(training)``: in train mode dropout is on and batch norm
-        normalises each shard with its own statistics (updating that worker's
-        running ones, as each replica of ``nn.DataParallel`` does); in eval mode
-        neither. ``DataParallel.train()`` / ``eval()`` call this.
+        """Sets the mode model ``name`` runs in on every worker, like ``nn.Module.train``.
+
+        In train mode dropout is on and batch norm normalises each shard with its
+        own statistics (updating that worker's running ones, as each replica of
+        ``nn.DataParallel`` does); in eval mode neither. ``DataParallel.train()``
+        and ``eval()`` call this.
 
         Args:
             name: the model.
-            training: True for train mode, False for eval mode.
-            timeout: seconds for the whole call.
+            training: True for train mode, False for eval mode. Defaults to ``True``.
+            timeout: seconds for the whole call; None means ``default_timeout_s``.
+                Defaults to ``None``.
 
         Returns:
             The model as rank 0 holds it now (``training`` says its mode).
@@ -277,10 +322,23 @@ class Models:
         leaves as it is). ``"avg"`` is for gradients of per-worker mean losses
         (what DDP averages), e.g. after local steps on each worker's own data.
 
+        Args:
+            name: the model.
+            op: ``"sum"`` or ``"avg"`` (or the ``ReduceOp``). Defaults to ``"sum"``.
+            bucket_bytes: the bucket size in bytes; None means 25 MiB.
+                Defaults to ``None``.
+            timeout: seconds for the whole call; None means ``default_timeout_s``.
+                Defaults to ``None``.
+            async_op: return a ``Work`` at once instead of waiting. Defaults to ``False``.
+
+        Returns:
+            None, or a ``Work`` with ``async_op``.
+
         Raises:
             InvalidArgument: ``op`` is not sum/avg, ``"avg"`` on gradients left by a
                 DataParallel backward (any client's), or a bad bucket size.
-            NotFound / FailedPrecondition: the model is missing on all / some ranks.
+            NotFound: the model is missing on every rank.
+            FailedPrecondition: the model is missing on some ranks.
         """
         validate_name(name, "model name")
         reduce_op = parse_reduce_op(op)
@@ -324,8 +382,39 @@ class Models:
         ``sum(rows_r / rows * loss_r)`` (the full-batch mean for a mean loss,
         even and uneven shards alike). That is the loss returned, and its
         gradient is the one every worker holds afterwards (bucketed). A worker
-        whose shard is empty contributes nothing. With ``optimizer``
-        (sgd/adam/adamw and ``**hyper``) each worker then steps.
+        whose shard is empty contributes nothing. With ``optimizer`` each
+        worker then steps.
+
+        Args:
+            name: the model.
+            inputs: the name of the input tensor in each worker's store.
+            targets: the name of the target tensor in each worker's store.
+            loss: a built-in loss name (``"mse"``, ``"cross_entropy"``), or your
+                own: an ``nn.Module`` or a function of ``(output, target)``
+                returning one number, exported with ``torch.export`` (traced on
+                tensors shaped like the model's output on rank 0's shard and its
+                targets) and loaded on every worker once. Defaults to ``"mse"``.
+            optimizer: ``"sgd"``, ``"adam"`` or ``"adamw"`` to step after the
+                reduction; None means no step. Defaults to ``None``.
+            bucket_bytes: the gradient bucket size in bytes; None means 25 MiB.
+                Defaults to ``None``.
+            timeout: seconds for the whole call; None means ``default_timeout_s``
+                (after a first load of a ``loss`` module, which allows
+                ``MODEL_LOAD_TIMEOUT_S`` as ``load_model`` does). Defaults to ``None``.
+            async_op: return a ``Work`` at once instead of waiting. Defaults to ``False``.
+            max_grad_norm: clip the averaged gradients to this total 2-norm
+                before the step, as ``clip_grad_norm_``; None means no clipping.
+                Defaults to ``None``.
+            **hyper: the optimizer's hyperparameters (JSON numbers), e.g. ``lr``.
+
+        Returns:
+            The global loss, or a ``Work`` of it with ``async_op``.
+
+        Raises:
+            InvalidArgument: an unknown loss, optimizer or hyperparameter, or a bad name.
+            NotFound: the model or a tensor is missing.
+            Unavailable: a rank was lost, the generation changed, or not formed.
+            DeadlineExceeded: not done within ``timeout`` seconds.
         """
         validate_name(name, "model name")
         validate_name(inputs, "inputs tensor name")
@@ -377,10 +466,23 @@ class Models:
     ) -> None:
         """Steps the optimizer of model ``name`` on every worker (state kept per worker).
 
-        A different optimizer kind than before starts fresh state.
+        A different optimizer kind than before starts fresh state; other
+        hyperparameters (``lr`` each step, for a schedule) keep it.
+
+        Args:
+            name: the model.
+            optimizer: ``"sgd"``, ``"adam"`` or ``"adamw"``. Defaults to ``"sgd"``.
+            timeout: seconds for the whole call; None means ``default_timeout_s``.
+                Defaults to ``None``.
+            max_grad_norm: clip each worker's gradients to this total 2-norm
+                before stepping; None means no clipping. Defaults to ``None``.
+            **hyper: the optimizer's hyperparameters (JSON numbers), e.g. ``lr``.
 
         Raises:
-            InvalidArgument: unknown optimizer or hyperparameter.
+            InvalidArgument: unknown optimizer or hyperparameter, or a
+                ``max_grad_norm`` that is not a positive number.
+            NotFound: the model is not loaded.
+            CollectiveError: a worker failed or the call timed out.
         """
         validate_name(name, "model name")
         if optimizer not in OPTIMIZERS:
@@ -394,7 +496,17 @@ class Models:
         self._per_rank(f"step {name!r}", self._session.deadline(timeout), "Step", request)
 
     def zero_grad(self, name: str, timeout: float | None = None) -> None:
-        """Clears every parameter's gradient (sets it to None) on every worker."""
+        """Clears every parameter's gradient (sets it to None) on every worker.
+
+        Args:
+            name: the model.
+            timeout: seconds for the whole call; None means ``default_timeout_s``.
+                Defaults to ``None``.
+
+        Raises:
+            NotFound: the model is not loaded.
+            CollectiveError: a worker failed or the call timed out.
+        """
         validate_name(name, "model name")
         request = worker_pb2.ZeroGradRequest(model=name)
         self._per_rank(f"zero_grad {name!r}", self._session.deadline(timeout), "ZeroGrad", request)
@@ -402,13 +514,43 @@ class Models:
     def gradients(
         self, name: str, rank: int = 0, timeout: float | None = None
     ) -> dict[str, torch.Tensor]:
-        """Parameters with a gradient on ``rank``, keyed like ``named_parameters()``."""
+        """Parameters with a gradient on ``rank``, keyed like ``named_parameters()``.
+
+        Args:
+            name: the model.
+            rank: the global rank to read from. Defaults to ``0``.
+            timeout: seconds for the whole call; None means ``default_timeout_s``.
+                Defaults to ``None``.
+
+        Returns:
+            Parameter name to gradient (CPU tensors).
+
+        Raises:
+            InvalidArgument: ``rank`` is out of range.
+            NotFound: the model is not loaded.
+            CollectiveError: the worker failed or the call timed out.
+        """
         return self._model_tensors(name, "gradients", rank, timeout)
 
     def state_dict(
         self, name: str, rank: int = 0, timeout: float | None = None
     ) -> dict[str, torch.Tensor]:
-        """The model's ``state_dict()`` on ``rank`` (CPU tensors)."""
+        """The model's ``state_dict()`` on ``rank``.
+
+        Args:
+            name: the model.
+            rank: the global rank to read from. Defaults to ``0``.
+            timeout: seconds for the whole call; None means ``default_timeout_s``.
+                Defaults to ``None``.
+
+        Returns:
+            Key to tensor (CPU tensors).
+
+        Raises:
+            InvalidArgument: ``rank`` is out of range.
+            NotFound: the model is not loaded.
+            CollectiveError: the worker failed or the call timed out.
+        """
         return self._model_tensors(name, "state_dict", rank, timeout)
 
     def publish(
@@ -420,19 +562,32 @@ class Models:
         cast: bool = False,
         timeout: float | None = None,
     ) -> int:
-        """Publishes new weights for model ``name``; returns the version every rank now serves.
+        """Publishes new weights for model ``name``.
 
         The client sends each byte once (to the leader); the workers broadcast
         the weights among themselves, stage them beside the live ones and switch
         at one point of the op order, on every rank or on none. A ``dp(x)``
         running meanwhile finishes on the version it started with, and no output
-        mixes two versions. ``strict=False`` takes any subset of the keys (the
-        others keep their values); ``cast=True`` converts entries whose dtype
-        differs from the model's (otherwise refused).
+        mixes two versions.
+
+        Args:
+            name: the model.
+            state_dict: key to tensor, as ``nn.Module.state_dict()``.
+            strict: every key of the model must be given; False takes any subset
+                (the others keep their values). Defaults to ``True``.
+            cast: convert entries whose dtype differs from the model's (otherwise
+                refused). Defaults to ``False``.
+            timeout: seconds for the whole call; None means ``default_timeout_s``.
+                Defaults to ``None``.
+
+        Returns:
+            The version every rank now serves.
 
         Raises:
-            InvalidArgument: unknown or missing keys, a shape or dtype mismatch.
-            NotFound / FailedPrecondition: the model is missing on all / some ranks.
+            InvalidArgument: unknown or missing keys, a shape or dtype mismatch, an
+                empty state dict.
+            NotFound: the model is missing on every rank.
+            FailedPrecondition: the model is missing on some ranks.
             ResourceExhausted: quota, or retained graphs of an older version still
                 hold it (at most two versions are resident): run their backward or
                 drop their outputs, then publish again.
@@ -456,11 +611,26 @@ class Models:
         strict: bool = True,
         cast: bool = False,
     ) -> int:
-        """Loads ``state_dict`` into the model on every worker: :meth:`publish` under the
-        name ``nn.Module`` uses. Returns the new version.
+        """Loads ``state_dict`` into the model on every worker: :meth:`publish` under
+        the name ``nn.Module`` uses.
+
+        Args:
+            name: the model.
+            state_dict: key to tensor, as ``nn.Module.state_dict()``.
+            timeout: seconds for the whole call; None means ``default_timeout_s``.
+                Defaults to ``None``.
+            strict: every key of the model must be given; False takes any subset.
+                Defaults to ``True``.
+            cast: convert entries whose dtype differs from the model's.
+                Defaults to ``False``.
+
+        Returns:
+            The new version.
 
         Raises:
-            InvalidArgument: unknown or missing keys, or a shape mismatch.
+            InvalidArgument: unknown or missing keys, or a shape or dtype mismatch.
+            NotFound: the model is missing on every rank.
+            ResourceExhausted: quota, or too many versions resident (see :meth:`publish`).
         """
         return self.publish(name, state_dict, strict=strict, cast=cast, timeout=timeout)
 
@@ -474,32 +644,33 @@ class Models:
     ) -> None:
         """Runs ``fn`` on the tensors named ``inputs`` on each rank; stores its outputs as ``out``.
 
-        ``fn`` (an ``nn.Module`` or a function of tensors returning a tensor or a
-        tuple of tensors) never travels as Python: the SDK exports it with
-        ``torch.export`` (tracing it on tensors shaped like rank ``ranks[0]``'s
-        inputs, dimension 0 dynamic) and the workers check and load the program
-        as they do a model's; it is exported once per function and input
-        signature, and loaded once per worker. It runs without autograd, in
-        parallel on the ranks, each on its own tensors.
+        ``fn`` never travels as Python: it is exported with ``torch.export``
+        (traced on tensors shaped like the first target rank's inputs,
+        dimension 0 dynamic) and the workers check and load the program as
+        they do a model's, once per function and input signature. It runs
+        without autograd, in parallel, each rank on its own tensors.
 
         Args:
-            fn: the computation; data-dependent Python control flow is not
-                exportable (``torch.export`` says why).
-            inputs: the names of the tensors passed to ``fn``, in order.
-            out: one name per output tensor; existing tensors are replaced, all
-                of a rank's outputs or none.
-            ranks: the ranks to run on; None: every member.
-            timeout: seconds for the whole call (export, load, run); None:
-                a first load allows ``MODEL_LOAD_TIMEOUT_S`` as ``load_model``
-                does, then the run ``default_timeout_s``.
+            fn: an ``nn.Module`` or a function of tensors returning a tensor or
+                a tuple of tensors; it must be exportable.
+            inputs: the name, or names in order, of the tensors passed to ``fn``.
+            out: one name per output tensor; tensors of those names are
+                replaced, all of a rank's outputs or none.
+            ranks: the global ranks to run on; None means every member.
+                Defaults to ``None``.
+            timeout: seconds for the whole call (export, load, run); None
+                means ``default_timeout_s`` for the run, after a first load of
+                ``fn`` that allows ``MODEL_LOAD_TIMEOUT_S`` as ``load_model``
+                does. Defaults to ``None``.
 
         Raises:
-            InvalidArgument: a bad name, ``fn`` cannot be exported, a worker
-                refused its program (an operator off the allowlist), it failed
-                on a rank's tensors, or it returned another number of tensors
-                than ``out`` names.
+            InvalidArgument: a bad name or rank, ``fn`` cannot be exported, the
+                workers refused its program (an operator off their allowlist),
+                it failed on a rank's tensors, or it returned another number
+                of tensors than ``out`` names.
             NotFound: an input is missing on a rank.
             ResourceExhausted: the outputs do not fit a rank's memory quota.
+            CollectiveError: a worker failed or the call timed out.
         """
         input_names = _names(inputs, "inputs")
         output_names = _names(out, "out")

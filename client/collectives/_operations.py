@@ -24,7 +24,33 @@ class Operations:
     def flight_record(
         self, last: int = 100, ranks: Iterable[int] | None = None, timeout: float | None = None
     ) -> list[OpRecord]:
-        """The last ``last`` ops every rank recorded, merged by op; see ``Cluster``."""
+        """The last ``last`` ops of every rank's flight recorder, merged by op.
+
+        Every worker keeps its recent ops (``--flight-recorder-ops``, default 2000)
+        with the time each reached each phase: ``admitted`` (leader), ``announced``,
+        ``started`` (operands agreed, data moving) and ``finished``. The leader
+        sequences every op, so one op has one ``(generation, op_id)`` on every rank.
+
+        Args:
+            last: how many of the most recent ops (0: all the rings hold). Defaults
+                to ``100``.
+            ranks: read only these ranks (None: every member). Defaults to ``None``.
+            timeout: seconds for the coordinator and for each rank's answer (a
+                rank answers a large ring in pages, all within it); None means
+                ``default_timeout_s``. Defaults to ``None``.
+
+        Returns:
+            One ``collectives.OpRecord`` per op, oldest first: ``op_id``,
+            ``generation``, ``kind``, ``names`` (an op's first 16; ``names_omitted``
+            counts the rest), ``nbytes``, ``ranks``, ``client``, ``outcome`` and
+            ``per_rank`` (rank -> ``RankPhases``: phase times in Unix seconds, that
+            rank's outcome and message, at most 1,024 characters). A rank that did
+            not answer is absent from ``per_rank``.
+
+        Raises:
+            InvalidArgument: ``last`` is negative, or ``ranks`` names a non-member.
+            Unavailable: the coordinator, or every rank asked, could not be reached.
+        """
         if last < 0:
             raise InvalidArgument(f"last must be >= 0, got {last}")
         self._session.check_open()

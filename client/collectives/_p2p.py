@@ -51,13 +51,31 @@ class PeerToPeer:
         async_op: bool = False,
         timeout: float | None = None,
     ) -> Work[None] | None:
-        """Global rank ``dst`` stores ``src``'s ``name`` under ``out`` (default ``name``);
-        ``src`` keeps its copy. One op, sequenced with the collectives.
+        """Global rank ``dst`` stores ``src``'s ``name``; ``src`` keeps its copy.
+
+        One op, sequenced with the collectives.
+
+        Args:
+            name: the tensor name on ``src``.
+            src: the global rank that sends.
+            dst: the global rank that stores it.
+            out: the name ``dst`` stores it under; None means ``name``.
+                Defaults to ``None``.
+            group: a ``Group`` both ranks belong to; None means every rank.
+                Defaults to ``None``.
+            async_op: return a ``Work`` at once instead of waiting. Defaults to ``False``.
+            timeout: seconds for the whole call; None means ``default_timeout_s``.
+                Defaults to ``None``.
+
+        Returns:
+            None, or a ``Work`` with ``async_op``.
 
         Raises:
             InvalidArgument: ``src == dst``, a rank out of range or not in ``group``.
             NotFound: ``src`` holds no tensor under ``name``.
-            ResourceExhausted: ``dst``'s store is over its quota.
+            ResourceExhausted: ``dst``'s store is over its quota, or the queue is full.
+            Unavailable: a rank was lost, the generation changed, or not formed.
+            DeadlineExceeded: not done within ``timeout`` seconds.
         """
         return self._exchange("send", name, [(src, dst)], out, group, async_op, timeout)
 
@@ -70,28 +88,55 @@ class PeerToPeer:
         async_op: bool = False,
         timeout: float | None = None,
     ) -> Work[None] | None:
-        """Every ``(src, dst)`` pair in one op (``batch_isend_irecv``): each dst stores what
-        its src held under ``name`` *before* the op, under ``out`` (default ``name``), so a
-        ring shift works in place. Sources may hold different dtypes and shapes; ranks
-        named in no pair are untouched. Atomic: on failure no rank stores anything.
+        """Every ``(src, dst)`` pair in one op, like ``batch_isend_irecv``.
+
+        Each dst stores what its src held under ``name`` *before* the op, so a
+        ring shift works in place. Sources may hold different dtypes and shapes;
+        ranks named in no pair are untouched. Atomic: on failure no rank stores
+        anything.
+
+        Args:
+            name: the tensor name on the sources.
+            pairs: ``(src, dst)`` global ranks; each dst at most once.
+            out: the name each dst stores under; None means ``name``.
+                Defaults to ``None``.
+            group: a ``Group`` every rank named belongs to; None means every rank.
+                Defaults to ``None``.
+            async_op: return a ``Work`` at once instead of waiting. Defaults to ``False``.
+            timeout: seconds for the whole call; None means ``default_timeout_s``.
+                Defaults to ``None``.
+
+        Returns:
+            None, or a ``Work`` with ``async_op``.
 
         Raises:
             InvalidArgument: no pairs, ``src == dst``, a dst named twice, a rank out of
                 range or not in ``group``.
             NotFound: no src holds ``name``.
             FailedPrecondition: some srcs lack ``name`` (the message names them).
-            ResourceExhausted: a dst's store is over its quota.
+            ResourceExhausted: a dst's store is over its quota, or the queue is full.
+            Unavailable: a rank was lost, the generation changed, or not formed.
+            DeadlineExceeded: not done within ``timeout`` seconds.
         """
         return self._exchange("exchange", name, pairs, out, group, async_op, timeout)
 
     def destroy_group(self, group: Group, timeout: float | None = None) -> None:
-        """Destroys ``group`` on every rank (``dist.destroy_process_group(group)``), after
-        this client's earlier ops; using it afterwards raises NotFound.
+        """Destroys ``group`` on every rank (``dist.destroy_process_group(group)``).
+
+        It runs after this client's earlier ops; using the group afterwards
+        raises NotFound.
+
+        Args:
+            group: a ``Group`` from :meth:`new_group`.
+            timeout: seconds for the whole call; None means ``default_timeout_s``.
+                Defaults to ``None``.
 
         Raises:
             InvalidArgument: ``group`` is not a Group from ``new_group``.
             NotFound: the group does not exist (already destroyed, or from an older
                 generation).
+            Unavailable: the cluster is not formed or the leader was lost.
+            DeadlineExceeded: not done within ``timeout`` seconds.
         """
         if not isinstance(group, Group):
             raise InvalidArgument(

@@ -27,8 +27,8 @@ import torch
 
 from collectives._progress import Progress
 from collectives._session import Session, server_timeout_s
-from collectives._transport import WorkerEndpoint, put_tensor
 from collectives.errors import CollectiveError, Reason
+from collectives.transport.endpoints import WorkerEndpoint, put_tensor
 from collectives.v1 import worker_pb2
 from collectives.wire.names import UPLOAD_PREFIX
 

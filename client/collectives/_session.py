@@ -34,15 +34,8 @@ from typing import Generic, Protocol, TypeVar
 
 import grpc
 
-from collectives import _progress, shm
-from collectives._calls import Call, Done, Job, Start
+from collectives import _progress
 from collectives._membership import Membership
-from collectives._transport import (
-    ChannelPool,
-    WorkerEndpoint,
-    open_channel,
-    wait_channel_ready,
-)
 from collectives._validation import check_timeout
 from collectives.addresses import (
     REFUSED_GRACE_S,
@@ -57,6 +50,14 @@ from collectives.errors import (
     InvalidArgument,
     Unavailable,
     annotate,
+)
+from collectives.transport import shm
+from collectives.transport.calls import Call, Done, Job, Start
+from collectives.transport.endpoints import (
+    ChannelPool,
+    WorkerEndpoint,
+    open_channel,
+    wait_channel_ready,
 )
 from collectives.wire.cluster_state import ClusterNotFormed, ClusterSnapshot
 from collectives.wire.security import ChannelSecurity
@@ -233,7 +234,7 @@ class ClusterSession:
         if shared_memory is None:
             shared_memory = os.environ.get(SHM_ENV, "").strip().lower() in ("1", "true", "yes")
         deadline = time.monotonic() + timeout
-        # Opt-in same-host fast path for put/get (see collectives.shm).
+        # Opt-in same-host fast path for put/get (see collectives.transport.shm).
         self._shared_memory = bool(shared_memory)
         # Progress bars for large transfers (see collectives._progress): None on a TTY.
         self._progress = _progress.setting(progress)
@@ -515,8 +516,8 @@ class ClusterSession:
 
     def fan_out(self, what: str, starts: Mapping[int, Start[R]]) -> dict[int, R]:
         """Starts each rank's call from this thread (``starts[rank]()`` sends it and
-        returns the started :class:`~collectives._calls.Call`), then waits for every
-        answer, so the calls are in flight together. A :class:`~collectives._calls.Job`
+        returns the started :class:`~collectives.transport.calls.Call`), then waits for every
+        answer, so the calls are in flight together. A :class:`~collectives.transport.calls.Job`
         (work that blocks, as a start or what a start returned) runs on the I/O pool,
         the last one on this thread. Waits for all, then raises the lowest rank's
         error.

@@ -40,7 +40,6 @@ from typing import TextIO
 
 import grpc
 
-from collectives._channels import call_unary, open_channel
 from collectives._flight_cli import add_flight_commands, run_diagnose, run_trace
 from collectives._status_tables import (
     WIDE,
@@ -58,6 +57,7 @@ from collectives.addresses import (
     refused_within,
 )
 from collectives.errors import CollectiveError, InvalidArgument
+from collectives.transport.channels import call_unary, open_channel
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
 from collectives.wire.cluster_state import ClusterSnapshot
 from collectives.wire.security import PLAINTEXT, ChannelSecurity, read_token_file

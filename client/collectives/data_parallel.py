@@ -24,13 +24,13 @@ from typing import Any
 
 import torch
 
-from collectives._calls import Job, Mapped, Start
 from collectives._deadlines import time_left
 from collectives._models import Models
-from collectives._roads import INLINE_BYTES, InlineBudget
 from collectives._session import Session
-from collectives._transport import WorkerEndpoint, get_tensor, put_tensor
 from collectives.errors import CollectiveError, InvalidArgument, NotFound, Reason, Unavailable
+from collectives.transport.calls import Job, Mapped, Start
+from collectives.transport.endpoints import WorkerEndpoint, get_tensor, put_tensor
+from collectives.transport.roads import INLINE_BYTES, InlineBudget
 from collectives.v1 import worker_pb2
 from collectives.wire.codec import tensor_from_proto, tensor_to_proto
 from collectives.wire.names import validate_name

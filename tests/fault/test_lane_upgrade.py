@@ -23,7 +23,7 @@ from torch.nn import functional
 
 import collectives
 from collectives.v1 import worker_pb2, worker_pb2_grpc
-from collectives.wire.lane_frames import FIRST_LANE_METHODS
+from collectives.wire.frames import FIRST_LANE_METHODS
 from collectives_server import model_zoo
 
 pytestmark = pytest.mark.timeout(240)

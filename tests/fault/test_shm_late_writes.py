@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import collectives
-from collectives import shm
+from collectives.transport import shm
 
 pytestmark = [
     pytest.mark.slow,

@@ -20,8 +20,9 @@ from helpers import CONNECT_TIMEOUT_S, wait_until
 
 import collectives
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2, worker_pb2_grpc
-from collectives.wire import bulk_frames, codec
+from collectives.wire import codec
 from collectives.wire.dtypes import to_wire
+from collectives.wire.frames import BULK, new_token, prelude
 
 MiB = 1 << 20
 
@@ -112,7 +113,7 @@ def _connect(host: str, port: int, prelude: bytes) -> socket.socket:
 def test_put_without_a_connection_times_out_and_stores_nothing(rank0, uname) -> None:
     stub, _, _, pid = rank0
     name = uname("orphan")
-    call = _put_call(stub, name, 2 * MiB, bulk_frames.new_ticket(), timeout=1.0)
+    call = _put_call(stub, name, 2 * MiB, new_token(), timeout=1.0)
     with pytest.raises(grpc.RpcError) as info:
         call.result(timeout=30)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -122,9 +123,9 @@ def test_put_without_a_connection_times_out_and_stores_nothing(rank0, uname) -> 
 
 def test_short_payload_is_invalid_and_stores_nothing(rank0, uname) -> None:
     stub, host, port, pid = rank0
-    name, ticket = uname("short"), bulk_frames.new_ticket()
+    name, ticket = uname("short"), new_token()
     call = _put_call(stub, name, 2 * MiB, ticket, timeout=30)
-    with _connect(host, port, bulk_frames.MAGIC + ticket) as sock:
+    with _connect(host, port, prelude(BULK, ticket)) as sock:
         sock.sendall(os.urandom(MiB))  # half of what the header declares
     with pytest.raises(grpc.RpcError) as info:
         call.result(timeout=30)
@@ -156,19 +157,19 @@ def test_garbage_and_replayed_tickets_are_dropped(rank0, uname, gen) -> None:
         assert _closed_by_peer(sock)
     name = uname("replay")
     t = torch.randint(0, 255, (2 * MiB,), dtype=torch.uint8, generator=gen)
-    stub_put = _put_call(stub, name, t.numel(), ticket := bulk_frames.new_ticket(), timeout=30)
-    with _connect(host, port, bulk_frames.MAGIC + ticket) as sock:
+    stub_put = _put_call(stub, name, t.numel(), ticket := new_token(), timeout=30)
+    with _connect(host, port, prelude(BULK, ticket)) as sock:
         sock.sendall(codec.tensor_memoryview(t))
     stub_put.result(timeout=30)
     answer = stub.GetTensorBulk(worker_pb2.GetTensorBulkRequest(name=name), timeout=30)
     assert answer.ticket and not answer.inline_data and answer.header.nbytes == t.numel()
     received = bytearray()
-    with _connect(host, port, bulk_frames.MAGIC + answer.ticket) as sock:
+    with _connect(host, port, prelude(BULK, answer.ticket)) as sock:
         while len(received) < t.numel() and (chunk := sock.recv(1 << 20)):
             received += chunk
     assert bytes(received) == codec.tensor_memoryview(t).tobytes()
     start = time.monotonic()
-    with _connect(host, port, bulk_frames.MAGIC + answer.ticket) as sock:  # the same ticket again
+    with _connect(host, port, prelude(BULK, answer.ticket)) as sock:  # the same ticket again
         assert _closed_by_peer(sock)
     assert time.monotonic() - start < 5, "a spent ticket must be refused at once"
     stub.DeleteTensor(worker_pb2.DeleteTensorRequest(name=name), timeout=10)

@@ -24,7 +24,7 @@ from hostile import Aftermath
 import collectives
 from collectives.v1 import worker_pb2, worker_pb2_grpc
 from collectives.wire import codec
-from collectives.wire.bulk_frames import MAGIC, new_ticket
+from collectives.wire.frames import BULK, new_token, prelude
 
 log = logging.getLogger(__name__)
 
@@ -99,11 +99,11 @@ def test_idle_connections_cannot_lock_a_client_out(client, gen) -> None:
 def test_a_dribbled_prelude_is_cut_at_the_total_timeout(client) -> None:
     aftermath = Aftermath(client).capture()
     port = _bulk_port(_target(client).address)
-    prelude = MAGIC + new_ticket()
+    opening = prelude(BULK, new_token())
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         started = time.monotonic()
         closed = False
-        for byte in prelude:  # one byte every 0.2 s: 4 s in all, past the 1 s total
+        for byte in opening:  # one byte every 0.2 s: 4 s in all, past the 1 s total
             try:
                 sock.sendall(bytes([byte]))
             except OSError:
@@ -136,7 +136,7 @@ def test_a_get_ticket_pins_its_tensor_for_the_ttl_only(client, gen) -> None:
     deadline = time.monotonic() + 10
     while True:  # after the TTL the ticket is void: the connection gets no byte
         with socket.create_connection(("127.0.0.1", _bulk_port(target.address))) as sock:
-            sock.sendall(MAGIC + reply.ticket)
+            sock.sendall(prelude(BULK, reply.ticket))
             sock.settimeout(5)
             got = sock.recv(1 << 16)
         if not got:
@@ -150,7 +150,7 @@ def test_put_tensor_bulk_without_a_deadline_ends_at_the_ticket_ttl(client, gen) 
     target = _target(client)
     t = torch.randn(1 << 20, generator=gen)
     request = worker_pb2.PutTensorBulkRequest(
-        header=codec.make_header("nodeadline/x", t), ticket=new_ticket()
+        header=codec.make_header("nodeadline/x", t), ticket=new_token()
     )
     started = time.monotonic()
     # No deadline, and no connection ever presents the ticket.

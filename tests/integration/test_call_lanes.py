@@ -30,14 +30,16 @@ from prometheus_client.parser import text_string_to_metric_families
 import collectives
 from collectives.errors import CollectiveError, DeadlineExceeded
 from collectives.v1 import worker_pb2, worker_pb2_grpc
-from collectives.wire.bulk_frames import ACK, TICKET_BYTES
-from collectives.wire.lane_frames import (
+from collectives.wire.frames import (
+    ACK,
     FAILED,
     FAILED_CLOSING,
-    LANE_MAGIC,
+    FRAME_HEADER,
+    LANE,
+    LANE_REQUEST_HEADER,
     MAX_LANE_REQUEST_BYTES,
-    REQUEST_HEADER,
-    RESPONSE_HEADER,
+    TOKEN_BYTES,
+    prelude,
 )
 from collectives_server import model_zoo
 
@@ -221,8 +223,8 @@ def _closed_without_ack(sock: socket.socket) -> bool:
 
 
 def _call(sock: socket.socket, method: int, payload: bytes) -> tuple[int, bytes]:
-    sock.sendall(REQUEST_HEADER.pack(method, len(payload), 10.0) + payload)
-    outcome, size = RESPONSE_HEADER.unpack(_recv_exactly(sock, RESPONSE_HEADER.size))
+    sock.sendall(LANE_REQUEST_HEADER.pack(method, len(payload), 10.0) + payload)
+    outcome, size = FRAME_HEADER.unpack(_recv_exactly(sock, FRAME_HEADER.size))
     return outcome, _recv_exactly(sock, size)
 
 
@@ -267,19 +269,19 @@ def test_a_lane_opens_only_with_a_fresh_ticket_from_an_authenticated_call(token_
             worker_pb2.DataPlaneRequest(open_lane=True), timeout=10, metadata=auth
         )
         plain = stub.GetDataPlane(worker_pb2.DataPlaneRequest(), timeout=10, metadata=auth)
-    assert len(answer.lane_ticket) == TICKET_BYTES and answer.bulk_port
+    assert len(answer.lane_ticket) == TOKEN_BYTES and answer.bulk_port
     assert plain.lane_ticket == b""  # a ticket only for who asks for a lane
     host = worker.rpartition(":")[0]
 
     with socket.create_connection((host, answer.bulk_port), timeout=10) as guess:
-        guess.sendall(LANE_MAGIC + os.urandom(TICKET_BYTES))
+        guess.sendall(prelude(LANE, os.urandom(TOKEN_BYTES)))
         assert _closed_without_ack(guess)
     with socket.create_connection((host, answer.bulk_port), timeout=10) as lane:
-        lane.sendall(LANE_MAGIC + answer.lane_ticket)
+        lane.sendall(prelude(LANE, answer.lane_ticket))
         lane.settimeout(10)
         assert lane.recv(1) == ACK
     with socket.create_connection((host, answer.bulk_port), timeout=10) as replay:
-        replay.sendall(LANE_MAGIC + answer.lane_ticket)  # spent: refused
+        replay.sendall(prelude(LANE, answer.lane_ticket))  # spent: refused
         assert _closed_without_ack(replay)
 
 
@@ -294,7 +296,7 @@ def test_garbage_on_a_lane_gets_a_status_and_the_worker_goes_on(token_cluster) -
                 worker_pb2.DataPlaneRequest(open_lane=True), timeout=10, metadata=auth
             )
         sock = socket.create_connection((worker.rpartition(":")[0], answer.bulk_port), timeout=10)
-        sock.sendall(LANE_MAGIC + answer.lane_ticket)
+        sock.sendall(prelude(LANE, answer.lane_ticket))
         assert sock.recv(1) == ACK
         return sock
 
@@ -317,8 +319,8 @@ def test_garbage_on_a_lane_gets_a_status_and_the_worker_goes_on(token_cluster) -
         assert status_pb2.Status.FromString(body).code == grpc.StatusCode.UNIMPLEMENTED.value[0]
         assert _closed_without_ack(lane)
     with open_lane() as lane:
-        lane.sendall(REQUEST_HEADER.pack(1, MAX_LANE_REQUEST_BYTES + 1, 10.0))
-        outcome, size = RESPONSE_HEADER.unpack(_recv_exactly(lane, RESPONSE_HEADER.size))
+        lane.sendall(LANE_REQUEST_HEADER.pack(1, MAX_LANE_REQUEST_BYTES + 1, 10.0))
+        outcome, size = FRAME_HEADER.unpack(_recv_exactly(lane, FRAME_HEADER.size))
         status = status_pb2.Status.FromString(_recv_exactly(lane, size))
         assert outcome == FAILED_CLOSING
         assert status.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]

@@ -22,13 +22,14 @@ from hostile import rss_bytes
 
 import collectives
 from collectives.v1 import worker_pb2, worker_pb2_grpc
-from collectives.wire.bulk_frames import ACK
-from collectives.wire.lane_frames import (
+from collectives.wire.frames import (
+    ACK,
     FAILED,
-    LANE_MAGIC,
+    FRAME_HEADER,
+    LANE,
+    LANE_REQUEST_HEADER,
     MAX_LANE_REQUEST_BYTES,
-    REQUEST_HEADER,
-    RESPONSE_HEADER,
+    prelude,
 )
 from collectives.wire.limits import MAX_MESSAGE_BYTES
 from collectives_server import model_zoo
@@ -73,7 +74,7 @@ def _open_lane(address: str, rcvbuf: int = 0) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     sock.settimeout(10)
     sock.connect((address.rpartition(":")[0], answer.bulk_port))
-    sock.sendall(LANE_MAGIC + answer.lane_ticket)
+    sock.sendall(prelude(LANE, answer.lane_ticket))
     assert sock.recv(1) == ACK
     return sock
 
@@ -126,7 +127,7 @@ def test_headers_promising_megabytes_reserve_nothing(attacked) -> None:
     try:
         before = rss_bytes(worker.pid)
         for lane in lanes:
-            lane.sendall(REQUEST_HEADER.pack(FORWARD, MAX_LANE_REQUEST_BYTES, 30.0) + b"\0")
+            lane.sendall(LANE_REQUEST_HEADER.pack(FORWARD, MAX_LANE_REQUEST_BYTES, 30.0) + b"\0")
         peak = before
 
         def all_cut() -> bool:
@@ -149,7 +150,7 @@ def test_a_frame_dripped_a_byte_at_a_time_is_cut_at_its_deadline(attacked) -> No
     lane = _open_lane(worker.address)
     started = time.monotonic()
     with lane:
-        lane.sendall(REQUEST_HEADER.pack(FORWARD, 1000, 30.0))
+        lane.sendall(LANE_REQUEST_HEADER.pack(FORWARD, 1000, 30.0))
         dripped = 0
         try:
             while time.monotonic() - started < 6 * IDLE_S and dripped < 64:
@@ -179,8 +180,8 @@ def test_an_answer_grpc_would_refuse_is_refused_on_a_lane_too(attacked, gen) -> 
             forward(request, timeout=30)
     assert over_grpc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     with _open_lane(worker.address) as lane:
-        lane.sendall(REQUEST_HEADER.pack(FORWARD, len(request), 30.0) + request)
-        outcome, size = RESPONSE_HEADER.unpack(_recv_exactly(lane, RESPONSE_HEADER.size))
+        lane.sendall(LANE_REQUEST_HEADER.pack(FORWARD, len(request), 30.0) + request)
+        outcome, size = FRAME_HEADER.unpack(_recv_exactly(lane, FRAME_HEADER.size))
         body = _recv_exactly(lane, size)
         assert outcome == FAILED, f"an answer of {size} bytes was sent on a lane"
         status = status_pb2.Status.FromString(body)
@@ -189,8 +190,8 @@ def test_an_answer_grpc_would_refuse_is_refused_on_a_lane_too(attacked, gen) -> 
         assert f"vs. {MAX_MESSAGE_BYTES})" in status.message
         # The lane goes on: a 16-row forward answers.
         small = _forward_request(attacked, 16, gen)
-        lane.sendall(REQUEST_HEADER.pack(FORWARD, len(small), 30.0) + small)
-        outcome, size = RESPONSE_HEADER.unpack(_recv_exactly(lane, RESPONSE_HEADER.size))
+        lane.sendall(LANE_REQUEST_HEADER.pack(FORWARD, len(small), 30.0) + small)
+        outcome, size = FRAME_HEADER.unpack(_recv_exactly(lane, FRAME_HEADER.size))
         _recv_exactly(lane, size)
         assert outcome != FAILED
 
@@ -205,7 +206,7 @@ def test_an_answer_nobody_reads_is_dropped_at_the_calls_deadline(attacked, gen) 
     # A window of a few KiB: the answer cannot hide in the kernel's buffers.
     lane = _open_lane(worker.address, rcvbuf=4096)
     with lane:
-        lane.sendall(REQUEST_HEADER.pack(FORWARD, len(request), 2.0) + request)
+        lane.sendall(LANE_REQUEST_HEADER.pack(FORWARD, len(request), 2.0) + request)
         # Reset, not closed: a FIN would wait behind the megabytes nobody reads.
         wait_until(
             lambda: _tcp_state(lane) == TCP_CLOSE,

@@ -23,7 +23,7 @@ from torch import nn
 import collectives
 import collectives._archive_staging as staging
 from collectives._programs import export_archive
-from collectives._transport import put_tensor
+from collectives.transport.endpoints import put_tensor
 from collectives.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)

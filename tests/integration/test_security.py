@@ -37,7 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 import collectives  # noqa: E402
 from collectives import PermissionDenied, Unavailable  # noqa: E402
-from collectives._transport import WorkerEndpoint, get_tensor, put_tensor  # noqa: E402
+from collectives.transport.endpoints import WorkerEndpoint, get_tensor, put_tensor  # noqa: E402
 from collectives.v1 import (  # noqa: E402
     coordinator_pb2,
     coordinator_pb2_grpc,
@@ -45,8 +45,7 @@ from collectives.v1 import (  # noqa: E402
     worker_pb2,
     worker_pb2_grpc,
 )
-from collectives.wire.bulk_frames import ACK  # noqa: E402
-from collectives.wire.lane_frames import LANE_MAGIC  # noqa: E402
+from collectives.wire.frames import ACK, LANE, prelude  # noqa: E402
 from collectives.wire.security import ChannelSecurity  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -238,7 +237,7 @@ def _raw_bulk_answer(address: str, port: int, context: ssl.SSLContext | None) ->
     with socket.create_connection((host, port), timeout=10) as raw:
         try:
             sock = context.wrap_socket(raw, server_hostname=host) if context else raw
-            sock.sendall(LANE_MAGIC + bytes(16))
+            sock.sendall(prelude(LANE, bytes(16)))
             return sock.recv(1)
         except (OSError, ssl.SSLError) as exc:
             return repr(exc).encode()

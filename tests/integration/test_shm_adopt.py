@@ -21,7 +21,8 @@ import pytest
 import torch
 
 import collectives
-from collectives import _data_plane, shm
+from collectives import _data_plane
+from collectives.transport import shm
 from collectives.wire.shm import SHM_DIR
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm")
@@ -130,7 +131,7 @@ def test_a_segment_the_worker_made_for_a_get_is_renamed_before_the_pool_reuses_i
 _OTHER_USER_CLIENT = """
 import hashlib, os, sys
 import grpc, torch
-from collectives import shm
+from collectives.transport import shm
 from collectives.v1 import worker_pb2, worker_pb2_grpc
 from collectives.wire import codec
 address, name = sys.argv[1], sys.argv[2]

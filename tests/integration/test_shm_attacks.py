@@ -29,7 +29,7 @@ from hostile import Aftermath, rss_bytes
 import collectives
 from collectives.v1 import worker_pb2, worker_pb2_grpc
 from collectives.wire import codec, shm
-from collectives_server.worker.data.peer_identity import loopback_peer_uid
+from collectives_server.worker.transport.peer_identity import loopback_peer_uid
 
 pytestmark = pytest.mark.timeout(180)
 

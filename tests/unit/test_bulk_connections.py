@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from collectives.bulk import BulkPort
+from collectives.transport.bulk import BulkPort
 
 
 def _pair(listener: socket.socket, port_info: BulkPort) -> tuple[socket.socket, socket.socket]:

@@ -11,8 +11,8 @@ import socket
 
 from helpers import wait_until
 
-from collectives_server.worker.data.bulk import BulkListener
 from collectives_server.worker.data.limits import BulkLimits
+from collectives_server.worker.transport.bulk import BulkListener
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:

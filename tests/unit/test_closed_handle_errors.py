@@ -16,14 +16,14 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from collectives._channels import call_unary
 from collectives.errors import (
     CHANNEL_CLOSED_DETAILS,
     DeadlineExceeded,
     Unavailable,
     from_rpc_error,
 )
-from collectives.lanes import LaneError
+from collectives.transport.channels import call_unary
+from collectives.transport.lanes import LaneError
 from collectives.v1 import worker_pb2
 from collectives_server.rpc import server as rpc
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from collectives.v1 import worker_pb2
+from collectives.wire.frames import CONTROL_HELLO, CONTROL_ROW, FRAME_HEADER
 from collectives_server.worker.engine import agreement, descriptor, validation
 from collectives_server.worker.engine.control_channel import ControlChannel
 from collectives_server.worker.kernels import op_failures
@@ -203,18 +204,32 @@ def test_ranks_out_of_step_fail_loudly() -> None:
             ch.close()
 
 
-def test_a_stranger_connecting_first_is_ignored() -> None:
-    """A connection without the group's token (a port scanner, a stale rank) does not
-    take a rank's place; the group still forms."""
+def _hello(token: bytes, opening: bytes = b"CBC1", kind: int = CONTROL_HELLO) -> bytes:
+    return opening + token + FRAME_HEADER.pack(kind, 4) + (1).to_bytes(4, "little")
+
+
+@pytest.mark.parametrize(
+    "hello",
+    [
+        pytest.param(lambda token: _hello(bytes(16)), id="wrong-token"),
+        pytest.param(lambda token: _hello(token, b"CBC9"), id="another-version"),
+        pytest.param(lambda token: _hello(token, b"CBL1"), id="a-lane-prelude"),
+        pytest.param(lambda token: _hello(token, kind=CONTROL_ROW), id="not-a-hello"),
+    ],
+)
+def test_a_stranger_connecting_first_is_ignored(hello: Callable[[bytes], bytes]) -> None:
+    """A connection that does not say the group's hello (a port scanner, a stale rank,
+    a worker of a release with another control-channel version) does not take a rank's
+    place and is closed at once; the group still forms."""
     store = _store()
     size = 2
 
     def stranger() -> None:
         store_view = _client(store, "stranger")
         store_view.wait(["address"], datetime.timedelta(seconds=TIMEOUT_S))
-        dial, port, _ = store_view.get("address").decode().split("\n")
+        dial, port, token = store_view.get("address").decode().split("\n")
         with socket.create_connection((dial, int(port)), timeout=TIMEOUT_S) as s:
-            s.sendall((1).to_bytes(8, "little") + b"\0" * 16)  # rank 1, wrong token
+            s.sendall(hello(bytes.fromhex(token)))  # claims rank 1
             s.settimeout(TIMEOUT_S)
             assert s.recv(1) == b""  # the leader closes it
 

@@ -16,7 +16,6 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from collectives._channels import call_unary
 from collectives.errors import (
     ERROR_DOMAIN,
     CollectiveError,
@@ -28,6 +27,7 @@ from collectives.errors import (
     error_for_code,
     from_rpc_error,
 )
+from collectives.transport.channels import call_unary
 from collectives.v1 import worker_pb2
 from collectives_server.rpc import server as rpc
 from collectives_server.worker.rpc.guards import guard, guard_stream

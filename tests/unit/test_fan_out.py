@@ -15,9 +15,9 @@ from collections.abc import Iterator
 import pytest
 from sdk_fakes import FakeDeployment, start_deployment
 
-from collectives._calls import Done, Job, Mapped
 from collectives._session import ClusterSession
 from collectives.errors import NotFound, Unavailable
+from collectives.transport.calls import Done, Job, Mapped
 
 
 @pytest.fixture(scope="module")

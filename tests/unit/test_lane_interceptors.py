@@ -19,7 +19,7 @@ from collectives_server.rpc.limits import DataPlaneLimits, RpcLimits
 from collectives_server.rpc.server import start_server
 from collectives_server.security import ServerSecurity, TokenAuthInterceptor
 from collectives_server.worker.rpc.guards import departure
-from collectives_server.worker.rpc.lanes import (
+from collectives_server.worker.transport.lanes import (
     LaneContext,
     LaneTicket,
     lane_handlers,

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from collectives._roads import DataPath, choose_path
-from collectives.bulk import BulkPort
+from collectives.transport.bulk import BulkPort
+from collectives.transport.roads import DataPath, choose_path
 from collectives.v1 import worker_pb2
-from collectives.wire.bulk_frames import BULK_MIN_BYTES
+from collectives.wire.limits import BULK_MIN_BYTES
 
 ROOT = Path(__file__).resolve().parents[2]
 SDK = ROOT / "client" / "collectives"
@@ -65,10 +65,12 @@ def test_the_servers_import_only_the_protocol_of_the_sdk() -> None:
 
 def test_the_protocol_check_finds_a_client_import(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
-    bad.write_text("from collectives.shm import SegmentPool\nfrom collectives.wire import codec\n")
+    bad.write_text(
+        "from collectives.transport.shm import SegmentPool\nfrom collectives.wire import codec\n"
+    )
     assert _outside_the_protocol([bad]) == {
-        "bad.py: collectives.shm",
-        "bad.py: collectives.shm.SegmentPool",
+        "bad.py: collectives.transport.shm",
+        "bad.py: collectives.transport.shm.SegmentPool",
     }
 
 
@@ -83,7 +85,9 @@ _LEAF_DEPENDENCIES = (
 
 
 @pytest.mark.parametrize(
-    "path", [*sorted((SDK / "wire").glob("*.py")), SDK / "bulk.py"], ids=lambda p: p.name
+    "path",
+    [*sorted((SDK / "wire").glob("*.py")), SDK / "transport" / "bulk.py"],
+    ids=lambda p: p.name,
 )
 def test_wire_and_bulk_are_leaves_of_the_sdk(path: Path) -> None:
     bad = {
@@ -228,7 +232,7 @@ def test_the_cycle_check_finds_a_cycle() -> None:
 _WORKER = "collectives_server.worker"
 _STATE = ("config", "context", "telemetry", "stats", "status", "metrics")
 _DAEMON = ("daemon", "enrolment", "heartbeats")
-WORKER_LAYERS = ("data", "kernels", "models", "engine", _STATE, "rpc", _DAEMON)
+WORKER_LAYERS = ("data", "transport", "kernels", "models", "engine", _STATE, "rpc", _DAEMON)
 
 
 def worker_layer(module: str) -> int | None:
@@ -265,7 +269,7 @@ def test_the_layer_check_finds_an_upward_import() -> None:
         f"{_WORKER}.engine.sequencer": {f"{_WORKER}.data.store"},
     }
     assert layer_violations(graph) == [
-        f"{_WORKER}.data.store (0) imports {_WORKER}.engine.sequencer (3)"
+        f"{_WORKER}.data.store (0) imports {_WORKER}.engine.sequencer (4)"
     ]
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from collectives import _channels
+from collectives.transport import channels
 from collectives.v1 import coordinator_pb2, status_pb2
 from collectives.wire.cluster_state import ClusterSnapshot
 from collectives.wire.op_specs import OpKind
@@ -162,10 +162,10 @@ def test_the_cluster_counts_a_collective_once_and_sums_calls_to_workers() -> Non
 
 
 def test_the_client_name_goes_into_the_user_agent(monkeypatch) -> None:
-    monkeypatch.delenv(_channels.CLIENT_NAME_ENV, raising=False)
-    assert _channels.channel_options() == _channels.CHANNEL_OPTIONS
-    monkeypatch.setenv(_channels.CLIENT_NAME_ENV, " trainer 3/evil ")
-    agent = dict(_channels.channel_options())["grpc.primary_user_agent"]
+    monkeypatch.delenv(channels.CLIENT_NAME_ENV, raising=False)
+    assert channels.channel_options() == channels.CHANNEL_OPTIONS
+    monkeypatch.setenv(channels.CLIENT_NAME_ENV, " trainer 3/evil ")
+    agent = dict(channels.channel_options())["grpc.primary_user_agent"]
     assert agent == "collectives-client/trainer_3_evil"
     assert client_name(agent + " grpc-python/1.7") == "trainer_3_evil"
 

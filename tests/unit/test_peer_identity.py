@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from collectives.errors import FailedPrecondition
-from collectives_server.worker.data import peer_identity
+from collectives_server.worker.transport import peer_identity
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs Linux /proc")
 

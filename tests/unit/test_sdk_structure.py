@@ -8,6 +8,7 @@ inheriting them, and no SDK module reads another module's or object's
 from __future__ import annotations
 
 import ast
+import inspect
 from pathlib import Path
 
 import torch
@@ -17,6 +18,9 @@ import collectives
 from collectives import _session
 from collectives._collectives import Collectives
 from collectives._data_plane import DataPlane
+from collectives._models import Models
+from collectives._operations import Operations
+from collectives._p2p import PeerToPeer
 
 ROOT = Path(__file__).resolve().parents[2]
 SDK = ROOT / "client" / "collectives"
@@ -122,3 +126,21 @@ def test_the_parts_work_alone_on_a_session() -> None:
         session.close()
         deployment.stop()
     assert session.closed
+
+
+def test_each_public_call_is_written_once_in_its_part() -> None:
+    """``Cluster``'s calls are its parts' methods, signature and docstring copied when
+    the class is made: a keyword or a sentence added to a part reaches
+    ``help(cluster.x)`` and ``docs/api.md``'s checks without a second edit."""
+    parts = (DataPlane, Collectives, PeerToPeer, Models, Operations)
+    delegated = {}
+    for name, attr in vars(collectives.Cluster).items():
+        wrapped = getattr(attr, "__wrapped__", None)
+        if wrapped is not None:
+            delegated[name] = wrapped
+    assert len(delegated) >= 30, sorted(delegated)
+    for name, method in delegated.items():
+        assert any(vars(part).get(name) is method for part in parts), name
+        mine = getattr(collectives.Cluster, name)
+        assert mine.__doc__ is method.__doc__, name
+        assert inspect.signature(mine) == inspect.signature(method), name

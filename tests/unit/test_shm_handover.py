@@ -18,8 +18,8 @@ import types
 import pytest
 import torch
 
-from collectives import shm
 from collectives.errors import PermissionDenied
+from collectives.transport import shm
 from collectives.v1 import worker_pb2
 from collectives.wire import codec
 from collectives.wire import shm as wire_shm

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from collectives.bulk import BulkPort
-from collectives.lanes import CallLanes
+from collectives.transport.bulk import BulkPort
+from collectives.transport.lanes import CallLanes
 from collectives.v1 import worker_pb2
 from collectives.wire.raw_tls import client_context
 from collectives.wire.security import ChannelSecurity

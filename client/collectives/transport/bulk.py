@@ -3,7 +3,7 @@
 gRPC carries the control (header, validation, quota, errors, deadlines, the
 bearer token); a plain TCP connection to the worker's bulk port carries only
 the bytes, between the socket and the tensor's memory with no copy in user
-space. The connection opens with ``MAGIC`` and a one-time 16-byte random
+space. The connection opens with a ``BULK`` prelude carrying a one-time random
 ticket that travelled in the gRPC call, so only that call's caller can feed or
 read it. A put sends the call and the bytes at the same time; a get asks first
 (small tensors come back inline) and then pulls the bytes with its ticket.
@@ -14,9 +14,9 @@ with ``--no-bulk`` (``bulk_port`` 0), or a port of the other kind than the
 client's channel, the SDK streams over gRPC.
 
 A leaf of the SDK: it imports :mod:`collectives.wire` (the framing it shares
-with the worker, :mod:`collectives.wire.bulk_frames`), :mod:`collectives.errors`
+with the worker, :mod:`collectives.wire.frames`), :mod:`collectives.errors`
 and the generated stubs, nothing else of the SDK; whether a transfer takes the
-bulk port at all is decided in :func:`collectives._roads.choose_path`.
+bulk port at all is decided in :func:`collectives.transport.roads.choose_path`.
 """
 
 from __future__ import annotations
@@ -47,29 +47,16 @@ from collectives.errors import (
 from collectives.errors import from_rpc_error as _from_rpc_error
 from collectives.v1 import worker_pb2
 from collectives.wire import codec, socket_timeouts
-from collectives.wire.bulk_frames import (
-    ACK,
-    BULK_MIN_BYTES,
-    MAGIC,
-    MAGIC_ACKED,
-    NO_TICKET_MARK,
-    TICKET_BYTES,
-    new_ticket,
-)
+from collectives.wire.frames import ACK, BULK, NO_TICKET_MARK, new_token, prelude
 from collectives.wire.memory import empty_bytes
 
 if TYPE_CHECKING:
     from collectives.v1 import worker_pb2_grpc
 
 __all__ = [
-    "MAGIC",
-    "MAGIC_ACKED",
-    "TICKET_BYTES",
-    "BULK_MIN_BYTES",
     "BulkEndpoint",
     "BulkPort",
     "BulkUnreachable",
-    "new_ticket",
     "put_tensor_bulk",
     "get_tensor_bulk",
     "host_of",
@@ -273,7 +260,7 @@ def _connect(
         ) from None
     try:
         sock.settimeout(timeout)
-        sock.sendall((MAGIC_ACKED if acked else MAGIC) + ticket)
+        sock.sendall(prelude(BULK, ticket, version=2 if acked else 1))
         if acked:
             sock.settimeout(min(timeout, ACK_TIMEOUT_S))
             if sock.recv(1) != ACK:
@@ -305,7 +292,7 @@ def put_tensor_bulk(
             Unavailable when the connection broke (safe to retry).
     """
     what = f"PutTensorBulk {name!r} to {endpoint.address}"
-    ticket = new_ticket()
+    ticket = new_token()
     deadline = time.monotonic() + timeout
     request = worker_pb2.PutTensorBulkRequest(header=codec.make_header(name, t), ticket=ticket)
     try:

@@ -1,7 +1,7 @@
 """Channels, deadlines and unary calls: the torch-free part of the transport.
 
 The CLI (``collectives status``/``top``) and the connection setup need only
-these, so they live apart from :mod:`collectives._transport` (which imports
+these, so they live apart from :mod:`collectives.transport.endpoints` (which imports
 torch for the data plane) and a ``collectives --help`` starts in a fraction of
 a second.
 """

@@ -13,7 +13,7 @@ multi-callable with ``request_serializer=None`` passes bytes through), and
 splits into a header and memoryview chunks. The messages on the wire are still
 the ``PutTensorRequest``/``GetTensorResponse`` protobufs of ``worker.proto``.
 Whether a put or get takes shared memory, the worker's bulk port or that gRPC
-stream is decided in one place, :func:`collectives._roads.choose_path`.
+stream is decided in one place, :func:`collectives.transport.roads.choose_path`.
 """
 
 from __future__ import annotations
@@ -32,18 +32,8 @@ import torch
 from google.protobuf import message_factory
 from google.protobuf.message import Message
 
-from collectives import bulk, lanes
-from collectives._calls import Call, Job
-from collectives._channels import (
-    CHANNEL_OPTIONS,
-    call_unary,
-    open_channel,
-    wait_channel_ready,
-)
-from collectives._channels import deadline_s as _deadline_s
 from collectives._deadlines import timeout_left
 from collectives._progress import NO_PROGRESS, Progress
-from collectives._roads import DataPath, Route, choose_path
 from collectives.errors import (
     CollectiveError,
     InvalidArgument,
@@ -54,7 +44,17 @@ from collectives.errors import (
     error_for_code,
 )
 from collectives.errors import from_rpc_error as _from_rpc_error
-from collectives.shm import Segment, SegmentPool
+from collectives.transport import bulk, lanes
+from collectives.transport.calls import Call, Job
+from collectives.transport.channels import (
+    CHANNEL_OPTIONS,
+    call_unary,
+    open_channel,
+    wait_channel_ready,
+)
+from collectives.transport.channels import deadline_s as _deadline_s
+from collectives.transport.roads import DataPath, Route, choose_path
+from collectives.transport.shm import Segment, SegmentPool
 from collectives.v1 import tensor_pb2, worker_pb2, worker_pb2_grpc
 from collectives.wire import codec, raw_tls, shm
 from collectives.wire.security import PLAINTEXT, ChannelSecurity
@@ -90,9 +90,9 @@ class WorkerEndpoint:
     # Raw-bytes data-plane callables (no protobuf on the client side).
     put_raw: grpc.StreamUnaryMultiCallable
     get_raw: grpc.UnaryStreamMultiCallable
-    # The worker's bulk port, asked on first use (see collectives.bulk).
+    # The worker's bulk port, asked on first use (see collectives.transport.bulk).
     bulk: bulk.BulkPort = field(default_factory=bulk.BulkPort)
-    # Kept call lanes on that port for small calls (see collectives.lanes).
+    # Kept call lanes on that port for small calls (see collectives.transport.lanes).
     lanes: lanes.CallLanes = field(default_factory=lanes.CallLanes)
 
     @classmethod
@@ -126,11 +126,11 @@ class WorkerEndpoint:
 class WorkerMethod:
     """A Worker RPC on one worker, shaped like a gRPC multi-callable: calling it
     waits for the answer; :meth:`future` sends it and returns the started
-    :class:`~collectives._calls.Call`.
+    :class:`~collectives.transport.calls.Call`.
 
     The road is chosen here alone: a call lane when the worker's lanes carry the
-    method and the request fits one (:mod:`collectives.lanes`; never for a TLS
-    client), else a gRPC call. The answer and the errors are the same either way:
+    method and the request fits one (:mod:`collectives.transport.lanes`; over TLS for a
+    TLS client), else a gRPC call. The answer and the errors are the same either way:
     every failure is a :class:`~collectives.errors.CollectiveError`.
     """
 
@@ -153,7 +153,7 @@ class WorkerMethod:
 
     def future(self, request: Message, timeout: float, what: str) -> Call[Any]:
         """The call, started: on a lane it is sent now; as a gRPC call it is a
-        :class:`~collectives._calls.Job` that ``Session.fan_out`` runs on its pool
+        :class:`~collectives.transport.calls.Job` that ``Session.fan_out`` runs on its pool
         (or that runs when awaited). ``result()`` waits for the response.
 
         Raises:

@@ -4,7 +4,7 @@ A small forward, or a collective (whose request names tensors already on the
 workers), costs more in gRPC's per-call work (HTTP/2 framing, the completion
 queue, a thread hand-off on each side) than in the work itself. A call lane
 carries the same request and response messages over a connection to the
-worker's bulk port, framed by length (:mod:`collectives.wire.lane_frames`),
+worker's bulk port, framed by length (:mod:`collectives.wire.frames`),
 one call at a time; a client keeps a few such connections per worker and
 takes an idle one for each call, so concurrent calls of one client run on
 separate lanes.
@@ -50,25 +50,26 @@ from typing import Any, Protocol
 import grpc
 from google.rpc import status_pb2
 
-from collectives.bulk import BulkPort, host_of, looks_open
 from collectives.errors import (
     CHANNEL_CLOSED_DETAILS,
     STATUS_DETAILS_METADATA_KEY,
     CollectiveError,
     status_code,
 )
+from collectives.transport.bulk import BulkPort, host_of, looks_open
 from collectives.v1 import worker_pb2
 from collectives.wire import socket_timeouts
-from collectives.wire.bulk_frames import ACK
-from collectives.wire.lane_frames import (
+from collectives.wire.frames import (
+    ACK,
     FAILED,
     FAILED_CLOSING,
-    LANE_MAGIC,
+    FRAME_HEADER,
+    LANE,
+    LANE_REQUEST_HEADER,
     MAX_LANE_REQUEST_BYTES,
     OK,
-    REQUEST_HEADER,
-    RESPONSE_HEADER,
     lane_method_ids,
+    prelude,
 )
 from collectives.wire.limits import MAX_MESSAGE_BYTES
 from collectives.wire.socket_timeouts import KernelTimeouts
@@ -208,7 +209,7 @@ class CallLanes:
             raise LaneError(grpc.StatusCode.CANCELLED, CHANNEL_CLOSED_DETAILS)
         try:
             lane.fit(left)
-            lane.sock.sendall(REQUEST_HEADER.pack(method_id, len(request), left) + request)
+            lane.sock.sendall(LANE_REQUEST_HEADER.pack(method_id, len(request), left) + request)
         except OSError:  # a timeout too: the request may be cut short
             self.drop(lane)  # the worker never saw the call: it may take gRPC
             return None
@@ -274,7 +275,7 @@ class CallLanes:
             endpoint.bulk.forget()
             return None
         try:
-            sock.sendall(LANE_MAGIC + answer.lane_ticket)
+            sock.sendall(prelude(LANE, answer.lane_ticket))
             if sock.recv(1) != ACK:
                 raise ConnectionResetError("the worker refused the lane")
         except OSError:
@@ -315,8 +316,8 @@ class PendingCall:
         """
         lane = self._lane
         try:
-            header = _receive(lane, RESPONSE_HEADER.size, self._deadline)
-            outcome, size = RESPONSE_HEADER.unpack(header)
+            header = _receive(lane, FRAME_HEADER.size, self._deadline)
+            outcome, size = FRAME_HEADER.unpack(header)
             if outcome not in (OK, FAILED, FAILED_CLOSING) or size > MAX_MESSAGE_BYTES:
                 raise ConnectionResetError("the worker sent a frame this client cannot read")
             body = _receive(lane, size, self._deadline)

@@ -13,9 +13,9 @@ import grpc
 import torch
 
 from collectives._progress import NO_PROGRESS, Progress
-from collectives._transport import WorkerEndpoint
 from collectives.errors import InvalidArgument, channel_was_closed, closed_handle, error_for_code
 from collectives.errors import from_rpc_error as _from_rpc_error
+from collectives.transport.endpoints import WorkerEndpoint
 from collectives.v1 import worker_pb2
 from collectives.wire import codec
 

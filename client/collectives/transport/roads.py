@@ -7,7 +7,7 @@
   :class:`InlineBudget`): inside the call's message up to a budget per call and
   direction, the rest put before and fetched after by name.
 * **A unary call** (``WorkerEndpoint.unary(method)``): a call lane when the
-  worker's lanes carry the method (:mod:`collectives.lanes` decides from what the
+  worker's lanes carry the method (:mod:`collectives.transport.lanes` decides from what the
   worker named, the request's size and whether a lane can be had), else a gRPC
   call.
 
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from collectives.bulk import BulkEndpoint
-from collectives.wire.bulk_frames import BULK_MIN_BYTES
+from collectives.transport.bulk import BulkEndpoint
+from collectives.wire.limits import BULK_MIN_BYTES
 
 __all__ = ["INLINE_BYTES", "DataPath", "InlineBudget", "Route", "choose_path"]
 
@@ -52,8 +52,8 @@ class InlineBudget:
 class DataPath(enum.Enum):
     """How a tensor's bytes travel between the SDK and a worker."""
 
-    SHM = "shm"  # a /dev/shm segment (same host, opt-in; see collectives.shm)
-    BULK = "bulk"  # the worker's bulk port: raw TCP beside gRPC (see collectives.bulk)
+    SHM = "shm"  # a /dev/shm segment (same host, opt-in; see collectives.transport.shm)
+    BULK = "bulk"  # the worker's bulk port: raw TCP beside gRPC (see collectives.transport.bulk)
     STREAM = "stream"  # 4 MiB chunks on the PutTensor/GetTensor gRPC stream
 
 

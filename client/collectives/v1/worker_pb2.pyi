@@ -954,6 +954,20 @@ class TrainStepArgs(_message.Message):
     max_grad_norm: float
     def __init__(self, model: _Optional[str] = ..., inputs: _Optional[str] = ..., targets: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[str] = ..., hyper_json: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., max_grad_norm: _Optional[float] = ...) -> None: ...
 
+class Announcement(_message.Message):
+    __slots__ = ("ops",)
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    ops: _containers.RepeatedCompositeFieldContainer[AnnouncedOp]
+    def __init__(self, ops: _Optional[_Iterable[_Union[AnnouncedOp, _Mapping]]] = ...) -> None: ...
+
+class AnnouncedOp(_message.Message):
+    __slots__ = ("op", "inline_capacity")
+    OP_FIELD_NUMBER: _ClassVar[int]
+    INLINE_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    op: OpDescriptor
+    inline_capacity: int
+    def __init__(self, op: _Optional[_Union[OpDescriptor, _Mapping]] = ..., inline_capacity: _Optional[int] = ...) -> None: ...
+
 class OpDescriptor(_message.Message):
     __slots__ = ("op_id", "generation", "group_id", "timeout_s", "kind", "tensor", "new_group", "gradients", "train_step", "coalesced", "uneven", "exchange", "destroy_group", "publish", "replicate", "membership_digest")
     OP_ID_FIELD_NUMBER: _ClassVar[int]

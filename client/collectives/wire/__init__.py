@@ -7,7 +7,7 @@ generated stubs (``collectives.v1``), ``collectives.errors`` and
 here changes only together with both sides: the two distributions ship in
 lockstep, and ``protos/`` is the contract. What it puts on the wire is plain
 and documented (messages framed by hand are still valid protobuf that any gRPC
-client can parse; the bulk port's preludes and the ``/dev/shm`` segment names
+client can parse; the raw connections' preludes and the ``/dev/shm`` segment names
 are spelled out here), so a client or server in another language can
 interoperate by reading these modules and ``protos/``.
 
@@ -20,9 +20,9 @@ module                    what it holds
 :mod:`.dtypes`            torch dtypes to and from the wire's enum
 :mod:`.codec`             hand-framed put/get bytes, tensor headers, checks
 :mod:`.pytree`            nested inputs and outputs as the wire's ``Value``
-:mod:`.limits`            the largest gRPC message either side sends or accepts
-:mod:`.bulk_frames`       the bulk port's preludes, acknowledgement, tickets
-:mod:`.lane_frames`       the call lane's prelude and request/response frames
+:mod:`.limits`            message sizes, the bulk threshold, a model load's time
+:mod:`.frames`            every raw TCP connection's prelude and frames (bulk,
+                          call lanes, the control channel)
 :mod:`.socket_timeouts`   read and write timeouts the kernel keeps on a socket
 :mod:`.shm`               ``/dev/shm`` segments: names, creation, checked opens
 :mod:`.memory`            receive buffers that fault in huge pages

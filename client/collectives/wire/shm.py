@@ -8,7 +8,8 @@ one-off put, :data:`WORKER_GET` for the segments a worker writes a get into),
 writes only into files named :data:`PREFIX` ``*``, the SDK takes over (and
 unlinks) only :data:`WORKER_GET` segments, and a starting worker sweeps the
 :data:`WORKER_GET` segments of processes that are gone. The SDK's segment pool
-is :mod:`collectives.shm`, the worker's side ``collectives_server.worker.rpc.shm_service``.
+is :mod:`collectives.transport.shm`, the worker's side
+``collectives_server.worker.rpc.shm_service``.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from collectives_server.cli.control import (
 from collectives_server.cli.data_plane import add_data_plane_flags, data_plane_from_args
 from collectives_server.cli.groups import add_group_flags, groups_from_args
 from collectives_server.worker.config import WorkerConfig
-from collectives_server.worker.rpc.lanes import LANE_METHODS
+from collectives_server.worker.transport.lanes import LANE_METHODS
 
 __all__ = ["add_parser", "config_from_args", "parse_devices", "run"]
 

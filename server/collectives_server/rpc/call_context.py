@@ -1,7 +1,7 @@
 """What a call's handler, guards and interceptors may use of its context.
 
 A worker method runs on two roads: a gRPC call, whose context is grpc's
-``ServicerContext``, and a call lane (``worker.rpc.lanes.LaneContext``). Both
+``ServicerContext``, and a call lane (``worker.transport.lanes.LaneContext``). Both
 provide :class:`CallContext`, and the code that runs on either is typed against
 it, so a method it lacks is a type error rather than a surprise on one road.
 """

@@ -3,13 +3,14 @@
 Layers, lowest first; a module imports only from its own layer and the ones
 below it (``tests/unit/test_layering.py`` enforces it):
 
-``data`` < ``kernels`` < ``models`` < ``engine`` < the shared state here
+``data`` < ``transport`` < ``kernels`` < ``models`` < ``engine`` < the shared state here
 (``config``, ``context``, ``telemetry/``, ``stats``, ``status``, ``metrics``)
 < ``rpc`` < the daemon here (``daemon``, ``enrolment``, ``heartbeats``).
 
 Modules:
 
 * ``data/``: where tensors live and how their bytes arrive
+* ``transport/``: the bulk port and the call lanes it carries, beside gRPC
 * ``kernels/``: the data collectives on one process group
 * ``models/``: hosted models: registry, execution, modes, versions, optimizers, archives
 * ``engine/``: one generation's op pipeline: sequencing, announcing, agreeing, the handlers

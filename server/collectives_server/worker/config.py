@@ -59,7 +59,7 @@ class WorkerConfig:
     # 0 picks a free one; None: no bulk port. Under TLS it speaks TLS (raw_tls).
     bulk_port: int | None = 0
     # Serve call lanes on the bulk port (small forwards framed over kept raw TCP
-    # connections instead of a gRPC call each; worker/rpc/lanes.py).
+    # connections instead of a gRPC call each; worker/transport/lanes.py).
     call_lanes: bool = True
     # The methods the lanes carry (--lane-methods); None: every one they can.
     lane_methods: tuple[str, ...] | None = None

@@ -27,7 +27,6 @@ import torch
 
 from collectives_server.rpc.limits import StreamSlots
 from collectives_server.worker.config import WorkerConfig
-from collectives_server.worker.data.bulk import BulkListener
 from collectives_server.worker.data.replaced_memory import ReplacedMemory
 from collectives_server.worker.data.shm_segments import WorkerSegments
 from collectives_server.worker.data.store import TensorStore
@@ -35,6 +34,7 @@ from collectives_server.worker.engine.flight_recorder import FlightRecorder
 from collectives_server.worker.models.archive.upload import ModelUploads
 from collectives_server.worker.models.registry import ModelRegistry
 from collectives_server.worker.stats import WorkerStats
+from collectives_server.worker.transport.bulk import BulkListener
 
 __all__ = ["GenerationView", "WorkerContext"]
 

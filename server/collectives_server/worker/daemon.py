@@ -40,7 +40,6 @@ from collectives_server.signals import StopSignal
 from collectives_server.store_socket import start_store
 from collectives_server.worker.config import WorkerConfig
 from collectives_server.worker.context import WorkerContext
-from collectives_server.worker.data.bulk import BulkListener
 from collectives_server.worker.data.replaced_memory import ReplacedMemory, pool_bytes
 from collectives_server.worker.data.shm_segments import WorkerSegments
 from collectives_server.worker.data.store import TensorStore
@@ -56,12 +55,6 @@ from collectives_server.worker.enrolment import bounded_status, register
 from collectives_server.worker.heartbeats import HeartbeatStream, reply_interval_s
 from collectives_server.worker.models.archive.upload import ModelUploads
 from collectives_server.worker.models.registry import ModelRegistry
-from collectives_server.worker.rpc.lanes import (
-    LANE_METHODS,
-    CallLanes,
-    lane_handlers,
-    lane_interceptors,
-)
 from collectives_server.worker.rpc.service import (
     SERVICE_NAME,
     WorkerService,
@@ -70,6 +63,13 @@ from collectives_server.worker.rpc.service import (
 )
 from collectives_server.worker.stats import WorkerStats
 from collectives_server.worker.status import heartbeat_status, op_done, worker_state
+from collectives_server.worker.transport.bulk import BulkListener
+from collectives_server.worker.transport.lanes import (
+    LANE_METHODS,
+    CallLanes,
+    lane_handlers,
+    lane_interceptors,
+)
 
 __all__ = ["WorkerDaemon", "run_worker", "resolve_devices"]
 

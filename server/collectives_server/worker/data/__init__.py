@@ -7,9 +7,7 @@ Modules:
 * ``store``: the named tensor store (quota, fences, uploads)
 * ``replaced_memory``: memory of replaced values, kept for the next value of that size
 * ``memory_release``: giving freed memory back to the system at once
-* ``bulk``: the bulk port: raw TCP for large tensors beside gRPC
 * ``limits``: the data plane's limits as plain values
 * ``shm_adopt``: client segments a worker keeps stored tensors in
 * ``shm_segments``: the /dev/shm segments a worker creates for clients' gets
-* ``peer_identity``: which local user is at the other end of a loopback connection
 """

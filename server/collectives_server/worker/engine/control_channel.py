@@ -21,9 +21,10 @@ tensors cost at every rank.
 
 Rendezvous goes through the generation's store, as gloo's does: the leader
 listens on the worker's host and publishes its address, port and a random
-token under the group's prefix; each follower connects and presents its rank
-and the token. Frames carry a kind and a length that the receiver checks
-against what it expects, so ranks that fell out of step fail loudly.
+token under the group's prefix; each follower connects with a ``CONTROL``
+prelude carrying the token, then a ``HELLO`` frame with its rank. Frames
+(``collectives.wire.frames``) carry a kind and a length that the receiver
+checks against what it expects, so ranks that fell out of step fail loudly.
 
 The sockets are blocking, their timeouts kept by the kernel
 (``collectives.wire.socket_timeouts``): a read or write is one system call and
@@ -49,6 +50,20 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from collectives.wire import socket_timeouts
+from collectives.wire.frames import (
+    ACK,
+    CONTROL,
+    CONTROL_BROADCAST,
+    CONTROL_HELLO,
+    CONTROL_ROW,
+    CONTROL_TABLE,
+    FRAME_HEADER,
+    MAX_FRAME_BYTES,
+    PRELUDE_BYTES,
+    new_token,
+    parse_prelude,
+    prelude,
+)
 from collectives.wire.socket_timeouts import KernelTimeouts
 from collectives_server.hosts import dialled_name, is_wildcard
 
@@ -57,13 +72,17 @@ if TYPE_CHECKING:
 
 __all__ = ["ControlChannel"]
 
-_FRAME = struct.Struct("<BQ")  # kind, payload bytes
-_HELLO = struct.Struct("<q16s")  # rank, token
-_BROADCAST, _ROW, _TABLE = 1, 2, 3
-_KIND_NAMES = {_BROADCAST: "broadcast", _ROW: "row", _TABLE: "table"}
+_FRAME = FRAME_HEADER
+_RANK = struct.Struct("<I")  # a HELLO frame's payload
+_KIND_NAMES = {
+    CONTROL_BROADCAST: "broadcast",
+    CONTROL_ROW: "row",
+    CONTROL_TABLE: "table",
+    CONTROL_HELLO: "hello",
+}
+_HELLO_BYTES = PRELUDE_BYTES + _FRAME.size + _RANK.size
 _ALIGN = 16
 _SMALL = 64 * 1024  # frames up to this size go out in one send
-_TOKEN_BYTES = 16
 _SLACK_S = 0.1  # a read may outlast its deadline by this much (see _read_exact)
 
 
@@ -109,7 +128,7 @@ class ControlChannel:
         if self.rank != 0:
             raise ValueError("only the leader (rank 0) announces")
         for r in self._followers:
-            self._send(r, _BROADCAST, message)
+            self._send(r, CONTROL_BROADCAST, message)
 
     def receive_announcement(self, max_bytes: int) -> bytes:
         """Follower: the leader's next announcement (at most ``max_bytes``)."""
@@ -119,7 +138,7 @@ class ControlChannel:
         timeouts = self._timeouts[0]
         _read_exact(sock, timeouts, memoryview(head), deadline, 0, self.timeout_s)
         kind, nbytes = _FRAME.unpack(head)
-        if kind != _BROADCAST or nbytes > max_bytes:
+        if kind != CONTROL_BROADCAST or nbytes > max_bytes:
             raise RuntimeError(
                 f"control channel out of step with rank 0: expected an announcement of at "
                 f"most {max_bytes} bytes, got a {_KIND_NAMES.get(kind, kind)} of {nbytes}"
@@ -136,15 +155,15 @@ class ControlChannel:
         mine = memoryview(row).cast("B")
         width = len(mine)
         if self.rank != 0:
-            self._send(0, _ROW, mine)
-            return self._recv(0, _TABLE, width * self.size)
+            self._send(0, CONTROL_ROW, mine)
+            return self._recv(0, CONTROL_TABLE, width * self.size)
         table = bytearray(width * self.size)
         view = memoryview(table)
         view[:width] = mine
         for r in self._followers:
-            view[r * width : (r + 1) * width] = self._recv(r, _ROW, width)
+            view[r * width : (r + 1) * width] = self._recv(r, CONTROL_ROW, width)
         for r in self._followers:
-            self._send(r, _TABLE, view)
+            self._send(r, CONTROL_TABLE, view)
         return view
 
     # -- framing ------------------------------------------------------------
@@ -156,6 +175,8 @@ class ControlChannel:
 
     def _send(self, peer: int, kind: int, payload: Buffer) -> None:
         sock = self._sock(peer)
+        if len(payload) > MAX_FRAME_BYTES:
+            raise RuntimeError(f"control channel: a frame of {len(payload)} bytes is too large")
         head = _FRAME.pack(kind, len(payload))
         try:
             if len(payload) <= _SMALL:
@@ -259,7 +280,7 @@ def _accept_followers(
         backlog=size,
         dualstack_ipv6=v6 and bind == "::" and socket.has_dualstack_ipv6(),
     )
-    token = secrets.token_bytes(_TOKEN_BYTES)
+    token = new_token()
     peers: dict[int, socket.socket] = {}
     try:
         port = listener.getsockname()[1]
@@ -284,7 +305,7 @@ def _accept_followers(
                 continue
             peers[rank] = sock
         for sock in peers.values():
-            sock.sendall(b"\x01")
+            sock.sendall(ACK)
         return peers
     except BaseException:
         for sock in peers.values():
@@ -295,15 +316,20 @@ def _accept_followers(
 
 
 def _hello(sock: socket.socket, token: bytes, size: int, deadline: float) -> int | None:
-    """The connecting follower's rank, or None if it did not say it right in time."""
-    buf = bytearray(_HELLO.size)
+    """The connecting follower's rank, or None if it did not say it right in time (a
+    prelude of another kind or version, the wrong token, a rank out of range)."""
+    buf = bytearray(_HELLO_BYTES)
     try:
         timeouts = KernelTimeouts(sock, 5.0)
         _read_exact(sock, timeouts, memoryview(buf), min(deadline, time.monotonic() + 5.0), -1, 5.0)
     except RuntimeError:
         return None
-    rank, presented = _HELLO.unpack(buf)
-    if not secrets.compare_digest(presented, token) or not 1 <= rank < size:
+    opened = parse_prelude(buf[:PRELUDE_BYTES])
+    kind, length = _FRAME.unpack_from(buf, PRELUDE_BYTES)
+    if opened is None or opened[0] != CONTROL or (kind, length) != (CONTROL_HELLO, _RANK.size):
+        return None
+    (rank,) = _RANK.unpack_from(buf, PRELUDE_BYTES + _FRAME.size)
+    if not secrets.compare_digest(opened[2], token) or not 1 <= rank < size:
         return None
     return rank
 
@@ -322,9 +348,19 @@ def _join_leader(store: dist.Store, rank: int, timeout_s: float) -> socket.socke
     except OSError as exc:
         raise RuntimeError(f"control channel: could not reach the leader: {exc}") from exc
     try:
-        sock.sendall(_HELLO.pack(rank, bytes.fromhex(token)))
+        hello = _FRAME.pack(CONTROL_HELLO, _RANK.size) + _RANK.pack(rank)
+        sock.sendall(prelude(CONTROL, bytes.fromhex(token)) + hello)
         ack = bytearray(1)
-        _read_exact(sock, KernelTimeouts(sock, timeout_s), memoryview(ack), deadline, 0, timeout_s)
+        try:
+            timeouts = KernelTimeouts(sock, timeout_s)
+            _read_exact(sock, timeouts, memoryview(ack), deadline, 0, timeout_s)
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"{exc} (the leader closes a follower whose hello it does not accept: a "
+                "stale token, or a release that speaks another control-channel version)"
+            ) from exc
+        if bytes(ack) != ACK:
+            raise RuntimeError("control channel: the leader answered the hello with no ACK")
     except BaseException:
         sock.close()
         raise

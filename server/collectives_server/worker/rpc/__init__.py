@@ -7,8 +7,6 @@ Modules:
 * ``model_service``: the model RPCs
 * ``p2p_service``: point-to-point, replication and group teardown
 * ``shm_service``: same-host shared-memory transfers
-* ``lanes``: call lanes: small unary calls (Forward) over kept bulk-port connections,
-  through the same handlers and interceptors as gRPC
 * ``guards``: domain errors to gRPC statuses; each call counted
 * ``leader``: what an RPC that runs an op needs of the leader: its generation, the wait,
   the reply of a committed collective

@@ -24,8 +24,9 @@ from collectives.errors import (
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import flight_record_pb2, worker_pb2
 from collectives.wire import codec, op_args
-from collectives.wire.bulk_frames import BULK_MIN_BYTES, new_ticket
 from collectives.wire.dtypes import to_wire
+from collectives.wire.frames import new_token
+from collectives.wire.limits import BULK_MIN_BYTES
 from collectives.wire.names import validate_name
 from collectives.wire.op_specs import (
     SPECS,
@@ -36,7 +37,6 @@ from collectives.wire.op_specs import (
 )
 from collectives_server.rpc.limits import RpcLimits
 from collectives_server.worker.context import WorkerContext
-from collectives_server.worker.data.bulk import BulkListener
 from collectives_server.worker.data.memory_release import drop_partial
 from collectives_server.worker.engine.process_groups import check_group_cap, subgroup_count
 from collectives_server.worker.rpc.guards import counted as _counted
@@ -49,6 +49,7 @@ from collectives_server.worker.rpc.p2p_service import PeerRpcs
 from collectives_server.worker.rpc.shm_service import get_tensor_shm, put_tensor_shm
 from collectives_server.worker.status import worker_state
 from collectives_server.worker.telemetry.flight_record import flight_record_response
+from collectives_server.worker.transport.bulk import BulkListener
 
 __all__ = ["WorkerService", "add_worker_service", "SERVICE_NAME"]
 
@@ -191,7 +192,7 @@ class WorkerService:
         if header.nbytes < BULK_MIN_BYTES:
             response.inline_data = codec.tensor_memoryview(wire).tobytes()
         else:
-            ticket = new_ticket()
+            ticket = new_token()
             # The ticket's bytes count against the quota until sent or expired: a
             # client cannot pin unbounded memory with tickets it never uses.
             hold = self._ctx.store.reserve(f"{request.name} (bulk get)", header.nbytes, "get")

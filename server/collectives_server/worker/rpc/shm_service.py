@@ -35,9 +35,9 @@ from collectives.v1 import worker_pb2
 from collectives.wire import codec, shm
 from collectives.wire.names import validate_name
 from collectives_server.worker.context import WorkerContext
-from collectives_server.worker.data.peer_identity import loopback_peer_uid
 from collectives_server.worker.data.shm_adopt import MIN_ADOPT_BYTES
 from collectives_server.worker.data.shm_segments import ShmLimits, WorkerSegments
+from collectives_server.worker.transport.peer_identity import loopback_peer_uid
 
 __all__ = ["ShmLimits", "WorkerSegments", "get_tensor_shm", "put_tensor_shm"]
 

@@ -11,10 +11,10 @@ tensor's memory (``recv_into``/``sendall`` on a memoryview: no user-space copy).
 
 A transfer is authorised by a one-time 16-byte random ticket that travels in
 a gRPC call (so it inherits that call's token check), and is presented as the
-first bytes of the connection: ``b"CBK1" + ticket``. Which side comes first
-does not matter (the connection waits for its ticket to be registered, the
-call for its connection), and both wait with deadlines. Only offered on
-plaintext workers: with TLS on, the payload must not leave the encrypted channel.
+first bytes of the connection, in a ``BULK`` prelude (``collectives.wire.frames``).
+Which side comes first does not matter (the connection waits for its ticket to
+be registered, the call for its connection), and both wait with deadlines. A
+worker under TLS serves the port over TLS with its gRPC port's credentials.
 """
 
 from __future__ import annotations
@@ -34,19 +34,19 @@ from typing import Any, Protocol
 import torch
 
 from collectives.errors import DeadlineExceeded, InvalidArgument, Unavailable
-from collectives.wire.bulk_frames import (
+from collectives.wire.codec import tensor_memoryview
+from collectives.wire.frames import (
     ACK,
-    MAGIC,
-    MAGIC_ACKED,
+    BULK,
+    LANE,
     NO_TICKET_MARK,
     PRELUDE_BYTES,
-    TICKET_BYTES,
+    TOKEN_BYTES,
+    parse_prelude,
 )
-from collectives.wire.codec import tensor_memoryview
-from collectives.wire.lane_frames import LANE_MAGIC
 from collectives_server.worker.data.limits import BulkLimits
 
-__all__ = ["BulkLimits", "BulkListener", "LaneServer", "PRELUDE_BYTES"]
+__all__ = ["BulkLimits", "BulkListener", "LaneServer"]
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +72,8 @@ class _Transfer:
 
 
 class LaneServer(Protocol):
-    """What serves the call lanes (``worker.rpc.lanes.CallLanes``): a connection whose
-    prelude is ``LANE_MAGIC`` + a ticket is handed to it for good."""
+    """What serves the call lanes (``worker.transport.lanes.CallLanes``): a connection whose
+    prelude is a ``LANE`` one (``collectives.wire.frames``) is handed to it for good."""
 
     calls: Mapping[str, int]  # calls answered on lanes, by method
     methods: tuple[str, ...]  # the methods the lanes carry, by id (from 1; "": not served)
@@ -165,7 +165,7 @@ class BulkListener:
     def refuse(self, ticket: bytes) -> None:
         """Marks a ticket whose call failed before registering, so that its
         connection is closed at once instead of waiting for a registration."""
-        if len(ticket) != TICKET_BYTES:
+        if len(ticket) != TOKEN_BYTES:
             return
         with self._lock:
             self._expire_locked()
@@ -186,8 +186,8 @@ class BulkListener:
         self._sock.close()
 
     def _register(self, ticket: bytes, kind: str, tensor: torch.Tensor, ttl_s: float) -> _Transfer:
-        if len(ticket) != TICKET_BYTES:
-            raise InvalidArgument(f"a bulk ticket is {TICKET_BYTES} bytes, not {len(ticket)}")
+        if len(ticket) != TOKEN_BYTES:
+            raise InvalidArgument(f"a bulk ticket is {TOKEN_BYTES} bytes, not {len(ticket)}")
         transfer = _Transfer(
             kind=kind,
             view=tensor_memoryview(tensor),
@@ -297,18 +297,21 @@ class BulkListener:
         prelude = _recv_exactly(
             conn, memoryview(bytearray(PRELUDE_BYTES)), time.monotonic() + wait_s
         )
-        magic = bytes(prelude[: len(MAGIC)]) if prelude is not None else b""
-        if magic == LANE_MAGIC and self._lanes is not None:
-            lane = self._lanes.claim(bytes(prelude[len(MAGIC) :]))
+        opened = parse_prelude(prelude) if prelude is not None else None
+        if opened is None:
+            return False
+        kind, version, ticket = opened
+        if kind == LANE and self._lanes is not None:
+            lane = self._lanes.claim(ticket)
             if lane is not None:
                 self._lanes.serve(conn, lane)
             return False
-        if magic not in (MAGIC, MAGIC_ACKED):
+        if kind != BULK:
             return False
-        transfer = self._claim(bytes(prelude[len(MAGIC) :]))
+        transfer = self._claim(ticket)
         if transfer is None:
             return False
-        if magic == MAGIC_ACKED and transfer.kind == "put":
+        if version == 2 and transfer.kind == "put":
             try:
                 conn.sendall(ACK)  # the ticket is ours: send the payload
             except OSError:

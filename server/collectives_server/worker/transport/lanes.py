@@ -1,8 +1,8 @@
 """The worker's call lanes: small unary calls served over kept bulk-port connections.
 
 A lane is a raw TCP connection to the worker's bulk port that opened with
-``LANE_MAGIC`` and a ticket from ``GetDataPlane(open_lane=true)`` (a gRPC call,
-so the token check applies; framing in :mod:`collectives.wire.lane_frames`).
+a ``LANE`` prelude and a ticket from ``GetDataPlane(open_lane=true)`` (a gRPC call,
+so the token check applies; framing in :mod:`collectives.wire.frames`).
 The bulk listener hands such a connection to :meth:`CallLanes.serve`, which
 answers its calls one at a time on the connection's own thread: no HTTP/2, no
 completion queue, no hand-off to a pool.
@@ -14,7 +14,7 @@ for its ``grpc.ServicerContext``: its deadline is the one the client sent, its
 peer and metadata those of the ``GetDataPlane`` call that issued the ticket (so
 the operator's view shows one client, not one per connection), and an abort
 becomes a ``FAILED`` frame with the ``google.rpc.Status`` a gRPC call would end
-with. The client's side is :mod:`collectives.lanes`.
+with. The client's side is :mod:`collectives.transport.lanes`.
 """
 
 from __future__ import annotations
@@ -35,16 +35,18 @@ from google.rpc import status_pb2
 
 from collectives.errors import STATUS_DETAILS_METADATA_KEY
 from collectives.v1 import worker_pb2
-from collectives.wire.bulk_frames import ACK, TICKET_BYTES, new_ticket
-from collectives.wire.lane_frames import (
+from collectives.wire.frames import (
+    ACK,
     FAILED,
     FAILED_CLOSING,
     FIRST_LANE_METHODS,
+    FRAME_HEADER,
+    LANE_REQUEST_HEADER,
     MAX_LANE_METHODS,
     MAX_LANE_REQUEST_BYTES,
     OK,
-    REQUEST_HEADER,
-    RESPONSE_HEADER,
+    TOKEN_BYTES,
+    new_token,
 )
 from collectives.wire.limits import MAX_MESSAGE_BYTES
 from collectives.wire.socket_timeouts import KernelTimeouts, peer_closed
@@ -277,7 +279,7 @@ class CallLanes:
 
     def issue(self, peer: str, metadata: Iterable[tuple[str, Any]]) -> bytes:
         """A one-time ticket for one lane connection of the caller ``peer``."""
-        ticket = new_ticket()
+        ticket = new_token()
         now = time.monotonic()
         kept = tuple((k, v) for k, v in metadata if k != "authorization")
         with self._lock:
@@ -289,7 +291,7 @@ class CallLanes:
 
     def claim(self, ticket: bytes) -> LaneTicket | None:
         """The lane ``ticket`` opens (spent now), or None: unknown, spent or expired."""
-        if len(ticket) != TICKET_BYTES:
+        if len(ticket) != TOKEN_BYTES:
             return None
         with self._lock:
             self._expire_locked(time.monotonic())
@@ -316,7 +318,7 @@ class CallLanes:
         # of the GIL) per read and write (``collectives.wire.socket_timeouts``).
         timeouts = KernelTimeouts(conn, self._idle_s)
         conn.sendall(ACK)
-        header = bytearray(REQUEST_HEADER.size)
+        header = bytearray(LANE_REQUEST_HEADER.size)
         while True:
             # Between calls a lane may idle ``idle_s``. From a frame's first byte, the
             # whole frame must arrive within ``idle_s``: a deadline that a client
@@ -327,7 +329,7 @@ class CallLanes:
             deadline = time.monotonic() + self._idle_s
             if not _recv_until(conn, timeouts, memoryview(header)[1:], deadline):
                 return
-            method_id, size, timeout_s = REQUEST_HEADER.unpack(header)
+            method_id, size, timeout_s = LANE_REQUEST_HEADER.unpack(header)
             method, handler = self._handlers.get(method_id, ("", None))
             if handler is None or size > MAX_LANE_REQUEST_BYTES:
                 why = (
@@ -422,7 +424,7 @@ class CallLanes:
 
 
 def _frame(outcome: int, body: bytes) -> bytes:
-    return RESPONSE_HEADER.pack(outcome, len(body)) + body
+    return FRAME_HEADER.pack(outcome, len(body)) + body
 
 
 def _send_closing(conn: socket.socket, status: status_pb2.Status) -> None:
