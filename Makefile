@@ -22,12 +22,13 @@ STUB_DIR := client/collectives/v1
 TEST_DIRS := $(wildcard tests/unit tests/integration tests/browser tests/fault)
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test test-quick soak fault bench bench-quick gpu-check lint format proto proto-check clean distclean
+.PHONY: help install demo test test-quick test-roads soak fault bench bench-quick gpu-check lint format proto proto-check clean distclean
 
 help:
 	@echo "make demo         start a local cluster of 2 workers, run examples/demo.py, stop it"
 	@echo "make test         lint + proto-check + unit, integration, browser and fault tests"
 	@echo "make test-quick   lint + proto-check + unit and the core integration tests (< 3 min)"
+	@echo "make test-roads   the behaviour tests again with lanes and the bulk port off (gRPC only)"
 	@echo "make fault        the fault-injection suite and the soak alone (COLLECTIVES_SOAK_S=40)"
 	@echo "make soak         the many-clients model test, long (SOAK_EXAMPLES=200 examples of 60 steps)"
 	@echo "make bench        the benchmark table: every figure beside its anchor (full sizes, minutes)"
@@ -88,6 +89,17 @@ QUICK_TESTS := tests/unit $(addprefix tests/integration/,test_collectives_reduct
 
 test-quick: lint proto-check
 	$(VPY) -m pytest $(XDIST) $(QUICK_TESTS) $(PYTEST_ARGS)
+
+# The behaviour tests again with the shared clusters' fast roads off (no bulk port,
+# no call lanes: gRPC only), so both roads give the same answers (docs/design.md,
+# "Two roads for one behaviour"); CI runs it after `make test`.
+ROAD_TESTS := $(addprefix tests/integration/,test_collectives_reductions.py \
+	test_collectives_data_movement.py test_collectives_groups_async.py test_coalesced.py \
+	test_op_path_sizes.py test_p2p.py test_data_parallel.py test_training.py \
+	test_train_eval_mode.py test_publish.py test_many_clients.py test_errors.py)
+
+test-roads: $(STAMP)
+	COLLECTIVES_TEST_ROADS=grpc $(VPY) -m pytest $(XDIST) $(ROAD_TESTS) $(PYTEST_ARGS)
 
 # Real signals to real processes; prints time to detect/recover per fault and
 # the soak's table. COLLECTIVES_SOAK_S sets the soak's length (seconds; make test

@@ -178,6 +178,15 @@ MODEL_ZOO = ("--allow-factory", "collectives_server.model_zoo")
 # With a lease that long, a beat a second is plenty: each beat costs the worker and the
 # coordinator CPU, and these clusters live through most of the run.
 SHARED_FLAGS = (*MODEL_ZOO, "--lease", "30", "--heartbeat", "1.0")
+# COLLECTIVES_TEST_ROADS=grpc starts them without their fast roads (no bulk port, hence
+# no call lanes: every call and every tensor takes gRPC). `make test-roads` runs the
+# behaviour tests that way, so their answers are checked on both roads (docs/design.md,
+# "Two roads for one behaviour").
+ROADS = os.environ.get("COLLECTIVES_TEST_ROADS", "fast")
+if ROADS not in ("fast", "grpc"):
+    raise pytest.UsageError(f"COLLECTIVES_TEST_ROADS={ROADS!r}: use fast or grpc")
+if ROADS == "grpc":
+    SHARED_FLAGS = (*SHARED_FLAGS, "--no-bulk")
 # Where the tests that share cluster2 / cluster3 live: those clusters stop once this
 # process has run its last test there (see pytest_runtest_teardown).
 SHARED_CLUSTER_TESTS = Path(__file__).parent / "integration"
