@@ -16,6 +16,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -164,10 +165,30 @@ def test_top_piped_has_the_rates_in_its_first_frame_and_honours_columns_and_wide
     )
     narrow = _top(cluster2_address, columns="70").splitlines()
     assert max(map(len, narrow)) <= 70, narrow
-    wide = _top(cluster2_address, "--wide", columns="70")
+    # The rate covers the last ~10 s: keep all_reduces going while top starts, however
+    # long a loaded machine takes to start it.
+    stop = threading.Event()
+
+    def keep_reducing() -> None:
+        deadline = time.monotonic() + 120
+        while not stop.is_set() and time.monotonic() < deadline:
+            cluster2.all_reduce(name)
+
+    busy = threading.Thread(target=keep_reducing)
+    busy.start()
+    try:
+        # One frame: the by-kind table already has all_reduce's rate (the workers' own,
+        # from their last heartbeats). A frame drawn before any heartbeat carried the
+        # running rate may read 0.0 on a loaded machine: another top then, a few at most.
+        for _ in range(5):
+            wide = _top(cluster2_address, "--wide", columns="70")
+            row = next(line.split() for line in wide.splitlines() if line.startswith("all_reduce"))
+            if float(row[2]) > 0:
+                break
+    finally:
+        stop.set()
+        busy.join(timeout=60)
     assert "…" not in wide and max(map(len, wide.splitlines())) > 70, wide
-    # One frame: the by-kind table already has all_reduce's rate (the workers' own).
-    row = next(line.split() for line in wide.splitlines() if line.startswith("all_reduce"))
     assert row[1] == "all" and float(row[2]) > 0, row
     assert {"P50", "P99", "COLL_IN", "COLL_OUT"} <= set(wide.split())
     cluster2.delete(name, missing_ok=True)

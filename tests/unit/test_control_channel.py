@@ -264,9 +264,15 @@ def test_a_rank_that_never_connects_fails_the_leader_in_time() -> None:
 
     started = time.monotonic()
     leader, follower = run_ranks(2, body)  # rank 2 of 3 never comes
-    assert time.monotonic() - started < 5.0
+    # It ends, with errors naming the 0.5 s timeout: no hang. How soon is the machine's
+    # business (a loaded one starved these threads for seconds), so the bound only
+    # tells an end from a hang.
+    assert time.monotonic() - started < 30.0
+    assert "0.5s" in str(leader), leader
     assert "rank(s) [2] to connect" in str(leader)
-    assert "rank 0" in str(follower)  # no answer from the leader within its timeout
+    # No answer from the leader within its timeout; on a loaded machine the leader may
+    # not even have published its address within the follower's 0.5 s.
+    assert "rank 0" in str(follower) or "the leader's address" in str(follower), follower
 
 
 @pytest.mark.parametrize("length", [0, 1, 1023, 1024, 70_000])
