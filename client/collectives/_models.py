@@ -38,6 +38,7 @@ from collectives._archive_staging import load_staged, stage_archive
 from collectives._data_plane import DataPlane
 from collectives._deadlines import time_left
 from collectives._generation_binding import GenerationBinding
+from collectives._placement import Placement
 from collectives._programs import ProgramCache, as_module, example_like, program_name
 from collectives._progress import progress
 from collectives._session import Session, server_timeout_s
@@ -97,6 +98,8 @@ class Models:
         self._programs = ProgramCache()
         # Example outputs a custom loss is traced on, per (model, inputs, targets shapes).
         self._output_examples: dict[tuple[Any, ...], Any] = {}
+        # Where this client's small forwards run: workers chosen by load (data_parallel).
+        self.placement = Placement()
 
     # --------------------------------------------------------------- loading
     def load_model(

@@ -16,11 +16,12 @@ worker's ``--graph-ttl-s``).
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -28,7 +29,7 @@ from collectives._deadlines import time_left
 from collectives._models import Models
 from collectives._session import Session
 from collectives.errors import CollectiveError, InvalidArgument, NotFound, Reason, Unavailable
-from collectives.transport.calls import Job, Mapped, Start
+from collectives.transport.calls import Call, Job, Mapped, Start
 from collectives.transport.endpoints import WorkerEndpoint, get_tensor, put_tensor
 from collectives.transport.roads import INLINE_BYTES, InlineBudget
 from collectives.v1 import worker_pb2
@@ -47,6 +48,8 @@ from collectives.wire.pytree import (
 )
 
 __all__ = ["DataParallel"]
+
+R = TypeVar("R")
 
 
 def _namedtuple_types(obj: Any, found: dict[str, type] | None = None) -> dict[str, type]:
@@ -75,6 +78,29 @@ def _decode_inline(leaves: Any) -> dict[str, torch.Tensor]:
         return {leaf.name: tensor_from_proto(leaf.tensor) for leaf in leaves}
     except InvalidArgument as err:
         raise InvalidArgument(f"a worker sent a malformed inline tensor: {err.message}") from None
+
+
+def _noting(shard: int, failed: set[int], fn: Callable[[], R]) -> R:
+    """``fn()``, adding ``shard`` to ``failed`` if it raises a CollectiveError."""
+    try:
+        return fn()
+    except CollectiveError:
+        failed.add(shard)
+        raise
+
+
+class _Noted(Generic[R]):
+    """A shard's call that notes the shard in ``failed`` when it fails."""
+
+    __slots__ = ("_call", "_failed", "_shard")
+
+    def __init__(self, call: Call[R], shard: int, failed: set[int]) -> None:
+        self._call = call
+        self._shard = shard
+        self._failed = failed
+
+    def result(self) -> R:
+        return _noting(self._shard, self._failed, self._call.result)
 
 
 @dataclass
@@ -127,20 +153,60 @@ class _RemoteCall:
             True: worker_pb2.MODEL_MODE_TRAIN,
             False: worker_pb2.MODEL_MODE_EVAL,
         }[training]
-        # Train mode of a model that normalises over the batch: no shard of one row.
+        # Train mode of a model that normalises over the batch: no shard of one row,
+        # and each shard updates its worker's running statistics (so shard i runs on
+        # rank i, as on nn.DataParallel's devices).
+        self.batch_statistics = batch_statistics
         self.min_rows = 2 if training and batch_statistics else 1
         self.deadline = session.deadline(timeout)
-        self.call_id = f"__dp/{uuid.uuid4().hex}"
+        self.call_id = ""
         self.version = 0  # the model version that computed the outputs, once known
+        self.routed = False  # the parts were placed by load (_placement), not by rank
 
     def forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The gathered outputs. A forward that only reads the model (no autograd) and
+        splits into fewer parts than there are members has its parts placed by load
+        (``_placement``), and is placed again, away from a worker that failed it with
+        ``UNAVAILABLE``, within its deadline, when its output cannot depend on the
+        worker: the replicas are known to be the same, and the model keeps no
+        per-worker statistics (batch norm's running ones)."""
+        grad_on = torch.is_grad_enabled()
+        placement = self.models.placement
+        routable = not grad_on and not self.batch_statistics and placement.may_route(self.model)
+        while True:
+            failed: set[int] = set()
+            try:
+                return self._forward_once(inputs, kwargs, grad_on, routable, failed)
+            except Unavailable as err:
+                if not self.routed or not failed or err.reason == Reason.VERSION_MOVED:
+                    raise
+                if time.monotonic() >= self.deadline:
+                    raise  # no time to place it again: the worker's own error
+                for i in failed:
+                    placement.avoid(self.shards[i].endpoint.address)
+
+    def _forward_once(
+        self,
+        inputs: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        grad_on: bool,
+        routable: bool,
+        failed: set[int],
+    ) -> Any:
+        """One attempt of :meth:`forward`; the shards whose call failed go in ``failed``."""
+        self.call_id = f"__dp/{uuid.uuid4().hex}"
         snapshot = self.session.formed_snapshot(self.deadline)
         members = [w for w in snapshot.workers if w.rank >= 0]
         members.sort(key=lambda w: w.rank)
         parts_args, parts_kwargs = scatter_kwargs(
             inputs, kwargs, len(members), self.dim, self.min_rows
         )
-        grad_on = torch.is_grad_enabled()
+        self.routed = routable and len(parts_args) < len(members)
+        placement = self.models.placement
+        if self.routed:
+            placed = placement.choose(members, len(parts_args))
+        else:
+            placed = members[: len(parts_args)]
         all_leaves = tensors_in(inputs) + tensors_in(kwargs)
         self.grad_leaf_ids = [
             k
@@ -148,10 +214,7 @@ class _RemoteCall:
             if grad_on and t.requires_grad and (t.is_floating_point() or t.is_complex())
         ]
         self.grad_leaves = [all_leaves[k] for k in self.grad_leaf_ids]
-        self.shards = [
-            _Shard(members[i].rank, self.session.endpoint(members[i].address))
-            for i in range(len(parts_args))
-        ]
+        self.shards = [_Shard(w.rank, self.session.endpoint(w.address)) for w in placed]
         self.state = _CallState(self.models, self.model, self.call_id, self.shards)
         types = _namedtuple_types((inputs, kwargs))
 
@@ -178,6 +241,7 @@ class _RemoteCall:
                 inline_output_bytes=INLINE_BYTES,
                 version=version,
                 mode=self.mode,
+                routed=self.routed,
             )
             fill_value(request.args, tuple(parts_args[i]), add)
             fill_value(request.kwargs, dict(parts_kwargs[i]), add)
@@ -185,6 +249,8 @@ class _RemoteCall:
 
         def outputs_of(i: int, response: worker_pb2.ForwardResponse) -> tuple[Any, int]:
             shard = self.shards[i]
+            placement.reported(shard.endpoint.address, response.forwards_in_flight)
+            placement.replicas(self.model, response.replicas_may_differ)
             shard.output_names = tensor_leaves(response.output)
             fetched = _decode_inline(inline_leaves(response.output))
             for n in shard.output_names:
@@ -206,14 +272,26 @@ class _RemoteCall:
         def start(i: int, version: int) -> Start[tuple[Any, int]]:
             forward = self.shards[i].endpoint.unary("Forward")
             if inline[i]:
-                return lambda: Mapped(
-                    forward.future(request_of(i, version), self._left(), what),
-                    lambda response: outputs_of(i, response),
+                return lambda: _Noted(
+                    Mapped(
+                        forward.future(request_of(i, version), self._left(), what),
+                        lambda response: outputs_of(i, response),
+                    ),
+                    i,
+                    failed,
                 )
-            return Job(lambda: outputs_of(i, forward(request_of(i, version), self._left(), what)))
+
+            return Job(
+                lambda: _noting(
+                    i,
+                    failed,
+                    lambda: outputs_of(i, forward(request_of(i, version), self._left(), what)),
+                )
+            )
 
         try:
-            per_worker = self._run_one_version(start)
+            with placement.sending([s.endpoint.address for s in self.shards]):
+                per_worker = self._run_one_version(start)
         except CollectiveError:
             _release(self.state)
             raise
@@ -377,7 +455,8 @@ class DataParallel:
     """A callable running a cluster model data-parallel, like ``torch.nn.DataParallel``.
 
     ``dp(*inputs, **kwargs)`` splits tensors along ``dim`` across the workers
-    (a batch smaller than the world uses fewer workers), runs the model on each
+    (a batch smaller than the world uses fewer workers, placed by load when the
+    call has no autograd: ``collectives._placement``), runs the model on each
     worker over its local devices, and returns the outputs gathered along
     ``dim`` in order. With autograd enabled, ``loss.backward()`` runs backward
     on the workers and accumulates parameter gradients there.

@@ -14,12 +14,14 @@ import copy
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional
 
 import collectives
+from collectives.v1 import worker_pb2, worker_pb2_grpc
 
 TIMEOUT_S = 30.0
 RTOL, ATOL = 1e-5, 1e-6
@@ -205,9 +207,22 @@ def test_a_model_exported_in_eval_mode_is_recorded_in_eval_mode_and_batches(
         with torch.no_grad():
             for out, x in zip(outs, rows, strict=True):
                 torch.testing.assert_close(out, mlp(x), rtol=RTOL, atol=ATOL)
-        # Every forward went through rank 0's batcher (a 1-row call runs there).
+        # Every forward went through some worker's batcher: a 1-row call runs on one
+        # worker (rank 0 for a client's first, which learns that the replicas are the
+        # same; then wherever the load says).
+        calls = rows_seen = 0
+        for worker in cluster3.workers():
+            if worker.rank < 0:
+                continue
+            with grpc.insecure_channel(worker.address) as channel:
+                listed = worker_pb2_grpc.WorkerStub(channel).ListModels(
+                    worker_pb2.ListModelsRequest(), timeout=TIMEOUT_S
+                )
+            (mine,) = [m for m in listed.models if m.name == name]
+            calls += mine.batching_stats.calls
+            rows_seen += mine.batching_stats.rows
+        assert calls == len(rows) and rows_seen == len(rows), (calls, rows_seen)
         (after,) = [m for m in cluster3.models() if m.name == name]
-        assert after.batched_calls == len(rows) and after.batched_rows == len(rows)
         assert after.training is False
     finally:
         cluster3.unload_model(name, missing_ok=True)

@@ -631,7 +631,7 @@ class NamedTupleValue(_message.Message):
     def __init__(self, type_name: _Optional[str] = ..., fields: _Optional[_Iterable[str]] = ..., values: _Optional[_Iterable[_Union[Value, _Mapping]]] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("model", "call_id", "args", "kwargs", "grad_enabled", "input_grad_names", "inline_output_bytes", "version", "mode", "output_names")
+    __slots__ = ("model", "call_id", "args", "kwargs", "grad_enabled", "input_grad_names", "inline_output_bytes", "version", "mode", "output_names", "routed")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     ARGS_FIELD_NUMBER: _ClassVar[int]
@@ -642,6 +642,7 @@ class ForwardRequest(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_NAMES_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_FIELD_NUMBER: _ClassVar[int]
     model: str
     call_id: str
     args: Value
@@ -652,17 +653,22 @@ class ForwardRequest(_message.Message):
     version: int
     mode: ModelMode
     output_names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., call_id: _Optional[str] = ..., args: _Optional[_Union[Value, _Mapping]] = ..., kwargs: _Optional[_Union[Value, _Mapping]] = ..., grad_enabled: _Optional[bool] = ..., input_grad_names: _Optional[_Iterable[str]] = ..., inline_output_bytes: _Optional[int] = ..., version: _Optional[int] = ..., mode: _Optional[_Union[ModelMode, str]] = ..., output_names: _Optional[_Iterable[str]] = ...) -> None: ...
+    routed: bool
+    def __init__(self, model: _Optional[str] = ..., call_id: _Optional[str] = ..., args: _Optional[_Union[Value, _Mapping]] = ..., kwargs: _Optional[_Union[Value, _Mapping]] = ..., grad_enabled: _Optional[bool] = ..., input_grad_names: _Optional[_Iterable[str]] = ..., inline_output_bytes: _Optional[int] = ..., version: _Optional[int] = ..., mode: _Optional[_Union[ModelMode, str]] = ..., output_names: _Optional[_Iterable[str]] = ..., routed: _Optional[bool] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
-    __slots__ = ("output", "latency_s", "version")
+    __slots__ = ("output", "latency_s", "version", "forwards_in_flight", "replicas_may_differ")
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     LATENCY_S_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_MAY_DIFFER_FIELD_NUMBER: _ClassVar[int]
     output: Value
     latency_s: float
     version: int
-    def __init__(self, output: _Optional[_Union[Value, _Mapping]] = ..., latency_s: _Optional[float] = ..., version: _Optional[int] = ...) -> None: ...
+    forwards_in_flight: int
+    replicas_may_differ: bool
+    def __init__(self, output: _Optional[_Union[Value, _Mapping]] = ..., latency_s: _Optional[float] = ..., version: _Optional[int] = ..., forwards_in_flight: _Optional[int] = ..., replicas_may_differ: _Optional[bool] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
     __slots__ = ("model", "call_id", "output_names", "grad_names", "inline_grads", "inline_output_bytes")

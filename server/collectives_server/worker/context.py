@@ -34,6 +34,7 @@ from collectives_server.worker.engine.flight_recorder import FlightRecorder
 from collectives_server.worker.models.archive.upload import ModelUploads
 from collectives_server.worker.models.registry import ModelRegistry
 from collectives_server.worker.stats import WorkerStats
+from collectives_server.worker.telemetry.forward_load import ForwardLoad
 from collectives_server.worker.transport.bulk import BulkListener
 
 __all__ = ["GenerationView", "WorkerContext"]
@@ -87,6 +88,8 @@ class WorkerContext:
     op_timeout_s: float
     # Every op this worker ran, with its phase times (--flight-recorder-ops).
     recorder: FlightRecorder = field(default_factory=FlightRecorder)
+    # Forwards running or queued now, and the ones clients placed here by load.
+    forwards: ForwardLoad = field(default_factory=ForwardLoad)
     # The bulk data plane; None without one (TLS, or --no-bulk) and before start.
     bulk: BulkListener | None = None
     # The data-plane calls in progress (--max-data-streams); None before start.

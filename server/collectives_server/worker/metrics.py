@@ -220,6 +220,20 @@ def _batching(ctx: WorkerContext) -> Iterator[Metric]:
         rows.add_metric([model.name], buckets, done.rows)
     yield batches
     yield rows
+    routed = CounterMetricFamily(
+        "collectives_routed_forwards",
+        "Forwards a client placed on this worker by load (a request too small to split "
+        "across the workers), by model",
+        labels=["model"],
+    )
+    for model, count in sorted(ctx.forwards.routed().items()):
+        routed.add_metric([model], count)
+    yield routed
+    yield _gauge(
+        "collectives_forwards_in_flight",
+        "Forwards running or queued on this worker now (what clients place small requests by)",
+        ctx.forwards.in_flight,
+    )
 
 
 def _connections(ctx: WorkerContext) -> Iterator[Metric]:

@@ -219,7 +219,7 @@ def forward(
             stored[name] = t.detach()
             return name
 
-        response = worker_pb2.ForwardResponse()
+        response = worker_pb2.ForwardResponse(replicas_may_differ=model.replicas_may_differ)
         try:
             fill_value(response.output, output, name_leaf if output_names else store_leaf)
         except InvalidArgument as exc:

@@ -217,6 +217,11 @@ class HostedModel:
     # over the whole batch (each rank holds its shard's part; their sum is the
     # batch's gradient) and were not sum-reduced since: "avg" would divide them.
     grads_are_shares: bool = False
+    # Whether this rank's weights may differ from the other ranks': an optimizer step
+    # (Step) ran since the model was loaded or last published whole, on gradients no
+    # rank can vouch were the same everywhere. A client places a small forward on any
+    # worker only while no rank says so (ForwardResponse.replicas_may_differ).
+    replicas_may_differ: bool = False
     # Whether train mode normalises over the batch (model_modes.uses_batch_statistics).
     batch_statistics: bool = field(init=False, default=False)
     # The module to call per mode, and the module, parameters and buffers it was

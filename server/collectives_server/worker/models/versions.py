@@ -221,6 +221,8 @@ def commit(model: HostedModel, staged: dict[str, torch.Tensor], version: int) ->
     Parameters and buffers are replaced, not overwritten, so retained graphs keep
     the weights they were computed with; the optimizer follows its parameters."""
     current = model.module.state_dict()
+    if set(staged) >= set(current):
+        model.replicas_may_differ = False  # every rank now holds the same weights
     replaced = [current[k].detach() for k in staged if current[k] is not staged[k]]
     before = dict(model.module.named_parameters())
     model.module.load_state_dict(staged, strict=False, assign=True)

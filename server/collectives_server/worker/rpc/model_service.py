@@ -146,7 +146,9 @@ class ModelRpcs:
             wait_s = self._ctx.op_timeout_s if left is None else min(left, self._ctx.op_timeout_s)
             if slot is not None:
                 slot.start_if_held(seq, time.monotonic())
-            response = model_exec.forward(self._ctx.models, store, request, wait_s, inline)
+            with self._ctx.forwards.running(request.model, request.routed) as load:
+                response = model_exec.forward(self._ctx.models, store, request, wait_s, inline)
+                response.forwards_in_flight = load.in_flight - 1
         except CollectiveError as exc:
             if slot is not None:
                 slot.finish_if_held(seq, time.monotonic(), exc.code.value[0], exc.message)
@@ -209,6 +211,7 @@ class ModelRpcs:
             clip_gradients(model, request.max_grad_norm)
             optimizer.step()
             model.steps += 1
+            model.replicas_may_differ = True
             model_versions.bump(model)
             return worker_pb2.StepResponse(steps=model.steps)
 

@@ -9,4 +9,5 @@ engine and the RPC guards record into these through ``stats`` and the context;
 * ``clients``: the clients that called recently (peer, user agent, the name they gave)
 * ``collective_traffic``: the payload bytes a collective moves per rank (a model)
 * ``flight_record``: the flight recorder's ops as GetFlightRecord answers them, phase histograms
+* ``forward_load``: forwards in flight now (the load clients place small requests by), routed ones
 """

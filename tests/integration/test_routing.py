@@ -1,0 +1,186 @@
+"""Small requests are spread over the fleet, not run on rank 0 (``collectives._placement``).
+
+Eight callers, each on its own connection, send 1-row no-grad forwards: every
+output must equal the local model's on the caller's own row, and the workers'
+metrics (``collectives_routed_forwards_total``) must show each worker serving a
+share within 25 % of even. Killing a worker while callers run must cost no call:
+a routed forward that finds its worker gone is placed again on another.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import urllib.request
+
+import pytest
+import torch
+from helpers import connect_ready, wait_until
+from launcher import free_port_block
+from prometheus_client.parser import text_string_to_metric_families
+
+from collectives_server import model_zoo
+
+ZOO = "collectives_server.model_zoo"
+KWARGS = {"in_features": 16, "hidden": 64, "out_features": 4, "depth": 2, "seed": 11}
+CALLERS = 8
+CALLS = 60
+pytestmark = pytest.mark.timeout(300)
+
+
+def _local_model() -> torch.nn.Module:
+    model = model_zoo.mlp(**KWARGS)
+    model.eval()
+    return model
+
+
+def _routed(first_port: int, workers: int, model: str) -> list[float]:
+    """``collectives_routed_forwards_total{model}`` of each worker, from its /metrics."""
+    counts = []
+    for port in range(first_port, first_port + workers):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        count = 0.0
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == "collectives_routed_forwards_total" and s.labels["model"] == model:
+                    count += s.value
+        counts.append(count)
+    return counts
+
+
+def _callers(address: str, workers: int, name: str, work) -> list[BaseException]:
+    """Runs ``work(i, dp)`` on ``CALLERS`` threads, each with its own connection,
+    started together; the errors they raised."""
+    errors: list[BaseException] = []
+    start = threading.Barrier(CALLERS)
+
+    def one(i: int) -> None:
+        try:
+            with connect_ready(address, workers) as client:
+                dp = client.data_parallel(name)
+                start.wait(timeout=60)
+                work(i, dp)
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(CALLERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=240)
+    assert not any(t.is_alive() for t in threads), "a caller hung"
+    return errors
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_one_row_requests_are_spread_evenly_and_answered_right(local_cluster, workers, gen, uname):
+    base = free_port_block(workers + 1)
+    address = local_cluster(workers, "--allow-factory", ZOO, "--metrics-port", str(base))
+    name = uname("routed")
+    with connect_ready(address, workers) as cluster:
+        cluster.load_model(name, factory=f"{ZOO}:mlp", kwargs=KWARGS)
+        cluster.data_parallel(name).eval()
+    local = _local_model()
+    rows = torch.randn(CALLERS, CALLS, 1, KWARGS["in_features"], generator=gen)
+    wrong: list[str] = []
+
+    def work(i: int, dp) -> None:
+        for k in range(CALLS):
+            x = rows[i, k]
+            with torch.no_grad():
+                got = dp(x)
+                want = local(x)
+            if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+                wrong.append(f"caller {i} call {k}: {got} != {want}")
+
+    assert _callers(address, workers, name, work) == []
+    assert wrong == []
+    # Counted before each forward was answered. A client's first forward of a model
+    # learns that its replicas are the same everywhere: it runs where a split would.
+    counts = _routed(base + 1, workers, name)
+    assert sum(counts) == CALLERS * (CALLS - 1), counts
+    even = CALLERS * (CALLS - 1) / workers
+    assert all(abs(c - even) <= 0.25 * even for c in counts), (counts, even)
+
+
+def test_replicas_that_may_differ_serve_small_requests_where_a_split_would(
+    local_cluster, gen, uname
+):
+    """After an optimizer step the workers' weights may differ, so a small request
+    runs on rank 0 again (its output then does not depend on placement); a whole
+    publish makes them the same, and small requests are spread again."""
+    workers = 2
+    base = free_port_block(workers + 1)
+    address = local_cluster(workers, "--allow-factory", ZOO, "--metrics-port", str(base))
+    name = uname("stepped")
+    x = torch.randn(1, KWARGS["in_features"], generator=gen)
+    with connect_ready(address, workers) as cluster:
+        cluster.load_model(name, factory=f"{ZOO}:mlp", kwargs=KWARGS)
+        dp = cluster.data_parallel(name).eval()
+
+        def routed_after(calls: int) -> float:
+            before = sum(_routed(base + 1, workers, name))
+            with torch.no_grad():
+                for _ in range(calls):
+                    dp(x)
+            return sum(_routed(base + 1, workers, name)) - before
+
+        assert routed_after(10) == 9  # the first learns the replicas are the same
+        cluster.step(name, optimizer="sgd", lr=0.1)
+        assert routed_after(10) == 1  # the first learns that they may differ now
+        assert routed_after(10) == 0
+        cluster.publish(name, _local_model().state_dict())
+        assert routed_after(10) == 9
+        with torch.no_grad():
+            assert torch.allclose(dp(x), _local_model()(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_run_costs_no_routed_call(fresh_cluster, gen, uname):
+    local, cluster = fresh_cluster(3, "--allow-factory", ZOO, "--min-workers", "2")
+    name = uname("survive")
+    cluster.load_model(name, factory=f"{ZOO}:mlp", kwargs=KWARGS)
+    cluster.data_parallel(name).eval()
+    victim = next(w for w in cluster.workers() if w.rank == 0)  # the leader, too
+    assert local.owns(victim.pid), f"pid {victim.pid} is not one of this cluster's processes"
+    generation = cluster.generation
+    model = _local_model()
+    stop = threading.Event()
+    answered = [0] * CALLERS
+    wrong: list[str] = []
+    seeds = [int(s) for s in torch.randint(0, 1 << 30, (CALLERS,), generator=gen)]
+
+    def work(i: int, dp) -> None:
+        mine = torch.Generator().manual_seed(seeds[i])
+        while not stop.is_set():
+            x = torch.randn(1, KWARGS["in_features"], generator=mine)
+            with torch.no_grad():
+                got = dp(x)
+                want = model(x)
+            if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+                wrong.append(f"caller {i}: {got} != {want}")
+            answered[i] += 1
+
+    errors: list[BaseException] = []
+    runner = threading.Thread(target=lambda: errors.extend(_callers(local.address, 3, name, work)))
+    runner.start()
+    try:
+        wait_until(lambda: min(answered) >= 5, 60, "every caller answered 5 times")
+        os.kill(victim.pid, signal.SIGKILL)
+        killed_at = sum(answered)
+        wait_until(
+            lambda: cluster.generation > generation and cluster.world_size == 2,
+            60,
+            "a generation of the 2 survivors",
+        )
+        after = sum(answered)
+        wait_until(lambda: sum(answered) >= after + 5 * CALLERS, 60, "calls on the survivors")
+    finally:
+        stop.set()
+        runner.join(timeout=120)
+    assert not runner.is_alive()
+    assert errors == [], errors
+    assert wrong == []
+    assert sum(answered) > killed_at
