@@ -150,3 +150,55 @@ def test_many_rounds_of_callers_each_get_their_own_rows() -> None:
     stats = batcher.stats()
     assert stats.calls == 12 * 25 and stats.batches < stats.calls
     assert stats.largest_rows <= 40  # every caller has fewer rows than max_rows
+
+
+def test_callers_in_flight_fill_one_forward_instead_of_running_in_waves() -> None:
+    """Eight callers, each calling again as soon as it is answered, on a model that runs
+    concurrent forwards (read-only, as the worker holds it) and takes 30 ms per forward;
+    half of them start 12 ms after the others, as callers' round trips differ. One
+    merged forward runs at a time, and the next waits for the callers just answered (up
+    to max_delay_ms) instead of running the half that queued meanwhile beside it: the
+    two waves merge into one instead of alternating for good."""
+    module = nn.Linear(4, 3)
+    rows_per_forward: list[int] = []
+
+    @contextlib.contextmanager
+    def hold():
+        yield 7, module  # shared: forwards may overlap, as eval forwards do on a worker
+
+    def call(m: nn.Module, args: tuple) -> torch.Tensor:
+        (x,) = args
+        rows_per_forward.append(x.shape[0])
+        time.sleep(0.03)  # the model's own time (a memory-bound forward), GIL released
+        with torch.no_grad():
+            return m(x)
+
+    batcher = Batcher(Batching(max_rows=64, max_delay_ms=5))
+    callers, calls = 8, 12
+    start = threading.Barrier(callers)
+    wrong: list[str] = []
+
+    def caller(i: int) -> None:
+        start.wait(timeout=30)
+        if i % 2:
+            time.sleep(0.012)  # the second wave: arrivals, not synchronisation
+        for k in range(calls):
+            x = torch.full((1, 4), float(i * 100 + k))
+            merged = company_of((x,), {})
+            assert merged is not None
+            rows, company = merged
+            out, _ = batcher.run((x,), (0, company), rows, hold, call, time.monotonic() + 30)
+            with torch.no_grad():
+                want = module(x)
+            if not torch.allclose(out, want):
+                wrong.append(f"caller {i} call {k}")
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(callers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert wrong == []
+    assert sum(rows_per_forward) == callers * calls
+    steady = rows_per_forward[2:]
+    assert sum(steady) / len(steady) >= 5, rows_per_forward

@@ -4,13 +4,18 @@ A model loaded with a :class:`~collectives.wire.batching.Batching` policy gets a
 :class:`Batcher`. A forward that may be merged (no autograd, the model in eval
 mode, positional tensor inputs that share dim 0) joins the queue of its
 *company*: the forwards of the same version wanted, with inputs alike past dim 0
-(dtype, trailing shape, device). The first of a company leads: it waits up to
-``max_delay_ms`` for ``max_rows`` rows to gather, takes the model's lock at its
-version (so one merged forward runs on one version, however publishes
+(dtype, trailing shape, device). The first of a company leads. It waits until
+the company's last merged forward ended (one runs at a time, so the callers
+arriving meanwhile queue up for the next), then for company only while that
+pays: up to ``max_delay_ms`` for as many rows as were in flight when the last
+forward ended (the callers it answered are likely back within a round trip; a
+lone caller finds its own row and goes at once). It takes the model's lock at
+its version (so one merged forward runs on one version, however publishes
 interleave), takes the waiting callers FIFO up to ``max_rows`` rows (always at
-least one), and hands leadership on so the next company gathers while this one
-runs. The merged output is split back row for row; a caller's output equals its
-own rows through the model.
+least one), and hands leadership on so the next batch gathers while this one
+runs. In Triton's words: the queue delay is ``max_delay_ms``, the preferred
+batch is every caller in flight. The merged output is split back row for row;
+a caller's output equals its own rows through the model.
 
 A caller fails alone: inputs unlike the others' never join their company, and a
 merged forward that fails, or whose output cannot be split by rows, runs again
@@ -127,6 +132,11 @@ class Batcher:
         self._lock = threading.Lock()
         self._queue: list[_Caller] = []
         self._leading: dict[tuple, _Caller] = {}  # company -> the caller leading it
+        # Companies with a merged forward running: the next waits for it to end.
+        self._running: set[tuple] = set()
+        # Each company's rows in flight when its last forward ended: the rows it had
+        # just answered (callers likely back within a round trip) and those waiting.
+        self._active_rows: dict[tuple, int] = {}
         self._stats = BatchingStats()
 
     def stats(self) -> BatchingStats:
@@ -215,23 +225,28 @@ class Batcher:
         deadline: float,
     ) -> None:
         company = me.company
+        # The model is free for this company once its last merged forward ended: the
+        # callers arriving meanwhile queue up and run together.
+        self._wait_until(me, deadline, lambda: company not in self._running)
+        # Then company is waited for only while it pays: the callers the last forward
+        # answered are likely back within a round trip, so up to ``max_delay_ms`` for
+        # the rows in flight when it ended; a lone caller, or a company that ran
+        # nothing lately, goes at once.
+        with self._lock:
+            target = min(self.policy.max_rows, self._active_rows.get(company, 0))
         until = min(time.monotonic() + self.policy.max_delay_ms / 1000.0, deadline)
-        while True:
-            with self._lock:
-                if self._gathered_rows(company) >= self.policy.max_rows:
-                    break
-                me.wake.clear()
-            left = until - time.monotonic()
-            if left <= 0:
-                break
-            me.wake.wait(left)
+        self._wait_until(me, until, lambda: self._gathered_rows(company) >= target)
         batch: list[_Caller] = []
         try:
             with hold() as (version, module):
                 with self._lock:
                     batch = self._take(company)
+                    self._running.add(company)
                     self._hand_on_locked(me)  # the next batch gathers while this one runs
-                outputs, runs = self._forward(batch, lambda inputs: call(module, inputs))
+                try:
+                    outputs, runs = self._forward(batch, lambda inputs: call(module, inputs))
+                finally:
+                    self._ended(company, sum(c.rows for c in batch))
         except BaseException as exc:
             # The model could not be held at the version wanted (or the forward broke
             # in a way not of one caller's making): this leader fails, and the
@@ -253,6 +268,28 @@ class Batcher:
             for c, (output, error) in zip(batch, outputs, strict=True):
                 c.output, c.error, c.version, c.done = output, error, version, True
                 c.wake.set()
+
+    def _wait_until(self, me: _Caller, until: float, ready: Callable[[], bool]) -> None:
+        """Waits, woken by company joining or a forward ending, until ``ready()`` (read
+        under the lock) or ``until`` (on ``time.monotonic()``)."""
+        while True:
+            with self._lock:
+                if ready():
+                    return
+                me.wake.clear()
+            left = until - time.monotonic()
+            if left <= 0:
+                return
+            me.wake.wait(left)
+
+    def _ended(self, company: tuple, rows: int) -> None:
+        """A merged forward of ``company`` (``rows`` rows) ended: its next leader may go."""
+        with self._lock:
+            self._running.discard(company)
+            self._active_rows[company] = rows + self._gathered_rows(company)
+            leader = self._leading.get(company)
+            if leader is not None:
+                leader.wake.set()
 
     def _take(self, company: tuple) -> list[_Caller]:
         """The waiting callers of ``company``, FIFO, up to max_rows rows (at least one)."""
