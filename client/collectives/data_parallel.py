@@ -67,6 +67,8 @@ def _namedtuple_types(obj: Any, found: dict[str, type] | None = None) -> dict[st
 
 # Whole-call attempts when publishes keep moving the model's version under a forward.
 _VERSION_ATTEMPTS = 8
+# Placements a call placed by load gets, each away from the workers that failed it.
+_PLACEMENTS = 4
 
 
 def _inline(name: str, t: torch.Tensor) -> worker_pb2.InlineTensor:
@@ -153,9 +155,8 @@ class _RemoteCall:
             True: worker_pb2.MODEL_MODE_TRAIN,
             False: worker_pb2.MODEL_MODE_EVAL,
         }[training]
-        # Train mode of a model that normalises over the batch: no shard of one row,
-        # and each shard updates its worker's running statistics (so shard i runs on
-        # rank i, as on nn.DataParallel's devices).
+        # A model that normalises over the batch keeps running statistics per worker,
+        # so its calls are never placed by load; in train mode no shard has one row.
         self.batch_statistics = batch_statistics
         self.min_rows = 2 if training and batch_statistics else 1
         self.deadline = session.deadline(timeout)
@@ -173,17 +174,18 @@ class _RemoteCall:
         grad_on = torch.is_grad_enabled()
         placement = self.models.placement
         routable = not grad_on and not self.batch_statistics and placement.may_route(self.model)
-        while True:
+        for attempt in range(1, _PLACEMENTS + 1):
             failed: set[int] = set()
             try:
                 return self._forward_once(inputs, kwargs, grad_on, routable, failed)
             except Unavailable as err:
                 if not self.routed or not failed or err.reason == Reason.VERSION_MOVED:
                     raise
-                if time.monotonic() >= self.deadline:
-                    raise  # no time to place it again: the worker's own error
+                if attempt == _PLACEMENTS or time.monotonic() >= self.deadline:
+                    raise  # no other placement left to try: the worker's own error
                 for i in failed:
                     placement.avoid(self.shards[i].endpoint.address)
+        raise AssertionError("unreachable: the last placement returns or raises")
 
     def _forward_once(
         self,
