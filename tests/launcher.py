@@ -457,21 +457,31 @@ def _own_ports() -> range:
     return range(low + index * width, low + (index + 1) * width)
 
 
+# Every port free_port_block returned in this process.
+_HANDED_OUT: set[int] = set()
+
+
 def free_port_block(count: int = 1) -> int:
     """A port P such that P .. P+count-1 are free on 127.0.0.1 right now, for a daemon
     told its port on the command line. Chosen below the kernel's ephemeral range: a
     port inside it (what binding port 0 returns) can be taken by any outgoing
     connection before the daemon binds it; and from this process's own slice, so
-    another test process never picks it."""
+    another test process never picks it. Never one this process handed out before: a
+    daemon stopped for a while (an etcd outage) binds its port again when it comes
+    back, and a port free meanwhile is not free for another daemon."""
     ports = _own_ports()
     for _ in range(200):
         base = random.randrange(ports.start, ports.stop - count)
+        block = range(base, base + count)
+        if any(port in _HANDED_OUT for port in block):
+            continue
         sockets = []
         try:
-            for port in range(base, base + count):
+            for port in block:
                 s = socket.socket()
                 sockets.append(s)
                 s.bind(("127.0.0.1", port))
+            _HANDED_OUT.update(block)
             return base
         except OSError:
             continue

@@ -257,21 +257,21 @@ def test_a_rank_that_never_connects_fails_the_leader_in_time() -> None:
 
     def body(rank: int) -> BaseException | None:
         try:
-            ControlChannel.connect(_client(store, "absent"), rank, 3, 0.5, HOST).close()
+            ControlChannel.connect(_client(store, "absent"), rank, 3, 2.0, HOST).close()
         except RuntimeError as exc:
             return exc
         return None
 
     started = time.monotonic()
     leader, follower = run_ranks(2, body)  # rank 2 of 3 never comes
-    # It ends, with errors naming the 0.5 s timeout: no hang. How soon is the machine's
+    # It ends, with errors naming the 2 s timeout: no hang. How soon is the machine's
     # business (a loaded one starved these threads for seconds), so the bound only
-    # tells an end from a hang.
+    # tells an end from a hang; 2 s lets the follower connect however loaded.
     assert time.monotonic() - started < 30.0
-    assert "0.5s" in str(leader), leader
+    assert "2s" in str(leader), leader
     assert "rank(s) [2] to connect" in str(leader)
     # No answer from the leader within its timeout; on a loaded machine the leader may
-    # not even have published its address within the follower's 0.5 s.
+    # not even have published its address within the follower's 2 s.
     assert "rank 0" in str(follower) or "the leader's address" in str(follower), follower
 
 
