@@ -29,6 +29,7 @@ __all__ = [
     "format_table",
     "format_top",
     "human_bytes",
+    "batch_rows",
     "kind_rows",
     "lagging_models",
     "models_cell",
@@ -56,6 +57,9 @@ TOP_COLUMNS = (
 TOP_DROP_ORDER = ("MEMORY", "OPS_FAILED", "QUEUE", "LAST_OP", "OPS_OK", "TENSORS")
 KIND_COLUMNS = ("KIND", "RANK", "OPS/S", "OK", "FAILED", "P50", "P99", "COLL_IN", "COLL_OUT")
 KIND_DROP_ORDER = ("COLL_IN", "COLL_OUT", "FAILED", "OK")
+# Models loaded with batching, per worker: what their dynamic batchers merged.
+BATCH_COLUMNS = ("MODEL", "RANK", "FORWARDS", "ROWS", "ROWS/FWD")
+BATCH_DROP_ORDER = ("ROWS", "FORWARDS")
 # Error groups and clients shown under the tables.
 ERROR_LINES = 5
 CLIENT_LINES = 5
@@ -297,6 +301,24 @@ def _kind_cells(kind: str, who: str, c: OpCount) -> tuple[str, ...]:
     )
 
 
+def batch_rows(snapshot: ClusterSnapshot) -> list[tuple[str, ...]]:
+    """One row per model loaded with batching and worker that reports it: the merged
+    forwards its batcher ran, their rows, and rows per forward (how full batches are)."""
+    rows = []
+    members = sorted(
+        (w for w in snapshot.workers if w.model_batches), key=lambda w: (w.rank < 0, w.rank)
+    )
+    for name in sorted({m for w in members for m in w.model_batches}):
+        for w in members:
+            if name not in w.model_batches:
+                continue
+            forwards, merged_rows = w.model_batches[name]
+            rank = str(w.rank) if w.rank >= 0 else "-"
+            per = f"{merged_rows / forwards:.1f}" if forwards else "-"
+            rows.append((name, rank, str(forwards), str(merged_rows), per))
+    return rows
+
+
 def kind_rows(snapshot: ClusterSnapshot) -> list[tuple[str, ...]]:
     """The by-kind table's rows: per kind, the cluster's (``all``) then each live worker's."""
     rows = []
@@ -368,6 +390,10 @@ def format_top(
     if by_kind:
         lines.append("")
         lines += fit_table(KIND_COLUMNS, by_kind, KIND_DROP_ORDER, width)
+    batching = batch_rows(snapshot)
+    if batching:
+        lines.append("")
+        lines += fit_table(BATCH_COLUMNS, batching, BATCH_DROP_ORDER, width)
     lines += error_lines(snapshot, width)
     lines += client_lines(snapshot, width)
     return "\n".join(lines)

@@ -193,3 +193,48 @@ def test_models_cell_is_bounded_and_shows_names_without_a_version() -> None:
     (none,) = _cluster([("h:3", _READY, {})]).workers
     assert status_tables.models_cell(none) == "-"
     assert status_tables.lagging_models(_cluster([("h:3", _READY, {})])) == {}
+
+
+def test_top_shows_how_full_each_batching_models_batches_are() -> None:
+    """Each worker's status carries its batchers' counts (ModelVersion.batches and
+    batched_rows); ``collectives top`` shows rows per merged forward per model and
+    worker, and no batching table when no model batches."""
+    statuses = {
+        "h:1": [("mlp", 2, 10, 57), ("plain", 1, 0, 0)],
+        "h:2": [("mlp", 2, 4, 10)],
+    }
+    msg = coordinator_pb2.Cluster(
+        generation=3,
+        workers=[
+            coordinator_pb2.WorkerInfo(
+                address=address,
+                rank=rank,
+                status=status_pb2.WorkerStatus(
+                    models=[name for name, *_ in models],
+                    model_versions=[
+                        status_pb2.ModelVersion(
+                            name=name, version=v, batches=batches, batched_rows=rows
+                        )
+                        for name, v, batches, rows in models
+                    ],
+                ),
+            )
+            for rank, (address, models) in enumerate(statuses.items())
+        ],
+    )
+    snapshot = ClusterSnapshot.from_proto(msg)
+    assert [w.model_batches for w in snapshot.workers] == [{"mlp": (10, 57)}, {"mlp": (4, 10)}]
+    assert status_tables.batch_rows(snapshot) == [
+        ("mlp", "0", "10", "57", "5.7"),
+        ("mlp", "1", "4", "10", "2.5"),
+    ]
+    frame = status_tables.format_top("c:1", snapshot, width=200)
+    assert "ROWS/FWD" in frame and "5.7" in frame and "2.5" in frame
+    assert json.loads(json.dumps(snapshot.workers[0].to_dict()))["model_batches"] == {
+        "mlp": [10, 57]
+    }
+    plain = ClusterSnapshot.from_proto(
+        coordinator_pb2.Cluster(workers=[coordinator_pb2.WorkerInfo(address="h:3")])
+    )
+    assert status_tables.batch_rows(plain) == []
+    assert "ROWS/FWD" not in status_tables.format_top("c:1", plain, width=200)

@@ -88,12 +88,16 @@ class RecentError(_message.Message):
     def __init__(self, unix_time_s: _Optional[float] = ..., op_id: _Optional[int] = ..., generation: _Optional[int] = ..., kind: _Optional[str] = ..., code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ModelVersion(_message.Message):
-    __slots__ = ("name", "version")
+    __slots__ = ("name", "version", "batches", "batched_rows")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    BATCHED_ROWS_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+    batches: int
+    batched_rows: int
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., batches: _Optional[int] = ..., batched_rows: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("tensors_held", "bytes_held", "models", "ops", "last_op", "last_op_latency_s", "queue_depth", "devices", "package_version", "torch_version", "backend_version", "bytes_received", "bytes_sent", "process_rss_bytes", "host_memory_total_bytes", "host_memory_available_bytes", "recent_errors", "data_collectives", "gradient_buckets_reduced", "graphs_retained", "model_versions", "model_versions_omitted", "error_groups", "clients", "recent_ops", "stuck")

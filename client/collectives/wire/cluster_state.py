@@ -276,6 +276,8 @@ class WorkerInfo:
     # ``model_versions_omitted`` (``models`` still names every one).
     model_versions: Mapping[str, int] = field(default_factory=dict)
     model_versions_omitted: int = 0
+    # Models loaded with batching: model -> (merged forwards its batcher ran, their rows).
+    model_batches: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     # kind ("all_reduce", "put", "forward", ...) -> counts
     ops: Mapping[str, OpCount] = field(default_factory=dict)
     last_op: str = ""
@@ -367,6 +369,7 @@ class WorkerInfo:
             "models": list(self.models),
             "model_versions": dict(self.model_versions),
             "model_versions_omitted": self.model_versions_omitted,
+            "model_batches": {name: list(done) for name, done in self.model_batches.items()},
             "ops": {kind: asdict(count) for kind, count in self.ops.items()},
             "ops_completed": self.ops_completed,
             "ops_failed": self.ops_failed,
@@ -404,6 +407,9 @@ def _status_fields(s: status_pb2.WorkerStatus, present: bool) -> dict[str, Any]:
         "models": tuple(s.models),
         "model_versions": {m.name: int(m.version) for m in s.model_versions},
         "model_versions_omitted": int(s.model_versions_omitted),
+        "model_batches": {
+            m.name: (int(m.batches), int(m.batched_rows)) for m in s.model_versions if m.batches
+        },
         "ops": {o.kind: OpCount.from_proto(o) for o in s.ops},
         "last_op": s.last_op,
         "last_op_latency_s": float(s.last_op_latency_s),

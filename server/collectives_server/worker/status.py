@@ -18,6 +18,7 @@ import os
 import resource
 import socket
 import time
+from collections.abc import Mapping
 
 import grpc
 import torch
@@ -28,6 +29,7 @@ from collectives.v1 import status_pb2, worker_pb2
 from collectives.wire.op_specs import kind_name, spec, subject
 from collectives_server.control_protocol import FIELD_LIMITS
 from collectives_server.worker.context import WorkerContext
+from collectives_server.worker.models.batching import BatchingStats
 from collectives_server.worker.stats import (
     LATENCY_BUCKETS_S,
     RECENT_ERRORS,
@@ -146,9 +148,11 @@ def collect_status(ctx: WorkerContext) -> status_pb2.WorkerStatus:
         host_memory_total_bytes=host_total,
         host_memory_available_bytes=host_available,
     )
-    hosted = sorted(((m.name, m.version) for m in ctx.models.all()), key=lambda m: m[0])
+    models = ctx.models.all()
+    hosted = sorted(((m.name, m.version) for m in models), key=lambda m: m[0])
     msg.models.extend(name for name, _ in hosted)
-    add_model_versions(msg, hosted)
+    batching = {m.name: m.batcher.stats() for m in models if m.batcher is not None}
+    add_model_versions(msg, hosted, batching=batching)
     msg.graphs_retained = ctx.models.graphs_retained()
     stats = ctx.stats
     with stats.lock:
@@ -197,14 +201,20 @@ def add_model_versions(
     msg: status_pb2.WorkerStatus,
     hosted: list[tuple[str, int]],
     budget_bytes: int = MODEL_VERSIONS_BUDGET_BYTES,
+    batching: Mapping[str, BatchingStats] | None = None,
 ) -> None:
     """Fills ``msg.model_versions`` from ``hosted`` ((name, version) in name order) while
     the entries fit in ``budget_bytes`` encoded; counts the rest in
     ``model_versions_omitted``, so a worker hosting many models keeps its status
-    under the heartbeat's limit and readers can say how many are not shown."""
+    under the heartbeat's limit and readers can say how many are not shown.
+    ``batching``: the batcher's counts of the models that batch."""
     used = 0
+    batching = batching or {}
     for i, (name, version) in enumerate(hosted):
         entry = status_pb2.ModelVersion(name=name, version=version)
+        done = batching.get(name)
+        if done is not None:
+            entry.batches, entry.batched_rows = done.batches, done.rows
         used += entry.ByteSize() + _ENTRY_OVERHEAD_BYTES
         if used > budget_bytes:
             msg.model_versions_omitted = len(hosted) - i
