@@ -163,6 +163,7 @@ class _RemoteCall:
         self.call_id = ""
         self.version = 0  # the model version that computed the outputs, once known
         self.routed = False  # the parts were placed by load (_placement), not by rank
+        self.replicas_differed = False  # a worker answered that the replicas may differ
 
     def forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The gathered outputs. A forward that only reads the model (no autograd) and
@@ -174,17 +175,26 @@ class _RemoteCall:
         grad_on = torch.is_grad_enabled()
         placement = self.models.placement
         routable = not grad_on and not self.batch_statistics and placement.may_route(self.model)
-        for attempt in range(1, _PLACEMENTS + 1):
+        # One more than the placements: the run where a split runs it, after a placed
+        # one learned that the replicas may differ.
+        for attempt in range(1, _PLACEMENTS + 2):
             failed: set[int] = set()
             try:
-                return self._forward_once(inputs, kwargs, grad_on, routable, failed)
+                output = self._forward_once(inputs, kwargs, grad_on, routable, failed)
             except Unavailable as err:
                 if not self.routed or not failed or err.reason == Reason.VERSION_MOVED:
                     raise
-                if attempt == _PLACEMENTS or time.monotonic() >= self.deadline:
+                if attempt >= _PLACEMENTS or time.monotonic() >= self.deadline:
                     raise  # no other placement left to try: the worker's own error
                 for i in failed:
                     placement.avoid(self.shards[i].endpoint.address)
+                continue
+            if not (self.routed and self.replicas_differed):
+                return output
+            # Another client's step made the replicas differ after this client last
+            # heard: the answer may come from a worker a split would not use. Run it
+            # again where a split runs it (no autograd: nothing to undo).
+            routable = False
         raise AssertionError("unreachable: the last placement returns or raises")
 
     def _forward_once(
@@ -197,6 +207,7 @@ class _RemoteCall:
     ) -> Any:
         """One attempt of :meth:`forward`; the shards whose call failed go in ``failed``."""
         self.call_id = f"__dp/{uuid.uuid4().hex}"
+        self.replicas_differed = False
         snapshot = self.session.formed_snapshot(self.deadline)
         members = [w for w in snapshot.workers if w.rank >= 0]
         members.sort(key=lambda w: w.rank)
@@ -253,6 +264,7 @@ class _RemoteCall:
             shard = self.shards[i]
             placement.reported(shard.endpoint.address, response.forwards_in_flight)
             placement.replicas(self.model, response.replicas_may_differ)
+            self.replicas_differed = self.replicas_differed or response.replicas_may_differ
             shard.output_names = tensor_leaves(response.output)
             fetched = _decode_inline(inline_leaves(response.output))
             for n in shard.output_names:

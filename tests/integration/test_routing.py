@@ -184,3 +184,41 @@ def test_a_worker_killed_mid_run_costs_no_routed_call(fresh_cluster, gen, uname)
     assert errors == [], errors
     assert wrong == []
     assert sum(answered) > killed_at
+
+
+def test_a_step_by_another_client_never_lets_a_placed_call_answer_from_another_replica(
+    local_cluster, gen, uname
+):
+    """Clients that learned the replicas are equal, then another client makes them
+    differ (a backward on rank 0 alone, then a step): each one's next small call must
+    still answer what a split gives (rank 0's weights), not whichever worker it was
+    placed on. The call placed before the client heard is run again where a split runs
+    it."""
+    workers = 2
+    address = local_cluster(workers, "--allow-factory", ZOO)
+    name = uname("differ")
+    x = torch.randn(1, KWARGS["in_features"], generator=gen)
+    with connect_ready(address, workers) as trainer:
+        trainer.load_model(name, factory=f"{ZOO}:mlp", kwargs=KWARGS)
+        trainer.data_parallel(name).eval()
+        clients = [connect_ready(address, workers) for _ in range(8)]
+        try:
+            dps = [c.data_parallel(name) for c in clients]
+            with torch.no_grad():
+                for dp in dps:
+                    dp(x)  # each learns that the replicas are the same everywhere
+            trained = trainer.data_parallel(name)
+            trained(torch.randn(1, KWARGS["in_features"], generator=gen)).sum().backward()
+            trainer.step(name, optimizer="sgd", lr=0.5)  # rank 0 had gradients, rank 1 none
+            rank0, rank1 = (trainer.state_dict(name, rank=r) for r in (0, 1))
+            assert any(not torch.equal(rank0[k], rank1[k]) for k in rank0)
+            want = _local_model()
+            want.load_state_dict(rank0)
+            with torch.no_grad():
+                expected = want(x)
+                for i, dp in enumerate(dps):
+                    got = dp(x)
+                    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6), i
+        finally:
+            for c in clients:
+                c.close()
