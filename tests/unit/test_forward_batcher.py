@@ -161,6 +161,8 @@ def test_callers_in_flight_fill_one_forward_instead_of_running_in_waves() -> Non
     two waves merge into one instead of alternating for good."""
     module = nn.Linear(4, 3)
     rows_per_forward: list[int] = []
+    running, most_at_once = [0], [0]
+    counting = threading.Lock()
 
     @contextlib.contextmanager
     def hold():
@@ -168,11 +170,18 @@ def test_callers_in_flight_fill_one_forward_instead_of_running_in_waves() -> Non
 
     def call(m: nn.Module, args: tuple) -> torch.Tensor:
         (x,) = args
-        rows_per_forward.append(x.shape[0])
+        with counting:
+            rows_per_forward.append(x.shape[0])
+            running[0] += 1
+            most_at_once[0] = max(most_at_once[0], running[0])
         time.sleep(0.03)  # the model's own time (a memory-bound forward), GIL released
+        with counting:
+            running[0] -= 1
         with torch.no_grad():
             return m(x)
 
+    # A queue delay far shorter than a forward: with the old rule the second wave then
+    # ran beside the first for good.
     batcher = Batcher(Batching(max_rows=64, max_delay_ms=5))
     callers, calls = 8, 12
     start = threading.Barrier(callers)
@@ -200,5 +209,6 @@ def test_callers_in_flight_fill_one_forward_instead_of_running_in_waves() -> Non
         t.join(timeout=60)
     assert wrong == []
     assert sum(rows_per_forward) == callers * calls
+    assert most_at_once[0] == 1, "two merged forwards of one company ran at once"
     steady = rows_per_forward[2:]
     assert sum(steady) / len(steady) >= 5, rows_per_forward
