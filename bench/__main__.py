@@ -31,6 +31,7 @@ ORDER = [
     "concurrency",
     "inference",
     "inference_floor",
+    "fleet",
     "tls",
     "training",
     "coordinator",

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import subprocess
@@ -97,9 +98,13 @@ class FloorFanout:
             self.close()
             raise
 
-    def client(self) -> FloorClient:
-        """A caller with channels of its own (as each SDK client has)."""
-        return FloorClient(self.addresses, int(self.kwargs["out_features"]), self.tls)
+    def client(self, *, spread: bool = False) -> FloorClient:
+        """A caller with channels of its own (as each SDK client has); ``spread``: a
+        batch of fewer rows than servers goes to the servers in turn (round-robin, as a
+        load balancer would), not always to the first."""
+        return FloorClient(
+            self.addresses, int(self.kwargs["out_features"]), self.tls, spread=spread
+        )
 
     def close(self) -> None:
         for proc in self._procs:
@@ -116,11 +121,18 @@ class FloorClient:
     """One caller of the floor servers: a channel to each."""
 
     def __init__(
-        self, addresses: list[str], out_features: int, tls: FloorTls | None = None
+        self,
+        addresses: list[str],
+        out_features: int,
+        tls: FloorTls | None = None,
+        *,
+        spread: bool = False,
     ) -> None:
         import grpc
 
         self._out_features = out_features
+        self._spread = spread
+        self._turn = itertools.count()
         self._pool = futures.ThreadPoolExecutor(max_workers=len(addresses))
         if tls is None:
             self._channels = [grpc.insecure_channel(a) for a in addresses]
@@ -142,9 +154,11 @@ class FloorClient:
         import torch
 
         shards = [s for s in torch.tensor_split(x, len(self._calls)) if s.shape[0]]
+        first = next(self._turn) if self._spread else 0
+        calls = [self._calls[(first + i) % len(self._calls)] for i in range(len(shards))]
         pending = [
             self._pool.submit(call, s.contiguous().numpy().tobytes(), timeout=_TIMEOUT_S)
-            for call, s in zip(self._calls, shards, strict=False)
+            for call, s in zip(calls, shards, strict=True)
         ]
         outs = [
             torch.frombuffer(bytearray(p.result()), dtype=torch.float32).view(
