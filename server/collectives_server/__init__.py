@@ -16,6 +16,8 @@ Modules:
 * ``preloaded_workers``: worker processes forked from a zygote that imported torch once
 * ``rpc/``: gRPC for every daemon: servers, the error boundary, call limits, health
 * ``security``: server-side security: TLS/mutual TLS credentials and bearer-token authentication
+* ``settings``: each configuration field declared once (flag, help, bounds, default): the
+  CLI, ``local``'s children and the docs' flag tables follow from it
 * ``signals``: waiting for SIGTERM/SIGINT (or a nudge from another thread) without deadlocks
 * ``store_socket``: the rendezvous TCPStore each worker hosts, listening only on the interface
   asked for

@@ -27,6 +27,7 @@ Every wait here is an ``Event``/process wait with a deadline; nothing sleeps.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -48,6 +49,8 @@ from collectives_server.preloaded_workers import (
     PreloadedWorkers,
     available,
 )
+from collectives_server.settings import to_argv
+from collectives_server.worker.config import WorkerConfig
 
 __all__ = ["Child", "LocalCluster", "assign_devices"]
 
@@ -135,8 +138,11 @@ class LocalCluster:
     ``die_with_parent`` makes children SIGTERM themselves if this process dies (Linux;
     only for a process that stays alive on the main thread, as the CLI does: the
     kernel ties it to the thread that started the child).
-    ``coordinator_args``/``worker_args`` are appended to those children's command
-    lines (the CLI passes the TLS and token flags this way: paths, never secrets).
+    ``worker_config`` is what every worker is started with (its address, devices,
+    ports and metrics port are set per worker: :meth:`worker_config`; default:
+    ``WorkerConfig``'s defaults). ``coordinator_args``/``worker_args`` are
+    appended to those children's command lines (the CLI passes the TLS and
+    token flags this way: paths, never secrets).
     ``worker_token_file`` is the worker token of the coordinator's worker-only RPCs
     (``--worker-token-file``); None writes a fresh random one (mode 0600) at start,
     given to the coordinator and every worker, and removed at stop.
@@ -170,6 +176,7 @@ class LocalCluster:
         python: str = sys.executable,
         max_restarts: int = 0,
         preload: bool = True,
+        worker_config: WorkerConfig | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -182,8 +189,10 @@ class LocalCluster:
         self.min_workers = min_workers
         self._host = host
         self._port = port
-        self._common = ["--op-timeout-s", str(op_timeout_s), "--log-level", log_level]
-        self._common += ["--log-format", log_format]
+        self._op_timeout_s = op_timeout_s
+        self._common = ["--log-level", log_level, "--log-format", log_format]
+        self._worker_config = worker_config or WorkerConfig(coordinator="")
+        self._devices: list[tuple[str, ...]] | None = None
         # --metrics-port P: the coordinator serves on P, worker i on P+1+i (0: any free port).
         self._metrics_port = metrics_port
         self._metrics_host = metrics_host
@@ -234,7 +243,7 @@ class LocalCluster:
         """
         if self.coordinator is not None:
             raise RuntimeError("local cluster already started")
-        devices = assign_devices(self.workers, self._devices_spec, _cuda_count)
+        self._devices = assign_devices(self.workers, self._devices_spec, _cuda_count)
         token_file = self._worker_token_file or self._write_worker_token()
         token_flag = f"--worker-token-file={token_file}"
         self.coordinator = self._spawn(
@@ -245,6 +254,7 @@ class LocalCluster:
                 f"--port={self._port}",
                 f"--min-workers={self.min_workers}",
                 f"--max-workers={self.workers}",
+                f"--op-timeout-s={self._op_timeout_s}",
                 *self._coordinator_args,
                 token_flag,
                 *self._metrics_args(0),
@@ -269,10 +279,9 @@ class LocalCluster:
         log.info("coordinator %s (pid %d)", child.address, child.pid)
         try:
             for i in range(self.workers):
-                args = ["worker", f"--coordinator={child.address}", f"--host={self._host}"]
-                args += ["--port=0", f"--devices={','.join(devices[i])}", *self._common]
-                args += self._metrics_args(1 + i) + self._worker_args + [token_flag]
-                self._slot_args.append(args)
+                config = self.worker_config(i, child.address)
+                args = ["worker", *to_argv(config, passed_on=None), *self._common]
+                self._slot_args.append([*args, *self._worker_args, token_flag])
                 self.restarts.append(0)
                 self.worker_children.append(self._spawn_worker(i))
         except BaseException:
@@ -323,10 +332,35 @@ class LocalCluster:
         self.stop()
 
     def _metrics_args(self, offset: int) -> list[str]:
+        port = self._metrics_port_of(offset)
+        return (
+            []
+            if port is None
+            else [f"--metrics-port={port}", f"--metrics-host={self._metrics_host}"]
+        )
+
+    def _metrics_port_of(self, offset: int) -> int | None:
+        """The coordinator's (offset 0) or worker ``offset - 1``'s metrics port."""
         if self._metrics_port is None:
-            return []
-        port = self._metrics_port + offset if self._metrics_port else 0
-        return [f"--metrics-port={port}", f"--metrics-host={self._metrics_host}"]
+            return None
+        return self._metrics_port + offset if self._metrics_port else 0
+
+    def worker_config(self, slot: int, coordinator: str = "") -> WorkerConfig:
+        """The config worker ``slot`` is started with: the cluster's ``worker_config``
+        with this cluster's coordinator, host, op timeout, and the slot's devices and
+        metrics port (``metrics_port`` + 1 + ``slot``)."""
+        if self._devices is None:
+            self._devices = assign_devices(self.workers, self._devices_spec, _cuda_count)
+        return dataclasses.replace(
+            self._worker_config,
+            coordinator=coordinator,
+            host=self._host,
+            port=0,
+            devices=self._devices[slot],
+            op_timeout_s=self._op_timeout_s,
+            metrics_port=self._metrics_port_of(1 + slot),
+            metrics_host=self._metrics_host,
+        )
 
     # ---- state -----------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from launcher import stop_process
 import collectives
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2, worker_pb2_grpc
 from collectives.wire import codec
-from collectives_server.cli.common import byte_size
+from collectives_server.settings import byte_size
 
 QUOTA = 8 << 20  # bytes per worker
 QUEUE = 2

@@ -1,12 +1,13 @@
-"""The model-archive flags of ``worker`` and ``local`` (cli_archive.py): names and defaults."""
+"""The model-archive flags of ``worker`` and ``local``: names and defaults."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from collectives_server.cli.archive import archive_worker_args
+from collectives_server.cli.local import worker_config_from_args
 from collectives_server.cli.main import build_parser
 from collectives_server.cli.worker import config_from_args
+from collectives_server.settings import to_argv
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -46,13 +47,13 @@ def test_worker_bounds_parse_units():
 
 def test_local_defaults_uploads_on_sandbox_off_and_forwards_bounds():
     args = build_parser().parse_args(["local", "--workers", "2", "--max-model-bytes=1GiB"])
-    forwarded = archive_worker_args(args)
+    forwarded = to_argv(worker_config_from_args(args))
     assert "--allow-model-upload" in forwarded and "--no-load-sandbox" in forwarded
     assert f"--max-model-bytes={GiB}" in forwarded
     args = build_parser().parse_args(
         ["local", "--workers", "2", "--no-allow-model-upload", "--load-sandbox"]
     )
-    forwarded = archive_worker_args(args)
+    forwarded = to_argv(worker_config_from_args(args))
     assert "--no-allow-model-upload" in forwarded and "--load-sandbox" in forwarded
     # What local forwards, a worker parses.
     cfg = _worker(*forwarded).model_upload

@@ -6,9 +6,10 @@ Modules:
 * ``coordinator``: ``collectives-server coordinator``
 * ``worker``: ``collectives-server worker``
 * ``local``: ``collectives-server local``
-* ``common``: argument types and process set-up shared by the subcommands
-* ``archive``: the model-archive flags
+* ``common``: the security, logging and metrics flags and the process set-up shared by the
+  subcommands
 * ``control``: the coordinator's control-plane hardening flags
-* ``data_plane``: the flags bounding calls a client can hold on a worker
-* ``groups``: the flags bounding what a client can make a worker hold (--max-groups)
+
+A worker's flags are declared on its config (``collectives_server.worker.config``,
+through ``collectives_server.settings``), not here.
 """

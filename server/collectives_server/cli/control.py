@@ -13,8 +13,8 @@ import os
 from typing import Any
 
 from collectives.wire.security import read_token_file
-from collectives_server.cli.common import positive_float, positive_int
 from collectives_server.coordinator.control import ControlLimits
+from collectives_server.settings import non_negative_int, positive_float, positive_int
 
 __all__ = [
     "add_control_flags",
@@ -30,13 +30,6 @@ _WORKER_TOKEN_HELP = (
     "'collectives-worker-token' metadata; the token is the file's content, stripped "
     "(keep the file mode 0600). A client token alone does not allow these RPCs"
 )
-
-
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def add_worker_token_flag(parser: argparse.ArgumentParser, help_suffix: str = "") -> None:

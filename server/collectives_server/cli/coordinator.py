@@ -10,15 +10,17 @@ from collectives_server.cli.common import (
     add_metrics,
     add_security,
     die_with_parent_if_asked,
-    non_negative_float,
-    port_number,
-    positive_float,
-    positive_int,
     server_security_from_args,
     setup_logging,
 )
 from collectives_server.cli.control import add_control_flags, control_from_args
 from collectives_server.coordinator.daemon import CoordinatorConfig
+from collectives_server.settings import (
+    non_negative_float,
+    port_number,
+    positive_float,
+    positive_int,
+)
 
 __all__ = ["add_dashboard_options", "add_parser", "config_from_args", "run"]
 

@@ -8,40 +8,47 @@ import os
 import sys
 from typing import Any
 
-from collectives_server.cli.archive import add_archive_flags, archive_worker_args
 from collectives_server.cli.common import (
     add_log_level,
-    add_max_tensor_bytes,
     add_metrics,
-    add_model_hosting,
     add_security,
-    allowed_factories,
     client_security_from_args,
-    non_negative_float,
-    port_number,
-    positive_float,
-    positive_int,
     server_security_from_args,
     setup_logging,
 )
 from collectives_server.cli.control import (
     add_control_flags,
     control_args,
-    non_negative_int,
     worker_token_from_args,
     worker_token_path,
 )
 from collectives_server.cli.coordinator import add_dashboard_options
-from collectives_server.cli.data_plane import add_data_plane_flags, data_plane_args
-from collectives_server.cli.groups import add_group_flags, group_worker_args
 from collectives_server.local import LocalCluster
+from collectives_server.settings import (
+    add_flags,
+    flag_value,
+    from_flags,
+    non_negative_float,
+    port_number,
+    positive_float,
+    positive_int,
+)
 from collectives_server.signals import StopSignal
+from collectives_server.worker.config import WorkerConfig
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "run", "worker_config_from_args"]
 
 HELP = "run a coordinator and N workers as child processes (the local default)"
 
 log = logging.getLogger(__name__)
+
+# Where local's defaults for its workers differ from a worker's own.
+_LOCAL_HELP = {
+    "model_upload.allow": "accept torch.export model archives in load_model (factories "
+    "are unaffected); default: on (the local cluster binds loopback only)",
+    "model_upload.load_sandbox": "first load each archive in a short-lived child with "
+    "resource limits (as nobody when root); default: off",
+}
 
 # The launcher wakes at least this often to re-check its children (a safety net:
 # child exits and signals wake it at once).
@@ -60,16 +67,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--workers", type=positive_int, required=True, metavar="N", help="number of workers"
-    )
-    p.add_argument(
-        "--no-bulk",
-        action="store_true",
-        help="workers open no bulk port: every payload goes through gRPC streams",
-    )
-    p.add_argument(
-        "--no-call-lanes",
-        action="store_true",
-        help="workers serve no call lanes: every forward is a gRPC call",
     )
     p.add_argument(
         "--min-workers",
@@ -114,19 +111,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "else cpu), 'cpu', or a comma list split across workers (default: auto)",
     )
     add_dashboard_options(p)
-    p.add_argument(
-        "--queue-size", type=positive_int, default=None, metavar="N",
-        help="bound of the leader's op queue; beyond it RESOURCE_EXHAUSTED (default: 1024)",
-    )  # fmt: skip
-    p.add_argument(
-        "--flight-recorder-ops", type=non_negative_int, default=None, metavar="N",
-        help="ops each worker's flight recorder keeps; 0 turns it off (default: 2000)",
-    )  # fmt: skip
-    add_max_tensor_bytes(p)
-    add_group_flags(p)
-    add_data_plane_flags(p)
-    add_model_hosting(p)
-    add_archive_flags(p, local=True)
+    add_flags(p, WorkerConfig, passed_on=True, help_of=_LOCAL_HELP)
     add_metrics(p, "for the coordinator, P+1 ... P+N for the workers")
     add_security(p, client_side=True)
     add_control_flags(p, local=True)
@@ -170,11 +155,8 @@ def run(args: argparse.Namespace) -> int:
             metrics_host=args.metrics_host,
             log_level=args.log_level,
             log_format=args.log_format,
-            worker_args=_model_hosting_args(args)
-            + group_worker_args(args)
-            + data_plane_args(args)
-            + archive_worker_args(args)
-            + worker_security,
+            worker_config=worker_config_from_args(args),
+            worker_args=worker_security,
             coordinator_args=coordinator_security + control_args(args, own_workers=args.workers),
             worker_token_file=worker_token_path(args),
             die_with_parent=True,
@@ -205,28 +187,16 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
-def _model_hosting_args(args: argparse.Namespace) -> list[str]:
-    """What every worker of the local cluster gets of --allow-factory/--graph-ttl-s,
-    --factory-batching, --queue-size, --flight-recorder-ops, --max-tensor-bytes, --no-bulk
-    and --no-call-lanes."""
-    modules = allowed_factories(args.allow_factory)
-    extra = [f"--graph-ttl-s={args.graph_ttl_s}"]
-    if modules:
-        extra.append(f"--allow-factory={','.join(modules)}")
-    if args.factory_batching is not None:
-        policy = args.factory_batching
-        extra.append(f"--factory-batching={policy.max_rows}:{policy.max_delay_ms}")
-    if args.queue_size is not None:
-        extra.append(f"--queue-size={args.queue_size}")
-    if args.flight_recorder_ops is not None:
-        extra.append(f"--flight-recorder-ops={args.flight_recorder_ops}")
-    if args.max_tensor_bytes is not None:
-        extra.append(f"--max-tensor-bytes={args.max_tensor_bytes}")
-    if args.no_bulk:
-        extra.append("--no-bulk")
-    if args.no_call_lanes:
-        extra.append("--no-call-lanes")
-    return extra
+def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    """What every worker of the local cluster is started with (its address, devices and
+    ports are the launcher's to set): archive uploads on and the load sandbox off unless
+    the flags say otherwise."""
+    given: dict[str, object] = {"coordinator": ""}
+    if flag_value(args, "model_upload.allow") is None:
+        given["model_upload.allow"] = True
+    if flag_value(args, "model_upload.load_sandbox") is None:
+        given["model_upload.load_sandbox"] = False
+    return from_flags(WorkerConfig, args, given)
 
 
 def _security_args(

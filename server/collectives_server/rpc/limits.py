@@ -36,6 +36,7 @@ from typing import Any
 import grpc
 
 from collectives_server.rpc.call_context import CallContext
+from collectives_server.settings import DATA_PLANE, positive_float, positive_int, setting
 
 __all__ = [
     "DataPlaneLimits",
@@ -58,12 +59,41 @@ _EXEMPT = frozenset({"GetState", "GetDataPlane", "GetFlightRecord"})
 
 @dataclass(frozen=True)
 class RpcLimits:
-    """The bounds of one worker's gRPC data plane (flags in ``cli_data_plane``)."""
+    """The bounds of one worker's gRPC data plane."""
 
-    max_rpc_s: float = 300.0
-    stream_idle_s: float = 10.0
-    max_data_streams: int = 96
-    max_data_streams_per_peer: int = 80
+    max_rpc_s: float = setting(
+        300.0,
+        flag="--max-rpc-s",
+        parse=positive_float,
+        metavar="S",
+        group=DATA_PLANE,
+        help="longest any call may run, whatever the client's deadline, seconds",
+    )
+    stream_idle_s: float = setting(
+        10.0,
+        flag="--stream-idle-s",
+        parse=positive_float,
+        metavar="S",
+        group=DATA_PLANE,
+        help="cancel a streaming call that makes no progress this long, seconds",
+    )
+    max_data_streams: int = setting(
+        96,
+        flag="--max-data-streams",
+        parse=positive_int,
+        metavar="N",
+        group=DATA_PLANE,
+        help="data-plane calls (tensors, collectives, models) at once; more answer "
+        "RESOURCE_EXHAUSTED",
+    )
+    max_data_streams_per_peer: int = setting(
+        80,
+        flag="--max-data-streams-per-peer",
+        parse=positive_int,
+        metavar="N",
+        group=DATA_PLANE,
+        help="the same, from one client host",
+    )
 
 
 def pool_size(limits: RpcLimits) -> int:

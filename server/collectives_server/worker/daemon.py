@@ -171,7 +171,7 @@ class WorkerDaemon:
         self.ctx.port = self._server.port
         self.ctx.data_streams = self._server.limits.slots if self._server.limits else None
         self.ctx.address = f"{host}:{self.config.advertise_port or self._server.port}"
-        if self.config.bulk_port is not None:
+        if self.config.bulk:
             security = self.config.security
             self.ctx.bulk = BulkListener(
                 self.config.host,

@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from collectives.errors import InvalidArgument
+from collectives.wire.limits import MODEL_LOAD_TIMEOUT_S
+from collectives_server.settings import ARCHIVES, byte_size, positive_float, positive_int, setting
 from collectives_server.worker.models.archive.graph import check_graph
 
 __all__ = ["ArchiveLimits", "ModelUploadConfig", "check_archive", "GiB", "MiB"]
@@ -82,18 +84,67 @@ class ArchiveLimits:
 
 @dataclass(frozen=True)
 class ModelUploadConfig:
-    """How a worker takes model archives (the --allow-model-upload ... flags)."""
+    """How a worker takes model archives."""
 
-    # Whether LoadModel accepts archives at all (factories are unaffected).
-    allow: bool = False
-    max_bytes: int = 4 * GiB
-    max_entries: int = 65536
-    max_json_bytes: int = 256 * MiB
-    # Where uploads are written; None: a private temp dir (0700) made at start.
-    upload_dir: str | None = None
-    # Try each archive in a limited child process first.
-    load_sandbox: bool = True
-    load_timeout_s: float = 120.0
+    allow: bool = setting(
+        False,
+        flag="--allow-model-upload",
+        action="optional",
+        group=ARCHIVES,
+        shown_default="off unless --token-file is set",
+        help="accept torch.export model archives in load_model (factories are unaffected)",
+    )
+    max_bytes: int = setting(
+        4 * GiB,
+        flag="--max-model-bytes",
+        parse=byte_size,
+        metavar="N",
+        group=ARCHIVES,
+        shown_default="4GiB",
+        help="largest model archive, uploaded and decompressed",
+    )
+    max_entries: int = setting(
+        65536,
+        flag="--max-model-entries",
+        parse=positive_int,
+        metavar="N",
+        group=ARCHIVES,
+        help="most entries in a model archive",
+    )
+    max_json_bytes: int = setting(
+        256 * MiB,
+        flag="--max-model-json-bytes",
+        parse=byte_size,
+        metavar="N",
+        group=ARCHIVES,
+        shown_default="256MiB",
+        help="largest JSON entry (graph, configs) of a model archive",
+    )
+    upload_dir: str | None = setting(
+        None,
+        flag="--model-upload-dir",
+        metavar="PATH",
+        group=ARCHIVES,
+        shown_default="a private temp dir",
+        help="directory for uploaded archives while they are checked and loaded, made mode 0700",
+    )
+    load_sandbox: bool = setting(
+        True,
+        flag="--load-sandbox",
+        action="optional",
+        group=ARCHIVES,
+        shown_default="on",
+        help="first load each archive in a short-lived child with resource limits (as "
+        "nobody when root)",
+    )
+    load_timeout_s: float = setting(
+        MODEL_LOAD_TIMEOUT_S,
+        flag="--model-load-timeout-s",
+        parse=positive_float,
+        metavar="S",
+        group=ARCHIVES,
+        help="how long loading a model archive may take",
+    )
 
     @property
     def limits(self) -> ArchiveLimits:
