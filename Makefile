@@ -22,7 +22,7 @@ STUB_DIR := client/collectives/v1
 TEST_DIRS := $(wildcard tests/unit tests/integration tests/browser tests/fault)
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test test-quick test-roads soak fault bench bench-quick gpu-check lint format proto proto-check clean distclean
+.PHONY: help install demo test test-quick test-roads soak fault bench bench-quick gpu-check lint format proto proto-check docs clean distclean
 
 help:
 	@echo "make demo         start a local cluster of 2 workers, run examples/demo.py, stop it"
@@ -39,6 +39,7 @@ help:
 	@echo "make format       ruff format + ruff check --fix (rewrites files)"
 	@echo "make proto        regenerate the gRPC stubs in $(STUB_DIR)"
 	@echo "make proto-check  fail if the committed stubs differ from regenerated ones"
+	@echo "make docs         regenerate docs/flags.md from the daemons' declared settings"
 	@echo "make clean        remove caches; make distclean also removes $(VENV)"
 
 # torch is pinned in constraints.txt to the CPU build; the check after pip makes
@@ -149,6 +150,11 @@ proto: $(STAMP)
 
 # Regenerates into a temporary directory and compares file by file, both ways,
 # so a stale stub and a stub without a proto both fail.
+# docs/flags.md: every subcommand's --help, from the settings the daemons declare
+# (collectives_server.settings); tests/unit/test_flag_reference.py fails when stale.
+docs: $(STAMP)
+	$(VPY) -m collectives_server.cli.reference > docs/flags.md
+
 proto-check: $(STAMP)
 	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
 	$(VPY) -m grpc_tools.protoc -I protos --python_out="$$tmp" --grpc_python_out="$$tmp" \

@@ -43,6 +43,7 @@ from types import TracebackType
 from typing import Any
 
 from collectives_server.cli.common import PARENT_PID_ENV
+from collectives_server.coordinator.daemon import CoordinatorConfig
 from collectives_server.preloaded_workers import (
     ZYGOTE_ENV,
     PreloadedProcess,
@@ -138,9 +139,12 @@ class LocalCluster:
     ``die_with_parent`` makes children SIGTERM themselves if this process dies (Linux;
     only for a process that stays alive on the main thread, as the CLI does: the
     kernel ties it to the thread that started the child).
-    ``worker_config`` is what every worker is started with (its address, devices,
-    ports and metrics port are set per worker: :meth:`worker_config`; default:
-    ``WorkerConfig``'s defaults). ``coordinator_args``/``worker_args`` are
+    ``coordinator_config`` and ``worker_config`` are what the coordinator and every
+    worker are started with (default: their dataclasses' defaults); the cluster's
+    size, each worker's address, devices and the metrics ports are set here
+    (:meth:`coordinator_config`, :meth:`worker_config`). The coordinator's watch-stream
+    caps are raised by ``workers``: each worker holds one, and the caps bound what
+    clients can open beside them. ``coordinator_args``/``worker_args`` are
     appended to those children's command lines (the CLI passes the TLS and
     token flags this way: paths, never secrets).
     ``worker_token_file`` is the worker token of the coordinator's worker-only RPCs
@@ -153,15 +157,9 @@ class LocalCluster:
         workers: int,
         *,
         min_workers: int | None = None,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        heartbeat_s: float = 1.0,
-        lease_s: float = 5.0,
-        join_window_s: float = 0.5,
-        op_timeout_s: float = 30.0,
+        coordinator_config: CoordinatorConfig | None = None,
+        worker_config: WorkerConfig | None = None,
         devices: str = "auto",
-        dashboard_port: int | None = None,
-        dashboard_host: str = "127.0.0.1",
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
         log_level: str = "INFO",
@@ -176,7 +174,6 @@ class LocalCluster:
         python: str = sys.executable,
         max_restarts: int = 0,
         preload: bool = True,
-        worker_config: WorkerConfig | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -187,26 +184,16 @@ class LocalCluster:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
         self.workers = workers
         self.min_workers = min_workers
-        self._host = host
-        self._port = port
-        self._op_timeout_s = op_timeout_s
         self._common = ["--log-level", log_level, "--log-format", log_format]
+        self._coordinator_template = coordinator_config or CoordinatorConfig(
+            min_workers=min_workers, max_workers=workers
+        )
         self._worker_config = worker_config or WorkerConfig(coordinator="")
         self._devices: list[tuple[str, ...]] | None = None
         # --metrics-port P: the coordinator serves on P, worker i on P+1+i (0: any free port).
         self._metrics_port = metrics_port
         self._metrics_host = metrics_host
-        self._coordinator_args = [
-            f"--heartbeat={heartbeat_s}",
-            f"--lease={lease_s}",
-            f"--join-window={join_window_s}",
-        ]
-        if dashboard_port is not None:
-            self._coordinator_args += [
-                f"--dashboard-port={dashboard_port}",
-                f"--dashboard-host={dashboard_host}",
-            ]
-        self._coordinator_args += list(coordinator_args)
+        self._coordinator_args = list(coordinator_args)
         # collectives.wire.security.ChannelSecurity for wait_ready (None: plaintext, no token).
         self._client_security = client_security
         self._devices_spec = devices
@@ -250,14 +237,11 @@ class LocalCluster:
             "coordinator",
             [
                 "coordinator",
-                f"--host={self._host}",
-                f"--port={self._port}",
                 f"--min-workers={self.min_workers}",
                 f"--max-workers={self.workers}",
-                f"--op-timeout-s={self._op_timeout_s}",
+                *to_argv(self.coordinator_config(), passed_on=None),
                 *self._coordinator_args,
                 token_flag,
-                *self._metrics_args(0),
                 *self._common,
             ],
             preloaded=True,  # the zygote the workers need anyway: one import for all
@@ -331,12 +315,21 @@ class LocalCluster:
     ) -> None:
         self.stop()
 
-    def _metrics_args(self, offset: int) -> list[str]:
-        port = self._metrics_port_of(offset)
-        return (
-            []
-            if port is None
-            else [f"--metrics-port={port}", f"--metrics-host={self._metrics_host}"]
+    def coordinator_config(self) -> CoordinatorConfig:
+        """The config the coordinator is started with: the cluster's
+        ``coordinator_config`` with this cluster's size, metrics port and watch caps."""
+        limits = self._coordinator_template.limits
+        return dataclasses.replace(
+            self._coordinator_template,
+            min_workers=self.min_workers,
+            max_workers=self.workers,
+            metrics_port=self._metrics_port_of(0),
+            metrics_host=self._metrics_host,
+            limits=dataclasses.replace(
+                limits,
+                max_watch_streams=limits.max_watch_streams + self.workers,
+                max_watch_streams_per_peer=limits.max_watch_streams_per_peer + self.workers,
+            ),
         )
 
     def _metrics_port_of(self, offset: int) -> int | None:
@@ -347,17 +340,16 @@ class LocalCluster:
 
     def worker_config(self, slot: int, coordinator: str = "") -> WorkerConfig:
         """The config worker ``slot`` is started with: the cluster's ``worker_config``
-        with this cluster's coordinator, host, op timeout, and the slot's devices and
-        metrics port (``metrics_port`` + 1 + ``slot``)."""
+        with the coordinator at ``coordinator``, the coordinator's host, and the slot's
+        devices and metrics port (``metrics_port`` + 1 + ``slot``)."""
         if self._devices is None:
             self._devices = assign_devices(self.workers, self._devices_spec, _cuda_count)
         return dataclasses.replace(
             self._worker_config,
             coordinator=coordinator,
-            host=self._host,
+            host=self._coordinator_template.host,
             port=0,
             devices=self._devices[slot],
-            op_timeout_s=self._op_timeout_s,
             metrics_port=self._metrics_port_of(1 + slot),
             metrics_host=self._metrics_host,
         )

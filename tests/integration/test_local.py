@@ -20,6 +20,7 @@ from launcher import LocalCluster as LauncherProcess
 
 from collectives.v1 import coordinator_pb2 as pb
 from collectives.v1 import coordinator_pb2_grpc as pb_grpc
+from collectives_server.coordinator.daemon import CoordinatorConfig
 from collectives_server.local import Child, LocalCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -136,7 +137,8 @@ def test_in_process_local_cluster() -> None:
         exited.append(child)
         exit_seen.set()
 
-    with LocalCluster(1, heartbeat_s=0.3, lease_s=1.5, devices="cpu", on_exit=on_exit) as cluster:
+    fast = CoordinatorConfig(min_workers=1, max_workers=1, heartbeat_s=0.3, lease_s=1.5)
+    with LocalCluster(1, coordinator_config=fast, devices="cpu", on_exit=on_exit) as cluster:
         cluster_msg = cluster.wait_ready(timeout_s=60)
         assert cluster_msg.world_size == 1
         (worker_address,) = cluster.worker_addresses(timeout_s=10)

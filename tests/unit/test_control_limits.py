@@ -20,6 +20,7 @@ from collectives.v1 import coordinator_pb2 as pb
 from collectives.v1 import coordinator_pb2_grpc as pb_grpc
 from collectives.v1 import status_pb2
 from collectives_server.cli.coordinator import config_from_args
+from collectives_server.cli.local import coordinator_config_from_args
 from collectives_server.cli.main import build_parser
 from collectives_server.control_protocol import FIELD_LIMITS, WORKER_TOKEN_METADATA
 from collectives_server.coordinator import Coordinator, CoordinatorConfig
@@ -159,8 +160,9 @@ def test_flag_defaults_are_the_documented_ones() -> None:
     assert (config.dashboard_idle_s, config.dashboard_max_connections) == (10.0, 256)
     local = build_parser().parse_args(["local", "--workers", "2"])
     assert local.worker_token_file is None
-    assert (local.max_waiting_workers, local.max_watch_streams) == (64, 128)
-    assert (local.dashboard_idle_s, local.dashboard_max_connections) == (10.0, 256)
+    local_config = coordinator_config_from_args(local)
+    assert local_config.limits == config.limits
+    assert (local_config.dashboard_idle_s, local_config.dashboard_max_connections) == (10.0, 256)
     worker = build_parser().parse_args(["worker", "--coordinator", "127.0.0.1:1"])
     assert worker.worker_token_file is None
 

@@ -275,7 +275,8 @@ def test_metrics_and_log_format_flags() -> None:
 
 def test_local_gives_each_child_its_own_metrics_port() -> None:
     cluster = LocalCluster(2, metrics_port=9300, metrics_host="127.0.0.1", devices="cpu")
-    assert cluster._metrics_args(0) == ["--metrics-port=9300", "--metrics-host=127.0.0.1"]
+    coordinator = cluster.coordinator_config()
+    assert (coordinator.metrics_port, coordinator.metrics_host) == (9300, "127.0.0.1")
     assert [cluster.worker_config(slot).metrics_port for slot in (0, 1)] == [9301, 9302]
     assert cluster.worker_config(1).metrics_host == "127.0.0.1"
     assert LocalCluster(2, metrics_port=0, devices="cpu").worker_config(1).metrics_port == 0

@@ -12,9 +12,11 @@ import dataclasses
 import pytest
 
 from collectives.wire.batching import Batching
-from collectives_server.cli.local import worker_config_from_args
+from collectives_server.cli.coordinator import config_from_args as coordinator_config
+from collectives_server.cli.local import coordinator_config_from_args, worker_config_from_args
 from collectives_server.cli.main import build_parser
 from collectives_server.cli.worker import config_from_args
+from collectives_server.coordinator.daemon import CoordinatorConfig
 from collectives_server.local import LocalCluster
 from collectives_server.settings import Flag, add_flags, flag_rows, from_flags, setting, to_argv
 from collectives_server.worker.config import WorkerConfig
@@ -124,17 +126,16 @@ def test_local_does_not_offer_a_workers_identity() -> None:
 
 def test_local_cluster_starts_each_worker_with_the_config_it_was_given() -> None:
     given = _config_with_others()
-    cluster = LocalCluster(2, worker_config=given, devices="cpu", op_timeout_s=12.0)
+    coordinator = CoordinatorConfig(min_workers=1, max_workers=1, host="127.0.0.2")
+    cluster = LocalCluster(2, coordinator_config=coordinator, worker_config=given, devices="cpu")
     for slot in (0, 1):
-        config = cluster.worker_config(slot, "127.0.0.1:9")
-        assert (config.coordinator, config.devices, config.op_timeout_s) == (
-            "127.0.0.1:9",
+        config = cluster.worker_config(slot, "127.0.0.2:9")
+        assert (config.coordinator, config.host, config.devices) == (
+            "127.0.0.2:9",
+            "127.0.0.2",
             ("cpu",),
-            12.0,
         )
-        assert dataclasses.replace(config, coordinator="", devices=(), op_timeout_s=None) == (
-            dataclasses.replace(given, host="127.0.0.1", port=0)
-        )
+        assert dataclasses.replace(config, coordinator="", host="127.0.0.1", devices=()) == given
 
 
 def test_defaults_give_no_flags_but_the_resolved_switches() -> None:
@@ -167,3 +168,66 @@ def test_a_new_setting_is_one_field() -> None:
     assert to_argv(built, passed_on=None) == ["--name=y", "--depth=5"]
     assert to_argv(built) == ["--depth=5"]
     assert flag_rows(Outer) == [("--name", "x", "what"), ("--depth", "3", "how deep")]
+
+
+_OTHER_COORDINATOR = {
+    "host": "127.0.0.3",
+    "port": 4711,
+    "heartbeat_s": 0.25,
+    "lease_s": 2.0,
+    "join_window_s": 0.0,
+    "op_timeout_s": 7.0,
+    "advertise_host": "coordinator.example",
+    "dashboard_port": 0,
+    "dashboard_host": "127.0.0.4",
+    "metrics_port": 9100,
+    "metrics_host": "127.0.0.5",
+    "limits.max_waiting_workers": 3,
+    "limits.max_watch_streams": 5,
+    "limits.max_watch_streams_per_peer": 2,
+    "dashboard_idle_s": 4.0,
+    "dashboard_max_connections": 6,
+    "store": "etcd://127.0.0.1:2379",
+    "cluster_name": "blue",
+    "leader_ttl_s": 5,
+}
+
+
+def _coordinator_with_others() -> CoordinatorConfig:
+    size = {"min_workers": 2, "max_workers": 3}
+    return from_flags(CoordinatorConfig, argparse.Namespace(), {**size, **_OTHER_COORDINATOR})
+
+
+def test_every_coordinator_setting_has_a_value_here() -> None:
+    declared = {row[0].split(" / ")[0] for row in flag_rows(CoordinatorConfig)}
+    assert len(declared) == len(_OTHER_COORDINATOR), "give the new setting a value here"
+    default = CoordinatorConfig(min_workers=1, max_workers=1)
+    for path, value in _OTHER_COORDINATOR.items():
+        assert _at(default, path) != value, path
+
+
+def test_a_coordinator_config_survives_its_own_flags() -> None:
+    sent = _coordinator_with_others()
+    argv = ["--min-workers=2", "--max-workers=3", *to_argv(sent, passed_on=None)]
+    args = build_parser().parse_args(["coordinator", *argv])
+    assert coordinator_config(args, args.parser) == sent
+
+
+def test_local_takes_each_coordinator_setting_it_passes_on() -> None:
+    sent = dataclasses.replace(_coordinator_with_others(), min_workers=2, max_workers=2)
+    args = build_parser().parse_args(["local", "--workers", "2", *to_argv(sent)])
+    got = coordinator_config_from_args(args)
+    # Not offered by local: its own metrics ports, and what only a deployment sets.
+    own = (
+        "advertise_host",
+        "metrics_port",
+        "metrics_host",
+        "store",
+        "cluster_name",
+        "leader_ttl_s",
+    )
+    for path in _OTHER_COORDINATOR:
+        expected = _at(
+            CoordinatorConfig(min_workers=1, max_workers=1) if path in own else sent, path
+        )
+        assert _at(got, path) == expected, path

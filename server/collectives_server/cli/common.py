@@ -13,12 +13,10 @@ import sys
 from collectives.wire.security import ChannelSecurity, read_pem, read_token_file
 from collectives_server.logfmt import LOG_FORMATS, JsonFormatter, text_formatter
 from collectives_server.security import ServerSecurity
-from collectives_server.settings import port_number
 
 __all__ = [
     "PARENT_PID_ENV",
     "add_log_level",
-    "add_metrics",
     "add_security",
     "client_security_from_args",
     "die_with_parent_if_asked",
@@ -47,25 +45,6 @@ def add_log_level(parser: argparse.ArgumentParser) -> None:
         default="text",
         choices=LOG_FORMATS,
         help="text lines, or one JSON object per line with the op ids as fields (default: text)",
-    )
-
-
-def add_metrics(parser: argparse.ArgumentParser, what: str = "") -> None:
-    """``--metrics-port`` (absent: no metrics endpoint) and ``--metrics-host``."""
-    parser.add_argument(
-        "--metrics-port",
-        type=port_number,
-        default=None,
-        metavar="P",
-        help="serve Prometheus metrics at http://HOST:P/metrics"
-        + (f" {what}" if what else "")
-        + " (0: any free port, logged; default: no metrics endpoint)",
-    )
-    parser.add_argument(
-        "--metrics-host",
-        default="127.0.0.1",
-        metavar="H",
-        help="interface of the metrics endpoint (default: 127.0.0.1, this machine only)",
     )
 
 

@@ -10,40 +10,40 @@ from typing import Any
 
 from collectives_server.cli.common import (
     add_log_level,
-    add_metrics,
     add_security,
     client_security_from_args,
     server_security_from_args,
     setup_logging,
 )
 from collectives_server.cli.control import (
-    add_control_flags,
-    control_args,
+    add_worker_token_flag,
     worker_token_from_args,
     worker_token_path,
 )
-from collectives_server.cli.coordinator import add_dashboard_options
+from collectives_server.coordinator.daemon import CoordinatorConfig
 from collectives_server.local import LocalCluster
 from collectives_server.settings import (
     add_flags,
     flag_value,
     from_flags,
-    non_negative_float,
     port_number,
-    positive_float,
     positive_int,
 )
 from collectives_server.signals import StopSignal
 from collectives_server.worker.config import WorkerConfig
 
-__all__ = ["add_parser", "run", "worker_config_from_args"]
+__all__ = ["add_parser", "coordinator_config_from_args", "run", "worker_config_from_args"]
 
 HELP = "run a coordinator and N workers as child processes (the local default)"
 
 log = logging.getLogger(__name__)
 
 # Where local's defaults for its workers differ from a worker's own.
-_LOCAL_HELP = {
+_LOCAL_COORDINATOR_HELP = {
+    "host": "interface the coordinator and the workers bind (default: 127.0.0.1)",
+    "port": "coordinator port (default: 0, any free port)",
+}
+_LOCAL_WORKER_HELP = {
     "model_upload.allow": "accept torch.export model archives in load_model (factories "
     "are unaffected); default: on (the local cluster binds loopback only)",
     "model_upload.load_sandbox": "first load each archive in a short-lived child with "
@@ -83,26 +83,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="restart a worker that dies, at most K times per worker, as torchrun does; it "
         "rejoins and the cluster re-forms at full size (default: 3; 0: never)",
     )
-    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1)")
-    p.add_argument(
-        "--port", type=port_number, default=0, help="coordinator port (default: 0, any free port)"
-    )
-    p.add_argument(
-        "--heartbeat", "--heartbeat-s", dest="heartbeat_s", type=positive_float, default=1.0,
-        metavar="S", help="heartbeat interval, seconds (default: 1.0)",
-    )  # fmt: skip
-    p.add_argument(
-        "--lease", "--lease-s", dest="lease_s", type=positive_float, default=5.0,
-        metavar="S", help="a worker silent this long is lost, seconds (default: 5.0)",
-    )  # fmt: skip
-    p.add_argument(
-        "--join-window", "--join-window-s", dest="join_window_s", type=non_negative_float,
-        default=0.5, metavar="S", help="join window before sealing, seconds (default: 0.5)",
-    )  # fmt: skip
-    p.add_argument(
-        "--op-timeout-s", type=positive_float, default=30.0, metavar="S",
-        help="collective timeout, seconds (default: 30)",
-    )  # fmt: skip
     p.add_argument(
         "--devices",
         default="auto",
@@ -110,11 +90,24 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="'auto' (split the visible GPUs across workers if there is one per worker, "
         "else cpu), 'cpu', or a comma list split across workers (default: auto)",
     )
-    add_dashboard_options(p)
-    add_flags(p, WorkerConfig, passed_on=True, help_of=_LOCAL_HELP)
-    add_metrics(p, "for the coordinator, P+1 ... P+N for the workers")
+    add_flags(p, CoordinatorConfig, passed_on=True, help_of=_LOCAL_COORDINATOR_HELP)
+    add_flags(p, WorkerConfig, passed_on=True, help_of=_LOCAL_WORKER_HELP)
+    p.add_argument(
+        "--metrics-port",
+        type=port_number,
+        default=None,
+        metavar="P",
+        help="serve Prometheus metrics at http://HOST:P/metrics for the coordinator, P+1 ... "
+        "P+N for the workers (0: any free port each, logged; default: no metrics endpoint)",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        metavar="H",
+        help="interface of the metrics endpoints (default: 127.0.0.1, this machine only)",
+    )
     add_security(p, client_side=True)
-    add_control_flags(p, local=True)
+    add_worker_token_flag(p, " (default: a fresh random token for this cluster's own workers)")
     add_log_level(p)
     p.set_defaults(run=run, parser=p)
     return p
@@ -126,15 +119,15 @@ def run(args: argparse.Namespace) -> int:
         parser.error(f"--min-workers ({args.min_workers}) must be <= --workers ({args.workers})")
     if args.max_restarts < 0:
         parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
-    if args.lease_s <= args.heartbeat_s:
-        parser.error(
-            f"--lease ({args.lease_s}) must be longer than --heartbeat ({args.heartbeat_s})"
-        )
     if args.metrics_port and args.metrics_port + args.workers > 65535:
         parser.error(
             f"--metrics-port {args.metrics_port} leaves no room for {args.workers} workers "
             "(they use the next ports)"
         )
+    try:
+        coordinator = coordinator_config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     coordinator_security, worker_security = _security_args(args, parser)
     worker_token_from_args(args, parser)  # an unreadable --worker-token-file exits here
     setup_logging(args.log_level, "local", args.log_format)
@@ -142,22 +135,15 @@ def run(args: argparse.Namespace) -> int:
         cluster = LocalCluster(
             args.workers,
             min_workers=args.min_workers,
-            host=args.host,
-            port=args.port,
-            heartbeat_s=args.heartbeat_s,
-            lease_s=args.lease_s,
-            join_window_s=args.join_window_s,
-            op_timeout_s=args.op_timeout_s,
+            coordinator_config=coordinator,
             devices=args.devices,
-            dashboard_port=args.dashboard_port,
-            dashboard_host=args.dashboard_host,
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,
             log_level=args.log_level,
             log_format=args.log_format,
             worker_config=worker_config_from_args(args),
             worker_args=worker_security,
-            coordinator_args=coordinator_security + control_args(args, own_workers=args.workers),
+            coordinator_args=coordinator_security,
             worker_token_file=worker_token_path(args),
             die_with_parent=True,
             on_exit=lambda child: stop.wake(),
@@ -185,6 +171,12 @@ def run(args: argparse.Namespace) -> int:
         finally:
             cluster.stop()
     return code
+
+
+def coordinator_config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
+    """The local cluster's coordinator settings (its size is the launcher's to set)."""
+    size = {"min_workers": args.min_workers or args.workers, "max_workers": args.workers}
+    return from_flags(CoordinatorConfig, args, size)
 
 
 def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:

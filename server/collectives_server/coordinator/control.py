@@ -38,6 +38,7 @@ from collectives_server.coordinator.registration import (
     check_status,
     worker_entry_bytes,
 )
+from collectives_server.settings import non_negative_int, positive_int, setting
 
 __all__ = ["ControlGuard", "ControlLimits", "peer_host"]
 
@@ -46,11 +47,30 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class ControlLimits:
-    """The coordinator's bounds (flags of the same names, see :mod:`..cli_control`)."""
+    """The coordinator's bounds (flags of the same names)."""
 
-    max_waiting_workers: int = 64
-    max_watch_streams: int = 128
-    max_watch_streams_per_peer: int = 32
+    max_waiting_workers: int = setting(
+        64,
+        flag="--max-waiting-workers",
+        parse=non_negative_int,
+        metavar="N",
+        help="live workers beyond --max-workers that may wait for a place; more "
+        "registrations answer RESOURCE_EXHAUSTED",
+    )
+    max_watch_streams: int = setting(
+        128,
+        flag="--max-watch-streams",
+        parse=positive_int,
+        metavar="N",
+        help="WatchCluster streams open at once; more answer RESOURCE_EXHAUSTED",
+    )
+    max_watch_streams_per_peer: int = setting(
+        32,
+        flag="--max-watch-streams-per-peer",
+        parse=positive_int,
+        metavar="N",
+        help="WatchCluster streams open at once from one host",
+    )
     cluster_budget_bytes: int = CLUSTER_BUDGET_BYTES
 
     def __post_init__(self) -> None:

@@ -12,6 +12,7 @@ the local launcher start it in-process on port 0 and read :attr:`Coordinator.add
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import secrets
@@ -39,6 +40,13 @@ from collectives_server.hosts import dialled_name
 from collectives_server.metrics import MetricsServer
 from collectives_server.rpc.server import SMALL_MESSAGE_OPTIONS, ServerHandle, start_server
 from collectives_server.security import ServerSecurity
+from collectives_server.settings import (
+    non_negative_float,
+    port_number,
+    positive_float,
+    positive_int,
+    setting,
+)
 from collectives_server.signals import StopSignal
 
 __all__ = ["Coordinator", "CoordinatorConfig", "format_address", "run_coordinator"]
@@ -54,6 +62,17 @@ _FREE_GRPC_THREADS = 32
 _HEARTBEAT_STREAM_HEADROOM = 32
 
 
+def store_url(text: str) -> str:
+    """``memory`` or ``etcd://HOST:PORT[,HOST:PORT...]``."""
+    if text == "memory":
+        return text
+    try:
+        parse_etcd_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def heartbeat_stream_limit(max_workers: int) -> int:
     """How many HeartbeatStream calls may be open (beyond: unary Heartbeat)."""
     return max_workers + _HEARTBEAT_STREAM_HEADROOM
@@ -63,43 +82,136 @@ def heartbeat_stream_limit(max_workers: int) -> int:
 class CoordinatorConfig:
     """Everything ``collectives-server coordinator`` takes; units in the names."""
 
+    # The cluster's size bounds (the CLI's --world-size, --min-workers, --max-workers).
     min_workers: int
     max_workers: int
-    # Interface and port of the gRPC server; port 0 picks a free one.
-    host: str = "127.0.0.1"
-    port: int = 0
-    # Heartbeat interval told to workers; a worker silent for lease_s is LOST.
-    heartbeat_s: float = 1.0
-    lease_s: float = 5.0
-    # Seal once this long passed since the last registration (and min_workers are live).
-    join_window_s: float = 0.5
-    # Collective timeout told to workers (and through Cluster, to clients).
-    op_timeout_s: float = 30.0
-    # Host name put in the addresses handed out; None: ``host``, or this machine's
-    # name when ``host`` is a wildcard (0.0.0.0, ::).
-    advertise_host: str | None = None
-    # The web dashboard's HTTP port (see .dashboard); None: no dashboard, 0: any free port.
-    dashboard_port: int | None = None
-    dashboard_host: str = "127.0.0.1"
-    # Prometheus endpoint (/metrics); None: none, 0: any free port (logged).
-    metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"
+    host: str = setting("127.0.0.1", flag="--host", help="interface to bind")
+    port: int = setting(
+        0,
+        flag="--port",
+        parse=port_number,
+        shown_default="0, any free port",
+        help="gRPC port",
+    )
+    # A worker silent for lease_s is LOST.
+    heartbeat_s: float = setting(
+        1.0,
+        flag=("--heartbeat", "--heartbeat-s"),
+        parse=positive_float,
+        metavar="S",
+        help="heartbeat interval told to workers, seconds",
+    )
+    lease_s: float = setting(
+        5.0,
+        flag=("--lease", "--lease-s"),
+        parse=positive_float,
+        metavar="S",
+        help="a worker silent this long is lost, seconds",
+    )
+    join_window_s: float = setting(
+        0.5,
+        flag=("--join-window", "--join-window-s"),
+        parse=non_negative_float,
+        metavar="S",
+        help="wait this long after the last registration before sealing, seconds",
+    )
+    op_timeout_s: float = setting(
+        30.0,
+        flag="--op-timeout-s",
+        parse=positive_float,
+        metavar="S",
+        help="collective timeout told to workers and clients, seconds",
+    )
+    advertise_host: str | None = setting(
+        None,
+        flag="--advertise-host",
+        metavar="H",
+        passed_on=False,
+        shown_default="--host, or this machine's name if --host is 0.0.0.0 or ::",
+        help="host name to hand out in addresses",
+    )
+    dashboard_port: int | None = setting(
+        None,
+        flag="--dashboard-port",
+        parse=port_number,
+        metavar="P",
+        shown_default="no dashboard",
+        help="serve the web dashboard (live workers, generation history, recent errors) "
+        "on this HTTP port; 0 picks a free one",
+    )
+    dashboard_host: str = setting(
+        "127.0.0.1",
+        flag="--dashboard-host",
+        metavar="H",
+        shown_default="127.0.0.1, this machine only",
+        help="interface the dashboard binds",
+    )
+    metrics_port: int | None = setting(
+        None,
+        flag="--metrics-port",
+        parse=port_number,
+        metavar="P",
+        passed_on=False,
+        shown_default="no metrics endpoint",
+        help="serve Prometheus metrics at http://HOST:P/metrics (0: any free port, logged)",
+    )
+    metrics_host: str = setting(
+        "127.0.0.1",
+        flag="--metrics-host",
+        metavar="H",
+        passed_on=False,
+        shown_default="127.0.0.1, this machine only",
+        help="interface of the metrics endpoint",
+    )
     # TLS / mutual TLS / bearer token of the gRPC server (default: plaintext, open).
     security: ServerSecurity = field(default_factory=ServerSecurity)
     # Token the worker-only RPCs (Register, Heartbeat, Leave) require; None: none.
     worker_token: str | None = None
     # Waiting workers, watch streams, Cluster message budget.
     limits: ControlLimits = field(default_factory=ControlLimits)
-    # Dashboard connections: closed after this long idle; at most this many open.
-    dashboard_idle_s: float = 10.0
-    dashboard_max_connections: int = 256
-    # Where membership lives: "memory" (this process) or "etcd://h:p[,h:p...]", where
-    # coordinators of the same cluster_name elect a leader (see .etcd_store).
-    store: str = "memory"
-    cluster_name: str = "default"
-    # The leader's etcd lease, whole seconds: a standby takes over this long after
-    # the leader dies (plus a poll).
-    leader_ttl_s: int = 3
+    dashboard_idle_s: float = setting(
+        10.0,
+        flag="--dashboard-idle-s",
+        parse=positive_float,
+        metavar="S",
+        help="close a dashboard connection idle this long, seconds",
+    )
+    dashboard_max_connections: int = setting(
+        256,
+        flag="--dashboard-max-connections",
+        parse=positive_int,
+        metavar="N",
+        help="dashboard connections open at once; more get 503",
+    )
+    store: str = setting(
+        "memory",
+        flag="--store",
+        parse=store_url,
+        metavar="memory|etcd://H:P[,H:P...]",
+        passed_on=False,
+        shown_default="memory",
+        help="where membership lives: 'memory' (this process) or an etcd cluster, where "
+        "every coordinator of the same --cluster-name stands by and one leads, elected "
+        "through an etcd lease (see docs/deploying.md)",
+    )
+    cluster_name: str = setting(
+        "default",
+        flag="--cluster-name",
+        metavar="NAME",
+        passed_on=False,
+        help="with an etcd store: the key prefix /collectives/NAME/ this cluster's "
+        "coordinators share",
+    )
+    # A standby takes over this long after the leader dies (plus a poll).
+    leader_ttl_s: int = setting(
+        3,
+        flag="--leader-ttl-s",
+        parse=positive_int,
+        metavar="S",
+        passed_on=False,
+        help="with an etcd store: the leader's lease in whole seconds; a standby takes "
+        "over this long after the leader dies",
+    )
 
     def __post_init__(self) -> None:
         if self.min_workers < 1:
