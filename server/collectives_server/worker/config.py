@@ -9,6 +9,7 @@ are read from the files the security flags name (``cli/common.py``).
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 
 from collectives.errors import InvalidArgument
@@ -29,7 +30,7 @@ from collectives_server.worker.data.limits import BulkLimits, ShmLimits
 from collectives_server.worker.models.archive.checks import ModelUploadConfig
 from collectives_server.worker.transport.lanes import LANE_METHODS
 
-__all__ = ["WorkerConfig", "parse_devices"]
+__all__ = ["WorkerConfig", "parse_cpus", "parse_devices"]
 
 
 def parse_devices(text: str) -> tuple[str, ...]:
@@ -40,6 +41,28 @@ def parse_devices(text: str) -> tuple[str, ...]:
         if kind not in ("cpu", "cuda") or (index and not index.isdigit()):
             raise argparse.ArgumentTypeError(f"unknown device {d!r}; use cpu or cuda:N")
     return devices
+
+
+def parse_cpus(text: str) -> frozenset[int]:
+    """``0-3,8`` (as ``taskset -c``) → the CPU numbers, each one this process may use."""
+    cpus: set[int] = set()
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        low, dash, high = part.partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()):
+            raise argparse.ArgumentTypeError(
+                f"{part!r} is not a CPU or a range of CPUs (e.g. 0-3,8)"
+            )
+        cpus.update(range(int(low), int(high if dash else low) + 1))
+    usable = os.sched_getaffinity(0)
+    if not cpus or not cpus <= usable:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: not among the CPUs this process may use ({_cpu_list(usable)})"
+        )
+    return frozenset(cpus)
+
+
+def _cpu_list(cpus: frozenset[int] | set[int]) -> str:
+    return ",".join(map(str, sorted(cpus)))
 
 
 def _lane_methods(text: str) -> tuple[str, ...]:
@@ -99,6 +122,18 @@ class WorkerConfig:
         passed_on=False,
         shown_default="every visible CUDA device, else cpu",
         help="comma-separated devices, e.g. cuda:0,cuda:1 or cpu",
+    )
+    cpus: frozenset[int] | None = setting(
+        None,
+        flag="--cpus",
+        parse=parse_cpus,
+        to_text=_cpu_list,
+        metavar="LIST",
+        passed_on=False,
+        shown_default="every CPU the process may use",
+        help="the CPUs every thread of this worker runs on, e.g. 0-3,8 (as taskset -c; torch's "
+        "threads are as many unless OMP_NUM_THREADS says): workers sharing a host on cores "
+        "of their own",
     )
     op_timeout_s: float | None = setting(
         None,

@@ -14,6 +14,7 @@ and joins a later generation with its tensors intact.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -505,12 +506,24 @@ def membership_refusal(
     return None
 
 
+def run_on_cpus(cpus: frozenset[int]) -> None:
+    """Every thread of this process, and those it starts later, on ``cpus`` only; torch's
+    intra-op threads as many as ``cpus`` unless ``OMP_NUM_THREADS`` chose."""
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task), cpus)
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(len(cpus))
+
+
 def run_worker(config: WorkerConfig) -> int:
     """Runs a worker until SIGTERM/SIGINT; prints its address as the first stdout line.
 
     Returns 1 if the worker cannot start; after a signal it exits the process
     with status 0 itself (see the comment at the end).
     """
+    if config.cpus is not None:
+        run_on_cpus(config.cpus)
     with StopSignal() as stop:
         try:
             daemon = WorkerDaemon(config)
