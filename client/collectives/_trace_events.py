@@ -16,15 +16,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from collectives.wire.flight_record import OpRecord, RankPhases
+from collectives.wire.op_phases import SPANS
 
 __all__ = ["TRACKS", "trace_events"]
 
 # track id -> (its name, the phase it starts at, the phase it ends at)
-TRACKS = {
-    1: ("queued", "admitted", "announced"),
-    2: ("announced", "announced", "started"),
-    3: ("running", "started", "finished"),
-}
+TRACKS = dict(enumerate(SPANS, start=1))
 
 
 def _label(op: OpRecord) -> str:

@@ -8,6 +8,7 @@ are defined with the code that reads and merges the ranks' records in
 
 from __future__ import annotations
 
-from collectives.wire.flight_record import PHASES, OpRecord, RankPhases
+from collectives.wire.flight_record import OpRecord, RankPhases
+from collectives.wire.op_phases import PHASES
 
 __all__ = ["PHASES", "OpRecord", "RankPhases"]

@@ -31,6 +31,7 @@ module                    what it holds
 :mod:`.membership`        the digest naming which membership a generation is
 :mod:`.cluster_state`     the cluster's state as values (SDK and dashboard JSON)
 :mod:`.batching`          the dynamic batching policy a model is loaded with
+:mod:`.op_phases`         an op's phases and the spans between them, defined once
 :mod:`.flight_record`     the ranks' flight records read and merged by op
 :mod:`.stuck_ops`         the ops in flight too long and the ranks they wait on
 ========================  =====================================================

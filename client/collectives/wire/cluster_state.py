@@ -16,6 +16,7 @@ from typing import Any
 
 from collectives.errors import Unavailable
 from collectives.v1 import coordinator_pb2, flight_record_pb2, status_pb2
+from collectives.wire.op_phases import phases_of
 from collectives.wire.op_specs import check_rank, spec_named
 
 __all__ = [
@@ -172,18 +173,16 @@ class RecentOp:
     rank: int  # the worker's rank in the op's generation
     kind: str
     names: tuple[str, ...]
-    # phase ("admitted", "announced", "started", "finished") -> Unix seconds, if reached
+    # phase (collectives.wire.op_phases.PHASES) -> Unix seconds, if reached
     phases: Mapping[str, float]
     # the gRPC status code value: 0 committed, -1 still in flight
     code: int
 
     @classmethod
     def from_proto(cls, op: flight_record_pb2.FlightRecordOp) -> RecentOp:
-        stamps = (op.admitted_s, op.announced_s, op.started_s, op.finished_s)
-        phases = ("admitted", "announced", "started", "finished")
         return cls(
             int(op.op_id), int(op.generation), int(op.rank), op.kind, tuple(op.names),
-            {p: float(s) for p, s in zip(phases, stamps, strict=True) if s}, int(op.code),
+            phases_of(op), int(op.code),
         )  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:

@@ -11,11 +11,8 @@ trace`` (``collectives._trace_events``) and ``collectives diagnose``
 (``stuck_ops``) read it; it is in the wire package so that a tool in another
 language reads the same fields and phases. Nothing here needs torch.
 
-Phases, in the order a rank reaches them (Unix seconds; a phase not reached is
-absent): ``admitted`` (the leader queued it; the leader only), ``announced``
-(sent to the group, or received from the leader), ``started`` (this rank's
-handler began: operands agreed, data moving), ``finished`` (committed or
-failed here).
+The phases and their order: :mod:`collectives.wire.op_phases` (Unix seconds
+here; a phase not reached is absent).
 """
 
 from __future__ import annotations
@@ -30,6 +27,7 @@ import grpc
 from collectives.errors import status_code
 from collectives.v1 import flight_record_pb2, worker_pb2_grpc
 from collectives.wire.cluster_state import ClusterSnapshot
+from collectives.wire.op_phases import PHASES, phases_of
 
 __all__ = [
     "PHASES",
@@ -41,8 +39,6 @@ __all__ = [
     "read_flight_record",
     "read_paged",
 ]
-
-PHASES = ("admitted", "announced", "started", "finished")
 
 
 def _outcome(code: int) -> str:
@@ -163,10 +159,9 @@ def _record(
     generation, op_id, call_id = key
     per_rank: dict[int, RankPhases] = {}
     for rank, op in seen:
-        stamps = (op.admitted_s, op.announced_s, op.started_s, op.finished_s)
         per_rank[rank] = RankPhases(
             rank=rank,
-            phases={p: s for p, s in zip(PHASES, stamps, strict=True) if s},
+            phases=phases_of(op),
             outcome=_outcome(op.code),
             message=op.message,
             nbytes=op.nbytes,

@@ -14,16 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from collectives.wire.flight_record import PHASES, FlightRecord, OpRecord, RankReply
+from collectives.wire.flight_record import FlightRecord, OpRecord, RankReply
+from collectives.wire.op_phases import DOING, PHASES, phases_of
 
 __all__ = ["Stuck", "diagnose"]
-
-# What an op in flight is doing once it reached a phase.
-_DOING = {
-    "admitted": "queued on the leader",
-    "announced": "announced, waiting to start",
-    "started": "data phase",
-}
 
 
 @dataclass(frozen=True)
@@ -31,7 +25,7 @@ class Stuck:
     """One op in flight longer than the threshold, and the ranks it waits on."""
 
     op: OpRecord
-    phase: str  # the furthest phase a rank reached ("announced", "started")
+    phase: str  # the furthest phase a rank reached (announced or started)
     for_s: float  # how long the op has been in that phase on the rank that reached it first
     waiting_on: tuple[int, ...]  # ranks behind that phase, or not answering
     line: str  # the verdict in words
@@ -50,10 +44,9 @@ def _current_op(reply: RankReply | None) -> str:
         return "none recorded"
     busy = [o for o in ops if o.code < 0 and o.announced_s]
     op = busy[-1] if busy else ops[-1]
-    stamps = (op.admitted_s, op.announced_s, op.started_s, op.finished_s)
-    reached = [p for p, s in zip(PHASES, stamps, strict=True) if s]
+    reached = list(phases_of(op))
     phase = reached[-1] if reached else ""
-    state = f"still in its {_DOING.get(phase, phase)}" if op.code < 0 else "finished"
+    state = f"still in its {DOING.get(phase, phase)}" if op.code < 0 else "finished"
     return f"{op.op_id} {op.kind}, {state}"
 
 
@@ -112,7 +105,7 @@ def _line(
 ) -> str:
     names = " ".join(repr(n) for n in op.names)
     head = f"{op.label} {op.kind}{' ' + names if names else ''} (generation {op.generation})"
-    head += f": {_DOING.get(phase, phase)} for {for_s:.1f} s"
+    head += f": {DOING.get(phase, phase)} for {for_s:.1f} s"
     if not waiting:
         ranks = ", ".join(str(r) for r in sorted(op.per_rank))
         return f"{head}; no rank is missing: every rank of its group ({ranks}) is in it"

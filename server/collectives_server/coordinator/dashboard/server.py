@@ -35,6 +35,7 @@ here: no tensor, model or client name an op carried, no call id, no error messag
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from http import HTTPStatus
@@ -43,6 +44,7 @@ from importlib import resources
 from typing import Any, Protocol
 
 from collectives.v1 import coordinator_pb2
+from collectives.wire.op_phases import PHASES, SPANS
 from collectives_server.coordinator.dashboard.json_api import cluster_to_json, without_details
 from collectives_server.coordinator.dashboard.limits import BoundedHTTPServer, BoundedIPv6Server
 
@@ -57,11 +59,14 @@ _ASSETS = {
     "model.js": "text/javascript; charset=utf-8",
     "style.css": "text/css; charset=utf-8",
 }
+# Made here, not shipped: the op phases the timeline draws, from their one definition.
+_PHASES_JS = "phases.js"
 _ROUTES = {
     "/": "index.html",
     "/index.html": "index.html",
     "/app.js": "app.js",
     "/model.js": "model.js",
+    "/phases.js": _PHASES_JS,
     "/style.css": "style.css",
 }
 # The page loads only its own assets and talks only to this server.
@@ -89,7 +94,15 @@ class ClusterSource(Protocol):
 
 def _load_assets() -> dict[str, bytes]:
     root = resources.files("collectives_server.coordinator.dashboard").joinpath("static")
-    return {name: root.joinpath(name).read_bytes() for name in _ASSETS}
+    assets = {name: root.joinpath(name).read_bytes() for name in _ASSETS}
+    assets[_PHASES_JS] = phases_js().encode()
+    return assets
+
+
+def phases_js() -> str:
+    """``phases.js``: :mod:`collectives.wire.op_phases` for the page's model.js."""
+    table = json.dumps({"phases": list(PHASES), "spans": [list(span) for span in SPANS]})
+    return f'"use strict";\nwindow.COLLECTIVES_OP_PHASES = Object.freeze({table});\n'
 
 
 class DashboardServer:
@@ -197,7 +210,7 @@ class DashboardServer:
             self._streams -= 1
 
     def asset(self, name: str) -> tuple[bytes, str]:
-        return self._assets[name], _ASSETS[name]
+        return self._assets[name], _ASSETS.get(name, _ASSETS["model.js"])
 
     def snapshot(self) -> coordinator_pb2.Cluster:
         return self._shown(self._source.snapshot())

@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 
 from collectives.v1 import worker_pb2
+from collectives.wire.op_phases import PHASES
 from collectives.wire.op_specs import kind_name
 
 __all__ = [
@@ -46,9 +47,6 @@ DEFAULT_OPS = 2000
 RECORD_DESCRIPTOR_BYTES = 2048
 RECORD_NAMES = 16
 RECORD_MESSAGE_CHARS = 1024
-
-# The phases of an op, in the order every rank reaches them.
-PHASES = ("admitted", "announced", "started", "finished")
 
 
 @dataclass(eq=False, slots=True)
@@ -228,7 +226,8 @@ class FlightRecorder:
         """The next slot, cleared of its outcome (the caller fills in the rest)."""
         with self._taking:
             slot = self._slots[self._next % self.capacity]
-            slot.started = slot.finished = 0.0
+            slot.seq = -1  # a reader copying the old op sees it changed (see _read)
+            slot.admitted = slot.announced = slot.started = slot.finished = 0.0
             slot.code, slot.message, slot.result = -1, "", None
             slot.message_omitted = 0
             slot.desc = None  # not readable until the caller fills it in
@@ -276,30 +275,37 @@ class FlightRecorder:
         ops: list[RecordedOp] = []
         for i in seqs:
             slot = self._slots[i % self.capacity]
-            desc, ranks = slot.desc, slot.ranks
-            if desc is None and not slot.kind:
+            # Sequence-checked: a writer taking the slot for a newer op marks it first
+            # (_take), so a copy whose slot held op i before and after is op i's.
+            if slot.seq != i:
                 continue
-            stamps = (slot.admitted, slot.announced, slot.started, slot.finished)
-            code, message = slot.code, slot.message
-            nbytes, dtype = _result_bytes(slot.result)
+            desc, ranks, kind = slot.desc, slot.ranks, slot.kind
+            stamps = [getattr(slot, phase) for phase in PHASES]
+            code, message, result = slot.code, slot.message, slot.result
+            names, generation, call_id = slot.names, slot.generation, slot.call_id
+            client, rank = slot.client, slot.rank
+            omitted = (slot.names_omitted, slot.message_omitted)
+            if slot.seq != i or (desc is None and not kind):
+                continue
+            nbytes, dtype = _result_bytes(result)
             ops.append(
                 RecordedOp(
                     op_id=desc.op_id if desc is not None else 0,
-                    generation=desc.generation if desc is not None else slot.generation,
-                    rank=slot.rank,
-                    kind=kind_name(desc.kind) if desc is not None else slot.kind,
-                    names=op_names(desc) if desc is not None else slot.names,
+                    generation=desc.generation if desc is not None else generation,
+                    rank=rank,
+                    kind=kind_name(desc.kind) if desc is not None else kind,
+                    names=op_names(desc) if desc is not None else names,
                     ranks=tuple(ranks or ()),
-                    client=slot.client,
+                    client=client,
                     phases={p: s + offset for p, s in zip(PHASES, stamps, strict=True) if s},
                     code=code,
                     message=message,
                     nbytes=nbytes,
                     dtype=dtype,
-                    call_id=slot.call_id,
+                    call_id=call_id,
                     seq=i,
-                    names_omitted=slot.names_omitted,
-                    message_omitted=slot.message_omitted,
+                    names_omitted=omitted[0],
+                    message_omitted=omitted[1],
                 )
             )
         return ops

@@ -8,10 +8,8 @@ capacity and the op timeout a diagnosis measures against.
 
 :class:`PhaseHistograms` folds every finished op of the ring into the
 ``collectives_op_phase_seconds{kind,phase}`` histogram when the metrics are
-scraped, so the op's own thread records nothing more than its stamps. Phases
-(the trace's tracks): ``queued`` (admitted until announced, on the leader),
-``announced`` (until this rank's handler started) and ``running`` (the
-handler: operand agreement, the data collective, the commit).
+scraped, so the op's own thread records nothing more than its stamps. Its
+phases are the spans of :mod:`collectives.wire.op_phases` (the trace's tracks).
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ import threading
 import time
 
 from collectives.v1 import flight_record_pb2, status_pb2
+from collectives.wire.op_phases import DOING, PHASES, SPANS, stamp_fields
 from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.engine.flight_recorder import FlightRecorder, RecordedOp
 
@@ -44,11 +43,7 @@ PHASE_BUCKETS_S = (
 )  # fmt: skip
 
 # histogram phase -> (the stamp it starts at, the stamp it ends at)
-_SPANS = {
-    "queued": ("admitted", "announced"),
-    "announced": ("announced", "started"),
-    "running": ("started", "finished"),
-}
+_SPANS = {name: (begin, end) for name, begin, end in SPANS}
 
 
 class PhaseHistograms:
@@ -123,16 +118,17 @@ def stuck_here(ops: list[RecordedOp], threshold_s: float, now_s: float | None = 
     """This worker's oldest op in flight longer than ``threshold_s`` in words, or ""."""
     now_s = time.time() if now_s is None else now_s
     for op in ops:
-        if not op.in_flight or "announced" not in op.phases:
+        reached = [p for p in PHASES[1:-1] if p in op.phases]  # announced, then started
+        if not op.in_flight or not reached:
             continue
-        phase = "started" if "started" in op.phases else "announced"
+        phase = reached[-1]
         seconds = now_s - op.phases[phase]
         if seconds >= threshold_s:
             names = " ".join(repr(n) for n in op.names)
-            doing = "data phase" if phase == "started" else "announced, waiting to start"
             return (
                 f"op {op.op_id} {op.kind}{' ' + names if names else ''} "
-                f"(generation {op.generation}): {doing} for {seconds:.1f} s on rank {op.rank}"
+                f"(generation {op.generation}): {DOING[phase]} for {seconds:.1f} s "
+                f"on rank {op.rank}"
             )
     return ""
 
@@ -147,10 +143,7 @@ def _op_proto(op: RecordedOp, message: bool = True) -> flight_record_pb2.FlightR
         names=op.names,
         ranks=op.ranks,
         client=op.client if message else "",
-        admitted_s=phases.get("admitted", 0.0),
-        announced_s=phases.get("announced", 0.0),
-        started_s=phases.get("started", 0.0),
-        finished_s=phases.get("finished", 0.0),
+        **stamp_fields(phases),
         code=op.code,
         message=op.message if message else "",
         nbytes=op.nbytes,

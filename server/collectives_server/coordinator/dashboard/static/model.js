@@ -309,10 +309,10 @@
 
   // ---- the op timeline: the workers' flight records, merged by op ----------
 
-  const PHASES = ["admitted", "announced", "started", "finished"];
-  // The bars of an op on one rank: [name, from phase, to phase].
-  const SEGMENTS = [["queued", "admitted", "announced"], ["announced", "announced", "started"],
-    ["running", "started", "finished"]];
+  // The phases and the bars of an op on one rank ([name, from phase, to phase]), from
+  // their one definition (collectives.wire.op_phases, served as phases.js).
+  const PHASES = window.COLLECTIVES_OP_PHASES.phases;
+  const SEGMENTS = window.COLLECTIVES_OP_PHASES.spans;
 
   // The last `last` ops the members reported (each worker's status carries its
   // last ops), merged by (generation, op id): {key, opId, generation, kind, names,
