@@ -1,10 +1,10 @@
 """``collectives trace`` and ``collectives diagnose``: the flight record from the shell.
 
-``trace`` asks every rank for its flight record (``collectives.wire.flight_record``) and writes
-the merged ops as Chrome Trace Event JSON (``_trace_events``) to ``--output``,
+``trace`` asks every rank for its flight record (``collectives.observe.flight_record``) and writes
+the merged ops as Chrome Trace Event JSON (``collectives.observe.trace_events``) to ``--output``,
 or, with ``--json``, prints the records. ``diagnose`` reads the same record
 and prints every op in flight longer than ``--threshold-s`` (default: a
-quarter of the op timeout) with the ranks it waits on (``collectives.wire.stuck_ops``).
+quarter of the op timeout) with the ranks it waits on (``collectives.observe.stuck_ops``).
 Neither needs torch. Exit codes: 0 (nothing stuck), 1 (``diagnose``: an op is
 stuck), 2 (the coordinator, or every worker, could not be reached).
 """
@@ -19,12 +19,12 @@ from typing import Any
 
 import grpc
 
-from collectives._trace_events import trace_events
+from collectives.observe.flight_record import FlightRecord, read_flight_record
+from collectives.observe.stuck_ops import diagnose
+from collectives.observe.trace_events import trace_events
 from collectives.transport.channels import open_channel
 from collectives.wire.cluster_state import ClusterSnapshot
-from collectives.wire.flight_record import FlightRecord, read_flight_record
 from collectives.wire.security import ChannelSecurity
-from collectives.wire.stuck_ops import diagnose
 
 __all__ = ["EXIT_STUCK", "add_flight_commands", "run_diagnose", "run_trace"]
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 from collectives._session import Session
 from collectives.errors import InvalidArgument, Unavailable
-from collectives.wire.flight_record import OpRecord, read_flight_record
+from collectives.observe.flight_record import OpRecord, read_flight_record
 
 __all__ = ["Operations"]
 

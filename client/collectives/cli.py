@@ -41,13 +41,6 @@ from typing import TextIO
 import grpc
 
 from collectives._flight_cli import add_flight_commands, run_diagnose, run_trace
-from collectives._status_tables import (
-    WIDE,
-    format_table,
-    format_top,
-    rates_between,
-    terminal_width,
-)
 from collectives.addresses import (
     REFUSED_GRACE_S,
     coordinator_from_environment,
@@ -57,6 +50,13 @@ from collectives.addresses import (
     refused_within,
 )
 from collectives.errors import CollectiveError, InvalidArgument
+from collectives.observe.status_tables import (
+    WIDE,
+    format_table,
+    format_top,
+    rates_between,
+    terminal_width,
+)
 from collectives.transport.channels import call_unary, open_channel
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
 from collectives.wire.cluster_state import ClusterSnapshot

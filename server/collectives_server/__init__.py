@@ -11,6 +11,8 @@ Modules:
   ``json.loads``
 * ``local``: a coordinator and N workers as child processes on one machine: the embedded default
 * ``logfmt``: log formats of the daemons: the classic text line, or one JSON object per line
+* ``membership_digest``: the digest naming which membership a generation is (the
+  coordinator computes it, the workers check it; the SDK passes on what it was given)
 * ``metrics``: the Prometheus endpoint shared by the coordinator and the workers
 * ``model_zoo``: model factories shipped with the server, for ``load_model(factory=...)``
 * ``preloaded_workers``: worker processes forked from a zygote that imported torch once

@@ -44,9 +44,9 @@ from torch import nn
 
 from collectives.errors import from_rpc_error
 from collectives.v1 import coordinator_pb2, tensor_pb2, worker_pb2
-from collectives.wire.membership import membership_digest
 from collectives.wire.names import MODEL_METADATA_KEY
 from collectives_server.control_protocol import WORKER_TOKEN_METADATA
+from collectives_server.membership_digest import membership_digest
 
 OK = grpc.StatusCode.OK
 INVALID = grpc.StatusCode.INVALID_ARGUMENT

@@ -13,8 +13,8 @@ from helpers import wait_until
 
 from collectives.errors import CollectiveError
 from collectives.v1 import worker_pb2
-from collectives.wire.membership import membership_digest
 from collectives.wire.op_specs import spec_named
+from collectives_server.membership_digest import membership_digest
 from collectives_server.worker.data.store import TensorStore
 from collectives_server.worker.engine.generation import (
     Generation,

@@ -11,13 +11,13 @@ from collections import Counter
 import pytest
 import torch
 
-from collectives._status_tables import format_table
-from collectives._trace_events import trace_events
+from collectives.observe.flight_record import FlightRecord, RankReply, merge
+from collectives.observe.status_tables import format_table
+from collectives.observe.stuck_ops import diagnose
+from collectives.observe.trace_events import trace_events
 from collectives.v1 import flight_record_pb2, worker_pb2
 from collectives.wire.cluster_state import ClusterSnapshot, WorkerInfo, WorkerState
-from collectives.wire.flight_record import FlightRecord, RankReply, merge
 from collectives.wire.op_specs import OpKind
-from collectives.wire.stuck_ops import diagnose
 from collectives_server.worker.engine.flight_recorder import FlightRecorder, op_names
 from collectives_server.worker.engine.op_context import OpResult
 
@@ -283,7 +283,7 @@ def test_a_ring_too_big_for_one_answer_is_read_in_pages() -> None:
     answer holding every op, in order."""
     from types import SimpleNamespace
 
-    from collectives.wire.flight_record import read_paged
+    from collectives.observe.flight_record import read_paged
     from collectives_server.worker.telemetry.flight_record import (
         RESPONSE_BYTES,
         flight_record_response,

@@ -297,3 +297,30 @@ def test_test_modules_have_unique_basenames() -> None:
     """pytest imports test files by basename (no packages): two of one name collide."""
     names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
     assert sorted({n for n in names if names.count(n) > 1}) == []
+
+
+def _wire_modules_used_by(paths: list[Path]) -> set[str]:
+    """The ``collectives.wire`` modules ``paths`` import, and those these import in turn."""
+    wire = {f"collectives.wire.{p.stem}": p for p in (SDK / "wire").glob("*.py")}
+    wire.pop("collectives.wire.__init__")
+    used = {m for path in paths for m in _imports(path) if m in wire}
+    todo = list(used)
+    while todo:
+        for dep in _imports(wire[todo.pop()]):
+            if dep in wire and dep not in used:
+                used.add(dep)
+                todo.append(dep)
+    return used
+
+
+def test_every_wire_module_serves_both_sides() -> None:
+    """``wire`` holds the protocol only: what both the SDK and the daemons use. What one
+    side alone needs lives on that side (the flight-record reader is the SDK's)."""
+    outside = [p for p in SDK.rglob("*.py") if "wire" not in p.parts and "v1" not in p.parts]
+    sdk = _wire_modules_used_by(outside)
+    server = _wire_modules_used_by(sorted(SERVER.rglob("*.py")))
+    every = {f"collectives.wire.{p.stem}" for p in (SDK / "wire").glob("*.py")} - {
+        "collectives.wire.__init__"
+    }
+    assert sorted(every - sdk) == [], "wire modules the SDK does not use"
+    assert sorted(every - server) == [], "wire modules the daemons do not use"

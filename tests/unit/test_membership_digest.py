@@ -13,7 +13,7 @@ from generation_pair import DIGEST, TIMEOUT_S, Pair, descriptor
 from collectives.errors import CollectiveError, Unavailable
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import coordinator_pb2
-from collectives.wire.membership import membership_digest
+from collectives_server.membership_digest import membership_digest
 from collectives_server.worker.daemon import membership_refusal
 
 

@@ -22,10 +22,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from collectives.wire.membership import membership_digest
 from collectives_server.coordinator.admission import LeaseBook
 from collectives_server.coordinator.ha.membership_state import export_state, restore_state
 from collectives_server.coordinator.membership import Membership, UnknownWorkerError
+from collectives_server.membership_digest import membership_digest
 
 LEASE_S = 5.0
 WINDOW_S = 0.5

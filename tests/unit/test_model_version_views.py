@@ -11,7 +11,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
-from collectives import _status_tables as status_tables
+from collectives.observe import status_tables
 from collectives.v1 import coordinator_pb2, status_pb2
 from collectives.wire.cluster_state import ClusterSnapshot
 from collectives_server.control_protocol import FIELD_LIMITS

@@ -11,8 +11,8 @@ import logging
 import grpc
 import pytest
 
-from collectives import _status_tables as status_tables
 from collectives import cli as client_cli
+from collectives.observe import status_tables
 from collectives.v1 import coordinator_pb2, status_pb2
 from collectives.wire.cluster_state import ClusterSnapshot, DeviceMemory, OpCount, RecentError
 from collectives_server.cli.coordinator import config_from_args as coordinator_config

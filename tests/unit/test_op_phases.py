@@ -8,7 +8,7 @@ import json
 import re
 from pathlib import Path
 
-from collectives._trace_events import TRACKS
+from collectives.observe.trace_events import TRACKS
 from collectives.v1 import flight_record_pb2
 from collectives.wire.op_phases import PHASES, SPANS, phases_of, stamp_fields
 from collectives_server.coordinator.dashboard.server import phases_js

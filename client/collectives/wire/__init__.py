@@ -28,12 +28,9 @@ module                    what it holds
 :mod:`.memory`            receive buffers that fault in huge pages
 :mod:`.security`          channel security (TLS, bearer token), token checks
 :mod:`.raw_tls`           TLS on the bulk port and call lanes (both ends' contexts)
-:mod:`.membership`        the digest naming which membership a generation is
 :mod:`.cluster_state`     the cluster's state as values (SDK and dashboard JSON)
 :mod:`.batching`          the dynamic batching policy a model is loaded with
 :mod:`.op_phases`         an op's phases and the spans between them, defined once
-:mod:`.flight_record`     the ranks' flight records read and merged by op
-:mod:`.stuck_ops`         the ops in flight too long and the ranks they wait on
 ========================  =====================================================
 
 Nothing is imported here, so ``import collectives.wire.security`` (no torch)

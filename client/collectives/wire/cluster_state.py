@@ -547,7 +547,7 @@ class ClusterSnapshot:
     coordinator_leader: str = ""
     store: str = "memory"
     # Which membership the generation is: the digest of the members' ids in rank
-    # order (collectives.wire.membership); sent with every op, so a worker whose
+    # order (collectives_server.membership_digest); sent with every op, so a worker whose
     # group is another membership refuses it. "" while not formed.
     membership_digest: str = ""
     # Members indexed by rank, derived from ``workers``.

@@ -52,7 +52,6 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-from collectives.wire.membership import membership_digest
 from collectives_server.coordinator.vocabulary import (
     ClusterView,
     InvalidRequestError,
@@ -75,6 +74,7 @@ from collectives_server.coordinator.worker_records import (
     validate_registration,
     worker_row,
 )
+from collectives_server.membership_digest import membership_digest
 
 __all__ = [
     "HISTORY_LEN",

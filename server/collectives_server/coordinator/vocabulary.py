@@ -86,7 +86,7 @@ class SealedGeneration:
     reason: str
     # The coordinator that sealed it (its address; "" for an unnamed one).
     sealed_by: str = ""
-    # The digest of its member ids in rank order (collectives.wire.membership).
+    # The digest of its member ids in rank order (collectives_server.membership_digest).
     membership_digest: str = ""
 
 

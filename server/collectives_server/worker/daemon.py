@@ -30,11 +30,11 @@ import torch.distributed as dist
 import collectives_server
 from collectives.errors import CollectiveError
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2
-from collectives.wire.membership import membership_digest
 from collectives.wire.raw_tls import server_context
 from collectives_server import gc_tuning as heap
 from collectives_server.control_protocol import worker_metadata
 from collectives_server.hosts import dialled_name
+from collectives_server.membership_digest import membership_digest
 from collectives_server.metrics import MetricsServer
 from collectives_server.rpc.server import GRPC_OPTIONS, WORKER_OPTIONS, start_server
 from collectives_server.signals import StopSignal

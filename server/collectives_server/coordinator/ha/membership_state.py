@@ -29,11 +29,11 @@ import collections
 from typing import Any
 
 from collectives.v1 import status_pb2
-from collectives.wire.membership import membership_digest
 from collectives_server.coordinator.admission import LeaseBook
 from collectives_server.coordinator.membership import Membership
 from collectives_server.coordinator.vocabulary import SealedGeneration
 from collectives_server.coordinator.worker_records import WorkerRecord
+from collectives_server.membership_digest import membership_digest
 
 __all__ = ["FORMAT", "export_state", "restore_state"]
 

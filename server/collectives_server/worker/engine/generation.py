@@ -105,7 +105,7 @@ class GenerationSpec:
     host: str | None  # the interface gloo binds (None: torch's choice)
     op_timeout_s: float
     queue_size: int  # the leader's op queue (sequencer)
-    # Which membership this generation is (collectives.wire.membership): the
+    # Which membership this generation is (collectives_server.membership_digest): the
     # group forms under a store prefix that includes it, the leader stamps it
     # on every op, and an op sent or announced for another one is refused.
     membership_digest: str = ""

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from collectives.wire.flight_record import OpRecord, RankPhases
+from collectives.observe.flight_record import OpRecord, RankPhases
 from collectives.wire.op_phases import SPANS
 
 __all__ = ["TRACKS", "trace_events"]

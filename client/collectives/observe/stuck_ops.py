@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from collectives.wire.flight_record import FlightRecord, OpRecord, RankReply
+from collectives.observe.flight_record import FlightRecord, OpRecord, RankReply
 from collectives.wire.op_phases import DOING, PHASES, phases_of
 
 __all__ = ["Stuck", "diagnose"]

@@ -7,9 +7,9 @@ one identity on every rank: (generation, op id). :func:`read_flight_record`
 asks every rank for its ring (``GetFlightRecord``, in parallel, each within a
 deadline) and :func:`merge` joins the answers into one :class:`OpRecord` per
 op, with each rank's phase times. ``cluster.flight_record()``, ``collectives
-trace`` (``collectives._trace_events``) and ``collectives diagnose``
-(``stuck_ops``) read it; it is in the wire package so that a tool in another
-language reads the same fields and phases. Nothing here needs torch.
+trace`` (``collectives.observe.trace_events``) and ``collectives diagnose``
+(``stuck_ops``) read it. A tool in another language reads the same fields
+(``protos/collectives/v1/flight_record.proto``) and phases. Nothing here needs torch.
 
 The phases and their order: :mod:`collectives.wire.op_phases` (Unix seconds
 here; a phase not reached is absent).
