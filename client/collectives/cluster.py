@@ -35,9 +35,9 @@ from collectives._models import Models
 from collectives._operations import Operations
 from collectives._p2p import PeerToPeer
 from collectives._session import DEFAULT_CONNECT_TIMEOUT_S, ClusterSession
+from collectives._views import ClusterView
 from collectives.addresses import resolve_coordinator
 from collectives.data_parallel import DataParallel
-from collectives.wire.cluster_state import ClusterSnapshot, GenerationRecord, WorkerInfo
 
 __all__ = ["Cluster", "connect"]
 
@@ -59,6 +59,13 @@ def _delegated(
     call.__qualname__ = f"Cluster.{method.__name__}"
     call.__module__ = __name__
     return call
+
+
+def _viewed(prop: property) -> property:
+    """``Cluster``'s property reading ``prop`` of its :class:`ClusterView`."""
+    getter = prop.fget
+    assert getter is not None
+    return property(lambda self: getter(self._view), doc=prop.__doc__)
 
 
 class Cluster:
@@ -107,100 +114,24 @@ class Cluster:
         self._p2p = PeerToPeer(self._session, self._collectives, self._data_plane)
         self._models = Models(self._session, self._data_plane)
         self._operations = Operations(self._session)
+        self._view = ClusterView(self._session)
 
-    # --- the cluster view (no RPC) -------------------------------------------------
+    # --- the cluster view (no RPC, but refresh) ----------------------------------
 
-    @property
-    def address(self) -> str:
-        """The coordinator's ``host:port``."""
-        return self._session.address
-
-    @property
-    def generation(self) -> int:
-        """The latest generation the coordinator announced."""
-        return self._session.snapshot().generation
-
-    @property
-    def world_size(self) -> int:
-        """Number of ranks in the latest generation."""
-        return self._session.snapshot().world_size
-
-    @property
-    def formed(self) -> bool:
-        """True while a generation is sealed and enough members are alive."""
-        return self._session.snapshot().formed
-
-    @property
-    def ready(self) -> bool:
-        """True once every member joined the latest generation's process group."""
-        return self._session.snapshot().ready
-
-    @property
-    def status(self) -> str:
-        """The coordinator's human-readable status line."""
-        return self._session.snapshot().status
-
-    @property
-    def leader(self) -> str | None:
-        """Address of rank 0, which sequences every collective (None when not formed)."""
-        return self._session.snapshot().leader_address
-
-    @property
-    def op_timeout_s(self) -> float:
-        """The cluster's collective timeout (the servers' ``--op-timeout-s``)."""
-        return self._session.snapshot().op_timeout_s
-
-    @property
-    def default_timeout_s(self) -> float:
-        """Timeout of a call made without ``timeout=``: ``op_timeout_s`` plus a margin."""
-        return self._session.default_timeout_s
-
-    @property
-    def closed(self) -> bool:
-        """True once :meth:`close` ran."""
-        return self._session.closed
-
-    def workers(self) -> list[WorkerInfo]:
-        """Every registered worker: members in rank order, then joining/lost ones (rank -1).
-
-        Reads the view the SDK keeps current by watching the coordinator; no RPC.
-
-        Returns:
-            One ``WorkerInfo`` per worker.
-        """
-        return list(self._session.snapshot().workers)
-
-    def snapshot(self) -> ClusterSnapshot:
-        """The whole latest cluster view (generation, status, workers, ...); no RPC.
-
-        Returns:
-            The ``ClusterSnapshot`` the background watch delivered last.
-        """
-        return self._session.snapshot()
-
-    def history(self) -> list[GenerationRecord]:
-        """Recent sealed generations, oldest first (time, size, members, reason); no RPC.
-
-        Returns:
-            One ``GenerationRecord`` per generation.
-        """
-        return list(self._session.snapshot().history)
-
-    def refresh(self, timeout: float | None = None) -> ClusterSnapshot:
-        """Asks the coordinator for the cluster now instead of waiting for the watch.
-
-        Args:
-            timeout: seconds to wait for the answer; None means 5 s. Defaults to ``None``.
-
-        Returns:
-            The coordinator's current ``ClusterSnapshot`` (also what the views show next).
-
-        Raises:
-            InvalidArgument: ``timeout`` is not a positive number.
-            Unavailable: the coordinator does not answer, or the connection is closed.
-            DeadlineExceeded: no answer within ``timeout`` seconds.
-        """
-        return self._session.refresh(timeout)
+    address = _viewed(ClusterView.address)
+    generation = _viewed(ClusterView.generation)
+    world_size = _viewed(ClusterView.world_size)
+    formed = _viewed(ClusterView.formed)
+    ready = _viewed(ClusterView.ready)
+    status = _viewed(ClusterView.status)
+    leader = _viewed(ClusterView.leader)
+    op_timeout_s = _viewed(ClusterView.op_timeout_s)
+    default_timeout_s = _viewed(ClusterView.default_timeout_s)
+    closed = _viewed(ClusterView.closed)
+    workers = _delegated("_view", ClusterView.workers)
+    snapshot = _delegated("_view", ClusterView.snapshot)
+    history = _delegated("_view", ClusterView.history)
+    refresh = _delegated("_view", ClusterView.refresh)
 
     # --- lifecycle -----------------------------------------------------------------
 

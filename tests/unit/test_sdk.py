@@ -340,14 +340,3 @@ def test_status_cli_takes_the_coordinator_from_the_environment(
     monkeypatch.delenv("COLLECTIVES_COORDINATOR")
     with pytest.raises(SystemExit):
         cli_main(["status", "--timeout", "1"])  # neither flag nor variable: a usage error
-
-
-def test_the_cluster_state_types_keep_their_first_module_name() -> None:
-    """``collectives.workers`` was their home before ``collectives.wire``: same objects."""
-    import collectives.workers as first
-    from collectives.wire import cluster_state
-
-    assert first.__all__ and all(
-        getattr(first, n) is getattr(cluster_state, n) for n in first.__all__
-    )
-    assert collectives.WorkerInfo is first.WorkerInfo

@@ -21,6 +21,7 @@ from collectives._data_plane import DataPlane
 from collectives._models import Models
 from collectives._operations import Operations
 from collectives._p2p import PeerToPeer
+from collectives._views import ClusterView
 
 ROOT = Path(__file__).resolve().parents[2]
 SDK = ROOT / "client" / "collectives"
@@ -132,7 +133,7 @@ def test_each_public_call_is_written_once_in_its_part() -> None:
     """``Cluster``'s calls are its parts' methods, signature and docstring copied when
     the class is made: a keyword or a sentence added to a part reaches
     ``help(cluster.x)`` and ``docs/api.md``'s checks without a second edit."""
-    parts = (DataPlane, Collectives, PeerToPeer, Models, Operations)
+    parts = (DataPlane, Collectives, PeerToPeer, Models, Operations, ClusterView)
     delegated = {}
     for name, attr in vars(collectives.Cluster).items():
         wrapped = getattr(attr, "__wrapped__", None)
@@ -144,3 +145,6 @@ def test_each_public_call_is_written_once_in_its_part() -> None:
         mine = getattr(collectives.Cluster, name)
         assert mine.__doc__ is method.__doc__, name
         assert inspect.signature(mine) == inspect.signature(method), name
+    views = {n: a for n, a in vars(ClusterView).items() if isinstance(a, property)}
+    for name, prop in views.items():
+        assert getattr(collectives.Cluster, name).__doc__ is prop.__doc__, name

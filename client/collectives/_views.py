@@ -1,0 +1,112 @@
+"""What a ``Cluster`` shows of the cluster without an RPC, and :meth:`refresh`.
+
+The SDK keeps the latest cluster view current by watching the coordinator
+(``_session``); these read it. ``Cluster`` exposes each as its own property or
+method (``cluster._view``), with this text as its docstring.
+"""
+
+from __future__ import annotations
+
+from collectives._session import ClusterSession
+from collectives.wire.cluster_state import ClusterSnapshot, GenerationRecord, WorkerInfo
+
+__all__ = ["ClusterView"]
+
+
+class ClusterView:
+    """The cluster as the client last heard of it."""
+
+    def __init__(self, session: ClusterSession) -> None:
+        self._session = session
+
+    @property
+    def address(self) -> str:
+        """The coordinator's ``host:port``."""
+        return self._session.address
+
+    @property
+    def generation(self) -> int:
+        """The latest generation the coordinator announced."""
+        return self._session.snapshot().generation
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks in the latest generation."""
+        return self._session.snapshot().world_size
+
+    @property
+    def formed(self) -> bool:
+        """True while a generation is sealed and enough members are alive."""
+        return self._session.snapshot().formed
+
+    @property
+    def ready(self) -> bool:
+        """True once every member joined the latest generation's process group."""
+        return self._session.snapshot().ready
+
+    @property
+    def status(self) -> str:
+        """The coordinator's human-readable status line."""
+        return self._session.snapshot().status
+
+    @property
+    def leader(self) -> str | None:
+        """Address of rank 0, which sequences every collective (None when not formed)."""
+        return self._session.snapshot().leader_address
+
+    @property
+    def op_timeout_s(self) -> float:
+        """The cluster's collective timeout (the servers' ``--op-timeout-s``)."""
+        return self._session.snapshot().op_timeout_s
+
+    @property
+    def default_timeout_s(self) -> float:
+        """Timeout of a call made without ``timeout=``: ``op_timeout_s`` plus a margin."""
+        return self._session.default_timeout_s
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return self._session.closed
+
+    def workers(self) -> list[WorkerInfo]:
+        """Every registered worker: members in rank order, then joining/lost ones (rank -1).
+
+        Reads the view the SDK keeps current by watching the coordinator; no RPC.
+
+        Returns:
+            One ``WorkerInfo`` per worker.
+        """
+        return list(self._session.snapshot().workers)
+
+    def snapshot(self) -> ClusterSnapshot:
+        """The whole latest cluster view (generation, status, workers, ...); no RPC.
+
+        Returns:
+            The ``ClusterSnapshot`` the background watch delivered last.
+        """
+        return self._session.snapshot()
+
+    def history(self) -> list[GenerationRecord]:
+        """Recent sealed generations, oldest first (time, size, members, reason); no RPC.
+
+        Returns:
+            One ``GenerationRecord`` per generation.
+        """
+        return list(self._session.snapshot().history)
+
+    def refresh(self, timeout: float | None = None) -> ClusterSnapshot:
+        """Asks the coordinator for the cluster now instead of waiting for the watch.
+
+        Args:
+            timeout: seconds to wait for the answer; None means 5 s. Defaults to ``None``.
+
+        Returns:
+            The coordinator's current ``ClusterSnapshot`` (also what the views show next).
+
+        Raises:
+            InvalidArgument: ``timeout`` is not a positive number.
+            Unavailable: the coordinator does not answer, or the connection is closed.
+            DeadlineExceeded: no answer within ``timeout`` seconds.
+        """
+        return self._session.refresh(timeout)
