@@ -16,7 +16,7 @@ Each model is loaded four times, to measure in the same run:
   (and still takes while a model's replicas may differ: here a ``step`` with
   ``lr=0`` after the load says so, and ``dp(x)`` runs its one part where a
   split runs it, on rank 0);
-- **routed, batching off**: the parts placed by load (``collectives._placement``);
+- **routed, batching off**: the parts placed by load (``collectives.models.placement``);
 - **routed, batching on**: the same with ``Batching(max_rows=64, max_delay_ms=2)``;
 - **rank 0, batching on**.
 

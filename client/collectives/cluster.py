@@ -1,7 +1,7 @@
 """``collectives.connect()`` and :class:`Cluster`, the SDK's one entry point.
 
 A ``Cluster`` is a client's connection to one collectives cluster. It is built
-by composition: a :class:`~collectives._session.ClusterSession` (the channel to
+by composition: a :class:`~collectives.session.connection.ClusterSession` (the channel to
 the coordinator, the membership view that follows it, a cached channel per
 worker, deadlines, retries, the op order) and four parts that each take that
 session: ``DataPlane`` (``_data_plane``: put/get/delete/scatter),
@@ -29,15 +29,15 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from collectives._collectives import Collectives
-from collectives._data_plane import DataPlane
-from collectives._models import Models
-from collectives._operations import Operations
-from collectives._p2p import PeerToPeer
-from collectives._session import DEFAULT_CONNECT_TIMEOUT_S, ClusterSession
-from collectives._views import ClusterView
 from collectives.addresses import resolve_coordinator
 from collectives.data_parallel import DataParallel
+from collectives.models.part import Models
+from collectives.observe.operations import Operations
+from collectives.ops.collectives import Collectives
+from collectives.ops.data_plane import DataPlane
+from collectives.ops.p2p import PeerToPeer
+from collectives.session.connection import DEFAULT_CONNECT_TIMEOUT_S, ClusterSession
+from collectives.session.views import ClusterView
 
 __all__ = ["Cluster", "connect"]
 

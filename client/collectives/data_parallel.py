@@ -26,9 +26,9 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from collectives._deadlines import time_left
-from collectives._models import Models
-from collectives._session import Session
 from collectives.errors import CollectiveError, InvalidArgument, NotFound, Reason, Unavailable
+from collectives.models.part import Models
+from collectives.session.connection import Session
 from collectives.transport.calls import Call, Job, Mapped, Start
 from collectives.transport.endpoints import WorkerEndpoint, get_tensor, put_tensor
 from collectives.transport.roads import INLINE_BYTES, InlineBudget
@@ -470,7 +470,7 @@ class DataParallel:
 
     ``dp(*inputs, **kwargs)`` splits tensors along ``dim`` across the workers
     (a batch smaller than the world uses fewer workers, placed by load when the
-    call has no autograd: ``collectives._placement``), runs the model on each
+    call has no autograd: ``collectives.models.placement``), runs the model on each
     worker over its local devices, and returns the outputs gathered along
     ``dim`` in order. With autograd enabled, ``loss.backward()`` runs backward
     on the workers and accumulates parameter gradients there.

@@ -33,7 +33,7 @@ PHASES = ("admitted", "announced", "started", "finished")
 
 def _cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "collectives.cli", *args],
+        [sys.executable, "-m", "collectives.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

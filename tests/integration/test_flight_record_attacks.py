@@ -60,7 +60,7 @@ def test_ops_naming_a_thousand_long_names_keep_the_ring_small_and_readable(
         assert record.names[0].startswith("missing/")
     for command in (["trace", "--last", "2000", "--json"], ["diagnose"]):
         run = subprocess.run(
-            [sys.executable, "-m", "collectives.cli", *command, "--timeout", "30",
+            [sys.executable, "-m", "collectives.cli.main", *command, "--timeout", "30",
              "--coordinator", local.address],
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip

@@ -21,8 +21,8 @@ from hostile import assert_serving
 from torch import nn
 
 import collectives
-import collectives._archive_staging as staging
-from collectives._programs import export_archive
+import collectives.models.archive_staging as staging
+from collectives.models.programs import export_archive
 from collectives.transport.endpoints import put_tensor
 from collectives.v1 import worker_pb2, worker_pb2_grpc
 

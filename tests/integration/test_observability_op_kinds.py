@@ -26,7 +26,7 @@ from launcher import free_port_block
 from test_metrics import scrape, value
 
 import collectives
-from collectives.cli import format_table
+from collectives.cli.main import format_table
 from collectives.wire.cluster_state import ClusterSnapshot
 
 WORKERS = 2
@@ -141,7 +141,7 @@ def _run(client, base: int, uname) -> None:
 
 def _top(address: str, *flags: str, columns: str) -> str:
     result = subprocess.run(
-        [sys.executable, "-m", "collectives.cli", "top", "--coordinator", address,
+        [sys.executable, "-m", "collectives.cli.main", "top", "--coordinator", address,
          "--iterations", "1", *flags],
         capture_output=True, text=True, timeout=60, check=False,
         env=dict(os.environ, COLUMNS=columns),

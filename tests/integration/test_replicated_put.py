@@ -21,7 +21,7 @@ from helpers import CONNECT_TIMEOUT_S, LEASE_S, connect_ready, make_input, wait_
 from launcher import stop_process
 
 import collectives
-import collectives._data_plane as data_plane
+import collectives.ops.data_plane as data_plane
 from collectives.v1 import worker_pb2, worker_pb2_grpc
 
 MiB = 1 << 20

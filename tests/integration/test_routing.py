@@ -1,4 +1,4 @@
-"""Small requests are spread over the fleet, not run on rank 0 (``collectives._placement``).
+"""Small requests are spread over the fleet, not run on rank 0 (``collectives.models.placement``).
 
 Eight callers, each on its own connection, send 1-row no-grad forwards: every
 output must equal the local model's on the caller's own row, and the workers'

@@ -291,7 +291,7 @@ def test_tls_end_to_end_and_plaintext_client_refused(tls_cluster: TlsCluster, pk
 
     # `collectives status` with --tls-ca.
     out = subprocess.run(
-        [sys.executable, "-m", "collectives.cli", "status", "--coordinator", coordinator,
+        [sys.executable, "-m", "collectives.cli.main", "status", "--coordinator", coordinator,
          "--tls-ca", str(pki.ca), "--json"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
@@ -403,7 +403,7 @@ def test_token_on_plaintext_cluster(pki: Pki, tmp_path: Path) -> None:
             _assert_health_open(channel)
 
         # `collectives status`: refused without the token (exit 2), works with it.
-        base = [sys.executable, "-m", "collectives.cli", "status", "--coordinator", address]
+        base = [sys.executable, "-m", "collectives.cli.main", "status", "--coordinator", address]
         refused = subprocess.run(base, capture_output=True, text=True, timeout=60)
         assert refused.returncode == 2 and "UNAUTHENTICATED" in refused.stderr.upper()
         shown = subprocess.run(

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import collectives
-from collectives import _data_plane
+from collectives.ops import data_plane as _data_plane
 from collectives.v1 import tensor_pb2, worker_pb2, worker_pb2_grpc
 from collectives.wire import shm
 

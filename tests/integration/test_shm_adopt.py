@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import collectives
-from collectives import _data_plane
+from collectives.ops import data_plane as _data_plane
 from collectives.transport import shm
 from collectives.wire.shm import SHM_DIR
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from collectives.cli import _json_line as cli_json_line
+from collectives.cli.main import _json_line as cli_json_line
 from collectives.v1 import coordinator_pb2, status_pb2
 from collectives.wire.cluster_state import ClusterSnapshot
 from collectives_server.cli.coordinator import config_from_args

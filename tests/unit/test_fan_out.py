@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import pytest
 from sdk_fakes import FakeDeployment, start_deployment
 
-from collectives._session import ClusterSession
 from collectives.errors import NotFound, Unavailable
+from collectives.session.connection import ClusterSession
 from collectives.transport.calls import Done, Job, Mapped
 
 

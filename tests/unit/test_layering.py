@@ -324,3 +324,61 @@ def test_every_wire_module_serves_both_sides() -> None:
     }
     assert sorted(every - sdk) == [], "wire modules the SDK does not use"
     assert sorted(every - server) == [], "wire modules the daemons do not use"
+
+
+# The SDK's layers, lowest first (see collectives/session/__init__.py): a module
+# imports from its own layer and the ones below only. Layer 0 is the protocol and the
+# leaves every layer may use.
+_SDK = "collectives"
+SDK_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("wire", "v1", "errors", "reduce_ops", "addresses", "work", "groups", "_deadlines",
+     "_progress", "_validation"),
+    ("transport",),
+    ("session",),
+    ("ops",),
+    ("models", "data_parallel"),
+    ("observe", "flight_record"),
+    ("cluster", ""),
+    ("cli",),
+)  # fmt: skip
+
+
+def sdk_layer(module: str) -> int:
+    """The layer of an SDK module (``collectives`` itself: the facade's)."""
+    top = module.removeprefix(_SDK).removeprefix(".").split(".")[0]
+    for i, layer in enumerate(SDK_LAYERS):
+        if top in layer:
+            return i
+    raise AssertionError(f"{module} is in no layer of SDK_LAYERS: place it")
+
+
+def sdk_layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    return [
+        f"{module} ({sdk_layer(module)}) imports {dep} ({sdk_layer(dep)})"
+        for module, deps in sorted(graph.items())
+        for dep in sorted(deps)
+        if sdk_layer(dep) > sdk_layer(module)
+    ]
+
+
+def test_the_sdk_layers_hold() -> None:
+    assert sdk_layer_violations(import_graph(ROOT / "client", _SDK)) == []
+
+
+def test_the_sdk_layer_check_finds_an_upward_import() -> None:
+    graph = {"collectives.transport.lanes": {"collectives.models.part"}}
+    assert sdk_layer_violations(graph) == [
+        "collectives.transport.lanes (1) imports collectives.models.part (4)"
+    ]
+
+
+@pytest.mark.parametrize(
+    "init", sorted(SDK.rglob("__init__.py")), ids=lambda p: str(p.parent.relative_to(SDK))
+)
+def test_every_sdk_package_has_its_module_table(init: Path) -> None:
+    if init.parent == SDK or init.parent.name == "v1":
+        return  # the root's docstring is the API's; v1 is generated
+    doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+    names = {p.stem for p in init.parent.glob("*.py")} - {"__init__", "__main__"}
+    missing = sorted(n for n in names if f":mod:`.{n}`" not in doc and f"``{n}``" not in doc)
+    assert not missing, f"{init.relative_to(ROOT)}: add {missing} to its module table"

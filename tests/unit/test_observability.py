@@ -11,7 +11,7 @@ import logging
 import grpc
 import pytest
 
-from collectives import cli as client_cli
+from collectives.cli import main as client_cli
 from collectives.observe import status_tables
 from collectives.v1 import coordinator_pb2, status_pb2
 from collectives.wire.cluster_state import ClusterSnapshot, DeviceMemory, OpCount, RecentError

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from collectives._programs import FunctionModule, ProgramCache, as_module, program_name
 from collectives.errors import InvalidArgument
+from collectives.models.programs import FunctionModule, ProgramCache, as_module, program_name
 
 
 def test_the_same_module_and_signature_is_exported_once() -> None:

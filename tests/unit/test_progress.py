@@ -80,7 +80,7 @@ def test_without_a_bar_tqdm_is_never_imported() -> None:
     # torch imports tqdm itself, so this runs where torch is not imported (the CLI).
     script = """
 import sys
-import collectives.cli
+import collectives.cli.main
 from collectives._progress import Deferred, progress, NO_PROGRESS, PROGRESS_MIN_BYTES
 assert progress("a", 1 << 40) is NO_PROGRESS  # stderr is a pipe here
 assert progress("b", PROGRESS_MIN_BYTES - 1, True) is NO_PROGRESS

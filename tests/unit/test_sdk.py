@@ -21,7 +21,7 @@ from sdk_fakes import invalid as _invalid
 
 import collectives
 from collectives import _validation as v
-from collectives.cli import main as cli_main
+from collectives.cli.main import main as cli_main
 from collectives.errors import CollectiveError
 from collectives.v1 import coordinator_pb2
 from collectives.wire.cluster_state import ClusterSnapshot, WorkerInfo, WorkerState

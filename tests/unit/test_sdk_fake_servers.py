@@ -24,7 +24,7 @@ from sdk_fakes import FakeDeployment, start_deployment
 from sdk_fakes import invalid as _invalid
 
 import collectives
-from collectives.cli import main as cli_main
+from collectives.cli.main import main as cli_main
 
 # ---------------------------------------------------------------- against fake servers
 
@@ -316,7 +316,7 @@ def test_status_console_script_against_a_real_coordinator() -> None:
         assert server.stdout is not None
         address = server.stdout.readline().strip()
         assert address.startswith("127.0.0.1:"), address
-        script = [sys.executable, "-m", "collectives.cli", "status", "--coordinator", address]
+        script = [sys.executable, "-m", "collectives.cli.main", "status", "--coordinator", address]
         done = subprocess.run([*script, "--json"], capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
         doc = json.loads(done.stdout)

@@ -1,6 +1,6 @@
 """How the SDK is put together: ``Cluster`` by composition, and no reach-ins.
 
-``Cluster`` holds a session and its parts (``collectives._session``) instead of
+``Cluster`` holds a session and its parts (``collectives.session.connection``) instead of
 inheriting them, and no SDK module reads another module's or object's
 ``_private`` names: what one part needs of another is a public name.
 """
@@ -15,13 +15,13 @@ import torch
 from sdk_fakes import start_deployment
 
 import collectives
-from collectives import _session
-from collectives._collectives import Collectives
-from collectives._data_plane import DataPlane
-from collectives._models import Models
-from collectives._operations import Operations
-from collectives._p2p import PeerToPeer
-from collectives._views import ClusterView
+from collectives.models.part import Models
+from collectives.observe.operations import Operations
+from collectives.ops.collectives import Collectives
+from collectives.ops.data_plane import DataPlane
+from collectives.ops.p2p import PeerToPeer
+from collectives.session import connection as _session
+from collectives.session.views import ClusterView
 
 ROOT = Path(__file__).resolve().parents[2]
 SDK = ROOT / "client" / "collectives"
@@ -86,15 +86,15 @@ def test_no_sdk_module_reaches_into_private_names() -> None:
 def test_the_reach_in_check_finds_attributes_and_imports(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text(
-        "from collectives._session import _left\n"
-        "from collectives import _progress\n"  # a module: fine
+        "from collectives.session.connection import _left\n"
+        "from collectives import _progress as progress\n"  # a module: fine
         "def f(cluster, point):\n"
         "    point._asdict()\n"  # namedtuple protocol: fine
         "    cluster.__class__\n"  # dunder: fine
         "    return cluster._session\n"
     )
     assert private_reach_ins(bad, "bad.py") == [
-        "bad.py:1: from collectives._session import _left",
+        "bad.py:1: from collectives.session.connection import _left",
         "bad.py:6: cluster._session",
     ]
 

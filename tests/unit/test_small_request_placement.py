@@ -1,4 +1,4 @@
-"""Where a small request runs (``collectives._placement``): the power of two choices
+"""Where a small request runs (``collectives.models.placement``): the power of two choices
 over the load a client sees, and workers that failed a routed call left out a while."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from collectives import _placement
-from collectives._placement import Placement
+from collectives.models import placement as _placement
+from collectives.models.placement import Placement
 
 
 @pytest.fixture(autouse=True)

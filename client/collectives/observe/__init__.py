@@ -7,6 +7,7 @@ module              what it holds
 :mod:`.stuck_ops`   the ops in flight too long, and the ranks they wait on (``diagnose``)
 :mod:`.trace_events`  a flight record as Chrome Trace Event JSON (``collectives trace``)
 :mod:`.status_tables`  ``collectives status`` / ``top``: the cluster as tables
+:mod:`.operations`  ``Cluster``'s operator part: ``flight_record()``
 ==================  =============================================================
 
 The SDK's side only: the workers answer with the protocol's messages

@@ -27,6 +27,7 @@ module                    what it holds
 :mod:`.shm`               ``/dev/shm`` segments: names, creation, checked opens
 :mod:`.memory`            receive buffers that fault in huge pages
 :mod:`.security`          channel security (TLS, bearer token), token checks
+:mod:`.targets`           an address list as a gRPC target (channel options)
 :mod:`.raw_tls`           TLS on the bulk port and call lanes (both ends' contexts)
 :mod:`.cluster_state`     the cluster's state as values (SDK and dashboard JSON)
 :mod:`.batching`          the dynamic batching policy a model is loaded with

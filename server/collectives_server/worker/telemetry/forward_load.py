@@ -1,7 +1,7 @@
 """The forwards a worker is running or queueing now, and the routed ones it served.
 
 A client places a small request (a forward too small to split across the
-workers) on one worker by load (``collectives._placement``): each
+workers) on one worker by load (``collectives.models.placement``): each
 ``ForwardResponse`` says how many other forwards this worker had in flight when
 it ended (``forwards_in_flight``), and the metrics count the forwards clients
 placed here (``collectives_routed_forwards_total``, by model).

@@ -7,7 +7,7 @@ method (``cluster._view``), with this text as its docstring.
 
 from __future__ import annotations
 
-from collectives._session import ClusterSession
+from collectives.session.connection import ClusterSession
 from collectives.wire.cluster_state import ClusterSnapshot, GenerationRecord, WorkerInfo
 
 __all__ = ["ClusterView"]

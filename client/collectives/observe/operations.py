@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from collectives._session import Session
 from collectives.errors import InvalidArgument, Unavailable
 from collectives.observe.flight_record import OpRecord, read_flight_record
+from collectives.session.connection import Session
 
 __all__ = ["Operations"]
 

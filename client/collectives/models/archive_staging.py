@@ -32,9 +32,9 @@ import torch
 
 from collectives._deadlines import time_left
 from collectives._progress import NO_PROGRESS, Progress
-from collectives._replicate import REPLICATE_MIN_BYTES, UseParallelPuts, replicate
-from collectives._session import Session
 from collectives.errors import CollectiveError
+from collectives.ops.replicate import REPLICATE_MIN_BYTES, UseParallelPuts, replicate
+from collectives.session.connection import Session
 from collectives.transport.calls import Job
 from collectives.transport.endpoints import WorkerEndpoint
 from collectives.transport.model_streams import load_model_on

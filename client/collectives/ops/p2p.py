@@ -9,8 +9,8 @@ at the same point of the op order; using the group afterwards is ``NOT_FOUND``.
 
 :class:`PeerToPeer` is the part of ``Cluster`` that makes these calls: it sends
 ``send``/``exchange`` through :meth:`Collectives.run_op
-<collectives._collectives.Collectives.run_op>` and tells the
-:class:`~collectives._data_plane.DataPlane` which groups it destroyed.
+<collectives.ops.collectives.Collectives.run_op>` and tells the
+:class:`~collectives.ops.data_plane.DataPlane` which groups it destroyed.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from __future__ import annotations
 import time
 from typing import cast
 
-from collectives._collectives import Collectives
-from collectives._data_plane import DataPlane
-from collectives._generation_binding import is_not_executed
-from collectives._session import Session, server_timeout_s
 from collectives._validation import check_group, check_out, check_single
 from collectives.errors import InvalidArgument, NotFound
 from collectives.groups import Group
+from collectives.ops.collectives import Collectives
+from collectives.ops.data_plane import DataPlane
+from collectives.session.connection import Session, server_timeout_s
+from collectives.session.generation_binding import is_not_executed
 from collectives.v1 import worker_pb2
 from collectives.wire.op_args import check_pairs
 from collectives.work import Work

@@ -10,8 +10,8 @@ zero_grad, state) fan out to every rank; the calls that need the process group
 them with every other collective.
 
 :class:`Models` is the part of ``Cluster`` that makes these calls, over a
-:class:`~collectives._session.Session` and the
-:class:`~collectives._data_plane.DataPlane` (whose shared-memory rule decides
+:class:`~collectives.session.connection.Session` and the
+:class:`~collectives.ops.data_plane.DataPlane` (whose shared-memory rule decides
 how an archive travels). ``DataParallel`` (``data_parallel``) runs on a session
 and a ``Models``: it records here which gradients it accumulated and hands back
 the graphs it retained.
@@ -33,17 +33,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from collectives import _publish
-from collectives._archive_staging import load_staged, stage_archive
-from collectives._data_plane import DataPlane
 from collectives._deadlines import time_left
-from collectives._generation_binding import GenerationBinding
-from collectives._placement import Placement
-from collectives._programs import ProgramCache, as_module, example_like, program_name
 from collectives._progress import progress
-from collectives._session import Session, server_timeout_s
 from collectives.errors import CollectiveError, InvalidArgument, NotFound
+from collectives.models import publish as _publish
+from collectives.models.archive_staging import load_staged, stage_archive
+from collectives.models.placement import Placement
+from collectives.models.programs import ProgramCache, as_module, example_like, program_name
+from collectives.ops.data_plane import DataPlane
 from collectives.reduce_ops import ReduceOp, parse_reduce_op
+from collectives.session.connection import Session, server_timeout_s
+from collectives.session.generation_binding import GenerationBinding
 from collectives.transport.calls import Call, Job
 from collectives.transport.endpoints import WorkerEndpoint, is_retryable_read
 from collectives.transport.model_streams import get_model_tensors, load_model_on

@@ -35,7 +35,6 @@ from typing import Generic, Protocol, TypeVar
 import grpc
 
 from collectives import _progress
-from collectives._membership import Membership
 from collectives._validation import check_timeout
 from collectives.addresses import (
     REFUSED_GRACE_S,
@@ -51,6 +50,7 @@ from collectives.errors import (
     Unavailable,
     annotate,
 )
+from collectives.session.membership_watch import Membership
 from collectives.transport import shm
 from collectives.transport.calls import Call, Done, Job, Start
 from collectives.transport.endpoints import (

@@ -9,7 +9,7 @@ byte once. All four calls are idempotent, so each rank's call is retried on
 address), within the call's deadline.
 
 :class:`DataPlane` is the part of ``Cluster`` that makes these calls, over a
-:class:`~collectives._session.Session`; the collectives use its ``get_rank`` to
+:class:`~collectives.session.connection.Session`; the collectives use its ``get_rank`` to
 download their results.
 """
 
@@ -25,8 +25,6 @@ import grpc
 import torch
 
 from collectives._progress import Deferred, Progress, progress
-from collectives._replicate import REPLICATE_MIN_BYTES, UseParallelPuts, replicate
-from collectives._session import Session
 from collectives._validation import (
     check_group,
     check_name,
@@ -43,6 +41,8 @@ from collectives.errors import (
     annotate,
 )
 from collectives.groups import Group
+from collectives.ops.replicate import REPLICATE_MIN_BYTES, UseParallelPuts, replicate
+from collectives.session.connection import Session
 from collectives.transport import shm
 from collectives.transport.calls import Job
 from collectives.transport.endpoints import (

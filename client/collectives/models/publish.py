@@ -23,8 +23,8 @@ import grpc
 import torch
 
 from collectives._progress import progress
-from collectives._session import Session, server_timeout_s
 from collectives.errors import CollectiveError, InvalidArgument, Reason
+from collectives.session.connection import Session, server_timeout_s
 from collectives.transport.endpoints import WorkerEndpoint, put_tensor
 from collectives.v1 import worker_pb2
 from collectives.wire.names import MAX_NAME_LENGTH, UPLOAD_PREFIX, validate_name

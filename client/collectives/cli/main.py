@@ -40,7 +40,6 @@ from typing import TextIO
 
 import grpc
 
-from collectives._flight_cli import add_flight_commands, run_diagnose, run_trace
 from collectives.addresses import (
     REFUSED_GRACE_S,
     coordinator_from_environment,
@@ -49,6 +48,7 @@ from collectives.addresses import (
     parse_addresses,
     refused_within,
 )
+from collectives.cli.flight import add_flight_commands, run_diagnose, run_trace
 from collectives.errors import CollectiveError, InvalidArgument
 from collectives.observe.status_tables import (
     WIDE,

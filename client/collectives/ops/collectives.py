@@ -23,8 +23,8 @@ wording live in :func:`collectives.wire.op_args.check_coalesced_names`, which
 the worker applies too).
 
 :class:`Collectives` is the part of ``Cluster`` that sends these ops, over a
-:class:`~collectives._session.Session`; it downloads results through the
-:class:`~collectives._data_plane.DataPlane`. Point to point (``_p2p``) sends its
+:class:`~collectives.session.connection.Session`; it downloads results through the
+:class:`~collectives.ops.data_plane.DataPlane`. Point to point (``_p2p``) sends its
 ops through :meth:`Collectives.run_op`.
 """
 
@@ -36,9 +36,6 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from collectives._data_plane import DataPlane
-from collectives._generation_binding import GenerationBinding, is_not_executed
-from collectives._session import Session, server_timeout_s
 from collectives._validation import (
     check_group,
     check_name,
@@ -50,7 +47,10 @@ from collectives._validation import (
 )
 from collectives.errors import CollectiveError, InvalidArgument, Reason, Unavailable, annotate
 from collectives.groups import Group
+from collectives.ops.data_plane import DataPlane
 from collectives.reduce_ops import ReduceOp
+from collectives.session.connection import Session, server_timeout_s
+from collectives.session.generation_binding import GenerationBinding, is_not_executed
 from collectives.v1 import worker_pb2
 from collectives.wire.op_args import check_coalesced_names, check_split_matrix
 from collectives.work import IssuedOp, Work

@@ -1,0 +1,9 @@
+"""The ``collectives`` command: a look at a running cluster from the client side.
+
+==============  ===================================================================
+module          what it holds
+==============  ===================================================================
+:mod:`.main`    the entry point: ``status``, ``top``, ``trace``, ``diagnose``
+:mod:`.flight`  ``collectives trace`` and ``collectives diagnose``
+==============  ===================================================================
+"""
