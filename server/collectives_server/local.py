@@ -174,6 +174,7 @@ class LocalCluster:
         python: str = sys.executable,
         max_restarts: int = 0,
         preload: bool = True,
+        spares: int = 0,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -182,8 +183,12 @@ class LocalCluster:
             raise ValueError(f"min_workers must be in 1..{workers}, got {min_workers}")
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+        if spares < 0:
+            raise ValueError(f"spares must be >= 0, got {spares}")
         self.workers = workers
         self.min_workers = min_workers
+        # Live workers beyond the generation's size: each takes a member's place at once.
+        self.spares = spares
         self._common = ["--log-level", log_level, "--log-format", log_format]
         self._coordinator_template = coordinator_config or CoordinatorConfig(
             min_workers=min_workers, max_workers=workers
@@ -230,7 +235,7 @@ class LocalCluster:
         """
         if self.coordinator is not None:
             raise RuntimeError("local cluster already started")
-        self._devices = assign_devices(self.workers, self._devices_spec, _cuda_count)
+        self._devices = assign_devices(self.processes, self._devices_spec, _cuda_count)
         token_file = self._worker_token_file or self._write_worker_token()
         token_flag = f"--worker-token-file={token_file}"
         self.coordinator = self._spawn(
@@ -262,7 +267,7 @@ class LocalCluster:
             raise RuntimeError(f"the coordinator {state} {when}; see its log above")
         log.info("coordinator %s (pid %d)", child.address, child.pid)
         try:
-            for i in range(self.workers):
+            for i in range(self.processes):
                 config = self.worker_config(i, child.address)
                 args = ["worker", *to_argv(config, passed_on=None), *self._common]
                 self._slot_args.append([*args, *self._worker_args, token_flag])
@@ -327,8 +332,8 @@ class LocalCluster:
             metrics_host=self._metrics_host,
             limits=dataclasses.replace(
                 limits,
-                max_watch_streams=limits.max_watch_streams + self.workers,
-                max_watch_streams_per_peer=limits.max_watch_streams_per_peer + self.workers,
+                max_watch_streams=limits.max_watch_streams + self.processes,
+                max_watch_streams_per_peer=limits.max_watch_streams_per_peer + self.processes,
             ),
         )
 
@@ -343,7 +348,7 @@ class LocalCluster:
         with the coordinator at ``coordinator``, the coordinator's host, and the slot's
         devices and metrics port (``metrics_port`` + 1 + ``slot``)."""
         if self._devices is None:
-            self._devices = assign_devices(self.workers, self._devices_spec, _cuda_count)
+            self._devices = assign_devices(self.processes, self._devices_spec, _cuda_count)
         return dataclasses.replace(
             self._worker_config,
             coordinator=coordinator,
@@ -355,6 +360,11 @@ class LocalCluster:
         )
 
     # ---- state -----------------------------------------------------------------
+
+    @property
+    def processes(self) -> int:
+        """Worker processes started: the members (``workers``) and the spares."""
+        return self.workers + self.spares
 
     @property
     def address(self) -> str:

@@ -38,6 +38,8 @@ __all__ = [
     "flag_rows",
     "flag_value",
     "from_flags",
+    "metrics_host_setting",
+    "metrics_port_setting",
     "host_port",
     "host_ports",
     "non_negative_float",
@@ -263,6 +265,34 @@ def flag_rows(cls: type, *, passed_on: bool | None = None) -> list[tuple[str, st
         (" / ".join(item.flag.names), item.default_text or "-", item.flag.help)
         for item in _selected(cls, passed_on)
     ]
+
+
+# ---- settings every daemon has ----------------------------------------------------
+
+
+def metrics_port_setting() -> Any:
+    """A daemon's ``--metrics-port`` (``local`` numbers its children's itself)."""
+    return setting(
+        None,
+        flag="--metrics-port",
+        parse=port_number,
+        metavar="P",
+        passed_on=False,
+        shown_default="no metrics endpoint",
+        help="serve Prometheus metrics at http://HOST:P/metrics (0: any free port, logged)",
+    )
+
+
+def metrics_host_setting() -> Any:
+    """A daemon's ``--metrics-host``."""
+    return setting(
+        "127.0.0.1",
+        flag="--metrics-host",
+        metavar="H",
+        passed_on=False,
+        shown_default="127.0.0.1, this machine only",
+        help="interface of the metrics endpoint",
+    )
 
 
 # ---- the bounds: argparse types ------------------------------------------------

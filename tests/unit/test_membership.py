@@ -73,14 +73,16 @@ def test_first_generation_seals_at_once_at_max() -> None:
     assert m.generation == 1
 
 
-def test_workers_beyond_max_wait_as_joining() -> None:
+def test_workers_beyond_max_wait_as_spares() -> None:
     m = make(min_workers=2, max_workers=2)
     a, b = register(m, 0.0, 5001), register(m, 0.0, 5002)
     c = register(m, 0.1, 5003)
     m.tick(5.0 - 0.01)
     assert m.members == (a, b)
-    assert ranks(m, 1.0)[c] == -1 and states(m, 1.0)[c] is WorkerState.JOINING
+    assert ranks(m, 1.0)[c] == -1 and states(m, 1.0)[c] is WorkerState.SPARE
     assert "1 waiting to join (max 2)" in m.status
+    m.leave(1.5, a)  # a member leaves: the spare takes its place
+    assert m.members == (b, c) and states(m, 1.5)[c] is WorkerState.JOINING
 
 
 def test_ready_busy_and_joining_states() -> None:

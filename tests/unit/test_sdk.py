@@ -297,7 +297,14 @@ def test_worker_info_from_cluster_message() -> None:
     assert snap.op_timeout_s == 12.0
     _invalid(snap.address_of, 2, match="0..1")
     assert json.loads(json.dumps(snap.to_dict()))["workers"][0]["state"] == "busy"
-    assert {s.value for s in WorkerState} == {"joining", "ready", "busy", "draining", "lost"}
+    assert {s.value for s in WorkerState} == {
+        "joining",
+        "ready",
+        "busy",
+        "draining",
+        "lost",
+        "spare",
+    }
     unformed = ClusterSnapshot.from_proto(coordinator_pb2.Cluster(status="waiting for 1 more"))
     assert unformed.leader_address is None and unformed.op_timeout_s == 30.0
     with pytest.raises(collectives.Unavailable, match="waiting for 1 more"):

@@ -70,9 +70,12 @@ class ClusterView:
         return self._session.closed
 
     def workers(self) -> list[WorkerInfo]:
-        """Every registered worker: members in rank order, then joining/lost ones (rank -1).
+        """Every registered worker: members in rank order, then the others (rank -1).
 
-        Reads the view the SDK keeps current by watching the coordinator; no RPC.
+        A non-member's ``state`` says why: ``joining`` (the next generation takes it
+        in), ``spare`` (the generation is full: it takes the place of a member that is
+        lost or leaves) or ``lost``. Reads the view the SDK keeps current by watching
+        the coordinator; no RPC.
 
         Returns:
             One ``WorkerInfo`` per worker.

@@ -16,12 +16,14 @@ class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_STATE_BUSY: _ClassVar[WorkerState]
     WORKER_STATE_DRAINING: _ClassVar[WorkerState]
     WORKER_STATE_LOST: _ClassVar[WorkerState]
+    WORKER_STATE_SPARE: _ClassVar[WorkerState]
 WORKER_STATE_UNSPECIFIED: WorkerState
 WORKER_STATE_JOINING: WorkerState
 WORKER_STATE_READY: WorkerState
 WORKER_STATE_BUSY: WorkerState
 WORKER_STATE_DRAINING: WorkerState
 WORKER_STATE_LOST: WorkerState
+WORKER_STATE_SPARE: WorkerState
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "rank", "address", "hostname", "pid", "state", "devices", "joined_generation", "last_heartbeat_age_s", "backend", "uptime_s", "version", "status")

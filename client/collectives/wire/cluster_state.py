@@ -54,6 +54,9 @@ class WorkerState(enum.StrEnum):
     BUSY = "busy"
     DRAINING = "draining"
     LOST = "lost"
+    # Live, not a member: the generation is full; the next one takes it in when a
+    # member is lost or leaves.
+    SPARE = "spare"
 
     @classmethod
     def from_wire(cls, value: int) -> WorkerState:
@@ -68,6 +71,7 @@ _STATE_FROM_WIRE: dict[int, WorkerState] = {
     coordinator_pb2.WORKER_STATE_BUSY: WorkerState.BUSY,
     coordinator_pb2.WORKER_STATE_DRAINING: WorkerState.DRAINING,
     coordinator_pb2.WORKER_STATE_LOST: WorkerState.LOST,
+    coordinator_pb2.WORKER_STATE_SPARE: WorkerState.SPARE,
 }
 
 

@@ -26,6 +26,7 @@ from collectives_server.settings import (
     add_flags,
     flag_value,
     from_flags,
+    non_negative_int,
     port_number,
     positive_int,
 )
@@ -67,6 +68,15 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--workers", type=positive_int, required=True, metavar="N", help="number of workers"
+    )
+    p.add_argument(
+        "--spares",
+        type=non_negative_int,
+        default=0,
+        metavar="K",
+        help="start K more workers as live spares (the generation stays N): a spare takes "
+        "the place of a member that dies or leaves at once, without waiting for a restart "
+        "(default: 0)",
     )
     p.add_argument(
         "--min-workers",
@@ -119,9 +129,10 @@ def run(args: argparse.Namespace) -> int:
         parser.error(f"--min-workers ({args.min_workers}) must be <= --workers ({args.workers})")
     if args.max_restarts < 0:
         parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
-    if args.metrics_port and args.metrics_port + args.workers > 65535:
+    if args.metrics_port and args.metrics_port + args.workers + args.spares > 65535:
         parser.error(
-            f"--metrics-port {args.metrics_port} leaves no room for {args.workers} workers "
+            f"--metrics-port {args.metrics_port} leaves no room for "
+            f"{args.workers + args.spares} workers "
             "(they use the next ports)"
         )
     try:
@@ -148,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
             die_with_parent=True,
             on_exit=lambda child: stop.wake(),
             max_restarts=args.max_restarts,
+            spares=args.spares,
         )
         try:
             cluster.start()

@@ -13,6 +13,7 @@ _STATE_TO_PROTO = {
     WorkerState.BUSY: coordinator_pb2.WORKER_STATE_BUSY,
     WorkerState.DRAINING: coordinator_pb2.WORKER_STATE_DRAINING,
     WorkerState.LOST: coordinator_pb2.WORKER_STATE_LOST,
+    WorkerState.SPARE: coordinator_pb2.WORKER_STATE_SPARE,
 }
 
 

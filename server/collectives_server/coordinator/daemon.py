@@ -41,6 +41,8 @@ from collectives_server.metrics import MetricsServer
 from collectives_server.rpc.server import SMALL_MESSAGE_OPTIONS, ServerHandle, start_server
 from collectives_server.security import ServerSecurity
 from collectives_server.settings import (
+    metrics_host_setting,
+    metrics_port_setting,
     non_negative_float,
     port_number,
     positive_float,
@@ -146,23 +148,8 @@ class CoordinatorConfig:
         shown_default="127.0.0.1, this machine only",
         help="interface the dashboard binds",
     )
-    metrics_port: int | None = setting(
-        None,
-        flag="--metrics-port",
-        parse=port_number,
-        metavar="P",
-        passed_on=False,
-        shown_default="no metrics endpoint",
-        help="serve Prometheus metrics at http://HOST:P/metrics (0: any free port, logged)",
-    )
-    metrics_host: str = setting(
-        "127.0.0.1",
-        flag="--metrics-host",
-        metavar="H",
-        passed_on=False,
-        shown_default="127.0.0.1, this machine only",
-        help="interface of the metrics endpoint",
-    )
+    metrics_port: int | None = metrics_port_setting()
+    metrics_host: str = metrics_host_setting()
     # TLS / mutual TLS / bearer token of the gRPC server (default: plaintext, open).
     security: ServerSecurity = field(default_factory=ServerSecurity)
     # Token the worker-only RPCs (Register, Heartbeat, Leave) require; None: none.

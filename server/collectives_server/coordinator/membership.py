@@ -208,7 +208,8 @@ class Membership:
         rows = [worker_row(self._workers[wid], rank, now, gen) for rank, wid in enumerate(members)]
         others = [w for w in self._workers.values() if w.worker_id not in members]
         others.sort(key=lambda w: (w.lost, w.lost_at or 0.0, w.order))
-        rows += [worker_row(w, -1, now, gen) for w in others]
+        full = self._formed and len(members) >= self.max_workers
+        rows += [worker_row(w, -1, now, gen, full) for w in others]
         return ClusterView(
             generation=self._generation,
             formed=self._formed,

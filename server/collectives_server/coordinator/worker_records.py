@@ -70,10 +70,15 @@ class WorkerRecord:
         return True, note
 
 
-def worker_row(w: WorkerRecord, rank: int, now: float, generation: int) -> WorkerView:
-    """``w``'s row in the Cluster message (rank -1: not a member)."""
+def worker_row(
+    w: WorkerRecord, rank: int, now: float, generation: int, full: bool = False
+) -> WorkerView:
+    """``w``'s row in the Cluster message (rank -1: not a member; ``full``: the formed
+    generation has no room, so a live non-member is a spare)."""
     if w.lost:
         state = WorkerState.LOST
+    elif rank < 0 and full:
+        state = WorkerState.SPARE
     elif rank < 0 or w.joined_generation != generation:
         state = WorkerState.JOINING
     else:

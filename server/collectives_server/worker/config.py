@@ -20,6 +20,8 @@ from collectives_server.security import ServerSecurity
 from collectives_server.settings import (
     byte_size,
     host_ports,
+    metrics_host_setting,
+    metrics_port_setting,
     non_negative_int,
     port_number,
     positive_float,
@@ -184,23 +186,8 @@ class WorkerConfig:
         metavar="S",
         help="how long to keep trying to reach the coordinator at start-up",
     )
-    metrics_port: int | None = setting(
-        None,
-        flag="--metrics-port",
-        parse=port_number,
-        metavar="P",
-        passed_on=False,
-        shown_default="no metrics endpoint",
-        help="serve Prometheus metrics at http://HOST:P/metrics (0: any free port, logged)",
-    )
-    metrics_host: str = setting(
-        "127.0.0.1",
-        flag="--metrics-host",
-        metavar="H",
-        passed_on=False,
-        shown_default="127.0.0.1, this machine only",
-        help="interface of the metrics endpoint",
-    )
+    metrics_port: int | None = metrics_port_setting()
+    metrics_host: str = metrics_host_setting()
     advertise_host: str | None = setting(
         None,
         flag="--advertise-host",

@@ -128,7 +128,7 @@
     setText("status-text", c.status || "");
     const counts = {};
     for (const w of workers) counts[w.state] = (counts[w.state] || 0) + 1;
-    const order = ["ready", "busy", "joining", "draining", "lost"];
+    const order = ["ready", "busy", "joining", "spare", "draining", "lost"];
     const parts = order.filter((s) => counts[s]).map((s) => `${counts[s]} ${s}`);
     setText("counts", `${workers.length} workers listed${parts.length ? ": " + parts.join(", ") : ""}`);
     setText("cluster-rate", rateText(model.clusterRate()));
