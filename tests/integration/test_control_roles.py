@@ -231,20 +231,28 @@ def _live_ids(stub: pb_grpc.CoordinatorStub) -> list[str]:
     return [w.worker_id for w in cluster.workers if w.state == pb.WORKER_STATE_READY]
 
 
-def test_worker_daemon_needs_the_worker_token_and_waits_out_a_dead_predecessor(
-    tmp_path: Path,
-) -> None:
-    worker_file = tmp_path / "worker-token"
-    worker_file.write_text(WORKER_TOKEN)
-    worker_file.chmod(0o600)
-    token_flag = f"--worker-token-file={worker_file}"
-    coordinator = launch(
+def _coordinator(tmp_path: Path, token_flag: str, lease_s: float):
+    return launch(
         [
             sys.executable, "-m", "collectives_server", "coordinator", "--world-size=1",
-            "--heartbeat=0.5", "--lease=6", "--join-window=0.1", token_flag,
+            "--heartbeat=0.5", f"--lease={lease_s:g}", "--join-window=0.1", token_flag,
         ],
         tmp_path / "coordinator.log",
     )  # fmt: skip
+
+
+def _token_flag(tmp_path: Path) -> str:
+    worker_file = tmp_path / "worker-token"
+    worker_file.write_text(WORKER_TOKEN)
+    worker_file.chmod(0o600)
+    return f"--worker-token-file={worker_file}"
+
+
+def test_worker_daemon_needs_the_worker_token_and_waits_out_a_silent_predecessor(
+    tmp_path: Path,
+) -> None:
+    token_flag = _token_flag(tmp_path)
+    coordinator = _coordinator(tmp_path, token_flag, 6)
     worker = None
     try:
         # Without the worker token, the worker is refused at once and exits 1.
@@ -258,27 +266,57 @@ def test_worker_daemon_needs_the_worker_token_and_waits_out_a_dead_predecessor(
         assert "PERMISSION_DENIED" in refused.stderr.upper() or "workers only" in refused.stderr
 
         port = free_port()
-        worker = launch(_worker_argv(coordinator.address, port, token_flag), tmp_path / "w1.log")
         with grpc.insecure_channel(coordinator.address) as channel:
             stub = pb_grpc.CoordinatorStub(channel)
-            wait_until(lambda: len(_live_ids(stub)) == 1, 60, "the worker READY")
-            first = _live_ids(stub)[0]
-            # Killed without leaving, restarted at once on the same address: refused
-            # (ALREADY_EXISTS) while the dead one's lease runs, then registered.
-            worker.kill()
+            # A predecessor at the address that went silent without leaving, whose end
+            # the coordinator cannot see (no heartbeat stream closed: a host that died).
+            predecessor = stub.Register(
+                pb.RegisterRequest(
+                    address=f"127.0.0.1:{port}", devices=["cpu"], pid=4242, store_port=1
+                ),
+                timeout=10,
+                metadata=((WORKER_TOKEN_METADATA, WORKER_TOKEN),),
+            ).worker_id
             started = time.monotonic()
             worker = launch(
-                _worker_argv(coordinator.address, port, token_flag), tmp_path / "w2.log"
+                _worker_argv(coordinator.address, port, token_flag), tmp_path / "w1.log"
             )
-            wait_until(
-                lambda: _live_ids(stub) not in ([], [first]), 60, "the restarted worker READY"
-            )
+            wait_until(lambda: _live_ids(stub) not in ([], [predecessor]), 60, "the worker READY")
             assert time.monotonic() - started < 30
-        # The restarted worker was refused while its predecessor's lease ran (its
+        # The worker was refused (ALREADY_EXISTS) while its predecessor's lease ran (its
         # start-up takes well under the 6 s lease), and retried.
         log = (tmp_path / "coordinator.log").read_text()
-        assert f"address '127.0.0.1:{port}' is held by live worker {first}" in log
+        assert f"address '127.0.0.1:{port}' is held by live worker {predecessor}" in log
     finally:
         if worker is not None:
             worker.kill()
+        coordinator.kill()
+
+
+def test_a_killed_worker_is_seen_at_once_and_its_restart_registers(tmp_path: Path) -> None:
+    """Its heartbeat stream closes and its port refuses connections: lost now, not
+    after the lease (30 s here), so a restart on the same address registers at once."""
+    token_flag = _token_flag(tmp_path)
+    coordinator = _coordinator(tmp_path, token_flag, 30)
+    port = free_port()
+    worker = launch(_worker_argv(coordinator.address, port, token_flag), tmp_path / "w1.log")
+    try:
+        with grpc.insecure_channel(coordinator.address) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            wait_until(lambda: len(_live_ids(stub)) == 1, 60, "the worker READY")
+            (first,) = _live_ids(stub)
+            worker.kill()
+            worker = launch(
+                _worker_argv(coordinator.address, port, token_flag), tmp_path / "w2.log"
+            )
+            # Well within the 30 s lease: only the crash probe can have freed the address.
+            wait_until(lambda: _live_ids(stub) not in ([], [first]), 20, "the restart READY")
+        log = (tmp_path / "coordinator.log").read_text()
+        assert (
+            f"{first} at 127.0.0.1:{port} lost: its heartbeat stream closed and nothing "
+            "listens at its address" in log
+        )
+        assert "is held by live worker" not in log
+    finally:
+        worker.kill()
         coordinator.kill()

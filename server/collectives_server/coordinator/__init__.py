@@ -7,6 +7,7 @@ Modules:
   heartbeats use)
 * ``control``: the coordinator's guard: roles, lease secrets, size limits and stream caps, in one
   place
+* ``crash_probe``: whether a worker's process is gone, asked when its heartbeat stream closes
 * ``daemon``: the coordinator daemon: gRPC server, rendezvous TCPStore and lease ticker in one
   object
 * ``dashboard/``: the coordinator's web dashboard

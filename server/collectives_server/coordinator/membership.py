@@ -360,6 +360,26 @@ class Membership:
         self.events["left"] += 1
         return self._finish(now, True, "; ".join([*expired, f"{worker_id} at {w.address} left"]))
 
+    def crashed(self, now: float, worker_id: str, evidence: str) -> Outcome:
+        """Marks a live worker LOST at once, without waiting for its lease: its process
+        is known to be gone (``evidence`` says how). Nothing changes for a worker that
+        is no longer live (it left, or was already lost)."""
+        self._check_deciding("crashed")
+        expired = self._expire(now)
+        w = self._live(worker_id)
+        reasons = list(expired)
+        if w is not None:
+            self._mark_lost(w, now)
+            reasons.append(f"{worker_id} at {w.address} lost: {evidence}")
+        if not reasons:
+            return Outcome(changed=False, reason=f"{worker_id} was no longer live")
+        return self._finish(now, True, "; ".join(reasons))
+
+    def address_of(self, worker_id: str) -> str | None:
+        """The address a live worker registered with (None: not live)."""
+        w = self._live(worker_id)
+        return None if w is None else w.address
+
     def tick(self, now: float) -> Outcome:
         """Applies the passage of time: lease expiry, the join window, pruning.
 

@@ -47,6 +47,7 @@ import grpc
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
 from collectives_server.coordinator.cluster_message import cluster_to_proto, status_key
 from collectives_server.coordinator.control import ControlGuard
+from collectives_server.coordinator.crash_probe import process_gone
 from collectives_server.coordinator.ha.etcd_store import StoreUnavailableError
 from collectives_server.coordinator.ha.replication import Replication
 from collectives_server.coordinator.membership import (
@@ -100,6 +101,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._heartbeat_streams: dict[grpc.ServicerContext, str] = {}
         self._lost_seen = 0  # membership.events["lost"] when streams were last reaped
         self._closed = False
+        # Set by close(): crash probes of closed heartbeat streams stop waiting.
+        self._closing = threading.Event()
         self._notified_version = membership.version
         self._cond = threading.Condition(threading.Lock())
         self._heartbeats_received = 0
@@ -201,6 +204,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     def close(self) -> None:
         """Ends every WatchCluster and HeartbeatStream stream; later calls answer UNAVAILABLE."""
+        self._closing.set()
         with self._cond:
             self._closed = True
             self._cond.notify_all()
@@ -324,7 +328,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     yield response
         finally:
             with self._cond:
-                del self._heartbeat_streams[context]
+                worker_id = self._heartbeat_streams.pop(context)
+                address = None if self._closed else self._membership.address_of(worker_id)
+            if address is not None and self.is_leader:
+                threading.Thread(
+                    target=self._check_crash,
+                    args=(worker_id, address),
+                    name="crash-probe",
+                    daemon=True,
+                ).start()
 
     def Leave(
         self, request: coordinator_pb2.LeaveRequest, context: grpc.ServicerContext
@@ -445,6 +457,23 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             return coordinator_pb2.HeartbeatResponse(
                 generation=self._membership.generation, version=self._membership.version
             )
+
+    def _check_crash(self, worker_id: str, address: str) -> None:
+        """After ``worker_id``'s heartbeat stream closed: if nothing listens at its
+        address any more, its process is gone; it is lost now, and the survivors re-form
+        without waiting for its lease (see :mod:`.crash_probe`)."""
+        if not process_gone(address, self._closing):
+            return
+        with self._cond:
+            if self._closed or not self.is_leader:
+                return
+            if self._membership.address_of(worker_id) != address:
+                return  # it left, was lost, or re-registered meanwhile
+            evidence = "its heartbeat stream closed and nothing listens at its address"
+            self._apply(self._membership.crashed(self._clock(), worker_id, evidence))
+            stale = self._streams_of_lost_workers()
+        for context in stale:
+            context.cancel()
 
     # ---- helpers (call with the lock held) -------------------------------------
 

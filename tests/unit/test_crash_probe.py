@@ -1,0 +1,48 @@
+"""A worker whose process is gone is lost at once; one that may be alive is left to its
+lease (``coordinator/crash_probe.py``, ``Membership.crashed``)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+from collectives.wire.cluster_state import WorkerState
+from collectives_server.coordinator.crash_probe import process_gone
+from collectives_server.coordinator.membership import Membership
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again when the block ends: nothing listens
+
+
+def test_a_port_nothing_listens_on_means_the_process_is_gone() -> None:
+    assert process_gone(f"127.0.0.1:{_closed_port()}", threading.Event())
+
+
+def test_a_listening_port_or_a_stop_proves_nothing() -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        assert not process_gone(address, threading.Event())
+    stopping = threading.Event()
+    stopping.set()
+    assert not process_gone(f"127.0.0.1:{_closed_port()}", stopping)
+    assert not process_gone("no-port-here", threading.Event())
+
+
+def test_a_crashed_member_is_lost_at_once_and_the_survivors_reseal() -> None:
+    m = Membership(2, 3, lease_s=30.0, join_window_s=0.0, id_prefix="t")
+    ids = [m.register(0.0, address=f"127.0.0.1:{p}", pid=p, devices=["cpu"])[0] for p in (1, 2, 3)]
+    generation = m.generation
+    outcome = m.crashed(1.0, ids[1], "its stream closed")
+    assert outcome.changed and outcome.sealed and ids[1] in outcome.lost
+    assert "lost: its stream closed" in outcome.reason
+    assert m.generation == generation + 1 and m.members == (ids[0], ids[2])
+    states = {w.worker_id: w.state for w in m.view(1.0).workers}
+    assert states[ids[1]] is WorkerState.LOST
+    # Not live any more (or never known): nothing changes.
+    assert not m.crashed(1.5, ids[1], "again").changed
+    assert not m.crashed(1.5, "nobody", "unknown").changed
