@@ -35,6 +35,7 @@ ORDER = [
     "tls",
     "training",
     "coordinator",
+    "detection",
     "memory",
     "gpu",
     "publish",

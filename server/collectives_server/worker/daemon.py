@@ -294,6 +294,9 @@ class WorkerDaemon:
             if self.config.op_timeout_s is None and response.op_timeout_s:
                 self.ctx.op_timeout_s = response.op_timeout_s
         log.info("registered as %s at %s", self.worker_id, self.address)
+        # The first heartbeat at once: it opens the heartbeat stream, whose closing is how
+        # the coordinator sees this process end (a crash is then seen without the lease).
+        self._beat_wake.set()
 
     def _heartbeat_loop(self) -> None:
         while True:
@@ -473,6 +476,9 @@ class WorkerDaemon:
             self._last_generation = max(self._last_generation, generation)
             if self.runtime is not None and self.runtime.generation == generation:
                 self.joined_generation = generation
+                # Tell the coordinator now, not at the next interval: the generation is
+                # ready (collectives can run) once every member said it joined.
+                self._beat_wake.set()
 
     def _op_done(
         self,
