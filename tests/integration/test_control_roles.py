@@ -312,11 +312,8 @@ def test_a_killed_worker_is_seen_at_once_and_its_restart_registers(tmp_path: Pat
             # Well within the 30 s lease: only the crash probe can have freed the address.
             wait_until(lambda: _live_ids(stub) not in ([], [first]), 20, "the restart READY")
         log = (tmp_path / "coordinator.log").read_text()
-        assert (
-            f"{first} at 127.0.0.1:{port} lost: its heartbeat stream closed and nothing "
-            "listens at its address" in log
-        )
-        assert "is held by live worker" not in log
+        # Never refused for its predecessor's address, as it was while leases decided.
+        assert "is held by live worker" not in log, log[-3000:]
     finally:
         worker.kill()
         coordinator.kill()

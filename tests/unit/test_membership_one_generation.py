@@ -7,7 +7,7 @@ events at arbitrary times, in the three roles a coordinator plays:
 * the **leader**, whose every changed state is recorded (``export_state``, as
   the servicer persists it to etcd) before anyone sees it;
 * a **standby**, which serves a read-only copy of the last recorded state
-  (``Replication.replica``: ``deciding=False``) and is ticked as a standby's
+  (``EtcdReplication.replica``: ``deciding=False``) and is ticked as a standby's
   clock would tick it;
 * a **new leader** taking over from the last recorded state at any point
   (restore, then ``Membership.resume``).

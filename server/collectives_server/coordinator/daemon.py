@@ -27,12 +27,12 @@ from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
 from collectives_server import gc_tuning as heap
 from collectives_server.coordinator.control import ControlGuard, ControlLimits
 from collectives_server.coordinator.dashboard.server import DashboardServer
+from collectives_server.coordinator.ha.etcd_replication import EtcdReplication
 from collectives_server.coordinator.ha.etcd_store import (
     EtcdLeadership,
     StoreUnavailableError,
     parse_etcd_url,
 )
-from collectives_server.coordinator.ha.replication import Replication
 from collectives_server.coordinator.membership import Membership
 from collectives_server.coordinator.metrics import coordinator_registry
 from collectives_server.coordinator.service import SERVICE_NAME, CoordinatorServicer
@@ -265,11 +265,11 @@ class Coordinator:
         self._ticker: threading.Thread | None = None
         self._dashboard: DashboardServer | None = None
         self._metrics: MetricsServer | None = None
-        self._replication: Replication | None = None
+        self._replication: EtcdReplication | None = None
 
     def _replication_for(
         self, cfg: CoordinatorConfig, membership: Membership
-    ) -> Replication | None:
+    ) -> EtcdReplication | None:
         """The HA link for an etcd store (None for memory); it campaigns once started."""
         if cfg.store == "memory":
             return None
@@ -284,7 +284,7 @@ class Coordinator:
             )
 
         leadership = EtcdLeadership(cfg.store, cfg.cluster_name, "", ttl_s=cfg.leader_ttl_s)
-        self._replication = Replication(leadership, new_membership, self._clock)
+        self._replication = EtcdReplication(leadership, new_membership, self._clock)
         return self._replication
 
     # ---- lifecycle -------------------------------------------------------------

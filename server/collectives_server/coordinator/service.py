@@ -48,8 +48,9 @@ from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
 from collectives_server.coordinator.cluster_message import cluster_to_proto, status_key
 from collectives_server.coordinator.control import ControlGuard
 from collectives_server.coordinator.crash_probe import process_gone
+from collectives_server.coordinator.ha.etcd_replication import EtcdReplication
 from collectives_server.coordinator.ha.etcd_store import StoreUnavailableError
-from collectives_server.coordinator.ha.replication import Replication
+from collectives_server.coordinator.ha.replication import InMemory, Replication
 from collectives_server.coordinator.membership import (
     ClusterView,
     InvalidRequestError,
@@ -88,9 +89,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     ) -> None:
         self._membership = membership
         membership.sealer = identity
-        self._identity = identity
-        # With an etcd store: leader or standby of an HA set (see .replication).
-        self._replication = replication
+        # Where decisions are kept (see .ha.replication): this process alone by default,
+        # else leader or standby of an HA set.
+        self._replication: Replication = replication or InMemory(identity)
         self._heartbeat_s = heartbeat_s
         self._op_timeout_s = op_timeout_s
         self._clock = clock
@@ -121,11 +122,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         its server thread until TCP gives up.
         """
         with self._cond:
-            if self._replication is not None:
-                if not self._replication.leading:
-                    return  # a standby's copy changes only with the leader's document
-                if self._replication.held is not None:
-                    self._persist(retry=True)
+            if not self._replication.leading:
+                return  # a standby's copy changes only with the leader's document
+            if self._replication.held is not None:
+                self._persist(retry=True)
             self._apply(self._membership.tick(self._clock()))
             if self._membership.events["lost"] != self._lost_seen:
                 self.guard.reap(self._membership)
@@ -138,13 +138,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def set_identity(self, address: str) -> None:
         """This coordinator's address (known once its server listens): seals are signed so."""
         with self._cond:
-            self._identity = address
             self._membership.sealer = address
+            self._replication.set_identity(address)
 
     @property
     def is_leader(self) -> bool:
         """Whether this coordinator decides membership (always, with the memory store)."""
-        return self._replication is None or self._replication.leading
+        return self._replication.leading
 
     def on_leadership(self, leading: bool) -> None:
         """Takes over from the stored state, or becomes a standby.
@@ -152,14 +152,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         A leader that steps down keeps its membership, but serves it to nobody
         until it holds a copy of the stored document again (:meth:`on_state`).
         """
-        assert self._replication is not None
+        replication = self._etcd()
         failed: Exception | None = None
         with self._cond:
             if leading:
                 try:
-                    membership, outcome = self._replication.take_over(
-                        self.guard.leases, self._cluster_of
-                    )
+                    membership, outcome = replication.take_over(self.guard.leases, self._cluster_of)
                 except (StoreUnavailableError, KeyError, ValueError) as exc:
                     failed = exc
                 else:
@@ -175,7 +173,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             self._notify_if_changed()
         if failed is not None:  # outside the lock: stepping down calls us back
             log.error("could not take over: %s", failed)
-            self._replication.leadership.step_down(f"the stored state is unreadable: {failed}")
+            replication.leadership.step_down(f"the stored state is unreadable: {failed}")
         for context in streams:  # their workers heartbeat through us to the new leader
             context.cancel()
 
@@ -187,14 +185,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def on_state(self, doc: dict | None, revision: int) -> None:
         """A standby's copy follows the document the leader wrote (etcd ``revision``;
         ``doc`` None and revision 0 while etcd holds none). Copies only move forward."""
-        assert self._replication is not None
+        replication = self._etcd()
         with self._cond:
-            if self._replication.leading:
+            if replication.leading:
                 return
             if not self._own_state and revision <= self._copy_revision:
                 return  # this copy, or a newer one, is already held
             try:
-                self._membership = self._replication.replica(doc, self.guard.leases)
+                self._membership = replication.replica(doc, self.guard.leases)
             except (KeyError, ValueError) as exc:
                 log.error("unreadable membership document in etcd: %s", exc)
                 return
@@ -258,7 +256,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     ) -> coordinator_pb2.RegisterResponse:
         self.guard.check_worker(context, "Register")
         if self._standby():
-            return self._replication.forward("Register", request, context)  # type: ignore[union-attr]
+            return self._replication.forward("Register", request, context)
         with self._cond:
             self._check_open(context)
             self.guard.check_register(context, request, self._membership)
@@ -302,7 +300,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     ) -> coordinator_pb2.HeartbeatResponse:
         self.guard.check_worker(context, "Heartbeat")
         if self._standby():
-            return self._replication.forward("Heartbeat", request, context)  # type: ignore[union-attr]
+            return self._replication.forward("Heartbeat", request, context)
         return self._heartbeat(request, context, "Heartbeat")
 
     def HeartbeatStream(
@@ -343,7 +341,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     ) -> coordinator_pb2.LeaveResponse:
         self.guard.check_worker(context, "Leave")
         if self._standby():
-            return self._replication.forward("Leave", request, context)  # type: ignore[union-attr]
+            return self._replication.forward("Leave", request, context)
         with self._cond:
             self._check_open(context)
             self.guard.check_lease(
@@ -404,11 +402,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                         self._closed
                         or ended.is_set()
                         or self._visible_version() > after_version
-                        or self._cut_off()
+                        or self._replication.cut_off
                     ),
                     timeout=_WATCH_WAKE_S,
                 )
-                if self._closed or ended.is_set() or not context.is_active() or self._cut_off():
+                gone = self._closed or ended.is_set() or not context.is_active()
+                if gone or self._replication.cut_off:
                     return None
                 if self._visible_version() > after_version:
                     return self._visible_version()
@@ -449,7 +448,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             if stream:
                 self._heartbeat_streams[context] = request.worker_id
             self._apply(outcome, quiet=True)
-            held = self._replication.held if self._replication is not None else None
+            held = self._replication.held
             if held is not None:  # a change waits for etcd: nobody hears of it yet
                 return coordinator_pb2.HeartbeatResponse(
                     generation=held.generation, version=held.version
@@ -490,16 +489,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         ]
 
     def _cluster(self) -> coordinator_pb2.Cluster:
-        replication = self._replication
-        if replication is not None and replication.held is not None:
-            return replication.held
-        return self._cluster_of(self._membership)
+        held = self._replication.held
+        return held if held is not None else self._cluster_of(self._membership)
 
     def _cluster_of(self, membership: Membership) -> coordinator_pb2.Cluster:
         """The Cluster message of ``membership`` (not yet this servicer's own)."""
         msg = self._build_cluster(membership)
-        msg.leader = self._replication.leader if self._replication is not None else self._identity
-        msg.store = "etcd" if self._replication is not None else "memory"
+        msg.leader = self._replication.leader
+        msg.store = self._replication.store
         return msg
 
     def _build_cluster(self, membership: Membership | None = None) -> coordinator_pb2.Cluster:
@@ -515,26 +512,23 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return msg
 
     def _standby(self) -> bool:
-        return self._replication is not None and not self._replication.leading
+        return not self._replication.leading
 
     def _check_leading(self, context: grpc.ServicerContext, rpc: str) -> None:
         if self._standby():
             context.abort(
                 grpc.StatusCode.UNAVAILABLE,
                 f"{rpc}: this coordinator is a standby (leader: "
-                f"{self._replication.leader or 'none yet'}); send unary calls, it forwards them",  # type: ignore[union-attr]
+                f"{self._replication.leader or 'none yet'}); send unary calls, it forwards them",
             )
-
-    def _cut_off(self) -> bool:
-        return self._replication is not None and self._replication.leadership.cut_off
 
     def _check_reachable(self, context: grpc.ServicerContext, rpc: str) -> None:
         """Refuses reads from a coordinator that lost etcd: its copy may be stale."""
-        if self._cut_off():
+        if self._replication.cut_off:
             context.abort(
                 grpc.StatusCode.UNAVAILABLE,
                 f"{rpc}: this coordinator has not reached etcd for over "
-                f"{self._replication.leadership.ttl_s} s, so its view may be stale; "  # type: ignore[union-attr]
+                f"{self._replication.ttl_s:g} s, so its view may be stale; "
                 "ask another coordinator of the set",
             )
 
@@ -544,9 +538,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         Takes the lock only between reads of etcd. Aborts the call with
         UNAVAILABLE when this coordinator cannot show that its view is current.
         """
-        replication = self._replication
-        if replication is None:
+        if not self._replication.checks_reads:
             return self.snapshot()
+        replication = self._etcd()
         self._check_reachable(context, rpc)
         leadership = replication.leadership
         asked = time.monotonic()
@@ -584,13 +578,20 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         raise AssertionError("unreachable")  # context.abort raises
 
     def _visible_version(self) -> int:
-        held = self._replication.held if self._replication is not None else None
+        held = self._replication.held
         return held.version if held is not None else self._membership.version
 
     def _persist(self, retry: bool = False) -> None:
-        """Leader with an etcd store: records the state before anyone sees it."""
-        assert self._replication is not None
+        """Leader: records the state before anyone sees it (nothing to do in memory)."""
         self._replication.persist(self._membership, self.guard.leases, self._cluster, retry=retry)
+
+    def _etcd(self) -> EtcdReplication:
+        """The HA set's strategy, for what only a coordinator of one does (take over,
+        follow the stored document, show a read current): its election thread and
+        reads with :attr:`Replication.checks_reads` call these."""
+        if not isinstance(self._replication, EtcdReplication):
+            raise AssertionError("only a coordinator of an HA set takes over or follows")
+        return self._replication
 
     def _check_open(self, context: grpc.ServicerContext) -> None:
         if self._closed:
@@ -600,7 +601,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     def _apply(self, outcome: Outcome, *, quiet: bool = False) -> None:
         """Logs an outcome and wakes the watch streams if the version moved."""
-        if outcome.changed and self._replication is not None and self._replication.leading:
+        if outcome.changed and self._replication.leading:
             self._persist()
         self._log_outcome(outcome, quiet=quiet)
         self._notify_if_changed()

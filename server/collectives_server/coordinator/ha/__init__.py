@@ -3,6 +3,8 @@
 Modules:
 
 * ``etcd_store``: the membership document in etcd, and leader election
-* ``replication``: what a coordinator does beyond deciding: record, follow, forward
+* ``replication``: where decisions are kept, the strategy the servicer is written against,
+  and the memory store's (this process alone)
+* ``etcd_replication``: an HA set's strategy: record to etcd, follow the leader, forward
 * ``membership_state``: the membership as a JSON document a successor restores
 """

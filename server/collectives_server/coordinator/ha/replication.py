@@ -1,103 +1,74 @@
-"""What a coordinator of an HA set does beyond deciding: replicate, follow, forward.
+"""Where a coordinator's decisions are kept: the strategy the servicer is written against.
 
-The servicer (:mod:`.service`) keeps deciding with one :class:`Membership` and
-one lock; with an etcd store it also holds a :class:`Replication`:
+The servicer (:mod:`..service`) decides membership with one :class:`Membership`
+and one lock, and asks its :class:`Replication` what else a decision needs:
+whether this coordinator leads (a standby forwards the workers' writes and
+serves a copy), what readers may see while a change waits for the store
+(``held``), and to record each change before anyone sees it (``persist``).
 
-* as **leader**, every visible change is written to etcd before anyone sees it
-  (:meth:`Replication.persist`); while etcd is away the change waits, and
-  readers keep seeing the last state etcd accepted (``held``), so a generation
-  that etcd has not recorded is never announced;
-* as **standby**, the membership is a read-only copy of the document the leader
-  wrote (:meth:`Replication.replica`), served to ``GetCluster`` and
-  ``WatchCluster`` only once etcd confirms it is the stored one (the servicer
-  asks at every read), and the worker-only writes (Register, Heartbeat, Leave) are
-  forwarded to the leader with the caller's metadata (:meth:`Replication.forward`);
-* on **taking over**, the new leader restores the document, gives every live
-  worker a fresh lease, and numbers versions above anything handed out before.
+Two strategies: :class:`InMemory` (``--store memory``, the default: this process
+is the only coordinator, always leading, nothing to record) and
+:class:`~.etcd_replication.EtcdReplication` (an HA set on etcd, after torch
+elastic's ``RendezvousBackend``: the state is written to and read from the
+store). The servicer has no branch on which one it holds.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
-from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
+from collectives.v1 import coordinator_pb2
 from collectives_server.coordinator.admission import LeaseBook
-from collectives_server.coordinator.ha.etcd_store import (
-    EtcdLeadership,
-    NotLeaderError,
-    StoreUnavailableError,
-)
-from collectives_server.coordinator.ha.membership_state import export_state, restore_state
-from collectives_server.coordinator.membership import Membership, Outcome
+from collectives_server.coordinator.membership import Membership
 
-__all__ = ["Replication"]
-
-log = logging.getLogger(__name__)
-
-# Longest a forwarded call waits for the leader.
-_FORWARD_TIMEOUT_S = 5.0
-# Metadata the forwarding coordinator must not copy (gRPC sets its own).
-_HOP_HEADERS = ("user-agent", "grpc-", ":")
+__all__ = ["InMemory", "Replication"]
 
 
-class Replication:
-    """A coordinator's place in an HA set on etcd. Methods marked "lock" run under
-    the servicer's lock; the others take none of it."""
+class Replication(Protocol):
+    """What the servicer asks of the place its decisions are kept. Methods other
+    than :meth:`forward` and :meth:`close` run under the servicer's lock."""
 
-    def __init__(
-        self,
-        leadership: EtcdLeadership,
-        new_membership: Callable[[], Membership],
-        clock: Callable[[], float],
-    ) -> None:
-        self.leadership = leadership
-        self._new_membership = new_membership
-        self._clock = clock
-        # The Cluster message readers see while a change waits for etcd (None: none waits).
-        self.held: coordinator_pb2.Cluster | None = None
-        self.published: coordinator_pb2.Cluster | None = None
-        self._channels: dict[str, grpc.Channel] = {}
-        self._channel_lock = threading.Lock()
+    @property
+    def store(self) -> str:
+        """The store's kind as the Cluster message names it: ``memory`` or ``etcd``."""
+        ...
 
     @property
     def leading(self) -> bool:
-        return self.leadership.leading
+        """Whether this coordinator decides membership now."""
+        ...
 
     @property
     def leader(self) -> str:
-        return self.leadership.leader
+        """The address of the coordinator that decides ("" while none does)."""
+        ...
 
-    # ---- leader (lock) ----------------------------------------------------------
+    @property
+    def held(self) -> coordinator_pb2.Cluster | None:
+        """What readers see while a change waits for the store (None: none waits)."""
+        ...
 
-    def take_over(
-        self, leases: LeaseBook, message: Callable[[Membership], Any]
-    ) -> tuple[Membership, Outcome]:
-        """A membership restored from etcd (or a fresh one) for a new leader, and
-        the outcome of its first decision on it.
+    @property
+    def cut_off(self) -> bool:
+        """Whether this coordinator lost the store for longer than its lease, so that
+        its view may be stale and it must not serve reads."""
+        ...
 
-        What etcd holds is what readers keep seeing (``published``) until the
-        new leader's own decision is recorded: restoring decides nothing, so
-        ``message(membership)`` taken before :meth:`Membership.resume` is the
-        recorded state.
-        """
-        doc = self.leadership.load()
-        membership = self._new_membership()
-        membership.sealer = self.leadership.identity
-        now = self._clock()
-        reason = f"{self.leadership.identity} took over as leader"
-        if doc is not None:
-            restore_state(doc, membership, leases, now=now, unix_now=time.time())
-            # Above every version any coordinator handed out (see Coordinator.start).
-            membership._version = max(membership.version, time.time_ns() // 1000)
-        self.held = None
-        self.published = message(membership) if doc is not None else None
-        return membership, membership.resume(now, reason)
+    @property
+    def checks_reads(self) -> bool:
+        """Whether a read must first be shown current against the store."""
+        ...
+
+    @property
+    def ttl_s(self) -> float:
+        """How long the store may be unreachable before :attr:`cut_off`."""
+        ...
+
+    def set_identity(self, address: str) -> None:
+        """This coordinator's address, once its server listens."""
 
     def persist(
         self,
@@ -107,79 +78,46 @@ class Replication:
         *,
         retry: bool = True,
     ) -> bool:
-        """Writes the state; False when it must wait (etcd away) or we no longer lead.
-
-        ``message`` builds the Cluster message readers may now see. While a change
-        already waits for etcd, only a ``retry`` (the ticker's) tries again: an
-        unreachable etcd can take a whole request timeout to say so, and the
-        caller holds the servicer's lock.
-        """
-        if self.held is not None and not retry:
-            return False
-        doc = export_state(membership, leases, now=self._clock(), unix_now=time.time())
-        try:
-            self.leadership.persist(doc)
-        except (StoreUnavailableError, NotLeaderError) as exc:
-            # Nobody sees a change etcd has not recorded: readers keep the last
-            # recorded state (right after a takeover: the restored one). Without
-            # leadership the change is never recorded; the next leader decides.
-            if self.held is None:
-                self.held = self.published if self.published is not None else message()
-                log.warning("membership change not recorded in etcd: %s", exc)
-            return False
-        if self.held is not None:
-            log.info("etcd is back: the waiting membership change is recorded")
-        self.held = None
-        self.published = message()
-        return True
-
-    # ---- standby (lock) ------------------------------------------------------------
-
-    def replica(self, doc: dict[str, Any] | None, leases: LeaseBook) -> Membership:
-        """A read-only copy of the leader's document, at the leader's version: it
-        decides nothing (``deciding=False``), so it shows exactly what the leader
-        recorded (``doc`` None: etcd holds none yet, an empty membership)."""
-        membership = self._new_membership()
-        membership.deciding = False
-        if doc is not None:
-            restore_state(doc, membership, leases, now=self._clock(), unix_now=time.time())
-        self.held = None
-        return membership
-
-    # ---- forwarding (no lock) ----------------------------------------------------------
+        """Records the state before anyone sees it; False when it must wait."""
+        ...
 
     def forward(self, method: str, request: Any, context: grpc.ServicerContext) -> Any:
-        """Sends a worker's write to the leader and returns its answer (or its error)."""
-        leader = self.leader
-        if not leader or leader == self.leadership.identity:
-            context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                f"{method}: no coordinator leads this cluster at the moment "
-                f"(store {self.leadership.url}); retry with backoff",
-            )
-        stub = coordinator_pb2_grpc.CoordinatorStub(self._channel(leader))
-        metadata = [
-            (k, v) for k, v in context.invocation_metadata() if not k.startswith(_HOP_HEADERS)
-        ]
-        remaining = context.time_remaining()
-        timeout = min(_FORWARD_TIMEOUT_S, remaining) if remaining else _FORWARD_TIMEOUT_S
-        try:
-            return getattr(stub, method)(request, timeout=timeout, metadata=metadata)
-        except grpc.RpcError as err:
-            context.abort(err.code(), f"{err.details()} (forwarded to the leader {leader})")
-
-    def _channel(self, address: str) -> grpc.Channel:
-        with self._channel_lock:
-            channel = self._channels.get(address)
-            if channel is None:
-                for old in self._channels.values():
-                    old.close()
-                self._channels = {address: grpc.insecure_channel(address)}
-                channel = self._channels[address]
-            return channel
+        """A standby's answer to a worker's write: the leader's."""
+        ...
 
     def close(self) -> None:
-        with self._channel_lock:
-            for channel in self._channels.values():
-                channel.close()
-            self._channels = {}
+        """Releases what the strategy holds (channels, the store's client)."""
+
+
+class InMemory:
+    """``--store memory``: this coordinator alone decides and keeps nothing elsewhere."""
+
+    store = "memory"
+    leading = True
+    leader = ""
+    held: coordinator_pb2.Cluster | None = None
+    cut_off = False
+    checks_reads = False
+    ttl_s = 0.0
+
+    def __init__(self, identity: str = "") -> None:
+        self.leader = identity
+
+    def set_identity(self, address: str) -> None:
+        self.leader = address
+
+    def persist(
+        self,
+        membership: Membership,
+        leases: LeaseBook,
+        message: Callable[[], Any],
+        *,
+        retry: bool = True,
+    ) -> bool:
+        return True  # nothing to record: this process's memory is the store
+
+    def forward(self, method: str, request: Any, context: grpc.ServicerContext) -> Any:
+        raise AssertionError(f"{method}: a memory store's coordinator always leads")
+
+    def close(self) -> None:
+        return None
