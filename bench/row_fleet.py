@@ -31,8 +31,7 @@ Callers and workers share this machine's cores, as in every row. Where they are
 few (2 on the CI machine), spreading calls over the workers cannot add compute:
 the workers already share every core with each other and with the callers
 (pinning each worker to its own core was tried: the callers' threads then
-delay the pinned workers' wake-ups, and a call-bound model's routed calls ran at
-a third of rank 0's rate). Routing pays where each worker has cores (or a GPU)
+delay the pinned workers' wake-ups). Routing pays where each worker has cores (or a GPU)
 of its own; ``docs/perf-log.md`` has the figures of both.
 """
 
