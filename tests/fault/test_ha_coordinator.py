@@ -367,7 +367,10 @@ def test_no_coordinator_serves_an_older_generation_after_an_etcd_outage(ha, run)
     # The old leader's reads of etcd are held up (as an etcd slow after its restart
     # holds them) while a worker is lost and the new leader seals the next generation.
     cluster.proxies[old].cut()
-    victim = cluster.daemon_at(cluster.members()[-1].address)
+    # The takeover re-forms the cluster (on a loaded machine a 1.5 s lease can lose a
+    # worker on the way): pick the victim among the members the client sees once formed.
+    members = wait_until(cluster.members, LEASE_S + 15, "the client to see the members")
+    victim = cluster.daemon_at(members[-1].address)
     victim.signal(signal.SIGKILL)
     cluster.wait_ready(2, after_generation=generation, timeout_s=LEASE_S + 15)
     newest = cluster.client.generation
