@@ -40,6 +40,7 @@ help:
 	@echo "make proto        regenerate the gRPC stubs in $(STUB_DIR)"
 	@echo "make proto-check  fail if the committed stubs differ from regenerated ones"
 	@echo "make docs         regenerate docs/flags.md from the daemons' declared settings"
+	@echo "                  and docs/api.md's reference blocks from the SDK's docstrings"
 	@echo "make clean        remove caches; make distclean also removes $(VENV)"
 
 # torch is pinned in constraints.txt to the CPU build; the check after pip makes
@@ -152,8 +153,12 @@ proto: $(STAMP)
 # so a stale stub and a stub without a proto both fail.
 # docs/flags.md: every subcommand's --help, from the settings the daemons declare
 # (collectives_server.settings); tests/unit/test_flag_reference.py fails when stale.
+# docs/api.md: the blocks between <!-- api: ... --> and <!-- /api --> rendered from
+# the SDK's docstrings (tools/api_reference.py, which also fails when a public call
+# has no block); tests/unit/test_api_reference.py fails when stale.
 docs: $(STAMP)
 	$(VPY) -m collectives_server.cli.reference > docs/flags.md
+	$(VPY) tools/api_reference.py
 
 proto-check: $(STAMP)
 	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \

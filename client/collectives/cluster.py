@@ -139,9 +139,11 @@ class Cluster:
         """Stops watching the coordinator and closes every channel; idempotent.
 
         Pending ``async_op`` calls that have not started are cancelled (their
-        ``Work`` raises ``Unavailable``). A call in flight on another thread ends
-        at once with ``Unavailable`` ("the cluster handle was closed"), never
-        ``DeadlineExceeded``: nothing timed out, and a retry cannot succeed.
+        ``Work`` raises ``Unavailable``). A call in flight on another thread (a
+        collective waiting at the leader, a transfer, a forward) ends at once
+        with ``Unavailable`` ("the cluster handle was closed"), never
+        ``DeadlineExceeded``: nothing timed out, and a retry on a closed handle
+        cannot succeed. What the workers already received still runs there.
         """
         self._session.close()
 
@@ -245,49 +247,75 @@ def connect(
 ) -> Cluster:
     """Connects to the coordinator at ``host:port`` and waits until a generation is formed.
 
-    Example::
+    It returns once the generation is sealed and every member reports ready
+    (joined its process group); if the members are still joining when
+    ``timeout`` runs out it returns anyway with the formed cluster, and the
+    first op waits for them. ``Cluster(address, timeout, ...)`` is the same.
+    Use the result as a context manager, or call ``close()``.
 
-        with collectives.connect("127.0.0.1:50051") as cluster:
-            cluster.put("x", torch.ones(4))
-            cluster.all_reduce("x")
+    Security settings (see ``docs/security.md``) and ``shared_memory`` each fall
+    back, when None, to ``COLLECTIVES_TOKEN``, ``COLLECTIVES_TLS_CA``,
+    ``COLLECTIVES_TLS_CERT``, ``COLLECTIVES_TLS_KEY``, ``COLLECTIVES_TLS=1``,
+    ``COLLECTIVES_SHM=1``: argument > environment > none.
 
-    ``address`` None (``collectives.connect()``) reads ``COLLECTIVES_COORDINATOR``,
-    the variable the ``collectives`` commands read for ``--coordinator``.
+    Args:
+        address: the coordinator's ``host:port``. It may list several
+            coordinators, ``"h1:p1,h2:p2,h3:p3"`` (an HA set on etcd, see
+            ``docs/deploying.md``): calls go round-robin to those that answer,
+            any of them serves the cluster's state, and a failover among them
+            interrupts no op (:meth:`Cluster.snapshot` says which one leads).
+            None (``collectives.connect()``) reads ``COLLECTIVES_COORDINATOR``,
+            the variable the ``collectives`` commands read for
+            ``--coordinator`` (argument > environment). Defaults to ``None``.
+        timeout: seconds to wait for a formed generation. Defaults to ``30.0``.
+        token: sent as ``authorization: Bearer <token>`` on every call (or
+            ``COLLECTIVES_TOKEN`` when None). Defaults to ``None``.
+        tls_ca: a PEM path or bytes that verifies the servers' certificates
+            and turns TLS on (or ``COLLECTIVES_TLS_CA``). Defaults to ``None``.
+        tls_cert: a client certificate (PEM path or bytes) for mutual TLS,
+            with ``tls_key`` (or ``COLLECTIVES_TLS_CERT``). Defaults to ``None``.
+        tls_key: the client certificate's key (or ``COLLECTIVES_TLS_KEY``).
+            Defaults to ``None``.
+        tls: ``tls=True`` alone: TLS with the system roots (or
+            ``COLLECTIVES_TLS=1``). Defaults to ``None``.
+        shared_memory: True (or ``COLLECTIVES_SHM=1`` when None) lets ``put``
+            and ``get`` move payloads through ``/dev/shm`` instead of the gRPC
+            stream, for workers on this host reached over loopback (same
+            hostname, 127.x/::1/localhost address); other workers, or a worker
+            that refuses it, get the stream. Each segment is unlinked as soon
+            as the call is done. Defaults to ``None``.
+        progress: progress bars (tqdm, on stderr) for puts, gets, scatters,
+            model loads and state-dict loads of 256 MiB or more: None shows
+            them when stderr is a terminal (``COLLECTIVES_PROGRESS=0`` turns
+            them off, ``=1`` forces them on), False never, True always.
+            Defaults to ``None``.
+        name: this client's name for operators (or ``COLLECTIVES_CLIENT_NAME``
+            when None), in the user agent of its calls: the workers list it
+            among their clients and on the errors of the ops it issued, in
+            ``collectives top``, ``status`` and the dashboard.
+            Defaults to ``None``.
 
-    Security (see ``docs/security.md``): ``token`` is sent as ``authorization:
-    Bearer <token>`` on every call; ``tls_ca`` (PEM path or bytes) verifies the
-    servers' certificates and turns TLS on (``tls=True`` alone: TLS with the
-    system roots); ``tls_cert``/``tls_key`` are a client certificate for mutual
-    TLS. Each falls back to ``COLLECTIVES_TOKEN``, ``COLLECTIVES_TLS_CA``,
-    ``COLLECTIVES_TLS_CERT``, ``COLLECTIVES_TLS_KEY`` (and ``COLLECTIVES_TLS=1``)
-    when None: argument > environment > none.
-
-    ``shared_memory=True`` (or ``COLLECTIVES_SHM=1`` when None) lets ``put`` and
-    ``get`` move payloads through ``/dev/shm`` instead of the gRPC stream, for
-    workers on this host reached over loopback (same hostname, 127.x/::1/
-    localhost address); other workers, or a worker that refuses it, get the
-    stream. Each segment is unlinked as soon as the call is done.
-
-    ``progress`` (or ``COLLECTIVES_PROGRESS`` when None): puts, gets, model
-    loads and state-dict loads of 256 MiB or more draw a progress bar on stderr
-    when it is a terminal; False (``COLLECTIVES_PROGRESS=0``) never draws one,
-    True (``=1``) draws one even when stderr is not a terminal.
-
-    ``name`` (or ``COLLECTIVES_CLIENT_NAME`` when None) names this client to
-    operators: the workers list it among their clients, and on the errors of
-    the ops it issued, in ``collectives top``, ``status`` and the dashboard.
+    Returns:
+        The connected ``Cluster``.
 
     Raises:
         InvalidArgument: ``address`` is None and ``COLLECTIVES_COORDINATOR`` is
-            unset or empty; ``address`` or ``timeout`` is malformed, a TLS or
-            token setting is unreadable or inconsistent, or ``address`` is not
-            a coordinator: a worker (the message names its coordinator) or an
-            HTTP port such as the dashboard's.
+            unset or empty (the message names the variable); ``address`` or
+            ``timeout`` is malformed, a TLS or token setting is unreadable or
+            inconsistent, or ``address`` is not a coordinator: a worker (the
+            message names its coordinator) or an HTTP port such as the
+            dashboard's, said at once.
         Unavailable: nothing answers at ``address`` within ``timeout`` seconds
             (also: a plaintext client against a TLS server, an untrusted certificate).
         PermissionDenied: the server requires a token and got none or a wrong one.
         DeadlineExceeded: the coordinator answers but no generation was formed
             within ``timeout`` seconds (the message quotes its status).
+
+    Example::
+
+        with collectives.connect("127.0.0.1:50051") as cluster:
+            cluster.put("x", torch.ones(4))
+            cluster.all_reduce("x")
     """
     return Cluster(
         address,

@@ -576,9 +576,11 @@ class DataParallel:
         """Runs the model on the workers: ``dp(*inputs, **kwargs)``, like ``nn.DataParallel``.
 
         Tensors are split along ``dim`` across the workers (a batch smaller than
-        the world uses fewer workers); inputs and outputs may be nested tuples,
-        lists, dicts and namedtuples. With autograd enabled, ``backward`` through
-        the output runs on the workers and accumulates parameter gradients there.
+        the world uses fewer workers, the least loaded), the model runs on each
+        worker over its local devices, and the outputs come back gathered along
+        ``dim`` in order; inputs and outputs may be nested tuples, lists, dicts
+        and namedtuples. With autograd enabled, ``loss.backward()`` runs backward
+        on the workers and accumulates parameter gradients there.
 
         Args:
             *inputs: the model's positional inputs.
@@ -591,8 +593,12 @@ class DataParallel:
 
         Raises:
             NotFound: the model is not loaded.
-            InvalidArgument: an input cannot be sent, or the model rejected the inputs.
-            Unavailable: publishes kept moving the model's version under the call.
+            InvalidArgument: an input cannot be sent, or the model rejected the
+                inputs; inputs whose number, nesting or kind differ from a loaded
+                module's ``example_inputs`` are named with what it takes, e.g.
+                ``model 'm' takes 1 positional input (a tensor), got 2: (tensor, tensor)``.
+            Unavailable: publishes kept moving the model's version under the call
+                (its shards straddled a publish 8 attempts in a row).
             CollectiveError: a worker failed or the call timed out.
         """
         training = self.training

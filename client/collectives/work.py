@@ -62,6 +62,7 @@ class Work(Generic[T]):
         Raises:
             DeadlineExceeded: the op did not finish within ``timeout`` seconds
                 (it keeps running; call again to keep waiting).
+            Unavailable: the op never started because the ``Cluster`` was closed.
             CollectiveError: the op failed (the same error the sync call raises).
         """
         try:
@@ -86,8 +87,10 @@ class Work(Generic[T]):
             What the synchronous call returns.
 
         Raises:
-            DeadlineExceeded: the op did not finish within ``timeout`` seconds.
-            CollectiveError: the op failed.
+            DeadlineExceeded: the op did not finish within ``timeout`` seconds
+                (it keeps running; call again to keep waiting).
+            Unavailable: the op never started because the ``Cluster`` was closed.
+            CollectiveError: the op failed (the same error the sync call raises).
         """
         return self.result(timeout)
 
@@ -119,7 +122,8 @@ class Work(Generic[T]):
             cancelled by ``close``), or None.
 
         Raises:
-            DeadlineExceeded: the op did not finish within ``timeout`` seconds.
+            DeadlineExceeded: the op did not finish within ``timeout`` seconds
+                (it keeps running).
         """
         try:
             return self._future.exception(timeout)

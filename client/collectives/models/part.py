@@ -117,11 +117,19 @@ class Models:
     ) -> ModelInfo:
         """Loads a model on every worker, replacing one of the same name.
 
-        Either ``module`` with ``example_inputs`` (shipped as a torch.export
-        archive with dimension ``batch_dim`` of every tensor input dynamic, the
-        rest fixed at the example's sizes; one of 4 MiB or more on two or more
-        workers is sent once and broadcast among them, a smaller one streamed
-        to each worker), or ``factory`` with JSON ``kwargs``.
+        Either ``module`` with ``example_inputs`` (shipped as a ``torch.export``
+        archive with dimension ``batch_dim`` of every tensor input dynamic and
+        the others fixed at the example's sizes: load with ``batch_dim=k`` to
+        call ``data_parallel(name, dim=k)``; exported on the client, which is
+        most of a small model's load time; the client exports a module once per
+        input signature and set of weights; one of 4 MiB or more on two or more
+        workers is sent once and broadcast among them, else streamed to each
+        worker), or ``factory="pkg.module:fn"`` with JSON ``kwargs`` (workers
+        must allow it with ``--allow-factory``). ``state_dict`` then publishes
+        weights (:meth:`publish`, so the model is at version 2);
+        ``batching=Batching(...)`` merges concurrent no-grad forwards on each
+        worker (see ``collectives.Batching``). A module's model is recorded in
+        the mode the module is in (``module.training``).
 
         Args:
             name: the model's name on the cluster.
@@ -135,7 +143,8 @@ class Models:
             state_dict: weights to publish after loading (tensors, never pickle;
                 the model is then at version 2). Defaults to ``None``.
             timeout: seconds for the whole call (export, upload, load); None
-                means ``default_timeout_s`` plus ``MODEL_LOAD_TIMEOUT_S``, the
+                means ``default_timeout_s`` plus ``MODEL_LOAD_TIMEOUT_S`` (120 s,
+                the default of the workers' ``--model-load-timeout-s``), the
                 time a worker gives one load by default (a sandboxed trial load
                 starts a Python that imports torch). Defaults to ``None``.
             batching: merge concurrent no-grad forwards of this model, from any
@@ -274,10 +283,12 @@ class Models:
     ) -> ModelInfo:
         """Sets the mode model ``name`` runs in on every worker, like ``nn.Module.train``.
 
-        In train mode dropout is on and batch norm normalises each shard with its
-        own statistics (updating that worker's running ones, as each replica of
-        ``nn.DataParallel`` does); in eval mode neither. ``DataParallel.train()``
-        and ``eval()`` call this.
+        This is the model's recorded mode: what calls that name no mode run in,
+        and what a new ``DataParallel`` starts with. In train mode dropout is on
+        and batch norm normalises each shard with its own statistics (updating
+        that worker's running ones, as each replica of ``nn.DataParallel``
+        does); in eval mode neither. ``DataParallel.train()`` and ``eval()``
+        call this.
 
         Args:
             name: the model.
@@ -320,10 +331,11 @@ class Models:
         whole gathered batch) each worker holds its shard's part of the gradient
         and the parts *add up* to the full-batch gradient: ``"sum"`` (the default)
         is right, and ``"avg"`` would divide it by the world size, so the workers
-        refuse ``"avg"``, whichever client asks, until ``zero_grad`` or a ``"sum"``
-        (after which every worker holds the same full gradient, which "avg"
-        leaves as it is). ``"avg"`` is for gradients of per-worker mean losses
-        (what DDP averages), e.g. after local steps on each worker's own data.
+        refuse ``"avg"``, whichever client asks, until ``zero_grad``,
+        ``train_step`` or a ``"sum"`` (after which every worker holds the same
+        full gradient, which ``"avg"`` leaves as it is). ``"avg"`` is for
+        gradients of per-worker mean losses (what DDP averages), e.g. after local
+        steps on each worker's own data.
 
         Args:
             name: the model.
@@ -384,9 +396,10 @@ class Models:
         computes it: each shard's loss weighed by its share of the rows,
         ``sum(rows_r / rows * loss_r)`` (the full-batch mean for a mean loss,
         even and uneven shards alike). That is the loss returned, and its
-        gradient is the one every worker holds afterwards (bucketed). A worker
-        whose shard is empty contributes nothing. With ``optimizer`` each
-        worker then steps.
+        gradient is the one every worker holds afterwards (bucketed), clipped to
+        ``max_grad_norm`` when given. A worker whose shard is empty contributes
+        nothing. With ``optimizer`` each worker then steps (the model's version
+        +1). See ``docs/training.md``.
 
         Args:
             name: the model.
@@ -414,7 +427,9 @@ class Models:
             The global loss, or a ``Work`` of it with ``async_op``.
 
         Raises:
-            InvalidArgument: an unknown loss, optimizer or hyperparameter, or a bad name.
+            InvalidArgument: an unknown loss, optimizer or hyperparameter, or a bad
+                name; also when torch refuses a shard (batch norm on one row in
+                train mode), with nothing changed on any worker.
             NotFound: the model or a tensor is missing.
             Unavailable: a rank was lost, the generation changed, or not formed.
             DeadlineExceeded: not done within ``timeout`` seconds.
@@ -470,7 +485,9 @@ class Models:
         """Steps the optimizer of model ``name`` on every worker (state kept per worker).
 
         A different optimizer kind than before starts fresh state; other
-        hyperparameters (``lr`` each step, for a schedule) keep it.
+        hyperparameters (``lr`` each step, for a schedule) keep it. The gradients
+        are clipped to ``max_grad_norm`` first when given. Each step is a new
+        model version (+1).
 
         Args:
             name: the model.
@@ -567,11 +584,20 @@ class Models:
     ) -> int:
         """Publishes new weights for model ``name``.
 
-        The client sends each byte once (to the leader); the workers broadcast
-        the weights among themselves, stage them beside the live ones and switch
-        at one point of the op order, on every rank or on none. A ``dp(x)``
-        running meanwhile finishes on the version it started with, and no output
-        mixes two versions.
+        The client uploads each entry of the state dict once, to the leader,
+        whatever the world size; one sequenced op then has the workers check it
+        against their model, broadcast it among themselves, stage it beside the
+        live weights and commit it on every rank at one point of the op order,
+        or on none. A ``dp(x)`` running meanwhile finishes on one version, and
+        no output mixes two versions.
+
+        As with ``nn.Module.load_state_dict``, ``strict=False`` publishes any
+        subset of the keys (the others keep their values) and ``cast=True``
+        converts entries whose dtype differs from the model's (e.g. a bfloat16
+        state dict into a float32 model); without it a dtype mismatch is
+        ``InvalidArgument``, as are unknown or missing keys and a wrong shape.
+        Every rank needs room for the staged copy of the published entries (the
+        ``--max-tensor-bytes`` quota counts it until the commit).
 
         Args:
             name: the model.
@@ -591,9 +617,10 @@ class Models:
                 empty state dict.
             NotFound: the model is missing on every rank.
             FailedPrecondition: the model is missing on some ranks.
-            ResourceExhausted: quota, or retained graphs of an older version still
-                hold it (at most two versions are resident): run their backward or
-                drop their outputs, then publish again.
+            ResourceExhausted: quota, or retained graphs of a version older than
+                the live one still exist, so a third version would be resident
+                (reason ``VERSIONS_RESIDENT``): run their backward or drop their
+                outputs, then publish again.
         """
         deadline = self._session.deadline(timeout)
         what = f"publish {name!r}"
@@ -631,8 +658,10 @@ class Models:
             The new version.
 
         Raises:
-            InvalidArgument: unknown or missing keys, or a shape or dtype mismatch.
+            InvalidArgument: unknown or missing keys, a shape or dtype mismatch, an
+                empty state dict.
             NotFound: the model is missing on every rank.
+            FailedPrecondition: the model is missing on some ranks.
             ResourceExhausted: quota, or too many versions resident (see :meth:`publish`).
         """
         return self.publish(name, state_dict, strict=strict, cast=cast, timeout=timeout)
@@ -650,8 +679,9 @@ class Models:
         ``fn`` never travels as Python: it is exported with ``torch.export``
         (traced on tensors shaped like the first target rank's inputs,
         dimension 0 dynamic) and the workers check and load the program as
-        they do a model's, once per function and input signature. It runs
-        without autograd, in parallel, each rank on its own tensors.
+        they do a model's (under ``__fn/<digest>``, hidden from ``models()``),
+        once per function and input signature. It runs without autograd, in
+        parallel, each rank on its own tensors.
 
         Args:
             fn: an ``nn.Module`` or a function of tensors returning a tensor or

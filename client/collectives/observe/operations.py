@@ -26,14 +26,26 @@ class Operations:
     ) -> list[OpRecord]:
         """The last ``last`` ops of every rank's flight recorder, merged by op.
 
-        Every worker keeps its recent ops (``--flight-recorder-ops``, default 2000)
-        with the time each reached each phase: ``admitted`` (leader), ``announced``,
-        ``started`` (operands agreed, data moving) and ``finished``. The leader
-        sequences every op, so one op has one ``(generation, op_id)`` on every rank.
+        Every worker keeps a bounded ring of the ops it ran
+        (``--flight-recorder-ops N``, default 2000; 0 turns it off): every op the
+        leader sequenced, publishes, forwards and model ops included, with the
+        time each reached each phase on that rank: ``admitted`` (leader),
+        ``announced``, ``started`` (operands agreed, data moving) and
+        ``finished``. The leader sequences every op, so one op has one
+        ``(generation, op_id)`` on every rank.
+
+        A forward (a share of a ``dp(x)`` call, which each worker runs on its own,
+        not sequenced) is a record too: kind ``"forward"``, ``op_id`` 0 and its
+        ``call_id``, the same on every rank that ran a share; it has no
+        ``announced`` phase, ``admitted`` is when its call arrived and ``started``
+        when it began to run. A record is bounded whatever the op named: it keeps
+        an op's first 16 names (``names_omitted`` counts the rest) and the first
+        1,024 characters of a message; the workers answer in pages of a few MiB,
+        read back to back, so every ring can be read whole.
 
         Args:
-            last: how many of the most recent ops (0: all the rings hold). Defaults
-                to ``100``.
+            last: how many of the most recent ops of every rank (0: all the rings
+                hold). Defaults to ``100``.
             ranks: read only these ranks (None: every member). Defaults to ``None``.
             timeout: seconds for the coordinator and for each rank's answer (a
                 rank answers a large ring in pages, all within it); None means
@@ -41,11 +53,16 @@ class Operations:
 
         Returns:
             One ``collectives.OpRecord`` per op, oldest first: ``op_id``,
-            ``generation``, ``kind``, ``names`` (an op's first 16; ``names_omitted``
-            counts the rest), ``nbytes``, ``ranks``, ``client``, ``outcome`` and
-            ``per_rank`` (rank -> ``RankPhases``: phase times in Unix seconds, that
-            rank's outcome and message, at most 1,024 characters). A rank that did
-            not answer is absent from ``per_rank``.
+            ``generation``, ``kind``, ``names``, ``nbytes`` (the largest result a
+            rank reported), ``ranks`` (its group), ``client`` (the peer that
+            issued it, as the leader saw it), ``outcome`` (``"ok"``,
+            ``"in flight"``, or a status code name such as ``"FAILED_PRECONDITION"``),
+            ``slowest_rank`` (the straggler: the rank the others waited for, the
+            last to start the op's data phase; None until two ranks started it)
+            and ``per_rank``: rank -> ``collectives.RankPhases`` with ``phases``
+            (Unix seconds by phase), that rank's ``outcome``, ``message``,
+            ``nbytes`` and ``dtype``. A rank that does not answer within
+            ``timeout`` is absent from ``per_rank``.
 
         Raises:
             InvalidArgument: ``last`` is negative, or ``ranks`` names a non-member.

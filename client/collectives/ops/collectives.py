@@ -107,7 +107,8 @@ class Collectives:
             None, or a ``Work`` with ``async_op``.
 
         Raises:
-            InvalidArgument: ``out`` was given, or a bad name, ``src`` or group.
+            InvalidArgument: ``out`` was given, a bad name or group, or ``src`` out
+                of range or not in ``group``.
             NotFound: ``src`` holds no tensor under ``name``.
             Unavailable: a rank was lost, the generation changed, or not formed.
             DeadlineExceeded: not done within ``timeout`` seconds.
@@ -222,7 +223,8 @@ class Collectives:
             The reduction as a CPU tensor, or a ``Work`` of it with ``async_op``.
 
         Raises:
-            InvalidArgument: a list of names, or a bad name, ``dst``, op or group.
+            InvalidArgument: a list of names, a bad name, op or group, or ``dst``
+                out of range or not in ``group``.
             NotFound: no rank holds ``name``.
             FailedPrecondition: some ranks lack ``name`` or disagree on dtype/shape.
             Unavailable: a rank was lost, the generation changed, or not formed.
@@ -339,7 +341,8 @@ class Collectives:
             The parts as CPU tensors in rank order, or a ``Work`` of them with ``async_op``.
 
         Raises:
-            InvalidArgument: a list of names, or a bad name, ``dst``, ``out`` or group.
+            InvalidArgument: a list of names, a bad name, ``out`` or group, or
+                ``dst`` out of range or not in ``group``.
             NotFound: no rank holds ``name``.
             FailedPrecondition: some ranks lack ``name`` or disagree on dtype/shape.
             Unavailable: a rank was lost, the generation changed, or not formed.
@@ -518,7 +521,9 @@ class Collectives:
     def new_group(self, ranks: list[int], timeout: float | None = None) -> Group:
         """Creates a sub-group of the current generation from global ``ranks``.
 
-        The group is valid until the generation changes; create it again then.
+        The group is valid until the generation changes; create it again then (a
+        group of an older generation is refused with ``Unavailable``, reason
+        ``GENERATION_CHANGED``).
 
         Args:
             ranks: the members' global ranks.

@@ -81,12 +81,22 @@ class DataPlane:
         """Stores ``t`` under ``name`` on ``rank``, or on every rank when ``rank`` is None.
 
         A tensor already stored under the name is replaced; the tensor is sent
-        as-is (dtype, shape). With ``rank=None`` on two or more ranks, a tensor of
-        at least 4 MiB is sent once, to the leader, and the workers broadcast it
-        among themselves (a sequenced op: every rank stores it, or, if it fails
-        anywhere, e.g. over some rank's quota, none does and every old value
-        stays); smaller tensors, and a client using shared memory with same-host
-        workers, upload to every rank in parallel. Retried within the deadline.
+        as-is (dtype, shape).
+
+        With ``rank=None`` on two or more ranks, a tensor of at least 4 MiB is
+        sent **once**, to the leader, and the workers broadcast it among
+        themselves in one sequenced op: the client's egress is the tensor's
+        bytes, not the world size times them, and the put is atomic: every rank
+        stores it, or, if it fails anywhere (a rank over its quota, a lost
+        worker), none does and every rank keeps its old value. A ``get`` on any
+        rank after the call returns sees the new value. Smaller tensors, and
+        puts from a ``shared_memory=True`` client to same-host workers, upload
+        to every rank in parallel (a rank's failure there leaves the others
+        updated). A tensor that fits in the leader's quota only in place of its
+        old value (the upload waits beside it) takes the parallel path too.
+
+        Like every put, it is retried within the deadline (the sent-once put
+        uploads again to whichever worker leads after a membership change).
 
         Args:
             name: the tensor's name on the workers.
@@ -97,8 +107,11 @@ class DataPlane:
                 Defaults to ``None``.
 
         Raises:
-            InvalidArgument: bad name, rank, tensor type or dtype (before any RPC).
-            ResourceExhausted: a worker's tensor store is over its quota.
+            InvalidArgument: bad name, rank, tensor type or dtype, or a name under
+                a prefix reserved for uploads (``__publish/``, ``__archive/``);
+                before any RPC.
+            ResourceExhausted: a worker's tensor store is over its quota (for the
+                sent-once put the message names the ranks, and nothing was stored).
             Unavailable: a worker stayed unreachable (retried until the deadline).
             DeadlineExceeded: not done within ``timeout`` seconds.
         """
@@ -161,10 +174,12 @@ class DataPlane:
     ) -> torch.Tensor:
         """Downloads the tensor stored under ``name`` on ``rank``.
 
-        With ``out`` the bytes are received straight into it: no new memory,
-        which for large tensors saves the page faults of a fresh buffer (a
-        model's parameter, or the buffer of the previous get). If the get fails
-        after data started to arrive, ``out`` holds a mix of old and new bytes.
+        The result is a CPU tensor of the stored dtype and shape. With ``out``
+        the bytes are received straight into it and ``out`` is returned: no new
+        memory, which for large tensors saves the page faults of a fresh buffer
+        (pull weights into a model's parameters, or reuse the buffer of the
+        previous get). If the get fails once data has started to arrive, ``out``
+        holds a mix of old and new bytes.
 
         Args:
             name: the tensor's name on the workers.
@@ -246,11 +261,12 @@ class DataPlane:
     ) -> Work[None] | None:
         """Stores part i of ``t`` under ``name`` on rank i; uploads run in parallel.
 
-        Part i is ``torch.tensor_split(t, n, dim)[i]``, or ``torch.split(t,
-        chunk_sizes, dim)[i]`` when ``chunk_sizes`` is given, with ``n`` the world
-        size; with ``group``, ``n`` is the group's size and part i goes to its i-th
-        member in ascending global rank (other ranks are untouched). A data-plane
-        call, not a collective.
+        Part i is ``torch.tensor_split(t, n, dim)[i]``, or
+        ``torch.split(t, chunk_sizes, dim)[i]`` when ``chunk_sizes`` is given, with
+        ``n`` the world size; with ``group``, ``n`` is the group's size and part i
+        goes to its i-th member in ascending global rank (other ranks are
+        untouched). A data-plane call (uploads from the client in parallel), not
+        a collective.
 
         Args:
             name: the name every part is stored under.

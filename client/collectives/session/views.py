@@ -61,7 +61,7 @@ class ClusterView:
 
     @property
     def default_timeout_s(self) -> float:
-        """Timeout of a call made without ``timeout=``: ``op_timeout_s`` plus a margin."""
+        """Timeout of a call made without ``timeout=``: ``op_timeout_s`` + 5 s."""
         return self._session.default_timeout_s
 
     @property
@@ -73,9 +73,9 @@ class ClusterView:
         """Every registered worker: members in rank order, then the others (rank -1).
 
         A non-member's ``state`` says why: ``joining`` (the next generation takes it
-        in), ``spare`` (the generation is full: it takes the place of a member that is
-        lost or leaves) or ``lost``. Reads the view the SDK keeps current by watching
-        the coordinator; no RPC.
+        in), ``spare`` (the generation is full, ``--max-workers``: it takes the place
+        of a member that is lost or leaves) or ``lost``. Reads the view the SDK keeps
+        current by watching the coordinator; no RPC.
 
         Returns:
             One ``WorkerInfo`` per worker.
@@ -85,6 +85,15 @@ class ClusterView:
     def snapshot(self) -> ClusterSnapshot:
         """The whole latest cluster view (generation, status, workers, ...); no RPC.
 
+        With several coordinators (an HA set, see :func:`~collectives.connect`),
+        ``coordinator_leader`` names the one that leads and ``store`` says where
+        membership lives (``"memory"`` or ``"etcd"``). ``membership_digest`` names
+        which membership the generation is: SHA-256 of the member ids in rank
+        order, 16 hex digits (``collectives_server.membership_digest``). The SDK
+        sends it with every op and a worker whose group is another membership
+        refuses the op with ``Unavailable`` before anything runs, so one
+        generation number can never compute with two member lists.
+
         Returns:
             The ``ClusterSnapshot`` the background watch delivered last.
         """
@@ -92,6 +101,10 @@ class ClusterView:
 
     def history(self) -> list[GenerationRecord]:
         """Recent sealed generations, oldest first (time, size, members, reason); no RPC.
+
+        Each record's ``sealed_by`` names the coordinator that sealed that
+        generation, and its ``membership_digest`` the membership (see
+        :meth:`snapshot`).
 
         Returns:
             One ``GenerationRecord`` per generation.
