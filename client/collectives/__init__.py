@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from collectives.groups import Group
     from collectives.reduce_ops import ReduceOp
     from collectives.wire.batching import Batching
-    from collectives.wire.cluster_state import WorkerInfo, WorkerState
+    from collectives.wire.cluster_state import DrainReport, WorkerInfo, WorkerState
     from collectives.work import Work
 
 # Imported on first use (PEP 562): they need torch, whose import is slow, and
@@ -44,6 +44,7 @@ _LAZY = {
     "Cluster": "collectives.cluster",
     "connect": "collectives.cluster",
     "DataParallel": "collectives.data_parallel",
+    "DrainReport": "collectives.wire.cluster_state",
     "Group": "collectives.groups",
     "OpRecord": "collectives.flight_record",
     "RankPhases": "collectives.flight_record",
@@ -75,6 +76,7 @@ __all__ = [
     "CollectiveError",
     "DataParallel",
     "DeadlineExceeded",
+    "DrainReport",
     "FailedPrecondition",
     "Group",
     "InvalidArgument",

@@ -194,6 +194,7 @@ class Cluster:
     # --- operations ----------------------------------------------------------------
 
     flight_record = _delegated("_operations", Operations.flight_record)
+    drain = _delegated("_operations", Operations.drain)
 
     # --- models --------------------------------------------------------------------
 

@@ -495,12 +495,25 @@ class LocalCluster:
             self._on_exit(child)
 
     def _restart(self, child: Child) -> None:
-        """Starts a dead worker's slot again, at most ``max_restarts`` times (as torchrun)."""
+        """Starts a dead worker's slot again, at most ``max_restarts`` times (as torchrun).
+
+        A worker that exited 0 by itself was drained (its rank handed over, see
+        ``docs/deploying.md``): its slot is started again every time, uncounted, and
+        the new process registers as a spare."""
         slot = child.slot
         if slot is None:
             return
         with self._lock:
             if self._stopping:
+                return
+            if child.returncode == 0:
+                replacement = self._spawn_worker(slot)
+                self.worker_children[slot] = replacement
+                log.info(
+                    "worker slot %d was drained; restarted it as a spare (pid %d)",
+                    slot,
+                    replacement.pid,
+                )
                 return
             if self.restarts[slot] >= self.max_restarts:
                 if self.max_restarts:

@@ -72,12 +72,12 @@ def test_a_public_method_without_a_block_is_reported(monkeypatch: pytest.MonkeyP
         "(add <!-- api: Cluster.delete --> ... <!-- /api -->)"
     ]
 
-    def drain(self: collectives.Cluster, timeout: float | None = None) -> None:
-        """Drains the cluster."""
+    def rebalance(self: collectives.Cluster, timeout: float | None = None) -> None:
+        """Rebalances the cluster."""
 
-    monkeypatch.setattr(collectives.Cluster, "drain", drain, raising=False)
+    monkeypatch.setattr(collectives.Cluster, "rebalance", rebalance, raising=False)
     _, problems = api_reference.render(text)
-    assert any(p.startswith("Cluster.drain: public call without a block") for p in problems)
+    assert any(p.startswith("Cluster.rebalance: public call without a block") for p in problems)
 
 
 def test_a_property_without_a_table_is_reported() -> None:

@@ -231,7 +231,7 @@ def test_the_cycle_check_finds_a_cycle() -> None:
 # module imports from its own layer and the ones below only.
 _WORKER = "collectives_server.worker"
 _STATE = ("config", "context", "telemetry", "stats", "status", "metrics")
-_DAEMON = ("daemon", "enrolment", "heartbeats")
+_DAEMON = ("daemon", "enrolment", "heartbeats", "drain_role")
 WORKER_LAYERS = ("data", "transport", "kernels", "models", "engine", _STATE, "rpc", _DAEMON)
 
 

@@ -34,6 +34,7 @@ EXPECTED_EXPORTS = {
     "CollectiveError",
     "DataParallel",
     "DeadlineExceeded",
+    "DrainReport",
     "FailedPrecondition",
     "Group",
     "InvalidArgument",
@@ -54,6 +55,7 @@ EXPECTED_EXPORTS = {
 _E = inspect.Parameter.empty
 # (name, default) of every parameter after self, as the contract fixes them.
 EXPECTED_SIGNATURES: dict[str, list[tuple[str, object]]] = {
+    "drain": [("worker", _E), ("shrink", False), ("timeout", None)],
     "put": [("name", _E), ("t", _E), ("rank", None), ("timeout", None)],
     "get": [("name", _E), ("rank", 0), ("timeout", None), ("out", None)],
     "delete": [("name", _E), ("rank", None), ("missing_ok", False), ("timeout", None)],

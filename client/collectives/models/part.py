@@ -878,7 +878,7 @@ class Models:
 
         def attempt(remaining: float):
             snapshot = self._session.leader_snapshot(time.monotonic() + remaining)
-            binding.bind(snapshot.generation)
+            binding.bind(snapshot.generation, snapshot)
             record.generation = snapshot.generation
             options = worker_pb2.OpOptions(
                 generation=snapshot.generation,

@@ -1,16 +1,21 @@
-"""``Cluster``'s operator part: the flight record (``cluster.flight_record``).
+"""``Cluster``'s operator part: the flight record (``cluster.flight_record``) and
+drains (``cluster.drain``).
 
 It reads every rank's flight recorder through the session's cached channels
-and merges the answers by op (``collectives.flight_record``).
+and merges the answers by op (``collectives.flight_record``); a drain is one call
+to the coordinator (``collectives.session.drains``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from collectives._validation import check_timeout
 from collectives.errors import InvalidArgument, Unavailable
 from collectives.observe.flight_record import OpRecord, read_flight_record
+from collectives.session import drains
 from collectives.session.connection import Session
+from collectives.wire.cluster_state import DrainReport
 
 __all__ = ["Operations"]
 
@@ -20,6 +25,61 @@ class Operations:
 
     def __init__(self, session: Session) -> None:
         self._session = session
+
+    def drain(
+        self, worker: str, *, shrink: bool = False, timeout: float | None = None
+    ) -> DrainReport:
+        """Hands ``worker``'s rank to a live spare, with everything it holds.
+
+        The coordinator seals the next generation with the spare in that rank.
+        Before any member joins it, the spare copies every tensor the worker holds
+        straight from it (worker to worker; every dtype and size, shared-memory
+        and streamed ones included) and installs them all at once, or none; the
+        spare gets every model, at its newest version and mode, from its peers as
+        any joining worker does. Ops ordered before the change ran on the old
+        member; ops sent for the old generation that never ran there are sent
+        again by the SDK on the new one (the operands are where they were placed),
+        so callers see results, not errors. The drained worker then exits 0: its
+        supervisor starts it again and it registers as the next spare.
+
+        With no spare live the drain is refused, unless ``shrink``: then the
+        rank leaves, the survivors re-form, and the report lists the tensor names
+        lost with it. A crash is not a drain: ops it breaks fail as before.
+
+        Args:
+            worker: the member's address or worker id, as :meth:`workers` lists it.
+            shrink: with no live spare, let the rank leave instead of refusing.
+                Defaults to ``False``.
+            timeout: seconds the handoff may take before the drain is called off
+                (the rank then stays where it was); None means 4 op timeouts.
+                Defaults to ``None``.
+
+        Returns:
+            A ``DrainReport``: worker, rank, successor, bytes and tensors moved,
+            models the successor got, seconds, generations before and after, and
+            the names lost (shrink only).
+
+        Raises:
+            InvalidArgument: ``worker`` is empty, or ``timeout`` is not positive.
+            NotFound: no live worker is ``worker``.
+            FailedPrecondition: it is not a member, the cluster is not formed,
+                another drain is running, or no spare is live (without ``shrink``).
+            CollectiveError: code ``ABORTED``: the handoff failed or lost a worker
+                it needed (with the drained worker live, its rank went back to it).
+            DeadlineExceeded: the handoff did not end within ``timeout``.
+        """
+        self._session.check_open()
+        if timeout is not None:
+            timeout = check_timeout(timeout, 0.0)
+        report = drains.drain(
+            self._session.coordinator,
+            worker,
+            shrink=shrink,
+            timeout=timeout,
+            op_timeout_s=self._session.snapshot().op_timeout_s,
+        )
+        self._session.refresh()
+        return report
 
     def flight_record(
         self, last: int = 100, ranks: Iterable[int] | None = None, timeout: float | None = None

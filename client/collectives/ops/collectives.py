@@ -685,7 +685,7 @@ class Collectives:
                         reason=Reason.GENERATION_CHANGED,
                     )
                 generation, group_id = group.generation, group.id
-            binding.bind(generation)
+            binding.bind(generation, snapshot)
             record.generation = generation
             leader = snapshot.leader_address or ""
             options = worker_pb2.OpOptions(

@@ -9,6 +9,7 @@ module                      what it holds
 :mod:`.membership_watch`    the ``WatchCluster`` stream, followed in a background thread
 :mod:`.views`               what ``Cluster`` shows of the cluster without an RPC
 :mod:`.generation_binding`  which failed collectives are retried (never-started ones)
+:mod:`.drains`              drains and rolling restarts, as the coordinator runs them
 ==========================  =========================================================
 
 Layers of the SDK, lowest first (``tests/unit/test_layering.py`` holds them): the

@@ -59,6 +59,7 @@ from collectives.transport.endpoints import (
     open_channel,
     wait_channel_ready,
 )
+from collectives.v1 import coordinator_pb2_grpc
 from collectives.wire.cluster_state import ClusterNotFormed, ClusterSnapshot
 from collectives.wire.security import ChannelSecurity
 from collectives.work import IssuedOp, Work
@@ -141,6 +142,11 @@ class Session(Protocol):
 
     def deadline(self, timeout: float | None) -> float:
         """The absolute (monotonic) deadline of a call of ``timeout`` seconds."""
+        ...
+
+    @property
+    def coordinator(self) -> coordinator_pb2_grpc.CoordinatorStub:
+        """The coordinator's stub (its channel is this connection's)."""
         ...
 
     def formed_snapshot(self, deadline: float) -> ClusterSnapshot:
@@ -243,6 +249,7 @@ class ClusterSession:
         self._address = address.strip()
         self._closed = False
         self._channel = open_channel(self._address, security, name)
+        self._coordinator = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self._membership = Membership(self._channel, self._address)
         self._pool = ChannelPool(security, name)
         self._op_executor = concurrent.futures.ThreadPoolExecutor(
@@ -342,6 +349,10 @@ class ClusterSession:
 
     def snapshot(self) -> ClusterSnapshot:
         return self._membership.snapshot
+
+    @property
+    def coordinator(self) -> coordinator_pb2_grpc.CoordinatorStub:
+        return self._coordinator
 
     def refresh(self, timeout: float | None = None) -> ClusterSnapshot:
         self.check_open()

@@ -1,9 +1,11 @@
 """Which failed collectives the SDK retries: never-started ones, and only while the
-generation they were issued for is still current (:class:`GenerationBinding`)."""
+generation they were issued for is still current, or the generations since were
+carried over by drains (:class:`GenerationBinding`)."""
 
 from __future__ import annotations
 
 from collectives.errors import CollectiveError, Reason, Unavailable
+from collectives.wire.cluster_state import ClusterSnapshot
 
 __all__ = ["GenerationBinding", "is_not_executed"]
 
@@ -16,8 +18,10 @@ class GenerationBinding:
     started" does not make a retry safe: on the new generation the same call
     would reduce over other contributors, a different answer that looks right.
     So a never-started op is retried only while the generation is unchanged
-    (leader busy, a transient transport error); across a change the error is
-    surfaced, naming both generations.
+    (leader busy, a transient transport error), or across generations that a
+    drain sealed and whose handoff completed (every rank then holds what the same
+    rank held: the operands are where they were placed, so the call means the
+    same); across any other change the error is surfaced, naming both generations.
     """
 
     def __init__(self, what: str) -> None:
@@ -25,17 +29,34 @@ class GenerationBinding:
         self.generation: int | None = None
         self._moved = False
         self._last: CollectiveError | None = None
+        # Generations this op moved across because drains carried every rank over.
+        self.reissued = 0
 
-    def bind(self, generation: int) -> None:
-        """Called by every attempt with the generation it is about to send for.
+    def bind(self, generation: int, snapshot: ClusterSnapshot | None = None) -> None:
+        """Called by every attempt with the generation it is about to send for (and the
+        view it comes from, which says whether drains carried the ranks over).
 
         Raises:
-            Unavailable: an earlier attempt was sent for another generation.
+            Unavailable: an earlier attempt was sent for another generation, not
+                carried over (or, not marked moved, a drain's handoff has not ended).
         """
         if self.generation is None:
             self.generation = generation
             return
         if generation == self.generation:
+            return
+        carried = snapshot.carried_over_since(self.generation) if snapshot is not None else False
+        if carried is None:
+            raise Unavailable(
+                f"{self.what} was issued for generation {self.generation}; a drain into "
+                f"generation {generation} is handing a rank over: waiting for it",
+                executed=False,
+                generation=self.generation,
+                reason=Reason.GENERATION_CHANGED,
+            )
+        if carried:
+            self.generation = generation
+            self.reissued += 1
             return
         self._moved = True
         cause = f" (the leader said: {self._last.message})" if self._last is not None else ""

@@ -25,37 +25,45 @@ _sym_db = _symbol_database.Default()
 from collectives.v1 import status_pb2 as collectives_dot_v1_dot_status__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n collectives/v1/coordinator.proto\x12\x0e\x63ollectives.v1\x1a\x1b\x63ollectives/v1/status.proto\"\xb5\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x10\n\x08hostname\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x05\x12*\n\x05state\x18\x06 \x01(\x0e\x32\x1b.collectives.v1.WorkerState\x12\x0f\n\x07\x64\x65vices\x18\x07 \x03(\t\x12\x19\n\x11joined_generation\x18\x08 \x01(\x03\x12\x1c\n\x14last_heartbeat_age_s\x18\t \x01(\x01\x12\x0f\n\x07\x62\x61\x63kend\x18\n \x01(\t\x12\x10\n\x08uptime_s\x18\x0b \x01(\x01\x12\x0f\n\x07version\x18\x0c \x01(\t\x12,\n\x06status\x18\r \x01(\x0b\x32\x1c.collectives.v1.WorkerStatus\"\xa5\x01\n\x10GenerationRecord\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x1a\n\x12sealed_unix_time_s\x18\x02 \x01(\x01\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x0f\n\x07members\x18\x04 \x03(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x11\n\tsealed_by\x18\x06 \x01(\t\x12\x19\n\x11membership_digest\x18\x07 \x01(\t\"\xe2\x02\n\x07\x43luster\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x0e\n\x06\x66ormed\x18\x02 \x01(\x08\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12+\n\x07workers\x18\x04 \x03(\x0b\x32\x1a.collectives.v1.WorkerInfo\x12\x15\n\rstore_address\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\x03\x12\x13\n\x0bmin_workers\x18\x07 \x01(\x05\x12\x13\n\x0bmax_workers\x18\x08 \x01(\x05\x12\x0e\n\x06status\x18\t \x01(\t\x12\x14\n\x0cop_timeout_s\x18\n \x01(\x01\x12\r\n\x05ready\x18\x0b \x01(\x08\x12\x31\n\x07history\x18\x0c \x03(\x0b\x32 .collectives.v1.GenerationRecord\x12\x0e\n\x06leader\x18\r \x01(\t\x12\r\n\x05store\x18\x0e \x01(\t\x12\x19\n\x11membership_digest\x18\x0f \x01(\t\"\xb4\x01\n\x0fRegisterRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\x0f\n\x07\x64\x65vices\x18\x04 \x03(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\t\x12\x17\n\x0flast_generation\x18\x07 \x01(\x03\x12\x11\n\tretry_key\x18\x08 \x01(\t\x12\x12\n\nstore_port\x18\t \x01(\x05\"\x97\x01\n\x10RegisterResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\x12\x15\n\rstore_address\x18\x04 \x01(\t\x12\x14\n\x0cop_timeout_s\x18\x05 \x01(\x01\x12\x14\n\x0clease_secret\x18\x06 \x01(\t\"\xa6\x01\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x19\n\x11joined_generation\x18\x02 \x01(\x03\x12\x0c\n\x04\x62usy\x18\x03 \x01(\x08\x12,\n\x06status\x18\x04 \x01(\x0b\x32\x1c.collectives.v1.WorkerStatus\x12\x12\n\nwant_reply\x18\x05 \x01(\x08\x12\x14\n\x0clease_secret\x18\x06 \x01(\t\"8\n\x11HeartbeatResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x0f\n\x07version\x18\x02 \x01(\x03\"7\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x14\n\x0clease_secret\x18\x02 \x01(\t\"\x0f\n\rLeaveResponse\"\x13\n\x11GetClusterRequest\",\n\x13WatchClusterRequest\x12\x15\n\rafter_version\x18\x01 \x01(\x03*\xbe\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14WORKER_STATE_JOINING\x10\x01\x12\x16\n\x12WORKER_STATE_READY\x10\x02\x12\x15\n\x11WORKER_STATE_BUSY\x10\x03\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x04\x12\x15\n\x11WORKER_STATE_LOST\x10\x05\x12\x16\n\x12WORKER_STATE_SPARE\x10\x06\x32\xea\x03\n\x0b\x43oordinator\x12M\n\x08Register\x12\x1f.collectives.v1.RegisterRequest\x1a .collectives.v1.RegisterResponse\x12P\n\tHeartbeat\x12 .collectives.v1.HeartbeatRequest\x1a!.collectives.v1.HeartbeatResponse\x12Z\n\x0fHeartbeatStream\x12 .collectives.v1.HeartbeatRequest\x1a!.collectives.v1.HeartbeatResponse(\x01\x30\x01\x12\x44\n\x05Leave\x12\x1c.collectives.v1.LeaveRequest\x1a\x1d.collectives.v1.LeaveResponse\x12H\n\nGetCluster\x12!.collectives.v1.GetClusterRequest\x1a\x17.collectives.v1.Cluster\x12N\n\x0cWatchCluster\x12#.collectives.v1.WatchClusterRequest\x1a\x17.collectives.v1.Cluster0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n collectives/v1/coordinator.proto\x12\x0e\x63ollectives.v1\x1a\x1b\x63ollectives/v1/status.proto\"\xb5\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x10\n\x08hostname\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x05\x12*\n\x05state\x18\x06 \x01(\x0e\x32\x1b.collectives.v1.WorkerState\x12\x0f\n\x07\x64\x65vices\x18\x07 \x03(\t\x12\x19\n\x11joined_generation\x18\x08 \x01(\x03\x12\x1c\n\x14last_heartbeat_age_s\x18\t \x01(\x01\x12\x0f\n\x07\x62\x61\x63kend\x18\n \x01(\t\x12\x10\n\x08uptime_s\x18\x0b \x01(\x01\x12\x0f\n\x07version\x18\x0c \x01(\t\x12,\n\x06status\x18\r \x01(\x0b\x32\x1c.collectives.v1.WorkerStatus\"\xbb\x01\n\x10GenerationRecord\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x1a\n\x12sealed_unix_time_s\x18\x02 \x01(\x01\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x0f\n\x07members\x18\x04 \x03(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x11\n\tsealed_by\x18\x06 \x01(\t\x12\x19\n\x11membership_digest\x18\x07 \x01(\t\x12\x14\n\x0c\x63\x61rried_over\x18\x08 \x01(\x08\"\xf3\x01\n\x07Handoff\x12\x12\n\ndrained_id\x18\x01 \x01(\t\x12\x17\n\x0f\x64rained_address\x18\x02 \x01(\t\x12\x14\n\x0csuccessor_id\x18\x03 \x01(\t\x12\x19\n\x11successor_address\x18\x04 \x01(\t\x12\x0c\n\x04rank\x18\x05 \x01(\x05\x12\x19\n\x11generation_before\x18\x06 \x01(\x03\x12\x18\n\x10generation_after\x18\x07 \x01(\x03\x12\x1b\n\x13started_unix_time_s\x18\x08 \x01(\x01\x12\x15\n\rtotal_tensors\x18\t \x01(\x03\x12\x13\n\x0btotal_bytes\x18\n \x01(\x03\"\x83\x01\n\rHandoffResult\x12\x18\n\x10generation_after\x18\x01 \x01(\x03\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0f\n\x07tensors\x18\x04 \x01(\x03\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\x12\x0c\n\x04lost\x18\x07 \x03(\t\"\xba\x02\n\x0b\x44rainReport\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x11\n\tsuccessor\x18\x04 \x01(\t\x12\x14\n\x0csuccessor_id\x18\x05 \x01(\t\x12\x13\n\x0b\x62ytes_moved\x18\x06 \x01(\x03\x12\x15\n\rtensors_moved\x18\x07 \x01(\x03\x12\x14\n\x0cmodels_moved\x18\x08 \x01(\x05\x12\x0f\n\x07seconds\x18\t \x01(\x01\x12\x19\n\x11generation_before\x18\n \x01(\x03\x12\x18\n\x10generation_after\x18\x0b \x01(\x03\x12\x0c\n\x04lost\x18\x0c \x03(\t\x12\x0e\n\x06shrink\x18\r \x01(\x08\x12\r\n\x05\x65rror\x18\x0e \x01(\t\x12\x1c\n\x14\x66inished_unix_time_s\x18\x0f \x01(\x01\"A\n\x0c\x44rainRequest\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x0e\n\x06shrink\x18\x02 \x01(\x08\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"\xee\x03\n\x07\x43luster\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x0e\n\x06\x66ormed\x18\x02 \x01(\x08\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12+\n\x07workers\x18\x04 \x03(\x0b\x32\x1a.collectives.v1.WorkerInfo\x12\x15\n\rstore_address\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\x03\x12\x13\n\x0bmin_workers\x18\x07 \x01(\x05\x12\x13\n\x0bmax_workers\x18\x08 \x01(\x05\x12\x0e\n\x06status\x18\t \x01(\t\x12\x14\n\x0cop_timeout_s\x18\n \x01(\x01\x12\r\n\x05ready\x18\x0b \x01(\x08\x12\x31\n\x07history\x18\x0c \x03(\x0b\x32 .collectives.v1.GenerationRecord\x12\x0e\n\x06leader\x18\r \x01(\t\x12\r\n\x05store\x18\x0e \x01(\t\x12\x19\n\x11membership_digest\x18\x0f \x01(\t\x12(\n\x07handoff\x18\x10 \x01(\x0b\x32\x17.collectives.v1.Handoff\x12+\n\x06\x64rains\x18\x11 \x03(\x0b\x32\x1b.collectives.v1.DrainReport\x12\x18\n\x10\x64rains_completed\x18\x12 \x01(\x03\x12\x19\n\x11\x64rain_bytes_total\x18\x13 \x01(\x03\"\xb4\x01\n\x0fRegisterRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\x0f\n\x07\x64\x65vices\x18\x04 \x03(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\t\x12\x17\n\x0flast_generation\x18\x07 \x01(\x03\x12\x11\n\tretry_key\x18\x08 \x01(\t\x12\x12\n\nstore_port\x18\t \x01(\x05\"\x97\x01\n\x10RegisterResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\x12\x15\n\rstore_address\x18\x04 \x01(\t\x12\x14\n\x0cop_timeout_s\x18\x05 \x01(\x01\x12\x14\n\x0clease_secret\x18\x06 \x01(\t\"\xdd\x01\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x19\n\x11joined_generation\x18\x02 \x01(\x03\x12\x0c\n\x04\x62usy\x18\x03 \x01(\x08\x12,\n\x06status\x18\x04 \x01(\x0b\x32\x1c.collectives.v1.WorkerStatus\x12\x12\n\nwant_reply\x18\x05 \x01(\x08\x12\x14\n\x0clease_secret\x18\x06 \x01(\t\x12\x35\n\x0ehandoff_result\x18\x07 \x01(\x0b\x32\x1d.collectives.v1.HandoffResult\"8\n\x11HeartbeatResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x0f\n\x07version\x18\x02 \x01(\x03\"7\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x14\n\x0clease_secret\x18\x02 \x01(\t\"\x0f\n\rLeaveResponse\"\x13\n\x11GetClusterRequest\",\n\x13WatchClusterRequest\x12\x15\n\rafter_version\x18\x01 \x01(\x03*\xbe\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14WORKER_STATE_JOINING\x10\x01\x12\x16\n\x12WORKER_STATE_READY\x10\x02\x12\x15\n\x11WORKER_STATE_BUSY\x10\x03\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x04\x12\x15\n\x11WORKER_STATE_LOST\x10\x05\x12\x16\n\x12WORKER_STATE_SPARE\x10\x06\x32\xae\x04\n\x0b\x43oordinator\x12M\n\x08Register\x12\x1f.collectives.v1.RegisterRequest\x1a .collectives.v1.RegisterResponse\x12P\n\tHeartbeat\x12 .collectives.v1.HeartbeatRequest\x1a!.collectives.v1.HeartbeatResponse\x12Z\n\x0fHeartbeatStream\x12 .collectives.v1.HeartbeatRequest\x1a!.collectives.v1.HeartbeatResponse(\x01\x30\x01\x12\x44\n\x05Leave\x12\x1c.collectives.v1.LeaveRequest\x1a\x1d.collectives.v1.LeaveResponse\x12H\n\nGetCluster\x12!.collectives.v1.GetClusterRequest\x1a\x17.collectives.v1.Cluster\x12N\n\x0cWatchCluster\x12#.collectives.v1.WatchClusterRequest\x1a\x17.collectives.v1.Cluster0\x01\x12\x42\n\x05\x44rain\x12\x1c.collectives.v1.DrainRequest\x1a\x1b.collectives.v1.DrainReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'collectives.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERSTATE']._serialized_start=1624
-  _globals['_WORKERSTATE']._serialized_end=1814
+  _globals['_WORKERSTATE']._serialized_start=2605
+  _globals['_WORKERSTATE']._serialized_end=2795
   _globals['_WORKERINFO']._serialized_start=82
   _globals['_WORKERINFO']._serialized_end=391
   _globals['_GENERATIONRECORD']._serialized_start=394
-  _globals['_GENERATIONRECORD']._serialized_end=559
-  _globals['_CLUSTER']._serialized_start=562
-  _globals['_CLUSTER']._serialized_end=916
-  _globals['_REGISTERREQUEST']._serialized_start=919
-  _globals['_REGISTERREQUEST']._serialized_end=1099
-  _globals['_REGISTERRESPONSE']._serialized_start=1102
-  _globals['_REGISTERRESPONSE']._serialized_end=1253
-  _globals['_HEARTBEATREQUEST']._serialized_start=1256
-  _globals['_HEARTBEATREQUEST']._serialized_end=1422
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1424
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1480
-  _globals['_LEAVEREQUEST']._serialized_start=1482
-  _globals['_LEAVEREQUEST']._serialized_end=1537
-  _globals['_LEAVERESPONSE']._serialized_start=1539
-  _globals['_LEAVERESPONSE']._serialized_end=1554
-  _globals['_GETCLUSTERREQUEST']._serialized_start=1556
-  _globals['_GETCLUSTERREQUEST']._serialized_end=1575
-  _globals['_WATCHCLUSTERREQUEST']._serialized_start=1577
-  _globals['_WATCHCLUSTERREQUEST']._serialized_end=1621
-  _globals['_COORDINATOR']._serialized_start=1817
-  _globals['_COORDINATOR']._serialized_end=2307
+  _globals['_GENERATIONRECORD']._serialized_end=581
+  _globals['_HANDOFF']._serialized_start=584
+  _globals['_HANDOFF']._serialized_end=827
+  _globals['_HANDOFFRESULT']._serialized_start=830
+  _globals['_HANDOFFRESULT']._serialized_end=961
+  _globals['_DRAINREPORT']._serialized_start=964
+  _globals['_DRAINREPORT']._serialized_end=1278
+  _globals['_DRAINREQUEST']._serialized_start=1280
+  _globals['_DRAINREQUEST']._serialized_end=1345
+  _globals['_CLUSTER']._serialized_start=1348
+  _globals['_CLUSTER']._serialized_end=1842
+  _globals['_REGISTERREQUEST']._serialized_start=1845
+  _globals['_REGISTERREQUEST']._serialized_end=2025
+  _globals['_REGISTERRESPONSE']._serialized_start=2028
+  _globals['_REGISTERRESPONSE']._serialized_end=2179
+  _globals['_HEARTBEATREQUEST']._serialized_start=2182
+  _globals['_HEARTBEATREQUEST']._serialized_end=2403
+  _globals['_HEARTBEATRESPONSE']._serialized_start=2405
+  _globals['_HEARTBEATRESPONSE']._serialized_end=2461
+  _globals['_LEAVEREQUEST']._serialized_start=2463
+  _globals['_LEAVEREQUEST']._serialized_end=2518
+  _globals['_LEAVERESPONSE']._serialized_start=2520
+  _globals['_LEAVERESPONSE']._serialized_end=2535
+  _globals['_GETCLUSTERREQUEST']._serialized_start=2537
+  _globals['_GETCLUSTERREQUEST']._serialized_end=2556
+  _globals['_WATCHCLUSTERREQUEST']._serialized_start=2558
+  _globals['_WATCHCLUSTERREQUEST']._serialized_end=2602
+  _globals['_COORDINATOR']._serialized_start=2798
+  _globals['_COORDINATOR']._serialized_end=3356
 # @@protoc_insertion_point(module_scope)

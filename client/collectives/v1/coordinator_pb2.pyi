@@ -56,7 +56,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., address: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., devices: _Optional[_Iterable[str]] = ..., joined_generation: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., backend: _Optional[str] = ..., uptime_s: _Optional[float] = ..., version: _Optional[str] = ..., status: _Optional[_Union[_status_pb2.WorkerStatus, _Mapping]] = ...) -> None: ...
 
 class GenerationRecord(_message.Message):
-    __slots__ = ("generation", "sealed_unix_time_s", "world_size", "members", "reason", "sealed_by", "membership_digest")
+    __slots__ = ("generation", "sealed_unix_time_s", "world_size", "members", "reason", "sealed_by", "membership_digest", "carried_over")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SEALED_UNIX_TIME_S_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class GenerationRecord(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     SEALED_BY_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CARRIED_OVER_FIELD_NUMBER: _ClassVar[int]
     generation: int
     sealed_unix_time_s: float
     world_size: int
@@ -71,10 +72,97 @@ class GenerationRecord(_message.Message):
     reason: str
     sealed_by: str
     membership_digest: str
-    def __init__(self, generation: _Optional[int] = ..., sealed_unix_time_s: _Optional[float] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., sealed_by: _Optional[str] = ..., membership_digest: _Optional[str] = ...) -> None: ...
+    carried_over: bool
+    def __init__(self, generation: _Optional[int] = ..., sealed_unix_time_s: _Optional[float] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., sealed_by: _Optional[str] = ..., membership_digest: _Optional[str] = ..., carried_over: _Optional[bool] = ...) -> None: ...
+
+class Handoff(_message.Message):
+    __slots__ = ("drained_id", "drained_address", "successor_id", "successor_address", "rank", "generation_before", "generation_after", "started_unix_time_s", "total_tensors", "total_bytes")
+    DRAINED_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SUCCESSOR_ID_FIELD_NUMBER: _ClassVar[int]
+    SUCCESSOR_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_AFTER_FIELD_NUMBER: _ClassVar[int]
+    STARTED_UNIX_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    drained_id: str
+    drained_address: str
+    successor_id: str
+    successor_address: str
+    rank: int
+    generation_before: int
+    generation_after: int
+    started_unix_time_s: float
+    total_tensors: int
+    total_bytes: int
+    def __init__(self, drained_id: _Optional[str] = ..., drained_address: _Optional[str] = ..., successor_id: _Optional[str] = ..., successor_address: _Optional[str] = ..., rank: _Optional[int] = ..., generation_before: _Optional[int] = ..., generation_after: _Optional[int] = ..., started_unix_time_s: _Optional[float] = ..., total_tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class HandoffResult(_message.Message):
+    __slots__ = ("generation_after", "ok", "error", "tensors", "bytes", "seconds", "lost")
+    GENERATION_AFTER_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    generation_after: int
+    ok: bool
+    error: str
+    tensors: int
+    bytes: int
+    seconds: float
+    lost: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, generation_after: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., lost: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DrainReport(_message.Message):
+    __slots__ = ("worker", "worker_id", "rank", "successor", "successor_id", "bytes_moved", "tensors_moved", "models_moved", "seconds", "generation_before", "generation_after", "lost", "shrink", "error", "finished_unix_time_s")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SUCCESSOR_FIELD_NUMBER: _ClassVar[int]
+    SUCCESSOR_ID_FIELD_NUMBER: _ClassVar[int]
+    BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    MODELS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_AFTER_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    SHRINK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_UNIX_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    worker_id: str
+    rank: int
+    successor: str
+    successor_id: str
+    bytes_moved: int
+    tensors_moved: int
+    models_moved: int
+    seconds: float
+    generation_before: int
+    generation_after: int
+    lost: _containers.RepeatedScalarFieldContainer[str]
+    shrink: bool
+    error: str
+    finished_unix_time_s: float
+    def __init__(self, worker: _Optional[str] = ..., worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., successor: _Optional[str] = ..., successor_id: _Optional[str] = ..., bytes_moved: _Optional[int] = ..., tensors_moved: _Optional[int] = ..., models_moved: _Optional[int] = ..., seconds: _Optional[float] = ..., generation_before: _Optional[int] = ..., generation_after: _Optional[int] = ..., lost: _Optional[_Iterable[str]] = ..., shrink: _Optional[bool] = ..., error: _Optional[str] = ..., finished_unix_time_s: _Optional[float] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("worker", "shrink", "timeout_s")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    SHRINK_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    shrink: bool
+    timeout_s: float
+    def __init__(self, worker: _Optional[str] = ..., shrink: _Optional[bool] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class Cluster(_message.Message):
-    __slots__ = ("generation", "formed", "world_size", "workers", "store_address", "version", "min_workers", "max_workers", "status", "op_timeout_s", "ready", "history", "leader", "store", "membership_digest")
+    __slots__ = ("generation", "formed", "world_size", "workers", "store_address", "version", "min_workers", "max_workers", "status", "op_timeout_s", "ready", "history", "leader", "store", "membership_digest", "handoff", "drains", "drains_completed", "drain_bytes_total")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     FORMED_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +178,10 @@ class Cluster(_message.Message):
     LEADER_FIELD_NUMBER: _ClassVar[int]
     STORE_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    DRAINS_FIELD_NUMBER: _ClassVar[int]
+    DRAINS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     generation: int
     formed: bool
     world_size: int
@@ -105,7 +197,11 @@ class Cluster(_message.Message):
     leader: str
     store: str
     membership_digest: str
-    def __init__(self, generation: _Optional[int] = ..., formed: _Optional[bool] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., store_address: _Optional[str] = ..., version: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., status: _Optional[str] = ..., op_timeout_s: _Optional[float] = ..., ready: _Optional[bool] = ..., history: _Optional[_Iterable[_Union[GenerationRecord, _Mapping]]] = ..., leader: _Optional[str] = ..., store: _Optional[str] = ..., membership_digest: _Optional[str] = ...) -> None: ...
+    handoff: Handoff
+    drains: _containers.RepeatedCompositeFieldContainer[DrainReport]
+    drains_completed: int
+    drain_bytes_total: int
+    def __init__(self, generation: _Optional[int] = ..., formed: _Optional[bool] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., store_address: _Optional[str] = ..., version: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., status: _Optional[str] = ..., op_timeout_s: _Optional[float] = ..., ready: _Optional[bool] = ..., history: _Optional[_Iterable[_Union[GenerationRecord, _Mapping]]] = ..., leader: _Optional[str] = ..., store: _Optional[str] = ..., membership_digest: _Optional[str] = ..., handoff: _Optional[_Union[Handoff, _Mapping]] = ..., drains: _Optional[_Iterable[_Union[DrainReport, _Mapping]]] = ..., drains_completed: _Optional[int] = ..., drain_bytes_total: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("address", "hostname", "pid", "devices", "backend", "version", "last_generation", "retry_key", "store_port")
@@ -146,20 +242,22 @@ class RegisterResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_s: _Optional[float] = ..., store_address: _Optional[str] = ..., op_timeout_s: _Optional[float] = ..., lease_secret: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "joined_generation", "busy", "status", "want_reply", "lease_secret")
+    __slots__ = ("worker_id", "joined_generation", "busy", "status", "want_reply", "lease_secret", "handoff_result")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     JOINED_GENERATION_FIELD_NUMBER: _ClassVar[int]
     BUSY_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     WANT_REPLY_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECRET_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_RESULT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     joined_generation: int
     busy: bool
     status: _status_pb2.WorkerStatus
     want_reply: bool
     lease_secret: str
-    def __init__(self, worker_id: _Optional[str] = ..., joined_generation: _Optional[int] = ..., busy: _Optional[bool] = ..., status: _Optional[_Union[_status_pb2.WorkerStatus, _Mapping]] = ..., want_reply: _Optional[bool] = ..., lease_secret: _Optional[str] = ...) -> None: ...
+    handoff_result: HandoffResult
+    def __init__(self, worker_id: _Optional[str] = ..., joined_generation: _Optional[int] = ..., busy: _Optional[bool] = ..., status: _Optional[_Union[_status_pb2.WorkerStatus, _Mapping]] = ..., want_reply: _Optional[bool] = ..., lease_secret: _Optional[str] = ..., handoff_result: _Optional[_Union[HandoffResult, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("generation", "version")

@@ -64,6 +64,11 @@ class CoordinatorStub:
                 request_serializer=collectives_dot_v1_dot_coordinator__pb2.WatchClusterRequest.SerializeToString,
                 response_deserializer=collectives_dot_v1_dot_coordinator__pb2.Cluster.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/collectives.v1.Coordinator/Drain',
+                request_serializer=collectives_dot_v1_dot_coordinator__pb2.DrainRequest.SerializeToString,
+                response_deserializer=collectives_dot_v1_dot_coordinator__pb2.DrainReport.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -126,6 +131,21 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Hands a member's rank to a live spare: seals the next generation with the
+        spare in the member's rank (carried_over), the spare copies the member's
+        tensors from it, the members join, and the drained worker exits. Answers
+        once that is done. Errors: NOT_FOUND (no such worker), FAILED_PRECONDITION
+        (not a member, not formed, another drain in progress, or no live spare and
+        not shrink), ABORTED (the handoff failed or a worker it needed was lost;
+        the report's error says which: with the drained worker still live its rank
+        went back to it), DEADLINE_EXCEEDED (the handoff took longer than timeout_s:
+        called off as ABORTED is). Not safe to retry blindly: check Cluster.drains.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -158,6 +178,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.WatchCluster,
                     request_deserializer=collectives_dot_v1_dot_coordinator__pb2.WatchClusterRequest.FromString,
                     response_serializer=collectives_dot_v1_dot_coordinator__pb2.Cluster.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=collectives_dot_v1_dot_coordinator__pb2.DrainRequest.FromString,
+                    response_serializer=collectives_dot_v1_dot_coordinator__pb2.DrainReport.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -322,6 +347,33 @@ class Coordinator:
             '/collectives.v1.Coordinator/WatchCluster',
             collectives_dot_v1_dot_coordinator__pb2.WatchClusterRequest.SerializeToString,
             collectives_dot_v1_dot_coordinator__pb2.Cluster.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/collectives.v1.Coordinator/Drain',
+            collectives_dot_v1_dot_coordinator__pb2.DrainRequest.SerializeToString,
+            collectives_dot_v1_dot_coordinator__pb2.DrainReport.FromString,
             options,
             channel_credentials,
             insecure,

@@ -186,6 +186,30 @@ class GetTensorBulkResponse(_message.Message):
     ticket_ttl_s: float
     def __init__(self, header: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., inline_data: _Optional[bytes] = ..., ticket: _Optional[bytes] = ..., ticket_ttl_s: _Optional[float] = ...) -> None: ...
 
+class HandoffRequest(_message.Message):
+    __slots__ = ("generation_after",)
+    GENERATION_AFTER_FIELD_NUMBER: _ClassVar[int]
+    generation_after: int
+    def __init__(self, generation_after: _Optional[int] = ...) -> None: ...
+
+class HandoffManifest(_message.Message):
+    __slots__ = ("tensors", "bulk_port", "total_bytes")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorHeader]
+    bulk_port: int
+    total_bytes: int
+    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorHeader, _Mapping]]] = ..., bulk_port: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class HandoffTensorRequest(_message.Message):
+    __slots__ = ("generation_after", "name")
+    GENERATION_AFTER_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    generation_after: int
+    name: str
+    def __init__(self, generation_after: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+
 class DeleteTensorRequest(_message.Message):
     __slots__ = ("name", "missing_ok")
     NAME_FIELD_NUMBER: _ClassVar[int]

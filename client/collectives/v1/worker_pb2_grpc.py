@@ -220,6 +220,16 @@ class WorkerStub:
                 request_serializer=collectives_dot_v1_dot_worker__pb2.ReplicateTensorRequest.SerializeToString,
                 response_deserializer=collectives_dot_v1_dot_worker__pb2.CollectiveResponse.FromString,
                 _registered_method=True)
+        self.Handoff = channel.unary_unary(
+                '/collectives.v1.Worker/Handoff',
+                request_serializer=collectives_dot_v1_dot_worker__pb2.HandoffRequest.SerializeToString,
+                response_deserializer=collectives_dot_v1_dot_worker__pb2.HandoffManifest.FromString,
+                _registered_method=True)
+        self.HandoffTensor = channel.unary_unary(
+                '/collectives.v1.Worker/HandoffTensor',
+                request_serializer=collectives_dot_v1_dot_worker__pb2.HandoffTensorRequest.SerializeToString,
+                response_deserializer=collectives_dot_v1_dot_worker__pb2.GetTensorBulkResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -516,6 +526,23 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Handoff(self, request, context):
+        """A drain's handoff, asked by the successor of a drained worker (and answered
+        by that worker only, for the drain in progress): its tensors' headers, then
+        each one as GetTensorBulk answers it, while its data plane refuses clients.
+        Errors: FAILED_PRECONDITION (this worker is not being drained into
+        generation_after, or not yet: retry), NOT_FOUND (no such tensor).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HandoffTensor(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -703,6 +730,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ReplicateTensor,
                     request_deserializer=collectives_dot_v1_dot_worker__pb2.ReplicateTensorRequest.FromString,
                     response_serializer=collectives_dot_v1_dot_worker__pb2.CollectiveResponse.SerializeToString,
+            ),
+            'Handoff': grpc.unary_unary_rpc_method_handler(
+                    servicer.Handoff,
+                    request_deserializer=collectives_dot_v1_dot_worker__pb2.HandoffRequest.FromString,
+                    response_serializer=collectives_dot_v1_dot_worker__pb2.HandoffManifest.SerializeToString,
+            ),
+            'HandoffTensor': grpc.unary_unary_rpc_method_handler(
+                    servicer.HandoffTensor,
+                    request_deserializer=collectives_dot_v1_dot_worker__pb2.HandoffTensorRequest.FromString,
+                    response_serializer=collectives_dot_v1_dot_worker__pb2.GetTensorBulkResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1704,6 +1741,60 @@ class Worker:
             '/collectives.v1.Worker/ReplicateTensor',
             collectives_dot_v1_dot_worker__pb2.ReplicateTensorRequest.SerializeToString,
             collectives_dot_v1_dot_worker__pb2.CollectiveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Handoff(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/collectives.v1.Worker/Handoff',
+            collectives_dot_v1_dot_worker__pb2.HandoffRequest.SerializeToString,
+            collectives_dot_v1_dot_worker__pb2.HandoffManifest.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HandoffTensor(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/collectives.v1.Worker/HandoffTensor',
+            collectives_dot_v1_dot_worker__pb2.HandoffTensorRequest.SerializeToString,
+            collectives_dot_v1_dot_worker__pb2.GetTensorBulkResponse.FromString,
             options,
             channel_credentials,
             insecure,

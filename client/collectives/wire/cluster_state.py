@@ -27,6 +27,8 @@ __all__ = [
     "ClusterErrorGroup",
     "ClusterSnapshot",
     "DeviceMemory",
+    "DrainInProgress",
+    "DrainReport",
     "ErrorGroup",
     "RecentOp",
     "GenerationRecord",
@@ -229,6 +231,9 @@ class GenerationRecord:
     sealed_by: str = ""
     # The digest of its member ids in rank order (see ClusterSnapshot.membership_digest).
     membership_digest: str = ""
+    # Sealed by a drain whose handoff completed (or was called off before any op ran
+    # in it): every rank holds what the same rank held in the generation before.
+    carried_over: bool = False
 
     @classmethod
     def from_proto(cls, msg: coordinator_pb2.GenerationRecord) -> GenerationRecord:
@@ -240,6 +245,81 @@ class GenerationRecord:
             reason=msg.reason,
             sealed_by=msg.sealed_by,
             membership_digest=msg.membership_digest,
+            carried_over=bool(msg.carried_over),
+        )
+
+
+@dataclass(frozen=True)
+class DrainReport:
+    """How one drain ended (``cluster.drain`` returns it; ``snapshot().drains`` keeps
+    the last ones). ``error`` is "" when it completed."""
+
+    worker: str  # the drained worker's address
+    worker_id: str
+    rank: int
+    successor: str  # its successor's address; "" when the cluster shrank
+    successor_id: str
+    bytes_moved: int
+    tensors_moved: int
+    models_moved: int  # models the drained worker hosted; the successor got them from peers
+    seconds: float
+    generation_before: int
+    generation_after: int
+    lost: tuple[str, ...] = ()  # tensor names lost with the rank (shrink only)
+    shrink: bool = False
+    error: str = ""
+    finished_unix_time_s: float = 0.0
+
+    @classmethod
+    def from_proto(cls, msg: coordinator_pb2.DrainReport) -> DrainReport:
+        return cls(
+            worker=msg.worker,
+            worker_id=msg.worker_id,
+            rank=int(msg.rank),
+            successor=msg.successor,
+            successor_id=msg.successor_id,
+            bytes_moved=int(msg.bytes_moved),
+            tensors_moved=int(msg.tensors_moved),
+            models_moved=int(msg.models_moved),
+            seconds=float(msg.seconds),
+            generation_before=int(msg.generation_before),
+            generation_after=int(msg.generation_after),
+            lost=tuple(msg.lost),
+            shrink=bool(msg.shrink),
+            error=msg.error,
+            finished_unix_time_s=float(msg.finished_unix_time_s),
+        )
+
+
+@dataclass(frozen=True)
+class DrainInProgress:
+    """A drain whose handoff has not ended: ``rank`` passes from ``worker`` to
+    ``successor`` ("" when the cluster shrinks) in ``generation_after``."""
+
+    worker: str
+    worker_id: str
+    successor: str
+    successor_id: str
+    rank: int
+    generation_before: int
+    generation_after: int
+    started_unix_time_s: float
+    total_tensors: int
+    total_bytes: int
+
+    @classmethod
+    def from_proto(cls, msg: coordinator_pb2.Handoff) -> DrainInProgress:
+        return cls(
+            worker=msg.drained_address,
+            worker_id=msg.drained_id,
+            successor=msg.successor_address,
+            successor_id=msg.successor_id,
+            rank=int(msg.rank),
+            generation_before=int(msg.generation_before),
+            generation_after=int(msg.generation_after),
+            started_unix_time_s=float(msg.started_unix_time_s),
+            total_tensors=int(msg.total_tensors),
+            total_bytes=int(msg.total_bytes),
         )
 
 
@@ -554,6 +634,11 @@ class ClusterSnapshot:
     # order (collectives_server.membership_digest); sent with every op, so a worker whose
     # group is another membership refuses it. "" while not formed.
     membership_digest: str = ""
+    # The drain in progress, if any; the last drains (oldest first) and totals.
+    drain: DrainInProgress | None = None
+    drains: tuple[DrainReport, ...] = ()
+    drains_completed: int = 0
+    drain_bytes_total: int = 0
     # Members indexed by rank, derived from ``workers``.
     _by_rank: dict[int, WorkerInfo] = field(default_factory=dict, repr=False, compare=False)
 
@@ -578,7 +663,21 @@ class ClusterSnapshot:
             coordinator_leader=msg.leader,
             store=msg.store or "memory",
             membership_digest=msg.membership_digest,
+            drain=DrainInProgress.from_proto(msg.handoff) if msg.HasField("handoff") else None,
+            drains=tuple(DrainReport.from_proto(r) for r in msg.drains),
+            drains_completed=int(msg.drains_completed),
+            drain_bytes_total=int(msg.drain_bytes_total),
         )
+
+    def carried_over_since(self, generation: int) -> bool | None:
+        """Whether every rank of this generation holds what the same rank held in
+        ``generation`` (only drains' completed handoffs came between): True, False,
+        or None while a drain's handoff may still decide it."""
+        if self.drain is not None and self.drain.generation_after > generation:
+            return None
+        sealed = {r.generation: r for r in self.history}
+        between = range(generation + 1, self.generation + 1)
+        return all(g in sealed and sealed[g].carried_over for g in between)
 
     def digest_of(self, generation: int) -> str:
         """The membership digest of ``generation`` if it is this snapshot's, else ""
@@ -681,6 +780,10 @@ class ClusterSnapshot:
             "store_address": self.store_address,
             "workers": [w.to_dict() for w in self.workers],
             "history": [asdict(r) for r in self.history],
+            "drain": asdict(self.drain) if self.drain is not None else None,
+            "drains": [asdict(r) for r in self.drains],
+            "drains_completed": self.drains_completed,
+            "drain_bytes_total": self.drain_bytes_total,
             "coordinator_leader": self.coordinator_leader,
             "store": self.store,
             "ops_by_kind": {kind: asdict(c) for kind, c in self.ops_by_kind().items()},

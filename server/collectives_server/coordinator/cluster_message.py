@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collectives.v1 import coordinator_pb2, status_pb2
-from collectives_server.coordinator.vocabulary import ClusterView, WorkerState
+from collectives_server.coordinator.vocabulary import ClusterView, DrainReport, WorkerState
 
-__all__ = ["cluster_to_proto", "rendezvous_address", "status_key"]
+__all__ = ["cluster_to_proto", "drain_report_to_proto", "rendezvous_address", "status_key"]
 
 _STATE_TO_PROTO = {
     WorkerState.JOINING: coordinator_pb2.WORKER_STATE_JOINING,
@@ -87,8 +87,50 @@ def cluster_to_proto(
             reason=record.reason,
             sealed_by=record.sealed_by,
             membership_digest=record.membership_digest,
+            carried_over=record.carried_over,
         )
+    h = view.handoff
+    if h is not None:
+        msg.handoff.CopyFrom(
+            coordinator_pb2.Handoff(
+                drained_id=h.drained,
+                drained_address=view.handoff_addresses[0],
+                successor_id=h.successor,
+                successor_address=view.handoff_addresses[1],
+                rank=h.rank,
+                generation_before=h.generation_before,
+                generation_after=h.generation_after,
+                started_unix_time_s=h.started_at + unix_offset_s,
+                total_tensors=h.total_tensors,
+                total_bytes=h.total_bytes,
+            )
+        )
+    for report in view.drains:
+        msg.drains.append(drain_report_to_proto(report, unix_offset_s))
+    msg.drains_completed = view.drains_completed
+    msg.drain_bytes_total = view.drain_bytes_total
     return msg
+
+
+def drain_report_to_proto(report: DrainReport, unix_offset_s: float) -> coordinator_pb2.DrainReport:
+    """One drain's report as the Cluster message and Coordinator.Drain carry it."""
+    return coordinator_pb2.DrainReport(
+        worker=report.worker,
+        worker_id=report.worker_id,
+        rank=report.rank,
+        successor=report.successor,
+        successor_id=report.successor_id,
+        bytes_moved=report.bytes_moved,
+        tensors_moved=report.tensors_moved,
+        models_moved=report.models_moved,
+        seconds=report.seconds,
+        generation_before=report.generation_before,
+        generation_after=report.generation_after,
+        lost=report.lost,
+        shrink=report.shrink,
+        error=report.error,
+        finished_unix_time_s=report.finished_at + unix_offset_s,
+    )
 
 
 def rendezvous_address(view: ClusterView) -> str:

@@ -45,7 +45,11 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
-from collectives_server.coordinator.cluster_message import cluster_to_proto, status_key
+from collectives_server.coordinator.cluster_message import (
+    cluster_to_proto,
+    drain_report_to_proto,
+    status_key,
+)
 from collectives_server.coordinator.control import ControlGuard
 from collectives_server.coordinator.crash_probe import process_gone
 from collectives_server.coordinator.ha.etcd_replication import EtcdReplication
@@ -57,6 +61,11 @@ from collectives_server.coordinator.membership import (
     Membership,
     Outcome,
     UnknownWorkerError,
+)
+from collectives_server.coordinator.vocabulary import (
+    DrainRefusedError,
+    DrainReport,
+    HandoffOutcome,
 )
 from collectives_server.coordinator.worker_records import validate_registration
 
@@ -70,6 +79,12 @@ log = logging.getLogger(__name__)
 _WATCH_WAKE_S = 5.0
 # Reads of etcd one read may make to bring a standby's copy up to the stored document.
 _CATCH_UP_ATTEMPTS = 3
+# A drain's handoff may take this many op timeouts unless the request says otherwise.
+_DRAIN_TIMEOUT_OP_TIMEOUTS = 4
+_DRAIN_REFUSALS = {
+    "not_found": grpc.StatusCode.NOT_FOUND,
+    "failed_precondition": grpc.StatusCode.FAILED_PRECONDITION,
+}
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
@@ -356,6 +371,69 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             self._apply(outcome)
         return coordinator_pb2.LeaveResponse()
 
+    def Drain(
+        self, request: coordinator_pb2.DrainRequest, context: grpc.ServicerContext
+    ) -> coordinator_pb2.DrainReport:
+        """Starts a drain, then answers its report once the handoff ended and the next
+        generation is ready (or, failed, at once; see the proto)."""
+        if self._standby():
+            return self._replication.forward("Drain", request, context)
+        timeout_s = request.timeout_s or _DRAIN_TIMEOUT_OP_TIMEOUTS * self._op_timeout_s
+        if not 0 < timeout_s <= 3600:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"Drain: timeout_s {request.timeout_s:g} is not in (0, 3600]",
+            )
+        with self._cond:
+            self._check_open(context)
+            try:
+                outcome = self._membership.drain(
+                    self._clock(), request.worker, shrink=request.shrink, timeout_s=timeout_s
+                )
+            except DrainRefusedError as exc:
+                context.abort(_DRAIN_REFUSALS[exc.code], f"Drain: {exc}")
+            handoff = self._membership.handoff
+            assert handoff is not None
+            self._apply(outcome)
+            waited_until = time.monotonic() + timeout_s + self._op_timeout_s
+            report: DrainReport | None = None
+
+            def ended() -> bool:
+                nonlocal report
+                report = next(
+                    (
+                        r
+                        for r in reversed(self._membership.drains)
+                        if r.worker_id == handoff.drained
+                        and r.generation_before == handoff.generation_before
+                    ),
+                    None,
+                )
+                return self._closed or report is not None
+
+            self._cond.wait_for(ended, timeout=max(0.0, waited_until - time.monotonic()))
+            if report is None and not self._closed and self._membership.handoff == handoff:
+                why = "the Drain call's own deadline passed first"
+                self._apply(self._membership.call_off_handoff(self._clock(), why))
+                ended()
+            if report is None:
+                context.abort(
+                    grpc.StatusCode.UNAVAILABLE, "Drain: the coordinator is shutting down"
+                )
+            unix_offset_s = time.time() - self._clock()
+            answer = drain_report_to_proto(report, unix_offset_s)
+            if report.error:
+                code = grpc.StatusCode.ABORTED
+                if "did not end within" in report.error:
+                    code = grpc.StatusCode.DEADLINE_EXCEEDED
+                context.abort(code, f"Drain of {report.worker_id}: {report.error}")
+            # Answer once the members serve the new generation, within the call's time.
+            self._cond.wait_for(
+                lambda: self._closed or self._membership.ready,
+                timeout=max(0.0, waited_until - time.monotonic()),
+            )
+        return answer
+
     def GetCluster(
         self, request: coordinator_pb2.GetClusterRequest, context: grpc.ServicerContext
     ) -> coordinator_pb2.Cluster:
@@ -448,6 +526,19 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             if stream:
                 self._heartbeat_streams[context] = request.worker_id
             self._apply(outcome, quiet=True)
+            if request.HasField("handoff_result"):
+                r = request.handoff_result
+                result = HandoffOutcome(
+                    generation_after=r.generation_after,
+                    ok=r.ok,
+                    error=r.error,
+                    tensors=r.tensors,
+                    bytes=r.bytes,
+                    seconds=r.seconds,
+                    lost=tuple(r.lost),
+                )
+                now = self._clock()
+                self._apply(self._membership.handoff_result(now, request.worker_id, result))
             held = self._replication.held
             if held is not None:  # a change waits for etcd: nobody hears of it yet
                 return coordinator_pb2.HeartbeatResponse(

@@ -18,6 +18,10 @@ from collectives.wire.cluster_state import WorkerState
 
 __all__ = [
     "ClusterView",
+    "DrainRefusedError",
+    "DrainReport",
+    "Handoff",
+    "HandoffOutcome",
     "InvalidRequestError",
     "Outcome",
     "SealedGeneration",
@@ -36,6 +40,15 @@ class UnknownWorkerError(KeyError):
 
 class InvalidRequestError(ValueError):
     """A malformed request (no address, no devices, impossible generation)."""
+
+
+class DrainRefusedError(ValueError):
+    """A drain that cannot start; ``code`` is ``"not_found"`` (no such worker) or
+    ``"failed_precondition"`` (not a member, not formed, a drain in progress, no spare)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -88,6 +101,68 @@ class SealedGeneration:
     sealed_by: str = ""
     # The digest of its member ids in rank order (collectives_server.membership_digest).
     membership_digest: str = ""
+    # Every rank holds what the same rank held in the generation before (a drain's
+    # completed handoff, or one called off before any op ran in it).
+    carried_over: bool = False
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A drain in progress: ``rank`` passes from ``drained`` to ``successor`` ("" when
+    the cluster shrinks), who must report before anyone joins ``generation_after``."""
+
+    drained: str  # worker id
+    successor: str  # worker id; "" for a shrink
+    rank: int
+    generation_before: int
+    generation_after: int
+    started_at: float  # the membership's clock
+    deadline: float  # called off when not done by then
+    total_tensors: int = 0  # as the drained worker's last status reported
+    total_bytes: int = 0
+
+    @property
+    def shrink(self) -> bool:
+        return not self.successor
+
+    @property
+    def reporter(self) -> str:
+        """Who reports the handoff's end: the successor, or the drained worker in a shrink."""
+        return self.successor or self.drained
+
+
+@dataclass(frozen=True)
+class HandoffOutcome:
+    """What the worker doing a handoff reported (``HandoffResult``)."""
+
+    generation_after: int
+    ok: bool
+    error: str = ""
+    tensors: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    lost: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class DrainReport:
+    """How one drain ended (``error`` "" when it completed)."""
+
+    worker: str  # address
+    worker_id: str
+    rank: int
+    successor: str  # address; "" when the cluster shrank
+    successor_id: str
+    generation_before: int
+    generation_after: int
+    seconds: float
+    finished_at: float  # the membership's clock
+    bytes_moved: int = 0
+    tensors_moved: int = 0
+    models_moved: int = 0
+    lost: tuple[str, ...] = ()
+    shrink: bool = False
+    error: str = ""
 
 
 @dataclass(frozen=True)
@@ -107,3 +182,10 @@ class ClusterView:
     history: tuple[SealedGeneration, ...] = ()
     # The digest of the members' ids in rank order; "" while not formed.
     membership_digest: str = ""
+    # The drain in progress (with the drained and successor addresses), if any.
+    handoff: Handoff | None = None
+    handoff_addresses: tuple[str, str] = ("", "")
+    # The last drains, oldest first (bounded), and totals since the start.
+    drains: tuple[DrainReport, ...] = ()
+    drains_completed: int = 0
+    drain_bytes_total: int = 0

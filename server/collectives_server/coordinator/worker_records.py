@@ -46,6 +46,8 @@ class WorkerRecord:
     joined_generation: int = 0
     busy: bool = False
     lost_at: float | None = None
+    # Drained (Membership.drain): never a candidate again; it leaves once its handoff ends.
+    drained: bool = False
     status: Any = None
     # Key of the status last published (bumped the version), and when.
     status_key: bytes | None = None
@@ -77,6 +79,8 @@ def worker_row(
     generation has no room, so a live non-member is a spare)."""
     if w.lost:
         state = WorkerState.LOST
+    elif w.drained:
+        state = WorkerState.DRAINING
     elif rank < 0 and full:
         state = WorkerState.SPARE
     elif rank < 0 or w.joined_generation != generation:

@@ -5,7 +5,7 @@ below it (``tests/unit/test_layering.py`` enforces it):
 
 ``data`` < ``transport`` < ``kernels`` < ``models`` < ``engine`` < the shared state here
 (``config``, ``context``, ``telemetry/``, ``stats``, ``status``, ``metrics``)
-< ``rpc`` < the daemon here (``daemon``, ``enrolment``, ``heartbeats``).
+< ``rpc`` < the daemon here (``daemon``, ``enrolment``, ``heartbeats``, ``drain_role``).
 
 Modules:
 
@@ -24,4 +24,5 @@ Modules:
 * ``daemon``: registration, heartbeats, following generations, serving
 * ``enrolment``: registration with the coordinator (token, retry key, lease secret)
 * ``heartbeats``: the worker's end of the coordinator's heartbeat stream
+* ``drain_role``: this worker's part in a drain (offer, copy, report, stop)
 """

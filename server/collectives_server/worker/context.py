@@ -36,6 +36,7 @@ from collectives_server.worker.models.registry import ModelRegistry
 from collectives_server.worker.stats import WorkerStats
 from collectives_server.worker.telemetry.forward_load import ForwardLoad
 from collectives_server.worker.transport.bulk import BulkListener
+from collectives_server.worker.transport.handoff import HandoffSource
 
 __all__ = ["GenerationView", "WorkerContext"]
 
@@ -90,6 +91,8 @@ class WorkerContext:
     recorder: FlightRecorder = field(default_factory=FlightRecorder)
     # Forwards running or queued now, and the ones clients placed here by load.
     forwards: ForwardLoad = field(default_factory=ForwardLoad)
+    # What this worker offers its successor while it is being drained (handoff.py).
+    handoff: HandoffSource = field(default_factory=HandoffSource)
     # The bulk data plane; None without one (TLS, or --no-bulk) and before start.
     bulk: BulkListener | None = None
     # The data-plane calls in progress (--max-data-streams); None before start.

@@ -15,6 +15,7 @@ and joins a later generation with its tensors intact.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import logging
 import os
@@ -22,6 +23,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 import torch
@@ -44,6 +46,7 @@ from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.data.replaced_memory import ReplacedMemory, pool_bytes
 from collectives_server.worker.data.shm_segments import WorkerSegments
 from collectives_server.worker.data.store import TensorStore
+from collectives_server.worker.drain_role import DrainRole, pending_handoff
 from collectives_server.worker.engine.flight_recorder import FlightRecorder
 from collectives_server.worker.engine.generation import (
     Generation,
@@ -146,6 +149,18 @@ class WorkerDaemon:
         self._store_port = 0
         self._server = None
         self._metrics: MetricsServer | None = None
+        # Its part in a drain; set when it was drained: the process then stops.
+        self.drained = threading.Event()
+        self._drain = DrainRole(
+            self.ctx,
+            # A successor calls the drained worker as a client of this cluster does:
+            # this worker's TLS settings towards the coordinator, its own server's token.
+            dataclasses.replace(config.coordinator_security, token=config.security.token),
+            wake_heartbeat=self._beat_wake.set,
+            on_drained=self._drained,
+        )
+        # Called once drained (run_worker wakes its main thread with it).
+        self.on_drained: Callable[[], None] = lambda: None
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -252,6 +267,10 @@ class WorkerDaemon:
         self.ctx.shm_segments.close()
         self._channel.close()
 
+    def _drained(self) -> None:
+        self.drained.set()
+        self.on_drained()
+
     @property
     def address(self) -> str:
         """The address peers and clients use ("" before it starts)."""
@@ -316,6 +335,9 @@ class WorkerDaemon:
                 busy=bool(runtime and runtime.busy),
                 status=bounded_status(heartbeat_status(self.ctx)),
             )
+            handoff_result = self._drain.result
+            if handoff_result is not None:  # in every beat until the handoff has ended
+                request.handoff_result.CopyFrom(handoff_result)
             try:
                 self._send_heartbeat(request)
                 self.ctx.stats.heartbeat(ok=True)
@@ -416,6 +438,16 @@ class WorkerDaemon:
             if cluster.store_address:
                 self._store_address = cluster.store_address
             current = self.runtime
+            handoff = pending_handoff(cluster)
+            if handoff is not None:
+                # Nobody joins the generation before its handoff ends: ops stop here.
+                self._retire_runtime(superseded_by=cluster.generation)
+                self._drain.take_part(handoff, current)
+                return
+            self._drain.settle(cluster)
+            if self._drain.drained:
+                self._retire_runtime()
+                return
             if cluster.formed and me is not None:
                 refusal = membership_refusal(cluster, members)
                 if refusal is not None:
@@ -533,6 +565,7 @@ def run_worker(config: WorkerConfig) -> int:
     with StopSignal() as stop:
         try:
             daemon = WorkerDaemon(config)
+            daemon.on_drained = stop.wake
             daemon.start()
         except (ValueError, OSError, grpc.RpcError) as exc:
             detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
@@ -541,7 +574,7 @@ def run_worker(config: WorkerConfig) -> int:
         sys.stdout.write(f"{daemon.address}\n")
         sys.stdout.flush()
         heap.settle()
-        while not stop.wait(None):
+        while not stop.wait(None) and not daemon.drained.is_set():
             pass
     log.info("stopping worker %s", daemon.worker_id)
     daemon.stop()

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import base64
 import collections
+import dataclasses
 from typing import Any
 
 from collectives.v1 import status_pb2
 from collectives_server.coordinator.admission import LeaseBook
 from collectives_server.coordinator.membership import Membership
-from collectives_server.coordinator.vocabulary import SealedGeneration
+from collectives_server.coordinator.vocabulary import DrainReport, Handoff, SealedGeneration
 from collectives_server.coordinator.worker_records import WorkerRecord
 from collectives_server.membership_digest import membership_digest
 
@@ -61,8 +62,26 @@ def _worker(w: WorkerRecord, now: float, unix_now: float) -> dict[str, Any]:
         "busy": w.busy,
         "lost_unix": None if w.lost_at is None else unix_now - (now - w.lost_at),
         "store_port": w.store_port,
+        "drained": w.drained,
         "status": _status_bytes(w.status),
     }
+
+
+_HANDOFF_TIMES = ("started_at", "deadline")
+
+
+def _handoff(h: Handoff, now: float, unix_now: float) -> dict[str, Any]:
+    row = dataclasses.asdict(h)
+    for key in _HANDOFF_TIMES:
+        row[key] = unix_now - (now - row[key])
+    return row
+
+
+def _drain(r: DrainReport, now: float, unix_now: float) -> dict[str, Any]:
+    row = dataclasses.asdict(r)
+    row["lost"] = list(r.lost)
+    row["finished_at"] = unix_now - (now - r.finished_at)
+    return row
 
 
 def export_state(
@@ -92,9 +111,14 @@ def export_state(
                 "reason": r.reason,
                 "sealed_by": r.sealed_by,
                 "membership_digest": r.membership_digest,
+                "carried_over": r.carried_over,
             }
             for r in m._history
         ],
+        "handoff": None if m._handoff is None else _handoff(m._handoff, now, unix_now),
+        "drains": [_drain(r, now, unix_now) for r in m._drains],
+        "drains_completed": m.drains_completed,
+        "drain_bytes_total": m.drain_bytes_total,
         "leases": leases.export(),
     }
 
@@ -157,6 +181,7 @@ def restore_state(
             lost_at=None if row["lost_unix"] is None else mono(float(row["lost_unix"])),
             status=status,
             store_port=int(row.get("store_port", 0)),
+            drained=bool(row.get("drained", False)),
         )
         m._workers[w.worker_id] = w
         if not w.lost:
@@ -173,8 +198,25 @@ def restore_state(
                 reason=r["reason"],
                 sealed_by=r.get("sealed_by", ""),
                 membership_digest=r.get("membership_digest", ""),
+                carried_over=bool(r.get("carried_over", False)),
             )
         )
+    handoff = data.get("handoff")
+    m._handoff = None
+    if handoff is not None:
+        m._handoff = Handoff(
+            **{k: v for k, v in handoff.items() if k not in _HANDOFF_TIMES},
+            started_at=mono(float(handoff["started_at"])),
+            # The new leader gives a pending handoff the rest of its time, from now on.
+            deadline=now + max(0.0, float(handoff["deadline"]) - unix_now),
+        )
+    m._drains.clear()
+    for r in data.get("drains", []):
+        fields = {k: v for k, v in r.items() if k != "finished_at"}
+        fields["lost"] = tuple(fields.get("lost", ()))
+        m._drains.append(DrainReport(**fields, finished_at=mono(float(r["finished_at"]))))
+    m.drains_completed = int(data.get("drains_completed", 0))
+    m.drain_bytes_total = int(data.get("drain_bytes_total", 0))
     last = data.get("last_registration_unix")
     m._last_registration = None if last is None else mono(float(last))
     leases.restore(data.get("leases", {}))

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from collectives.errors import NotFound, ResourceExhausted
+from collectives.errors import NotFound, ResourceExhausted, Unavailable
 from collectives.wire.names import ARCHIVE_PREFIX, UPLOAD_PREFIX
 
 __all__ = [
@@ -126,6 +126,53 @@ class TensorStore:
         self._fences: dict[str, list[Fence]] = {}
         self._waiting = 0
         self._uploads: dict[str, float] = {}  # upload prefix -> time of its latest put
+        # Why clients are refused (a drain's handoff in progress); None: open.
+        self._closed_why: str | None = None
+
+    # ---- a drain's handoff (collectives_server.worker.transport.handoff) -------------------
+
+    def close_for_handoff(self, why: str) -> None:
+        """From now on every read and write answers UNAVAILABLE saying ``why`` (the SDK
+        retries it on whoever holds the rank next): what is stored cannot change."""
+        with self._lock:
+            self._closed_why = why
+
+    def reopen(self) -> None:
+        """Serves clients again (a handoff that ended or was called off)."""
+        with self._lock:
+            self._closed_why = None
+
+    @property
+    def closed_for_handoff(self) -> bool:
+        return self._closed_why is not None
+
+    def contents(self) -> dict[str, torch.Tensor]:
+        """Every stored tensor by name (a handoff's source; also while closed)."""
+        with self._lock:
+            return dict(self._tensors)
+
+    def install(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Replaces everything stored by ``tensors`` at once (a handoff's successor: the
+        rank's state is the drained worker's), within the quota or not at all.
+
+        Raises:
+            ResourceExhausted: they do not fit in the quota (nothing changed).
+        """
+        total = sum(_nbytes(t) for t in tensors.values())
+        with self._lock:
+            if self.limit_bytes is not None and total + self._reserved > self.limit_bytes:
+                raise ResourceExhausted(
+                    f"the handoff's {len(tensors)} tensors ({total} bytes) do not fit in this "
+                    f"worker's --max-tensor-bytes ({self.limit_bytes})"
+                )
+            self._tensors = dict(tensors)
+            self._bytes = total
+            self._uploads.clear()
+
+    def _check_open(self) -> None:
+        """With the lock held: refuses a client's call while a handoff runs."""
+        if self._closed_why is not None:
+            raise Unavailable(self._closed_why)
 
     def check_quota(self, name: str, incoming: int) -> None:
         """Raises ResourceExhausted if ``incoming`` bytes under ``name`` would exceed the limit
@@ -145,6 +192,7 @@ class TensorStore:
             ResourceExhausted: they do not fit beside what is stored and reserved.
         """
         with self._lock:
+            self._check_open()
             self.check_quota(name, nbytes)
             self._reserved += nbytes
         return Reservation(self, nbytes, what)
@@ -213,6 +261,7 @@ class TensorStore:
         if t.device != self.device:
             t = t.to(self.device)
         with self._lock:
+            self._check_open()
             if self._fences:
                 self._wait_unfenced(name)  # after a pending commit, not under it
             self.check_quota(name, _nbytes(t))
@@ -220,6 +269,7 @@ class TensorStore:
 
     def put_many(self, tensors: dict[str, torch.Tensor], enforce_quota: bool = True) -> None:
         with self._lock:
+            self._check_open()
             if self._fences:
                 for name in tensors:
                     self._wait_unfenced(name)  # after pending commits, not under them
@@ -269,6 +319,7 @@ class TensorStore:
     def get(self, name: str) -> torch.Tensor:
         """The committed value of ``name``; waits for a pending write to it (a fence)."""
         with self._lock:
+            self._check_open()
             if self._fences:
                 self._wait_unfenced(name)
             t = self._tensors.get(name)
@@ -284,6 +335,7 @@ class TensorStore:
     def delete(self, name: str) -> bool:
         """Deletes ``name``; waits for a pending write to it (a fence) first."""
         with self._lock:
+            self._check_open()
             if self._fences:
                 self._wait_unfenced(name)
             if name.startswith(ARCHIVE_PREFIX):
@@ -328,6 +380,7 @@ class TensorStore:
 
     def infos(self) -> list[StoredInfo]:
         with self._lock:
+            self._check_open()
             if self._fences:
                 self._wait_unfenced(None)
             items = list(self._tensors.items())

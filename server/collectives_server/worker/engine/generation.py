@@ -194,6 +194,12 @@ class Generation:
             self._seq.close(self.failure or "retired", superseded_by)
             self._cond.notify_all()
 
+    def wait_ended(self, timeout_s: float) -> bool:
+        """Whether this generation's thread ended (after :meth:`stop`) within ``timeout_s``:
+        its last op is over, on this rank, and nothing more runs in it."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
     @property
     def queue_depth(self) -> int:
         with self._cond:

@@ -25,7 +25,6 @@ from collectives.reduce_ops import ReduceOp
 from collectives.v1 import flight_record_pb2, worker_pb2
 from collectives.wire import codec, op_args
 from collectives.wire.dtypes import to_wire
-from collectives.wire.frames import new_token
 from collectives.wire.limits import BULK_MIN_BYTES
 from collectives.wire.names import validate_name
 from collectives.wire.op_specs import (
@@ -39,10 +38,12 @@ from collectives_server.rpc.limits import RpcLimits
 from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.data.memory_release import drop_partial
 from collectives_server.worker.engine.process_groups import check_group_cap, subgroup_count
+from collectives_server.worker.rpc.bulk_answers import tensor_answer
 from collectives_server.worker.rpc.guards import counted as _counted
 from collectives_server.worker.rpc.guards import departure
 from collectives_server.worker.rpc.guards import guard as _guard
 from collectives_server.worker.rpc.guards import guard_stream as _guard_stream
+from collectives_server.worker.rpc.handoff_service import HandoffRpcs
 from collectives_server.worker.rpc.leader import Leader, collective_response, group_of
 from collectives_server.worker.rpc.model_service import ModelRpcs
 from collectives_server.worker.rpc.p2p_service import PeerRpcs
@@ -58,9 +59,10 @@ SERVICE_NAME = "collectives.v1.Worker"
 
 
 class WorkerService:
-    """The Worker service in three parts, each taking the worker's context and its
-    :class:`Leader`: this class (data plane, collectives, groups, state), the
-    model RPCs (:class:`ModelRpcs`) and the point-to-point ones (:class:`PeerRpcs`).
+    """The Worker service in four parts, each taking the worker's context (and its
+    :class:`Leader`): this class (data plane, collectives, groups, state), the
+    model RPCs (:class:`ModelRpcs`), the point-to-point ones (:class:`PeerRpcs`)
+    and a drain's handoff (:class:`HandoffRpcs`).
     :meth:`rpc` finds a method in whichever part has it."""
 
     def __init__(self, ctx: WorkerContext) -> None:
@@ -68,10 +70,11 @@ class WorkerService:
         self._leader = Leader(ctx)
         self.models = ModelRpcs(ctx, self._leader)
         self.peers = PeerRpcs(ctx, self._leader)
+        self.handoff = HandoffRpcs(ctx)
 
     def rpc(self, name: str) -> Callable[..., Any] | None:
         """The method serving the Worker RPC ``name`` (None: not implemented here)."""
-        for part in (self, self.models, self.peers):
+        for part in (self, self.models, self.peers, self.handoff):
             method = getattr(part, name, None)
             if method is not None:
                 return method
@@ -186,24 +189,9 @@ class WorkerService:
         bulk = self._bulk()
         validate_name(request.name)
         tensor = self._ctx.store.get(request.name)
-        wire = _host_copy(tensor)
-        header = codec.make_header(request.name, wire)
-        response = worker_pb2.GetTensorBulkResponse(header=header)
-        if header.nbytes < BULK_MIN_BYTES:
-            response.inline_data = codec.tensor_memoryview(wire).tobytes()
-        else:
-            ticket = new_token()
-            # The ticket's bytes count against the quota until sent or expired: a
-            # client cannot pin unbounded memory with tickets it never uses.
-            hold = self._ctx.store.reserve(f"{request.name} (bulk get)", header.nbytes, "get")
-            remaining = _remaining_s(context, self._ctx.op_timeout_s)
-            try:
-                ttl = bulk.offer(ticket, wire, remaining, hold)
-            except BaseException:
-                hold.release()
-                raise
-            response.ticket = ticket
-            response.ticket_ttl_s = ttl
+        remaining = _remaining_s(context, self._ctx.op_timeout_s)
+        response = tensor_answer(request.name, tensor, self._ctx.store, bulk, remaining)
+        header = response.header
         self._ctx.stats.add_bytes(sent=header.nbytes)
         if request.consume:
             self._ctx.store.delete_if_same(request.name, tensor)
@@ -417,15 +405,6 @@ class WorkerService:
         return worker_pb2.NewGroupResponse(
             group_id=desc.group_id, generation=result.generation, ranks=result.result_ranks
         )
-
-
-def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """The wire layout of a stored tensor on the host; via pinned memory from a GPU."""
-    if tensor.device.type == "cuda":
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        host.copy_(tensor.resolve_conj().resolve_neg())
-        return host
-    return codec.wire_tensor(tensor)
 
 
 def _remaining_s(context, default_s: float) -> float:

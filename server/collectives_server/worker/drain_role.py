@@ -1,0 +1,162 @@
+"""This worker's part in a drain, read from each Cluster message it is sent.
+
+While ``Cluster.handoff`` is pending for the current generation, no member joins
+it (the daemon retires its generation and waits); the drained worker offers what
+it holds, its successor copies it, and the one who reports (the successor, or the
+drained worker in a shrink) puts its result in every heartbeat until the
+coordinator ends the handoff (:mod:`collectives_server.worker.transport.handoff` says how
+the tensors move). When the handoff has ended, both reopen their stores, and a
+worker the Cluster lists as DRAINING (drained, the handoff completed) stops: its
+process exits 0, so its supervisor starts it again and it registers as a spare.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from collectives.errors import CollectiveError
+from collectives.v1 import coordinator_pb2
+from collectives.wire.security import ChannelSecurity
+from collectives_server.worker.context import WorkerContext
+from collectives_server.worker.engine.generation import Generation
+from collectives_server.worker.transport.handoff import copy_from
+
+__all__ = ["DrainRole", "pending_handoff"]
+
+log = logging.getLogger(__name__)
+
+# The successor's copy may take this many op timeouts (the coordinator's own
+# deadline, 4 op timeouts by default, calls the drain off first when shorter).
+_COPY_OP_TIMEOUTS = 4
+
+
+def pending_handoff(cluster: coordinator_pb2.Cluster) -> coordinator_pb2.Handoff | None:
+    """The handoff nobody may join the current generation before, if any."""
+    if not cluster.formed or not cluster.HasField("handoff"):
+        return None
+    handoff = cluster.handoff
+    return handoff if handoff.generation_after == cluster.generation else None
+
+
+class DrainRole:
+    """What this worker does about the drain in progress (called with the daemon's lock)."""
+
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        peer_security: ChannelSecurity,
+        wake_heartbeat: Callable[[], None],
+        on_drained: Callable[[], None],
+    ) -> None:
+        self._ctx = ctx
+        self._peer_security = peer_security
+        self._wake_heartbeat = wake_heartbeat
+        self._on_drained = on_drained
+        self._lock = threading.Lock()
+        self._generation_after = 0  # the handoff this worker is taking part in (0: none)
+        self._result: coordinator_pb2.HandoffResult | None = None
+        self.drained = False  # drained and the handoff completed: this worker stops
+
+    @property
+    def result(self) -> coordinator_pb2.HandoffResult | None:
+        """What to report in the next heartbeat, if anything."""
+        with self._lock:
+            return self._result
+
+    def take_part(self, handoff: coordinator_pb2.Handoff, retired: Generation | None) -> None:
+        """Starts this worker's part in ``handoff`` (once); ``retired`` is the generation
+        it ran until now, whose last op must end before the drained worker's store closes."""
+        with self._lock:
+            if self._generation_after == handoff.generation_after:
+                return
+            self._generation_after = handoff.generation_after
+        me = self._ctx.worker_id
+        if me == handoff.drained_id:
+            target = self._offer
+        elif me == handoff.successor_id:
+            what = f"rank {handoff.rank} is being handed over from {handoff.drained_address}"
+            self._ctx.store.close_for_handoff(f"{what}; retry shortly")
+            target = self._copy
+        else:
+            return
+        threading.Thread(
+            target=target, args=(handoff, retired), name="handoff", daemon=True
+        ).start()
+
+    def settle(self, cluster: coordinator_pb2.Cluster) -> None:
+        """After the handoff ended (no handoff pending for the current generation)."""
+        me = next((w for w in cluster.workers if w.worker_id == self._ctx.worker_id), None)
+        drained = me is not None and me.state == coordinator_pb2.WORKER_STATE_DRAINING
+        with self._lock:
+            took_part, self._generation_after, self._result = self._generation_after, 0, None
+        if drained:
+            # Its store stays closed: a client with an older view must not write here.
+            if not self.drained:
+                self.drained = True
+                log.info("drained: the rank was handed over; this worker stops")
+                self._on_drained()
+            return
+        if took_part:  # completed as the successor, or called off: serve again
+            self._ctx.handoff.withdraw()
+            self._ctx.store.reopen()
+
+    def _offer(self, handoff: coordinator_pb2.Handoff, retired: Generation | None) -> None:
+        """The drained worker: once its last op ended, close the store and offer it."""
+        wait_s = self._ctx.op_timeout_s
+        if retired is not None and not retired.wait_ended(wait_s):
+            log.error(
+                "drain: the retired generation's op did not end within %g s; offering "
+                "nothing, so the drain is called off and this worker keeps its rank",
+                wait_s,
+            )
+            return
+        to = handoff.successor_address or "nobody (the cluster shrinks)"
+        self._ctx.store.close_for_handoff(
+            f"this worker was drained: rank {handoff.rank} now belongs to {to}; retry"
+        )
+        tensors = self._ctx.store.contents()
+        self._ctx.handoff.offer(handoff.generation_after, tensors)
+        log.info("drain: offering %d tensors to %s", len(tensors), to)
+        if not handoff.successor_id:
+            self._report(
+                coordinator_pb2.HandoffResult(
+                    generation_after=handoff.generation_after, ok=True, lost=sorted(tensors)
+                )
+            )
+
+    def _copy(self, handoff: coordinator_pb2.Handoff, retired: Generation | None) -> None:
+        """The successor: copy everything, install it all or nothing, report."""
+        copied = copy_from(
+            handoff.drained_address,
+            handoff.generation_after,
+            self._peer_security,
+            _COPY_OP_TIMEOUTS * self._ctx.op_timeout_s,
+        )
+        result = copied.result(handoff.generation_after)
+        if not copied.error:
+            try:
+                self._ctx.store.install(copied.tensors)
+            except CollectiveError as err:
+                result.ok, result.error = False, str(err)
+        # The store reopens when the handoff has ended (settle): until the coordinator
+        # has the report, the drain may still be called off and the rank go back.
+        if result.ok:
+            log.info(
+                "drain: took rank %d with %d tensors (%d bytes) in %.3f s",
+                handoff.rank,
+                result.tensors,
+                result.bytes,
+                result.seconds,
+            )
+        else:
+            log.error("drain: the handoff failed: %s", result.error)
+        self._report(result)
+
+    def _report(self, result: coordinator_pb2.HandoffResult) -> None:
+        with self._lock:
+            if self._generation_after != result.generation_after:
+                return  # the handoff ended meanwhile
+            self._result = result
+        self._wake_heartbeat()

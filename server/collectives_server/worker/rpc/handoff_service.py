@@ -1,0 +1,48 @@
+"""The Worker RPCs of a drain's handoff, answered by the drained worker to its
+successor (see :mod:`collectives_server.worker.transport.handoff`)."""
+
+from __future__ import annotations
+
+from collectives.v1 import worker_pb2
+from collectives.wire import codec
+from collectives.wire.names import validate_name
+from collectives_server.rpc.limits import RpcLimits
+from collectives_server.worker.context import WorkerContext
+from collectives_server.worker.rpc.bulk_answers import tensor_answer
+from collectives_server.worker.rpc.guards import guard as _guard
+
+__all__ = ["HandoffRpcs"]
+
+_MAX_WAIT_S = RpcLimits().max_rpc_s
+
+
+class HandoffRpcs:
+    """Handoff and HandoffTensor, over the worker's :attr:`WorkerContext.handoff`."""
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        self._ctx = ctx
+
+    @_guard
+    def Handoff(self, r: worker_pb2.HandoffRequest, context) -> worker_pb2.HandoffManifest:
+        remaining = context.time_remaining()
+        wait_s = self._ctx.op_timeout_s if remaining is None else min(remaining, _MAX_WAIT_S)
+        tensors = self._ctx.handoff.manifest(r.generation_after, max(wait_s, 0.0))
+        bulk = self._ctx.bulk
+        manifest = worker_pb2.HandoffManifest(bulk_port=bulk.port if bulk is not None else 0)
+        for name, tensor in sorted(tensors.items()):
+            header = codec.make_header(name, tensor)
+            manifest.tensors.append(header)
+            manifest.total_bytes += header.nbytes
+        return manifest
+
+    @_guard
+    def HandoffTensor(
+        self, r: worker_pb2.HandoffTensorRequest, context
+    ) -> worker_pb2.GetTensorBulkResponse:
+        validate_name(r.name)
+        tensor = self._ctx.handoff.tensor(r.generation_after, r.name)
+        remaining = context.time_remaining()
+        ttl = self._ctx.op_timeout_s if remaining is None else min(remaining, _MAX_WAIT_S)
+        answer = tensor_answer(r.name, tensor, None, self._ctx.bulk, max(ttl, 0.0))
+        self._ctx.stats.add_bytes(sent=answer.header.nbytes)
+        return answer

@@ -1,0 +1,216 @@
+"""A drain's handoff on a worker: what the drained worker offers, and how its
+successor copies it.
+
+When the coordinator drains a member (``Coordinator.Drain``) it seals the next
+generation with a spare in that member's rank and leaves a handoff pending
+(``Cluster.handoff``); no member joins that generation before the handoff ends.
+On the workers:
+
+* The drained worker retires its generation, waits for the op it may be running
+  to end, and closes its tensor store to clients
+  (:meth:`~collectives_server.worker.data.store.TensorStore.close_for_handoff`):
+  from then on what it holds cannot change, and every data-plane call answers
+  UNAVAILABLE, which the SDK retries on whoever holds the rank next. Its
+  :class:`HandoffSource` answers the successor's ``Handoff`` (the manifest) and
+  ``HandoffTensor`` calls (each tensor inline, or by a ticket for the bulk port).
+* The successor closes its own store the same way, copies every tensor straight
+  from the drained worker (:func:`copy_from`: worker to worker, the payloads on one
+  raw TCP connection), installs them all at once in place of whatever it held
+  (nothing when the copy fails: no tensor is ever half moved), reopens its store
+  and reports in its heartbeats until the coordinator ends the handoff.
+* In a shrink (no successor) the drained worker reports the names it held: they
+  leave with the rank.
+
+Models are not copied here: the successor gets every model, at its newest
+version, from its peers in the next generation's first step
+(``engine.model_sync``), as any worker joining a generation does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import ssl
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from collectives.errors import CollectiveError, FailedPrecondition, NotFound
+from collectives.v1 import coordinator_pb2, worker_pb2, worker_pb2_grpc
+from collectives.wire import codec
+from collectives.wire.frames import BULK, prelude
+from collectives.wire.raw_tls import client_context
+from collectives.wire.security import ChannelSecurity
+
+__all__ = ["HandoffCopy", "HandoffSource", "copy_from"]
+
+# gRPC messages of a handoff: a manifest of many headers, tensors answered inline.
+_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class HandoffSource:
+    """The drained worker's side: its tensors, fixed once its store closed, offered
+    to the successor of one handoff (``generation_after``)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._generation_after = 0
+        self._tensors: dict[str, torch.Tensor] = {}
+
+    def offer(self, generation_after: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Ready: ``tensors`` are what the successor of ``generation_after`` may copy."""
+        with self._cond:
+            self._generation_after = generation_after
+            self._tensors = tensors
+            self._cond.notify_all()
+
+    def withdraw(self) -> None:
+        """The handoff ended (or was called off): nothing is offered any more."""
+        with self._cond:
+            self._generation_after = 0
+            self._tensors = {}
+            self._cond.notify_all()
+
+    def manifest(self, generation_after: int, timeout_s: float) -> dict[str, torch.Tensor]:
+        """The tensors offered to ``generation_after``, waiting up to ``timeout_s`` for
+        this worker to get there (the successor may hear of the drain first).
+
+        Raises:
+            FailedPrecondition: this worker offers nothing to ``generation_after``.
+        """
+        with self._cond:
+            self._cond.wait_for(lambda: self._generation_after == generation_after, timeout_s)
+            if self._generation_after != generation_after:
+                raise FailedPrecondition(
+                    f"this worker has no handoff for generation {generation_after} ready "
+                    "(it is not being drained into it, or not yet)"
+                )
+            return self._tensors
+
+    def tensor(self, generation_after: int, name: str) -> torch.Tensor:
+        """One offered tensor.
+
+        Raises:
+            FailedPrecondition: nothing is offered to ``generation_after``.
+            NotFound: ``name`` is not among the offered tensors.
+        """
+        tensors = self.manifest(generation_after, 0.0)
+        if name not in tensors:
+            raise NotFound(f"tensor {name!r} is not part of this handoff")
+        return tensors[name]
+
+
+@dataclass(frozen=True)
+class HandoffCopy:
+    """What a successor copied: every tensor, or nothing (``error``)."""
+
+    tensors: dict[str, torch.Tensor]
+    nbytes: int
+    seconds: float
+    error: str = ""
+
+    def result(self, generation_after: int) -> coordinator_pb2.HandoffResult:
+        """The heartbeat field that reports it."""
+        return coordinator_pb2.HandoffResult(
+            generation_after=generation_after,
+            ok=not self.error,
+            error=self.error,
+            tensors=len(self.tensors),
+            bytes=self.nbytes,
+            seconds=self.seconds,
+        )
+
+
+def copy_from(
+    address: str, generation_after: int, security: ChannelSecurity, timeout_s: float
+) -> HandoffCopy:
+    """Copies every tensor the drained worker at ``address`` offers to
+    ``generation_after``; all of them or (with ``error`` set) none."""
+    started = time.monotonic()
+    deadline = started + timeout_s
+    options = [
+        ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+    ]
+    channel = security.open_channel(address, options)
+    tensors: dict[str, torch.Tensor] = {}
+    nbytes = 0
+    try:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        manifest = stub.Handoff(
+            worker_pb2.HandoffRequest(generation_after=generation_after),
+            timeout=_left(deadline),
+        )
+        with _BulkReader(address, manifest.bulk_port, client_context(security)) as reader:
+            for header in manifest.tensors:
+                answer = stub.HandoffTensor(
+                    worker_pb2.HandoffTensorRequest(
+                        generation_after=generation_after, name=header.name
+                    ),
+                    timeout=_left(deadline),
+                )
+                meta = codec.check_header(answer.header)
+                if answer.ticket:
+                    tensors[meta.name] = reader.read(answer.ticket, meta, deadline)
+                else:
+                    tensors[meta.name] = codec.tensor_from_bytes(answer.inline_data, meta)
+                nbytes += meta.nbytes
+    except grpc.RpcError as err:
+        shown = f"{err.code().name}: {err.details()}"
+        return HandoffCopy({}, 0, time.monotonic() - started, f"from {address}: {shown}")
+    except (OSError, ValueError, CollectiveError) as exc:  # the bulk connection, a header
+        return HandoffCopy({}, 0, time.monotonic() - started, f"from {address}: {exc}")
+    finally:
+        channel.close()
+    return HandoffCopy(tensors, nbytes, time.monotonic() - started)
+
+
+class _BulkReader:
+    """One bulk connection to the drained worker, opened at the first ticket and kept
+    for the next ones (each transfer opens with its own prelude)."""
+
+    def __init__(self, address: str, port: int, tls: ssl.SSLContext | None) -> None:
+        self._host = address.rsplit(":", 1)[0].strip("[]")
+        self._port = port
+        self._tls = tls
+        self._sock: socket.socket | None = None
+
+    def __enter__(self) -> _BulkReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+
+    def read(self, ticket: bytes, meta: codec.CheckedHeader, deadline: float) -> torch.Tensor:
+        if not self._port:
+            raise OSError("the drained worker answered a ticket but has no bulk port")
+        if self._sock is None:
+            sock = socket.create_connection((self._host, self._port), timeout=_left(deadline))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(sock, server_hostname=self._host)
+            self._sock = sock
+        sock = self._sock
+        sock.settimeout(_left(deadline))
+        sock.sendall(prelude(BULK, ticket))
+        buffer = codec.allocate_bytes(meta.nbytes)
+        view = codec.tensor_memoryview(buffer)
+        got = 0
+        while got < meta.nbytes:
+            n = sock.recv_into(view[got:])
+            if n == 0:
+                raise OSError(f"the bulk connection closed after {got} of {meta.nbytes} bytes")
+            got += n
+        return codec.typed(buffer, meta)
+
+
+def _left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the handoff ran out of time")
+    return left

@@ -1,0 +1,128 @@
+"""Drains on a real local cluster: a member's rank handed to a spare with every tensor
+it holds, the drained worker restarted as the next spare, a refusal without a spare,
+and a shrink that lists what was lost."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from helpers import assert_tensor, get_each, put_each, reduce_oracle, wait_until
+
+import collectives
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+FLAGS = ("--heartbeat", "0.2", "--lease", "3", "--devices", "cpu")
+
+# Every dtype a rank may hold, one tensor each, with sizes inline and over the bulk port.
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int8)
+
+
+def _spares(cluster: collectives.Cluster) -> list[collectives.WorkerInfo]:
+    return [w for w in cluster.workers() if w.state == "spare"]
+
+
+def _resident(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for i, dtype in enumerate(_DTYPES):
+        values = torch.randn(1000 + 37 * i, generator=gen) * 50
+        tensors[f"drain/t{i}"] = values.to(dtype)
+    tensors["drain/large"] = torch.randn(3 * 1024 * 1024, generator=gen)  # 12 MiB: bulk
+    tensors["drain/empty"] = torch.empty(0, 4)
+    return tensors
+
+
+def test_a_drain_hands_the_rank_and_its_tensors_to_the_spare(fresh_cluster, gen) -> None:
+    local, cluster = fresh_cluster(3, "--spares", "1", *FLAGS)
+    wait_until(lambda: len(_spares(cluster)) == 1, 30, "the spare to be listed")
+    (spare,) = _spares(cluster)
+    world = cluster.world_size
+    held = {rank: _resident(gen) for rank in range(world)}
+    for rank, tensors in held.items():
+        for name, t in tensors.items():
+            cluster.put(name, t, rank=rank)
+    summed = [torch.randn(513, generator=gen) for _ in range(world)]
+    put_each(cluster, "drain/sum", summed)
+    drained = cluster.workers()[1]
+    before = cluster.generation
+
+    report = cluster.drain(drained.address)
+
+    assert isinstance(report, collectives.DrainReport)
+    assert (report.worker, report.worker_id, report.rank) == (drained.address, drained.worker_id, 1)
+    assert (report.successor, report.successor_id) == (spare.address, spare.worker_id)
+    assert report.error == "" and report.lost == () and not report.shrink
+    assert report.generation_before == before and report.generation_after == before + 1
+    expected_bytes = sum(t.numel() * t.element_size() for t in held[1].values())
+    expected_bytes += summed[1].numel() * 4
+    assert report.tensors_moved == len(held[1]) + 1
+    assert report.bytes_moved == expected_bytes
+    assert report.seconds > 0
+    # The spare holds the rank, with every tensor, value for value.
+    assert cluster.workers()[1].worker_id == spare.worker_id
+    for rank, tensors in held.items():
+        for name, want in tensors.items():
+            assert_tensor(cluster.get(name, rank=rank), want, what=f"{name} on rank {rank}")
+    # The ranks' operands are where they were placed: a collective means the same.
+    cluster.all_reduce("drain/sum", timeout=60)
+    for rank, got in enumerate(get_each(cluster, "drain/sum")):
+        want = reduce_oracle("sum", summed)
+        assert_tensor(got, want, exact=False, what=f"all_reduce on rank {rank}")
+    history = cluster.history()
+    assert history[-1].generation == report.generation_after and history[-1].carried_over
+    listed = cluster.snapshot().drains[-1]
+    assert dataclasses.replace(listed, finished_unix_time_s=0) == dataclasses.replace(
+        report, finished_unix_time_s=0
+    )
+    assert abs(listed.finished_unix_time_s - report.finished_unix_time_s) < 1
+    # The drained worker exited 0 and its slot came back as the next spare.
+    wait_until(
+        lambda: [w.pid for w in _spares(cluster)] not in ([], [spare.pid]),
+        60,
+        "the drained worker to come back as a spare",
+    )
+    (again,) = _spares(cluster)
+    assert again.pid != drained.pid and local.owns(again.pid)
+
+
+def test_a_drain_without_a_spare_is_refused_and_a_shrink_lists_what_was_lost(
+    fresh_cluster, gen
+) -> None:
+    _, cluster = fresh_cluster(3, *FLAGS, "--min-workers", "2")
+    a, b = torch.randn(100, generator=gen), torch.randn(7, 3, generator=gen)
+    cluster.put("shrink/a", a, rank=2)
+    cluster.put("shrink/b", b, rank=2)
+    cluster.put("shrink/kept", a, rank=0)
+    generation = cluster.generation
+    victim = cluster.workers()[2]
+
+    with pytest.raises(collectives.FailedPrecondition, match="no spare is live"):
+        cluster.drain(victim.worker_id)
+    assert cluster.generation == generation and cluster.world_size == 3
+
+    report = cluster.drain(victim.worker_id, shrink=True)
+    assert report.shrink and report.successor == "" and report.error == ""
+    assert sorted(report.lost) == ["shrink/a", "shrink/b"]
+    assert cluster.world_size == 2
+    assert_tensor(cluster.get("shrink/kept", rank=0), a, what="a survivor's tensor")
+    inputs = [torch.randn(33, generator=gen) for _ in range(2)]
+    put_each(cluster, "shrink/sum", inputs)
+    cluster.all_reduce("shrink/sum", timeout=60)
+    for rank, got in enumerate(get_each(cluster, "shrink/sum")):
+        assert_tensor(got, reduce_oracle("sum", inputs), what=f"after the shrink, rank {rank}")
+
+
+def test_bad_drains_are_refused_clearly(fresh_cluster) -> None:
+    _, cluster = fresh_cluster(2, "--spares", "1", *FLAGS)
+    wait_until(lambda: len(_spares(cluster)) == 1, 30, "the spare to be listed")
+    (spare,) = _spares(cluster)
+    with pytest.raises(collectives.NotFound, match="no live worker"):
+        cluster.drain("127.0.0.1:1")
+    with pytest.raises(collectives.FailedPrecondition, match="not a member"):
+        cluster.drain(spare.address)
+    with pytest.raises(collectives.InvalidArgument):
+        cluster.drain("")
+    with pytest.raises(collectives.InvalidArgument):
+        cluster.drain(spare.address, timeout=-1)
