@@ -182,12 +182,17 @@ class _RemoteCall:
             try:
                 output = self._forward_once(inputs, kwargs, grad_on, routable, failed)
             except Unavailable as err:
-                if not self.routed or not failed or err.reason == Reason.VERSION_MOVED:
+                # Without autograd a forward has no side effect: one whose worker was
+                # unavailable (it stopped, or was drained: its rank moved) runs again,
+                # placed anew or split over the members the view now has.
+                if grad_on or not failed or err.reason == Reason.VERSION_MOVED:
                     raise
                 if attempt >= _PLACEMENTS or time.monotonic() >= self.deadline:
                     raise  # no other placement left to try: the worker's own error
                 for i in failed:
                     placement.avoid(self.shards[i].endpoint.address)
+                if not self.routed:
+                    self.session.refresh_after_failure(self.deadline)
                 continue
             if not (self.routed and self.replicas_differed):
                 return output
@@ -208,7 +213,7 @@ class _RemoteCall:
         """One attempt of :meth:`forward`; the shards whose call failed go in ``failed``."""
         self.call_id = f"__dp/{uuid.uuid4().hex}"
         self.replicas_differed = False
-        snapshot = self.session.formed_snapshot(self.deadline)
+        snapshot = self.session.serving_snapshot(self.deadline)
         members = [w for w in snapshot.workers if w.rank >= 0]
         members.sort(key=lambda w: w.rank)
         parts_args, parts_kwargs = scatter_kwargs(

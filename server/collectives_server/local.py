@@ -18,8 +18,10 @@ the very binaries that production runs one per host, as children of one supervis
   them once (:mod:`preloaded_workers`), so starting or restarting one costs a fork,
   not a fresh import of torch; ``preload=False`` (or another ``python``) starts each
   as ``python -m collectives_server coordinator`` / ``worker``;
-* :meth:`LocalCluster.stop` sends SIGTERM to the workers, then the coordinator,
-  waits within one deadline and SIGKILLs what is left.
+* :meth:`LocalCluster.stop` sends SIGINT to the workers (stop now: SIGTERM would
+  make each member drain itself onto a spare first), then SIGTERM to the
+  coordinator, waits within one deadline and SIGKILLs what is left;
+* a worker that exits 0 by itself was drained: its slot starts again as a spare.
 
 Every wait here is an ``Event``/process wait with a deadline; nothing sleeps.
 """
@@ -279,14 +281,19 @@ class LocalCluster:
         return self
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM the workers, then the coordinator; SIGKILL what outlives ``timeout_s``."""
+        """SIGINT the workers (the whole cluster stops: none drains itself onto a spare,
+        as SIGTERM would make it), then SIGTERM the coordinator; SIGKILL what outlives
+        ``timeout_s``."""
         with self._lock:
             self._stopping = True
         deadline = time.monotonic() + timeout_s
-        for group in (self.worker_children, [self.coordinator] if self.coordinator else []):
+        stops = ((self.worker_children, signal.SIGINT),)
+        if self.coordinator:
+            stops += (([self.coordinator], signal.SIGTERM),)
+        for group, sig in stops:
             for child in group:
                 if not child.exited.is_set():
-                    _signal(child, signal.SIGTERM)
+                    _signal(child, sig)
             for child in group:
                 child.exited.wait(max(0.0, deadline - time.monotonic()))
         for child in self._children():

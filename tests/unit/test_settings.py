@@ -28,6 +28,7 @@ _OTHER = {
     "--max-tensor-bytes": 3 << 20,
     "--max-groups": 5,
     "--connect-timeout-s": 2.5,
+    "--drain-timeout-s": 12.5,
     "--allow-factory": ("collectives_server.model_zoo", "json"),
     "--graph-ttl-s": 9.0,
     "--factory-batching": Batching(max_rows=16, max_delay_ms=1.5),

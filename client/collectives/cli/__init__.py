@@ -3,7 +3,9 @@
 ==============  ===================================================================
 module          what it holds
 ==============  ===================================================================
-:mod:`.main`    the entry point: ``status``, ``top``, ``trace``, ``diagnose``
+:mod:`.main`    the entry point: ``status``, ``top``, ``trace``, ``diagnose``, ``drain``,
+                ``rollout``
 :mod:`.flight`  ``collectives trace`` and ``collectives diagnose``
+:mod:`.drains`  ``collectives drain`` and ``collectives rollout``
 ==============  ===================================================================
 """

@@ -20,8 +20,11 @@ Piped into a reader that stops early (``collectives status --watch | head -n
 a long-running one notices at once, even with nothing more to write.
 
 ``collectives trace`` and ``collectives diagnose`` read every rank's flight
-record (``_flight_cli``): a Chrome trace of the recent ops, and the ops that
+record (``cli.flight``): a Chrome trace of the recent ops, and the ops that
 are stuck with the ranks they wait on (exit 1 when one is).
+
+``collectives drain WORKER`` and ``collectives rollout`` replace workers
+(``cli.drains``): one member's rank handed to a spare, or every member's in turn.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from collectives.addresses import (
     parse_addresses,
     refused_within,
 )
+from collectives.cli.drains import add_drain_commands, run_drain, run_rollout
 from collectives.cli.flight import add_flight_commands, run_diagnose, run_trace
 from collectives.errors import CollectiveError, InvalidArgument
 from collectives.observe.status_tables import (
@@ -128,9 +132,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     top.add_argument("--wide", action="store_true", help="every column, however wide the terminal")
     flight = add_flight_commands(commands)
-    for command in flight:
+    replacing = add_drain_commands(commands)
+    for command in (*flight, *replacing):
         _add_coordinator(command)
-    for command in (status, top, *flight):
+    for command in (status, top, *flight, *replacing):
         _add_security(command)
     return parser
 
@@ -495,6 +500,10 @@ def _run(args: argparse.Namespace) -> int:
         return _top(args)
     if args.command in ("trace", "diagnose"):
         return _flight(args)
+    if args.command == "drain":
+        return run_drain(args)
+    if args.command == "rollout":
+        return run_rollout(args)
     return EXIT_UNREACHABLE  # pragma: no cover - argparse rejects unknown commands
 
 

@@ -840,7 +840,7 @@ class Models:
         return time_left(deadline, "the model call")
 
     def _member_endpoints(self, deadline: float) -> dict[int, WorkerEndpoint]:
-        snapshot = self._session.formed_snapshot(deadline)
+        snapshot = self._session.serving_snapshot(deadline)
         return {w.rank: self._session.endpoint(w.address) for w in snapshot.workers if w.rank >= 0}
 
     def _per_rank(self, what: str, deadline: float, method: str, request: Any) -> dict[int, Any]:

@@ -157,6 +157,16 @@ class Session(Protocol):
         """A formed snapshot for sending an op to the leader, preferably a ready one."""
         ...
 
+    def serving_snapshot(self, deadline: float) -> ClusterSnapshot:
+        """A formed snapshot for calls to the members that need what they host (models):
+        after a drain, one whose members have joined (the successor has the models)."""
+        ...
+
+    def refresh_after_failure(self, deadline: float) -> None:
+        """After a worker failed a call as gone: the coordinator's view now, and a wait
+        (at most ``RETRY_BACKOFF_MAX_S``) for a newer one if it has not changed yet."""
+        ...
+
     def endpoint(self, address: str) -> WorkerEndpoint:
         """The cached channel and stub of the worker at ``address``."""
         ...
@@ -423,6 +433,32 @@ class ClusterSession:
             snapshot = self.formed_snapshot(deadline)
         return snapshot
 
+    def serving_snapshot(self, deadline: float) -> ClusterSnapshot:
+        """A formed snapshot whose members host what the cluster hosts.
+
+        While a drain hands a rank over, and until the members have joined the
+        generation it sealed, the successor holds the rank but not yet the models
+        (it gets them from its peers as it joins). So then wait (for at most half
+        the time left) until the drain has ended and the members are ready; other
+        views are used as they are.
+        """
+        snapshot = self.formed_snapshot(deadline)
+        if not snapshot.ready and (snapshot.drain is not None or _drained_into(snapshot)):
+            self._membership.wait_until(
+                lambda s: s.ready and s.drain is None, READY_WAIT_FRACTION * _left(deadline)
+            )
+            snapshot = self.formed_snapshot(deadline)
+        return snapshot
+
+    def refresh_after_failure(self, deadline: float) -> None:
+        version = self._membership.snapshot.version
+        try:
+            self._membership.refresh(min(_left(deadline), REFRESH_TIMEOUT_S))
+        except CollectiveError as err:
+            log.debug("refreshing the cluster of %s failed: %s", self._address, err)
+        if self._membership.snapshot.version == version:
+            self._membership.wait_for_change(version, min(RETRY_BACKOFF_MAX_S, _left(deadline)))
+
     def endpoint(self, address: str) -> WorkerEndpoint:
         return self._pool.endpoint(address)
 
@@ -598,6 +634,15 @@ def _on_rank(what: str, rank: int, fn: Callable[[], R]) -> R:
         return fn()
     except CollectiveError as err:
         raise annotate(err, f"{what} on rank {rank}") from None
+
+
+def _drained_into(snapshot: ClusterSnapshot) -> bool:
+    """Whether the current generation was sealed by a drain (its newest history record)."""
+    return (
+        bool(snapshot.history)
+        and snapshot.history[-1].generation == snapshot.generation
+        and (snapshot.history[-1].carried_over)
+    )
 
 
 def server_timeout_s(remaining_s: float) -> float:

@@ -100,7 +100,7 @@ class Handoff(_message.Message):
     def __init__(self, drained_id: _Optional[str] = ..., drained_address: _Optional[str] = ..., successor_id: _Optional[str] = ..., successor_address: _Optional[str] = ..., rank: _Optional[int] = ..., generation_before: _Optional[int] = ..., generation_after: _Optional[int] = ..., started_unix_time_s: _Optional[float] = ..., total_tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class HandoffResult(_message.Message):
-    __slots__ = ("generation_after", "ok", "error", "tensors", "bytes", "seconds", "lost")
+    __slots__ = ("generation_after", "ok", "error", "tensors", "bytes", "seconds", "lost", "models")
     GENERATION_AFTER_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class HandoffResult(_message.Message):
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     LOST_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
     generation_after: int
     ok: bool
     error: str
@@ -115,7 +116,8 @@ class HandoffResult(_message.Message):
     bytes: int
     seconds: float
     lost: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, generation_after: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., lost: _Optional[_Iterable[str]] = ...) -> None: ...
+    models: int
+    def __init__(self, generation_after: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., lost: _Optional[_Iterable[str]] = ..., models: _Optional[int] = ...) -> None: ...
 
 class DrainReport(_message.Message):
     __slots__ = ("worker", "worker_id", "rank", "successor", "successor_id", "bytes_moved", "tensors_moved", "models_moved", "seconds", "generation_before", "generation_after", "lost", "shrink", "error", "finished_unix_time_s")

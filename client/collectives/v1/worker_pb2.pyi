@@ -193,14 +193,16 @@ class HandoffRequest(_message.Message):
     def __init__(self, generation_after: _Optional[int] = ...) -> None: ...
 
 class HandoffManifest(_message.Message):
-    __slots__ = ("tensors", "bulk_port", "total_bytes")
+    __slots__ = ("tensors", "bulk_port", "total_bytes", "models")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorHeader]
     bulk_port: int
     total_bytes: int
-    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorHeader, _Mapping]]] = ..., bulk_port: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+    models: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorHeader, _Mapping]]] = ..., bulk_port: _Optional[int] = ..., total_bytes: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HandoffTensorRequest(_message.Message):
     __slots__ = ("generation_after", "name")

@@ -530,14 +530,11 @@ class Membership:
         if not result.ok:
             why = f"the handoff failed on {worker_id}: {result.error or 'no reason given'}"
             return self._finish(now, True, self._call_off(now, why))
-        drained = self._workers[h.drained]
-        status = drained.status
-        models = len(status.models) if status is not None else 0
         self._end_handoff(
             now,
             bytes_moved=result.bytes,
             tensors_moved=result.tensors,
-            models_moved=0 if h.shrink else models,
+            models_moved=0 if h.shrink else result.models,
             lost=result.lost,
         )
         if not h.shrink:

@@ -536,6 +536,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     bytes=r.bytes,
                     seconds=r.seconds,
                     lost=tuple(r.lost),
+                    models=r.models,
                 )
                 now = self._clock()
                 self._apply(self._membership.handoff_result(now, request.worker_id, result))

@@ -142,6 +142,7 @@ class HandoffOutcome:
     bytes: int = 0
     seconds: float = 0.0
     lost: tuple[str, ...] = ()
+    models: int = 0
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from collectives_server.settings import (
     host_ports,
     metrics_host_setting,
     metrics_port_setting,
+    non_negative_float,
     non_negative_int,
     port_number,
     positive_float,
@@ -136,6 +137,14 @@ class WorkerConfig:
         help="the CPUs every thread of this worker runs on, e.g. 0-3,8 (as taskset -c; torch's "
         "threads are as many unless OMP_NUM_THREADS says): workers sharing a host on cores "
         "of their own",
+    )
+    drain_timeout_s: float = setting(
+        30.0,
+        flag="--drain-timeout-s",
+        parse=non_negative_float,
+        metavar="S",
+        help="on SIGTERM, a member first hands its rank and tensors to a live spare "
+        "(a drain), waiting at most this long; 0: leave at once, as a crash would",
     )
     op_timeout_s: float | None = setting(
         None,

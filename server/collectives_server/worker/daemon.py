@@ -19,6 +19,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -159,6 +160,7 @@ class WorkerDaemon:
             wake_heartbeat=self._beat_wake.set,
             on_drained=self._drained,
         )
+        self._cluster: coordinator_pb2.Cluster | None = None  # the last one watched
         # Called once drained (run_worker wakes its main thread with it).
         self.on_drained: Callable[[], None] = lambda: None
 
@@ -270,6 +272,42 @@ class WorkerDaemon:
     def _drained(self) -> None:
         self.drained.set()
         self.on_drained()
+
+    def drain_before_stop(self) -> None:
+        """On SIGTERM: a member hands its rank and tensors to a live spare first
+        (``--drain-timeout-s``; 0: not), so that stopping it loses nothing. Without a
+        spare, or when the drain fails, it stops anyway (the survivors re-form)."""
+        timeout_s = self.config.drain_timeout_s
+        cluster = self._cluster
+        if timeout_s <= 0 or cluster is None or self.drained.is_set():
+            return
+        handoff = pending_handoff(cluster)
+        if handoff is not None and handoff.drained_id == self.worker_id:
+            log.info("stopping: this worker is being drained already; waiting for it")
+            self.drained.wait(timeout_s)
+            return
+        members = {w.worker_id for w in cluster.workers if w.rank >= 0}
+        if self.worker_id not in members:
+            return
+        if not any(w.state == coordinator_pb2.WORKER_STATE_SPARE for w in cluster.workers):
+            log.warning("stopping: no spare is live to take this rank; leaving without a drain")
+            return
+        log.info("stopping: draining this worker onto a spare first (at most %g s)", timeout_s)
+        try:
+            report = self._coordinator.Drain(
+                coordinator_pb2.DrainRequest(worker=self.worker_id, timeout_s=timeout_s),
+                timeout=timeout_s + self.ctx.op_timeout_s + 5.0,
+            )
+        except grpc.RpcError as err:
+            log.warning("the drain on stopping failed (%s); leaving", err.details())
+            return
+        log.info(
+            "drained onto %s: %d tensors, %d bytes in %.2f s",
+            report.successor,
+            report.tensors_moved,
+            report.bytes_moved,
+            report.seconds,
+        )
 
     @property
     def address(self) -> str:
@@ -431,6 +469,7 @@ class WorkerDaemon:
 
     def _on_cluster(self, cluster: coordinator_pb2.Cluster) -> None:
         with self._lock:
+            self._cluster = cluster
             self.ctx.cluster_status = cluster.status or ("formed" if cluster.formed else "forming")
             members = [w for w in cluster.workers if w.rank >= 0]
             self.ctx.leader_address = next((w.address for w in members if w.rank == 0), "")
@@ -555,10 +594,12 @@ def run_on_cpus(cpus: frozenset[int]) -> None:
 
 
 def run_worker(config: WorkerConfig) -> int:
-    """Runs a worker until SIGTERM/SIGINT; prints its address as the first stdout line.
+    """Runs a worker until SIGTERM/SIGINT, or until it was drained; prints its address
+    as the first stdout line. On SIGTERM (a supervisor's stop) a member first drains
+    itself onto a live spare (``--drain-timeout-s``); SIGINT stops it at once.
 
-    Returns 1 if the worker cannot start; after a signal it exits the process
-    with status 0 itself (see the comment at the end).
+    Returns 1 if the worker cannot start; after a signal or a drain it exits the
+    process with status 0 itself (see the comment at the end).
     """
     if config.cpus is not None:
         run_on_cpus(config.cpus)
@@ -576,6 +617,8 @@ def run_worker(config: WorkerConfig) -> int:
         heap.settle()
         while not stop.wait(None) and not daemon.drained.is_set():
             pass
+        if stop.received == signal.SIGTERM:  # a supervisor's stop; SIGINT stops at once
+            daemon.drain_before_stop()  # (further signals are ignored meanwhile)
     log.info("stopping worker %s", daemon.worker_id)
     daemon.stop()
     # A retired generation's thread may still be blocked inside gloo (which

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collectives.v1 import worker_pb2
 from collectives.wire import codec
-from collectives.wire.names import validate_name
+from collectives.wire.names import FUNCTION_PREFIX, validate_name
 from collectives_server.rpc.limits import RpcLimits
 from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.rpc.bulk_answers import tensor_answer
@@ -28,7 +28,10 @@ class HandoffRpcs:
         wait_s = self._ctx.op_timeout_s if remaining is None else min(remaining, _MAX_WAIT_S)
         tensors = self._ctx.handoff.manifest(r.generation_after, max(wait_s, 0.0))
         bulk = self._ctx.bulk
-        manifest = worker_pb2.HandoffManifest(bulk_port=bulk.port if bulk is not None else 0)
+        manifest = worker_pb2.HandoffManifest(
+            bulk_port=bulk.port if bulk is not None else 0,
+            models=[n for n in self._ctx.models.names() if not n.startswith(FUNCTION_PREFIX)],
+        )
         for name, tensor in sorted(tensors.items()):
             header = codec.make_header(name, tensor)
             manifest.tensors.append(header)

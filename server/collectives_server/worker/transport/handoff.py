@@ -111,6 +111,7 @@ class HandoffCopy:
     nbytes: int
     seconds: float
     error: str = ""
+    models: int = 0  # the drained worker hosted these (they come from the peers)
 
     def result(self, generation_after: int) -> coordinator_pb2.HandoffResult:
         """The heartbeat field that reports it."""
@@ -121,6 +122,7 @@ class HandoffCopy:
             tensors=len(self.tensors),
             bytes=self.nbytes,
             seconds=self.seconds,
+            models=self.models,
         )
 
 
@@ -165,7 +167,7 @@ def copy_from(
         return HandoffCopy({}, 0, time.monotonic() - started, f"from {address}: {exc}")
     finally:
         channel.close()
-    return HandoffCopy(tensors, nbytes, time.monotonic() - started)
+    return HandoffCopy(tensors, nbytes, time.monotonic() - started, models=len(manifest.models))
 
 
 class _BulkReader:
