@@ -36,6 +36,7 @@ ORDER = [
     "training",
     "coordinator",
     "detection",
+    "handoff",
     "memory",
     "gpu",
     "publish",

@@ -130,7 +130,7 @@ def test_a_rolling_upgrade_of_the_lane_methods_loses_no_call(fault_cluster) -> N
     for step, (old, port) in enumerate(
         zip(reversed(old_workers), (ports + 2, ports + 3), strict=True), 1
     ):
-        # A new-release worker waits as a spare; the old one leaves; it takes the rank.
+        # A new-release worker waits as a spare; the old one, stopped, drains onto it.
         cluster.workers.append(cluster.start_worker("--metrics-port", str(port)))
         cluster.daemon_at(old.address).stop()
         cluster.wait_ready(2, after_generation=generation, timeout_s=60)
@@ -138,8 +138,13 @@ def test_a_rolling_upgrade_of_the_lane_methods_loses_no_call(fault_cluster) -> N
         _every_kind_of_call(client, step)  # (old, new), then (new, new)
 
     new_calls = [_lane_calls(port) for port in (ports + 2, ports + 3)]
-    # The last one to join is rank 1 under a new leader: both serve the added methods.
+    # Both new workers serve the added methods.
     for calls in new_calls:
         assert calls["ZeroGrad"] > 0 and calls["SetModelMode"] > 0, calls
-    leader_calls = new_calls[0]  # took rank 0 when the old leader left
+    # Stopping a member (SIGTERM) drains it onto the waiting spare, which takes its
+    # rank: the second new worker took rank 0 when the old leader was stopped.
+    new_workers = cluster.workers[-2:]
+    leader = client.workers()[0].address
+    assert [d.address for d in new_workers].index(leader) == 1, (leader, new_workers)
+    leader_calls = new_calls[1]
     assert leader_calls["Exchange"] > 0 and leader_calls["NewGroup"] > 0, leader_calls

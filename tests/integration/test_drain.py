@@ -5,12 +5,16 @@ and a shrink that lists what was lost."""
 from __future__ import annotations
 
 import dataclasses
+import urllib.request
 
 import pytest
 import torch
 from helpers import assert_tensor, get_each, put_each, reduce_oracle, wait_until
+from launcher import free_port_block
+from prometheus_client.parser import text_string_to_metric_families
 
 import collectives
+from collectives.observe.status_tables import format_table
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -34,8 +38,19 @@ def _resident(gen: torch.Generator) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _metrics(port: int) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
 def test_a_drain_hands_the_rank_and_its_tensors_to_the_spare(fresh_cluster, gen) -> None:
-    local, cluster = fresh_cluster(3, "--spares", "1", *FLAGS)
+    metrics_port = free_port_block(5)
+    local, cluster = fresh_cluster(3, "--spares", "1", "--metrics-port", str(metrics_port), *FLAGS)
     wait_until(lambda: len(_spares(cluster)) == 1, 30, "the spare to be listed")
     (spare,) = _spares(cluster)
     world = cluster.world_size
@@ -77,6 +92,18 @@ def test_a_drain_hands_the_rank_and_its_tensors_to_the_spare(fresh_cluster, gen)
         report, finished_unix_time_s=0
     )
     assert abs(listed.finished_unix_time_s - report.finished_unix_time_s) < 1
+    # The operator sees it: the status table, and the coordinator's metrics.
+    shown = format_table(local.address, cluster.snapshot(), width=400)
+    assert "drains: 1 completed" in shown
+    assert (
+        f"{drained.worker_id} (rank 1) onto {spare.worker_id}: {report.tensors_moved} tensors"
+        in shown
+    )
+    scraped = _metrics(metrics_port)
+    assert scraped[("collectives_drains_total", (("outcome", "completed"),))] == 1
+    assert scraped[("collectives_drains_total", (("outcome", "failed"),))] == 0
+    assert scraped[("collectives_drain_bytes_total", ())] == report.bytes_moved
+    assert scraped[("collectives_drain_in_progress", ())] == 0
     # The drained worker exited 0 and its slot came back as the next spare.
     wait_until(
         lambda: [w.pid for w in _spares(cluster)] not in ([], [spare.pid]),

@@ -12,7 +12,9 @@ tie the objects together agree. deploy/slurm is tested in test_deploy_slurm.py.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shlex
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -264,10 +266,43 @@ def test_coordinator_store_matches_the_overlay(overlay: Overlay, tmp_path: Path)
         assert args.cluster_name == "default"  # unused with the memory store
 
 
-def test_world_size_is_the_number_of_workers(overlay: Overlay, tmp_path: Path) -> None:
+def test_world_size_is_the_number_of_workers_less_one_spare(
+    overlay: Overlay, tmp_path: Path
+) -> None:
+    """One live spare beyond the world: a drained or lost member's rank goes to it."""
     coordinator = parse_coordinator(daemon_argv(overlay.statefulset("coordinator"), tmp_path))
     replicas = overlay.statefulset("worker")["spec"]["replicas"]
-    assert coordinator.min_workers == coordinator.max_workers == replicas
+    assert coordinator.min_workers == coordinator.max_workers == replicas - 1
+
+
+def test_a_stopping_worker_drains_itself_onto_the_spare_in_time(
+    overlay: Overlay, tmp_path: Path
+) -> None:
+    """The preStop hook is ``collectives drain`` of the pod's own advertised address,
+    parsed by the real CLI; the grace period covers it and the SIGTERM drain."""
+    from collectives.cli.main import _parser
+
+    statefulset = overlay.statefulset("worker")
+    spec = statefulset["spec"]["template"]["spec"]
+    (container,) = [c for c in spec["containers"] if c["name"] == "worker"]
+    shell, flag, script = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert (shell, flag) == ("sh", "-c")
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    env |= {"POD_NAME": f"{statefulset['metadata']['name']}-1", "POD_NAMESPACE": NAMESPACE}
+    words = shlex.split(script.split("||")[0])
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        words = [os.path.expandvars(w) for w in words]
+    assert words[0] == "collectives"
+    args = _parser().parse_args(words[1:])
+    assert args.command == "drain" and not args.shrink
+    _, config = parse_daemon(daemon_argv(statefulset, tmp_path, ordinal=1))
+    assert args.worker == f"{config.advertise_host}:{_container_ports(statefulset)['grpc']}"
+    assert args.coordinator == env["COORDINATOR_ADDRESSES"]
+    assert args.token_file == "/etc/collectives/tokens/client-token"
+    assert args.timeout > 0 and config.drain_timeout_s > 0
+    assert spec["terminationGracePeriodSeconds"] > args.timeout + config.drain_timeout_s
 
 
 def test_workers_list_every_coordinator_by_its_pod_name(overlay: Overlay, tmp_path: Path) -> None:

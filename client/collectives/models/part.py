@@ -270,12 +270,13 @@ class Models:
             CollectiveError: rank 0 failed or the call timed out.
         """
         deadline = self._session.deadline(timeout)
-        endpoint = self._member_endpoints(deadline)[0]
-        response = endpoint.unary("ListModels")(
-            worker_pb2.ListModelsRequest(),
-            self._remaining(deadline),
-            "models",
-        )
+
+        def attempt(remaining: float) -> worker_pb2.ListModelsResponse:
+            # Rank 0 of the view now (a drained or lost one is asked no more on a retry).
+            endpoint = self._member_endpoints(time.monotonic() + remaining)[0]
+            return endpoint.unary("ListModels")(worker_pb2.ListModelsRequest(), remaining, "models")
+
+        response = self._session.retry("models", deadline, attempt, is_retryable_read)
         return [_model_info(m) for m in response.models if not m.name.startswith(FUNCTION_PREFIX)]
 
     def set_model_mode(
@@ -884,6 +885,7 @@ class Models:
                 generation=snapshot.generation,
                 timeout_s=server_timeout_s(remaining),
                 membership_digest=snapshot.membership_digest,
+                reissued_from=binding.reissued_from,
             )
             leader = snapshot.leader_address or ""
             return self._session.endpoint(leader).unary(method)(

@@ -237,8 +237,42 @@ def format_table(address: str, snapshot: ClusterSnapshot, width: int | None = No
         last = snapshot.history[-1]
         sealed = time.strftime("%H:%M:%S", time.localtime(last.sealed_unix_time_s))
         lines.append(_cut(f"last generation change ({sealed}): {last.reason}", width))
+    lines += [_cut(line, width) for line in drain_lines(snapshot)]
     lines += error_lines(snapshot, width)
     return "\n".join(lines)
+
+
+DRAIN_LINES = 3  # the last drains shown under the table
+
+
+def drain_lines(snapshot: ClusterSnapshot) -> list[str]:
+    """The drain in progress (bytes copied of the total), then the last drains."""
+    lines = []
+    d = snapshot.drain
+    if d is not None:
+        onto = f"{d.successor_id} at {d.successor}" if d.successor else "nobody (shrinking)"
+        mib, total = d.bytes_copied / 2**20, d.total_bytes / 2**20
+        lines.append(
+            f"draining {d.worker_id} at {d.worker} (rank {d.rank}) onto {onto}: "
+            f"{mib:.1f} of {total:.1f} MiB copied, since {_clock(d.started_unix_time_s)}"
+        )
+    if snapshot.drains:
+        lines.append(
+            f"drains: {snapshot.drains_completed} completed, "
+            f"{snapshot.drain_bytes_total / 2**20:.1f} MiB handed over; the last:"
+        )
+    for r in snapshot.drains[-DRAIN_LINES:]:
+        onto = f"onto {r.successor_id}" if r.successor else f"shrinking ({len(r.lost)} lost)"
+        what = (
+            f"failed: {r.error}"
+            if r.error
+            else f"{r.tensors_moved} tensors, {r.bytes_moved / 2**20:.1f} MiB, "
+            f"{r.models_moved} models in {r.seconds:.2f} s"
+        )
+        lines.append(
+            f"  {_clock(r.finished_unix_time_s)} {r.worker_id} (rank {r.rank}) {onto}: {what}"
+        )
+    return lines
 
 
 def _clock(unix_s: float) -> str:

@@ -693,6 +693,7 @@ class Collectives:
                 generation=generation,
                 timeout_s=server_timeout_s(remaining),
                 membership_digest=snapshot.digest_of(generation),
+                reissued_from=binding.reissued_from,
             )
             return self._session.endpoint(leader).unary(method)(
                 request(options), remaining, f"{what} on {leader}"

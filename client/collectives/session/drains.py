@@ -23,7 +23,7 @@ from collectives.transport.channels import call_unary
 from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
 from collectives.wire.cluster_state import ClusterSnapshot, DrainReport, WorkerState
 
-__all__ = ["DRAIN_OP_TIMEOUTS", "drain", "rollout", "wait_for"]
+__all__ = ["DRAIN_OP_TIMEOUTS", "drain", "has_spare", "rollout", "wait_for"]
 
 # A drain's handoff may take this many op timeouts unless the caller says otherwise
 # (the coordinator's default too).

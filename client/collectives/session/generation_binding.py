@@ -31,6 +31,7 @@ class GenerationBinding:
         self._last: CollectiveError | None = None
         # Generations this op moved across because drains carried every rank over.
         self.reissued = 0
+        self._first: int | None = None
 
     def bind(self, generation: int, snapshot: ClusterSnapshot | None = None) -> None:
         """Called by every attempt with the generation it is about to send for (and the
@@ -41,7 +42,7 @@ class GenerationBinding:
                 carried over (or, not marked moved, a drain's handoff has not ended).
         """
         if self.generation is None:
-            self.generation = generation
+            self.generation = self._first = generation
             return
         if generation == self.generation:
             return
@@ -69,6 +70,11 @@ class GenerationBinding:
             generation=self.generation,
             reason=Reason.GENERATION_CHANGED,
         )
+
+    @property
+    def reissued_from(self) -> int:
+        """The generation the op was first sent for, once a drain made it move (else 0)."""
+        return (self._first or 0) if self.reissued else 0
 
     def retryable(self, err: CollectiveError) -> bool:
         """The retry predicate: never-started ops, while the generation has not moved."""

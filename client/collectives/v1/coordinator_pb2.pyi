@@ -76,7 +76,7 @@ class GenerationRecord(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., sealed_unix_time_s: _Optional[float] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., sealed_by: _Optional[str] = ..., membership_digest: _Optional[str] = ..., carried_over: _Optional[bool] = ...) -> None: ...
 
 class Handoff(_message.Message):
-    __slots__ = ("drained_id", "drained_address", "successor_id", "successor_address", "rank", "generation_before", "generation_after", "started_unix_time_s", "total_tensors", "total_bytes")
+    __slots__ = ("drained_id", "drained_address", "successor_id", "successor_address", "rank", "generation_before", "generation_after", "started_unix_time_s", "total_tensors", "total_bytes", "bytes_copied")
     DRAINED_ID_FIELD_NUMBER: _ClassVar[int]
     DRAINED_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SUCCESSOR_ID_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,7 @@ class Handoff(_message.Message):
     STARTED_UNIX_TIME_S_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_COPIED_FIELD_NUMBER: _ClassVar[int]
     drained_id: str
     drained_address: str
     successor_id: str
@@ -97,7 +98,8 @@ class Handoff(_message.Message):
     started_unix_time_s: float
     total_tensors: int
     total_bytes: int
-    def __init__(self, drained_id: _Optional[str] = ..., drained_address: _Optional[str] = ..., successor_id: _Optional[str] = ..., successor_address: _Optional[str] = ..., rank: _Optional[int] = ..., generation_before: _Optional[int] = ..., generation_after: _Optional[int] = ..., started_unix_time_s: _Optional[float] = ..., total_tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+    bytes_copied: int
+    def __init__(self, drained_id: _Optional[str] = ..., drained_address: _Optional[str] = ..., successor_id: _Optional[str] = ..., successor_address: _Optional[str] = ..., rank: _Optional[int] = ..., generation_before: _Optional[int] = ..., generation_after: _Optional[int] = ..., started_unix_time_s: _Optional[float] = ..., total_tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., bytes_copied: _Optional[int] = ...) -> None: ...
 
 class HandoffResult(_message.Message):
     __slots__ = ("generation_after", "ok", "error", "tensors", "bytes", "seconds", "lost", "models")
@@ -244,7 +246,7 @@ class RegisterResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_s: _Optional[float] = ..., store_address: _Optional[str] = ..., op_timeout_s: _Optional[float] = ..., lease_secret: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "joined_generation", "busy", "status", "want_reply", "lease_secret", "handoff_result")
+    __slots__ = ("worker_id", "joined_generation", "busy", "status", "want_reply", "lease_secret", "handoff_result", "handoff_bytes_copied")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     JOINED_GENERATION_FIELD_NUMBER: _ClassVar[int]
     BUSY_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +254,7 @@ class HeartbeatRequest(_message.Message):
     WANT_REPLY_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECRET_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_RESULT_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_BYTES_COPIED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     joined_generation: int
     busy: bool
@@ -259,7 +262,8 @@ class HeartbeatRequest(_message.Message):
     want_reply: bool
     lease_secret: str
     handoff_result: HandoffResult
-    def __init__(self, worker_id: _Optional[str] = ..., joined_generation: _Optional[int] = ..., busy: _Optional[bool] = ..., status: _Optional[_Union[_status_pb2.WorkerStatus, _Mapping]] = ..., want_reply: _Optional[bool] = ..., lease_secret: _Optional[str] = ..., handoff_result: _Optional[_Union[HandoffResult, _Mapping]] = ...) -> None: ...
+    handoff_bytes_copied: int
+    def __init__(self, worker_id: _Optional[str] = ..., joined_generation: _Optional[int] = ..., busy: _Optional[bool] = ..., status: _Optional[_Union[_status_pb2.WorkerStatus, _Mapping]] = ..., want_reply: _Optional[bool] = ..., lease_secret: _Optional[str] = ..., handoff_result: _Optional[_Union[HandoffResult, _Mapping]] = ..., handoff_bytes_copied: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("generation", "version")

@@ -253,16 +253,18 @@ class ListTensorsResponse(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ...) -> None: ...
 
 class OpOptions(_message.Message):
-    __slots__ = ("group_id", "generation", "timeout_s", "membership_digest")
+    __slots__ = ("group_id", "generation", "timeout_s", "membership_digest", "reissued_from")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    REISSUED_FROM_FIELD_NUMBER: _ClassVar[int]
     group_id: int
     generation: int
     timeout_s: float
     membership_digest: str
-    def __init__(self, group_id: _Optional[int] = ..., generation: _Optional[int] = ..., timeout_s: _Optional[float] = ..., membership_digest: _Optional[str] = ...) -> None: ...
+    reissued_from: int
+    def __init__(self, group_id: _Optional[int] = ..., generation: _Optional[int] = ..., timeout_s: _Optional[float] = ..., membership_digest: _Optional[str] = ..., reissued_from: _Optional[int] = ...) -> None: ...
 
 class BroadcastRequest(_message.Message):
     __slots__ = ("options", "name", "src", "names")

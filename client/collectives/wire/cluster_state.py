@@ -306,6 +306,7 @@ class DrainInProgress:
     started_unix_time_s: float
     total_tensors: int
     total_bytes: int
+    bytes_copied: int = 0  # so far
 
     @classmethod
     def from_proto(cls, msg: coordinator_pb2.Handoff) -> DrainInProgress:
@@ -320,6 +321,7 @@ class DrainInProgress:
             started_unix_time_s=float(msg.started_unix_time_s),
             total_tensors=int(msg.total_tensors),
             total_bytes=int(msg.total_bytes),
+            bytes_copied=int(msg.bytes_copied),
         )
 
 

@@ -103,6 +103,7 @@ def cluster_to_proto(
                 started_unix_time_s=h.started_at + unix_offset_s,
                 total_tensors=h.total_tensors,
                 total_bytes=h.total_bytes,
+                bytes_copied=h.bytes_copied,
             )
         )
     for report in view.drains:

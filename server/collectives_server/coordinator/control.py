@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -138,8 +139,12 @@ class ControlGuard:
         context: grpc.ServicerContext,
         request: coordinator_pb2.RegisterRequest,
         membership: Membership,
+        gone: Collection[str] = (),
     ) -> None:
-        """Everything that refuses a Register before the membership sees it."""
+        """Everything that refuses a Register before the membership sees it. ``gone``:
+        live workers whose heartbeat stream closed (their process may have ended): a new
+        process registering at one's address replaces it (the old one is declared LOST),
+        as a restart that bound the port first proves it is no longer serving there."""
         try:
             check_register(request)
         except FieldTooLargeError as exc:
@@ -148,6 +153,8 @@ class ControlGuard:
         if holder is not None:
             if self.leases.is_retry(holder, request.retry_key):
                 return  # the same process again: it gets its id and secret back
+            if holder in gone:
+                return  # its stream closed and a new process serves its address
             self._refuse(
                 context,
                 grpc.StatusCode.ALREADY_EXISTS,

@@ -356,8 +356,12 @@ class Membership:
         busy: bool = False,
         status: Any = None,
         status_key: bytes | None = None,
+        handoff_bytes_copied: int = 0,
     ) -> Outcome:
         """Renews a lease. Raises :class:`UnknownWorkerError` for unknown or LOST ids.
+
+        ``handoff_bytes_copied``: the successor of the pending handoff says how far its
+        copy got (shown in the Cluster message; other workers' values are ignored).
 
         ``status`` (with ``status_key``, see the module doc) replaces the worker's
         last reported status; None leaves it as it was.
@@ -388,6 +392,10 @@ class Membership:
             self._joined_n += (joined_generation == self._generation) - joined_before
         w.joined_generation = joined_generation
         w.busy = busy
+        h = self._handoff
+        if h is not None and worker_id == h.successor and handoff_bytes_copied > h.bytes_copied:
+            self._handoff = dataclasses.replace(h, bytes_copied=handoff_bytes_copied)
+            changed = True
         if status is not None:
             published, note = w.take_status(now, status, status_key, self.status_refresh_s, changed)
             beat, changed = beat + note, changed or published

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 import collectives_server
-from collectives_server.coordinator.vocabulary import WorkerState
+from collectives_server.coordinator.vocabulary import ClusterView, WorkerState
 from collectives_server.metrics import FunctionCollector, build_info, new_registry
 
 if TYPE_CHECKING:
@@ -89,7 +89,40 @@ def _collect(servicer: CoordinatorServicer) -> Iterator[Metric]:
     for w in view.workers:
         age.add_metric([w.address], w.last_heartbeat_age_s)
     yield age
+    yield from _drains(view, events)
     yield from _control(servicer)
+
+
+def _drains(view: ClusterView, events: dict[str, int]) -> Iterator[Metric]:
+    """Drains: how many ended and how, the bytes handed over, the one in progress."""
+    drains = CounterMetricFamily(
+        "collectives_drains",
+        "Drains that ended: completed (the rank handed over) or failed (called off)",
+        labels=["outcome"],
+    )
+    drains.add_metric(["completed"], view.drains_completed)
+    drains.add_metric(["failed"], events.get("drains_failed", 0))
+    yield drains
+    yield CounterMetricFamily(
+        "collectives_drain_bytes",
+        "Tensor bytes drains handed over, worker to worker",
+        value=view.drain_bytes_total,
+    )
+    h = view.handoff
+    yield GaugeMetricFamily(
+        "collectives_drain_in_progress", "1 while a drain hands a rank over", value=int(bool(h))
+    )
+    yield GaugeMetricFamily(
+        "collectives_drain_bytes_copied",
+        "Bytes the successor of the drain in progress has copied (of its drain's total)",
+        value=h.bytes_copied if h is not None else 0,
+    )
+    done = [r for r in view.drains if not r.error]
+    yield GaugeMetricFamily(
+        "collectives_drain_last_seconds",
+        "How long the last completed drain's handoff took",
+        value=done[-1].seconds if done else 0.0,
+    )
 
 
 def _control(servicer: CoordinatorServicer) -> Iterator[Metric]:

@@ -115,6 +115,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._max_heartbeat_streams = max_heartbeat_streams
         # Open HeartbeatStream calls -> the worker id of their last request ("" before one).
         self._heartbeat_streams: dict[grpc.ServicerContext, str] = {}
+        # Live workers whose heartbeat stream closed and opened no other since.
+        self._streams_closed: set[str] = set()
         self._lost_seen = 0  # membership.events["lost"] when streams were last reaped
         self._closed = False
         # Set by close(): crash probes of closed heartbeat streams stop waiting.
@@ -274,7 +276,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             return self._replication.forward("Register", request, context)
         with self._cond:
             self._check_open(context)
-            self.guard.check_register(context, request, self._membership)
+            self.guard.check_register(context, request, self._membership, self._streams_closed)
             try:
                 validate_registration(request.address, tuple(request.devices))
                 if not 0 < request.store_port < 65536:
@@ -343,6 +345,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             with self._cond:
                 worker_id = self._heartbeat_streams.pop(context)
                 address = None if self._closed else self._membership.address_of(worker_id)
+                if address is not None:
+                    self._streams_closed.add(worker_id)
+                # Forget the ones no longer live (bounded by the workers listed).
+                self._streams_closed &= set(self._membership.listed())
             if address is not None and self.is_leader:
                 threading.Thread(
                     target=self._check_crash,
@@ -519,12 +525,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     busy=request.busy,
                     status=request.status if has_status else None,
                     status_key=key,
+                    handoff_bytes_copied=request.handoff_bytes_copied,
                 )
             except UnknownWorkerError as exc:
                 self._notify_if_changed()
                 context.abort(grpc.StatusCode.NOT_FOUND, f"{rpc}: {exc}")
             if stream:
                 self._heartbeat_streams[context] = request.worker_id
+                self._streams_closed.discard(request.worker_id)
             self._apply(outcome, quiet=True)
             if request.HasField("handoff_result"):
                 r = request.handoff_result

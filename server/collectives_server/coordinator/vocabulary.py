@@ -120,6 +120,7 @@ class Handoff:
     deadline: float  # called off when not done by then
     total_tensors: int = 0  # as the drained worker's last status reported
     total_bytes: int = 0
+    bytes_copied: int = 0  # so far, as the successor's heartbeats say
 
     @property
     def shrink(self) -> bool:

@@ -376,6 +376,8 @@ class WorkerDaemon:
             handoff_result = self._drain.result
             if handoff_result is not None:  # in every beat until the handoff has ended
                 request.handoff_result.CopyFrom(handoff_result)
+            else:
+                request.handoff_bytes_copied = self._drain.bytes_copied
             try:
                 self._send_heartbeat(request)
                 self.ctx.stats.heartbeat(ok=True)

@@ -16,6 +16,8 @@ import logging
 import threading
 from collections.abc import Callable
 
+import torch
+
 from collectives.errors import CollectiveError
 from collectives.v1 import coordinator_pb2
 from collectives.wire.security import ChannelSecurity
@@ -57,6 +59,10 @@ class DrainRole:
         self._lock = threading.Lock()
         self._generation_after = 0  # the handoff this worker is taking part in (0: none)
         self._result: coordinator_pb2.HandoffResult | None = None
+        self._bytes_copied = 0  # while copying, as the successor
+        # The copy, as the successor, until the coordinator says the drain completed:
+        # installed then (settle), dropped if it was called off.
+        self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
         self.drained = False  # drained and the handoff completed: this worker stops
 
     @property
@@ -64,6 +70,16 @@ class DrainRole:
         """What to report in the next heartbeat, if anything."""
         with self._lock:
             return self._result
+
+    @property
+    def bytes_copied(self) -> int:
+        """While this worker copies a handoff as the successor: the bytes so far."""
+        with self._lock:
+            return self._bytes_copied if self._generation_after else 0
+
+    def _copied(self, nbytes: int) -> None:
+        with self._lock:
+            self._bytes_copied = nbytes
 
     def take_part(self, handoff: coordinator_pb2.Handoff, retired: Generation | None) -> None:
         """Starts this worker's part in ``handoff`` (once); ``retired`` is the generation
@@ -91,6 +107,10 @@ class DrainRole:
         drained = me is not None and me.state == coordinator_pb2.WORKER_STATE_DRAINING
         with self._lock:
             took_part, self._generation_after, self._result = self._generation_after, 0, None
+            self._bytes_copied = 0
+            staged, self._staged = self._staged, None
+        if staged is not None:
+            self._install_if_completed(cluster, *staged)
         if drained:
             # Its store stays closed: a client with an older view must not write here.
             if not self.drained:
@@ -98,9 +118,27 @@ class DrainRole:
                 log.info("drained: the rank was handed over; this worker stops")
                 self._on_drained()
             return
-        if took_part:  # completed as the successor, or called off: serve again
+        if took_part:  # ended: as the successor, or called off as the drained one
             self._ctx.handoff.withdraw()
             self._ctx.store.reopen()
+
+    def _install_if_completed(
+        self, cluster: coordinator_pb2.Cluster, generation_after: int, tensors: dict
+    ) -> None:
+        """The successor's copy becomes its store only if the coordinator recorded the
+        drain as completed onto this worker; a drain called off leaves nothing behind
+        (a stale copy of another rank's tensors would make later ops mean something else)."""
+        completed = any(
+            r.successor_id == self._ctx.worker_id
+            and r.generation_after == generation_after
+            and not r.error
+            for r in cluster.drains
+        )
+        if not completed:
+            log.warning("drain: called off; the copied tensors are dropped")
+            return
+        self._ctx.store.install(tensors)
+        log.info("drain: installed %d tensors for generation %d", len(tensors), generation_after)
 
     def _offer(self, handoff: coordinator_pb2.Handoff, retired: Generation | None) -> None:
         """The drained worker: once its last op ended, close the store and offer it."""
@@ -127,22 +165,26 @@ class DrainRole:
             )
 
     def _copy(self, handoff: coordinator_pb2.Handoff, retired: Generation | None) -> None:
-        """The successor: copy everything, install it all or nothing, report."""
+        """The successor: copy everything, stage it (all or nothing), report."""
         copied = copy_from(
             handoff.drained_address,
             handoff.generation_after,
             self._peer_security,
             _COPY_OP_TIMEOUTS * self._ctx.op_timeout_s,
+            on_bytes=self._copied,
         )
         result = copied.result(handoff.generation_after)
         if not copied.error:
             try:
-                self._ctx.store.install(copied.tensors)
+                self._ctx.store.check_fits(copied.tensors)
             except CollectiveError as err:
                 result.ok, result.error = False, str(err)
-        # The store reopens when the handoff has ended (settle): until the coordinator
-        # has the report, the drain may still be called off and the rank go back.
         if result.ok:
+            # Installed (and the store reopened) once the coordinator has ended the
+            # handoff: until then the drain may still be called off (settle).
+            with self._lock:
+                if self._generation_after == handoff.generation_after:
+                    self._staged = (handoff.generation_after, copied.tensors)
             log.info(
                 "drain: took rank %d with %d tensors (%d bytes) in %.3f s",
                 handoff.rank,

@@ -60,6 +60,7 @@ def _collect(ctx: WorkerContext, histograms: PhaseHistograms) -> Iterator[Metric
     with stats.lock:
         by_status = dict(stats.ops_by_status)
         heartbeats = (stats.heartbeats_sent, stats.heartbeat_failures)
+        reissued = stats.ops_reissued
         fused = (stats.fused_runs, stats.fused_ops)
         collective_bytes = {k: tuple(v) for k, v in stats.collective_bytes.items()}
         stragglers = dict(stats.stragglers)
@@ -172,6 +173,12 @@ def _collect(ctx: WorkerContext, histograms: PhaseHistograms) -> Iterator[Metric
     )
     yield _counter("collectives_heartbeats_sent", "Heartbeats answered", heartbeats[0])
     yield _counter("collectives_heartbeat_failures", "Heartbeats that failed", heartbeats[1])
+    yield _counter(
+        "collectives_ops_reissued",
+        "Ops the SDK sent again to this leader after a drain's generation change "
+        "(refused there, never run)",
+        reissued,
+    )
     yield _gauge("collectives_models_loaded", "Models loaded", len(status.models))
     # Every hosted model (the heartbeat's status lists only as many as fit its budget).
     versions = GaugeMetricFamily(

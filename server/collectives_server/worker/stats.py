@@ -90,6 +90,8 @@ class WorkerStats:
     fused_ops: int = 0
     heartbeats_sent: int = 0
     heartbeat_failures: int = 0
+    # Ops the SDK sent again for this generation after a drain's change (never run before).
+    ops_reissued: int = 0
     # kind -> recent rate and latencies; kind -> (received, sent) collective bytes.
     windows: dict[str, _KindWindows] = field(default_factory=dict)
     collective_bytes: dict[str, list[int]] = field(default_factory=dict)
@@ -181,6 +183,10 @@ class WorkerStats:
             p50, p99 = w.latency.percentiles(50, 99)
             out[kind] = KindSummary(w.rate.rate(now_s), p50, p99)
         return out
+
+    def op_reissued(self) -> None:
+        with self.lock:
+            self.ops_reissued += 1
 
     def heartbeat(self, ok: bool) -> None:
         with self.lock:

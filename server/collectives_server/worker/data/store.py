@@ -158,16 +158,25 @@ class TensorStore:
         Raises:
             ResourceExhausted: they do not fit in the quota (nothing changed).
         """
-        total = sum(_nbytes(t) for t in tensors.values())
         with self._lock:
-            if self.limit_bytes is not None and total + self._reserved > self.limit_bytes:
-                raise ResourceExhausted(
-                    f"the handoff's {len(tensors)} tensors ({total} bytes) do not fit in this "
-                    f"worker's --max-tensor-bytes ({self.limit_bytes})"
-                )
+            self._check_fits(tensors)
             self._tensors = dict(tensors)
-            self._bytes = total
+            self._bytes = sum(_nbytes(t) for t in tensors.values())
             self._uploads.clear()
+
+    def check_fits(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Raises ResourceExhausted unless ``tensors`` would fit in place of everything
+        stored (what :meth:`install` checks)."""
+        with self._lock:
+            self._check_fits(tensors)
+
+    def _check_fits(self, tensors: dict[str, torch.Tensor]) -> None:
+        total = sum(_nbytes(t) for t in tensors.values())
+        if self.limit_bytes is not None and total + self._reserved > self.limit_bytes:
+            raise ResourceExhausted(
+                f"the handoff's {len(tensors)} tensors ({total} bytes) do not fit in this "
+                f"worker's --max-tensor-bytes ({self.limit_bytes})"
+            )
 
     def _check_open(self) -> None:
         """With the lock held: refuses a client's call while a handoff runs."""

@@ -62,6 +62,8 @@ class Leader:
         options: worker_pb2.OpOptions,
     ) -> Any:
         """Admits ``desc`` on the leader and waits within the call's deadline."""
+        if options.reissued_from:
+            self._ctx.stats.op_reissued()
         budget = self._ctx.op_timeout_s * 2
         for limit in (context.time_remaining(), options.timeout_s or None):
             if limit is not None:

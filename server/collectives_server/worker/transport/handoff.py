@@ -33,6 +33,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -127,10 +128,15 @@ class HandoffCopy:
 
 
 def copy_from(
-    address: str, generation_after: int, security: ChannelSecurity, timeout_s: float
+    address: str,
+    generation_after: int,
+    security: ChannelSecurity,
+    timeout_s: float,
+    on_bytes: Callable[[int], None] = lambda copied: None,
 ) -> HandoffCopy:
     """Copies every tensor the drained worker at ``address`` offers to
-    ``generation_after``; all of them or (with ``error`` set) none."""
+    ``generation_after``; all of them or (with ``error`` set) none. ``on_bytes`` hears
+    the bytes copied so far after each tensor."""
     started = time.monotonic()
     deadline = started + timeout_s
     options = [
@@ -160,6 +166,7 @@ def copy_from(
                 else:
                     tensors[meta.name] = codec.tensor_from_bytes(answer.inline_data, meta)
                 nbytes += meta.nbytes
+                on_bytes(nbytes)
     except grpc.RpcError as err:
         shown = f"{err.code().name}: {err.details()}"
         return HandoffCopy({}, 0, time.monotonic() - started, f"from {address}: {shown}")

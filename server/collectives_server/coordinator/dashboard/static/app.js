@@ -131,8 +131,24 @@
     const order = ["ready", "busy", "joining", "spare", "draining", "lost"];
     const parts = order.filter((s) => counts[s]).map((s) => `${counts[s]} ${s}`);
     setText("counts", `${workers.length} workers listed${parts.length ? ": " + parts.join(", ") : ""}`);
+    renderDrain(c);
     setText("cluster-rate", rateText(model.clusterRate()));
     document.getElementById("cluster-spark").replaceChildren(sparkline(model.clusterRates, 90, 24));
+  }
+
+  // A drain in progress: who hands its rank to whom, and the bytes copied of the total.
+  function renderDrain(c) {
+    const box = document.getElementById("drain");
+    const d = c.drain;
+    box.hidden = !d;
+    if (!d) return;
+    const total = num(d.total_bytes);
+    const copied = num(d.bytes_copied);
+    const onto = d.successor ? `onto ${d.successor_id}` : "shrinking";
+    setText("drain-text", `draining ${d.worker_id} (rank ${num(d.rank)}) ${onto}: ` +
+      `${bytes(copied)} of ${bytes(total)} copied`);
+    const pct = total > 0 ? Math.min(100, (100 * copied) / total) : 0;
+    document.getElementById("drain-bar").style.width = `${pct.toFixed(1)}%`;
   }
 
   // ---- workers: a row of what matters, details on a click ------------------

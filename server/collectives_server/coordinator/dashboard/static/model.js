@@ -119,6 +119,10 @@
       .sort((a, b) => b.rate - a.rate || b.completed - a.completed || a.kind.localeCompare(b.kind));
   }
 
+  function mib(n) {
+    return `${(n / 1048576).toFixed(1)} MiB`;
+  }
+
   // ---- the model -----------------------------------------------------------
 
   class ClusterModel {
@@ -139,6 +143,7 @@
     // Folds one snapshot in; `now` is the browser's unix time in seconds.
     update(c, now) {
       this._history(c);
+      this._drains(c);
       this._workers(c, now);
       this._rates(c, now);
       this.loaded = true;
@@ -198,6 +203,20 @@
         }
         this.lastGeneration = gen;
         this.lastMembers = members;
+      }
+    }
+
+    // Every drain that ended (the coordinator keeps the last ones): one event each.
+    _drains(c) {
+      for (const r of c.drains || []) {
+        const onto = r.successor ? `onto ${r.successor_id} at ${r.successor}` : "shrinking the cluster";
+        const what = r.error
+          ? `failed: ${r.error}`
+          : `${num(r.tensors_moved)} tensors, ${mib(num(r.bytes_moved))}, ${num(r.models_moved)} models in ${num(r.seconds).toFixed(2)} s`;
+        this._event(`drain:${r.worker_id}:${num(r.generation_before)}`, num(r.finished_unix_time_s),
+          r.error ? "drain-failed" : "drained", r.error ? "drain failed" : "drained",
+          `${r.worker_id} at ${r.worker} (rank ${num(r.rank)}) ${onto}: ${what}`,
+          { generation: num(r.generation_after) });
       }
     }
 

@@ -1,0 +1,81 @@
+"""A drain's handoff: a rank's tensors moved worker to worker, against loopback TCP.
+
+A local cluster of 1 member and 1 live spare (``--spares 1``): rank 0 holds
+``tensors`` tensors of ``total`` bytes in all; each round drains rank 0
+(``cluster.drain``), so the spare copies them from it and takes the rank, and the
+drained worker restarts as the next spare. The rate is the report's
+``bytes_moved / seconds``: the whole handoff as the coordinator times it, from the
+seal to the successor's report (the drained worker finishing its last op and
+closing its store included), not the copy alone. The anchor sends the same bytes
+over one raw loopback TCP connection into a preallocated buffer, in the same run.
+Every round checks the values on the new holder of the rank.
+"""
+
+from __future__ import annotations
+
+import grpc
+import torch
+
+import collectives
+from collectives.session import drains
+from collectives.v1 import coordinator_pb2_grpc
+
+from .anchors import TcpSink
+from .core import BenchContext, MiB, Row, local_cluster, stat_of
+
+NAME = "handoff"
+GROUP = "7c drain handoff"
+
+
+def run(ctx: BenchContext) -> list[Row]:
+    rounds = 2 if ctx.quick else 6
+    tensors = 8
+    each = (8 if ctx.quick else 32) * MiB
+    total = tensors * each
+    gen = torch.Generator().manual_seed(7)
+    held = {
+        f"bench/handoff/{i}": torch.randint(
+            0, 1 << 30, (each // 4,), dtype=torch.int32, generator=gen
+        )
+        for i in range(tensors)
+    }
+    with TcpSink(total) as sink:
+        anchor = sink.gbps(torch.cat([t.view(torch.uint8) for t in held.values()]), 5)
+    flags = ("--spares", "1", "--max-restarts", "0", "--devices", "cpu", "--heartbeat", "0.2")
+    rates: list[float] = []
+    seconds: list[float] = []
+    with (
+        local_cluster(1, *flags) as address,
+        collectives.connect(address, timeout=60) as cluster,
+        grpc.insecure_channel(address) as channel,
+    ):
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        for name, t in held.items():
+            cluster.put(name, t, rank=0)
+        for _ in range(rounds):
+            # The drained worker of the round before comes back as the next spare.
+            drains.wait_for(stub, drains.has_spare, 60, "live spare")
+            report = cluster.drain(cluster.workers()[0].address, timeout=120)
+            if report.bytes_moved != total or report.tensors_moved != tensors:
+                raise AssertionError(f"the handoff moved {report}, not {tensors} tensors")
+            for name, t in held.items():
+                if not torch.equal(cluster.get(name, rank=0), t):
+                    raise AssertionError(f"{name} differs on the successor")
+            rates.append(report.bytes_moved / report.seconds / 1e9)
+            seconds.append(report.seconds)
+    handoff = stat_of(seconds, "s")
+    note = (
+        f"{rounds} drains of a rank holding {tensors} x {each // MiB} MiB; handoff "
+        f"p50 {handoff.median * 1000:.0f} ms, p99 {(handoff.p99 or 0) * 1000:.0f} ms"
+    )
+    return [
+        Row(
+            group=GROUP,
+            what=f"drain: {total // MiB} MiB of a rank's tensors to the spare",
+            service=stat_of(rates, "GB/s"),
+            anchor_name="raw TCP loopback, preallocated recv buffer",
+            anchor=anchor,
+            target=">= 0.8",
+            note=note,
+        )
+    ]
