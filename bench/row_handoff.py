@@ -4,10 +4,12 @@ A local cluster of 1 member and 1 live spare (``--spares 1``): rank 0 holds
 ``tensors`` tensors of ``total`` bytes in all; each round drains rank 0
 (``cluster.drain``), so the spare copies them from it and takes the rank, and the
 drained worker restarts as the next spare. The rate is the report's
-``bytes_moved / seconds``: the whole handoff as the coordinator times it, from the
-seal to the successor's report (the drained worker finishing its last op and
-closing its store included), not the copy alone. The anchor sends the same bytes
-over one raw loopback TCP connection into a preallocated buffer, in the same run.
+``bytes_moved / copy_seconds``: the transfer, worker to worker (a manifest over
+gRPC, each tensor's ticket over gRPC, its bytes over the bulk connection into
+fresh memory). The note gives the whole handoff as the coordinator times it,
+from the seal to the successor's report (the drained worker finishing its last
+op and closing its store included). The anchor sends the same bytes over one raw
+loopback TCP connection into a preallocated buffer, in the same run.
 Every round checks the values on the new holder of the rank.
 """
 
@@ -61,7 +63,7 @@ def run(ctx: BenchContext) -> list[Row]:
             for name, t in held.items():
                 if not torch.equal(cluster.get(name, rank=0), t):
                     raise AssertionError(f"{name} differs on the successor")
-            rates.append(report.bytes_moved / report.seconds / 1e9)
+            rates.append(report.bytes_moved / report.copy_seconds / 1e9)
             seconds.append(report.seconds)
     handoff = stat_of(seconds, "s")
     note = (

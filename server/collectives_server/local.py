@@ -490,7 +490,9 @@ class LocalCluster:
         if child is self.coordinator:
             log.error("coordinator (pid %d) %s", child.pid, child.describe_exit())
         else:
-            log.warning(
+            # Exit 0 by itself: drained (its rank handed over); anything else: died.
+            log.log(
+                logging.INFO if child.returncode == 0 else logging.WARNING,
                 "worker at %s (%s, pid %d) %s",
                 child.address or "(no address yet)",
                 self._rank_of(child.address),

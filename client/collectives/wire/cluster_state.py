@@ -269,6 +269,7 @@ class DrainReport:
     shrink: bool = False
     error: str = ""
     finished_unix_time_s: float = 0.0
+    copy_seconds: float = 0.0  # of ``seconds``: the successor's copy alone
 
     @classmethod
     def from_proto(cls, msg: coordinator_pb2.DrainReport) -> DrainReport:
@@ -288,6 +289,7 @@ class DrainReport:
             shrink=bool(msg.shrink),
             error=msg.error,
             finished_unix_time_s=float(msg.finished_unix_time_s),
+            copy_seconds=float(msg.copy_seconds),
         )
 
 

@@ -131,6 +131,7 @@ def drain_report_to_proto(report: DrainReport, unix_offset_s: float) -> coordina
         shrink=report.shrink,
         error=report.error,
         finished_unix_time_s=report.finished_at + unix_offset_s,
+        copy_seconds=report.copy_seconds,
     )
 
 

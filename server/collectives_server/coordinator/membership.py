@@ -544,6 +544,7 @@ class Membership:
             tensors_moved=result.tensors,
             models_moved=0 if h.shrink else result.models,
             lost=result.lost,
+            copy_seconds=result.seconds,
         )
         if not h.shrink:
             self._mark_carried_over(h.generation_after)
@@ -572,9 +573,14 @@ class Membership:
         drained = self._workers.get(h.drained)
         successor = self._workers.get(h.successor) if h.successor else None
         back = drained is not None and not drained.lost
+        if not back:
+            why = (
+                f"{why}; the drained worker is gone and rank {h.rank}'s tensors with it "
+                "(the rank stays with its successor, empty, as after a crash)"
+            )
         self._end_handoff(now, error=why)
         if not back:
-            return f"drain of {h.drained} failed ({why}); its rank's tensors are lost"
+            return f"drain of {h.drained} failed: {why}"
         assert drained is not None
         drained.drained = False
         # Carried over only when nobody else was lost meanwhile: every rank comes back.
@@ -600,6 +606,7 @@ class Membership:
         tensors_moved: int = 0,
         models_moved: int = 0,
         lost: tuple[str, ...] = (),
+        copy_seconds: float = 0.0,
     ) -> None:
         h = self._handoff
         assert h is not None
@@ -623,6 +630,7 @@ class Membership:
                 lost=lost,
                 shrink=h.shrink,
                 error=error,
+                copy_seconds=copy_seconds,
             )
         )
         self.events["drains_failed" if error else "drains"] += 1

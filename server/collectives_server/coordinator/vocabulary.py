@@ -165,6 +165,7 @@ class DrainReport:
     lost: tuple[str, ...] = ()
     shrink: bool = False
     error: str = ""
+    copy_seconds: float = 0.0  # of ``seconds``: the successor's copy alone
 
 
 @dataclass(frozen=True)

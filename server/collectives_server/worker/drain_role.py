@@ -151,11 +151,14 @@ class DrainRole:
             )
             return
         to = handoff.successor_address or "nobody (the cluster shrinks)"
-        self._ctx.store.close_for_handoff(
-            f"this worker was drained: rank {handoff.rank} now belongs to {to}; retry"
-        )
-        tensors = self._ctx.store.contents()
-        self._ctx.handoff.offer(handoff.generation_after, tensors)
+        with self._lock:  # (settle, which ends the handoff, takes it too)
+            if self._generation_after != handoff.generation_after:
+                return  # called off while the last op ran: the store stays open
+            self._ctx.store.close_for_handoff(
+                f"this worker was drained: rank {handoff.rank} now belongs to {to}; retry"
+            )
+            tensors = self._ctx.store.contents()
+            self._ctx.handoff.offer(handoff.generation_after, tensors)
         log.info("drain: offering %d tensors to %s", len(tensors), to)
         if not handoff.successor_id:
             self._report(

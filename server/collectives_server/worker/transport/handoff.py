@@ -152,14 +152,19 @@ def copy_from(
             worker_pb2.HandoffRequest(generation_after=generation_after),
             timeout=_left(deadline),
         )
+
+        def answer_of(name: str) -> grpc.Future:
+            request = worker_pb2.HandoffTensorRequest(generation_after=generation_after, name=name)
+            return stub.HandoffTensor.future(request, timeout=_left(deadline))
+
+        names = [header.name for header in manifest.tensors]
         with _BulkReader(address, manifest.bulk_port, client_context(security)) as reader:
-            for header in manifest.tensors:
-                answer = stub.HandoffTensor(
-                    worker_pb2.HandoffTensorRequest(
-                        generation_after=generation_after, name=header.name
-                    ),
-                    timeout=_left(deadline),
-                )
+            # The next tensor's ticket is asked for while this one's bytes arrive.
+            coming = answer_of(names[0]) if names else None
+            for i in range(len(names)):
+                assert coming is not None
+                answer = coming.result()
+                coming = answer_of(names[i + 1]) if i + 1 < len(names) else None
                 meta = codec.check_header(answer.header)
                 if answer.ticket:
                     tensors[meta.name] = reader.read(answer.ticket, meta, deadline)

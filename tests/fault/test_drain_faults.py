@@ -1,0 +1,184 @@
+"""A drain racing a crash: of the spare taking the rank, of the drained worker, and of
+the leader. Each ends in a clean state: the drain completes or fails saying why,
+no tensor is half moved (a rank holds all of what it held, or, after a crash, none
+of it), and no op returns a wrong result meanwhile or after.
+
+The drained rank holds 512 MiB, so its handoff takes a while; the crash lands as
+soon as the coordinator's watch shows the drain in progress. Which side of the race
+a run lands on is up to the machine: the checks hold on both.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from harness import record
+from helpers import assert_tensor, wait_until
+
+import collectives
+from collectives.session import drains
+from collectives.v1 import coordinator_pb2_grpc
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+FLAGS = (
+    "--spares", "1", "--min-workers", "2", "--heartbeat", "0.2", "--lease", "3",
+    "--devices", "cpu", "--max-restarts", "2",
+)  # fmt: skip
+DRAINED = 1
+BIG = [f"race/big/{i}" for i in range(16)]  # 16 x 32 MiB on the drained rank
+
+
+class Calls:
+    """A client all-reducing a tensor resident on every rank until stopped: a call may
+    fail (a rank crashed), but one that succeeds must equal torch's sum."""
+
+    def __init__(self, address: str, world: int, resident: list[torch.Tensor]) -> None:
+        self._address, self._world = address, world
+        self._want = torch.stack(resident).sum(0)
+        self._stop = threading.Event()
+        self.wrong: list[str] = []
+        self.ok = self.failed = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Calls:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=120)
+        assert not self._thread.is_alive()
+
+    def _run(self) -> None:
+        with collectives.connect(self._address, timeout=60) as client:
+            n = 0
+            while not self._stop.is_set():
+                out = f"race/sum/{n % 3}"
+                try:
+                    client.all_reduce("race/resident", out=out, timeout=20)
+                    got = client.get(out, rank=n % client.world_size, timeout=20)
+                except collectives.CollectiveError:
+                    self.failed += 1
+                else:
+                    self.ok += 1
+                    if got.shape != self._want.shape or not torch.allclose(got, self._want):
+                        self.wrong.append(f"call {n}: all_reduce returned another sum")
+                n += 1
+
+
+def _prepared(fresh_cluster, gen):
+    local, cluster = fresh_cluster(3, *FLAGS)
+    wait_until(lambda: any(w.state == "spare" for w in cluster.workers()), 30, "the spare")
+    resident = [torch.randn(1000, generator=gen) for _ in range(3)]
+    for rank, t in enumerate(resident):
+        cluster.put("race/resident", t, rank=rank)
+    big = {name: torch.randn(8 * 1024 * 1024, generator=gen) for name in BIG}
+    for name, t in big.items():
+        cluster.put(name, t, rank=DRAINED)
+    return local, cluster, resident, big
+
+
+def _drain_racing(local, cluster, victim_of) -> tuple[object, float]:
+    """Drains rank DRAINED in a thread, SIGKILLs ``victim_of(drain_in_progress)`` as soon
+    as the watch shows the drain; returns (the report or the error, seconds to the end)."""
+    outcome: dict[str, object] = {}
+    target = cluster.workers()[DRAINED]
+
+    def drain() -> None:
+        try:
+            outcome["report"] = cluster.drain(target.worker_id, timeout=60)
+        except collectives.CollectiveError as err:
+            outcome["error"] = err
+
+    thread = threading.Thread(target=drain)
+    with grpc.insecure_channel(local.address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        thread.start()
+        view = drains.wait_for(stub, lambda s: s.drain is not None, 30, "the drain to start")
+    victim = victim_of(view)
+    killed = time.monotonic()
+    os.kill(victim.pid, signal.SIGKILL)
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "the drain did not end"
+    return outcome.get("report", outcome.get("error")), time.monotonic() - killed
+
+
+def _state_is_clean(cluster, originals: dict[str, int], resident, big, ended) -> None:
+    """Every member holds what its worker held, all of it or (a worker new to the ranks)
+    none of it: an original worker its own tensors, the successor of a completed drain
+    the drained rank's, any other newcomer nothing of them."""
+    wait_until(lambda: cluster.refresh().ready, 60, "the cluster to serve again")
+    members = {w.worker_id: w.rank for w in cluster.workers() if w.rank >= 0}
+    completed_onto = ended.successor_id if isinstance(ended, collectives.DrainReport) else ""
+    for worker_id, rank in members.items():
+        if worker_id in originals:
+            own = originals[worker_id]
+            assert_tensor(cluster.get("race/resident", rank=rank), resident[own])
+            if own == DRAINED:
+                _holds(cluster, rank, big)
+        elif worker_id == completed_onto:
+            assert_tensor(cluster.get("race/resident", rank=rank), resident[DRAINED])
+            _holds(cluster, rank, big)
+        else:
+            for name in ("race/resident", BIG[0], BIG[-1]):
+                with pytest.raises(collectives.NotFound):
+                    cluster.get(name, rank=rank, timeout=30)
+
+
+def _holds(cluster, rank: int, tensors: dict[str, torch.Tensor]) -> None:
+    for name, want in tensors.items():
+        assert_tensor(cluster.get(name, rank=rank, timeout=30), want, what=f"{name} on {rank}")
+
+
+def _by_id(view, worker_id: str):
+    return next(w for w in view.workers if w.worker_id == worker_id)
+
+
+def _race(fresh_cluster, gen, victim_of, fault: str) -> None:
+    local, cluster, resident, big = _prepared(fresh_cluster, gen)
+    originals = {w.worker_id: w.rank for w in cluster.workers() if w.rank >= 0}
+    with Calls(local.address, 3, resident) as calls:
+        ended, seconds = _drain_racing(local, cluster, victim_of)
+        if isinstance(ended, collectives.CollectiveError):
+            assert ended.code == grpc.StatusCode.ABORTED, ended  # said why, changed nothing
+        else:
+            assert ended.error == "" and ended.bytes_moved >= 16 * 32 * 2**20, ended
+        victims = {w.worker_id for w in cluster.workers() if w.state == "lost"}
+        _state_is_clean(cluster, {k: v for k, v in originals.items() if k not in victims},
+                        resident, big, ended)  # fmt: skip
+    assert calls.wrong == [], calls.wrong
+    record(fault, seconds, seconds, "completed" if not isinstance(ended, Exception) else "failed")
+
+
+def test_the_spare_crashing_mid_handoff(fresh_cluster, gen) -> None:
+    _race(
+        fresh_cluster,
+        gen,
+        lambda view: _by_id(view, view.drain.successor_id),
+        "drain racing the spare's crash",
+    )
+
+
+def test_the_drained_worker_crashing_mid_handoff(fresh_cluster, gen) -> None:
+    _race(
+        fresh_cluster,
+        gen,
+        lambda view: _by_id(view, view.drain.worker_id),
+        "drain racing the drained worker's crash",
+    )
+
+
+def test_the_leader_crashing_mid_handoff(fresh_cluster, gen) -> None:
+    _race(
+        fresh_cluster,
+        gen,
+        lambda view: next(w for w in view.workers if w.rank == 0),
+        "drain racing the leader's crash",
+    )
