@@ -141,7 +141,7 @@ def _prepared(fresh_cluster, gen):
     info = cluster.load_model(
         name, factory=f"{ZOO}:mlp", kwargs=KWARGS, batching=collectives.Batching(32, 2.0)
     )
-    cluster.data_parallel(name).eval()
+    cluster.data_parallel(name).eval()  # recorded: every call that names no mode runs eval
     resident = [torch.randn(4099, generator=gen) for _ in range(WORLD)]
     for rank, t in enumerate(resident):
         cluster.put("roll/resident", t, rank=rank)
@@ -158,7 +158,9 @@ def _check_after(cluster, name, version, resident, keepsakes, originals: set[str
         assert_tensor(cluster.get("roll/resident", rank=rank), resident[rank], what=f"rank {rank}")
         assert_tensor(cluster.get("roll/keepsake", rank=rank), keepsakes[rank], what=f"rank {rank}")
     (model,) = [m for m in cluster.models() if m.name == name]
-    assert model.version == version
+    # The version, its recorded mode and its batching, on every member (from its peers).
+    assert model.version == version and model.batching == collectives.Batching(32, 2.0)
+    assert model.training is False
 
 
 def _report(what: str, load: Load, steady: tuple[float, float], change: tuple[float, float],
