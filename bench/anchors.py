@@ -2,7 +2,10 @@
 
 - :class:`TcpSink`: raw TCP loopback into a preallocated buffer (a server thread
   ``recv_into``s a preallocated ``bytearray`` and acks each transfer; the client
-  ``sendall``s a memoryview of the tensor, so neither side copies).
+  ``sendall``s a memoryview of the tensor, so neither side copies); with
+  ``fresh=True`` into a new buffer each transfer (as the SDK allocates one:
+  huge-page advised, its pages faulted in by the receive), which is what a
+  receiver that keeps what it receives pays.
 - :func:`memcpy_gbps`: ``dst.copy_(src)`` between two preallocated CPU tensors.
 - :func:`grpc_empty_rtt`: one empty gRPC round trip (``grpc.health.v1`` Check).
 - :func:`gloo_all_reduce`: a direct ``torch.distributed`` gloo all_reduce in two
@@ -49,8 +52,9 @@ class TcpSink:
     connection stays open between transfers (like a warm gRPC channel).
     """
 
-    def __init__(self, capacity: int) -> None:
-        self._buffer = memoryview(bytearray(capacity))
+    def __init__(self, capacity: int, fresh: bool = False) -> None:
+        self._fresh = fresh
+        self._buffer = memoryview(bytearray(0 if fresh else capacity))
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._thread = threading.Thread(target=self._serve, name="tcp-sink", daemon=True)
         self._thread.start()
@@ -66,7 +70,14 @@ class TcpSink:
                 if header is None:
                     return
                 (n,) = _HEADER.unpack(header)
-                if _recv_exactly(conn, self._buffer[:n]) is None:
+                if self._fresh:
+                    from collectives.wire.memory import empty_bytes
+
+                    kept = empty_bytes(n)
+                    into = memoryview(kept.numpy()).cast("B")
+                else:
+                    into = self._buffer[:n]
+                if _recv_exactly(conn, into) is None:
                     return
                 conn.sendall(b"\x01")
 

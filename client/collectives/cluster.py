@@ -1,23 +1,11 @@
 """``collectives.connect()`` and :class:`Cluster`, the SDK's one entry point.
 
-A ``Cluster`` is a client's connection to one collectives cluster. It is built
-by composition: a :class:`~collectives.session.connection.ClusterSession` (the channel to
-the coordinator, the membership view that follows it, a cached channel per
-worker, deadlines, retries, the op order) and four parts that each take that
-session: ``DataPlane`` (``_data_plane``: put/get/delete/scatter),
-``Collectives`` (``_collectives``: broadcast ... new_group, with the coalesced
-list forms), ``PeerToPeer`` (``_p2p``: send, exchange, destroy_group) and
-``Models`` (``_models``; ``data_parallel`` builds on it). This class holds them
-and keeps the flat public API: each method is the part's own, its signature
-and docstring copied once when the class is made (:func:`_delegated`), so a
-part's docstring is the one reference (``help(cluster.all_reduce)``, and
-``docs/api.md``).
-
-A ``Cluster`` is safe to use from several threads. Its collectives reach the
-leader in call order (they run on one executor thread), ``async_op=True``
-included; data-plane calls run on the caller's thread, so, as with
-``torch.distributed``, wait for an async op before reading or replacing the
-tensors it works on.
+A ``Cluster`` composes a :class:`~collectives.session.connection.ClusterSession`
+(channels, the membership view, deadlines, retries, the op order) and the parts
+that take it: ``DataPlane``, ``Collectives``, ``PeerToPeer``, ``Models`` and
+``Operations``. Each public method is a part's own, its signature and docstring
+copied once when the class is made (:func:`_delegated`): the part's docstring is
+the one reference (``help(cluster.all_reduce)``, ``docs/api.md``). Thread-safe.
 """
 
 from __future__ import annotations

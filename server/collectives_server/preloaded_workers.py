@@ -468,6 +468,10 @@ def _become_worker(
             import torch
 
             torch.set_num_threads(int(threads))
+        # Until the worker installs its own handlers, SIGINT ends it as SIGTERM does
+        # (a launcher stopping everything may send it while a restart still starts),
+        # not with a KeyboardInterrupt traceback from wherever it is.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         code = entry(args)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

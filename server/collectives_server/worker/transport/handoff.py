@@ -106,7 +106,8 @@ class HandoffSource:
 
 @dataclass(frozen=True)
 class HandoffCopy:
-    """What a successor copied: every tensor, or nothing (``error``)."""
+    """What a successor copied: every tensor, or nothing (``error``); ``seconds`` from
+    the manifest's arrival (the transfer itself) to the last byte."""
 
     tensors: dict[str, torch.Tensor]
     nbytes: int
@@ -152,6 +153,9 @@ def copy_from(
             worker_pb2.HandoffRequest(generation_after=generation_after),
             timeout=_left(deadline),
         )
+        # The transfer's time counts from here: the drained worker's wait for its last
+        # op to end, before it offers anything, is the handoff's, not the copy's.
+        started = time.monotonic()
 
         def answer_of(name: str) -> grpc.Future:
             request = worker_pb2.HandoffTensorRequest(generation_after=generation_after, name=name)
