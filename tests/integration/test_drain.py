@@ -4,6 +4,7 @@ and a shrink that lists what was lost."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import urllib.request
 
@@ -12,6 +13,8 @@ import torch
 from helpers import assert_tensor, get_each, put_each, reduce_oracle, wait_until
 from launcher import free_port_block
 from prometheus_client.parser import text_string_to_metric_families
+from torch import nn
+from torch.nn import functional
 
 import collectives
 from collectives.observe.status_tables import format_table
@@ -153,3 +156,35 @@ def test_bad_drains_are_refused_clearly(fresh_cluster) -> None:
         cluster.drain("")
     with pytest.raises(collectives.InvalidArgument):
         cluster.drain(spare.address, timeout=-1)
+
+
+def test_training_goes_on_across_a_drain_as_one_model(fresh_cluster, gen) -> None:
+    """Adam's moments and step counts reach the successor with the weights (and the
+    drained rank's data shard with its tensors): six train_steps, a drain after the
+    third, equal six local full-batch steps, and the replicas stay bit-identical."""
+    _, cluster = fresh_cluster(2, "--spares", "1", *FLAGS)
+    wait_until(lambda: len(_spares(cluster)) == 1, 30, "the spare to be listed")
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    local = copy.deepcopy(model)
+    local_opt = torch.optim.Adam(local.parameters(), lr=0.01)
+    cluster.load_model("train/m", model, example_inputs=(torch.randn(4, 6),))
+    x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
+    cluster.scatter("train/x", x)
+    cluster.scatter("train/y", y)
+    for step in range(6):
+        if step == 3:
+            report = cluster.drain(cluster.workers()[1].address)
+            assert report.models_moved == 1 and report.tensors_moved >= 2
+        remote = cluster.train_step(
+            "train/m", "train/x", "train/y", loss="mse", optimizer="adam", lr=0.01
+        )
+        local_opt.zero_grad()
+        loss = functional.mse_loss(local(x), y)
+        loss.backward()
+        local_opt.step()
+        assert remote == pytest.approx(float(loss.detach()), rel=1e-4)
+    states = [cluster.state_dict("train/m", rank=r) for r in range(cluster.world_size)]
+    for key, value in local.state_dict().items():
+        torch.testing.assert_close(states[0][key], value, rtol=1e-4, atol=1e-6)
+        assert torch.equal(states[0][key], states[1][key]), f"{key}: the replicas differ"

@@ -9,7 +9,13 @@ holding the newest version sends it to the others over the process group:
 
   1. an exported model's checked archive, to ranks that lack the model or hold
      a different one (a factory model travels as its factory's name);
-  2. the weights, broadcast in buckets (``coalesced_buckets``).
+  2. the weights, broadcast in buckets (``coalesced_buckets``);
+  3. its optimizer, when the source has one: kind, hyperparameters, param groups
+     and per-parameter state (momentum buffers, Adam's moments and step counts),
+     the state broadcast like the weights. Every rank of a data-parallel model
+     steps with the same gradients, so the source's optimizer is every rank's: a
+     newcomer (a drain's successor, a spare after a crash) steps on from it
+     instead of from a fresh optimizer, and the replicas stay the same.
 
 Only then does each rank work alone: a rank that held the model at an older
 version commits the weights at once (``model_versions.commit``); a rank that
@@ -31,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +54,7 @@ from collectives_server.worker.engine.handlers import coalesced_buckets
 from collectives_server.worker.engine.op_context import GroupBroken, OpContext
 from collectives_server.worker.engine.validation import Plan
 from collectives_server.worker.kernels import collective_ops, op_failures
+from collectives_server.worker.models import optimizers
 from collectives_server.worker.models import versions as model_versions
 from collectives_server.worker.models.archive.upload import ModelUploads
 from collectives_server.worker.models.registry import (
@@ -74,6 +82,8 @@ class _Held:
     batching: list[float] | None = None
     # Its recorded mode (ModelInfo.training); None: the module's own.
     training: bool | None = None
+    # Its optimizer (see _optimizer_inventory); None: it has none.
+    optimizer: dict | None = None
 
     def batching_policy(self) -> Batching | None:
         if self.batching is None:
@@ -108,8 +118,11 @@ def sync_models(ctx: OpContext, uploads: ModelUploads) -> int:
         if src.archive_bytes and rebuild:
             archive = _broadcast_archive(ctx, name, src, source)
         weights = _broadcast_weights(ctx, name, src, source)
+        optimizer = _broadcast_optimizer(ctx, name, src, source) if src.optimizer else None
         if ctx.rank in behind:
-            arrivals.append(_Arrival(name, src, newest, weights, archive, ctx.rank in rebuild))
+            arrivals.append(
+                _Arrival(name, src, newest, weights, archive, ctx.rank in rebuild, optimizer)
+            )
     for arrival in arrivals:
         if arrival.rebuild:
             _build_in_background(ctx, uploads, arrival)
@@ -128,6 +141,8 @@ class _Arrival:
     weights: dict[str, torch.Tensor]
     archive: torch.Tensor | None
     rebuild: bool
+    # The source's optimizer state tensors by key (_optimizer_inventory); None: none.
+    optimizer: dict[str, torch.Tensor] | None = None
 
 
 def _inventory(ctx: OpContext) -> dict[str, dict]:
@@ -152,8 +167,43 @@ def _inventory(ctx: OpContext) -> dict[str, dict]:
                 if model.batcher is None
                 else [model.batcher.policy.max_rows, model.batcher.policy.max_delay_ms],
                 "training": model.training,
+                "optimizer": _optimizer_inventory(model),
             }
     return out
+
+
+def _optimizer_inventory(model: HostedModel) -> dict | None:
+    """The model's optimizer as the inventory tells it (the caller holds its lock):
+    kind, hyperparameters, param groups, the state's non-tensor values, and the
+    state tensors' keys (``"<param index>/<name>"``), dtypes and shapes."""
+    optimizer = model.optimizer
+    if optimizer is None:
+        return None
+    state = optimizer.state_dict()
+    entries, scalars = [], {}
+    for index, per_param in state["state"].items():
+        for key, value in per_param.items():
+            if torch.is_tensor(value):
+                entries.append((f"{index}/{key}", to_wire(value.dtype), list(value.shape)))
+            else:
+                scalars[f"{index}/{key}"] = value
+    return {
+        "kind": model.optimizer_kind,
+        "hyper": model.optimizer_hyper,
+        "groups": state["param_groups"],
+        "scalars": scalars,
+        "entries": entries,
+    }
+
+
+def _optimizer_tensors(model: HostedModel) -> dict[str, torch.Tensor]:
+    state = model.optimizer.state_dict()["state"] if model.optimizer is not None else {}
+    return {
+        f"{index}/{key}": value
+        for index, per_param in state.items()
+        for key, value in per_param.items()
+        if torch.is_tensor(value)
+    }
 
 
 def _all_gather_json(ctx: OpContext, value: object) -> list[dict]:
@@ -195,14 +245,34 @@ def _broadcast_weights(
     ctx: OpContext, name: str, src: _Held, source: int
 ) -> dict[str, torch.Tensor]:
     """The source's weights, on every rank (the source's own: its live tensors)."""
-    entries = [model_versions.Entry(k, from_wire(d), tuple(s)) for k, d, s in src.entries]
+    return _broadcast_tensors(ctx, name, src.entries, source, lambda held: held.module.state_dict())
+
+
+def _broadcast_optimizer(
+    ctx: OpContext, name: str, src: _Held, source: int
+) -> dict[str, torch.Tensor]:
+    """The source's optimizer state tensors, on every rank."""
+    assert src.optimizer is not None
+    return _broadcast_tensors(ctx, name, src.optimizer["entries"], source, _optimizer_tensors)
+
+
+def _broadcast_tensors(
+    ctx: OpContext,
+    name: str,
+    listed: list,
+    source: int,
+    read: Callable[[HostedModel], dict[str, torch.Tensor]],
+) -> dict[str, torch.Tensor]:
+    """The tensors ``listed`` (key, wire dtype, shape) of the source's model, as
+    ``read`` finds them there, on every rank."""
+    entries = [model_versions.Entry(k, from_wire(d), tuple(s)) for k, d, s in listed]
     operands: list[torch.Tensor | None] = [None] * len(entries)
     held = ctx.models.peek(name) if ctx.rank == source else None
     if held is not None:
         held.lock.acquire()  # no step may change the weights while they are sent
     try:
         if held is not None:
-            state = held.module.state_dict()
+            state = read(held)
             operands = [state[e.key].detach() for e in entries]
         world = ctx.groups[0].handles
         assert world is not None
@@ -233,14 +303,30 @@ def _commit(held: HostedModel | None, arrival: _Arrival) -> bool:
         log.error("model %r vanished on this rank before its weights arrived", arrival.name)
         return False
     try:
-        with held.lock:
+        with held.lock:  # no step between the weights and the optimizer state
             staged = model_versions.prepare(held, arrival.weights)
             model_versions.commit(held, staged, arrival.version)
+            if arrival.optimizer is not None:
+                _install_optimizer(held, arrival)
     except Exception as exc:
         log.error("cannot take model %r at version %d: %s", arrival.name, arrival.version, exc)
         return False
     log.info("received model %r at version %d from a peer", arrival.name, arrival.version)
     return True
+
+
+def _install_optimizer(held: HostedModel, arrival: _Arrival) -> None:
+    """The source's optimizer, with its state, as this model's (the caller holds its lock)."""
+    spec = arrival.src.optimizer
+    assert spec is not None and arrival.optimizer is not None
+    optimizer = optimizers.make_optimizer(held, spec["kind"], spec["hyper"])
+    state: dict[int, dict] = {}
+    for key, value in [*arrival.optimizer.items(), *spec["scalars"].items()]:
+        index, _, field_name = key.partition("/")
+        state.setdefault(int(index), {})[field_name] = value
+    optimizer.load_state_dict({"state": state, "param_groups": spec["groups"]})
+    plan = optimizers.OptimizerPlan(spec["kind"], dict(spec["hyper"]), optimizer, held.optimizer)
+    optimizers.install(held, plan)
 
 
 def _build_in_background(ctx: OpContext, uploads: ModelUploads, arrival: _Arrival) -> None:

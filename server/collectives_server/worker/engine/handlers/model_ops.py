@@ -257,6 +257,10 @@ def _local_train(
     return float(loss.detach()), rows
 
 
+# Of the op timeout: how long a rank waits for a model a peer is still sending to it.
+_PENDING_WAIT_SHARE = 0.5
+
+
 def run_model_op(ctx: OpContext, desc: worker_pb2.OpDescriptor, ann: Announcement):
     """Runs one model op on this rank; returns ModelOpResult or CollectiveError (same on all).
 
@@ -270,6 +274,12 @@ def run_model_op(ctx: OpContext, desc: worker_pb2.OpDescriptor, ann: Announcemen
     ann.wait(ctx)
     args = ModelArgs.of(desc)
     model = ctx.models.peek(args.name)
+    if model is None and ctx.models.pending(args.name):
+        # A peer is sending it (this rank joined the generation without it: a drain's
+        # successor, a spare after a crash): the op waits for it, as a forward does,
+        # within half the op timeout the others wait for this rank's first exchange.
+        with contextlib.suppress(CollectiveError):
+            model = ctx.models.get(args.name, wait_s=_PENDING_WAIT_SHARE * ctx.timeout_s)
     lock = model.lock if model is not None else contextlib.nullcontext()
     with lock:
         return _run_model_op(ctx, model, args, desc.op_id)
