@@ -35,12 +35,13 @@ class Operations:
         Before any member joins it, the spare copies every tensor the worker holds
         straight from it (worker to worker; every dtype and size, shared-memory
         and streamed ones included) and installs them all at once, or none; the
-        spare gets every model, at its newest version and mode, from its peers as
-        any joining worker does. Ops ordered before the change ran on the old
-        member; ops sent for the old generation that never ran there are sent
-        again by the SDK on the new one (the operands are where they were placed),
-        so callers see results, not errors. The drained worker then exits 0: its
-        supervisor starts it again and it registers as the next spare.
+        spare gets every model (its newest version, mode, batching and optimizer
+        state) from its peers as any joining worker does. Ops ordered before the
+        change ran on the old member; ops sent for the old generation that never
+        ran there are sent again by the SDK on the new one (the operands are
+        where they were placed), so callers see results, not errors. The drained
+        worker then exits 0: its supervisor starts it again and it registers as
+        the next spare.
 
         With no spare live the drain is refused, unless ``shrink``: then the
         rank leaves, the survivors re-form, and the report lists the tensor names
