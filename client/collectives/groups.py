@@ -2,16 +2,55 @@
 
 A group is created by the leader for one generation (``Cluster.new_group``) and
 names a subset of that generation's global ranks. Its id is only meaningful in
-that generation: after a membership change the ranks may belong to other
-workers, so the SDK refuses to use a group from an older generation rather than
-run a collective on the wrong workers.
+that generation and the ones drains carried over from it (rank for rank the
+same workers' state; the workers rebuild the group in each): after any other
+membership change the ranks may belong to other workers, so the SDK refuses to
+use the group rather than run a collective on the wrong workers
+(:func:`generation_for`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Group"]
+from collectives.errors import Reason, Unavailable
+from collectives.wire.cluster_state import ClusterSnapshot
+
+__all__ = ["Group", "generation_for"]
+
+
+def generation_for(group: Group, snapshot: ClusterSnapshot, what: str) -> int:
+    """The generation to send ``group``'s op for: ``snapshot``'s, when the group was made
+    in it or in one that drains carried over into it.
+
+    Raises:
+        Unavailable: the group belongs to another membership (``GENERATION_CHANGED``:
+            create it again), or a drain's handoff has not ended yet (not executed:
+            retried).
+    """
+    if group.generation == snapshot.generation:
+        return group.generation
+    carried = (
+        snapshot.carried_over_since(group.generation)
+        if group.generation < snapshot.generation
+        else False
+    )
+    if carried:
+        return snapshot.generation
+    if carried is None:
+        raise Unavailable(
+            f"{what}: a drain is handing a rank over; the group waits for it",
+            executed=False,
+            generation=group.generation,
+            reason=Reason.GENERATION_CHANGED,
+        )
+    raise Unavailable(
+        f"{what}: group {list(group.ranks)} (id {group.id}) belongs to generation "
+        f"{group.generation} but the cluster is at generation {snapshot.generation}; "
+        "create it again with new_group",
+        generation=group.generation,
+        reason=Reason.GENERATION_CHANGED,
+    )
 
 
 @dataclass(frozen=True)

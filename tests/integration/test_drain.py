@@ -188,3 +188,30 @@ def test_training_goes_on_across_a_drain_as_one_model(fresh_cluster, gen) -> Non
     for key, value in local.state_dict().items():
         torch.testing.assert_close(states[0][key], value, rtol=1e-4, atol=1e-6)
         assert torch.equal(states[0][key], states[1][key]), f"{key}: the replicas differ"
+
+
+def test_a_group_made_before_a_drain_works_after_it(fresh_cluster, gen) -> None:
+    """The drain carries the generation over rank for rank: the workers rebuild its
+    groups under the same ids, so a client's group keeps meaning the same ranks."""
+    _, cluster = fresh_cluster(3, "--spares", "1", *FLAGS)
+    wait_until(lambda: len(_spares(cluster)) == 1, 30, "the spare to be listed")
+    group = cluster.new_group([0, 2])
+    inputs = [torch.randn(129, generator=gen) for _ in range(3)]
+    put_each(cluster, "grp/x", inputs)
+    cluster.drain(cluster.workers()[2].address)  # a member of the group
+    assert cluster.history()[-1].carried_over
+    cluster.all_reduce("grp/x", group=group, timeout=60)
+    got = get_each(cluster, "grp/x")
+    want = reduce_oracle("sum", [inputs[0], inputs[2]])
+    for rank in (0, 2):
+        assert_tensor(got[rank], want, exact=False, what=f"the group's all_reduce on {rank}")
+    assert_tensor(got[1], inputs[1], what="rank 1, outside the group")
+    # A group made after the drain takes a new id beside the carried one.
+    later = cluster.new_group([1, 2])
+    assert later.id != group.id
+    cluster.broadcast("grp/x", src=1, group=later, timeout=60)
+    assert_tensor(cluster.get("grp/x", rank=2), inputs[1], what="the later group's broadcast")
+    parts = torch.randn(6, 3, generator=gen)
+    cluster.scatter("grp/s", parts, group=group)
+    assert_tensor(cluster.get("grp/s", rank=2), parts[3:], what="scatter over the old group")
+    cluster.destroy_group(group)

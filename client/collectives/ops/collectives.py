@@ -45,8 +45,8 @@ from collectives._validation import (
     check_root,
     check_single,
 )
-from collectives.errors import CollectiveError, InvalidArgument, Reason, Unavailable, annotate
-from collectives.groups import Group
+from collectives.errors import CollectiveError, InvalidArgument, annotate
+from collectives.groups import Group, generation_for
 from collectives.ops.data_plane import DataPlane
 from collectives.reduce_ops import ReduceOp
 from collectives.session.connection import Session, server_timeout_s
@@ -676,15 +676,7 @@ class Collectives:
             snapshot = self._session.leader_snapshot(time.monotonic() + remaining)
             generation, group_id = snapshot.generation, 0
             if group is not None:
-                if group.generation < snapshot.generation:
-                    raise Unavailable(
-                        f"{what}: group {list(group.ranks)} (id {group.id}) belongs to "
-                        f"generation {group.generation} but the cluster is at generation "
-                        f"{snapshot.generation}; create it again with new_group",
-                        generation=group.generation,
-                        reason=Reason.GENERATION_CHANGED,
-                    )
-                generation, group_id = group.generation, group.id
+                generation, group_id = generation_for(group, snapshot, what), group.id
             binding.bind(generation, snapshot)
             record.generation = generation
             leader = snapshot.leader_address or ""

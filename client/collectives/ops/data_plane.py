@@ -36,11 +36,9 @@ from collectives.errors import (
     CollectiveError,
     InvalidArgument,
     NotFound,
-    Reason,
-    Unavailable,
     annotate,
 )
-from collectives.groups import Group
+from collectives.groups import Group, generation_for
 from collectives.ops.replicate import REPLICATE_MIN_BYTES, UseParallelPuts, replicate
 from collectives.session.connection import Session
 from collectives.transport import shm
@@ -338,14 +336,7 @@ class DataPlane:
                 f"group {list(group.ranks)} (id {group.id}) was destroyed; create it again "
                 "with new_group"
             )
-        if group.generation != generation:
-            raise Unavailable(
-                f"group {list(group.ranks)} (id {group.id}) belongs to generation "
-                f"{group.generation} but the cluster is at generation {generation}; "
-                "create it again with new_group",
-                generation=group.generation,
-                reason=Reason.GENERATION_CHANGED,
-            )
+        generation_for(group, self._session.snapshot(), f"group {list(group.ranks)}")
         return list(group.ranks)
 
     # --- helpers -------------------------------------------------------------

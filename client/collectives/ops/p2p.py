@@ -19,8 +19,8 @@ import time
 from typing import cast
 
 from collectives._validation import check_group, check_out, check_single
-from collectives.errors import InvalidArgument, NotFound
-from collectives.groups import Group
+from collectives.errors import InvalidArgument, NotFound, Unavailable
+from collectives.groups import Group, generation_for
 from collectives.ops.collectives import Collectives
 from collectives.ops.data_plane import DataPlane
 from collectives.session.connection import Session, server_timeout_s
@@ -148,17 +148,21 @@ class PeerToPeer:
 
         def attempt(remaining: float) -> None:
             snapshot = self._session.leader_snapshot(time.monotonic() + remaining)
-            if group.generation != snapshot.generation:
+            try:
+                generation = generation_for(group, snapshot, what)
+            except Unavailable as err:
+                if err.executed is False:  # a handoff still running: retried
+                    raise
                 raise NotFound(
                     f"{what}: the group belongs to generation {group.generation} and the "
                     f"cluster is at generation {snapshot.generation}; it no longer exists"
-                )
+                ) from None
             leader = snapshot.leader_address or ""
             options = worker_pb2.OpOptions(
                 group_id=group.id,
-                generation=group.generation,
+                generation=generation,
                 timeout_s=server_timeout_s(remaining),
-                membership_digest=snapshot.digest_of(group.generation),
+                membership_digest=snapshot.digest_of(generation),
             )
             request = worker_pb2.DestroyGroupRequest(options=options)
             self._session.endpoint(leader).unary("DestroyGroup")(

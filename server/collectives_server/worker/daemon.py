@@ -161,6 +161,8 @@ class WorkerDaemon:
             on_drained=self._drained,
         )
         self._cluster: coordinator_pb2.Cluster | None = None  # the last one watched
+        # (generation, its sub-groups) of the generation this worker ran last.
+        self._retired_groups: tuple[int, dict[int, tuple[int, ...]]] = (0, {})
         # Called once drained (run_worker wakes its main thread with it).
         self.on_drained: Callable[[], None] = lambda: None
 
@@ -465,6 +467,8 @@ class WorkerDaemon:
     def _retire_runtime(self, superseded_by: int | None = None) -> None:
         with self._lock:
             if self.runtime is not None:
+                # Its groups, for a next generation a drain carries over (carried_groups).
+                self._retired_groups = (self.runtime.generation, self.runtime.held_groups())
                 self.runtime.stop(superseded_by)
                 self._set_runtime(None)
             self.joined_generation = 0
@@ -533,6 +537,7 @@ class WorkerDaemon:
             models=self.ctx.models,
             replaced=self.ctx.replaced,
             recorder=self.ctx.recorder,
+            carried_groups=self._carried_groups(generation),
         )
         hooks = GenerationHooks(
             on_joined=self._joined,
@@ -543,6 +548,20 @@ class WorkerDaemon:
             sync_models=lambda op_ctx: sync_models(op_ctx, self.ctx.uploads),
         )
         return Generation(spec, hooks).start()
+
+    def _carried_groups(self, generation: int) -> dict[int, tuple[int, ...]] | None:
+        """For a generation a drain carried over (every rank of the cluster decides alike,
+        from its history): the groups this worker held in the one before it, if only
+        carried-over generations came between (else none); None when not carried over."""
+        history = {r.generation: r for r in self._cluster.history} if self._cluster else {}
+        record = history.get(generation)
+        if record is None or not record.carried_over:
+            return None
+        held_in, groups = self._retired_groups
+        between = range(held_in + 1, generation + 1)
+        if not held_in or not all(g in history and history[g].carried_over for g in between):
+            return {}
+        return dict(groups)
 
     def _joined(self, generation: int) -> None:
         with self._lock:

@@ -18,4 +18,5 @@ Modules:
 * ``process_groups``: building a generation's process groups, and the bound on its sub-groups
 * ``device_completion``: an accelerator data group whose wait means completion on the device
 * ``model_sync``: a generation's first step: every rank serves the newest model versions
+* ``carried_groups``: a generation a drain carried over rebuilds the groups of the one before
 """

@@ -8,8 +8,11 @@ one rank is reported, with its reason, on all.
 
 from __future__ import annotations
 
+import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import torch
@@ -31,6 +34,7 @@ __all__ = [
     "agree",
     "agree_with",
     "RankOutcome",
+    "all_gather_json",
     "all_gather_rows",
     "exchange_rows",
 ]
@@ -217,3 +221,17 @@ def exchange_rows(
     gathered = all_gather_rows(pg, rows.contiguous().view(-1), size, before)
     values = gathered.view(size, n, INFO_LEN).tolist()
     return [[decode_info(v) for v in by_rank] for by_rank in values]
+
+
+def all_gather_json(call: Callable[..., Any], control: object, size: int, value: object) -> list:
+    """Every rank's ``value`` (JSON-able), by rank: its length, then its bytes padded to
+    the longest, on the control group. ``call`` runs a collective with the op's
+    failure handling (``OpContext.call``)."""
+    data = json.dumps(value).encode()
+    length = torch.tensor([len(data)], dtype=torch.int64, device="cpu")
+    sizes = call(all_gather_rows, control, length, size)
+    row = torch.zeros(int(sizes.max()), dtype=torch.uint8, device="cpu")  # the control group
+    if data:
+        row[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    rows = call(all_gather_rows, control, row, size)
+    return [json.loads(bytes(rows[r, : int(sizes[r])].tolist())) for r in range(size)]

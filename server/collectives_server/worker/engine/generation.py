@@ -44,6 +44,7 @@ from collectives.wire.op_specs import OpKind
 from collectives_server.worker.data.replaced_memory import ReplacedMemory, pool_bytes
 from collectives_server.worker.data.store import TensorStore
 from collectives_server.worker.engine import descriptor
+from collectives_server.worker.engine.carried_groups import rebuild_groups
 from collectives_server.worker.engine.control_channel import ControlChannel
 from collectives_server.worker.engine.descriptor import Announced
 from collectives_server.worker.engine.flight_recorder import FlightRecorder, FlightSlot
@@ -118,6 +119,10 @@ class GenerationSpec:
     replaced: ReplacedMemory | None = None
     # The worker's flight recorder (flight_recorder.py); None: nothing recorded.
     recorder: FlightRecorder | None = None
+    # A generation a drain carried over (rank for rank the one before): the groups this
+    # rank held in the one before (id -> global ranks), rebuilt as its first step
+    # (carried_groups.py). None: not carried over, no groups kept.
+    carried_groups: dict[int, tuple[int, ...]] | None = None
 
 
 @dataclass(frozen=True)
@@ -199,6 +204,11 @@ class Generation:
         its last op is over, on this rank, and nothing more runs in it."""
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
+
+    def held_groups(self) -> dict[int, tuple[int, ...]]:
+        """The sub-groups this rank holds (id -> global ranks), group 0 aside."""
+        with self._cond:
+            return {gid: tuple(e.ranks) for gid, e in self.groups.items() if gid != 0}
 
     @property
     def queue_depth(self) -> int:
@@ -405,6 +415,10 @@ class Generation:
         )
         if self._hooks.sync_models is not None:
             self._hooks.sync_models(ctx)
+        if self._spec.carried_groups is not None:
+            next_id = rebuild_groups(ctx, self._spec.carried_groups)
+            with self._cond:
+                self._next_group_id = max(self._next_group_id, next_id)
         self.ready.set()
         self._hooks.on_joined(self.generation)
         log.info(

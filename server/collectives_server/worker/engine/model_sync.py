@@ -34,7 +34,6 @@ group here breaks the generation, like any op.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections.abc import Callable
@@ -206,20 +205,8 @@ def _optimizer_tensors(model: HostedModel) -> dict[str, torch.Tensor]:
     }
 
 
-def _all_gather_json(ctx: OpContext, value: object) -> list[dict]:
-    data = json.dumps(value).encode()
-    sizes = ctx.call(
-        agreement.all_gather_rows,
-        ctx.control,
-        torch.tensor([len(data)], dtype=torch.int64, device="cpu"),
-        ctx.world_size,
-    )
-    longest = int(sizes.max())
-    row = torch.zeros(longest, dtype=torch.uint8, device="cpu")
-    if data:
-        row[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    rows = ctx.call(agreement.all_gather_rows, ctx.control, row, ctx.world_size)
-    return [json.loads(bytes(rows[r, : int(sizes[r])].tolist())) for r in range(ctx.world_size)]
+def _all_gather_json(ctx: OpContext, value: object) -> list:
+    return agreement.all_gather_json(ctx.call, ctx.control, ctx.world_size, value)
 
 
 def _broadcast_archive(ctx: OpContext, name: str, src: _Held, source: int) -> torch.Tensor:
