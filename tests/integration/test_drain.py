@@ -215,3 +215,28 @@ def test_a_group_made_before_a_drain_works_after_it(fresh_cluster, gen) -> None:
     cluster.scatter("grp/s", parts, group=group)
     assert_tensor(cluster.get("grp/s", rank=2), parts[3:], what="scatter over the old group")
     cluster.destroy_group(group)
+
+
+def test_gradients_not_yet_reduced_move_with_the_rank(fresh_cluster, gen) -> None:
+    """A client's backward leaves each rank its own gradients; a drain before the
+    all_reduce_gradients hands the drained rank's to its successor, so the reduction
+    equals the local full-batch gradients (without them it would miss a share)."""
+    _, cluster = fresh_cluster(2, "--spares", "1", *FLAGS)
+    wait_until(lambda: len(_spares(cluster)) == 1, 30, "the spare to be listed")
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    local = copy.deepcopy(model)
+    cluster.load_model("grads/m", model, example_inputs=(torch.randn(4, 6),))
+    x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
+    cluster.zero_grad("grads/m")
+    functional.mse_loss(cluster.data_parallel("grads/m")(x), y, reduction="sum").backward()
+    before = cluster.gradients("grads/m", rank=1)
+    assert before, "rank 1 computed its shard's gradients"
+    cluster.drain(cluster.workers()[1].address)
+    assert cluster.gradients("grads/m", rank=1).keys() == before.keys()
+    cluster.all_reduce_gradients("grads/m", op="sum")
+    functional.mse_loss(local(x), y, reduction="sum").backward()
+    for rank in range(cluster.world_size):
+        got = cluster.gradients("grads/m", rank=rank)
+        for key, param in local.named_parameters():
+            torch.testing.assert_close(got[key], param.grad, rtol=1e-4, atol=1e-5)

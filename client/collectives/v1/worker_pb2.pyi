@@ -193,24 +193,36 @@ class HandoffRequest(_message.Message):
     def __init__(self, generation_after: _Optional[int] = ...) -> None: ...
 
 class HandoffManifest(_message.Message):
-    __slots__ = ("tensors", "bulk_port", "total_bytes", "models")
+    __slots__ = ("tensors", "bulk_port", "total_bytes", "models", "gradients")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    GRADIENTS_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorHeader]
     bulk_port: int
     total_bytes: int
     models: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorHeader, _Mapping]]] = ..., bulk_port: _Optional[int] = ..., total_bytes: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ...) -> None: ...
+    gradients: _containers.RepeatedCompositeFieldContainer[HandoffGradient]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorHeader, _Mapping]]] = ..., bulk_port: _Optional[int] = ..., total_bytes: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., gradients: _Optional[_Iterable[_Union[HandoffGradient, _Mapping]]] = ...) -> None: ...
+
+class HandoffGradient(_message.Message):
+    __slots__ = ("model", "header")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    header: _tensor_pb2.TensorHeader
+    def __init__(self, model: _Optional[str] = ..., header: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ...) -> None: ...
 
 class HandoffTensorRequest(_message.Message):
-    __slots__ = ("generation_after", "name")
+    __slots__ = ("generation_after", "name", "model")
     GENERATION_AFTER_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     generation_after: int
     name: str
-    def __init__(self, generation_after: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, generation_after: _Optional[int] = ..., name: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class DeleteTensorRequest(_message.Message):
     __slots__ = ("name", "missing_ok")

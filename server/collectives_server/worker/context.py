@@ -93,6 +93,9 @@ class WorkerContext:
     forwards: ForwardLoad = field(default_factory=ForwardLoad)
     # What this worker offers its successor while it is being drained (handoff.py).
     handoff: HandoffSource = field(default_factory=HandoffSource)
+    # As a drain's successor: the drained rank's gradients by model and parameter, set
+    # once each model is hosted here (engine.model_sync takes them).
+    handoff_gradients: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     # The bulk data plane; None without one (TLS, or --no-bulk) and before start.
     bulk: BulkListener | None = None
     # The data-plane calls in progress (--max-data-streams); None before start.

@@ -545,7 +545,9 @@ class WorkerDaemon:
             on_data_collectives=self.ctx.stats.record_data_collectives,
             on_fused=self.ctx.stats.record_fused,
             on_straggler=self.ctx.stats.record_straggler,
-            sync_models=lambda op_ctx: sync_models(op_ctx, self.ctx.uploads),
+            sync_models=lambda op_ctx: sync_models(
+                op_ctx, self.ctx.uploads, self.ctx.handoff_gradients
+            ),
         )
         return Generation(spec, hooks).start()
 

@@ -20,10 +20,11 @@ import torch
 
 from collectives.errors import CollectiveError
 from collectives.v1 import coordinator_pb2
+from collectives.wire.names import FUNCTION_PREFIX
 from collectives.wire.security import ChannelSecurity
 from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.engine.generation import Generation
-from collectives_server.worker.transport.handoff import copy_from
+from collectives_server.worker.transport.handoff import HandoffCopy, copy_from
 
 __all__ = ["DrainRole", "pending_handoff"]
 
@@ -62,7 +63,7 @@ class DrainRole:
         self._bytes_copied = 0  # while copying, as the successor
         # The copy, as the successor, until the coordinator says the drain completed:
         # installed then (settle), dropped if it was called off.
-        self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._staged: tuple[int, HandoffCopy] | None = None
         self.drained = False  # drained and the handoff completed: this worker stops
 
     @property
@@ -123,7 +124,7 @@ class DrainRole:
             self._ctx.store.reopen()
 
     def _install_if_completed(
-        self, cluster: coordinator_pb2.Cluster, generation_after: int, tensors: dict
+        self, cluster: coordinator_pb2.Cluster, generation_after: int, copied: HandoffCopy
     ) -> None:
         """The successor's copy becomes its store only if the coordinator recorded the
         drain as completed onto this worker; a drain called off leaves nothing behind
@@ -137,8 +138,20 @@ class DrainRole:
         if not completed:
             log.warning("drain: called off; the copied tensors are dropped")
             return
-        self._ctx.store.install(tensors)
-        log.info("drain: installed %d tensors for generation %d", len(tensors), generation_after)
+        self._ctx.store.install(copied.tensors)
+        # The models come from the peers as this worker joins; their gradients, the
+        # drained rank's own, are set once each is hosted (engine.model_sync).
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        for (model, key), grad in copied.gradients.items():
+            pending.setdefault(model, {})[key] = grad
+        self._ctx.handoff_gradients.clear()
+        self._ctx.handoff_gradients.update(pending)
+        log.info(
+            "drain: installed %d tensors (and %d models' gradients) for generation %d",
+            len(copied.tensors),
+            len(pending),
+            generation_after,
+        )
 
     def _offer(self, handoff: coordinator_pb2.Handoff, retired: Generation | None) -> None:
         """The drained worker: once its last op ended, close the store and offer it."""
@@ -158,7 +171,7 @@ class DrainRole:
                 f"this worker was drained: rank {handoff.rank} now belongs to {to}; retry"
             )
             tensors = self._ctx.store.contents()
-            self._ctx.handoff.offer(handoff.generation_after, tensors)
+            self._ctx.handoff.offer(handoff.generation_after, tensors, self._gradients())
         log.info("drain: offering %d tensors to %s", len(tensors), to)
         if not handoff.successor_id:
             self._report(
@@ -166,6 +179,19 @@ class DrainRole:
                     generation_after=handoff.generation_after, ok=True, lost=sorted(tensors)
                 )
             )
+
+    def _gradients(self) -> dict[tuple[str, str], torch.Tensor]:
+        """A copy of every hosted model's gradients, by (model, parameter): this rank's
+        own until a reduction (a client's backward not yet all-reduced)."""
+        out = {}
+        for model in self._ctx.models.all():
+            if model.name.startswith(FUNCTION_PREFIX):
+                continue
+            with model.lock:
+                for key, param in model.parameters:
+                    if param.grad is not None:
+                        out[(model.name, key)] = param.grad.detach().clone()
+        return out
 
     def _copy(self, handoff: coordinator_pb2.Handoff, retired: Generation | None) -> None:
         """The successor: copy everything, stage it (all or nothing), report."""
@@ -187,7 +213,7 @@ class DrainRole:
             # handoff: until then the drain may still be called off (settle).
             with self._lock:
                 if self._generation_after == handoff.generation_after:
-                    self._staged = (handoff.generation_after, copied.tensors)
+                    self._staged = (handoff.generation_after, copied)
             log.info(
                 "drain: took rank %d with %d tensors (%d bytes) in %.3f s",
                 handoff.rank,

@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -91,9 +91,15 @@ class _Held:
         return Batching(max_rows=int(max_rows), max_delay_ms=float(max_delay_ms))
 
 
-def sync_models(ctx: OpContext, uploads: ModelUploads) -> int:
+def sync_models(
+    ctx: OpContext,
+    uploads: ModelUploads,
+    gradients: dict[str, dict[str, torch.Tensor]] | None = None,
+) -> int:
     """Brings every rank to the newest version of every model; returns how many models
-    this rank is receiving (hosted now, or being built in the background)."""
+    this rank is receiving (hosted now, or being built in the background).
+    ``gradients``: a drain's successor's, by model and parameter (the drained rank's
+    own), set on each model as it arrives (and taken out of the mapping)."""
     everyone = [
         {name: _Held(**held) for name, held in inventory.items()}
         for inventory in _all_gather_json(ctx, _inventory(ctx))
@@ -123,6 +129,8 @@ def sync_models(ctx: OpContext, uploads: ModelUploads) -> int:
                 _Arrival(name, src, newest, weights, archive, ctx.rank in rebuild, optimizer)
             )
     for arrival in arrivals:
+        if gradients:
+            arrival.gradients = gradients.pop(arrival.name, {})
         if arrival.rebuild:
             _build_in_background(ctx, uploads, arrival)
         else:
@@ -142,6 +150,8 @@ class _Arrival:
     rebuild: bool
     # The source's optimizer state tensors by key (_optimizer_inventory); None: none.
     optimizer: dict[str, torch.Tensor] | None = None
+    # A drain's successor: the drained rank's gradients of this model, by parameter.
+    gradients: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _inventory(ctx: OpContext) -> dict[str, dict]:
@@ -295,11 +305,21 @@ def _commit(held: HostedModel | None, arrival: _Arrival) -> bool:
             model_versions.commit(held, staged, arrival.version)
             if arrival.optimizer is not None:
                 _install_optimizer(held, arrival)
+            _set_gradients(held, arrival.gradients)
     except Exception as exc:
         log.error("cannot take model %r at version %d: %s", arrival.name, arrival.version, exc)
         return False
     log.info("received model %r at version %d from a peer", arrival.name, arrival.version)
     return True
+
+
+def _set_gradients(held: HostedModel, gradients: dict[str, torch.Tensor]) -> None:
+    """The drained rank's gradients as this model's (the caller holds its lock): a
+    parameter's whose shape and dtype match; the arena adopts them at its next use."""
+    for key, param in held.parameters:
+        grad = gradients.get(key)
+        if grad is not None and grad.shape == param.shape and grad.dtype == param.dtype:
+            param.grad = grad.to(param.device)
 
 
 def _install_optimizer(held: HostedModel, arrival: _Arrival) -> None:

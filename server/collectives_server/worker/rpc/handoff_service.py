@@ -36,14 +36,21 @@ class HandoffRpcs:
             header = codec.make_header(name, tensor)
             manifest.tensors.append(header)
             manifest.total_bytes += header.nbytes
+        for (model, key), grad in sorted(self._ctx.handoff.gradients(r.generation_after).items()):
+            header = codec.make_header(key, grad)
+            manifest.gradients.add(model=model, header=header)
+            manifest.total_bytes += header.nbytes
         return manifest
 
     @_guard
     def HandoffTensor(
         self, r: worker_pb2.HandoffTensorRequest, context
     ) -> worker_pb2.GetTensorBulkResponse:
-        validate_name(r.name)
-        tensor = self._ctx.handoff.tensor(r.generation_after, r.name)
+        if r.model:
+            validate_name(r.model, "model name")
+        else:
+            validate_name(r.name)
+        tensor = self._ctx.handoff.tensor(r.generation_after, r.name, r.model)
         remaining = context.time_remaining()
         ttl = self._ctx.op_timeout_s if remaining is None else min(remaining, _MAX_WAIT_S)
         answer = tensor_answer(r.name, tensor, None, self._ctx.bulk, max(ttl, 0.0))

@@ -59,6 +59,13 @@ class ModelRpcs:
         self._ctx = ctx
         self._leader = leader
 
+    def _hosted(self, name: str, context) -> HostedModel:
+        """The model ``name``; one a peer is still sending here (this worker joined the
+        generation without it) is waited for, within the call's deadline."""
+        remaining = context.time_remaining()
+        wait_s = self._ctx.op_timeout_s if remaining is None else max(remaining, 0.0)
+        return self._ctx.models.get(name, wait_s=min(wait_s, self._ctx.op_timeout_s))
+
     @_guard
     @_counted("load_model")
     def LoadModel(self, request_iterator, context) -> worker_pb2.LoadModelResponse:
@@ -111,7 +118,7 @@ class ModelRpcs:
         validate_name(request.name, "model name")
         if request.mode not in (worker_pb2.MODEL_MODE_TRAIN, worker_pb2.MODEL_MODE_EVAL):
             raise InvalidArgument("SetModelMode needs mode MODEL_MODE_TRAIN or MODEL_MODE_EVAL")
-        model = self._ctx.models.get(request.name)
+        model = self._hosted(request.name, context)
         model.set_mode(request.mode == worker_pb2.MODEL_MODE_TRAIN)  # builds (or refuses) it now
         return worker_pb2.SetModelModeResponse(model=_model_info(model))
 
@@ -194,7 +201,7 @@ class ModelRpcs:
     @_guard
     @_counted("zero_grad")
     def ZeroGrad(self, request, context) -> worker_pb2.ZeroGradResponse:
-        model = self._ctx.models.get(request.model)
+        model = self._hosted(request.model, context)
         with model.lock:
             model.module.zero_grad(set_to_none=True)
             model.grads_are_shares = False
@@ -203,7 +210,7 @@ class ModelRpcs:
     @_guard
     @_counted("step")
     def Step(self, request, context) -> worker_pb2.StepResponse:
-        model = self._ctx.models.get(request.model)
+        model = self._hosted(request.model, context)
         hyper = _json_object(request.hyper_json, "optimizer hyperparameters")
         check_max_grad_norm(request.max_grad_norm)
         with model.lock:
@@ -218,7 +225,7 @@ class ModelRpcs:
     @_guard_stream
     @_counted("model_tensors")
     def GetModelTensors(self, request, context) -> Iterator[bytes]:
-        model = self._ctx.models.get(request.model)
+        model = self._hosted(request.model, context)
         with model.lock:
             if request.which == "gradients":
                 tensors = {
@@ -237,7 +244,7 @@ class ModelRpcs:
     @_counted("load_state_dict")
     def LoadStateDict(self, request_iterator, context) -> worker_pb2.LoadStateDictResponse:
         metadata = dict(context.invocation_metadata())
-        model = self._ctx.models.get(metadata.get(MODEL_METADATA_KEY, ""))
+        model = self._hosted(metadata.get(MODEL_METADATA_KEY, ""), context)
         try:
             received = codec.assemble_named_tensors(request_iterator, "LoadStateDict")
             with model.lock:

@@ -34,7 +34,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -60,12 +60,20 @@ class HandoffSource:
         self._cond = threading.Condition()
         self._generation_after = 0
         self._tensors: dict[str, torch.Tensor] = {}
+        self._gradients: dict[tuple[str, str], torch.Tensor] = {}
 
-    def offer(self, generation_after: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Ready: ``tensors`` are what the successor of ``generation_after`` may copy."""
+    def offer(
+        self,
+        generation_after: int,
+        tensors: dict[str, torch.Tensor],
+        gradients: dict[tuple[str, str], torch.Tensor] | None = None,
+    ) -> None:
+        """Ready: ``tensors`` (and the models' ``gradients``, by (model, parameter)) are
+        what the successor of ``generation_after`` may copy."""
         with self._cond:
             self._generation_after = generation_after
             self._tensors = tensors
+            self._gradients = dict(gradients or {})
             self._cond.notify_all()
 
     def withdraw(self) -> None:
@@ -73,7 +81,14 @@ class HandoffSource:
         with self._cond:
             self._generation_after = 0
             self._tensors = {}
+            self._gradients = {}
             self._cond.notify_all()
+
+    def gradients(self, generation_after: int) -> dict[tuple[str, str], torch.Tensor]:
+        """The models' gradients offered to ``generation_after`` (see :meth:`manifest`)."""
+        self.manifest(generation_after, 0.0)
+        with self._cond:
+            return self._gradients
 
     def manifest(self, generation_after: int, timeout_s: float) -> dict[str, torch.Tensor]:
         """The tensors offered to ``generation_after``, waiting up to ``timeout_s`` for
@@ -91,13 +106,18 @@ class HandoffSource:
                 )
             return self._tensors
 
-    def tensor(self, generation_after: int, name: str) -> torch.Tensor:
-        """One offered tensor.
+    def tensor(self, generation_after: int, name: str, model: str = "") -> torch.Tensor:
+        """One offered tensor (with ``model``: that model's gradient of parameter ``name``).
 
         Raises:
             FailedPrecondition: nothing is offered to ``generation_after``.
             NotFound: ``name`` is not among the offered tensors.
         """
+        if model:
+            gradients = self.gradients(generation_after)
+            if (model, name) not in gradients:
+                raise NotFound(f"no gradient of {model!r}'s {name!r} is part of this handoff")
+            return gradients[(model, name)]
         tensors = self.manifest(generation_after, 0.0)
         if name not in tensors:
             raise NotFound(f"tensor {name!r} is not part of this handoff")
@@ -114,6 +134,8 @@ class HandoffCopy:
     seconds: float
     error: str = ""
     models: int = 0  # the drained worker hosted these (they come from the peers)
+    # Their gradients on the drained worker, by (model, parameter).
+    gradients: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
 
     def result(self, generation_after: int) -> coordinator_pb2.HandoffResult:
         """The heartbeat field that reports it."""
@@ -146,6 +168,7 @@ def copy_from(
     ]
     channel = security.open_channel(address, options)
     tensors: dict[str, torch.Tensor] = {}
+    gradients: dict[tuple[str, str], torch.Tensor] = {}
     nbytes = 0
     try:
         stub = worker_pb2_grpc.WorkerStub(channel)
@@ -157,23 +180,31 @@ def copy_from(
         # op to end, before it offers anything, is the handoff's, not the copy's.
         started = time.monotonic()
 
-        def answer_of(name: str) -> grpc.Future:
-            request = worker_pb2.HandoffTensorRequest(generation_after=generation_after, name=name)
+        def answer_of(wanted: tuple[str, str]) -> grpc.Future:
+            model, name = wanted
+            request = worker_pb2.HandoffTensorRequest(
+                generation_after=generation_after, name=name, model=model
+            )
             return stub.HandoffTensor.future(request, timeout=_left(deadline))
 
-        names = [header.name for header in manifest.tensors]
+        wanted = [("", header.name) for header in manifest.tensors]
+        wanted += [(g.model, g.header.name) for g in manifest.gradients]
         with _BulkReader(address, manifest.bulk_port, client_context(security)) as reader:
             # The next tensor's ticket is asked for while this one's bytes arrive.
-            coming = answer_of(names[0]) if names else None
-            for i in range(len(names)):
+            coming = answer_of(wanted[0]) if wanted else None
+            for i, (model, _) in enumerate(wanted):
                 assert coming is not None
                 answer = coming.result()
-                coming = answer_of(names[i + 1]) if i + 1 < len(names) else None
+                coming = answer_of(wanted[i + 1]) if i + 1 < len(wanted) else None
                 meta = codec.check_header(answer.header)
                 if answer.ticket:
-                    tensors[meta.name] = reader.read(answer.ticket, meta, deadline)
+                    got = reader.read(answer.ticket, meta, deadline)
                 else:
-                    tensors[meta.name] = codec.tensor_from_bytes(answer.inline_data, meta)
+                    got = codec.tensor_from_bytes(answer.inline_data, meta)
+                if model:
+                    gradients[(model, meta.name)] = got
+                else:
+                    tensors[meta.name] = got
                 nbytes += meta.nbytes
                 on_bytes(nbytes)
     except grpc.RpcError as err:
@@ -183,7 +214,8 @@ def copy_from(
         return HandoffCopy({}, 0, time.monotonic() - started, f"from {address}: {exc}")
     finally:
         channel.close()
-    return HandoffCopy(tensors, nbytes, time.monotonic() - started, models=len(manifest.models))
+    seconds = time.monotonic() - started
+    return HandoffCopy(tensors, nbytes, seconds, models=len(manifest.models), gradients=gradients)
 
 
 class _BulkReader:
