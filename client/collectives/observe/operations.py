@@ -36,7 +36,9 @@ class Operations:
         straight from it (worker to worker; every dtype and size, shared-memory
         and streamed ones included) and installs them all at once, or none; the
         spare gets every model (its newest version, mode, batching and optimizer
-        state) from its peers as any joining worker does. Ops ordered before the
+        state) from its peers as any joining worker does, with the drained
+        worker's own gradients (a backward not yet reduced), and the groups made
+        before the drain keep their ids and ranks. Ops ordered before the
         change ran on the old member; ops sent for the old generation that never
         ran there are sent again by the SDK on the new one (the operands are
         where they were placed), so callers see results, not errors. The drained

@@ -383,7 +383,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         """Starts a drain, then answers its report once the handoff ended and the next
         generation is ready (or, failed, at once; see the proto)."""
         if self._standby():
-            return self._replication.forward("Drain", request, context)
+            return self._replication.forward("Drain", request, context, long=True)
         timeout_s = request.timeout_s or _DRAIN_TIMEOUT_OP_TIMEOUTS * self._op_timeout_s
         if not 0 < timeout_s <= 3600:
             context.abort(

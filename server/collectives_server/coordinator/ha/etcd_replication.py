@@ -164,8 +164,11 @@ class EtcdReplication:
 
     # ---- forwarding (no lock) ----------------------------------------------------------
 
-    def forward(self, method: str, request: Any, context: grpc.ServicerContext) -> Any:
-        """Sends a worker's write to the leader and returns its answer (or its error)."""
+    def forward(
+        self, method: str, request: Any, context: grpc.ServicerContext, *, long: bool = False
+    ) -> Any:
+        """Sends a write to the leader and returns its answer (or its error); within
+        the forward timeout, or, ``long``, within the caller's own deadline."""
         leader = self.leader
         if not leader or leader == self.leadership.identity:
             context.abort(
@@ -179,6 +182,8 @@ class EtcdReplication:
         ]
         remaining = context.time_remaining()
         timeout = min(_FORWARD_TIMEOUT_S, remaining) if remaining else _FORWARD_TIMEOUT_S
+        if long and remaining:
+            timeout = remaining
         try:
             return getattr(stub, method)(request, timeout=timeout, metadata=metadata)
         except grpc.RpcError as err:

@@ -81,8 +81,11 @@ class Replication(Protocol):
         """Records the state before anyone sees it; False when it must wait."""
         ...
 
-    def forward(self, method: str, request: Any, context: grpc.ServicerContext) -> Any:
-        """A standby's answer to a worker's write: the leader's."""
+    def forward(
+        self, method: str, request: Any, context: grpc.ServicerContext, *, long: bool = False
+    ) -> Any:
+        """A standby's answer to a write: the leader's. ``long``: a call that runs as long
+        as its caller allows (a drain), not a write answered at once."""
         ...
 
     def close(self) -> None:
@@ -116,7 +119,9 @@ class InMemory:
     ) -> bool:
         return True  # nothing to record: this process's memory is the store
 
-    def forward(self, method: str, request: Any, context: grpc.ServicerContext) -> Any:
+    def forward(
+        self, method: str, request: Any, context: grpc.ServicerContext, *, long: bool = False
+    ) -> Any:
         raise AssertionError(f"{method}: a memory store's coordinator always leads")
 
     def close(self) -> None:
