@@ -177,6 +177,8 @@ class Generation:
         self.groups: dict[int, GroupEntry] = {0: GroupEntry(0, list(range(spec.world_size)), None)}
         self.ready = threading.Event()
         self.finished = threading.Event()
+        # Set once no op runs in it any more (before its groups are released).
+        self._ops_over = threading.Event()
         self.failure: str | None = None
         self.busy = False
         self._thread = threading.Thread(
@@ -200,10 +202,10 @@ class Generation:
             self._cond.notify_all()
 
     def wait_ended(self, timeout_s: float) -> bool:
-        """Whether this generation's thread ended (after :meth:`stop`) within ``timeout_s``:
-        its last op is over, on this rank, and nothing more runs in it."""
-        self._thread.join(timeout_s)
-        return not self._thread.is_alive()
+        """Whether this generation's ops ended (after :meth:`stop`) within ``timeout_s``:
+        its last op is over, on this rank, and nothing more runs in it (its groups may
+        still be being released)."""
+        return self._ops_over.wait(timeout_s)
 
     def held_groups(self) -> dict[int, tuple[int, ...]]:
         """The sub-groups this rank holds (id -> global ranks), group 0 aside."""
@@ -333,6 +335,7 @@ class Generation:
                     failure,
                 )
         finally:
+            self._ops_over.set()
             # End every group of this generation now (NCCL: aborted); their sockets and
             # threads go with them.
             release_groups(self.groups)
