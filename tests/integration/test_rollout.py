@@ -60,7 +60,7 @@ class Load:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.failures: list[str] = []
-        self.calls: list[tuple[float, float]] = []  # (start, latency)
+        self.calls: list[tuple[float, float, int]] = []  # (start, latency, client)
         self._threads = [
             threading.Thread(target=self._run, args=(body, i), daemon=True)
             for i, body in enumerate((self._infer, self._infer, self._reduce, self._put_get))
@@ -79,7 +79,17 @@ class Load:
 
     def latencies(self, since: float, until: float) -> list[float]:
         with self._lock:
-            return [lat for start, lat in self.calls if since <= start < until]
+            return [lat for start, lat, _ in self.calls if since <= start < until]
+
+    def slowest(self, since: float, until: float) -> tuple[float, str]:
+        """The slowest call in the window, and which client's it was."""
+        kinds = ("dp(x)", "dp(x)", "all_reduce", "put/get")
+        with self._lock:
+            window = [(lat, i) for start, lat, i in self.calls if since <= start < until]
+        if not window:
+            return 0.0, "-"
+        lat, i = max(window)
+        return lat, kinds[i]
 
     def _run(self, body: Callable[[collectives.Cluster, torch.Generator, int], None], i: int):
         gen = torch.Generator().manual_seed(1000 + i)
@@ -103,7 +113,7 @@ class Load:
                         )
                 else:
                     with self._lock:
-                        self.calls.append((started, time.monotonic() - started))
+                        self.calls.append((started, time.monotonic() - started, i))
                 n += 1
 
     def _infer(self, client: collectives.Cluster, gen: torch.Generator, n: int) -> None:
@@ -171,7 +181,8 @@ def _report(what: str, load: Load, steady: tuple[float, float], change: tuple[fl
         + ", ".join(f"{s * 1000:.0f} ms" for s in handoffs)
         + f"; p99 steady {_p99(before) * 1000:.1f} ms ({len(before)} calls), during "
         f"{_p99(during) * 1000:.1f} ms ({len(during)} calls), ratio "
-        f"{_p99(during) / max(_p99(before), 1e-9):.2f}"
+        f"{_p99(during) / max(_p99(before), 1e-9):.2f}; the slowest during: "
+        "{:.0f} ms ({})".format(load.slowest(*change)[0] * 1000, load.slowest(*change)[1])
     )
 
 
