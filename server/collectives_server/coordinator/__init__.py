@@ -13,6 +13,7 @@ Modules:
 * ``dashboard/``: the coordinator's web dashboard
 * ``ha/``: coordinators in an HA set on etcd: one leader decides, standbys follow
 * ``membership``: membership and generations of a cluster, as pure decisions
+* ``drain_rules``: the membership's drains: a rank handed to a spare, and how a handoff ends
 * ``metrics``: the coordinator's Prometheus metrics, computed at scrape time from the membership
 * ``registration``: size limits on what a worker may store in the coordinator, checked before
   anything is stored

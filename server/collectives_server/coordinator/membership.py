@@ -31,16 +31,8 @@ Rules (docs: ARCHITECTURE.md, "Membership, failure, time"):
   key differs from the last one published bumps ``version`` at once; otherwise the
   status is stored (GetCluster shows it) and published with the worker's next
   change, or after ``status_refresh_s`` at the latest.
-* A *drain* (:meth:`Membership.drain`) hands a member's rank to the first live
-  spare: generation g+1 is sealed at once with the spare in that rank, and a
-  *handoff* is pending: nobody should join g+1 until the successor reports that it
-  copied the drained worker's tensors (:meth:`Membership.handoff_result`). Then
-  g+1 is marked ``carried_over`` and the drained worker, excluded from every later
-  generation, leaves. With ``shrink`` and no spare, g+1 is sealed without the rank
-  and the drained worker reports what it held. A handoff that fails, runs out of
-  time, or loses a worker it needs is called off: while the drained worker is
-  live its rank goes back to it in g+2 (``carried_over``: no op ran in g+1).
-  While a handoff is pending no other decision is taken (losses aside).
+* A *drain* hands a member's rank to a spare with everything it holds; its rules
+  are in :mod:`.drain_rules` (a base of :class:`Membership`).
 * The last :data:`HISTORY_LEN` sealed generations are kept (time, size, members,
   reason), and ``events`` counts workers joined, lost and left, for metrics.
 * One generation number names one membership: only :meth:`Membership._seal`
@@ -63,12 +55,11 @@ import collections
 import dataclasses
 from typing import Any
 
+from collectives_server.coordinator.drain_rules import DRAINS_KEPT, DrainRules
 from collectives_server.coordinator.vocabulary import (
     ClusterView,
-    DrainRefusedError,
     DrainReport,
     Handoff,
-    HandoffOutcome,
     InvalidRequestError,
     Outcome,
     SealedGeneration,
@@ -107,13 +98,11 @@ __all__ = [
 
 # Sealed generations kept for Cluster.history.
 HISTORY_LEN = 50
-# Drain reports kept for Cluster.drains.
-DRAINS_KEPT = 20
 # A worker's status whose only changes are memory readings is published this often.
 STATUS_REFRESH_S = 10.0
 
 
-class Membership:
+class Membership(DrainRules):
     """The registry of workers and the generation they form. Not thread-safe.
 
     ``id_prefix`` makes worker ids unique across coordinator restarts (a worker
@@ -263,17 +252,6 @@ class Membership:
             drains=tuple(self._drains),
             drains_completed=self.drains_completed,
             drain_bytes_total=self.drain_bytes_total,
-        )
-
-    def _handoff_addresses(self) -> tuple[str, str]:
-        h = self._handoff
-        if h is None:
-            return ("", "")
-        drained = self._workers.get(h.drained)
-        successor = self._workers.get(h.successor) if h.successor else None
-        return (
-            drained.address if drained is not None else "",
-            successor.address if successor is not None else "",
         )
 
     @property
@@ -439,207 +417,6 @@ class Membership:
             return Outcome(changed=False, reason=f"{worker_id} was no longer live")
         return self._finish(now, True, "; ".join(reasons))
 
-    def drain(self, now: float, worker: str, *, shrink: bool = False, timeout_s: float) -> Outcome:
-        """Starts handing ``worker``'s rank (its id or address) to the first live spare.
-
-        Seals the next generation at once, with the spare in that rank (or, with
-        ``shrink`` and no spare, without the rank), and leaves a handoff pending
-        that is called off if it has not ended within ``timeout_s``.
-
-        Raises:
-            DrainRefusedError: no such live worker (``not_found``); it is not a
-                member, the cluster is not formed, a drain is in progress, or no
-                spare is live and not ``shrink`` (``failed_precondition``).
-        """
-        self._check_deciding("drain")
-        expired = self._expire(now)
-        if expired:
-            self._finish(now, True, "; ".join(expired))
-        named = (x for x in self._workers.values() if worker in (x.worker_id, x.address))
-        w = next((x for x in named if not x.lost), None)
-        if w is None:
-            raise DrainRefusedError("not_found", f"no live worker {worker!r} to drain")
-        refusal = self._drain_refusal(w)
-        if refusal:
-            raise DrainRefusedError("failed_precondition", refusal)
-        rank = self._members.index(w.worker_id)
-        spare = self._spares()[0] if self._spares() else None
-        if spare is None and not shrink:
-            raise DrainRefusedError(
-                "failed_precondition",
-                f"no spare is live to take rank {rank} of {w.worker_id} at {w.address}: start "
-                "one (collectives-server local --spares K, or a worker beyond --max-workers), "
-                "or drain with shrink=True to let the rank leave",
-            )
-        if spare is None and len(self._members) - 1 < self.min_workers:
-            raise DrainRefusedError(
-                "failed_precondition",
-                f"shrinking would leave {len(self._members) - 1} members, below "
-                f"--min-workers {self.min_workers}",
-            )
-        before = self._generation
-        held = w.status
-        w.drained = True
-        if spare is None:
-            candidates = [m for m in self._members if m != w.worker_id]
-            why = f"drain of {w.worker_id} at {w.address} (rank {rank}), shrinking: no spare"
-        else:
-            candidates = list(self._members)
-            candidates[rank] = spare.worker_id
-            why = f"drain of {w.worker_id} at {w.address}: rank {rank} to spare {spare.worker_id}"
-        decision = self._seal(candidates, why)
-        self._handoff = Handoff(
-            drained=w.worker_id,
-            successor=spare.worker_id if spare is not None else "",
-            rank=rank,
-            generation_before=before,
-            generation_after=self._generation,
-            started_at=now,
-            deadline=now + timeout_s,
-            total_tensors=int(held.tensors_held) if held is not None else 0,
-            total_bytes=int(held.bytes_held) if held is not None else 0,
-        )
-        return self._finish(now, True, decision)
-
-    def _drain_refusal(self, w: WorkerRecord) -> str:
-        if self._handoff is not None:
-            h = self._handoff
-            return (
-                f"a drain is in progress (rank {h.rank} of {h.drained}, into generation "
-                f"{h.generation_after}); drain one worker at a time"
-            )
-        if not self._formed:
-            return f"the cluster is not formed ({self._status}): there is no rank to hand over"
-        if w.worker_id not in self._member_set:
-            return (
-                f"{w.worker_id} at {w.address} is not a member (a spare or joining): "
-                "it holds no rank"
-            )
-        return ""
-
-    def _spares(self) -> list[WorkerRecord]:
-        """Live workers outside the generation that may take a rank, in registration order."""
-        return sorted(
-            (
-                w
-                for w in self._workers.values()
-                if not w.lost and not w.drained and w.worker_id not in self._member_set
-            ),
-            key=lambda w: w.order,
-        )
-
-    def handoff_result(self, now: float, worker_id: str, result: HandoffOutcome) -> Outcome:
-        """Ends the pending handoff with what ``worker_id`` (its reporter) reported;
-        a report for no pending handoff, or from another worker, changes nothing."""
-        self._check_deciding("handoff_result")
-        h = self._handoff
-        if h is None or worker_id != h.reporter or result.generation_after != h.generation_after:
-            return Outcome(changed=False, reason=f"stale handoff report from {worker_id}")
-        if not result.ok:
-            why = f"the handoff failed on {worker_id}: {result.error or 'no reason given'}"
-            return self._finish(now, True, self._call_off(now, why))
-        self._end_handoff(
-            now,
-            bytes_moved=result.bytes,
-            tensors_moved=result.tensors,
-            models_moved=0 if h.shrink else result.models,
-            lost=result.lost,
-            copy_seconds=result.seconds,
-        )
-        if not h.shrink:
-            self._mark_carried_over(h.generation_after)
-        self.drains_completed += 1
-        self.drain_bytes_total += result.bytes
-        what = (
-            f"{plural(len(result.lost), 'tensor')} lost with the rank"
-            if h.shrink
-            else f"{plural(result.tensors, 'tensor')} ({result.bytes} bytes) moved"
-        )
-        return self._finish(now, True, f"drain of {h.drained} completed: {what}")
-
-    def call_off_handoff(self, now: float, why: str) -> Outcome:
-        """Calls the pending handoff off (its drain failed: ``why``); nothing if none."""
-        self._check_deciding("call_off_handoff")
-        if self._handoff is None:
-            return Outcome(changed=False, reason="no handoff to call off")
-        return self._finish(now, True, self._call_off(now, why))
-
-    def _call_off(self, now: float, why: str) -> str:
-        """Ends the pending handoff as failed. A live drained worker gets its rank back in
-        a new generation (carried over: nobody joined the one that failed); a lost one's
-        rank stays with its successor, empty, as after a crash. Returns the reason."""
-        h = self._handoff
-        assert h is not None
-        drained = self._workers.get(h.drained)
-        successor = self._workers.get(h.successor) if h.successor else None
-        back = drained is not None and not drained.lost
-        if not back:
-            why = (
-                f"{why}; the drained worker is gone and rank {h.rank}'s tensors with it "
-                "(the rank stays with its successor, empty, as after a crash)"
-            )
-        self._end_handoff(now, error=why)
-        if not back:
-            return f"drain of {h.drained} failed: {why}"
-        assert drained is not None
-        drained.drained = False
-        # Carried over only when nobody else was lost meanwhile: every rank comes back.
-        whole = len(self._members) + (1 if h.shrink else 0)
-        members = [m for m in self._members if self._live(m) is not None]
-        if h.shrink:
-            members.insert(min(h.rank, len(members)), h.drained)
-        elif successor is not None and h.successor in members:
-            members[members.index(h.successor)] = h.drained
-        else:
-            members.insert(min(h.rank, len(members)), h.drained)
-        carried = len(members) == whole
-        if carried:
-            self._mark_carried_over(h.generation_after)
-        return self._seal(members, f"drain of {h.drained} called off ({why})", carried_over=carried)
-
-    def _end_handoff(
-        self,
-        now: float,
-        *,
-        error: str = "",
-        bytes_moved: int = 0,
-        tensors_moved: int = 0,
-        models_moved: int = 0,
-        lost: tuple[str, ...] = (),
-        copy_seconds: float = 0.0,
-    ) -> None:
-        h = self._handoff
-        assert h is not None
-        self._handoff = None
-        drained = self._workers.get(h.drained)
-        successor = self._workers.get(h.successor) if h.successor else None
-        self._drains.append(
-            DrainReport(
-                worker=drained.address if drained is not None else "",
-                worker_id=h.drained,
-                rank=h.rank,
-                successor=successor.address if successor is not None else "",
-                successor_id=h.successor,
-                generation_before=h.generation_before,
-                generation_after=self._generation,
-                seconds=max(0.0, now - h.started_at),
-                finished_at=now,
-                bytes_moved=bytes_moved,
-                tensors_moved=tensors_moved,
-                models_moved=models_moved,
-                lost=lost,
-                shrink=h.shrink,
-                error=error,
-                copy_seconds=copy_seconds,
-            )
-        )
-        self.events["drains_failed" if error else "drains"] += 1
-
-    def _mark_carried_over(self, generation: int) -> None:
-        for i, record in enumerate(self._history):
-            if record.generation == generation:
-                self._history[i] = dataclasses.replace(record, carried_over=True)
-
     def address_of(self, worker_id: str) -> str | None:
         """The address a live worker registered with (None: not live)."""
         w = self._live(worker_id)
@@ -775,16 +552,6 @@ class Membership:
         if lost:
             self.events["lost"] += len(lost)
         return Outcome(changed=changed, reason=reason, sealed=sealed, lost=lost)
-
-    def _handoff_trouble(self, now: float) -> str:
-        """Why the pending handoff must be called off now ("" while it may go on)."""
-        h = self._handoff
-        assert h is not None
-        if self._handoff_losses:
-            return f"{', '.join(self._handoff_losses)} lost during the handoff"
-        if now >= h.deadline:
-            return f"the handoff did not end within {h.deadline - h.started_at:g} s"
-        return ""
 
     def _settle(self, now: float) -> None:
         """Recomputes what is derived from the state (counts, digest, what time can
