@@ -36,15 +36,19 @@ BIG = [f"race/big/{i}" for i in range(16)]  # 16 x 32 MiB on the drained rank
 
 
 class Calls:
-    """A client all-reducing a tensor resident on every rank until stopped: a call may
-    fail (a rank crashed), but one that succeeds must equal torch's sum."""
+    """A client all-reducing a tensor resident on every rank until stopped. A call may
+    fail (a rank crashed, a newcomer lacks the operand); one that succeeds must equal
+    the sum of what the members of its generation hold: each original worker its own
+    tensor, the successor of a completed drain the drained worker's. A call is judged
+    when the membership did not change while it ran (else the contributors are not
+    known: a refusal or a result over the new members are both correct)."""
 
-    def __init__(self, address: str, world: int, resident: list[torch.Tensor]) -> None:
-        self._address, self._world = address, world
-        self._want = torch.stack(resident).sum(0)
+    def __init__(self, address: str, held: dict[str, torch.Tensor]) -> None:
+        self._address = address
+        self._held = held  # worker id -> its resident tensor, at the start
         self._stop = threading.Event()
         self.wrong: list[str] = []
-        self.ok = self.failed = 0
+        self.ok = self.failed = self.unjudged = self.judged = 0
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> Calls:
@@ -56,20 +60,46 @@ class Calls:
         self._thread.join(timeout=120)
         assert not self._thread.is_alive()
 
+    def _expected(self, view) -> torch.Tensor | None:
+        """The sum over ``view``'s members; None when a member holds no operand."""
+        parts = []
+        for member in view.members:
+            value = self._held.get(member.worker_id)
+            if value is None:
+                took = [
+                    d for d in view.drains if not d.error and d.successor_id == member.worker_id
+                ]
+                value = self._held.get(took[-1].worker_id) if took else None
+            if value is None:
+                return None
+            parts.append(value)
+        return torch.stack(parts).sum(0)
+
     def _run(self) -> None:
         with collectives.connect(self._address, timeout=60) as client:
             n = 0
             while not self._stop.is_set():
                 out = f"race/sum/{n % 3}"
+                before = client.refresh()
                 try:
                     client.all_reduce("race/resident", out=out, timeout=20)
                     got = client.get(out, rank=n % client.world_size, timeout=20)
                 except collectives.CollectiveError:
                     self.failed += 1
-                else:
-                    self.ok += 1
-                    if got.shape != self._want.shape or not torch.allclose(got, self._want):
-                        self.wrong.append(f"call {n}: all_reduce returned another sum")
+                    n += 1
+                    continue
+                after = client.refresh()
+                self.ok += 1
+                if before.generation != after.generation:
+                    self.unjudged += 1
+                    n += 1
+                    continue
+                self.judged += 1
+                want = self._expected(after)
+                if want is None:
+                    self.wrong.append(f"call {n}: succeeded though a member holds no operand")
+                elif got.shape != want.shape or not torch.allclose(got, want, atol=1e-5):
+                    self.wrong.append(f"call {n}: all_reduce returned another sum")
                 n += 1
 
 
@@ -144,13 +174,16 @@ def _by_id(view, worker_id: str):
 def _race(fresh_cluster, gen, victim_of, fault: str) -> None:
     local, cluster, resident, big = _prepared(fresh_cluster, gen)
     originals = {w.worker_id: w.rank for w in cluster.workers() if w.rank >= 0}
-    with Calls(local.address, 3, resident) as calls:
+    held = {w.worker_id: resident[w.rank] for w in cluster.workers() if w.rank >= 0}
+    with Calls(local.address, held) as calls:
         ended, seconds = _drain_racing(local, cluster, victim_of)
         if isinstance(ended, collectives.CollectiveError):
             assert ended.code == grpc.StatusCode.ABORTED, ended  # said why, changed nothing
         else:
             assert ended.error == "" and ended.bytes_moved >= 16 * 32 * 2**20, ended
         victims = {w.worker_id for w in cluster.workers() if w.state == "lost"}
+        done = calls.ok + calls.failed
+        wait_until(lambda: calls.ok + calls.failed > done + 2, 60, "calls after the race")
         _state_is_clean(cluster, {k: v for k, v in originals.items() if k not in victims},
                         resident, big, ended)  # fmt: skip
     assert calls.wrong == [], calls.wrong
