@@ -60,14 +60,9 @@ class Cluster:
     """A connection to a collectives cluster; see :func:`connect`.
 
     ``Cluster(address, timeout)`` connects exactly like ``connect(address, timeout)``.
-    Use it as a context manager, or call :meth:`close`.
-
-    Conventions of every call: ``rank``, ``src`` and ``dst`` are global ranks of
-    the current generation, also with ``group=``; ``out=None`` stores a result
-    under the input name; results come back as CPU tensors; ``timeout`` (seconds)
-    bounds the whole call, None meaning :attr:`default_timeout_s`;
-    ``async_op=True`` returns a :class:`~collectives.Work` at once. Argument
-    checks that need no server raise ``InvalidArgument`` before any RPC.
+    Use it as a context manager, or call :meth:`close`. The conventions every call
+    shares (global ranks, ``out=None``, ``timeout``, ``async_op``) are in
+    ``docs/api.md``, "Conventions shared by every call".
     """
 
     def __init__(
@@ -159,9 +154,6 @@ class Cluster:
     scatter = _delegated("_data_plane", DataPlane.scatter)
 
     # --- collectives ---------------------------------------------------------------
-    # Every collective may also raise Unavailable (a rank was lost, the generation
-    # changed, the cluster is not formed), DeadlineExceeded and ResourceExhausted
-    # (the leader's op queue is full, or a result would exceed a worker's quota).
 
     broadcast = _delegated("_collectives", Collectives.broadcast)
     all_reduce = _delegated("_collectives", Collectives.all_reduce)
