@@ -146,6 +146,12 @@ class TensorStore:
     def closed_for_handoff(self) -> bool:
         return self._closed_why is not None
 
+    def check_open(self) -> None:
+        """Raises UNAVAILABLE (saying why) while a handoff has closed this store: also
+        what must not change the rank's models (their gradients move with it)."""
+        with self._lock:
+            self._check_open()
+
     def contents(self) -> dict[str, torch.Tensor]:
         """Every stored tensor by name (a handoff's source; also while closed)."""
         with self._lock:

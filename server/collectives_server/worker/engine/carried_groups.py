@@ -16,13 +16,8 @@ import logging
 from collections.abc import Mapping, Sequence
 
 from collectives_server.worker.engine import agreement
+from collectives_server.worker.engine.handlers.group_ops import build_group
 from collectives_server.worker.engine.op_context import GroupBroken, GroupEntry, OpContext
-from collectives_server.worker.engine.process_groups import (
-    build_groups,
-    nccl_group,
-    sit_out_split,
-    split_of,
-)
 from collectives_server.worker.kernels import op_failures
 
 __all__ = ["rebuild_groups"]
@@ -40,28 +35,12 @@ def rebuild_groups(ctx: OpContext, held: Mapping[int, Sequence[int]]) -> int:
     # holds none. The lowest rank that names any is taken.
     named = next((t for t in tables if t), {})
     groups = sorted((int(k), sorted(v)) for k, v in named.items())
-    world = ctx.groups[0].handles
-    assert world is not None
     for group_id, ranks in groups:
         if any(not 0 <= r < ctx.world_size for r in ranks):
             log.error("not carrying group %d over: ranks %s outside the world", group_id, ranks)
             continue
-        handles = None
         try:
-            if ctx.rank in ranks:
-                handles = build_groups(
-                    ctx.tcp_store,
-                    f"{ctx.prefix}/grp{group_id}",
-                    ranks.index(ctx.rank),
-                    len(ranks),
-                    ctx.timeout_s,
-                    ctx.device,
-                    ctx.host,
-                    nccl=world.nccl or nccl_group,
-                    split=split_of(world, group_id, ranks),
-                )
-            else:
-                sit_out_split(world, ctx.device)
+            handles = build_group(ctx, group_id, ranks)
         except Exception as exc:
             raise GroupBroken(
                 f"could not carry group {group_id} over: {op_failures.backend_message(exc)}"

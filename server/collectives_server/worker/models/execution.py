@@ -284,6 +284,9 @@ def backward(
             tensors.append(out)
             grads.append(grad.to(out.device, out.dtype))
         with model.lock:
+            # A drained rank hands its gradients over as they are once its store closes
+            # (worker.drain_role, under this lock): none may accumulate after that.
+            store.check_open()
             if tensors:
                 # Gradients accumulate straight into the model's gradient arena, so
                 # all_reduce_gradients reduces them in place (models.GradArena).

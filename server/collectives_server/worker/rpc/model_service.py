@@ -69,6 +69,7 @@ class ModelRpcs:
     @_guard
     @_counted("load_model")
     def LoadModel(self, request_iterator, context) -> worker_pb2.LoadModelResponse:
+        self._ctx.store.check_open()  # a drained rank: its models are handed over
         models, uploads = self._ctx.models, self._ctx.uploads
         with uploads.receive(request_iterator, self._ctx.store) as received:
             spec = received.spec
@@ -106,6 +107,7 @@ class ModelRpcs:
     @_guard
     @_counted("unload_model")
     def UnloadModel(self, request, context) -> worker_pb2.UnloadModelResponse:
+        self._ctx.store.check_open()  # a drained rank: its models are handed over
         validate_name(request.name, "model name")
         unloaded = self._ctx.models.remove(request.name)
         if not unloaded and not request.missing_ok:
@@ -115,6 +117,7 @@ class ModelRpcs:
     @_guard
     @_counted("set_model_mode")
     def SetModelMode(self, request, context) -> worker_pb2.SetModelModeResponse:
+        self._ctx.store.check_open()  # a drained rank: its models are handed over
         validate_name(request.name, "model name")
         if request.mode not in (worker_pb2.MODEL_MODE_TRAIN, worker_pb2.MODEL_MODE_EVAL):
             raise InvalidArgument("SetModelMode needs mode MODEL_MODE_TRAIN or MODEL_MODE_EVAL")
@@ -172,6 +175,7 @@ class ModelRpcs:
     @_guard
     @_counted("backward")
     def Backward(self, request, context) -> worker_pb2.BackwardResponse:
+        self._ctx.store.check_open()  # a drained rank: its models are handed over
         validate_name(request.model, "model name")
         store = self._ctx.store
         _store_inline(store, request.call_id, list(request.inline_grads))
@@ -201,6 +205,7 @@ class ModelRpcs:
     @_guard
     @_counted("zero_grad")
     def ZeroGrad(self, request, context) -> worker_pb2.ZeroGradResponse:
+        self._ctx.store.check_open()  # a drained rank: its models are handed over
         model = self._hosted(request.model, context)
         with model.lock:
             model.module.zero_grad(set_to_none=True)
@@ -210,6 +215,7 @@ class ModelRpcs:
     @_guard
     @_counted("step")
     def Step(self, request, context) -> worker_pb2.StepResponse:
+        self._ctx.store.check_open()  # a drained rank: its models are handed over
         model = self._hosted(request.model, context)
         hyper = _json_object(request.hyper_json, "optimizer hyperparameters")
         check_max_grad_norm(request.max_grad_norm)
@@ -243,6 +249,7 @@ class ModelRpcs:
     @_guard
     @_counted("load_state_dict")
     def LoadStateDict(self, request_iterator, context) -> worker_pb2.LoadStateDictResponse:
+        self._ctx.store.check_open()  # a drained rank: its models are handed over
         metadata = dict(context.invocation_metadata())
         model = self._hosted(metadata.get(MODEL_METADATA_KEY, ""), context)
         try:

@@ -18,6 +18,8 @@ ahead of it in the queue removed fails NOT_FOUND on every rank
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 from collectives.errors import CollectiveError, InvalidArgument, NotFound, ResourceExhausted
@@ -40,7 +42,7 @@ from collectives_server.worker.engine.process_groups import (
 )
 from collectives_server.worker.kernels import op_failures
 
-__all__ = ["run_new_group", "run_destroy_group", "group_not_found", "missing_group"]
+__all__ = ["build_group", "run_new_group", "run_destroy_group", "group_not_found", "missing_group"]
 
 
 def run_new_group(
@@ -54,24 +56,9 @@ def run_new_group(
         check_group_cap(subgroup_count(ctx.groups), ctx.max_groups, ctx.generation)
     except ResourceExhausted as exc:
         code, message = exc.code, exc.message
-    world = ctx.groups[0].handles
-    assert world is not None
     if code == grpc.StatusCode.OK:
         try:
-            if ctx.rank in ranks:
-                handles = build_groups(
-                    ctx.tcp_store,
-                    f"{ctx.prefix}/grp{desc.group_id}",
-                    ranks.index(ctx.rank),
-                    len(ranks),
-                    ctx.timeout_s,
-                    ctx.device,
-                    ctx.host,
-                    nccl=world.nccl or nccl_group,
-                    split=split_of(world, desc.group_id, ranks),
-                )
-            else:
-                sit_out_split(world, ctx.device)
+            handles = build_group(ctx, desc.group_id, ranks)
         except Exception as exc:
             code = grpc.StatusCode.UNAVAILABLE
             message = f"could not build group: {op_failures.backend_message(exc)}"
@@ -80,6 +67,28 @@ def run_new_group(
         return ctx.fail_all(failures)
     ctx.groups[desc.group_id] = GroupEntry(desc.group_id, ranks, handles)
     return OpResult(desc.op_id, ctx.generation, "", ranks, None, (), 0.0)
+
+
+def build_group(ctx: OpContext, group_id: int, ranks: list[int]) -> Any:
+    """Sub-group ``group_id`` of ``ranks`` (global, ascending): its handles on a member,
+    None on a rank outside it (which still takes part in an NCCL split). Every rank
+    of the generation calls it, in the same order. Raises what the backend raises."""
+    world = ctx.groups[0].handles
+    assert world is not None
+    if ctx.rank not in ranks:
+        sit_out_split(world, ctx.device)
+        return None
+    return build_groups(
+        ctx.tcp_store,
+        f"{ctx.prefix}/grp{group_id}",
+        ranks.index(ctx.rank),
+        len(ranks),
+        ctx.timeout_s,
+        ctx.device,
+        ctx.host,
+        nccl=world.nccl or nccl_group,
+        split=split_of(world, group_id, ranks),
+    )
 
 
 def group_not_found(group_id: int, generation: int) -> NotFound:
