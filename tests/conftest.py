@@ -114,7 +114,7 @@ def _assert_no_internal(clusters: list[LocalCluster]) -> None:
     """INTERNAL means a bug of ours: no daemon of a test cluster may log one, whatever
     the tests sent it (hostile input, cancelled calls, expired deadlines)."""
     found = [line for cluster in clusters for line in internal_lines(cluster.log_path)]
-    assert not found, "daemons logged INTERNAL:\n" + "\n".join(found[:20])
+    assert not found, "daemons logged INTERNAL:\n" + "\n".join(found[:120])
 
 
 class ClusterPool:

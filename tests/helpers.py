@@ -112,16 +112,28 @@ def wait_until(
 # ----------------------------------------------------------------------- clusters
 
 
+_LOG_RECORD_START = re.compile(r"^\d{4}-\d{2}-\d{2} ")
+
+
 def internal_lines(log_path: Path) -> list[str]:
-    """The lines of a daemon log that report an INTERNAL status or error."""
+    """The lines of a daemon log that report an INTERNAL status or error, each with the
+    traceback logged under it (the log is gone with a CI machine: the report keeps it)."""
     try:
         text = log_path.read_text(errors="replace")
     except OSError:
         return []
     marks = ("INTERNAL", "internal error (id")
-    return [
-        f"{log_path.name}: {line}" for line in text.splitlines() if any(m in line for m in marks)
-    ]
+    found: list[str] = []
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if not any(m in line for m in marks):
+            continue
+        found.append(f"{log_path.name}: {line}")
+        for follow in lines[i + 1 : i + 1 + 60]:
+            if _LOG_RECORD_START.match(follow):
+                break
+            found.append(f"    {follow}")
+    return found
 
 
 # ------------------------------------------------------------------------ oracle

@@ -97,7 +97,7 @@ def no_daemon_logs_internal():
     whatever was killed, stopped or cut under it."""
     yield
     found = [line for daemon in FAULT_DAEMONS for line in internal_lines(daemon.log_path)]
-    assert not found, "daemons logged INTERNAL:\n" + "\n".join(found[:20])
+    assert not found, "daemons logged INTERNAL:\n" + "\n".join(found[:120])
 
 
 @pytest.fixture(autouse=True)

@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 
 # Longest a forwarded call waits for the leader.
 _FORWARD_TIMEOUT_S = 5.0
+# Channels kept to past and present leaders: an HA set is a handful of coordinators,
+# and a forward still in flight to the previous leader keeps its channel open.
+_CHANNELS_KEPT = 8
 # Metadata the forwarding coordinator must not copy (gRPC sets its own).
 _HOP_HEADERS = ("user-agent", "grpc-", ":")
 
@@ -188,15 +191,23 @@ class EtcdReplication:
             return getattr(stub, method)(request, timeout=timeout, metadata=metadata)
         except grpc.RpcError as err:
             context.abort(err.code(), f"{err.details()} (forwarded to the leader {leader})")
+        except ValueError:  # grpc's "Cannot invoke RPC on closed channel!": we are closing
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{method}: this coordinator is shutting down; retry with backoff",
+            )
 
     def _channel(self, address: str) -> grpc.Channel:
+        """The channel to ``address``, kept while others are made: a leader change
+        never closes a channel a forward is still using (only :meth:`close` does, or
+        more than ``_CHANNELS_KEPT`` leaders, the oldest first)."""
         with self._channel_lock:
-            channel = self._channels.get(address)
+            channel = self._channels.pop(address, None)
             if channel is None:
-                for old in self._channels.values():
-                    old.close()
-                self._channels = {address: grpc.insecure_channel(address)}
-                channel = self._channels[address]
+                channel = grpc.insecure_channel(address)
+                while len(self._channels) >= _CHANNELS_KEPT:
+                    self._channels.pop(next(iter(self._channels))).close()
+            self._channels[address] = channel  # most recently used last
             return channel
 
     def close(self) -> None:
