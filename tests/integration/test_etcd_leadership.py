@@ -10,18 +10,26 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
+import time
 import urllib.request
 
+import grpc
 import pytest
 from etcd_server import EtcdServer
 from helpers import wait_until
 
+from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
+from collectives_server.coordinator.ha.etcd_replication import EtcdReplication
 from collectives_server.coordinator.ha.etcd_store import (
     EtcdLeadership,
     NotLeaderError,
     StoreUnavailableError,
     parse_etcd_url,
 )
+from collectives_server.coordinator.membership import Membership
+from collectives_server.coordinator.service import CoordinatorServicer
+from collectives_server.rpc.server import start_server
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -168,3 +176,51 @@ def test_the_document_is_json_under_the_cluster_prefix(etcd) -> None:
         assert json.loads(base64.b64decode(kvs[0]["value"])) == {"generation": 3}
     finally:
         c.stop()
+
+
+def test_a_winner_that_has_not_taken_over_refuses_writes_as_a_standby_would(etcd) -> None:
+    """Between the election thread winning and the servicer taking over from the stored
+    document, the coordinator still holds a standby's copy: a Register or Heartbeat then
+    is UNAVAILABLE (retry), never decided on the copy (which raised: INTERNAL)."""
+    leadership = EtcdLeadership(etcd.url, "won", "", ttl_s=2)
+    replication = EtcdReplication(leadership, lambda: Membership(1, 2), time.monotonic)
+    servicer = CoordinatorServicer(
+        Membership(1, 2), heartbeat_s=0.5, op_timeout_s=5, replication=replication
+    )
+    servicer.on_state(None, 0)  # a standby's copy of what etcd holds: nothing yet
+    server = start_server(
+        "127.0.0.1",
+        0,
+        register=[lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s)],
+        service_names=["collectives.v1.Coordinator"],
+    )
+    leadership.identity = f"127.0.0.1:{server.port}"
+    won = threading.Event()
+    leadership.on_change = lambda leading: won.set() if leading else None  # no take-over yet
+    leadership.start()
+    try:
+        assert won.wait(30), "the only campaigner did not win"
+        assert leadership.leading and not servicer.is_leader
+        with grpc.insecure_channel(leadership.identity) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            register = coordinator_pb2.RegisterRequest(
+                address="127.0.0.1:9", devices=["cpu"], store_port=9
+            )
+            beat = coordinator_pb2.HeartbeatRequest(worker_id="w-1")
+            for call, request in ((stub.Register, register), (stub.Heartbeat, beat)):
+                with pytest.raises(grpc.RpcError) as refused:
+                    call(request, timeout=10)
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+                assert "retry" in refused.value.details(), refused.value.details()
+            servicer.on_leadership(True)  # the take-over: now it decides
+            assert servicer.is_leader
+            joined = stub.Register(register, timeout=10)
+            stub.Heartbeat(
+                coordinator_pb2.HeartbeatRequest(
+                    worker_id=joined.worker_id, lease_secret=joined.lease_secret
+                ),
+                timeout=10,
+            )
+    finally:
+        leadership.stop()
+        server.stop()

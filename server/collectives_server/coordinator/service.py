@@ -126,7 +126,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._heartbeats_received = 0
         # With an etcd store: whether the membership is this leader's own (taken over
         # and deciding), else the etcd revision of the document it copies (-1: none).
-        self._own_state = False
+        self._own_state = self._replication.leading  # the memory store's always is
         self._copy_revision = -1
 
     # ---- used by the daemon ----------------------------------------------------
@@ -139,7 +139,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         its server thread until TCP gives up.
         """
         with self._cond:
-            if not self._replication.leading:
+            if not self.is_leader:
                 return  # a standby's copy changes only with the leader's document
             if self._replication.held is not None:
                 self._persist(retry=True)
@@ -160,8 +160,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     @property
     def is_leader(self) -> bool:
-        """Whether this coordinator decides membership (always, with the memory store)."""
-        return self._replication.leading
+        """Whether this coordinator decides membership (always, with the memory store).
+
+        With etcd: it holds the leadership *and* has taken over, so its membership is
+        its own. Between the election thread winning and :meth:`on_leadership` taking
+        over, it still holds a standby's copy: calls are refused as by a standby
+        (UNAVAILABLE, retry), never decided on the copy.
+        """
+        return self._replication.leading and self._own_state
 
     def on_leadership(self, leading: bool) -> None:
         """Takes over from the stored state, or becomes a standby.
@@ -612,9 +618,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return msg
 
     def _standby(self) -> bool:
-        return not self._replication.leading
+        return not self.is_leader
 
     def _check_leading(self, context: grpc.ServicerContext, rpc: str) -> None:
+        if self._replication.leading and not self._own_state:
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{rpc}: this coordinator is taking over as leader; retry with backoff",
+            )
         if self._standby():
             context.abort(
                 grpc.StatusCode.UNAVAILABLE,
