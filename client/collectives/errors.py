@@ -73,6 +73,8 @@ ERROR_DOMAIN = "collectives.v1"
 # client's own close(), never a timeout, so never DeadlineExceeded.
 CHANNEL_CLOSED_DETAILS = "Channel closed!"
 _CLOSED_CHANNEL_TEXT = "closed channel"
+# How gRPC words an UNAVAILABLE for a call it never sent: no connection could be made.
+_NOT_CONNECTED_DETAILS = "failed to connect to all addresses"
 # ErrorInfo.reason when the error has none (reason is required on the wire).
 _NO_REASON = "UNSPECIFIED"
 # Bounds on what an error puts on the wire: trailers share gRPC's metadata limit.
@@ -331,7 +333,9 @@ def from_rpc_error(err: grpc.RpcError, what: str = "") -> CollectiveError:
     own ``close()`` cut short (:func:`closed_handle`: :class:`Unavailable`); the fields of a
     ``google.rpc.ErrorInfo`` in the status details (domain :data:`ERROR_DOMAIN`)
     fill ``op_id``, ``generation``, ``kind``, ``tensor``, ``ranks``, ``reason``
-    and ``executed``. Details that do not decode are ignored.
+    and ``executed``. Details that do not decode are ignored. An ``UNAVAILABLE`` that
+    gRPC raised because no connection could be made (nothing listens: a stopped
+    worker) is ``executed=False``: the request was never sent.
     """
     code = err.code() if callable(getattr(err, "code", None)) else grpc.StatusCode.UNKNOWN
     details = err.details() if callable(getattr(err, "details", None)) else None
@@ -349,6 +353,12 @@ def from_rpc_error(err: grpc.RpcError, what: str = "") -> CollectiveError:
         if CHANNEL_CLOSED_DETAILS in (details or ""):
             return closed_handle(what)
         code = grpc.StatusCode.DEADLINE_EXCEEDED
+    if (
+        code == grpc.StatusCode.UNAVAILABLE
+        and not fields
+        and (details or "").startswith(_NOT_CONNECTED_DETAILS)
+    ):
+        fields["executed"] = False  # nothing listened: the request never left this client
     return error_for_code(code, message, **fields)
 
 

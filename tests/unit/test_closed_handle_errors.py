@@ -10,6 +10,7 @@ meaning (a deadline).
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Iterator
 
@@ -105,3 +106,19 @@ def test_a_lane_call_ended_by_close_reads_as_the_handle_closed() -> None:
     # Any other cancellation is what it was: the call's time ran out.
     other = from_rpc_error(LaneError(grpc.StatusCode.CANCELLED, "Cancelled"), "barrier")
     assert isinstance(other, DeadlineExceeded)
+
+
+def test_a_call_to_an_address_where_nothing_listens_never_ran() -> None:
+    """gRPC's own UNAVAILABLE for a connection refused (a stopped worker): the request
+    never left this client, so the error says executed=False (and a retry is safe)."""
+    free = socket.create_server(("127.0.0.1", 0))
+    address = f"127.0.0.1:{free.getsockname()[1]}"
+    free.close()  # nothing listens there now
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary("/collectives.v1.Worker/Forward")
+        with pytest.raises(grpc.RpcError) as refused:
+            call(b"", timeout=WAIT_S)
+    err = from_rpc_error(refused.value)
+    assert isinstance(err, Unavailable) and err.executed is False, (err, err.fields())
+    # Any other UNAVAILABLE without details of the server's says nothing of it.
+    assert from_rpc_error(LaneError(grpc.StatusCode.UNAVAILABLE, "Socket closed")).executed is None

@@ -72,7 +72,7 @@ from collectives.wire.frames import (
     prelude,
 )
 from collectives.wire.limits import MAX_MESSAGE_BYTES
-from collectives.wire.socket_timeouts import KernelTimeouts
+from collectives.wire.socket_timeouts import KernelTimeouts, peer_closed
 
 __all__ = ["CallLanes", "LaneEndpoint", "LaneError", "PendingCall"]
 
@@ -240,7 +240,11 @@ class CallLanes:
             # A lane used a moment ago is taken as is (a worker closes idle lanes
             # only after a minute); one idle longer is first checked for the
             # worker's close, which a restart leaves behind.
-            if idle_s < _FRESH_S or (idle_s < _IDLE_KEEP_S and looks_open(lane.sock)):
+            # (A fresh one is checked only for a close the worker already sent: a
+            # stopping worker closes its lanes.)
+            if idle_s < _FRESH_S and not peer_closed(lane.sock):
+                return lane
+            if _FRESH_S <= idle_s < _IDLE_KEEP_S and looks_open(lane.sock):
                 return lane
             lane.close()
         opened = self._open(endpoint, min(timeout, _OPEN_TIMEOUT_S))

@@ -88,6 +88,8 @@ _STREAM_RETRY_BEATS = 10
 _STORE_TIMEOUT_S = 300.0
 # How long stopping waits for a generation being joined (see stop()).
 _STOP_WAIT_S = 2.0
+# Calls running when the worker stops may finish within this (gRPC's and the lanes').
+_STOP_GRACE_S = 1.0
 
 
 def resolve_devices(requested: tuple[str, ...]) -> list[torch.device]:
@@ -261,9 +263,9 @@ class WorkerDaemon:
         else:
             log.warning("stopping while a generation is still being joined: not waiting for it")
         if self._server is not None:
-            self._server.stop(1.0)
+            self._server.stop(_STOP_GRACE_S)
         if self.ctx.bulk is not None:
-            self.ctx.bulk.close()
+            self.ctx.bulk.close(_STOP_GRACE_S)
         if self._metrics is not None:
             self._metrics.stop()
         self._rendezvous = None  # the master store stops with its last reference

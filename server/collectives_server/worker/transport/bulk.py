@@ -84,6 +84,8 @@ class LaneServer(Protocol):
 
     def serve(self, conn: socket.socket, ticket: Any) -> None: ...
 
+    def close(self, grace_s: float) -> None: ...
+
 
 class BulkListener:
     """Accepts bulk connections and matches them with registered transfers; hands
@@ -173,7 +175,10 @@ class BulkListener:
                 self._transfers[ticket] = _tombstone()
                 self._lock.notify_all()
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 0.0) -> None:
+        """Stops accepting; pending transfers fail; the call lanes close, each telling
+        its client that no further call runs (the ones running a call get up to
+        ``grace_s`` to answer it first)."""
         with self._lock:
             self._closed = True
             pending, self._transfers = list(self._transfers.values()), {}
@@ -184,6 +189,8 @@ class BulkListener:
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
+        if self._lanes is not None:
+            self._lanes.close(grace_s)
 
     def _register(self, ticket: bytes, kind: str, tensor: torch.Tensor, ttl_s: float) -> _Transfer:
         if len(ticket) != TOKEN_BYTES:

@@ -15,6 +15,13 @@ peer and metadata those of the ``GetDataPlane`` call that issued the ticket (so
 the operator's view shows one client, not one per connection), and an abort
 becomes a ``FAILED`` frame with the ``google.rpc.Status`` a gRPC call would end
 with. The client's side is :mod:`collectives.transport.lanes`.
+
+A worker that stops closes its lanes as gRPC closes its connections (a GOAWAY):
+a lane between calls is sent one last ``FAILED_CLOSING`` frame, ``UNAVAILABLE``
+marked never run (``executed: no``), which is the answer to whatever call its
+client sends next or has just sent; a lane running a call answers it first
+(within a grace period), then the same. So a lane the worker closed on purpose
+never leaves a client guessing whether its call ran.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -33,7 +41,7 @@ from typing import Any, NoReturn
 import grpc
 from google.rpc import status_pb2
 
-from collectives.errors import STATUS_DETAILS_METADATA_KEY
+from collectives.errors import STATUS_DETAILS_METADATA_KEY, Unavailable, to_grpc_status
 from collectives.v1 import worker_pb2
 from collectives.wire.frames import (
     ACK,
@@ -99,6 +107,29 @@ LANE_METHODS: tuple[str, ...] = (
     "TrainStep",
 )
 assert len(LANE_METHODS) <= MAX_LANE_METHODS
+
+
+class _OpenLane:
+    """One lane being served: whether it runs a call, and whether it was told to go.
+    Only its own thread writes to it (a cancel aside, while a call runs)."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn = conn
+        self.lock = threading.Lock()
+        self.running = False
+        self.gone = False  # the closing frame was sent (or the lane ended)
+
+
+def _goaway_frame() -> bytes:
+    status = to_grpc_status(
+        Unavailable(
+            "the worker is stopping: this call was not run; retry it (on the rank's "
+            "current holder)",
+            executed=False,
+        )
+    )
+    (details,) = [v for k, v in status.trailing_metadata if k == STATUS_DETAILS_METADATA_KEY]
+    return _frame(FAILED_CLOSING, details)
 
 
 @dataclass(frozen=True)
@@ -276,6 +307,9 @@ class CallLanes:
         self._tickets: OrderedDict[bytes, LaneTicket] = OrderedDict()
         # Calls answered on lanes, by method (counters).
         self.calls: Counter[str] = Counter()
+        self._open: set[_OpenLane] = set()
+        self._closing = False
+        self._idle = threading.Condition(self._lock)  # notified as each lane ends
 
     def issue(self, peer: str, metadata: Iterable[tuple[str, Any]]) -> bytes:
         """A one-time ticket for one lane connection of the caller ``peer``."""
@@ -306,14 +340,62 @@ class CallLanes:
 
     def serve(self, conn: socket.socket, ticket: LaneTicket) -> None:
         """Acknowledges the lane, then answers its calls until it closes or idles out."""
+        lane = _OpenLane(conn)
+        with self._lock:
+            closing = self._closing
+            if not closing:
+                self._open.add(lane)
         try:
-            self._serve(conn, ticket)
+            if closing:
+                _go_away(lane)
+                return
+            self._serve(conn, ticket, lane)
         except OSError:
             pass
         except Exception:  # a bug of ours: this lane closes, the worker goes on
             log.exception("call lane from %s failed", ticket.peer)
+        finally:
+            if self._closing:  # woken by close(), or about to run a call: not run
+                with lane.lock:
+                    _go_away(lane)
+            with self._lock:
+                self._open.discard(lane)
+                self._idle.notify_all()
 
-    def _serve(self, conn: socket.socket, ticket: LaneTicket) -> None:
+    def close(self, grace_s: float) -> None:
+        """Closes every lane as the worker stops: the idle ones at once, each with a
+        frame that says its next call was not run; the ones running a call once it
+        is answered, waiting for them up to ``grace_s``."""
+        with self._lock:
+            self._closing = True
+            lanes = list(self._open)
+        for lane in lanes:
+            with lane.lock:
+                if not lane.running:
+                    # Wakes its thread from its read (a TLS lane's state is only ever
+                    # touched by its own thread): that thread sends the closing frame.
+                    with contextlib.suppress(OSError):
+                        socket.socket.shutdown(lane.conn, socket.SHUT_RD)
+        deadline = time.monotonic() + grace_s
+        with self._lock:
+            self._idle.wait_for(lambda: not self._open, max(0.0, deadline - time.monotonic()))
+
+    def _start_call(self, lane: _OpenLane) -> bool:
+        """Marks ``lane`` as running the call just read; False (and the closing frame
+        sent, the call not run) once the worker is stopping."""
+        with lane.lock:
+            if self._closing:
+                return False  # serve() sends the closing frame
+            lane.running = True
+            return True
+
+    def _end_call(self, lane: _OpenLane) -> bool:
+        """The call was answered; False (after the closing frame) once the worker is stopping."""
+        with lane.lock:
+            lane.running = False
+            return not self._closing  # else serve() sends the closing frame
+
+    def _serve(self, conn: socket.socket, ticket: LaneTicket, lane: _OpenLane) -> None:
         # Blocking, with the bounds kept by the kernel: one system call (and one drop
         # of the GIL) per read and write (``collectives.wire.socket_timeouts``).
         timeouts = KernelTimeouts(conn, self._idle_s)
@@ -345,9 +427,17 @@ class CallLanes:
                 _send_closing(conn, status_pb2.Status(code=code.value[0], message=why))
                 return  # the payload is not read: the connection cannot go on
             payload = _recv_payload(conn, timeouts, size, deadline)
-            if payload is None:
+            if payload is None or not self._start_call(lane):
                 return
-            if not self._answer(conn, timeouts, method, handler, payload, ticket, timeout_s):
+            try:
+                answered = self._answer(conn, timeouts, method, handler, payload, ticket, timeout_s)
+            except BaseException:
+                lane.gone = True  # it closes without a closing frame
+                raise
+            if not answered:
+                lane.gone = True  # cancelled or not taken: closed already
+                return
+            if not self._end_call(lane):
                 return
 
     def _answer(
@@ -425,6 +515,32 @@ class CallLanes:
 
 def _frame(outcome: int, body: bytes) -> bytes:
     return FRAME_HEADER.pack(outcome, len(body)) + body
+
+
+# The closing frame of a stopping worker (see the module doc).
+_GOAWAY = _goaway_frame()
+
+
+def _go_away(lane: _OpenLane) -> None:
+    """Sends ``lane`` its closing frame (once; from its own thread, with its lock) and
+    ends its side. Bytes of a call that arrived meanwhile are read first (never run):
+    a socket closed with unread bytes resets the connection, and a reset may cost the
+    client the frame it has not read yet."""
+    if lane.gone:
+        return
+    lane.gone = True
+    conn = lane.conn
+    if not isinstance(conn, ssl.SSLSocket):
+        with contextlib.suppress(OSError):
+            conn.setblocking(False)
+            while conn.recv(_READ_BYTES):
+                pass
+    with contextlib.suppress(OSError):
+        conn.settimeout(_ANSWER_GRACE_S)
+        conn.sendall(_GOAWAY)
+    with contextlib.suppress(OSError):
+        # The TCP connection's, also under TLS (as in a cancel).
+        socket.socket.shutdown(conn, socket.SHUT_WR)
 
 
 def _send_closing(conn: socket.socket, status: status_pb2.Status) -> None:
