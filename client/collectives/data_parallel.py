@@ -28,11 +28,12 @@ import torch
 from collectives._deadlines import time_left
 from collectives.errors import CollectiveError, InvalidArgument, NotFound, Reason, Unavailable
 from collectives.models.part import Models
-from collectives.session.connection import Session
+from collectives.session.connection import Session, without_models
 from collectives.transport.calls import Call, Job, Mapped, Start
 from collectives.transport.endpoints import WorkerEndpoint, get_tensor, put_tensor
 from collectives.transport.roads import INLINE_BYTES, InlineBudget
 from collectives.v1 import worker_pb2
+from collectives.wire.cluster_state import WorkerInfo
 from collectives.wire.codec import tensor_from_proto, tensor_to_proto
 from collectives.wire.names import validate_name
 from collectives.wire.pytree import (
@@ -202,6 +203,21 @@ class _RemoteCall:
             routable = False
         raise AssertionError("unreachable: the last placement returns or raises")
 
+    def _serving_members(self, routable: bool) -> tuple[list[WorkerInfo], bool]:
+        """The members to run the parts on, by rank, and whether they are fewer than
+        the generation's. A forward placed by load needs no particular rank: while a
+        drain hands a rank over, it runs on the members that serve the models now
+        (see :func:`without_models`) instead of waiting for the successor to join."""
+        if routable:
+            snapshot = self.session.formed_snapshot(self.deadline)
+            lacking = without_models(snapshot)
+            members = snapshot.members
+            serving = [w for w in members if w.worker_id not in lacking]
+            if serving:
+                return serving, len(serving) < len(members)
+        snapshot = self.session.serving_snapshot(self.deadline)
+        return snapshot.members, False
+
     def _forward_once(
         self,
         inputs: tuple[Any, ...],
@@ -213,13 +229,11 @@ class _RemoteCall:
         """One attempt of :meth:`forward`; the shards whose call failed go in ``failed``."""
         self.call_id = f"__dp/{uuid.uuid4().hex}"
         self.replicas_differed = False
-        snapshot = self.session.serving_snapshot(self.deadline)
-        members = [w for w in snapshot.workers if w.rank >= 0]
-        members.sort(key=lambda w: w.rank)
+        members, narrowed = self._serving_members(routable)
         parts_args, parts_kwargs = scatter_kwargs(
             inputs, kwargs, len(members), self.dim, self.min_rows
         )
-        self.routed = routable and len(parts_args) < len(members)
+        self.routed = routable and (narrowed or len(parts_args) < len(members))
         placement = self.models.placement
         if self.routed:
             placed = placement.choose(members, len(parts_args))

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
+import signal
+import threading
 import urllib.request
 
 import pytest
@@ -240,3 +243,48 @@ def test_gradients_not_yet_reduced_move_with_the_rank(fresh_cluster, gen) -> Non
         got = cluster.gradients("grads/m", rank=rank)
         for key, param in local.named_parameters():
             torch.testing.assert_close(got[key], param.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_forwards_placed_by_load_run_on_the_other_members_while_a_rank_is_handed_over(
+    fresh_cluster, gen
+) -> None:
+    """A forward without autograd needs no particular rank: while a drain hands rank 1
+    over (held open here by stopping its successor, the spare), each dp(x) runs on the
+    members that serve the model now, with the local model's answer, instead of
+    waiting for the successor; once it resumes the drain completes as usual."""
+    _, cluster = fresh_cluster(3, "--spares", "1", "--heartbeat", "0.2", "--lease", "8",
+                               "--devices", "cpu")  # fmt: skip
+    wait_until(lambda: len(_spares(cluster)) == 1, 30, "the spare to be listed")
+    (spare,) = _spares(cluster)
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).eval()
+    cluster.load_model("serve/m", model, example_inputs=(torch.randn(4, 6),))
+    dp = cluster.data_parallel("serve/m", timeout=10)  # no call may wait out the drain
+    dp.eval()
+    with torch.no_grad():
+        x = torch.randn(1, 6, generator=gen)
+        torch.testing.assert_close(dp(x), model(x), rtol=1e-5, atol=1e-6)
+    drained = cluster.workers()[1]
+    ended: dict[str, object] = {}
+    os.kill(spare.pid, signal.SIGSTOP)
+    try:
+        drain = threading.Thread(
+            target=lambda: ended.update(report=cluster.drain(drained.address, timeout=60))
+        )
+        drain.start()
+        wait_until(lambda: cluster.refresh().drain is not None, 30, "the drain to start")
+        with torch.no_grad():
+            for rows in (1, 2, 3, 5):  # placed by load, and split over the two others
+                x = torch.randn(rows, 6, generator=gen)
+                torch.testing.assert_close(dp(x), model(x), rtol=1e-5, atol=1e-6)
+        view = cluster.refresh()
+        assert view.drain is not None, "the drain ended while its successor was stopped"
+    finally:
+        os.kill(spare.pid, signal.SIGCONT)
+    drain.join(90)
+    assert not drain.is_alive()
+    report = ended["report"]
+    assert report.error == "" and report.successor_id == spare.worker_id, report
+    with torch.no_grad():
+        x = torch.randn(5, 6, generator=gen)
+        torch.testing.assert_close(dp(x), model(x), rtol=1e-5, atol=1e-6)

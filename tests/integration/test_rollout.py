@@ -81,6 +81,16 @@ class Load:
         with self._lock:
             return [lat for start, lat, _ in self.calls if since <= start < until]
 
+    def by_kind(self, since: float, until: float) -> dict[str, list[float]]:
+        """The latencies in the window by kind of call."""
+        kinds = ("dp(x)", "dp(x)", "all_reduce", "put/get")
+        out: dict[str, list[float]] = {}
+        with self._lock:
+            for start, lat, i in self.calls:
+                if since <= start < until:
+                    out.setdefault(kinds[i], []).append(lat)
+        return out
+
     def slowest(self, since: float, until: float) -> tuple[float, str]:
         """The slowest call in the window, and which client's it was."""
         kinds = ("dp(x)", "dp(x)", "all_reduce", "put/get")
@@ -183,6 +193,14 @@ def _report(what: str, load: Load, steady: tuple[float, float], change: tuple[fl
         f"{_p99(during) * 1000:.1f} ms ({len(during)} calls), ratio "
         f"{_p99(during) / max(_p99(before), 1e-9):.2f}; the slowest during: "
         "{:.0f} ms ({})".format(load.slowest(*change)[0] * 1000, load.slowest(*change)[1])
+    )
+    steady_kinds, change_kinds = load.by_kind(*steady), load.by_kind(*change)
+    print(
+        "  p99 by call, steady -> during: "
+        + "; ".join(
+            f"{kind} {_p99(steady_kinds.get(kind, [0.0])) * 1000:.1f} -> {_p99(lats) * 1000:.1f} ms"
+            for kind, lats in sorted(change_kinds.items())
+        )
     )
 
 

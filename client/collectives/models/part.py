@@ -42,7 +42,7 @@ from collectives.models.placement import Placement
 from collectives.models.programs import ProgramCache, as_module, example_like, program_name
 from collectives.ops.data_plane import DataPlane
 from collectives.reduce_ops import ReduceOp, parse_reduce_op
-from collectives.session.connection import Session, server_timeout_s
+from collectives.session.connection import Session, server_timeout_s, without_models
 from collectives.session.generation_binding import GenerationBinding
 from collectives.transport.calls import Call, Job
 from collectives.transport.endpoints import WorkerEndpoint, is_retryable_read
@@ -257,7 +257,8 @@ class Models:
             raise NotFound(f"model {name!r} is not loaded on any worker")
 
     def models(self, timeout: float | None = None) -> list[ModelInfo]:
-        """Models loaded on the cluster (as rank 0 holds them).
+        """Models loaded on the cluster (as the first member that serves them holds them:
+        rank 0, unless a drain is handing rank 0 over).
 
         Args:
             timeout: seconds for the whole call; None means ``default_timeout_s``.
@@ -272,8 +273,16 @@ class Models:
         deadline = self._session.deadline(timeout)
 
         def attempt(remaining: float) -> worker_pb2.ListModelsResponse:
-            # Rank 0 of the view now (a drained or lost one is asked no more on a retry).
-            endpoint = self._member_endpoints(time.monotonic() + remaining)[0]
+            # The first member of the view now that serves the models (a drained or
+            # lost one is asked no more on a retry; while a drain hands a rank over,
+            # the members it does not involve answer at once: they host the same).
+            snapshot = self._session.formed_snapshot(time.monotonic() + remaining)
+            lacking = without_models(snapshot)
+            serving = [w for w in snapshot.members if w.worker_id not in lacking]
+            if serving:
+                endpoint = self._session.endpoint(serving[0].address)
+            else:
+                endpoint = self._member_endpoints(time.monotonic() + remaining)[0]
             return endpoint.unary("ListModels")(worker_pb2.ListModelsRequest(), remaining, "models")
 
         response = self._session.retry("models", deadline, attempt, is_retryable_read)

@@ -636,6 +636,23 @@ def _on_rank(what: str, rank: int, fn: Callable[[], R]) -> R:
         raise annotate(err, f"{what} on rank {rank}") from None
 
 
+def without_models(snapshot: ClusterSnapshot) -> frozenset[str]:
+    """The members (worker ids) that cannot serve the cluster's models in ``snapshot``:
+    while a drain hands a rank over, its drained worker (its store closed) and the
+    successor; once the handoff ended and until the members are ready, the successor
+    of each drain into this generation (it gets the models as it joins). Empty in
+    any other view."""
+    if snapshot.drain is not None:
+        return frozenset({snapshot.drain.worker_id, snapshot.drain.successor_id} - {""})
+    if snapshot.ready or not _drained_into(snapshot):
+        return frozenset()
+    return frozenset(
+        d.successor_id
+        for d in snapshot.drains
+        if d.generation_after == snapshot.generation and not d.error and d.successor_id
+    )
+
+
 def _drained_into(snapshot: ClusterSnapshot) -> bool:
     """Whether the current generation was sealed by a drain (its newest history record)."""
     return (
