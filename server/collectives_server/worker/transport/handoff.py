@@ -29,6 +29,7 @@ version, from its peers in the next generation's first step
 from __future__ import annotations
 
 import contextlib
+import itertools
 import socket
 import ssl
 import threading
@@ -50,6 +51,10 @@ __all__ = ["HandoffCopy", "HandoffSource", "copy_from"]
 
 # gRPC messages of a handoff: a manifest of many headers, tensors answered inline.
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Tickets the successor asks for ahead of the tensor it reads: at most this many
+# tensors, and this many bytes beyond the one being read.
+_TICKETS_AHEAD = 32
+_BYTES_AHEAD = 64 * 1024 * 1024
 
 
 class HandoffSource:
@@ -189,17 +194,19 @@ def copy_from(
 
         wanted = [("", header.name) for header in manifest.tensors]
         wanted += [(g.model, g.header.name) for g in manifest.gradients]
+        sizes = [h.nbytes for h in manifest.tensors] + [g.header.nbytes for g in manifest.gradients]
         with _BulkReader(address, manifest.bulk_port, client_context(security)) as reader:
-            # The next tensor's ticket is asked for while this one's bytes arrive.
-            coming = answer_of(wanted[0]) if wanted else None
+            tickets = _Tickets(sizes, lambda i: answer_of(wanted[i]))
             for i, (model, _) in enumerate(wanted):
-                assert coming is not None
-                answer = coming.result()
-                coming = answer_of(wanted[i + 1]) if i + 1 < len(wanted) else None
+                answer = tickets.answer(i)
                 meta = codec.check_header(answer.header)
                 if answer.ticket:
-                    got = reader.read(answer.ticket, meta, deadline)
+                    if tickets.opened <= i:
+                        reader.open(answer.ticket, deadline)
+                        tickets.opened = i + 1
+                    got = reader.read(meta, deadline, lambda: tickets.open_ahead(reader, deadline))
                 else:
+                    tickets.opened = max(tickets.opened, i + 1)
                     got = codec.tensor_from_bytes(answer.inline_data, meta)
                 if model:
                     gradients[(model, meta.name)] = got
@@ -216,6 +223,51 @@ def copy_from(
         channel.close()
     seconds = time.monotonic() - started
     return HandoffCopy(tensors, nbytes, seconds, models=len(manifest.models), gradients=gradients)
+
+
+class _Tickets:
+    """The successor's ``HandoffTensor`` calls, kept ahead of the tensor being read (up
+    to ``_TICKETS_AHEAD`` tensors and ``_BYTES_AHEAD`` bytes, which the drained worker
+    holds ready meanwhile), so that a transfer of many small tensors is not one call's
+    round trip per tensor; and the prelude of each ticket known, sent while the tensor
+    before it still arrives (:meth:`open_ahead`), so that the stream never idles."""
+
+    def __init__(self, sizes: list[int], ask: Callable[[int], grpc.Future]) -> None:
+        self._ends = list(itertools.accumulate(sizes, initial=0))
+        self._ask = ask
+        self._asked: dict[int, grpc.Future] = {}
+        self._next = 0  # the next tensor to ask for
+        self.opened = 0  # the tensors before this one were asked for on the bulk port
+
+    def answer(self, i: int) -> worker_pb2.GetTensorBulkResponse:
+        """Tensor ``i``'s answer (the tensors are taken in order), asking ahead."""
+        self._fill(i)
+        answer = self._asked.pop(i).result()
+        self._fill(i + 1)
+        return answer
+
+    def _fill(self, reading: int) -> None:
+        total = len(self._ends) - 1
+        while self._next < total and (
+            self._next <= reading
+            or (
+                self._next - reading < _TICKETS_AHEAD
+                and self._ends[self._next + 1] - self._ends[reading] <= _BYTES_AHEAD
+            )
+        ):
+            self._asked[self._next] = self._ask(self._next)
+            self._next += 1
+
+    def open_ahead(self, reader: _BulkReader, deadline: float) -> None:
+        """Sends the preludes of the tickets answered since (never waits for one)."""
+        while self.opened < self._next:
+            coming = self._asked[self.opened]
+            if not coming.done():
+                return
+            ticket = coming.result().ticket
+            if ticket:
+                reader.open(ticket, deadline)
+            self.opened += 1
 
 
 class _BulkReader:
@@ -236,7 +288,9 @@ class _BulkReader:
             with contextlib.suppress(OSError):
                 self._sock.close()
 
-    def read(self, ticket: bytes, meta: codec.CheckedHeader, deadline: float) -> torch.Tensor:
+    def open(self, ticket: bytes, deadline: float) -> None:
+        """Asks for the transfer of ``ticket``: its bytes follow those of the transfers
+        opened before it, in order (see :meth:`read`)."""
         if not self._port:
             raise OSError("the drained worker answered a ticket but has no bulk port")
         if self._sock is None:
@@ -245,9 +299,18 @@ class _BulkReader:
             if self._tls is not None:
                 sock = self._tls.wrap_socket(sock, server_hostname=self._host)
             self._sock = sock
+        self._sock.settimeout(_left(deadline))
+        self._sock.sendall(prelude(BULK, ticket))
+
+    def read(
+        self, meta: codec.CheckedHeader, deadline: float, meanwhile: Callable[[], None]
+    ) -> torch.Tensor:
+        """The bytes of the oldest transfer opened and not yet read, into fresh memory;
+        ``meanwhile`` is called between reads (it may :meth:`open` the next one)."""
         sock = self._sock
+        if sock is None:
+            raise OSError("no transfer was opened on the bulk connection")
         sock.settimeout(_left(deadline))
-        sock.sendall(prelude(BULK, ticket))
         buffer = codec.allocate_bytes(meta.nbytes)
         view = codec.tensor_memoryview(buffer)
         got = 0
@@ -256,6 +319,7 @@ class _BulkReader:
             if n == 0:
                 raise OSError(f"the bulk connection closed after {got} of {meta.nbytes} bytes")
             got += n
+            meanwhile()
         return codec.typed(buffer, meta)
 
 
