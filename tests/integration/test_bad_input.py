@@ -422,6 +422,22 @@ ROWS: list[Row] = [
     Row("oversized-unary",
         lambda e: e.leader.DeleteTensor(worker_pb2.DeleteTensorRequest(name="n" * (5 << 20))),
         EXHAUSTED, "larger than max"),
+    # --------------------------------------------------- a drain's handoff RPCs
+    Row("handoff-not-drained",
+        lambda e: e.leader.Handoff(worker_pb2.HandoffRequest(generation_after=99), timeout=2),
+        PRECONDITION, "no handoff for generation 99 ready"),
+    Row("handoff-tensors-not-drained",
+        lambda e: e.leader.HandoffTensors(worker_pb2.HandoffTensorsRequest(
+            generation_after=99, items=[worker_pb2.HandoffItem(name="x")]), timeout=10),
+        PRECONDITION, "no handoff for generation 99 ready"),
+    Row("handoff-tensors-too-many",
+        lambda e: e.leader.HandoffTensors(worker_pb2.HandoffTensorsRequest(
+            generation_after=99, items=[worker_pb2.HandoffItem(name="x")] * 1025), timeout=10),
+        INVALID, "1025 tensors in one HandoffTensors call; at most 1024"),
+    Row("handoff-tensors-bad-name",
+        lambda e: e.leader.HandoffTensors(worker_pb2.HandoffTensorsRequest(
+            generation_after=99, items=[worker_pb2.HandoffItem(name="")]), timeout=10),
+        INVALID, "name"),
     # ------------------------------------------------------------- coordinator
     Row("register-no-address",
         lambda e: e.coordinator.Register(

@@ -41,9 +41,11 @@ class Operations:
         before the drain keep their ids and ranks. Ops ordered before the
         change ran on the old member; ops sent for the old generation that never
         ran there are sent again by the SDK on the new one (the operands are
-        where they were placed), so callers see results, not errors. The drained
-        worker then exits 0: its supervisor starts it again and it registers as
-        the next spare.
+        where they were placed), so callers see results, not errors. Meanwhile
+        forwards without autograd (``dp(x)`` under ``torch.no_grad()``, placed by
+        load) and :meth:`models` do not wait for the spare: they run on the members
+        the drain does not involve. The drained worker then exits 0: its
+        supervisor starts it again and it registers as the next spare.
 
         With no spare live the drain is refused, unless ``shrink``: then the
         rank leaves, the survivors re-form, and the report lists the tensor names

@@ -214,15 +214,27 @@ class HandoffGradient(_message.Message):
     header: _tensor_pb2.TensorHeader
     def __init__(self, model: _Optional[str] = ..., header: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ...) -> None: ...
 
-class HandoffTensorRequest(_message.Message):
-    __slots__ = ("generation_after", "name", "model")
+class HandoffTensorsRequest(_message.Message):
+    __slots__ = ("generation_after", "items")
     GENERATION_AFTER_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    generation_after: int
+    items: _containers.RepeatedCompositeFieldContainer[HandoffItem]
+    def __init__(self, generation_after: _Optional[int] = ..., items: _Optional[_Iterable[_Union[HandoffItem, _Mapping]]] = ...) -> None: ...
+
+class HandoffItem(_message.Message):
+    __slots__ = ("name", "model")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
-    generation_after: int
     name: str
     model: str
-    def __init__(self, generation_after: _Optional[int] = ..., name: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+
+class HandoffTensorsResponse(_message.Message):
+    __slots__ = ("tensors",)
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[GetTensorBulkResponse]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[GetTensorBulkResponse, _Mapping]]] = ...) -> None: ...
 
 class DeleteTensorRequest(_message.Message):
     __slots__ = ("name", "missing_ok")

@@ -225,10 +225,10 @@ class WorkerStub:
                 request_serializer=collectives_dot_v1_dot_worker__pb2.HandoffRequest.SerializeToString,
                 response_deserializer=collectives_dot_v1_dot_worker__pb2.HandoffManifest.FromString,
                 _registered_method=True)
-        self.HandoffTensor = channel.unary_unary(
-                '/collectives.v1.Worker/HandoffTensor',
-                request_serializer=collectives_dot_v1_dot_worker__pb2.HandoffTensorRequest.SerializeToString,
-                response_deserializer=collectives_dot_v1_dot_worker__pb2.GetTensorBulkResponse.FromString,
+        self.HandoffTensors = channel.unary_unary(
+                '/collectives.v1.Worker/HandoffTensors',
+                request_serializer=collectives_dot_v1_dot_worker__pb2.HandoffTensorsRequest.SerializeToString,
+                response_deserializer=collectives_dot_v1_dot_worker__pb2.HandoffTensorsResponse.FromString,
                 _registered_method=True)
 
 
@@ -529,15 +529,18 @@ class WorkerServicer:
     def Handoff(self, request, context):
         """A drain's handoff, asked by the successor of a drained worker (and answered
         by that worker only, for the drain in progress): its tensors' headers, then
-        each one as GetTensorBulk answers it, while its data plane refuses clients.
+        each one as GetTensorBulk answers it, several per call (the successor asks for
+        the next ones while the bytes of the last arrive on one bulk connection), while
+        its data plane refuses clients.
         Errors: FAILED_PRECONDITION (this worker is not being drained into
-        generation_after, or not yet: retry), NOT_FOUND (no such tensor).
+        generation_after, or not yet: retry), NOT_FOUND (no such tensor),
+        INVALID_ARGUMENT (more than 1024 items in one call).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def HandoffTensor(self, request, context):
+    def HandoffTensors(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -736,10 +739,10 @@ def add_WorkerServicer_to_server(servicer, server):
                     request_deserializer=collectives_dot_v1_dot_worker__pb2.HandoffRequest.FromString,
                     response_serializer=collectives_dot_v1_dot_worker__pb2.HandoffManifest.SerializeToString,
             ),
-            'HandoffTensor': grpc.unary_unary_rpc_method_handler(
-                    servicer.HandoffTensor,
-                    request_deserializer=collectives_dot_v1_dot_worker__pb2.HandoffTensorRequest.FromString,
-                    response_serializer=collectives_dot_v1_dot_worker__pb2.GetTensorBulkResponse.SerializeToString,
+            'HandoffTensors': grpc.unary_unary_rpc_method_handler(
+                    servicer.HandoffTensors,
+                    request_deserializer=collectives_dot_v1_dot_worker__pb2.HandoffTensorsRequest.FromString,
+                    response_serializer=collectives_dot_v1_dot_worker__pb2.HandoffTensorsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1779,7 +1782,7 @@ class Worker:
             _registered_method=True)
 
     @staticmethod
-    def HandoffTensor(request,
+    def HandoffTensors(request,
             target,
             options=(),
             channel_credentials=None,
@@ -1792,9 +1795,9 @@ class Worker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/collectives.v1.Worker/HandoffTensor',
-            collectives_dot_v1_dot_worker__pb2.HandoffTensorRequest.SerializeToString,
-            collectives_dot_v1_dot_worker__pb2.GetTensorBulkResponse.FromString,
+            '/collectives.v1.Worker/HandoffTensors',
+            collectives_dot_v1_dot_worker__pb2.HandoffTensorsRequest.SerializeToString,
+            collectives_dot_v1_dot_worker__pb2.HandoffTensorsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,6 +1,6 @@
 """A stored tensor as ``GetTensorBulk`` answers it: its header, then its bytes inline
 (small) or a one-time ticket for the bulk port (large), the ticket's bytes counted
-against the store's quota until sent or expired. A drain's ``HandoffTensor`` answers
+against the store's quota until sent or expired. A drain's ``HandoffTensors`` answers
 the same way."""
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ successor (see :mod:`collectives_server.worker.transport.handoff`)."""
 
 from __future__ import annotations
 
+from collectives.errors import InvalidArgument
 from collectives.v1 import worker_pb2
 from collectives.wire import codec
 from collectives.wire.names import FUNCTION_PREFIX, validate_name
@@ -14,10 +15,12 @@ from collectives_server.worker.rpc.guards import guard as _guard
 __all__ = ["HandoffRpcs"]
 
 _MAX_WAIT_S = RpcLimits().max_rpc_s
+# Tensors one HandoffTensors call may ask for.
+MAX_HANDOFF_ITEMS = 1024
 
 
 class HandoffRpcs:
-    """Handoff and HandoffTensor, over the worker's :attr:`WorkerContext.handoff`."""
+    """Handoff and HandoffTensors, over the worker's :attr:`WorkerContext.handoff`."""
 
     def __init__(self, ctx: WorkerContext) -> None:
         self._ctx = ctx
@@ -25,7 +28,9 @@ class HandoffRpcs:
     @_guard
     def Handoff(self, r: worker_pb2.HandoffRequest, context) -> worker_pb2.HandoffManifest:
         remaining = context.time_remaining()
+        # Answered before the caller's deadline: a refusal says why, not "deadline".
         wait_s = self._ctx.op_timeout_s if remaining is None else min(remaining, _MAX_WAIT_S)
+        wait_s -= min(1.0, 0.1 * wait_s)
         tensors = self._ctx.handoff.manifest(r.generation_after, max(wait_s, 0.0))
         bulk = self._ctx.bulk
         manifest = worker_pb2.HandoffManifest(
@@ -43,16 +48,24 @@ class HandoffRpcs:
         return manifest
 
     @_guard
-    def HandoffTensor(
-        self, r: worker_pb2.HandoffTensorRequest, context
-    ) -> worker_pb2.GetTensorBulkResponse:
-        if r.model:
-            validate_name(r.model, "model name")
-        else:
-            validate_name(r.name)
-        tensor = self._ctx.handoff.tensor(r.generation_after, r.name, r.model)
+    def HandoffTensors(
+        self, r: worker_pb2.HandoffTensorsRequest, context
+    ) -> worker_pb2.HandoffTensorsResponse:
+        if len(r.items) > MAX_HANDOFF_ITEMS:
+            raise InvalidArgument(
+                f"{len(r.items)} tensors in one HandoffTensors call; at most {MAX_HANDOFF_ITEMS}"
+            )
+        for item in r.items:
+            if item.model:
+                validate_name(item.model, "model name")
+            else:
+                validate_name(item.name)
         remaining = context.time_remaining()
         ttl = self._ctx.op_timeout_s if remaining is None else min(remaining, _MAX_WAIT_S)
-        answer = tensor_answer(r.name, tensor, None, self._ctx.bulk, max(ttl, 0.0))
-        self._ctx.stats.add_bytes(sent=answer.header.nbytes)
-        return answer
+        response = worker_pb2.HandoffTensorsResponse()
+        for item in r.items:
+            tensor = self._ctx.handoff.tensor(r.generation_after, item.name, item.model)
+            answer = tensor_answer(item.name, tensor, None, self._ctx.bulk, max(ttl, 0.0))
+            response.tensors.append(answer)
+            self._ctx.stats.add_bytes(sent=answer.header.nbytes)
+        return response

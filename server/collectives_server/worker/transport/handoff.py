@@ -12,7 +12,7 @@ On the workers:
   from then on what it holds cannot change, and every data-plane call answers
   UNAVAILABLE, which the SDK retries on whoever holds the rank next. Its
   :class:`HandoffSource` answers the successor's ``Handoff`` (the manifest) and
-  ``HandoffTensor`` calls (each tensor inline, or by a ticket for the bulk port).
+  ``HandoffTensors`` calls (each tensor inline, or by a ticket for the bulk port).
 * The successor closes its own store the same way, copies every tensor straight
   from the drained worker (:func:`copy_from`: worker to worker, the payloads on one
   raw TCP connection), installs them all at once in place of whatever it held
@@ -29,7 +29,6 @@ version, from its peers in the next generation's first step
 from __future__ import annotations
 
 import contextlib
-import itertools
 import socket
 import ssl
 import threading
@@ -51,10 +50,9 @@ __all__ = ["HandoffCopy", "HandoffSource", "copy_from"]
 
 # gRPC messages of a handoff: a manifest of many headers, tensors answered inline.
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-# Tickets the successor asks for ahead of the tensor it reads: at most this many
-# tensors, and this many bytes beyond the one being read.
-_TICKETS_AHEAD = 32
-_BYTES_AHEAD = 64 * 1024 * 1024
+# What one HandoffTensors call asks for: at most this many tensors and bytes.
+_BATCH_TENSORS = 64
+_BATCH_BYTES = 64 * 1024 * 1024
 
 
 class HandoffSource:
@@ -185,18 +183,18 @@ def copy_from(
         # op to end, before it offers anything, is the handoff's, not the copy's.
         started = time.monotonic()
 
-        def answer_of(wanted: tuple[str, str]) -> grpc.Future:
-            model, name = wanted
-            request = worker_pb2.HandoffTensorRequest(
-                generation_after=generation_after, name=name, model=model
+        def answers_of(items: list[tuple[str, str]]) -> grpc.Future:
+            request = worker_pb2.HandoffTensorsRequest(
+                generation_after=generation_after,
+                items=[worker_pb2.HandoffItem(model=m, name=n) for m, n in items],
             )
-            return stub.HandoffTensor.future(request, timeout=_left(deadline))
+            return stub.HandoffTensors.future(request, timeout=_left(deadline))
 
         wanted = [("", header.name) for header in manifest.tensors]
         wanted += [(g.model, g.header.name) for g in manifest.gradients]
         sizes = [h.nbytes for h in manifest.tensors] + [g.header.nbytes for g in manifest.gradients]
         with _BulkReader(address, manifest.bulk_port, client_context(security)) as reader:
-            tickets = _Tickets(sizes, lambda i: answer_of(wanted[i]))
+            tickets = _Tickets(sizes, lambda first, end: answers_of(wanted[first:end]))
             for i, (model, _) in enumerate(wanted):
                 answer = tickets.answer(i)
                 meta = codec.check_header(answer.header)
@@ -226,45 +224,64 @@ def copy_from(
 
 
 class _Tickets:
-    """The successor's ``HandoffTensor`` calls, kept ahead of the tensor being read (up
-    to ``_TICKETS_AHEAD`` tensors and ``_BYTES_AHEAD`` bytes, which the drained worker
-    holds ready meanwhile), so that a transfer of many small tensors is not one call's
-    round trip per tensor; and the prelude of each ticket known, sent while the tensor
-    before it still arrives (:meth:`open_ahead`), so that the stream never idles."""
+    """The successor's ``HandoffTensors`` calls: the tensors asked for in batches (each
+    at most ``_BATCH_TENSORS`` tensors and ``_BATCH_BYTES`` bytes, a larger tensor
+    alone), the next batch asked for while the one before is read, so that neither a
+    call's round trip per tensor nor the wait for a batch stalls the copy; the
+    drained worker holds at most two batches ready. The prelude of each ticket known
+    is sent while the tensor before it still arrives (:meth:`open_ahead`): the bulk
+    stream never idles between tensors."""
 
-    def __init__(self, sizes: list[int], ask: Callable[[int], grpc.Future]) -> None:
-        self._ends = list(itertools.accumulate(sizes, initial=0))
+    def __init__(self, sizes: list[int], ask: Callable[[int, int], grpc.Future]) -> None:
         self._ask = ask
-        self._asked: dict[int, grpc.Future] = {}
-        self._next = 0  # the next tensor to ask for
+        self._batches: list[tuple[int, int]] = []  # [first, end) of each batch, in order
+        first = 0
+        while first < len(sizes):
+            end, nbytes = first + 1, sizes[first]
+            while (
+                end < len(sizes)
+                and end - first < _BATCH_TENSORS
+                and nbytes + sizes[end] <= _BATCH_BYTES
+            ):
+                nbytes += sizes[end]
+                end += 1
+            self._batches.append((first, end))
+            first = end
+        self._batch_of = [b for b, (lo, hi) in enumerate(self._batches) for _ in range(lo, hi)]
+        self._asked: dict[int, grpc.Future] = {}  # batch -> its call
         self.opened = 0  # the tensors before this one were asked for on the bulk port
 
-    def answer(self, i: int) -> worker_pb2.GetTensorBulkResponse:
-        """Tensor ``i``'s answer (the tensors are taken in order), asking ahead."""
-        self._fill(i)
-        answer = self._asked.pop(i).result()
-        self._fill(i + 1)
-        return answer
+    def _call(self, batch: int) -> grpc.Future:
+        if batch not in self._asked:
+            self._asked[batch] = self._ask(*self._batches[batch])
+        return self._asked[batch]
 
-    def _fill(self, reading: int) -> None:
-        total = len(self._ends) - 1
-        while self._next < total and (
-            self._next <= reading
-            or (
-                self._next - reading < _TICKETS_AHEAD
-                and self._ends[self._next + 1] - self._ends[reading] <= _BYTES_AHEAD
-            )
-        ):
-            self._asked[self._next] = self._ask(self._next)
-            self._next += 1
+    def answer(self, i: int) -> worker_pb2.GetTensorBulkResponse:
+        """Tensor ``i``'s answer (the tensors are taken in order); asks for the next
+        batch as ``i``'s arrives."""
+        batch = self._batch_of[i]
+        answers = self._call(batch).result()
+        if batch + 1 < len(self._batches):
+            self._call(batch + 1)
+        if i + 1 == self._batches[batch][1]:
+            del self._asked[batch]  # read to its end
+        first = self._batches[batch][0]
+        if len(answers.tensors) != self._batches[batch][1] - first:
+            raise ValueError("the drained worker answered another number of tensors")
+        return answers.tensors[i - first]
 
     def open_ahead(self, reader: _BulkReader, deadline: float) -> None:
-        """Sends the preludes of the tickets answered since (never waits for one)."""
-        while self.opened < self._next:
-            coming = self._asked[self.opened]
-            if not coming.done():
+        """Sends the preludes of the tickets answered since (never waits for a call)."""
+        while self.opened < len(self._batch_of):
+            batch = self._batch_of[self.opened]
+            call = self._asked.get(batch)
+            if call is None or not call.done():
                 return
-            ticket = coming.result().ticket
+            answers = call.result()
+            index = self.opened - self._batches[batch][0]
+            if index >= len(answers.tensors):
+                return  # (answer() says so when it gets there)
+            ticket = answers.tensors[index].ticket
             if ticket:
                 reader.open(ticket, deadline)
             self.opened += 1
