@@ -12,7 +12,9 @@ op and closing its store included). The anchor sends the same bytes over one raw
 loopback TCP connection into a preallocated buffer, in the same run; a second row
 sets the same transfer beside TCP into a new buffer each time, which pays the
 page faults of fresh memory as the successor does.
-Every round checks the values on the new holder of the rank.
+Both anchors are measured between the drains, with the cluster up (its idle
+daemons, the drained worker's restart), so that each figure and its anchor meet
+the same machine. Every round checks the values on the new holder of the rank.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ GROUP = "7c drain handoff"
 
 
 def run(ctx: BenchContext) -> list[Row]:
-    rounds = 2 if ctx.quick else 6
+    rounds = 2 if ctx.quick else 10
     tensors = 8
     each = (8 if ctx.quick else 32) * MiB
     total = tensors * each
@@ -44,17 +46,17 @@ def run(ctx: BenchContext) -> list[Row]:
         for i in range(tensors)
     }
     payload = torch.cat([t.view(torch.uint8) for t in held.values()])
-    with TcpSink(total) as sink:
-        anchor = sink.gbps(payload, 5)
-    with TcpSink(total, fresh=True) as sink:
-        fresh_anchor = sink.gbps(payload, 5)
     flags = ("--spares", "1", "--max-restarts", "0", "--devices", "cpu", "--heartbeat", "0.2")
     rates: list[float] = []
     seconds: list[float] = []
+    preallocated: list[float] = []
+    fresh: list[float] = []
     with (
         local_cluster(1, *flags) as address,
         collectives.connect(address, timeout=60) as cluster,
         grpc.insecure_channel(address) as channel,
+        TcpSink(total) as sink,
+        TcpSink(total, fresh=True) as fresh_sink,
     ):
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         for name, t in held.items():
@@ -70,6 +72,9 @@ def run(ctx: BenchContext) -> list[Row]:
                     raise AssertionError(f"{name} differs on the successor")
             rates.append(report.bytes_moved / report.copy_seconds / 1e9)
             seconds.append(report.seconds)
+            preallocated.append(sink.gbps(payload, 2).median)
+            fresh.append(fresh_sink.gbps(payload, 2).median)
+    anchor, fresh_anchor = stat_of(preallocated, "GB/s"), stat_of(fresh, "GB/s")
     handoff = stat_of(seconds, "s")
     note = (
         f"{rounds} drains of a rank holding {tensors} x {each // MiB} MiB; handoff "

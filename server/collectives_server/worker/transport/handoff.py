@@ -270,21 +270,26 @@ class _Tickets:
             raise ValueError("the drained worker answered another number of tensors")
         return answers.tensors[i - first]
 
-    def open_ahead(self, reader: _BulkReader, deadline: float) -> None:
-        """Sends the preludes of the tickets answered since (never waits for a call)."""
+    def open_ahead(self, reader: _BulkReader, deadline: float) -> bool:
+        """Sends the preludes of the tickets answered since (never waits for a call);
+        whether a call asked for is still unanswered (else nothing more can be opened
+        before the next tensor)."""
         while self.opened < len(self._batch_of):
             batch = self._batch_of[self.opened]
             call = self._asked.get(batch)
-            if call is None or not call.done():
-                return
+            if call is None:
+                return False
+            if not call.done():
+                return True
             answers = call.result()
             index = self.opened - self._batches[batch][0]
             if index >= len(answers.tensors):
-                return  # (answer() says so when it gets there)
+                return False  # (answer() says so when it gets there)
             ticket = answers.tensors[index].ticket
             if ticket:
                 reader.open(ticket, deadline)
             self.opened += 1
+        return False
 
 
 class _BulkReader:
@@ -320,10 +325,11 @@ class _BulkReader:
         self._sock.sendall(prelude(BULK, ticket))
 
     def read(
-        self, meta: codec.CheckedHeader, deadline: float, meanwhile: Callable[[], None]
+        self, meta: codec.CheckedHeader, deadline: float, meanwhile: Callable[[], bool]
     ) -> torch.Tensor:
         """The bytes of the oldest transfer opened and not yet read, into fresh memory;
-        ``meanwhile`` is called between reads (it may :meth:`open` the next one)."""
+        ``meanwhile`` is called between reads (it may :meth:`open` the next one) until
+        it returns False."""
         sock = self._sock
         if sock is None:
             raise OSError("no transfer was opened on the bulk connection")
@@ -331,12 +337,13 @@ class _BulkReader:
         buffer = codec.allocate_bytes(meta.nbytes)
         view = codec.tensor_memoryview(buffer)
         got = 0
+        waiting = True
         while got < meta.nbytes:
             n = sock.recv_into(view[got:])
             if n == 0:
                 raise OSError(f"the bulk connection closed after {got} of {meta.nbytes} bytes")
             got += n
-            meanwhile()
+            waiting = waiting and meanwhile()
         return codec.typed(buffer, meta)
 
 
