@@ -530,3 +530,30 @@ def _dashboard_address(cluster: LocalCluster) -> str:
         return None
 
     return wait_until(logged, 30, "the dashboard's address in the log")
+
+
+def test_a_drain_on_a_tls_cluster_moves_the_rank_over_tls(pki: Pki, tmp_path: Path) -> None:
+    """The handoff's worker-to-worker copy (its gRPC calls and the bulk connection)
+    speaks TLS on a TLS cluster: every tensor reaches the spare, the large one over
+    the bulk port, value for value."""
+    cluster = _start(
+        tmp_path, "tls-drain", "--spares", "1", "--heartbeat", "0.2",
+        f"--tls-cert={pki.server_cert}", f"--tls-key={pki.server_key}", f"--tls-ca={pki.ca}",
+    )  # fmt: skip
+    try:
+        with _connect(cluster.address, tls_ca=str(pki.ca)) as client:
+            wait_until(lambda: any(w.state == "spare" for w in client.workers()), 60, "the spare")
+            gen = torch.Generator().manual_seed(int(time.time()))
+            held = {
+                "tls/small": torch.randn(100, generator=gen),
+                "tls/large": torch.randn(6 << 20, generator=gen),  # 24 MiB: the bulk port
+                "tls/int": torch.randint(-(2**40), 2**40, (4099,), generator=gen),
+            }
+            for name, t in held.items():
+                client.put(name, t, rank=1)
+            report = client.drain(client.workers()[1].address, timeout=60)
+            assert report.error == "" and report.tensors_moved == len(held), report
+            for name, t in held.items():
+                assert torch.equal(client.get(name, rank=1), t), name
+    finally:
+        cluster.stop()

@@ -21,7 +21,7 @@ import socket
 import ssl
 import struct
 
-__all__ = ["KernelTimeouts", "peer_closed", "recv_into", "sendall"]
+__all__ = ["TIMED_OUT", "KernelTimeouts", "peer_closed", "recv_into", "sendall"]
 
 # The kernel reads 0 as "never": the shortest timeout it is given is this.
 _SHORTEST_S = 1e-3
@@ -68,14 +68,14 @@ class KernelTimeouts:
 
 # What a read or write that ran into the kernel's timeout raises: EAGAIN, which a
 # TLS socket reports as wanting to read or write again.
-_TIMED_OUT = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
+TIMED_OUT = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
 def recv_into(sock: socket.socket, view: memoryview) -> int:
     """``sock.recv_into(view)``; its kernel timeout passing raises :class:`TimeoutError`."""
     try:
         return sock.recv_into(view)
-    except _TIMED_OUT:
+    except TIMED_OUT:
         raise TimeoutError("the socket's read timed out") from None
 
 
@@ -84,7 +84,7 @@ def sendall(sock: socket.socket, data: bytes | bytearray | memoryview) -> None:
     (part of ``data`` may have gone: the connection cannot carry more frames)."""
     try:
         sock.sendall(data)
-    except _TIMED_OUT:
+    except TIMED_OUT:
         raise TimeoutError("the socket's write timed out") from None
 
 

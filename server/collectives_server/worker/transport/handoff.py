@@ -41,10 +41,11 @@ import torch
 
 from collectives.errors import CollectiveError, FailedPrecondition, NotFound
 from collectives.v1 import coordinator_pb2, worker_pb2, worker_pb2_grpc
-from collectives.wire import codec
+from collectives.wire import codec, socket_timeouts
 from collectives.wire.frames import BULK, prelude
 from collectives.wire.raw_tls import client_context
 from collectives.wire.security import ChannelSecurity
+from collectives.wire.socket_timeouts import KernelTimeouts
 
 __all__ = ["HandoffCopy", "HandoffSource", "copy_from"]
 
@@ -53,6 +54,11 @@ _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # What one HandoffTensors call asks for: at most this many tensors and bytes.
 _BATCH_TENSORS = 64
 _BATCH_BYTES = 64 * 1024 * 1024
+# The successor reads a tensor in chunks of this many bytes while a ticket may still
+# come (it sends that ticket's prelude between two chunks), then all at once.
+_CHUNK_BYTES = 4 * 1024 * 1024
+# A read may overrun the handoff's deadline by this much (the kernel keeps the bound).
+_SLACK_S = 0.05
 
 
 class HandoffSource:
@@ -301,6 +307,7 @@ class _BulkReader:
         self._port = port
         self._tls = tls
         self._sock: socket.socket | None = None
+        self._timeouts: KernelTimeouts
 
     def __enter__(self) -> _BulkReader:
         return self
@@ -321,8 +328,11 @@ class _BulkReader:
             if self._tls is not None:
                 sock = self._tls.wrap_socket(sock, server_hostname=self._host)
             self._sock = sock
-        self._sock.settimeout(_left(deadline))
-        self._sock.sendall(prelude(BULK, ticket))
+            # Blocking, its bounds kept by the kernel: a read of a whole chunk is then
+            # one system call (MSG_WAITALL), not one per segment that arrived.
+            self._timeouts = KernelTimeouts(sock, _left(deadline))
+        self._timeouts.fit(_left(deadline), _SLACK_S)
+        socket_timeouts.sendall(self._sock, prelude(BULK, ticket))
 
     def read(
         self, meta: codec.CheckedHeader, deadline: float, meanwhile: Callable[[], bool]
@@ -333,13 +343,21 @@ class _BulkReader:
         sock = self._sock
         if sock is None:
             raise OSError("no transfer was opened on the bulk connection")
-        sock.settimeout(_left(deadline))
         buffer = codec.allocate_bytes(meta.nbytes)
         view = codec.tensor_memoryview(buffer)
+        # (A TLS socket reads a record at a time: no flags.)
+        flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
         got = 0
         waiting = True
         while got < meta.nbytes:
-            n = sock.recv_into(view[got:])
+            self._timeouts.fit(_left(deadline), _SLACK_S)
+            # While a ticket may still come, chunks small enough to send its prelude
+            # before this tensor's last byte; then the rest at once.
+            end = min(meta.nbytes, got + _CHUNK_BYTES) if waiting else meta.nbytes
+            try:
+                n = sock.recv_into(view[got:end], end - got, flags)
+            except socket_timeouts.TIMED_OUT:
+                raise TimeoutError("the handoff ran out of time") from None
             if n == 0:
                 raise OSError(f"the bulk connection closed after {got} of {meta.nbytes} bytes")
             got += n
