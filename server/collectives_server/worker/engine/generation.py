@@ -81,9 +81,6 @@ _UNFINISHED = "did not finish here: the process group broke or the generation en
 # tries the next; it looks at the rendezvous store every _REBUILD_POLL_S meanwhile.
 _REBUILD_WAIT_OP_TIMEOUTS = 6
 _REBUILD_POLL_S = 0.05
-# A gated generation waits for its drain's handoff at most this many op timeouts
-# (the coordinator's own deadline for a handoff is 4 by default).
-_GATE_OP_TIMEOUTS = 8
 
 
 def _raise_counter(store: dist.Store, key: str, at_least: int) -> int:
@@ -126,10 +123,6 @@ class GenerationSpec:
     # rank held in the one before (id -> global ranks), rebuilt as its first step
     # (carried_groups.py). None: not carried over, no groups kept.
     carried_groups: dict[int, tuple[int, ...]] | None = None
-    # A generation sealed by a drain whose handoff has not ended: its groups form at
-    # once, beside the copy, and its first step waits for :meth:`Generation.open`
-    # (the handoff ended; the successor's tensors are installed).
-    gated: bool = False
 
 
 @dataclass(frozen=True)
@@ -184,7 +177,6 @@ class Generation:
         self.groups: dict[int, GroupEntry] = {0: GroupEntry(0, list(range(spec.world_size)), None)}
         self.ready = threading.Event()
         self.finished = threading.Event()
-        self.opened = not spec.gated  # (see GenerationSpec.gated; under _cond)
         # Set once no op runs in it any more (before its groups are released).
         self._ops_over = threading.Event()
         self.failure: str | None = None
@@ -207,12 +199,6 @@ class Generation:
         """
         with self._cond:
             self._seq.close(self.failure or "retired", superseded_by)
-            self._cond.notify_all()
-
-    def open(self) -> None:
-        """Lets a gated generation take its first step (nothing if open already)."""
-        with self._cond:
-            self.opened = True
             self._cond.notify_all()
 
     def wait_ended(self, timeout_s: float) -> bool:
@@ -412,11 +398,6 @@ class Generation:
         except Exception as exc:
             raise GroupBroken(f"could not form the process group: {exc}") from exc
         self.groups = {0: GroupEntry(0, list(range(self.world_size)), handles)}
-        with self._cond:
-            patience = _GATE_OP_TIMEOUTS * self._spec.op_timeout_s
-            self._cond.wait_for(lambda: self.opened or self._seq.closed, patience)
-            if not self.opened:
-                raise GroupBroken("the drain that sealed it did not end (retired, or too long)")
         ctx = OpContext(
             generation=self.generation,
             rank=self.rank,
