@@ -458,8 +458,19 @@ class WorkerDaemon:
                 )
                 self._watch_call = call
                 for cluster in call:
+                    try:
+                        self._on_cluster(cluster)
+                    except Exception:
+                        # (e.g. the rendezvous store's host died as its generation was
+                        # sealed.) The watch goes on: re-opened from the last state acted
+                        # on, it delivers the current one again, to be acted on anew.
+                        log.exception(
+                            "could not act on the cluster's version %d; trying again",
+                            cluster.version,
+                        )
+                        call.cancel()
+                        break
                     version = cluster.version
-                    self._on_cluster(cluster)
             except grpc.RpcError as err:
                 if self._stop.is_set():
                     return
