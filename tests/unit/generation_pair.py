@@ -62,11 +62,16 @@ class Pair:
         self,
         limits: tuple[int | None, int | None] = (None, None),
         rebuild_after_s: float = 10.0,
+        gated: bool = False,
     ) -> None:
+        """``gated``: generations sealed by a drain (GenerationSpec.gated), not waited
+        for here: the test opens them (``Generation.open``)."""
         self.stores = [GatedStore(torch.device("cpu"), limit) for limit in limits]
         self.done: list[list[worker_pb2.OpDescriptor]] = [[], []]
         self.threads: list[list[str]] = [[], []]  # the thread that concluded each op
         self._rebuild_after_s = rebuild_after_s
+        self._gated = gated
+        self.joined = [threading.Event(), threading.Event()]  # each rank's on_joined
         master = dist.TCPStore(
             "127.0.0.1", 0, is_master=True, wait_for_workers=False,
             timeout=datetime.timedelta(seconds=TIMEOUT_S),
@@ -80,7 +85,7 @@ class Pair:
         for g in self.generations:
             g.start()
         for g in self.generations:
-            assert g.ready.wait(TIMEOUT_S), "the generation did not form"
+            assert gated or g.ready.wait(TIMEOUT_S), "the generation did not form"
 
     def _generation(self, rank: int) -> Generation:
         spec = GenerationSpec(
@@ -95,9 +100,10 @@ class Pair:
             host="127.0.0.1",
             queue_size=8,
             rebuild_after_s=self._rebuild_after_s,
+            gated=self._gated,
         )
         hooks = GenerationHooks(
-            on_joined=lambda generation: None,
+            on_joined=lambda generation, rank=rank: self.joined[rank].set(),
             on_op_done=lambda desc, outcome, latency, rank=rank: self._done(rank, desc),
         )
         return Generation(spec, hooks)

@@ -250,9 +250,9 @@ class WorkerDaemon:
                 )
         except grpc.RpcError:
             pass
-        # A generation being joined holds the lock while it connects to rank 0's
-        # store, which may be stopping too (up to the op timeout): stopping waits for
-        # it only briefly, and the process ends its threads anyway.
+        # Acting on a cluster message holds the lock (a generation connects to its
+        # rendezvous store on its own thread, not under it): stopping waits for it
+        # only briefly all the same, and the process ends its threads anyway.
         if self._lock.acquire(timeout=_STOP_WAIT_S):
             try:
                 if self.runtime is not None:
@@ -480,8 +480,10 @@ class WorkerDaemon:
     def _retire_runtime(self, superseded_by: int | None = None) -> None:
         with self._lock:
             if self.runtime is not None:
-                # Its groups, for a next generation a drain carries over (carried_groups).
-                self._retired_groups = (self.runtime.generation, self.runtime.held_groups())
+                # Its groups, for a next generation a drain carries over (carried_groups);
+                # a gated one that never opened holds none of its own yet.
+                if self.runtime.opened:
+                    self._retired_groups = (self.runtime.generation, self.runtime.held_groups())
                 self.runtime.stop(superseded_by)
                 self._set_runtime(None)
             self.joined_generation = 0
@@ -496,11 +498,25 @@ class WorkerDaemon:
             if cluster.store_address:
                 self._store_address = cluster.store_address
             current = self.runtime
+            digest = cluster.membership_digest
+            this_one = current is not None and (
+                current.generation,
+                current.membership_digest,
+            ) == (cluster.generation, digest)
             handoff = pending_handoff(cluster)
             if handoff is not None:
-                # Nobody joins the generation before its handoff ends: ops stop here.
-                self._retire_runtime(superseded_by=cluster.generation)
-                self._drain.take_part(handoff, current)
+                # Nobody takes a step in the generation before its handoff ends: ops
+                # stop here. Its members form its groups meanwhile (gated), so that
+                # the first step can follow the handoff at once.
+                if not this_one:
+                    self._retire_runtime(superseded_by=cluster.generation)
+                    self._drain.take_part(handoff, current)
+                    if me is not None and membership_refusal(cluster, members) is None:
+                        self._set_runtime(
+                            self._new_runtime(
+                                cluster.generation, digest, me.rank, cluster.world_size, handoff
+                            )
+                        )
                 return
             self._drain.settle(cluster)
             if self._drain.drained:
@@ -513,11 +529,9 @@ class WorkerDaemon:
                     if current is not None:
                         self._retire_runtime()
                     return
-                digest = cluster.membership_digest
-                if current is not None and (current.generation, current.membership_digest) == (
-                    cluster.generation,
-                    digest,
-                ):
+                if this_one:
+                    assert current is not None
+                    current.open()  # (gated until the handoff ended: the copy is installed)
                     return
                 self._retire_runtime(superseded_by=cluster.generation)
                 self._set_runtime(
@@ -526,14 +540,25 @@ class WorkerDaemon:
             elif current is not None:
                 self._retire_runtime()
 
-    def _new_runtime(self, generation: int, digest: str, rank: int, world_size: int) -> Generation:
+    def _new_runtime(
+        self,
+        generation: int,
+        digest: str,
+        rank: int,
+        world_size: int,
+        handoff: coordinator_pb2.Handoff | None = None,
+    ) -> Generation:
+        """The runtime of ``generation``; gated while ``handoff`` (the drain that sealed
+        it) has not ended."""
         host, port = self._store_address.rsplit(":", 1)
-        tcp_store = dist.TCPStore(
-            host,
-            int(port),
-            is_master=False,
-            timeout=datetime.timedelta(seconds=self.ctx.op_timeout_s),
-        )
+        timeout = datetime.timedelta(seconds=self.ctx.op_timeout_s)
+
+        def tcp_store() -> dist.Store:
+            # Connected by the generation's own thread: its host may be gone (a drain's
+            # generation forms while a crash is still being noticed), and this
+            # daemon's lock is not held meanwhile.
+            return dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+
         spec = GenerationSpec(
             generation=generation,
             membership_digest=digest,
@@ -550,7 +575,8 @@ class WorkerDaemon:
             models=self.ctx.models,
             replaced=self.ctx.replaced,
             recorder=self.ctx.recorder,
-            carried_groups=self._carried_groups(generation),
+            carried_groups=self._carried_groups(generation, handoff),
+            gated=handoff is not None,
         )
         hooks = GenerationHooks(
             on_joined=self._joined,
@@ -564,17 +590,24 @@ class WorkerDaemon:
         )
         return Generation(spec, hooks).start()
 
-    def _carried_groups(self, generation: int) -> dict[int, tuple[int, ...]] | None:
+    def _carried_groups(
+        self, generation: int, handoff: coordinator_pb2.Handoff | None = None
+    ) -> dict[int, tuple[int, ...]] | None:
         """For a generation a drain carried over (every rank of the cluster decides alike,
         from its history): the groups this worker held in the one before it, if only
-        carried-over generations came between (else none); None when not carried over."""
+        carried-over generations came between (else none); None when not carried over.
+        While ``handoff`` (the drain that sealed it, onto a successor) runs, it counts as
+        carried over: its first step waits for the handoff, which it follows only if
+        the handoff completed (else another generation replaces it)."""
         history = {r.generation: r for r in self._cluster.history} if self._cluster else {}
-        record = history.get(generation)
-        if record is None or not record.carried_over:
+        carried = {g for g, r in history.items() if r.carried_over}
+        if handoff is not None and handoff.successor_id:
+            carried.add(generation)
+        if generation not in carried:
             return None
         held_in, groups = self._retired_groups
         between = range(held_in + 1, generation + 1)
-        if not held_in or not all(g in history and history[g].carried_over for g in between):
+        if not held_in or not all(g in carried for g in between):
             return {}
         return dict(groups)
 

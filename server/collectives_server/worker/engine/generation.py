@@ -81,6 +81,9 @@ _UNFINISHED = "did not finish here: the process group broke or the generation en
 # tries the next; it looks at the rendezvous store every _REBUILD_POLL_S meanwhile.
 _REBUILD_WAIT_OP_TIMEOUTS = 6
 _REBUILD_POLL_S = 0.05
+# A gated generation waits for its drain's handoff at most this many op timeouts
+# (the coordinator's own deadline for a handoff is 4 by default).
+_GATE_OP_TIMEOUTS = 8
 
 
 def _raise_counter(store: dist.Store, key: str, at_least: int) -> int:
@@ -100,7 +103,10 @@ class GenerationSpec:
     generation: int
     rank: int
     world_size: int
-    tcp_store: dist.Store  # the rendezvous store every member forms its groups through
+    # The rendezvous store every member forms its groups through, or how to connect to
+    # it: then the generation's own thread connects (its host may be gone: the
+    # generation then does not form, and whoever started it is not held up).
+    tcp_store: dist.Store | Callable[[], dist.Store]
     store: TensorStore
     device: torch.device
     host: str | None  # the interface gloo binds (None: torch's choice)
@@ -123,6 +129,10 @@ class GenerationSpec:
     # rank held in the one before (id -> global ranks), rebuilt as its first step
     # (carried_groups.py). None: not carried over, no groups kept.
     carried_groups: dict[int, tuple[int, ...]] | None = None
+    # A generation sealed by a drain whose handoff has not ended: its groups form at
+    # once, beside the copy, and its first step waits for :meth:`Generation.open`
+    # (the handoff ended; the successor's tensors are installed).
+    gated: bool = False
 
 
 @dataclass(frozen=True)
@@ -160,6 +170,8 @@ class Generation:
         recorder = spec.recorder
         self._recorder = recorder if recorder is not None and recorder.enabled else None
         self._channel: ControlChannel | None = None  # this epoch's control rounds
+        # The rendezvous store, once connected (by this generation's thread).
+        self._tcp_store: dist.Store | None = None if callable(spec.tcp_store) else spec.tcp_store
         self._cond = threading.Condition()
         self._seq = Sequencer(
             spec.generation,
@@ -177,6 +189,7 @@ class Generation:
         self.groups: dict[int, GroupEntry] = {0: GroupEntry(0, list(range(spec.world_size)), None)}
         self.ready = threading.Event()
         self.finished = threading.Event()
+        self.opened = not spec.gated  # (see GenerationSpec.gated; under _cond)
         # Set once no op runs in it any more (before its groups are released).
         self._ops_over = threading.Event()
         self.failure: str | None = None
@@ -199,6 +212,12 @@ class Generation:
         """
         with self._cond:
             self._seq.close(self.failure or "retired", superseded_by)
+            self._cond.notify_all()
+
+    def open(self) -> None:
+        """Lets a gated generation take its first step (nothing if open already)."""
+        with self._cond:
+            self.opened = True
             self._cond.notify_all()
 
     def wait_ended(self, timeout_s: float) -> bool:
@@ -344,6 +363,14 @@ class Generation:
             with self._cond:
                 self._seq.close(self.failure or "retired")
 
+    def _rendezvous(self) -> dist.Store:
+        """The rendezvous store, connected on first use (raises as the connection does)."""
+        if self._tcp_store is None:
+            connect = self._spec.tcp_store
+            assert callable(connect)
+            self._tcp_store = connect()
+        return self._tcp_store
+
     def _rebuild_epoch(self, failed: int) -> int | None:
         """The epoch every member rebuilds in after ``failed`` broke, once all of them
         have arrived at it; None if the generation ended meanwhile.
@@ -355,13 +382,13 @@ class Generation:
         others, however late they fail, rather than in gloo's rendezvous, which gives
         up after one op timeout. An epoch not complete within
         ``_REBUILD_WAIT_OP_TIMEOUTS`` op timeouts is left for the next one."""
-        store = self._spec.tcp_store
         counter = f"g{self.generation}m{self.membership_digest}/epoch"
         patience = _REBUILD_WAIT_OP_TIMEOUTS * self._spec.op_timeout_s
         epoch, arrived_at = failed + 1, -1
         deadline = time.monotonic() + patience
         while True:
             try:
+                store = self._rendezvous()
                 epoch = _raise_counter(store, counter, epoch)
                 arrived = f"g{self.generation}m{self.membership_digest}e{epoch}/rebuild-arrived"
                 if arrived_at != epoch:
@@ -386,18 +413,24 @@ class Generation:
         prefix = f"g{self.generation}m{self.membership_digest}"
         if epoch:
             prefix += f"e{epoch}"
-        where = (self._spec.tcp_store, prefix, self.rank, self.world_size, self._spec.op_timeout_s)
         release_groups(self.groups)  # a broken epoch's groups, before the next ones
         try:
+            store = self._rendezvous()
+            where = (store, prefix, self.rank, self.world_size, self._spec.op_timeout_s)
             handles = build_groups(*where, self._spec.device, self._spec.host)
             self._channel = ControlChannel.connect(
-                dist.PrefixStore(f"{prefix}/ctlsock", self._spec.tcp_store),
+                dist.PrefixStore(f"{prefix}/ctlsock", store),
                 *where[2:],
                 self._spec.host,
             )
         except Exception as exc:
             raise GroupBroken(f"could not form the process group: {exc}") from exc
         self.groups = {0: GroupEntry(0, list(range(self.world_size)), handles)}
+        with self._cond:
+            patience = _GATE_OP_TIMEOUTS * self._spec.op_timeout_s
+            self._cond.wait_for(lambda: self.opened or self._seq.closed, patience)
+            if not self.opened:
+                raise GroupBroken("the drain that sealed it did not end (retired, or too long)")
         ctx = OpContext(
             generation=self.generation,
             rank=self.rank,
@@ -405,7 +438,7 @@ class Generation:
             device=self._spec.device,
             host=self._spec.host,
             timeout_s=self._spec.op_timeout_s,
-            tcp_store=self._spec.tcp_store,
+            tcp_store=store,
             prefix=prefix,
             store=self.store,
             models=self.models,
