@@ -26,7 +26,14 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from collectives._deadlines import time_left
-from collectives.errors import CollectiveError, InvalidArgument, NotFound, Reason, Unavailable
+from collectives.errors import (
+    CollectiveError,
+    DeadlineExceeded,
+    InvalidArgument,
+    NotFound,
+    Reason,
+    Unavailable,
+)
 from collectives.models.part import Models
 from collectives.session.connection import Session, without_models
 from collectives.transport.calls import Call, Job, Mapped, Start
@@ -182,11 +189,15 @@ class _RemoteCall:
             failed: set[int] = set()
             try:
                 output = self._forward_once(inputs, kwargs, grad_on, routable, failed)
-            except Unavailable as err:
+            except (Unavailable, DeadlineExceeded) as err:
                 # Without autograd a forward has no side effect: one whose worker was
                 # unavailable (it stopped, or was drained: its rank moved) runs again,
-                # placed anew or split over the members the view now has.
+                # placed anew or split over the members the view now has. So does one
+                # that a worker cut short before this call's deadline (a stopping
+                # worker's server cancels the calls it still runs: CANCELLED).
                 if grad_on or not failed or err.reason == Reason.VERSION_MOVED:
+                    raise
+                if isinstance(err, DeadlineExceeded) and time.monotonic() >= self.deadline:
                     raise
                 if attempt >= _PLACEMENTS or time.monotonic() >= self.deadline:
                     raise  # no other placement left to try: the worker's own error
