@@ -191,5 +191,7 @@ def test_a_publish_whose_follower_is_killed_mid_broadcast_never_mixes(fault_clus
     assert versions == {expected}
     assert _check_serving(client, "big", weights, BIG) == expected
     newer = _random_state(original, gen)
-    assert client.publish("big", newer) == expected + 1
+    # 256 MiB again: the same deadline as the first publish, not the default one (an
+    # op timeout, which 256 MiB on a loaded two-core machine may outrun: seen in CI).
+    assert client.publish("big", newer, timeout=120) == expected + 1
     assert _check_serving(client, "big", newer, BIG) == expected + 1
