@@ -144,7 +144,7 @@ def test_a_publish_whose_client_is_killed_mid_upload_leaves_the_old_version(
     assert _check_serving(client, "big", original, BIG) == 1
     assert {m.version for m in client.models()} == {1}
     fresh = {k: torch.randn_like(v) for k, v in original.items()}
-    assert client.publish("big", fresh) == 2
+    assert client.publish("big", fresh, timeout=120) == 2  # 256 MiB: not an op timeout
     assert _check_serving(client, "big", fresh, BIG) == 2
 
 
