@@ -293,9 +293,9 @@ class WorkerDaemon:
         members = {w.worker_id for w in cluster.workers if w.rank >= 0}
         if self.worker_id not in members:
             return
-        if not any(w.state == coordinator_pb2.WORKER_STATE_SPARE for w in cluster.workers):
-            log.warning("stopping: no spare is live to take this rank; leaving without a drain")
-            return
+        # Whether a spare is live is the coordinator's to say (this worker's view may
+        # not show one that just registered): with none, Drain answers
+        # FAILED_PRECONDITION and this worker leaves without a drain.
         log.info("stopping: draining this worker onto a spare first (at most %g s)", timeout_s)
         try:
             report = self._coordinator.Drain(
