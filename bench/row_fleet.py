@@ -24,6 +24,11 @@ Anchors: the rank-0 path without batching, and the minimal gRPC fan-out floor
 (:mod:`bench.direct_fanout`: raw bytes over one unary method, one call per part)
 with its callers' small requests spread round-robin over its servers.
 
+For 1-row requests of the memory-bound model, one more row measures the bound
+of batching here: the model's own forward of 8 rows (the largest batch 8
+one-row callers can merge into) in this process, with every core and no
+service around it.
+
 Rows give rows/s of the 8 callers together (median of the windows) and, in
 the note, the p50 and p99 of one call's latency under that load.
 
@@ -156,6 +161,8 @@ def _rows_of(
                     "",
                 )
             )
+            if memory_bound_one:
+                rows.append(_ceiling_row(reference, dims[0], label, base, window_s, windows))
     finally:
         for fc in floor_clients:
             fc.close()
@@ -163,6 +170,39 @@ def _rows_of(
         for name in names.values():
             clients[0].unload_model(name, missing_ok=True)
     return rows
+
+
+def _ceiling_row(
+    reference: torch.nn.Module,
+    width: int,
+    label: str,
+    base: _Load,
+    window_s: float,
+    windows: int,
+) -> Row:
+    """The most rows/s batching can give the 1-row callers on this machine: the model's
+    own forward of ``CALLERS`` rows (the largest batch they can merge into), run here
+    with every core and no call around it. Routed + batching can reach at most this;
+    where it is under 3x the rank-0 path, the >= 3 target is out of this machine's
+    reach, whatever the service does."""
+    x = torch.randn(CALLERS, width)
+
+    def forward(_caller: object) -> torch.Tensor:
+        with torch.no_grad():
+            return reference(x)
+
+    ceiling = _under_load(forward, [None], window_s, windows, CALLERS)
+    ratio = statistics.median(ceiling.rates) / statistics.median(base.rates)
+    verdict = "reachable" if ratio >= 3 else "out of reach here"
+    return _row(
+        f"rows/s ceiling: the model's own forward of {CALLERS} rows, {label}, "
+        f"{torch.get_num_threads()} threads, no service",
+        ceiling,
+        f"{PATHS[0][0]} (the path before routing)",
+        base,
+        "",
+        extra_note=f"routed + batching >= 3x the anchor is {verdict} ({ratio:.2f}x here)",
+    )
 
 
 def _measure(
