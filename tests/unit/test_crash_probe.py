@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 from collectives.wire.cluster_state import WorkerState
 from collectives_server.coordinator.crash_probe import process_gone
@@ -18,7 +19,7 @@ def _closed_port() -> int:
 
 
 def test_a_port_nothing_listens_on_means_the_process_is_gone() -> None:
-    assert process_gone(f"127.0.0.1:{_closed_port()}", threading.Event())
+    assert process_gone(f"127.0.0.1:{_closed_port()}", threading.Event(), 1.0)
 
 
 def test_a_listening_port_or_a_stop_proves_nothing() -> None:
@@ -26,11 +27,57 @@ def test_a_listening_port_or_a_stop_proves_nothing() -> None:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         address = f"127.0.0.1:{listener.getsockname()[1]}"
-        assert not process_gone(address, threading.Event())
+        began = time.monotonic()
+        assert not process_gone(address, threading.Event(), 0.3)
+        assert time.monotonic() - began < 5.0  # patience ends it, not the listener
     stopping = threading.Event()
     stopping.set()
-    assert not process_gone(f"127.0.0.1:{_closed_port()}", stopping)
-    assert not process_gone("no-port-here", threading.Event())
+    assert not process_gone(f"127.0.0.1:{_closed_port()}", stopping, 1.0)
+    assert not process_gone("no-port-here", threading.Event(), 1.0)
+
+
+def test_a_listener_that_outlives_the_stream_is_waited_for_within_the_patience() -> None:
+    """On a busy host the kernel can close a killed process's listener well after its
+    stream: the probe keeps asking (past its first few attempts) and sees the refusal."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    accepted = 0
+
+    def serve_then_close() -> None:
+        nonlocal accepted
+        while accepted < 12:  # the old probe gave up after 3 connections
+            conn, _ = listener.accept()
+            conn.close()
+            accepted += 1
+        listener.close()
+
+    closer = threading.Thread(target=serve_then_close, daemon=True)
+    closer.start()
+    try:
+        assert process_gone(address, threading.Event(), 30.0)
+        assert accepted == 12
+    finally:
+        closer.join(timeout=10)
+        listener.close()
+
+
+def test_a_worker_heard_from_again_ends_the_probe() -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        asked = 0
+
+        def still_suspect() -> bool:
+            nonlocal asked
+            asked += 1
+            return asked < 4  # its stream opened again after the third attempt
+
+        began = time.monotonic()
+        assert not process_gone(address, threading.Event(), 30.0, still_suspect)
+        assert asked == 4 and time.monotonic() - began < 10.0
 
 
 def test_a_crashed_member_is_lost_at_once_and_the_survivors_reseal() -> None:

@@ -15,14 +15,18 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
+from collections.abc import Callable
 
-__all__ = ["PROBE_ATTEMPTS", "PROBE_TIMEOUT_S", "process_gone"]
+__all__ = ["PROBE_TIMEOUT_S", "process_gone"]
 
-# Connection attempts, and how long each may take. A process is torn down by the
-# kernel in one pass, so its listening socket is normally closed before its stream
-# is; the later attempts cover a listener closed just after.
-PROBE_ATTEMPTS = 3
+# How long one connection attempt may take.
 PROBE_TIMEOUT_S = 0.25
+# The pause between attempts while something still listens: short at first (the
+# listener is closed in the same pass as the stream, a moment later on a busy
+# host), then longer, for as long as the caller's patience lasts.
+_FIRST_PAUSE_S = 0.005
+_LONGEST_PAUSE_S = 0.1
 
 
 def _host_port(address: str) -> tuple[str, int]:
@@ -30,17 +34,27 @@ def _host_port(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def process_gone(address: str, stopping: threading.Event) -> bool:
-    """Whether nothing listens at ``address`` (``host:port``) any more: a connection
-    refused there within :data:`PROBE_ATTEMPTS` tries. False as soon as ``stopping``
-    is set, or when the address cannot be parsed or reached."""
+def process_gone(
+    address: str,
+    stopping: threading.Event,
+    patience_s: float,
+    still_suspect: Callable[[], bool] = lambda: True,
+) -> bool:
+    """Whether nothing listens at ``address`` (``host:port``) any more: True at the first
+    connection refused there within ``patience_s``.
+
+    While something still listens it asks again, at growing pauses. False as soon as
+    ``stopping`` is set or ``still_suspect()`` is False (the worker was heard from
+    again, left, or was lost), when the address cannot be parsed or reached (a
+    timeout: the lease decides), or when ``patience_s`` passed with a listener there.
+    """
     try:
         target = _host_port(address)
     except ValueError:
         return False
-    for _ in range(PROBE_ATTEMPTS):
-        if stopping.is_set():
-            return False
+    deadline = time.monotonic() + patience_s
+    pause = _FIRST_PAUSE_S
+    while not stopping.is_set() and still_suspect():
         try:
             with socket.create_connection(target, timeout=PROBE_TIMEOUT_S):
                 pass
@@ -48,7 +62,8 @@ def process_gone(address: str, stopping: threading.Event) -> bool:
             return True
         except OSError:
             return False  # unreachable or slow: the lease decides
-        # Something still listens: give a listener being torn down a moment.
-        if stopping.wait(PROBE_TIMEOUT_S):
+        left = deadline - time.monotonic()
+        if left <= 0 or stopping.wait(min(pause, left)):
             return False
+        pause = min(pause * 2, _LONGEST_PAUSE_S)
     return False

@@ -567,7 +567,17 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         """After ``worker_id``'s heartbeat stream closed: if nothing listens at its
         address any more, its process is gone; it is lost now, and the survivors re-form
         without waiting for its lease (see :mod:`.crash_probe`)."""
-        if not process_gone(address, self._closing):
+
+        def still_suspect() -> bool:
+            with self._cond:
+                return (
+                    worker_id in self._streams_closed
+                    and self._membership.address_of(worker_id) == address
+                )
+
+        # Until its lease would end it anyway: a listener can outlive the stream a
+        # while on a busy host (the kernel closes a killed process's sockets in turn).
+        if not process_gone(address, self._closing, self._membership.lease_s, still_suspect):
             return
         with self._cond:
             if self._closed or not self.is_leader:
