@@ -422,13 +422,15 @@ class ClusterSession:
         Right after a generation is sealed its members are still building their
         process groups; ops sent then fail or are refused. So wait (for at most
         half the time left) until the coordinator reports every member joined,
-        then send whatever the view is.
+        then send whatever the view is. A generation sealed by a drain is the
+        exception: its members admit ops while its groups form and run them once
+        the handoff ends, so they are sent at once, to start as soon as it can.
 
         Raises:
             ClusterNotFormed: the coordinator confirms the cluster is not formed.
         """
         snapshot = self.formed_snapshot(deadline)
-        if not snapshot.ready:
+        if not snapshot.ready and not _sealed_by_drain(snapshot):
             self._membership.wait_until(lambda s: s.ready, READY_WAIT_FRACTION * _left(deadline))
             snapshot = self.formed_snapshot(deadline)
         return snapshot
@@ -651,6 +653,15 @@ def without_models(snapshot: ClusterSnapshot) -> frozenset[str]:
         for d in snapshot.drains
         if d.generation_after == snapshot.generation and not d.error and d.successor_id
     )
+
+
+def _sealed_by_drain(snapshot: ClusterSnapshot) -> bool:
+    """Whether the current generation was sealed by a drain onto a spare, its handoff
+    running or ended (its members form their groups beside the copy)."""
+    drain = snapshot.drain
+    if drain is not None and drain.generation_after == snapshot.generation:
+        return bool(drain.successor_id)
+    return _drained_into(snapshot)
 
 
 def _drained_into(snapshot: ClusterSnapshot) -> bool:
