@@ -94,7 +94,7 @@ class DrainRole:
             target = self._offer
         elif me == handoff.successor_id:
             what = f"rank {handoff.rank} is being handed over from {handoff.drained_address}"
-            self._ctx.store.close_for_handoff(f"{what}; retry shortly")
+            self._ctx.store.close_for_handoff(f"{what}; retry shortly", hold=True)
             target = self._copy
         else:
             return

@@ -18,6 +18,14 @@ put or a delete of a fenced name waits the same way, so it lands after the
 commit instead of under it (a put issued once the leader answered would
 otherwise be overwritten by a follower's commit still on its way).
 :meth:`TensorStore.peek` is the executor's own unfenced look-up.
+
+**A handoff.** While a drain hands a rank over, both ends' stores are closed to
+clients. The drained worker's refuses at once (the rank is no longer there: the
+SDK sends the call to the successor). The successor's holds a call until the
+copy is installed and the store opens, so the call runs then instead of being
+refused and sent again; a call held past :data:`HANDOFF_HOLD_S`, or beyond
+:data:`MAX_HELD_CALLS` held at once (each holds a server thread), is refused as
+on the drained worker.
 """
 
 from __future__ import annotations
@@ -46,6 +54,10 @@ __all__ = [
 # for their op, which removes them; those of a client that died before calling it
 # are dropped once no put under their id came for UPLOAD_IDLE_S.
 UPLOAD_IDLE_S = 300.0
+# A successor's store holds a client's call this long at most for the handoff to end
+# (then refuses it, and the SDK retries), and this many calls at once.
+HANDOFF_HOLD_S = 2.0
+MAX_HELD_CALLS = 8
 
 
 @dataclass(frozen=True)
@@ -128,23 +140,39 @@ class TensorStore:
         self._uploads: dict[str, float] = {}  # upload prefix -> time of its latest put
         # Why clients are refused (a drain's handoff in progress); None: open.
         self._closed_why: str | None = None
+        # Whether calls wait for the store to open (a successor's) rather than being
+        # refused at once, and how many wait now.
+        self._holds = False
+        self._held = 0
+        self._opened = threading.Condition(self._lock)
 
     # ---- a drain's handoff (collectives_server.worker.transport.handoff) -------------------
 
-    def close_for_handoff(self, why: str) -> None:
-        """From now on every read and write answers UNAVAILABLE saying ``why`` (the SDK
-        retries it on whoever holds the rank next): what is stored cannot change."""
+    def close_for_handoff(self, why: str, *, hold: bool = False) -> None:
+        """From now on what is stored cannot change: every read and write answers
+        UNAVAILABLE saying ``why`` (the SDK retries it on whoever holds the rank next),
+        or, with ``hold`` (the successor), first waits for :meth:`reopen` (see the
+        module's notes)."""
         with self._lock:
             self._closed_why = why
+            self._holds = hold
 
     def reopen(self) -> None:
         """Serves clients again (a handoff that ended or was called off)."""
         with self._lock:
             self._closed_why = None
+            self._holds = False
+            self._opened.notify_all()
 
     @property
     def closed_for_handoff(self) -> bool:
         return self._closed_why is not None
+
+    @property
+    def held_calls(self) -> int:
+        """Calls waiting now for a successor's store to open (for status and tests)."""
+        with self._lock:
+            return self._held
 
     def check_open(self) -> None:
         """Raises UNAVAILABLE (saying why) while a handoff has closed this store: also
@@ -185,7 +213,16 @@ class TensorStore:
             )
 
     def _check_open(self) -> None:
-        """With the lock held: refuses a client's call while a handoff runs."""
+        """With the lock held: refuses a client's call while a handoff runs, once a
+        successor's store has held it as long as it may."""
+        if self._closed_why is None:
+            return
+        if self._holds and self._held < MAX_HELD_CALLS:
+            self._held += 1
+            try:
+                self._opened.wait_for(lambda: self._closed_why is None, HANDOFF_HOLD_S)
+            finally:
+                self._held -= 1
         if self._closed_why is not None:
             raise Unavailable(self._closed_why)
 
