@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import logging
 import os
 import signal
@@ -54,7 +55,7 @@ from collectives_server.worker.engine.generation import (
     GenerationHooks,
     GenerationSpec,
 )
-from collectives_server.worker.engine.model_sync import sync_models
+from collectives_server.worker.engine.model_sync import receive_models
 from collectives_server.worker.engine.op_context import OpResult
 from collectives_server.worker.enrolment import bounded_status, register
 from collectives_server.worker.heartbeats import HeartbeatStream, reply_interval_s
@@ -584,8 +585,8 @@ class WorkerDaemon:
             on_data_collectives=self.ctx.stats.record_data_collectives,
             on_fused=self.ctx.stats.record_fused,
             on_straggler=self.ctx.stats.record_straggler,
-            sync_models=lambda op_ctx: sync_models(
-                op_ctx, self.ctx.uploads, self.ctx.handoff_gradients
+            sync_models=lambda op_ctx: functools.partial(
+                receive_models(op_ctx, self.ctx.uploads), self.ctx.handoff_gradients
             ),
         )
         return Generation(spec, hooks).start()

@@ -146,8 +146,10 @@ class GenerationHooks:
     on_fused: Callable[[int], None] | None = None  # the op count of each fused run
     # Leader: the rank an agreed op waited for (the last to reach it).
     on_straggler: Callable[[int], None] | None = None
-    # Run by every rank once its group formed, before it reports joined (model_sync).
-    sync_models: Callable[[OpContext], int] | None = None
+    # Run by every rank once its group formed (model_sync's collective part); what it
+    # returns runs once the generation is open (a gated one's handoff ended), before
+    # the rank reports joined.
+    sync_models: Callable[[OpContext], Callable[[], object]] | None = None
 
 
 class Generation:
@@ -426,11 +428,6 @@ class Generation:
         except Exception as exc:
             raise GroupBroken(f"could not form the process group: {exc}") from exc
         self.groups = {0: GroupEntry(0, list(range(self.world_size)), handles)}
-        with self._cond:
-            patience = _GATE_OP_TIMEOUTS * self._spec.op_timeout_s
-            self._cond.wait_for(lambda: self.opened or self._seq.closed, patience)
-            if not self.opened:
-                raise GroupBroken("the drain that sealed it did not end (retired, or too long)")
         ctx = OpContext(
             generation=self.generation,
             rank=self.rank,
@@ -449,12 +446,21 @@ class Generation:
             on_data_collectives=self._hooks.on_data_collectives,
             on_straggler=self._hooks.on_straggler if self.is_leader else None,
         )
-        if self._hooks.sync_models is not None:
-            self._hooks.sync_models(ctx)
+        # What the ranks do together comes before the gate, beside a drain's copy:
+        # the models' exchange and the carried groups; what this rank does with the
+        # models it received (the successor's gradients among it) comes after.
+        host = self._hooks.sync_models(ctx) if self._hooks.sync_models is not None else None
         if self._spec.carried_groups is not None:
             next_id = rebuild_groups(ctx, self._spec.carried_groups)
             with self._cond:
                 self._next_group_id = max(self._next_group_id, next_id)
+        with self._cond:
+            patience = _GATE_OP_TIMEOUTS * self._spec.op_timeout_s
+            self._cond.wait_for(lambda: self.opened or self._seq.closed, patience)
+            if not self.opened:
+                raise GroupBroken("the drain that sealed it did not end (retired, or too long)")
+        if host is not None:
+            host()
         self.ready.set()
         self._hooks.on_joined(self.generation)
         log.info(

@@ -26,6 +26,11 @@ waits for it (within its deadline), and a publish is refused with UNAVAILABLE,
 which the SDK retries. The archive is checked again by the receiver as any
 upload is (nothing in it is ever unpickled); a factory must be allowed there.
 
+In a generation a drain sealed, the exchange (steps 1-3) runs while the handoff
+copies the drained rank's tensors, and the hosting once it ended
+(:func:`receive_models` returns that part): a successor's model then takes the
+drained rank's gradients, installed by then.
+
 The client sends nothing: a new worker's models come from a peer. A rank that
 cannot host a model (its factory is not allowed there, its quota is full) logs
 why and stays without it: a later op on the model names that rank. A broken
@@ -62,7 +67,7 @@ from collectives_server.worker.models.registry import (
     build_from_factory,
 )
 
-__all__ = ["sync_models"]
+__all__ = ["receive_models", "sync_models"]
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +105,16 @@ def sync_models(
     this rank is receiving (hosted now, or being built in the background).
     ``gradients``: a drain's successor's, by model and parameter (the drained rank's
     own), set on each model as it arrives (and taken out of the mapping)."""
+    return receive_models(ctx, uploads)(gradients)
+
+
+def receive_models(
+    ctx: OpContext, uploads: ModelUploads
+) -> Callable[[dict[str, dict[str, torch.Tensor]] | None], int]:
+    """The collective part of :func:`sync_models`, run by every rank together: what
+    each rank is behind on, received. Returns the rank's own part, to call later
+    (a gated generation: once its drain's handoff ended): hosting what arrived, with
+    the successor's gradients as they are then; it returns how many models."""
     everyone = [
         {name: _Held(**held) for name, held in inventory.items()}
         for inventory in _all_gather_json(ctx, _inventory(ctx))
@@ -128,14 +143,18 @@ def sync_models(
             arrivals.append(
                 _Arrival(name, src, newest, weights, archive, ctx.rank in rebuild, optimizer)
             )
-    for arrival in arrivals:
-        if gradients:
-            arrival.gradients = gradients.pop(arrival.name, {})
-        if arrival.rebuild:
-            _build_in_background(ctx, uploads, arrival)
-        else:
-            _commit(ctx.models.peek(arrival.name), arrival)
-    return len(arrivals)
+
+    def host(gradients: dict[str, dict[str, torch.Tensor]] | None) -> int:
+        for arrival in arrivals:
+            if gradients:
+                arrival.gradients = gradients.pop(arrival.name, {})
+            if arrival.rebuild:
+                _build_in_background(ctx, uploads, arrival)
+            else:
+                _commit(ctx.models.peek(arrival.name), arrival)
+        return len(arrivals)
+
+    return host
 
 
 @dataclass
