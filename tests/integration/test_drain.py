@@ -288,3 +288,47 @@ def test_forwards_placed_by_load_run_on_the_other_members_while_a_rank_is_handed
     with torch.no_grad():
         x = torch.randn(5, 6, generator=gen)
         torch.testing.assert_close(dp(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_collective_issued_during_a_handoff_waits_at_its_leader_and_runs_after_it(
+    fresh_cluster, gen
+) -> None:
+    """While a drain hands rank 2 over (held open by stopping its successor, the spare),
+    an all_reduce is sent at once for the generation the drain sealed: its leader, a
+    survivor, admits it behind that generation's gate (it shows in the leader's queue
+    before any member has joined), and it runs as the handoff ends, over the operand
+    the successor received, equal to torch's sum on every rank."""
+    _, cluster = fresh_cluster(3, "--spares", "1", "--heartbeat", "0.2", "--lease", "8",
+                               "--devices", "cpu")  # fmt: skip
+    wait_until(lambda: len(_spares(cluster)) == 1, 30, "the spare to be listed")
+    (spare,) = _spares(cluster)
+    operands = [torch.randn(1000 + 7 * r, generator=gen)[:1000] for r in range(3)]
+    put_each(cluster, "gate/x", operands)
+    (drained,) = [w for w in cluster.workers() if w.rank == 2]
+    (leader,) = [w for w in cluster.workers() if w.rank == 0]
+
+    def leader_queue() -> int:
+        return next(w.queue_depth for w in cluster.workers() if w.worker_id == leader.worker_id)
+
+    ended: dict[str, object] = {}
+    os.kill(spare.pid, signal.SIGSTOP)
+    try:
+        drain = threading.Thread(
+            target=lambda: ended.update(report=cluster.drain(drained.address, timeout=60))
+        )
+        drain.start()
+        wait_until(lambda: cluster.refresh().drain is not None, 30, "the drain to start")
+        work = cluster.all_reduce("gate/x", out="gate/sum", async_op=True, timeout=60)
+        wait_until(lambda: leader_queue() >= 1, 20, "the leader to admit the op behind the gate")
+        assert not work.is_completed(), "the op ran before the handoff ended"
+        assert not cluster.refresh().ready
+    finally:
+        os.kill(spare.pid, signal.SIGCONT)
+    work.wait(60)
+    drain.join(90)
+    assert not drain.is_alive()
+    assert ended["report"].error == "", ended["report"]
+    assert work.generation == ended["report"].generation_after
+    want = reduce_oracle("sum", operands)
+    for rank, got in enumerate(get_each(cluster, "gate/sum")):
+        assert_tensor(got, want, exact=False, what=f"the sum on rank {rank}")
