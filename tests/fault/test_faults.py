@@ -8,6 +8,7 @@ reported successful that was not.
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
 import pytest
@@ -132,6 +133,44 @@ def test_sigstop_worker_times_out_is_declared_lost_and_rejoins(fault_cluster, ge
     recover = time.monotonic() - resumed
     _assert_checksums(cluster, "keep", sums, [w.address for w in members])  # its tensors too
     record("SIGSTOP worker, then SIGCONT", detect, recover, f"op failed after {failed_after:.2f} s")
+
+
+def test_a_coordinator_frozen_for_three_leases_evicts_nobody_when_it_runs_again(
+    fault_cluster, gen
+) -> None:
+    """SIGSTOP of the coordinator for three leases: its workers heartbeat into a socket
+    it does not read. When it runs again, none of them is declared lost for the silence
+    it could not hear (each lease starts again); the generation, its members and their
+    tensors are as before, and an all_reduce runs. The data plane served meanwhile."""
+    cluster = fault_cluster(3, 2)
+    sums = put_checksummed(cluster, "keep", gen)
+    members = cluster.members()
+    generation = cluster.client.generation
+    cluster.coordinator.signal(signal.SIGSTOP)
+    frozen = time.monotonic()
+    try:
+        _assert_checksums(cluster, "keep", sums, [w.address for w in members])
+        # The fault is the length of the freeze: three leases of it, whatever ran above.
+        threading.Event().wait(max(0.0, frozen + 3 * LEASE_S - time.monotonic()))
+    finally:
+        cluster.coordinator.signal(signal.SIGCONT)
+    resumed = time.monotonic()
+    # Longer than a lease after it runs again: a worker evicted for the freeze would be
+    # listed lost by now (the ticker decides several times a second).
+    wait_until(
+        lambda: (
+            time.monotonic() - resumed > LEASE_S + 1.0
+            and all(w.state != "lost" for w in cluster.client.refresh().workers)
+        ),
+        LEASE_S + 10,
+        "a lease and a second past the freeze, with no worker lost",
+    )
+    after = cluster.members()
+    assert cluster.client.generation == generation
+    assert [w.worker_id for w in after] == [w.worker_id for w in members]
+    _all_reduce_works(cluster, gen)
+    _assert_checksums(cluster, "keep", sums, [w.address for w in members])
+    record("coordinator SIGSTOP 3 leases, SIGCONT", 0.0, time.monotonic() - resumed, "0 lost")
 
 
 def test_coordinator_restart_workers_reregister_and_data_plane_keeps_serving(

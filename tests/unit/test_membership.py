@@ -325,3 +325,42 @@ def test_config_validation() -> None:
         Membership(0, 1)
     with pytest.raises(ValueError, match="max_workers"):
         Membership(3, 2)
+
+
+def _ticking(m: Membership, start: float, end: float, every: float = 0.25) -> None:
+    """The daemon's ticker deciding every ``every`` seconds from ``start`` to ``end``."""
+    t = start
+    while t <= end:
+        m.tick(t)
+        t += every
+
+
+def test_a_pause_of_the_coordinator_restarts_every_lease_instead_of_evicting() -> None:
+    """A coordinator stopped (or starved) for longer than a lease finds, when it runs
+    again, workers whose heartbeats it could not read: none is declared lost for that
+    silence; each lease starts again, and a worker that then stays silent is lost."""
+    m = Membership(2, 2, lease_s=LEASE, join_window_s=WINDOW, id_prefix="t", pause_s=1.0)
+    a, b = register(m, 0.0, 5001), register(m, 0.0, 5002)
+    generation = m.generation
+    _ticking(m, 0.0, 2.0)
+    m.heartbeat(2.0, a)
+    m.heartbeat(2.0, b)
+    # The coordinator does not run from 2.0 to 2.0 + 3 leases; its next decision is a
+    # heartbeat that waited meanwhile.
+    resumed = 2.0 + 3 * LEASE
+    m.heartbeat(resumed, a)
+    assert all(s is not WorkerState.LOST for s in states(m, resumed).values())
+    assert m.generation == generation and m.pauses_forgiven == 1
+    # From here time counts again: b, silent for a whole lease while the ticker runs, is lost.
+    _ticking(m, resumed, resumed + LEASE + 0.5)
+    assert states(m, resumed + LEASE + 0.5)[b] is WorkerState.LOST
+    assert m.pauses_forgiven == 1
+
+
+def test_without_pause_s_a_jump_of_the_clock_is_silence() -> None:
+    """A caller that moves the clock by hand (pause_s None) gets the plain lease rule."""
+    m = make(min_workers=1, max_workers=1)
+    a = register(m, 0.0, 5001)
+    m.tick(3 * LEASE)
+    assert states(m, 3 * LEASE)[a] is WorkerState.LOST
+    assert m.pauses_forgiven == 0

@@ -281,6 +281,7 @@ class Coordinator:
                 lease_s=cfg.lease_s,
                 join_window_s=cfg.join_window_s,
                 id_prefix=membership._id_prefix,
+                pause_s=membership.pause_s,
             )
 
         leadership = EtcdLeadership(cfg.store, cfg.cluster_name, "", ttl_s=cfg.leader_ttl_s)
@@ -303,6 +304,7 @@ class Coordinator:
             # at this address handed out, so watchers re-opening with their last one
             # still receive the new state (see Membership).
             initial_version=time.time_ns() // 1000,
+            pause_s=_pause_s(cfg),
         )
         replication = self._replication_for(cfg, membership)
         self._servicer = CoordinatorServicer(
@@ -362,7 +364,7 @@ class Coordinator:
             except OSError as exc:
                 self.stop()
                 raise OSError(f"metrics on {cfg.metrics_host}:{cfg.metrics_port}: {exc}") from exc
-        interval = max(0.01, min(cfg.heartbeat_s / 2, 0.25, cfg.join_window_s / 2 or 0.25))
+        interval = _tick_interval_s(cfg)
         self._ticker = threading.Thread(
             target=self._tick_loop, args=(interval,), name="coordinator-ticker", daemon=True
         )
@@ -487,3 +489,15 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _tick_interval_s(cfg: CoordinatorConfig) -> float:
+    """How often the ticker applies the passage of time (lease expiry, the join window)."""
+    return max(0.01, min(cfg.heartbeat_s / 2, 0.25, cfg.join_window_s / 2 or 0.25))
+
+
+def _pause_s(cfg: CoordinatorConfig) -> float:
+    """The gap between two decisions that only a pause of the coordinator's own explains:
+    its ticker decides every :func:`_tick_interval_s`; a third of the lease, and never
+    less than four ticks."""
+    return max(cfg.lease_s / 3, 4 * _tick_interval_s(cfg))

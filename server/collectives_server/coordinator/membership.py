@@ -14,6 +14,12 @@ Rules (docs: ARCHITECTURE.md, "Membership, failure, time"):
   ``join_window_s`` passed since the last registration, or at once when
   ``max_workers`` registered. Ranks follow registration order.
 * A worker silent for more than ``lease_s`` is LOST; ``leave`` removes one at once.
+  Silence is counted while the coordinator itself runs: given ``pause_s`` (the
+  daemon's, whose ticker decides several times a second), two decisions further
+  apart than that are a pause of its own (the process stopped, starved or frozen
+  by its host, its workers' heartbeats waiting unread), and every live worker's
+  lease starts again, so a pause of the coordinator never evicts the workers it
+  could not hear.
   When a member is gone and survivors plus waiting newcomers still number at least
   ``min_workers``, generation g+1 is sealed at once: survivors in their old rank
   order, then newcomers in registration order, capped at ``max_workers``.
@@ -121,8 +127,12 @@ class Membership(DrainRules):
         initial_version: int = 1,
         status_refresh_s: float = STATUS_REFRESH_S,
         deciding: bool = True,
+        pause_s: float | None = None,
     ) -> None:
         check_limits(min_workers, max_workers, lease_s, join_window_s)
+        # A longer gap between two decisions is a pause of this coordinator's own (see
+        # the module); None: none is (a caller that moves the clock by hand).
+        self.pause_s = pause_s
         # False for a standby's read-only copy: events raise, no decision runs.
         self.deciding = deciding
         self.min_workers = min_workers
@@ -149,6 +159,8 @@ class Membership(DrainRules):
         # (last heartbeat, order, worker id), one entry per renewal; an entry whose
         # time is no longer its worker's last heartbeat is stale and skipped.
         self._leases = LeaseHeap()
+        # The time of the last decision (see _expire and pause_s).
+        self._decided_at: float | None = None
         # What the passage of time alone can change, as of the last full decision
         # (see _time_changes_decision): the join window still running, and the
         # oldest LOST worker, which ages out of the listing.
@@ -167,6 +179,8 @@ class Membership(DrainRules):
         self._just_sealed = False
         self._sealed_carried_over = False
         self.drains_completed = 0
+        # Pauses of this coordinator after which every lease started again.
+        self.pauses_forgiven = 0
         self.drain_bytes_total = 0
         self._status = self._compute_status()
 
@@ -473,7 +487,15 @@ class Membership(DrainRules):
         return unknown_message(self._workers.get(worker_id), worker_id, self.lease_s)
 
     def _expire(self, now: float) -> list[str]:
-        """Marks workers whose lease ran out as LOST; the reasons, in registration order."""
+        """Marks workers whose lease ran out as LOST; the reasons, in registration order.
+        After a pause of this coordinator's own, every live lease starts again instead."""
+        last, self._decided_at = self._decided_at, max(now, self._decided_at or now)
+        if self.pause_s is not None and last is not None and now - last > self.pause_s:
+            for w in self._workers.values():
+                if not w.lost:
+                    self._leases.renew(w, now, self._workers)
+            self.pauses_forgiven += 1
+            return []
         reasons = []
         for w in self._leases.due(now, self.lease_s, self._workers):
             self._mark_lost(w, now)
