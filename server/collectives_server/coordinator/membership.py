@@ -143,7 +143,8 @@ class Membership(DrainRules):
         self._id_prefix = id_prefix
         self.sealer = ""  # recorded as each generation's sealed_by (the coordinator's address)
         self._history: collections.deque[SealedGeneration] = collections.deque(maxlen=HISTORY_LEN)
-        # Workers "joined" (new registrations), "lost" (lease ran out, replaced), "left".
+        # Workers "joined" (new registrations), "lost" (lease ran out, replaced), "left";
+        # also "drains_failed" and "coordinator_pauses" (see _expire).
         self.events: collections.Counter[str] = collections.Counter()
         self._workers: dict[str, WorkerRecord] = {}
         self._next_order = 0
@@ -179,8 +180,6 @@ class Membership(DrainRules):
         self._just_sealed = False
         self._sealed_carried_over = False
         self.drains_completed = 0
-        # Pauses of this coordinator after which every lease started again.
-        self.pauses_forgiven = 0
         self.drain_bytes_total = 0
         self._status = self._compute_status()
 
@@ -494,7 +493,7 @@ class Membership(DrainRules):
             for w in self._workers.values():
                 if not w.lost:
                     self._leases.renew(w, now, self._workers)
-            self.pauses_forgiven += 1
+            self.events["coordinator_pauses"] += 1
             return []
         reasons = []
         for w in self._leases.due(now, self.lease_s, self._workers):

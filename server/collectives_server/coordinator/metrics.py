@@ -72,6 +72,12 @@ def _collect(servicer: CoordinatorServicer) -> Iterator[Metric]:
         changes.add_metric([reason], events.get(reason, 0))
     yield changes
     yield CounterMetricFamily(
+        "collectives_coordinator_pauses",
+        "Pauses of this coordinator's own (stopped, starved, frozen by its host) after "
+        "which every worker's lease started again instead of running out",
+        value=events.get("coordinator_pauses", 0),
+    )
+    yield CounterMetricFamily(
         "collectives_heartbeats_received",
         "Heartbeats received (unary calls and messages on heartbeat streams)",
         value=heartbeats,
