@@ -86,3 +86,23 @@ def test_calls_beyond_the_held_cap_are_refused_at_once() -> None:
     for thread, outcome in held:
         thread.join(10)
         assert "value" in outcome, outcome
+
+
+def test_calls_held_for_a_handoff_that_is_called_off_are_refused() -> None:
+    """The rank stays where it was: a put let through then would land on a worker that
+    does not hold it, and a get would read nothing that is the rank's."""
+    store = _store()
+    store.close_for_handoff("rank 0 is being handed over; retry shortly", hold=True)
+    putter, put_outcome = _held(store, lambda s: s.put("mine", torch.randn(4)))
+    getter, get_outcome = _held(store, lambda s: s.get("resident"))
+    wait_until(lambda: store.held_calls == 2, 10, "both calls to be held")
+    store.reopen()  # called off: nothing installed
+    putter.join(10)
+    getter.join(10)
+    for outcome in (put_outcome, get_outcome):
+        assert isinstance(outcome.get("error"), Unavailable), outcome
+        assert "called off" in str(outcome["error"])
+    assert store.peek("mine") is None
+    # As a spare again it serves whoever calls it, as before the handoff.
+    store.put("later", torch.randn(2))
+    assert store.peek("later") is not None

@@ -22,10 +22,11 @@ otherwise be overwritten by a follower's commit still on its way).
 **A handoff.** While a drain hands a rank over, both ends' stores are closed to
 clients. The drained worker's refuses at once (the rank is no longer there: the
 SDK sends the call to the successor). The successor's holds a call until the
-copy is installed and the store opens, so the call runs then instead of being
-refused and sent again; a call held past :data:`HANDOFF_HOLD_S`, or beyond
-:data:`MAX_HELD_CALLS` held at once (each holds a server thread), is refused as
-on the drained worker.
+copy is installed, so the call runs then instead of being refused and sent again;
+a call held past :data:`HANDOFF_HOLD_S`, or beyond :data:`MAX_HELD_CALLS` held at
+once (each holds a server thread), is refused as on the drained worker, and so is
+every held call when the handoff is called off (the rank stays where it was: a put
+let through then would land on a worker that does not hold the rank).
 """
 
 from __future__ import annotations
@@ -141,9 +142,11 @@ class TensorStore:
         # Why clients are refused (a drain's handoff in progress); None: open.
         self._closed_why: str | None = None
         # Whether calls wait for the store to open (a successor's) rather than being
-        # refused at once, and how many wait now.
+        # refused at once, how many wait now, and whether the copy they wait for is
+        # installed (then they run; a store opened without it refuses them).
         self._holds = False
         self._held = 0
+        self._installed = False
         self._opened = threading.Condition(self._lock)
 
     # ---- a drain's handoff (collectives_server.worker.transport.handoff) -------------------
@@ -156,6 +159,7 @@ class TensorStore:
         with self._lock:
             self._closed_why = why
             self._holds = hold
+            self._installed = False
 
     def reopen(self) -> None:
         """Serves clients again (a handoff that ended or was called off)."""
@@ -197,6 +201,8 @@ class TensorStore:
             self._tensors = dict(tensors)
             self._bytes = sum(_nbytes(t) for t in tensors.values())
             self._uploads.clear()
+            self._installed = True  # the calls held for it run now
+            self._opened.notify_all()
 
     def check_fits(self, tensors: dict[str, torch.Tensor]) -> None:
         """Raises ResourceExhausted unless ``tensors`` would fit in place of everything
@@ -215,16 +221,24 @@ class TensorStore:
     def _check_open(self) -> None:
         """With the lock held: refuses a client's call while a handoff runs, once a
         successor's store has held it as long as it may."""
-        if self._closed_why is None:
+        if self._closed_why is None or (self._holds and self._installed):
             return
         if self._holds and self._held < MAX_HELD_CALLS:
             self._held += 1
             try:
-                self._opened.wait_for(lambda: self._closed_why is None, HANDOFF_HOLD_S)
+                self._opened.wait_for(
+                    lambda: self._installed or self._closed_why is None, HANDOFF_HOLD_S
+                )
             finally:
                 self._held -= 1
-        if self._closed_why is not None:
-            raise Unavailable(self._closed_why)
+            if self._installed:
+                return  # the rank's state is here now
+            if self._closed_why is None:
+                raise Unavailable(
+                    "the handoff this worker was receiving was called off: the rank stays "
+                    "where it was; retry"
+                )
+        raise Unavailable(self._closed_why)
 
     def check_quota(self, name: str, incoming: int) -> None:
         """Raises ResourceExhausted if ``incoming`` bytes under ``name`` would exceed the limit
