@@ -4,12 +4,14 @@ and a shrink that lists what was lost."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
 import signal
 import threading
 import urllib.request
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -245,6 +247,29 @@ def test_gradients_not_yet_reduced_move_with_the_rank(fresh_cluster, gen) -> Non
             torch.testing.assert_close(got[key], param.grad, rtol=1e-4, atol=1e-5)
 
 
+@contextlib.contextmanager
+def _drain_held_open(
+    cluster: collectives.Cluster, spare: collectives.WorkerInfo, drained: str
+) -> Iterator[dict[str, object]]:
+    """Drains ``drained`` onto ``spare`` with the spare stopped (SIGSTOP), so the
+    handoff stays open for the block's body; then lets it go and waits for the drain.
+    The dict yielded holds its ``report`` once the block ended."""
+    ended: dict[str, object] = {}
+    os.kill(spare.pid, signal.SIGSTOP)
+    try:
+        drain = threading.Thread(
+            target=lambda: ended.update(report=cluster.drain(drained, timeout=60))
+        )
+        drain.start()
+        wait_until(lambda: cluster.refresh().drain is not None, 30, "the drain to start")
+        yield ended
+    finally:
+        os.kill(spare.pid, signal.SIGCONT)
+    drain.join(90)
+    assert not drain.is_alive()
+    assert ended["report"].error == "", ended["report"]
+
+
 def test_forwards_placed_by_load_run_on_the_other_members_while_a_rank_is_handed_over(
     fresh_cluster, gen
 ) -> None:
@@ -265,26 +290,15 @@ def test_forwards_placed_by_load_run_on_the_other_members_while_a_rank_is_handed
         x = torch.randn(1, 6, generator=gen)
         torch.testing.assert_close(dp(x), model(x), rtol=1e-5, atol=1e-6)
     drained = cluster.workers()[1]
-    ended: dict[str, object] = {}
-    os.kill(spare.pid, signal.SIGSTOP)
-    try:
-        drain = threading.Thread(
-            target=lambda: ended.update(report=cluster.drain(drained.address, timeout=60))
-        )
-        drain.start()
-        wait_until(lambda: cluster.refresh().drain is not None, 30, "the drain to start")
+    with _drain_held_open(cluster, spare, drained.address) as ended:
         with torch.no_grad():
             for rows in (1, 2, 3, 5):  # placed by load, and split over the two others
                 x = torch.randn(rows, 6, generator=gen)
                 torch.testing.assert_close(dp(x), model(x), rtol=1e-5, atol=1e-6)
         view = cluster.refresh()
         assert view.drain is not None, "the drain ended while its successor was stopped"
-    finally:
-        os.kill(spare.pid, signal.SIGCONT)
-    drain.join(90)
-    assert not drain.is_alive()
     report = ended["report"]
-    assert report.error == "" and report.successor_id == spare.worker_id, report
+    assert report.successor_id == spare.worker_id, report
     with torch.no_grad():
         x = torch.randn(5, 6, generator=gen)
         torch.testing.assert_close(dp(x), model(x), rtol=1e-5, atol=1e-6)
@@ -310,24 +324,12 @@ def test_a_collective_issued_during_a_handoff_waits_at_its_leader_and_runs_after
     def leader_queue() -> int:
         return next(w.queue_depth for w in cluster.workers() if w.worker_id == leader.worker_id)
 
-    ended: dict[str, object] = {}
-    os.kill(spare.pid, signal.SIGSTOP)
-    try:
-        drain = threading.Thread(
-            target=lambda: ended.update(report=cluster.drain(drained.address, timeout=60))
-        )
-        drain.start()
-        wait_until(lambda: cluster.refresh().drain is not None, 30, "the drain to start")
+    with _drain_held_open(cluster, spare, drained.address) as ended:
         work = cluster.all_reduce("gate/x", out="gate/sum", async_op=True, timeout=60)
         wait_until(lambda: leader_queue() >= 1, 20, "the leader to admit the op behind the gate")
         assert not work.is_completed(), "the op ran before the handoff ended"
         assert not cluster.refresh().ready
-    finally:
-        os.kill(spare.pid, signal.SIGCONT)
     work.wait(60)
-    drain.join(90)
-    assert not drain.is_alive()
-    assert ended["report"].error == "", ended["report"]
     assert work.generation == ended["report"].generation_after
     want = reduce_oracle("sum", operands)
     for rank, got in enumerate(get_each(cluster, "gate/sum")):
