@@ -154,15 +154,16 @@ class TensorStore:
     def close_for_handoff(self, why: str, *, hold: bool = False) -> None:
         """From now on what is stored cannot change: every read and write answers
         UNAVAILABLE saying ``why`` (the SDK retries it on whoever holds the rank next),
-        or, with ``hold`` (the successor), first waits for :meth:`reopen` (see the
-        module's notes)."""
+        or, with ``hold`` (the successor), first waits for the copy's :meth:`install`,
+        then runs (see the module's notes)."""
         with self._lock:
             self._closed_why = why
             self._holds = hold
             self._installed = False
 
     def reopen(self) -> None:
-        """Serves clients again (a handoff that ended or was called off)."""
+        """Serves clients again (a handoff that ended or was called off; calls still
+        held then without an :meth:`install` are refused)."""
         with self._lock:
             self._closed_why = None
             self._holds = False
