@@ -5,7 +5,10 @@ of it), and no op returns a wrong result meanwhile or after.
 
 The drained rank holds 512 MiB, so its handoff takes a while; the crash lands as
 soon as the coordinator's watch shows the drain in progress. Which side of the race
-a run lands on is up to the machine: the checks hold on both.
+a run lands on is up to the machine: the checks hold on both. Each race runs twice:
+while the drain prepares its generation (the default: the groups formed and the
+tensors copied ahead, the current generation serving), and with the preparation
+off (``--drain-prepare-s 0``: sealed at once, everything after the seal).
 """
 
 from __future__ import annotations
@@ -103,8 +106,9 @@ class Calls:
                 n += 1
 
 
-def _prepared(fresh_cluster, gen):
-    local, cluster = fresh_cluster(3, *FLAGS)
+def _prepared(fresh_cluster, gen, prepare: str):
+    extra = ("--drain-prepare-s", prepare) if prepare else ()
+    local, cluster = fresh_cluster(3, *FLAGS, *extra)
     wait_until(lambda: any(w.state == "spare" for w in cluster.workers()), 30, "the spare")
     resident = [torch.randn(1000, generator=gen) for _ in range(3)]
     for rank, t in enumerate(resident):
@@ -171,8 +175,8 @@ def _by_id(view, worker_id: str):
     return next(w for w in view.workers if w.worker_id == worker_id)
 
 
-def _race(fresh_cluster, gen, victim_of, fault: str) -> None:
-    local, cluster, resident, big = _prepared(fresh_cluster, gen)
+def _race(fresh_cluster, gen, prepare: str, victim_of, fault: str) -> None:
+    local, cluster, resident, big = _prepared(fresh_cluster, gen, prepare)
     originals = {w.worker_id: w.rank for w in cluster.workers() if w.rank >= 0}
     held = {w.worker_id: resident[w.rank] for w in cluster.workers() if w.rank >= 0}
     with Calls(local.address, held) as calls:
@@ -187,31 +191,42 @@ def _race(fresh_cluster, gen, victim_of, fault: str) -> None:
         _state_is_clean(cluster, {k: v for k, v in originals.items() if k not in victims},
                         resident, big, ended)  # fmt: skip
     assert calls.wrong == [], calls.wrong
+    fault += " (prepared)" if not prepare else " (sealed at once)"
     record(fault, seconds, seconds, "completed" if not isinstance(ended, Exception) else "failed")
 
 
-def test_the_spare_crashing_mid_handoff(fresh_cluster, gen) -> None:
+# "": the default preparation; "0": none (sealed at once).
+PREPARE = pytest.mark.parametrize("prepare", ["", "0"], ids=["prepared", "sealed-at-once"])
+
+
+@PREPARE
+def test_the_spare_crashing_mid_handoff(fresh_cluster, gen, prepare: str) -> None:
     _race(
         fresh_cluster,
         gen,
+        prepare,
         lambda view: _by_id(view, view.drain.successor_id),
         "drain racing the spare's crash",
     )
 
 
-def test_the_drained_worker_crashing_mid_handoff(fresh_cluster, gen) -> None:
+@PREPARE
+def test_the_drained_worker_crashing_mid_handoff(fresh_cluster, gen, prepare: str) -> None:
     _race(
         fresh_cluster,
         gen,
+        prepare,
         lambda view: _by_id(view, view.drain.worker_id),
         "drain racing the drained worker's crash",
     )
 
 
-def test_the_leader_crashing_mid_handoff(fresh_cluster, gen) -> None:
+@PREPARE
+def test_the_leader_crashing_mid_handoff(fresh_cluster, gen, prepare: str) -> None:
     _race(
         fresh_cluster,
         gen,
+        prepare,
         lambda view: next(w for w in view.workers if w.rank == 0),
         "drain racing the leader's crash",
     )

@@ -27,6 +27,8 @@ from collectives.observe.status_tables import format_table
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 FLAGS = ("--heartbeat", "0.2", "--lease", "3", "--devices", "cpu")
+# How long the tests that hold a handoff open let a drain prepare (see _drain_held_open).
+HELD_PREPARE_S = "0.3"
 
 # Every dtype a rank may hold, one tensor each, with sizes inline and over the bulk port.
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int8)
@@ -253,7 +255,9 @@ def _drain_held_open(
 ) -> Iterator[dict[str, object]]:
     """Drains ``drained`` onto ``spare`` with the spare stopped (SIGSTOP), so the
     handoff stays open for the block's body; then lets it go and waits for the drain.
-    The dict yielded holds its ``report`` once the block ended."""
+    The dict yielded holds its ``report`` once the block ended. The cluster prepares
+    a drain for ``HELD_PREPARE_S`` only: the stopped spare never says it is ready, so
+    the drain seals when that runs out, and the body runs after the seal."""
     ended: dict[str, object] = {}
     os.kill(spare.pid, signal.SIGSTOP)
     try:
@@ -261,7 +265,11 @@ def _drain_held_open(
             target=lambda: ended.update(report=cluster.drain(drained, timeout=60))
         )
         drain.start()
-        wait_until(lambda: cluster.refresh().drain is not None, 30, "the drain to start")
+        wait_until(
+            lambda: (d := cluster.refresh().drain) is not None and not d.preparing,
+            30,
+            "the drain to seal its generation",
+        )
         yield ended
     finally:
         os.kill(spare.pid, signal.SIGCONT)
@@ -278,7 +286,7 @@ def test_forwards_placed_by_load_run_on_the_other_members_while_a_rank_is_handed
     members that serve the model now, with the local model's answer, instead of
     waiting for the successor; once it resumes the drain completes as usual."""
     _, cluster = fresh_cluster(3, "--spares", "1", "--heartbeat", "0.2", "--lease", "8",
-                               "--devices", "cpu")  # fmt: skip
+                               "--devices", "cpu", "--drain-prepare-s", HELD_PREPARE_S)  # fmt: skip
     wait_until(lambda: len(_spares(cluster)) == 1, 30, "the spare to be listed")
     (spare,) = _spares(cluster)
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
@@ -313,7 +321,7 @@ def test_a_collective_issued_during_a_handoff_waits_at_its_leader_and_runs_after
     before any member has joined), and it runs as the handoff ends, over the operand
     the successor received, equal to torch's sum on every rank."""
     _, cluster = fresh_cluster(3, "--spares", "1", "--heartbeat", "0.2", "--lease", "8",
-                               "--devices", "cpu")  # fmt: skip
+                               "--devices", "cpu", "--drain-prepare-s", HELD_PREPARE_S)  # fmt: skip
     wait_until(lambda: len(_spares(cluster)) == 1, 30, "the spare to be listed")
     (spare,) = _spares(cluster)
     operands = [torch.randn(1000 + 7 * r, generator=gen)[:1000] for r in range(3)]

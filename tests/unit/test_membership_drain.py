@@ -1,11 +1,13 @@
-"""Drains in the coordinator's membership rules: a rank handed to a spare, a shrink,
-and every way a handoff is called off, driven by an injected clock."""
+"""Drains in the coordinator's membership rules: a rank handed to a spare (prepared,
+then sealed), a shrink, and every way a handoff is called off, driven by an injected
+clock."""
 
 from __future__ import annotations
 
 import pytest
 
-from collectives_server.coordinator.membership import Membership, WorkerState
+from collectives_server.coordinator.drain_rules import PREPARE_MAX_S
+from collectives_server.coordinator.membership import Membership, Outcome, WorkerState
 from collectives_server.coordinator.vocabulary import DrainRefusedError, HandoffOutcome
 
 LEASE = 5.0
@@ -30,6 +32,19 @@ def cluster(
     return m, ids
 
 
+def drain(m: Membership, now: float, worker: str, **kwargs: object) -> Outcome:
+    """``m.drain``, then every member of the generation it prepares says it is ready
+    (the last one seals it); a shrink is sealed at once."""
+    outcome = m.drain(now, worker, **kwargs)  # type: ignore[arg-type]
+    h = m.handoff
+    if h is None or not h.preparing:
+        return outcome
+    for w in h.planned:
+        outcome = m.heartbeat(now, w, prepared_generation=h.generation_after)
+    assert outcome.sealed and m.handoff is not None and not m.handoff.preparing
+    return outcome
+
+
 def state_of(m: Membership, worker_id: str, now: float = 1.0) -> WorkerState:
     return next(w.state for w in m.view(now).workers if w.worker_id == worker_id)
 
@@ -39,10 +54,56 @@ def done(m: Membership, worker_id: str, **fields: object) -> HandoffOutcome:
     return HandoffOutcome(generation_after=m.handoff.generation_after, ok=True, **fields)  # type: ignore[arg-type]
 
 
-def test_a_drain_puts_the_spare_in_the_rank_and_waits_for_its_report() -> None:
+def test_a_drain_prepares_the_next_generation_then_seals_it_when_all_are_ready() -> None:
     m, (a, b, c, spare) = cluster()
     before = m.generation
     outcome = m.drain(1.0, b, timeout_s=TIMEOUT)
+    assert outcome.changed and not outcome.sealed and m.generation == before
+    h = m.handoff
+    assert h is not None and h.preparing and h.planned == (a, spare, c)
+    assert h.generation_after == before + 1 and h.prepare_by == 1.0 + PREPARE_MAX_S
+    assert m.ready, "the current generation serves while the next one is prepared"
+    # Readiness for another generation, or from a worker not in the plan, counts nothing.
+    m.heartbeat(1.1, a, prepared_generation=before + 2)
+    m.heartbeat(1.1, b, prepared_generation=before + 1)
+    m.heartbeat(1.1, a, prepared_generation=before + 1)
+    m.heartbeat(1.2, c, prepared_generation=before + 1)
+    assert m.generation == before and m.handoff.prepared == (a, c)
+    outcome = m.heartbeat(1.3, spare, prepared_generation=before + 1)
+    assert outcome.sealed and m.generation == before + 1 and m.members == (a, spare, c)
+    assert m.handoff is not None and not m.handoff.preparing and m.handoff.formed_ahead
+
+
+def test_a_drain_seals_its_generation_when_preparing_takes_too_long() -> None:
+    m, (a, b, c, spare) = cluster()
+    before = m.generation
+    m.drain(1.0, b, timeout_s=4.0)  # (it prepares for half its time at most)
+    assert m.handoff is not None and m.handoff.prepare_by == 3.0
+    m.heartbeat(1.1, spare, prepared_generation=before + 1)
+    assert not m.tick(2.9).sealed and m.generation == before
+    outcome = m.tick(3.0)
+    assert outcome.sealed and m.members == (a, spare, c)
+    assert f"not prepared in 2 s: {sorted([a, c])}" in outcome.reason
+    assert m.handoff is not None and not m.handoff.preparing and not m.handoff.formed_ahead
+
+
+def test_a_member_lost_while_preparing_calls_the_drain_off_before_any_seal() -> None:
+    m, (a, b, c, _spare) = cluster()
+    before = m.generation
+    m.drain(1.0, b, timeout_s=TIMEOUT)
+    outcome = m.crashed(1.5, c, "gone")
+    assert m.handoff is None and "before its generation was sealed" in outcome.reason
+    report = m.drains[-1]
+    assert report.error and report.generation_after == before
+    # The loss itself re-forms as any crash does: the drained worker kept its rank.
+    assert m.generation == before + 1 and m.members[:2] == (a, b) and c not in m.members
+    assert state_of(m, b, 2.0) != WorkerState.DRAINING
+
+
+def test_a_drain_puts_the_spare_in_the_rank_and_waits_for_its_report() -> None:
+    m, (a, b, c, spare) = cluster()
+    before = m.generation
+    outcome = drain(m, 1.0, b, timeout_s=TIMEOUT)
     assert outcome.sealed and outcome.changed
     assert m.generation == before + 1 and m.members == (a, spare, c)
     h = m.handoff
@@ -69,7 +130,7 @@ def test_a_drain_puts_the_spare_in_the_rank_and_waits_for_its_report() -> None:
 
 def test_the_drained_worker_stays_out_while_it_is_live() -> None:
     m, (a, b, c, spare) = cluster()
-    m.drain(1.0, a, timeout_s=TIMEOUT)
+    drain(m, 1.0, a, timeout_s=TIMEOUT)
     m.handoff_result(1.5, spare, done(m, spare))
     # c is lost: the next generation takes the survivors, not the drained worker.
     m.crashed(2.0, c, "gone")
@@ -80,7 +141,7 @@ def test_the_drained_worker_stays_out_while_it_is_live() -> None:
 def test_a_drain_names_its_worker_by_address_or_id(by: str) -> None:
     m, (_a, _b, c, _spare) = cluster()
     address = next(w.address for w in m.view(1.0).workers if w.worker_id == c)
-    m.drain(1.0, address if by == "address" else c, timeout_s=TIMEOUT)
+    drain(m, 1.0, address if by == "address" else c, timeout_s=TIMEOUT)
     assert m.handoff is not None and m.handoff.drained == c
 
 
@@ -93,7 +154,7 @@ def test_refusals_change_nothing() -> None:
     with pytest.raises(DrainRefusedError, match="not a member") as err:
         m.drain(1.0, spare, timeout_s=TIMEOUT)
     assert err.value.code == "failed_precondition"
-    m.drain(1.0, a, timeout_s=TIMEOUT)
+    drain(m, 1.0, a, timeout_s=TIMEOUT)
     with pytest.raises(DrainRefusedError, match="a drain is in progress"):
         m.drain(1.1, b, timeout_s=TIMEOUT)
     assert m.version > version  # (the first drain's seal)
@@ -106,7 +167,7 @@ def test_no_spare_is_a_failed_precondition_unless_shrink() -> None:
         m.drain(1.0, b, timeout_s=TIMEOUT)
     assert err.value.code == "failed_precondition"
     assert (m.version, m.generation) == (version, generation)
-    m.drain(1.0, b, shrink=True, timeout_s=TIMEOUT)
+    drain(m, 1.0, b, shrink=True, timeout_s=TIMEOUT)
     assert m.members == (a, c) and m.handoff is not None and m.handoff.shrink
     # In a shrink the drained worker itself reports what it held.
     m.handoff_result(1.2, b, done(m, b, lost=("x", "y")))
@@ -124,7 +185,7 @@ def test_a_shrink_below_min_workers_is_refused() -> None:
 def test_a_failed_handoff_gives_the_rank_back() -> None:
     m, (a, b, c, spare) = cluster()
     before = m.generation
-    m.drain(1.0, b, timeout_s=TIMEOUT)
+    drain(m, 1.0, b, timeout_s=TIMEOUT)
     failed = HandoffOutcome(generation_after=before + 1, ok=False, error="disk on fire")
     outcome = m.handoff_result(2.0, spare, failed)
     assert outcome.sealed and m.handoff is None
@@ -137,7 +198,7 @@ def test_a_failed_handoff_gives_the_rank_back() -> None:
 
 def test_the_successor_lost_mid_handoff_gives_the_rank_back() -> None:
     m, (a, b, c, spare) = cluster()
-    m.drain(1.0, c, timeout_s=TIMEOUT)
+    drain(m, 1.0, c, timeout_s=TIMEOUT)
     m.crashed(1.5, spare, "gone")
     assert m.handoff is None and m.members == (a, b, c)
     assert "lost during the handoff" in m.drains[-1].error
@@ -145,7 +206,7 @@ def test_the_successor_lost_mid_handoff_gives_the_rank_back() -> None:
 
 def test_the_drained_worker_lost_mid_handoff_leaves_its_rank_empty() -> None:
     m, (a, b, c, spare) = cluster()
-    m.drain(1.0, b, timeout_s=TIMEOUT)
+    drain(m, 1.0, b, timeout_s=TIMEOUT)
     generation = m.generation
     m.crashed(1.5, b, "gone")
     assert m.handoff is None and m.members == (a, spare, c) and m.generation == generation
@@ -155,7 +216,7 @@ def test_the_drained_worker_lost_mid_handoff_leaves_its_rank_empty() -> None:
 
 def test_another_member_lost_mid_handoff_calls_it_off_without_that_member() -> None:
     m, (a, b, c, spare) = cluster()
-    m.drain(1.0, b, timeout_s=TIMEOUT)
+    drain(m, 1.0, b, timeout_s=TIMEOUT)
     outcome = m.crashed(1.5, a, "gone")
     assert m.handoff is None and "called off" in outcome.reason
     # The call-off seals the survivors; the spare, no longer a successor, joins after.
@@ -165,7 +226,7 @@ def test_another_member_lost_mid_handoff_calls_it_off_without_that_member() -> N
 
 def test_a_handoff_that_runs_out_of_time_is_called_off() -> None:
     m, (a, b, c, spare) = cluster()
-    m.drain(1.0, b, timeout_s=2.0)
+    drain(m, 1.0, b, timeout_s=2.0)
     for w in (a, b, c, spare):
         m.heartbeat(2.0, w)
     assert m.handoff is not None
@@ -176,7 +237,7 @@ def test_a_handoff_that_runs_out_of_time_is_called_off() -> None:
 
 def test_nothing_else_is_decided_while_a_handoff_runs() -> None:
     m, (_a, b) = cluster(members=2, spares=0, min_workers=1)
-    m.drain(1.0, b, shrink=True, timeout_s=TIMEOUT)
+    drain(m, 1.0, b, shrink=True, timeout_s=TIMEOUT)
     generation = m.generation
     newcomer, _ = m.register(1.1, address="127.0.0.1:7000", pid=7000, devices=["cpu"])
     m.tick(1.1 + WINDOW + 0.1)

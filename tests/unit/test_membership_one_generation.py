@@ -18,6 +18,8 @@ member lists. The digest each state shows must be its members' digest.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -25,6 +27,7 @@ from hypothesis import strategies as st
 from collectives_server.coordinator.admission import LeaseBook
 from collectives_server.coordinator.ha.membership_state import export_state, restore_state
 from collectives_server.coordinator.membership import Membership, UnknownWorkerError
+from collectives_server.coordinator.vocabulary import DrainRefusedError, HandoffOutcome
 from collectives_server.membership_digest import membership_digest
 
 LEASE_S = 5.0
@@ -39,6 +42,9 @@ _event = st.one_of(
     st.tuples(st.just("tick"), st.just(0)),
     st.tuples(st.just("standby_tick"), st.just(0)),
     st.tuples(st.just("take_over"), st.just(0)),
+    st.tuples(st.just("drain"), st.integers(0, 5)),
+    st.tuples(st.just("prepared"), st.integers(0, 5)),
+    st.tuples(st.just("handoff_done"), st.just(0)),
 )
 _step = st.tuples(st.floats(0.0, 3.0), _event)
 
@@ -110,6 +116,16 @@ class _World:
                 outcome = m.leave(now, self.ids.pop(slot))
             elif kind == "tick":
                 outcome = m.tick(now)
+            elif kind == "drain" and slot in self.ids:
+                with contextlib.suppress(DrainRefusedError):
+                    outcome = m.drain(now, self.ids[slot], timeout_s=4.0)
+            elif kind == "prepared" and slot in self.ids and m.handoff is not None:
+                after = m.handoff.generation_after
+                outcome = m.heartbeat(now, self.ids[slot], prepared_generation=after)
+            elif kind == "handoff_done" and m.handoff is not None and not m.handoff.preparing:
+                h = m.handoff
+                done = HandoffOutcome(generation_after=h.generation_after, ok=True)
+                outcome = m.handoff_result(now, h.reporter, done)
             elif kind == "standby_tick" and self.standby is not None:
                 before = self.standby.view(now)
                 assert not self.standby.tick(now).changed
@@ -184,3 +200,28 @@ def test_a_document_whose_digest_does_not_name_its_members_is_refused() -> None:
     doc["members"] = list(reversed(doc["members"]))
     with pytest.raises(ValueError, match="digest"):
         restore_state(doc, _new(2, 2, deciding=False), LeaseBook(), now=0, unix_now=UNIX_ZERO)
+
+
+def test_a_drain_being_prepared_survives_a_takeover() -> None:
+    """The plan, who is ready and the time left to prepare travel with the state: the
+    new leader seals the same generation when the last member says it is ready."""
+    leader = _new(2, 2)
+    leases = LeaseBook()
+    ids = [
+        leader.register(0.0, address=f"127.0.0.1:{7001 + i}", pid=1 + i, devices=["cpu"])[0]
+        for i in range(3)
+    ]
+    a, b, spare = ids
+    generation = leader.generation
+    leader.drain(0.1, a, timeout_s=4.0)
+    leader.heartbeat(0.2, b, prepared_generation=generation + 1)
+    doc = export_state(leader, leases, now=0.3, unix_now=UNIX_ZERO + 0.3)
+    successor = _new(2, 2)
+    restore_state(doc, successor, leases, now=10.0, unix_now=UNIX_ZERO + 0.5)
+    h = successor.handoff
+    assert h is not None and h.preparing and (h.planned, h.prepared) == ((spare, b), (b,))
+    assert h.prepare_by == pytest.approx(10.0 + (0.1 + 2.0 - 0.5), abs=1e-3)
+    successor.resume(10.0, "took over")
+    assert successor.generation == generation
+    assert successor.heartbeat(10.1, spare, prepared_generation=generation + 1).sealed
+    assert successor.members == (spare, b) and successor.generation == generation + 1

@@ -177,6 +177,7 @@ _OTHER_COORDINATOR = {
     "heartbeat_s": 0.25,
     "lease_s": 2.0,
     "join_window_s": 0.0,
+    "drain_prepare_s": 0.25,
     "op_timeout_s": 7.0,
     "advertise_host": "coordinator.example",
     "dashboard_port": 0,

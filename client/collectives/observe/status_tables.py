@@ -252,8 +252,9 @@ def drain_lines(snapshot: ClusterSnapshot) -> list[str]:
     if d is not None:
         onto = f"{d.successor_id} at {d.successor}" if d.successor else "nobody (shrinking)"
         mib, total = d.bytes_copied / 2**20, d.total_bytes / 2**20
+        doing = f"preparing generation {d.generation_after}, " if d.preparing else ""
         lines.append(
-            f"draining {d.worker_id} at {d.worker} (rank {d.rank}) onto {onto}: "
+            f"draining {d.worker_id} at {d.worker} (rank {d.rank}) onto {onto}: {doing}"
             f"{mib:.1f} of {total:.1f} MiB copied, since {_clock(d.started_unix_time_s)}"
         )
     if snapshot.drains:

@@ -643,8 +643,10 @@ def without_models(snapshot: ClusterSnapshot) -> frozenset[str]:
     while a drain hands a rank over, its drained worker (its store closed) and the
     successor; once the handoff ended and until the members are ready, the successor
     of each drain into this generation (it gets the models as it joins). Empty in
-    any other view."""
+    any other view (a drain that still prepares changes nothing yet)."""
     if snapshot.drain is not None:
+        if snapshot.drain.preparing:
+            return frozenset()
         return frozenset({snapshot.drain.worker_id, snapshot.drain.successor_id} - {""})
     if snapshot.ready or not _drained_into(snapshot):
         return frozenset()

@@ -76,7 +76,7 @@ class GenerationRecord(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., sealed_unix_time_s: _Optional[float] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., sealed_by: _Optional[str] = ..., membership_digest: _Optional[str] = ..., carried_over: _Optional[bool] = ...) -> None: ...
 
 class Handoff(_message.Message):
-    __slots__ = ("drained_id", "drained_address", "successor_id", "successor_address", "rank", "generation_before", "generation_after", "started_unix_time_s", "total_tensors", "total_bytes", "bytes_copied")
+    __slots__ = ("drained_id", "drained_address", "successor_id", "successor_address", "rank", "generation_before", "generation_after", "started_unix_time_s", "total_tensors", "total_bytes", "bytes_copied", "preparing", "formed_ahead", "store_address")
     DRAINED_ID_FIELD_NUMBER: _ClassVar[int]
     DRAINED_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SUCCESSOR_ID_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,9 @@ class Handoff(_message.Message):
     TOTAL_TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     BYTES_COPIED_FIELD_NUMBER: _ClassVar[int]
+    PREPARING_FIELD_NUMBER: _ClassVar[int]
+    FORMED_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     drained_id: str
     drained_address: str
     successor_id: str
@@ -99,7 +102,10 @@ class Handoff(_message.Message):
     total_tensors: int
     total_bytes: int
     bytes_copied: int
-    def __init__(self, drained_id: _Optional[str] = ..., drained_address: _Optional[str] = ..., successor_id: _Optional[str] = ..., successor_address: _Optional[str] = ..., rank: _Optional[int] = ..., generation_before: _Optional[int] = ..., generation_after: _Optional[int] = ..., started_unix_time_s: _Optional[float] = ..., total_tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., bytes_copied: _Optional[int] = ...) -> None: ...
+    preparing: bool
+    formed_ahead: bool
+    store_address: str
+    def __init__(self, drained_id: _Optional[str] = ..., drained_address: _Optional[str] = ..., successor_id: _Optional[str] = ..., successor_address: _Optional[str] = ..., rank: _Optional[int] = ..., generation_before: _Optional[int] = ..., generation_after: _Optional[int] = ..., started_unix_time_s: _Optional[float] = ..., total_tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., bytes_copied: _Optional[int] = ..., preparing: _Optional[bool] = ..., formed_ahead: _Optional[bool] = ..., store_address: _Optional[str] = ...) -> None: ...
 
 class HandoffResult(_message.Message):
     __slots__ = ("generation_after", "ok", "error", "tensors", "bytes", "seconds", "lost", "models")
@@ -248,7 +254,7 @@ class RegisterResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_s: _Optional[float] = ..., store_address: _Optional[str] = ..., op_timeout_s: _Optional[float] = ..., lease_secret: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "joined_generation", "busy", "status", "want_reply", "lease_secret", "handoff_result", "handoff_bytes_copied")
+    __slots__ = ("worker_id", "joined_generation", "busy", "status", "want_reply", "lease_secret", "handoff_result", "handoff_bytes_copied", "prepared_generation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     JOINED_GENERATION_FIELD_NUMBER: _ClassVar[int]
     BUSY_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +263,7 @@ class HeartbeatRequest(_message.Message):
     LEASE_SECRET_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_RESULT_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_BYTES_COPIED_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_GENERATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     joined_generation: int
     busy: bool
@@ -265,7 +272,8 @@ class HeartbeatRequest(_message.Message):
     lease_secret: str
     handoff_result: HandoffResult
     handoff_bytes_copied: int
-    def __init__(self, worker_id: _Optional[str] = ..., joined_generation: _Optional[int] = ..., busy: _Optional[bool] = ..., status: _Optional[_Union[_status_pb2.WorkerStatus, _Mapping]] = ..., want_reply: _Optional[bool] = ..., lease_secret: _Optional[str] = ..., handoff_result: _Optional[_Union[HandoffResult, _Mapping]] = ..., handoff_bytes_copied: _Optional[int] = ...) -> None: ...
+    prepared_generation: int
+    def __init__(self, worker_id: _Optional[str] = ..., joined_generation: _Optional[int] = ..., busy: _Optional[bool] = ..., status: _Optional[_Union[_status_pb2.WorkerStatus, _Mapping]] = ..., want_reply: _Optional[bool] = ..., lease_secret: _Optional[str] = ..., handoff_result: _Optional[_Union[HandoffResult, _Mapping]] = ..., handoff_bytes_copied: _Optional[int] = ..., prepared_generation: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("generation", "version")

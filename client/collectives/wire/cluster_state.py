@@ -296,7 +296,10 @@ class DrainReport:
 @dataclass(frozen=True)
 class DrainInProgress:
     """A drain whose handoff has not ended: ``rank`` passes from ``worker`` to
-    ``successor`` ("" when the cluster shrinks) in ``generation_after``."""
+    ``successor`` ("" when the cluster shrinks) in ``generation_after``. While it is
+    ``preparing``, ``generation_after`` is not sealed yet and the current generation
+    serves as before (its members form the next one's groups ahead, the successor
+    copies ahead)."""
 
     worker: str
     worker_id: str
@@ -309,6 +312,7 @@ class DrainInProgress:
     total_tensors: int
     total_bytes: int
     bytes_copied: int = 0  # so far
+    preparing: bool = False
 
     @classmethod
     def from_proto(cls, msg: coordinator_pb2.Handoff) -> DrainInProgress:
@@ -324,6 +328,7 @@ class DrainInProgress:
             total_tensors=int(msg.total_tensors),
             total_bytes=int(msg.total_bytes),
             bytes_copied=int(msg.bytes_copied),
+            preparing=bool(msg.preparing),
         )
 
 
@@ -677,7 +682,8 @@ class ClusterSnapshot:
         """Whether every rank of this generation holds what the same rank held in
         ``generation`` (only drains' completed handoffs came between): True, False,
         or None while a drain's handoff may still decide it."""
-        if self.drain is not None and self.drain.generation_after > generation:
+        drain = self.drain
+        if drain is not None and not drain.preparing and drain.generation_after > generation:
             return None
         sealed = {r.generation: r for r in self.history}
         between = range(generation + 1, self.generation + 1)

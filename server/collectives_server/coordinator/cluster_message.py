@@ -104,6 +104,9 @@ def cluster_to_proto(
                 total_tensors=h.total_tensors,
                 total_bytes=h.total_bytes,
                 bytes_copied=h.bytes_copied,
+                preparing=h.preparing,
+                formed_ahead=h.formed_ahead,
+                store_address=_store_of(view, h.planned[0]) if h.preparing else "",
             )
         )
     for report in view.drains:
@@ -143,7 +146,13 @@ def rendezvous_address(view: ClusterView) -> str:
     it anyway) and survives the coordinator.
     """
     rank0 = next((w for w in view.workers if w.rank == 0), None)
-    if rank0 is None or not rank0.store_port:
-        return ""  # no generation: no process group to meet
-    host = rank0.address.rsplit(":", 1)[0]
-    return f"{host}:{rank0.store_port}"
+    return _store_of(view, rank0.worker_id) if rank0 is not None else ""
+
+
+def _store_of(view: ClusterView, worker_id: str) -> str:
+    """The store ``worker_id`` hosts ("" when unknown: no process group can meet there)."""
+    w = next((w for w in view.workers if w.worker_id == worker_id), None)
+    if w is None or not w.store_port:
+        return ""
+    host = w.address.rsplit(":", 1)[0]
+    return f"{host}:{w.store_port}"

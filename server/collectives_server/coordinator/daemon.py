@@ -27,6 +27,7 @@ from collectives.v1 import coordinator_pb2, coordinator_pb2_grpc
 from collectives_server import gc_tuning as heap
 from collectives_server.coordinator.control import ControlGuard, ControlLimits
 from collectives_server.coordinator.dashboard.server import DashboardServer
+from collectives_server.coordinator.drain_rules import PREPARE_MAX_S
 from collectives_server.coordinator.ha.etcd_replication import EtcdReplication
 from collectives_server.coordinator.ha.etcd_store import (
     EtcdLeadership,
@@ -116,6 +117,15 @@ class CoordinatorConfig:
         parse=non_negative_float,
         metavar="S",
         help="wait this long after the last registration before sealing, seconds",
+    )
+    drain_prepare_s: float = setting(
+        PREPARE_MAX_S,
+        flag="--drain-prepare-s",
+        parse=non_negative_float,
+        metavar="S",
+        help="a drain forms the next generation's groups and copies ahead, while the current "
+        "one serves, for at most this long (and half the drain's timeout) before it seals; "
+        "0: seal at once, the groups formed and the tensors copied after the seal",
     )
     op_timeout_s: float = setting(
         30.0,
@@ -282,6 +292,7 @@ class Coordinator:
                 join_window_s=cfg.join_window_s,
                 id_prefix=membership._id_prefix,
                 pause_s=membership.pause_s,
+                prepare_s=cfg.drain_prepare_s,
             )
 
         leadership = EtcdLeadership(cfg.store, cfg.cluster_name, "", ttl_s=cfg.leader_ttl_s)
@@ -305,6 +316,7 @@ class Coordinator:
             # still receive the new state (see Membership).
             initial_version=time.time_ns() // 1000,
             pause_s=_pause_s(cfg),
+            prepare_s=cfg.drain_prepare_s,
         )
         replication = self._replication_for(cfg, membership)
         self._servicer = CoordinatorServicer(

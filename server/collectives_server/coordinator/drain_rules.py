@@ -1,9 +1,13 @@
 """The drain rules of the membership: a rank handed over, and every way it ends.
 
 A *drain* (:meth:`DrainRules.drain`) hands a member's rank to the first live
-spare: generation g+1 is sealed at once with the spare in that rank, and a
-*handoff* is pending: nobody should join g+1 until the successor reports that it
-copied the drained worker's tensors (:meth:`DrainRules.handoff_result`). Then g+1
+spare. It first *prepares* generation g+1 (the members with the spare in that
+rank) without sealing it: g still serves while g+1's members form its groups
+ahead and the spare copies ahead what the drained worker holds, and each reports
+when it is ready (:meth:`DrainRules.prepared`). Once all are, or after
+``prepare_s``, g+1 is sealed, and a *handoff* is pending: nobody should join g+1
+until the successor reports that it copied the drained worker's tensors (what
+changed since its copy ahead; :meth:`DrainRules.handoff_result`). Then g+1
 is marked ``carried_over`` and the drained worker, excluded from every later
 generation, leaves. With ``shrink`` and no spare, g+1 is sealed without the rank
 and the drained worker reports what it held. A handoff that fails, runs out of
@@ -36,10 +40,15 @@ from collectives_server.coordinator.worker_records import WorkerRecord, plural
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["DRAINS_KEPT", "DrainRules"]
+__all__ = ["DRAINS_KEPT", "PREPARE_MAX_S", "DrainRules"]
 
 # Drain reports kept for Cluster.drains.
 DRAINS_KEPT = 20
+# A drain's preparation (groups formed ahead, the copy ahead) may take at most this
+# long by default (``--drain-prepare-s``), and half the drain's timeout, before its
+# generation is sealed anyway (the workers then form and copy after the seal, as a
+# worker that does not prepare does).
+PREPARE_MAX_S = 10.0
 
 
 class DrainRules:
@@ -54,6 +63,7 @@ class DrainRules:
     _formed: bool
     _status: str
     min_workers: int
+    prepare_s: float
     events: collections.Counter[str]
     _handoff: Handoff | None
     _handoff_losses: list[str]
@@ -80,9 +90,10 @@ class DrainRules:
     def drain(self, now: float, worker: str, *, shrink: bool = False, timeout_s: float) -> Outcome:
         """Starts handing ``worker``'s rank (its id or address) to the first live spare.
 
-        Seals the next generation at once, with the spare in that rank (or, with
-        ``shrink`` and no spare, without the rank), and leaves a handoff pending
-        that is called off if it has not ended within ``timeout_s``.
+        Prepares the next generation, with the spare in that rank, and seals it once
+        its members are ready (or after the preparation's bound); with ``shrink``
+        and no spare, seals it without the rank at once. The handoff is called off
+        if it has not ended within ``timeout_s``.
 
         Raises:
             DrainRefusedError: no such live worker (``not_found``); it is not a
@@ -119,26 +130,74 @@ class DrainRules:
         before = self._generation
         held = w.status
         w.drained = True
-        if spare is None:
-            candidates = [m for m in self._members if m != w.worker_id]
-            why = f"drain of {w.worker_id} at {w.address} (rank {rank}), shrinking: no spare"
-        else:
-            candidates = list(self._members)
-            candidates[rank] = spare.worker_id
-            why = f"drain of {w.worker_id} at {w.address}: rank {rank} to spare {spare.worker_id}"
-        decision = self._seal(candidates, why)
-        self._handoff = Handoff(
+        handoff = Handoff(
             drained=w.worker_id,
             successor=spare.worker_id if spare is not None else "",
             rank=rank,
             generation_before=before,
-            generation_after=self._generation,
+            generation_after=before + 1,
             started_at=now,
             deadline=now + timeout_s,
             total_tensors=int(held.tensors_held) if held is not None else 0,
             total_bytes=int(held.bytes_held) if held is not None else 0,
         )
-        return self._finish(now, True, decision)
+        planned = list(self._members)
+        if spare is None:
+            candidates = [m for m in self._members if m != w.worker_id]
+            why = f"drain of {w.worker_id} at {w.address} (rank {rank}), shrinking: no spare"
+            decision = self._seal(candidates, why)
+            self._handoff = handoff
+            return self._finish(now, True, decision)
+        planned[rank] = spare.worker_id
+        if self.prepare_s <= 0:
+            why = f"drain of {w.worker_id} at {w.address}: rank {rank} to spare {spare.worker_id}"
+            decision = self._seal(planned, why)
+            self._handoff = handoff
+            return self._finish(now, True, decision)
+        self._handoff = dataclasses.replace(
+            handoff,
+            preparing=True,
+            planned=tuple(planned),
+            prepare_by=now + min(self.prepare_s, timeout_s / 2),
+        )
+        return self._finish(
+            now,
+            True,
+            f"drain of {w.worker_id} at {w.address}: preparing generation {before + 1} "
+            f"with rank {rank} on spare {spare.worker_id}",
+        )
+
+    def prepared(self, worker_id: str, generation: int) -> bool:
+        """Notes that ``worker_id`` is ready to switch to ``generation``, the one the
+        pending drain prepares; whether this made every planned member ready."""
+        h = self._handoff
+        if (
+            h is None
+            or not h.preparing
+            or generation != h.generation_after
+            or worker_id not in h.planned
+            or worker_id in h.prepared
+        ):
+            return False
+        self._handoff = dataclasses.replace(h, prepared=(*h.prepared, worker_id))
+        return len(self._handoff.prepared) == len(h.planned)
+
+    def _seal_prepared(self, now: float) -> str:
+        """Seals the generation the pending drain prepares once every planned member is
+        ready or its bound passed; the decision ("" while it still prepares)."""
+        h = self._handoff
+        assert h is not None and h.preparing
+        complete = len(h.prepared) == len(h.planned)
+        if not complete and now < h.prepare_by:
+            return ""
+        late = sorted(set(h.planned) - set(h.prepared))
+        why = f"drain of {h.drained}: rank {h.rank} to spare {h.successor}" + (
+            "" if complete else f" (not prepared in {h.prepare_by - h.started_at:g} s: {late})"
+        )
+        decision = self._seal(list(h.planned), why)
+        assert self._generation == h.generation_after, "a seal came between (decisions wait)"
+        self._handoff = dataclasses.replace(h, preparing=False, formed_ahead=complete)
+        return decision
 
     def _drain_refusal(self, w: WorkerRecord) -> str:
         if self._handoff is not None:
@@ -212,6 +271,11 @@ class DrainRules:
         drained = self._workers.get(h.drained)
         successor = self._workers.get(h.successor) if h.successor else None
         back = drained is not None and not drained.lost
+        if h.preparing:  # nothing was sealed: the drained worker simply keeps its rank
+            self._end_handoff(now, error=why)
+            if drained is not None:
+                drained.drained = False
+            return f"drain of {h.drained} called off before its generation was sealed: {why}"
         if not back:
             why = (
                 f"{why}; the drained worker is gone and rank {h.rank}'s tensors with it "

@@ -61,7 +61,7 @@ import collections
 import dataclasses
 from typing import Any
 
-from collectives_server.coordinator.drain_rules import DRAINS_KEPT, DrainRules
+from collectives_server.coordinator.drain_rules import DRAINS_KEPT, PREPARE_MAX_S, DrainRules
 from collectives_server.coordinator.vocabulary import (
     ClusterView,
     DrainReport,
@@ -128,8 +128,12 @@ class Membership(DrainRules):
         status_refresh_s: float = STATUS_REFRESH_S,
         deciding: bool = True,
         pause_s: float | None = None,
+        prepare_s: float = PREPARE_MAX_S,
     ) -> None:
         check_limits(min_workers, max_workers, lease_s, join_window_s)
+        # How long a drain may prepare its generation (at most half its timeout); 0: it
+        # seals at once (see drain_rules).
+        self.prepare_s = prepare_s
         # A longer gap between two decisions is a pause of this coordinator's own (see
         # the module); None: none is (a caller that moves the clock by hand).
         self.pause_s = pause_s
@@ -228,7 +232,9 @@ class Membership(DrainRules):
 
     @property
     def ready(self) -> bool:
-        return self._formed and self._joining() == 0 and self._handoff is None
+        # (A drain that still prepares leaves the current generation serving.)
+        handoff = self._handoff
+        return self._formed and self._joining() == 0 and (handoff is None or handoff.preparing)
 
     @property
     def handoff(self) -> Handoff | None:
@@ -348,11 +354,14 @@ class Membership(DrainRules):
         status: Any = None,
         status_key: bytes | None = None,
         handoff_bytes_copied: int = 0,
+        prepared_generation: int = 0,
     ) -> Outcome:
         """Renews a lease. Raises :class:`UnknownWorkerError` for unknown or LOST ids.
 
         ``handoff_bytes_copied``: the successor of the pending handoff says how far its
         copy got (shown in the Cluster message; other workers' values are ignored).
+        ``prepared_generation``: a member of the generation a drain prepares is ready
+        to switch to it (the last one ready seals it).
 
         ``status`` (with ``status_key``, see the module doc) replaces the worker's
         last reported status; None leaves it as it was.
@@ -387,11 +396,12 @@ class Membership(DrainRules):
         if h is not None and worker_id == h.successor and handoff_bytes_copied > h.bytes_copied:
             self._handoff = dataclasses.replace(h, bytes_copied=handoff_bytes_copied)
             changed = True
+        all_prepared = bool(prepared_generation) and self.prepared(worker_id, prepared_generation)
         if status is not None:
             published, note = w.take_status(now, status, status_key, self.status_refresh_s, changed)
             beat, changed = beat + note, changed or published
         reason = "; ".join([*expired, beat])
-        if expired or self._time_changes_decision(now):
+        if expired or all_prepared or self._time_changes_decision(now):
             return self._finish(now, changed, reason)
         if rejoined:
             changed = self._update_status() or changed
@@ -515,7 +525,8 @@ class Membership(DrainRules):
         last = self._last_registration
         if self._window_running and last is not None and now - last >= self.join_window_s:
             return True
-        if self._handoff is not None and now >= self._handoff.deadline:
+        h = self._handoff
+        if h is not None and (now >= h.deadline or (h.preparing and now >= h.prepare_by)):
             return True
         oldest = self._oldest_lost_at
         return oldest is not None and now - oldest > LOST_KEEP_S
@@ -543,6 +554,10 @@ class Membership(DrainRules):
             if why:
                 reason = f"{reason}; {self._call_off(now, why)}"
                 changed = True
+            elif self._handoff.preparing:
+                sealing = self._seal_prepared(now)
+                if sealing:
+                    reason, changed = f"{reason}; {sealing}", True
         self._handoff_losses = []
         if self._handoff is None:
             _, decision = self._decide(now)

@@ -424,7 +424,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 return self._closed or report is not None
 
             self._cond.wait_for(ended, timeout=max(0.0, waited_until - time.monotonic()))
-            if report is None and not self._closed and self._membership.handoff == handoff:
+            pending = self._membership.handoff
+            same = pending is not None and (pending.drained, pending.generation_before) == (
+                handoff.drained,
+                handoff.generation_before,
+            )
+            if report is None and not self._closed and same:
                 why = "the Drain call's own deadline passed first"
                 self._apply(self._membership.call_off_handoff(self._clock(), why))
                 ended()
@@ -532,6 +537,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     status=request.status if has_status else None,
                     status_key=key,
                     handoff_bytes_copied=request.handoff_bytes_copied,
+                    prepared_generation=request.prepared_generation,
                 )
             except UnknownWorkerError as exc:
                 self._notify_if_changed()

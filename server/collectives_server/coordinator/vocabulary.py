@@ -121,6 +121,14 @@ class Handoff:
     total_tensors: int = 0  # as the drained worker's last status reported
     total_bytes: int = 0
     bytes_copied: int = 0  # so far, as the successor's heartbeats say
+    # Not sealed yet (``generation_after`` is the one it will seal): the members it
+    # will have, in rank order, and those ready to switch to it (groups formed
+    # ahead, the successor's copy taken), sealed when all are or at ``prepare_by``.
+    preparing: bool = False
+    planned: tuple[str, ...] = ()
+    prepared: tuple[str, ...] = ()
+    prepare_by: float = 0.0  # the membership's clock
+    formed_ahead: bool = False  # sealed with every planned member ready
 
     @property
     def shrink(self) -> bool:

@@ -48,13 +48,14 @@ from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.data.replaced_memory import ReplacedMemory, pool_bytes
 from collectives_server.worker.data.shm_segments import WorkerSegments
 from collectives_server.worker.data.store import TensorStore
-from collectives_server.worker.drain_role import DrainRole, pending_handoff
+from collectives_server.worker.drain_role import DrainRole, pending_handoff, preparing_handoff
 from collectives_server.worker.engine.flight_recorder import FlightRecorder
 from collectives_server.worker.engine.generation import (
     Generation,
     GenerationHooks,
     GenerationSpec,
 )
+from collectives_server.worker.engine.groups_ahead import AheadKey
 from collectives_server.worker.engine.model_sync import receive_models
 from collectives_server.worker.engine.op_context import OpResult
 from collectives_server.worker.enrolment import bounded_status, register
@@ -383,6 +384,7 @@ class WorkerDaemon:
                 request.handoff_result.CopyFrom(handoff_result)
             else:
                 request.handoff_bytes_copied = self._drain.bytes_copied
+                request.prepared_generation = self._drain.prepared_generation
             try:
                 self._send_heartbeat(request)
                 self.ctx.stats.heartbeat(ok=True)
@@ -519,7 +521,11 @@ class WorkerDaemon:
                             )
                         )
                 return
-            self._drain.settle(cluster)
+            preparing = preparing_handoff(cluster)
+            if preparing is not None:
+                self._drain.prepare(preparing, cluster, self._connect_rendezvous, self.config.host)
+            else:
+                self._drain.settle(cluster)
             if self._drain.drained:
                 self._retire_runtime()
                 return
@@ -550,22 +556,23 @@ class WorkerDaemon:
         handoff: coordinator_pb2.Handoff | None = None,
     ) -> Generation:
         """The runtime of ``generation``; gated while ``handoff`` (the drain that sealed
-        it) has not ended."""
-        host, port = self._store_address.rsplit(":", 1)
-        timeout = datetime.timedelta(seconds=self.ctx.op_timeout_s)
-
-        def tcp_store() -> dist.Store:
-            # Connected by the generation's own thread: its host may be gone (a drain's
-            # generation forms while a crash is still being noticed), and this
-            # daemon's lock is not held meanwhile.
-            return dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
-
+        it) has not ended, and on the groups formed ahead when it sealed them so."""
+        ahead = None
+        if handoff is not None and handoff.formed_ahead:
+            ahead = self._drain.ahead.take(AheadKey(generation, digest, rank, world_size))
+            if ahead is None and self.ctx.device.type == "cpu":
+                log.error("generation %d: sealed on groups formed ahead; none here", generation)
+        else:
+            self._drain.ahead.drop()
         spec = GenerationSpec(
             generation=generation,
             membership_digest=digest,
             rank=rank,
             world_size=world_size,
-            tcp_store=tcp_store,
+            # Connected by the generation's own thread: its host may be gone (a drain's
+            # generation forms while a crash is still being noticed), and this daemon's
+            # lock is not held meanwhile.
+            tcp_store=functools.partial(self._connect_rendezvous, self._store_address),
             store=self.ctx.store,
             op_timeout_s=self.ctx.op_timeout_s,
             device=self.ctx.device,
@@ -578,6 +585,7 @@ class WorkerDaemon:
             recorder=self.ctx.recorder,
             carried_groups=self._carried_groups(generation, handoff),
             gated=handoff is not None,
+            formed_ahead=ahead,
         )
         hooks = GenerationHooks(
             on_joined=self._joined,
@@ -590,6 +598,13 @@ class WorkerDaemon:
             ),
         )
         return Generation(spec, hooks).start()
+
+    def _connect_rendezvous(self, address: str) -> dist.Store:
+        """A client of the rendezvous store at ``address`` (a generation's rank 0 hosts
+        the one its groups form through)."""
+        host, port = address.rsplit(":", 1)
+        timeout = datetime.timedelta(seconds=self.ctx.op_timeout_s)
+        return dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
 
     def _carried_groups(
         self, generation: int, handoff: coordinator_pb2.Handoff | None = None

@@ -1,7 +1,9 @@
 """This worker's part in a drain, read from each Cluster message it is sent.
 
-While ``Cluster.handoff`` is pending for the current generation, no member joins
-it (the daemon retires its generation and waits); the drained worker offers what
+While a drain prepares the next generation (``Handoff.preparing``), each of its
+members forms that generation's groups ahead (``engine.groups_ahead``) and says so
+in its heartbeats. While ``Cluster.handoff`` is pending for the current generation,
+no member joins it (the daemon retires its generation and waits); the drained worker offers what
 it holds, its successor copies it, and the one who reports (the successor, or the
 drained worker in a shrink) puts its result in every heartbeat until the
 coordinator ends the handoff (:mod:`collectives_server.worker.transport.handoff` says how
@@ -17,16 +19,19 @@ import threading
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from collectives.errors import CollectiveError
 from collectives.v1 import coordinator_pb2
 from collectives.wire.names import FUNCTION_PREFIX
 from collectives.wire.security import ChannelSecurity
+from collectives_server.membership_digest import membership_digest
 from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.engine.generation import Generation
+from collectives_server.worker.engine.groups_ahead import AheadKey, GroupsAhead
 from collectives_server.worker.transport.handoff import HandoffCopy, copy_from
 
-__all__ = ["DrainRole", "pending_handoff"]
+__all__ = ["DrainRole", "pending_handoff", "preparing_handoff"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +46,16 @@ def pending_handoff(cluster: coordinator_pb2.Cluster) -> coordinator_pb2.Handoff
         return None
     handoff = cluster.handoff
     return handoff if handoff.generation_after == cluster.generation else None
+
+
+def preparing_handoff(cluster: coordinator_pb2.Cluster) -> coordinator_pb2.Handoff | None:
+    """The drain that prepares the next generation, if any (the current one serves)."""
+    if not cluster.formed or not cluster.HasField("handoff"):
+        return None
+    handoff = cluster.handoff
+    if handoff.preparing and handoff.generation_after == cluster.generation + 1:
+        return handoff
+    return None
 
 
 class DrainRole:
@@ -65,6 +80,8 @@ class DrainRole:
         # installed then (settle), dropped if it was called off.
         self._staged: tuple[int, HandoffCopy] | None = None
         self.drained = False  # drained and the handoff completed: this worker stops
+        self.ahead = GroupsAhead()  # the next generation's groups, while a drain prepares it
+        self._prepared_generation = 0  # ready to switch to it (said in the heartbeats)
 
     @property
     def result(self) -> coordinator_pb2.HandoffResult | None:
@@ -78,6 +95,52 @@ class DrainRole:
         with self._lock:
             return self._bytes_copied if self._generation_after else 0
 
+    @property
+    def prepared_generation(self) -> int:
+        """The generation a drain prepares that this worker is ready for (0: none)."""
+        with self._lock:
+            return self._prepared_generation
+
+    def prepare(
+        self,
+        handoff: coordinator_pb2.Handoff,
+        cluster: coordinator_pb2.Cluster,
+        connect_store: Callable[[str], dist.Store],
+        host: str | None,
+    ) -> None:
+        """While ``handoff`` prepares its generation: a member of it forms its groups
+        ahead (through ``connect_store`` of the store that generation meets at), then
+        says it is ready."""
+        members = sorted((w for w in cluster.workers if w.rank >= 0), key=lambda w: w.rank)
+        planned = [w.worker_id for w in members]
+        if not 0 <= handoff.rank < len(planned):
+            return
+        planned[handoff.rank] = handoff.successor_id
+        if self._ctx.worker_id not in planned or not handoff.store_address:
+            return
+        key = AheadKey(
+            generation=handoff.generation_after,
+            membership_digest=membership_digest(planned),
+            rank=planned.index(self._ctx.worker_id),
+            world_size=len(planned),
+        )
+
+        def ready() -> None:
+            with self._lock:
+                self._prepared_generation = key.generation
+            log.info("drain: ready for generation %d (groups formed ahead)", key.generation)
+            self._wake_heartbeat()
+
+        address = handoff.store_address
+        self.ahead.form(
+            key,
+            lambda: connect_store(address),
+            self._ctx.op_timeout_s,
+            self._ctx.device,
+            host,
+            ready,
+        )
+
     def _copied(self, nbytes: int) -> None:
         with self._lock:
             self._bytes_copied = nbytes
@@ -86,6 +149,7 @@ class DrainRole:
         """Starts this worker's part in ``handoff`` (once); ``retired`` is the generation
         it ran until now, whose last op must end before the drained worker's store closes."""
         with self._lock:
+            self._prepared_generation = 0
             if self._generation_after == handoff.generation_after:
                 return
             self._generation_after = handoff.generation_after
@@ -108,8 +172,9 @@ class DrainRole:
         drained = me is not None and me.state == coordinator_pb2.WORKER_STATE_DRAINING
         with self._lock:
             took_part, self._generation_after, self._result = self._generation_after, 0, None
-            self._bytes_copied = 0
+            self._bytes_copied = self._prepared_generation = 0
             staged, self._staged = self._staged, None
+        self.ahead.drop()  # (formed for a drain called off while it prepared)
         if staged is not None:
             self._install_if_completed(cluster, *staged)
         if drained:

@@ -67,7 +67,8 @@ def _worker(w: WorkerRecord, now: float, unix_now: float) -> dict[str, Any]:
     }
 
 
-_HANDOFF_TIMES = ("started_at", "deadline")
+_HANDOFF_TIMES = ("started_at", "deadline", "prepare_by")
+_HANDOFF_LISTS = ("planned", "prepared")
 
 
 def _handoff(h: Handoff, now: float, unix_now: float) -> dict[str, Any]:
@@ -205,10 +206,15 @@ def restore_state(
     m._handoff = None
     if handoff is not None:
         m._handoff = Handoff(
-            **{k: v for k, v in handoff.items() if k not in _HANDOFF_TIMES},
+            **{
+                k: tuple(v) if k in _HANDOFF_LISTS else v
+                for k, v in handoff.items()
+                if k not in _HANDOFF_TIMES
+            },
             started_at=mono(float(handoff["started_at"])),
             # The new leader gives a pending handoff the rest of its time, from now on.
             deadline=now + max(0.0, float(handoff["deadline"]) - unix_now),
+            prepare_by=now + max(0.0, float(handoff.get("prepare_by", unix_now)) - unix_now),
         )
     m._drains.clear()
     for r in data.get("drains", []):

@@ -16,6 +16,7 @@ Modules:
 * ``validation``: cross-rank operand validation (pure)
 * ``uneven_validation``: the verdict of an uneven all_to_all (pure)
 * ``process_groups``: building a generation's process groups, and the bound on its sub-groups
+* ``groups_ahead``: a drain's next groups, formed while the current generation still serves
 * ``device_completion``: an accelerator data group whose wait means completion on the device
 * ``model_sync``: a generation's first step: every rank serves the newest model versions
 * ``carried_groups``: a generation a drain carried over rebuilds the groups of the one before

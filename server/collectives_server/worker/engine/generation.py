@@ -48,6 +48,7 @@ from collectives_server.worker.engine.carried_groups import rebuild_groups
 from collectives_server.worker.engine.control_channel import ControlChannel
 from collectives_server.worker.engine.descriptor import Announced
 from collectives_server.worker.engine.flight_recorder import FlightRecorder, FlightSlot
+from collectives_server.worker.engine.groups_ahead import FormedGroups
 from collectives_server.worker.engine.handlers import handler_for
 from collectives_server.worker.engine.handlers.fused_ops import run_fused
 from collectives_server.worker.engine.handlers.group_ops import missing_group
@@ -133,6 +134,9 @@ class GenerationSpec:
     # once, beside the copy, and its first step waits for :meth:`Generation.open`
     # (the handoff ended; the successor's tensors are installed).
     gated: bool = False
+    # The world groups its members formed ahead while a drain prepared it (they use
+    # them instead of forming their own at epoch 0); None: formed at the seal.
+    formed_ahead: FormedGroups | None = None
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,9 @@ class Generation:
         self._channel: ControlChannel | None = None  # this epoch's control rounds
         # The rendezvous store, once connected (by this generation's thread).
         self._tcp_store: dist.Store | None = None if callable(spec.tcp_store) else spec.tcp_store
+        self._ahead = spec.formed_ahead  # until its groups are taken (released if never)
+        if self._ahead is not None:
+            self._tcp_store = self._ahead.store
         self._cond = threading.Condition()
         self._seq = Sequencer(
             spec.generation,
@@ -356,6 +363,8 @@ class Generation:
                     failure,
                 )
         finally:
+            if self._ahead is not None:
+                self._ahead.release()
             self._ops_over.set()
             # End every group of this generation now (NCCL: aborted); their sockets and
             # threads go with them.
@@ -416,15 +425,24 @@ class Generation:
         if epoch:
             prefix += f"e{epoch}"
         release_groups(self.groups)  # a broken epoch's groups, before the next ones
+        ahead, self._ahead = self._ahead, None  # (only epoch 0 can find it)
         try:
-            store = self._rendezvous()
-            where = (store, prefix, self.rank, self.world_size, self._spec.op_timeout_s)
-            handles = build_groups(*where, self._spec.device, self._spec.host)
-            self._channel = ControlChannel.connect(
-                dist.PrefixStore(f"{prefix}/ctlsock", store),
-                *where[2:],
-                self._spec.host,
-            )
+            if ahead is not None:
+                store, prefix, handles, self._channel = (
+                    ahead.store,
+                    ahead.prefix,
+                    ahead.handles,
+                    ahead.channel,
+                )
+            else:
+                store = self._rendezvous()
+                where = (store, prefix, self.rank, self.world_size, self._spec.op_timeout_s)
+                handles = build_groups(*where, self._spec.device, self._spec.host)
+                self._channel = ControlChannel.connect(
+                    dist.PrefixStore(f"{prefix}/ctlsock", store),
+                    *where[2:],
+                    self._spec.host,
+                )
         except Exception as exc:
             raise GroupBroken(f"could not form the process group: {exc}") from exc
         self.groups = {0: GroupEntry(0, list(range(self.world_size)), handles)}

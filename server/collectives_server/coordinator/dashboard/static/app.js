@@ -145,7 +145,8 @@
     const total = num(d.total_bytes);
     const copied = num(d.bytes_copied);
     const onto = d.successor ? `onto ${d.successor_id}` : "shrinking";
-    setText("drain-text", `draining ${d.worker_id} (rank ${num(d.rank)}) ${onto}: ` +
+    const doing = d.preparing ? `preparing generation ${num(d.generation_after)}, ` : "";
+    setText("drain-text", `draining ${d.worker_id} (rank ${num(d.rank)}) ${onto}: ${doing}` +
       `${bytes(copied)} of ${bytes(total)} copied`);
     const pct = total > 0 ? Math.min(100, (100 * copied) / total) : 0;
     document.getElementById("drain-bar").style.width = `${pct.toFixed(1)}%`;
