@@ -342,3 +342,61 @@ def test_a_collective_issued_during_a_handoff_waits_at_its_leader_and_runs_after
     want = reduce_oracle("sum", operands)
     for rank, got in enumerate(get_each(cluster, "gate/sum")):
         assert_tensor(got, want, exact=False, what=f"the sum on rank {rank}")
+
+
+def test_what_changes_while_a_drain_prepares_reaches_the_successor(fresh_cluster, gen) -> None:
+    """The successor copies the drained rank ahead, while the cluster still serves;
+    what a client changes on that rank afterwards, before the seal (a tensor replaced,
+    one deleted, one added), is what the successor holds after the drain, and what
+    did not change is kept from the copy ahead. The seal is held back by stopping
+    rank 0, so its groups cannot form ahead, until the changes are made."""
+    local, cluster = fresh_cluster(3, "--spares", "1", "--heartbeat", "0.2", "--lease", "8",
+                                   "--devices", "cpu", "--drain-prepare-s", "6")  # fmt: skip
+    wait_until(lambda: len(_spares(cluster)) == 1, 30, "the spare to be listed")
+    (spare,) = _spares(cluster)
+    held = _resident(gen)
+    for name, t in held.items():
+        cluster.put(name, t, rank=1)
+    total = sum(t.numel() * t.element_size() for t in held.values())
+    drained, leader = cluster.workers()[1], cluster.workers()[0]
+    replaced, deleted, added = "drain/large", "drain/t0", "drain/added"
+    copied_ahead = f"copied {len(held)} tensors ({total} bytes) ahead"
+    ended: dict[str, object] = {}
+    os.kill(leader.pid, signal.SIGSTOP)
+    try:
+        drain = threading.Thread(target=lambda: ended.update(report=cluster.drain(drained.address)))
+        drain.start()
+        wait_until(
+            lambda: (
+                (d := cluster.refresh().drain) is not None
+                and d.preparing
+                and d.bytes_copied >= total
+            ),
+            30,
+            "the successor's copy ahead",
+        )
+        held[replaced] = torch.randn(3 * 1024 * 1024, generator=gen)
+        cluster.put(replaced, held[replaced], rank=1)
+        cluster.delete(deleted, rank=1)
+        del held[deleted]
+        held[added] = torch.randn(77, generator=gen).to(torch.float64)
+        cluster.put(added, held[added], rank=1)
+        assert cluster.refresh().drain.preparing, "sealed before rank 0 could prepare"
+    finally:
+        os.kill(leader.pid, signal.SIGCONT)
+    drain.join(90)
+    assert not drain.is_alive()
+    report = ended["report"]
+    assert report.error == "" and report.successor_id == spare.worker_id, report
+    assert report.tensors_moved == len(held), report
+    assert report.bytes_moved == sum(t.numel() * t.element_size() for t in held.values())
+    assert 0 < report.prepare_seconds < report.seconds, report
+    for name, want in held.items():
+        assert_tensor(cluster.get(name, rank=1), want, what=f"{name} on the successor")
+    with pytest.raises(collectives.NotFound):
+        cluster.get(deleted, rank=1)
+    log = local.log_path.read_text(errors="replace")
+    assert copied_ahead in log, "no copy ahead was taken"
+    unchanged = len(held) - 2  # (the one replaced and the one added moved after the seal)
+    assert f"{len(held)} tensors ({report.bytes_moved} bytes; {unchanged} kept" in log
+    assert "sealed on groups formed ahead; none here" not in log

@@ -72,6 +72,9 @@ def test_a_drain_prepares_the_next_generation_then_seals_it_when_all_are_ready()
     outcome = m.heartbeat(1.3, spare, prepared_generation=before + 1)
     assert outcome.sealed and m.generation == before + 1 and m.members == (a, spare, c)
     assert m.handoff is not None and not m.handoff.preparing and m.handoff.formed_ahead
+    m.handoff_result(2.0, spare, done(m, spare, tensors=1, bytes=8, seconds=0.5))
+    report = m.drains[-1]
+    assert (report.seconds, report.prepare_seconds) == pytest.approx((1.0, 0.3))
 
 
 def test_a_drain_seals_its_generation_when_preparing_takes_too_long() -> None:

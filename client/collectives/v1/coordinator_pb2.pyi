@@ -128,7 +128,7 @@ class HandoffResult(_message.Message):
     def __init__(self, generation_after: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., lost: _Optional[_Iterable[str]] = ..., models: _Optional[int] = ...) -> None: ...
 
 class DrainReport(_message.Message):
-    __slots__ = ("worker", "worker_id", "rank", "successor", "successor_id", "bytes_moved", "tensors_moved", "models_moved", "seconds", "generation_before", "generation_after", "lost", "shrink", "error", "finished_unix_time_s", "copy_seconds")
+    __slots__ = ("worker", "worker_id", "rank", "successor", "successor_id", "bytes_moved", "tensors_moved", "models_moved", "seconds", "generation_before", "generation_after", "lost", "shrink", "error", "finished_unix_time_s", "copy_seconds", "prepare_seconds")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,7 @@ class DrainReport(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     FINISHED_UNIX_TIME_S_FIELD_NUMBER: _ClassVar[int]
     COPY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     worker: str
     worker_id: str
     rank: int
@@ -161,7 +162,8 @@ class DrainReport(_message.Message):
     error: str
     finished_unix_time_s: float
     copy_seconds: float
-    def __init__(self, worker: _Optional[str] = ..., worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., successor: _Optional[str] = ..., successor_id: _Optional[str] = ..., bytes_moved: _Optional[int] = ..., tensors_moved: _Optional[int] = ..., models_moved: _Optional[int] = ..., seconds: _Optional[float] = ..., generation_before: _Optional[int] = ..., generation_after: _Optional[int] = ..., lost: _Optional[_Iterable[str]] = ..., shrink: _Optional[bool] = ..., error: _Optional[str] = ..., finished_unix_time_s: _Optional[float] = ..., copy_seconds: _Optional[float] = ...) -> None: ...
+    prepare_seconds: float
+    def __init__(self, worker: _Optional[str] = ..., worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., successor: _Optional[str] = ..., successor_id: _Optional[str] = ..., bytes_moved: _Optional[int] = ..., tensors_moved: _Optional[int] = ..., models_moved: _Optional[int] = ..., seconds: _Optional[float] = ..., generation_before: _Optional[int] = ..., generation_after: _Optional[int] = ..., lost: _Optional[_Iterable[str]] = ..., shrink: _Optional[bool] = ..., error: _Optional[str] = ..., finished_unix_time_s: _Optional[float] = ..., copy_seconds: _Optional[float] = ..., prepare_seconds: _Optional[float] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("worker", "shrink", "timeout_s")

@@ -187,24 +187,30 @@ class GetTensorBulkResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., inline_data: _Optional[bytes] = ..., ticket: _Optional[bytes] = ..., ticket_ttl_s: _Optional[float] = ...) -> None: ...
 
 class HandoffRequest(_message.Message):
-    __slots__ = ("generation_after",)
+    __slots__ = ("generation_after", "ahead", "have_ahead")
     GENERATION_AFTER_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
+    HAVE_AHEAD_FIELD_NUMBER: _ClassVar[int]
     generation_after: int
-    def __init__(self, generation_after: _Optional[int] = ...) -> None: ...
+    ahead: bool
+    have_ahead: bool
+    def __init__(self, generation_after: _Optional[int] = ..., ahead: _Optional[bool] = ..., have_ahead: _Optional[bool] = ...) -> None: ...
 
 class HandoffManifest(_message.Message):
-    __slots__ = ("tensors", "bulk_port", "total_bytes", "models", "gradients")
+    __slots__ = ("tensors", "bulk_port", "total_bytes", "models", "gradients", "unchanged")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     GRADIENTS_FIELD_NUMBER: _ClassVar[int]
+    UNCHANGED_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorHeader]
     bulk_port: int
     total_bytes: int
     models: _containers.RepeatedScalarFieldContainer[str]
     gradients: _containers.RepeatedCompositeFieldContainer[HandoffGradient]
-    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorHeader, _Mapping]]] = ..., bulk_port: _Optional[int] = ..., total_bytes: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., gradients: _Optional[_Iterable[_Union[HandoffGradient, _Mapping]]] = ...) -> None: ...
+    unchanged: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorHeader, _Mapping]]] = ..., bulk_port: _Optional[int] = ..., total_bytes: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., gradients: _Optional[_Iterable[_Union[HandoffGradient, _Mapping]]] = ..., unchanged: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HandoffGradient(_message.Message):
     __slots__ = ("model", "header")
@@ -215,12 +221,14 @@ class HandoffGradient(_message.Message):
     def __init__(self, model: _Optional[str] = ..., header: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ...) -> None: ...
 
 class HandoffTensorsRequest(_message.Message):
-    __slots__ = ("generation_after", "items")
+    __slots__ = ("generation_after", "items", "ahead")
     GENERATION_AFTER_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
     generation_after: int
     items: _containers.RepeatedCompositeFieldContainer[HandoffItem]
-    def __init__(self, generation_after: _Optional[int] = ..., items: _Optional[_Iterable[_Union[HandoffItem, _Mapping]]] = ...) -> None: ...
+    ahead: bool
+    def __init__(self, generation_after: _Optional[int] = ..., items: _Optional[_Iterable[_Union[HandoffItem, _Mapping]]] = ..., ahead: _Optional[bool] = ...) -> None: ...
 
 class HandoffItem(_message.Message):
     __slots__ = ("name", "model")

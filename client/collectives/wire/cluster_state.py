@@ -270,6 +270,9 @@ class DrainReport:
     error: str = ""
     finished_unix_time_s: float = 0.0
     copy_seconds: float = 0.0  # of ``seconds``: the successor's copy alone
+    # Of ``seconds``: the preparation before the seal (the rank served meanwhile); the
+    # rest is the switch, which calls for the rank wait out.
+    prepare_seconds: float = 0.0
 
     @classmethod
     def from_proto(cls, msg: coordinator_pb2.DrainReport) -> DrainReport:
@@ -290,6 +293,7 @@ class DrainReport:
             error=msg.error,
             finished_unix_time_s=float(msg.finished_unix_time_s),
             copy_seconds=float(msg.copy_seconds),
+            prepare_seconds=float(msg.prepare_seconds),
         )
 
 

@@ -135,6 +135,7 @@ def drain_report_to_proto(report: DrainReport, unix_offset_s: float) -> coordina
         error=report.error,
         finished_unix_time_s=report.finished_at + unix_offset_s,
         copy_seconds=report.copy_seconds,
+        prepare_seconds=report.prepare_seconds,
     )
 
 

@@ -146,13 +146,13 @@ class DrainRules:
             candidates = [m for m in self._members if m != w.worker_id]
             why = f"drain of {w.worker_id} at {w.address} (rank {rank}), shrinking: no spare"
             decision = self._seal(candidates, why)
-            self._handoff = handoff
+            self._handoff = dataclasses.replace(handoff, sealed_at=now)
             return self._finish(now, True, decision)
         planned[rank] = spare.worker_id
         if self.prepare_s <= 0:
             why = f"drain of {w.worker_id} at {w.address}: rank {rank} to spare {spare.worker_id}"
             decision = self._seal(planned, why)
-            self._handoff = handoff
+            self._handoff = dataclasses.replace(handoff, sealed_at=now)
             return self._finish(now, True, decision)
         self._handoff = dataclasses.replace(
             handoff,
@@ -196,7 +196,9 @@ class DrainRules:
         )
         decision = self._seal(list(h.planned), why)
         assert self._generation == h.generation_after, "a seal came between (decisions wait)"
-        self._handoff = dataclasses.replace(h, preparing=False, formed_ahead=complete)
+        self._handoff = dataclasses.replace(
+            h, preparing=False, formed_ahead=complete, sealed_at=now
+        )
         return decision
 
     def _drain_refusal(self, w: WorkerRecord) -> str:
@@ -334,6 +336,7 @@ class DrainRules:
                 shrink=h.shrink,
                 error=error,
                 copy_seconds=copy_seconds,
+                prepare_seconds=(now if h.sealed_at is None else h.sealed_at) - h.started_at,
             )
         )
         self.events["drains_failed" if error else "drains"] += 1

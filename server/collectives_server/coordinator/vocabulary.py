@@ -129,6 +129,7 @@ class Handoff:
     prepared: tuple[str, ...] = ()
     prepare_by: float = 0.0  # the membership's clock
     formed_ahead: bool = False  # sealed with every planned member ready
+    sealed_at: float | None = None  # the membership's clock; None while preparing
 
     @property
     def shrink(self) -> bool:
@@ -174,6 +175,7 @@ class DrainReport:
     shrink: bool = False
     error: str = ""
     copy_seconds: float = 0.0  # of ``seconds``: the successor's copy alone
+    prepare_seconds: float = 0.0  # of ``seconds``: before the seal
 
 
 @dataclass(frozen=True)

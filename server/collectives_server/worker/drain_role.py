@@ -14,6 +14,7 @@ process exits 0, so its supervisor starts it again and it registers as a spare.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -81,7 +82,10 @@ class DrainRole:
         self._staged: tuple[int, HandoffCopy] | None = None
         self.drained = False  # drained and the handoff completed: this worker stops
         self.ahead = GroupsAhead()  # the next generation's groups, while a drain prepares it
+        self._preparing = 0  # the generation a drain prepares, this worker taking part
         self._prepared_generation = 0  # ready to switch to it (said in the heartbeats)
+        # The successor's copy ahead, until the seal's copy takes what did not change.
+        self._ahead_copy: tuple[int, HandoffCopy] | None = None
 
     @property
     def result(self) -> coordinator_pb2.HandoffResult | None:
@@ -93,7 +97,7 @@ class DrainRole:
     def bytes_copied(self) -> int:
         """While this worker copies a handoff as the successor: the bytes so far."""
         with self._lock:
-            return self._bytes_copied if self._generation_after else 0
+            return self._bytes_copied if self._generation_after or self._preparing else 0
 
     @property
     def prepared_generation(self) -> int:
@@ -108,27 +112,38 @@ class DrainRole:
         connect_store: Callable[[str], dist.Store],
         host: str | None,
     ) -> None:
-        """While ``handoff`` prepares its generation: a member of it forms its groups
-        ahead (through ``connect_store`` of the store that generation meets at), then
-        says it is ready."""
+        """While ``handoff`` prepares its generation (once per generation): the drained
+        worker offers what it holds to the copy ahead; a member of that generation
+        forms its groups ahead (through ``connect_store`` of the store it meets at),
+        the successor also takes the copy ahead; then each says it is ready."""
+        generation = handoff.generation_after
+        with self._lock:
+            if self._preparing == generation:
+                return
+            self._preparing, self._prepared_generation = generation, 0
+        me = self._ctx.worker_id
+        if me == handoff.drained_id:
+            self._ctx.handoff.offer_ahead(generation, self._ctx.store.contents())
+            return
         members = sorted((w for w in cluster.workers if w.rank >= 0), key=lambda w: w.rank)
         planned = [w.worker_id for w in members]
         if not 0 <= handoff.rank < len(planned):
             return
         planned[handoff.rank] = handoff.successor_id
-        if self._ctx.worker_id not in planned or not handoff.store_address:
+        if me not in planned or not handoff.store_address:
             return
-        key = AheadKey(
-            generation=handoff.generation_after,
-            membership_digest=membership_digest(planned),
-            rank=planned.index(self._ctx.worker_id),
-            world_size=len(planned),
-        )
+        key = AheadKey(generation, membership_digest(planned), planned.index(me), len(planned))
+        waiting = {"groups", "copy"} if me == handoff.successor_id else {"groups"}
 
-        def ready() -> None:
+        def done(part: str) -> None:
             with self._lock:
-                self._prepared_generation = key.generation
-            log.info("drain: ready for generation %d (groups formed ahead)", key.generation)
+                if self._preparing != generation:
+                    return
+                waiting.discard(part)
+                if waiting:
+                    return
+                self._prepared_generation = generation
+            log.info("drain: ready for generation %d (prepared ahead)", generation)
             self._wake_heartbeat()
 
         address = handoff.store_address
@@ -138,8 +153,41 @@ class DrainRole:
             self._ctx.op_timeout_s,
             self._ctx.device,
             host,
-            ready,
+            lambda: done("groups"),
         )
+        if "copy" in waiting:
+            threading.Thread(
+                target=self._copy_ahead,
+                args=(handoff, lambda: done("copy")),
+                name="handoff-ahead",
+                daemon=True,
+            ).start()
+
+    def _copy_ahead(self, handoff: coordinator_pb2.Handoff, done: Callable[[], None]) -> None:
+        """The successor, while the drain prepares: copy what the drained worker holds
+        now; after the seal only what changed since moves (a failed copy ahead: all)."""
+        generation = handoff.generation_after
+        copied = copy_from(
+            handoff.drained_address,
+            generation,
+            self._peer_security,
+            _COPY_OP_TIMEOUTS * self._ctx.op_timeout_s,
+            on_bytes=self._copied,
+            ahead=True,
+        )
+        if copied.error:
+            log.warning("drain: the copy ahead failed (all moves after the seal): %s", copied.error)
+        else:
+            with self._lock:
+                if self._preparing == generation:
+                    self._ahead_copy = (generation, copied)
+            log.info(
+                "drain: copied %d tensors (%d bytes) ahead in %.3f s",
+                len(copied.tensors),
+                copied.nbytes,
+                copied.seconds,
+            )
+        done()
 
     def _copied(self, nbytes: int) -> None:
         with self._lock:
@@ -149,7 +197,7 @@ class DrainRole:
         """Starts this worker's part in ``handoff`` (once); ``retired`` is the generation
         it ran until now, whose last op must end before the drained worker's store closes."""
         with self._lock:
-            self._prepared_generation = 0
+            self._prepared_generation = self._preparing = 0
             if self._generation_after == handoff.generation_after:
                 return
             self._generation_after = handoff.generation_after
@@ -172,9 +220,13 @@ class DrainRole:
         drained = me is not None and me.state == coordinator_pb2.WORKER_STATE_DRAINING
         with self._lock:
             took_part, self._generation_after, self._result = self._generation_after, 0, None
+            prepared, self._preparing = self._preparing, 0
             self._bytes_copied = self._prepared_generation = 0
             staged, self._staged = self._staged, None
+            self._ahead_copy = None
         self.ahead.drop()  # (formed for a drain called off while it prepared)
+        if prepared and not took_part:  # called off before the seal: the offer goes
+            self._ctx.handoff.withdraw()
         if staged is not None:
             self._install_if_completed(cluster, *staged)
         if drained:
@@ -259,14 +311,22 @@ class DrainRole:
         return out
 
     def _copy(self, handoff: coordinator_pb2.Handoff, retired: Generation | None) -> None:
-        """The successor: copy everything, stage it (all or nothing), report."""
+        """The successor: copy everything (what changed since the copy ahead, if it took
+        one), stage it (all or nothing), report."""
+        with self._lock:
+            ahead, self._ahead_copy = self._ahead_copy, None
+        if ahead is not None and ahead[0] != handoff.generation_after:
+            ahead = None
         copied = copy_from(
             handoff.drained_address,
             handoff.generation_after,
             self._peer_security,
             _COPY_OP_TIMEOUTS * self._ctx.op_timeout_s,
             on_bytes=self._copied,
+            reuse=ahead[1].tensors if ahead is not None else None,
         )
+        if ahead is not None and not copied.error:  # the transfer's time: both copies
+            copied = dataclasses.replace(copied, seconds=copied.seconds + ahead[1].seconds)
         result = copied.result(handoff.generation_after)
         if not copied.error:
             try:
@@ -280,10 +340,12 @@ class DrainRole:
                 if self._generation_after == handoff.generation_after:
                     self._staged = (handoff.generation_after, copied)
             log.info(
-                "drain: took rank %d with %d tensors (%d bytes) in %.3f s",
+                "drain: took rank %d with %d tensors (%d bytes; %d kept from the copy ahead) "
+                "in %.3f s",
                 handoff.rank,
                 result.tensors,
                 result.bytes,
+                copied.kept,
                 result.seconds,
             )
         else:

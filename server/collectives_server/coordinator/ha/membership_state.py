@@ -67,14 +67,15 @@ def _worker(w: WorkerRecord, now: float, unix_now: float) -> dict[str, Any]:
     }
 
 
-_HANDOFF_TIMES = ("started_at", "deadline", "prepare_by")
+_HANDOFF_TIMES = ("started_at", "deadline", "prepare_by", "sealed_at")
 _HANDOFF_LISTS = ("planned", "prepared")
 
 
 def _handoff(h: Handoff, now: float, unix_now: float) -> dict[str, Any]:
     row = dataclasses.asdict(h)
     for key in _HANDOFF_TIMES:
-        row[key] = unix_now - (now - row[key])
+        if row[key] is not None:
+            row[key] = unix_now - (now - row[key])
     return row
 
 
@@ -215,6 +216,14 @@ def restore_state(
             # The new leader gives a pending handoff the rest of its time, from now on.
             deadline=now + max(0.0, float(handoff["deadline"]) - unix_now),
             prepare_by=now + max(0.0, float(handoff.get("prepare_by", unix_now)) - unix_now),
+            # (A sealed handoff recorded without its seal's time was sealed at its start.)
+            sealed_at=(
+                mono(float(handoff["sealed_at"]))
+                if handoff.get("sealed_at") is not None
+                else None
+                if handoff.get("preparing")
+                else mono(float(handoff["started_at"]))
+            ),
         )
     m._drains.clear()
     for r in data.get("drains", []):

@@ -31,17 +31,24 @@ class HandoffRpcs:
         # Answered before the caller's deadline: a refusal says why, not "deadline".
         wait_s = self._ctx.op_timeout_s if remaining is None else min(remaining, _MAX_WAIT_S)
         wait_s -= min(1.0, 0.1 * wait_s)
-        tensors = self._ctx.handoff.manifest(r.generation_after, max(wait_s, 0.0))
+        source = self._ctx.handoff
+        tensors = source.manifest(r.generation_after, max(wait_s, 0.0), ahead=r.ahead)
         bulk = self._ctx.bulk
         manifest = worker_pb2.HandoffManifest(
             bulk_port=bulk.port if bulk is not None else 0,
             models=[n for n in self._ctx.models.names() if not n.startswith(FUNCTION_PREFIX)],
         )
+        unchanged = source.unchanged(r.generation_after) if r.have_ahead and not r.ahead else set()
+        manifest.unchanged.extend(sorted(unchanged))
         for name, tensor in sorted(tensors.items()):
+            if name in unchanged:
+                continue
             header = codec.make_header(name, tensor)
             manifest.tensors.append(header)
             manifest.total_bytes += header.nbytes
-        for (model, key), grad in sorted(self._ctx.handoff.gradients(r.generation_after).items()):
+        if r.ahead:  # (the gradients move after the seal: a backward may still run)
+            return manifest
+        for (model, key), grad in sorted(source.gradients(r.generation_after).items()):
             header = codec.make_header(key, grad)
             manifest.gradients.add(model=model, header=header)
             manifest.total_bytes += header.nbytes
@@ -64,7 +71,9 @@ class HandoffRpcs:
         ttl = self._ctx.op_timeout_s if remaining is None else min(remaining, _MAX_WAIT_S)
         response = worker_pb2.HandoffTensorsResponse()
         for item in r.items:
-            tensor = self._ctx.handoff.tensor(r.generation_after, item.name, item.model)
+            tensor = self._ctx.handoff.tensor(
+                r.generation_after, item.name, item.model, ahead=r.ahead
+            )
             answer = tensor_answer(item.name, tensor, None, self._ctx.bulk, max(ttl, 0.0))
             response.tensors.append(answer)
             self._ctx.stats.add_bytes(sent=answer.header.nbytes)

@@ -21,6 +21,15 @@ On the workers:
 * In a shrink (no successor) the drained worker reports the names it held: they
   leave with the rank.
 
+Before the seal, while the drain prepares (``Handoff.preparing``), the successor
+takes a *copy ahead*: the drained worker offers what it holds at that moment
+(:meth:`HandoffSource.offer_ahead`) with its store still open, and the successor
+copies it as above. After the seal the successor asks only for what changed since:
+the drained worker compares what it holds then with what it offered ahead, tensor
+object by tensor object. That comparison is exact because the store never writes a
+tensor in place (every put or commit swaps in a new object), so a name holding the
+same object holds the same bytes; a name gone since is left out of both lists.
+
 Models are not copied here: the successor gets every model, at its newest
 version, from its peers in the next generation's first step
 (``engine.model_sync``), as any worker joining a generation does.
@@ -70,6 +79,26 @@ class HandoffSource:
         self._generation_after = 0
         self._tensors: dict[str, torch.Tensor] = {}
         self._gradients: dict[tuple[str, str], torch.Tensor] = {}
+        # What the copy ahead of ``_ahead_generation`` was offered (held until the end,
+        # so that each object's identity still names the bytes the successor copied).
+        self._ahead_generation = 0
+        self._ahead: dict[str, torch.Tensor] = {}
+
+    def offer_ahead(self, generation_after: int, tensors: dict[str, torch.Tensor]) -> None:
+        """While the drain into ``generation_after`` prepares: ``tensors`` (what this
+        worker holds now, its store still open) are what the copy ahead may take."""
+        with self._cond:
+            self._ahead_generation = generation_after
+            self._ahead = tensors
+            self._cond.notify_all()
+
+    def unchanged(self, generation_after: int) -> set[str]:
+        """The names offered to ``generation_after`` that still hold what the copy ahead
+        was offered (see the module)."""
+        with self._cond:
+            if self._ahead_generation != generation_after:
+                return set()
+            return {n for n, t in self._tensors.items() if self._ahead.get(n) is t}
 
     def offer(
         self,
@@ -88,8 +117,8 @@ class HandoffSource:
     def withdraw(self) -> None:
         """The handoff ended (or was called off): nothing is offered any more."""
         with self._cond:
-            self._generation_after = 0
-            self._tensors = {}
+            self._generation_after = self._ahead_generation = 0
+            self._tensors, self._ahead = {}, {}
             self._gradients = {}
             self._cond.notify_all()
 
@@ -99,24 +128,35 @@ class HandoffSource:
         with self._cond:
             return self._gradients
 
-    def manifest(self, generation_after: int, timeout_s: float) -> dict[str, torch.Tensor]:
-        """The tensors offered to ``generation_after``, waiting up to ``timeout_s`` for
-        this worker to get there (the successor may hear of the drain first).
+    def manifest(
+        self, generation_after: int, timeout_s: float, *, ahead: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """The tensors offered to ``generation_after`` (``ahead``: to its copy ahead),
+        waiting up to ``timeout_s`` for this worker to get there (the successor may
+        hear of the drain first).
 
         Raises:
             FailedPrecondition: this worker offers nothing to ``generation_after``.
         """
         with self._cond:
-            self._cond.wait_for(lambda: self._generation_after == generation_after, timeout_s)
-            if self._generation_after != generation_after:
-                raise FailedPrecondition(
-                    f"this worker has no handoff for generation {generation_after} ready "
-                    "(it is not being drained into it, or not yet)"
-                )
-            return self._tensors
+            if ahead:
+                self._cond.wait_for(lambda: self._ahead_generation == generation_after, timeout_s)
+                if self._ahead_generation == generation_after:
+                    return self._ahead
+            else:
+                self._cond.wait_for(lambda: self._generation_after == generation_after, timeout_s)
+                if self._generation_after == generation_after:
+                    return self._tensors
+        raise FailedPrecondition(
+            f"this worker has no handoff for generation {generation_after} ready "
+            f"{'to copy ahead ' if ahead else ''}(it is not being drained into it, or not yet)"
+        )
 
-    def tensor(self, generation_after: int, name: str, model: str = "") -> torch.Tensor:
-        """One offered tensor (with ``model``: that model's gradient of parameter ``name``).
+    def tensor(
+        self, generation_after: int, name: str, model: str = "", *, ahead: bool = False
+    ) -> torch.Tensor:
+        """One offered tensor (with ``model``: that model's gradient of parameter ``name``;
+        ``ahead``: one offered to the copy ahead).
 
         Raises:
             FailedPrecondition: nothing is offered to ``generation_after``.
@@ -127,7 +167,7 @@ class HandoffSource:
             if (model, name) not in gradients:
                 raise NotFound(f"no gradient of {model!r}'s {name!r} is part of this handoff")
             return gradients[(model, name)]
-        tensors = self.manifest(generation_after, 0.0)
+        tensors = self.manifest(generation_after, 0.0, ahead=ahead)
         if name not in tensors:
             raise NotFound(f"tensor {name!r} is not part of this handoff")
         return tensors[name]
@@ -145,6 +185,7 @@ class HandoffCopy:
     models: int = 0  # the drained worker hosted these (they come from the peers)
     # Their gradients on the drained worker, by (model, parameter).
     gradients: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+    kept: int = 0  # of ``tensors``: taken from the copy ahead (unchanged since)
 
     def result(self, generation_after: int) -> coordinator_pb2.HandoffResult:
         """The heartbeat field that reports it."""
@@ -165,10 +206,17 @@ def copy_from(
     security: ChannelSecurity,
     timeout_s: float,
     on_bytes: Callable[[int], None] = lambda copied: None,
+    *,
+    ahead: bool = False,
+    reuse: dict[str, torch.Tensor] | None = None,
 ) -> HandoffCopy:
     """Copies every tensor the drained worker at ``address`` offers to
     ``generation_after``; all of them or (with ``error`` set) none. ``on_bytes`` hears
-    the bytes copied so far after each tensor."""
+    the bytes copied so far after each tensor.
+
+    ``ahead``: the copy ahead, while the drain prepares. ``reuse``: the copy ahead
+    this successor took; only what changed since moves, the rest is taken from it
+    (``nbytes`` counts both: what the rank holds)."""
     started = time.monotonic()
     deadline = started + timeout_s
     options = [
@@ -182,9 +230,16 @@ def copy_from(
     try:
         stub = worker_pb2_grpc.WorkerStub(channel)
         manifest = stub.Handoff(
-            worker_pb2.HandoffRequest(generation_after=generation_after),
+            worker_pb2.HandoffRequest(
+                generation_after=generation_after, ahead=ahead, have_ahead=reuse is not None
+            ),
             timeout=_left(deadline),
         )
+        for name in manifest.unchanged:
+            if reuse is None or name not in reuse:
+                raise ValueError(f"the drained worker counts {name!r} as copied ahead; it was not")
+            tensors[name] = reuse[name]
+            nbytes += reuse[name].numel() * reuse[name].element_size()
         # The transfer's time counts from here: the drained worker's wait for its last
         # op to end, before it offers anything, is the handoff's, not the copy's.
         started = time.monotonic()
@@ -193,6 +248,7 @@ def copy_from(
             request = worker_pb2.HandoffTensorsRequest(
                 generation_after=generation_after,
                 items=[worker_pb2.HandoffItem(model=m, name=n) for m, n in items],
+                ahead=ahead,
             )
             return stub.HandoffTensors.future(request, timeout=_left(deadline))
 
@@ -226,7 +282,14 @@ def copy_from(
     finally:
         channel.close()
     seconds = time.monotonic() - started
-    return HandoffCopy(tensors, nbytes, seconds, models=len(manifest.models), gradients=gradients)
+    return HandoffCopy(
+        tensors,
+        nbytes,
+        seconds,
+        models=len(manifest.models),
+        gradients=gradients,
+        kept=len(manifest.unchanged),
+    )
 
 
 class _Tickets:
