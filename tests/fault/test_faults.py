@@ -87,10 +87,15 @@ def test_sigkill_leader_a_new_leader_is_chosen_and_the_sdk_follows(fault_cluster
     generation = cluster.client.generation
     killed = time.monotonic()
     old_leader.signal(signal.SIGKILL)
-    with pytest.raises(collectives.CollectiveError) as info:
-        cluster.client.barrier(timeout=OP_TIMEOUT_S)  # sent to the dead leader
+    try:
+        cluster.client.barrier(timeout=OP_TIMEOUT_S)  # sent to the dead leader, as a rule
+    except collectives.CollectiveError as err:
+        assert err.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED"), err
+    else:
+        # The crash was seen, and the next generation shown to this client, before the
+        # barrier left: it ran there, with the survivors, which is as right.
+        assert cluster.client.generation > generation, "a barrier on a dead leader succeeded"
     detect = time.monotonic() - killed
-    assert info.value.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
     new_members = cluster.wait_ready(2, after_generation=generation)
     assert new_members[0].address == members[1].address  # lowest surviving old rank leads
     assert cluster.client.leader == members[1].address

@@ -9,6 +9,7 @@ import pytest
 from collectives_server.coordinator.drain_rules import PREPARE_MAX_S
 from collectives_server.coordinator.membership import Membership, Outcome, WorkerState
 from collectives_server.coordinator.vocabulary import DrainRefusedError, HandoffOutcome
+from collectives_server.membership_digest import membership_digest
 
 LEASE = 5.0
 WINDOW = 0.5
@@ -39,8 +40,11 @@ def drain(m: Membership, now: float, worker: str, **kwargs: object) -> Outcome:
     h = m.handoff
     if h is None or not h.preparing:
         return outcome
+    digest = membership_digest(h.planned)
     for w in h.planned:
-        outcome = m.heartbeat(now, w, prepared_generation=h.generation_after)
+        outcome = m.heartbeat(
+            now, w, prepared_generation=h.generation_after, prepared_digest=digest
+        )
     assert outcome.sealed and m.handoff is not None and not m.handoff.preparing
     return outcome
 
@@ -63,13 +67,17 @@ def test_a_drain_prepares_the_next_generation_then_seals_it_when_all_are_ready()
     assert h is not None and h.preparing and h.planned == (a, spare, c)
     assert h.generation_after == before + 1 and h.prepare_by == 1.0 + PREPARE_MAX_S
     assert m.ready, "the current generation serves while the next one is prepared"
-    # Readiness for another generation, or from a worker not in the plan, counts nothing.
-    m.heartbeat(1.1, a, prepared_generation=before + 2)
-    m.heartbeat(1.1, b, prepared_generation=before + 1)
-    m.heartbeat(1.1, a, prepared_generation=before + 1)
-    m.heartbeat(1.2, c, prepared_generation=before + 1)
+    digest = membership_digest(h.planned)
+    # Readiness for another generation, for another membership of it (another drain's),
+    # or from a worker not in the plan, counts nothing.
+    m.heartbeat(1.1, a, prepared_generation=before + 2, prepared_digest=digest)
+    m.heartbeat(1.1, a, prepared_generation=before + 1, prepared_digest=membership_digest([a, b]))
+    m.heartbeat(1.1, b, prepared_generation=before + 1, prepared_digest=digest)
+    assert m.handoff.prepared == ()
+    m.heartbeat(1.1, a, prepared_generation=before + 1, prepared_digest=digest)
+    m.heartbeat(1.2, c, prepared_generation=before + 1, prepared_digest=digest)
     assert m.generation == before and m.handoff.prepared == (a, c)
-    outcome = m.heartbeat(1.3, spare, prepared_generation=before + 1)
+    outcome = m.heartbeat(1.3, spare, prepared_generation=before + 1, prepared_digest=digest)
     assert outcome.sealed and m.generation == before + 1 and m.members == (a, spare, c)
     assert m.handoff is not None and not m.handoff.preparing and m.handoff.formed_ahead
     m.handoff_result(2.0, spare, done(m, spare, tensors=1, bytes=8, seconds=0.5))
@@ -82,7 +90,8 @@ def test_a_drain_seals_its_generation_when_preparing_takes_too_long() -> None:
     before = m.generation
     m.drain(1.0, b, timeout_s=4.0)  # (it prepares for half its time at most)
     assert m.handoff is not None and m.handoff.prepare_by == 3.0
-    m.heartbeat(1.1, spare, prepared_generation=before + 1)
+    digest = membership_digest(m.handoff.planned)
+    m.heartbeat(1.1, spare, prepared_generation=before + 1, prepared_digest=digest)
     assert not m.tick(2.9).sealed and m.generation == before
     outcome = m.tick(3.0)
     assert outcome.sealed and m.members == (a, spare, c)

@@ -120,8 +120,10 @@ class _World:
                 with contextlib.suppress(DrainRefusedError):
                     outcome = m.drain(now, self.ids[slot], timeout_s=4.0)
             elif kind == "prepared" and slot in self.ids and m.handoff is not None:
-                after = m.handoff.generation_after
-                outcome = m.heartbeat(now, self.ids[slot], prepared_generation=after)
+                after, digest = m.handoff.generation_after, membership_digest(m.handoff.planned)
+                outcome = m.heartbeat(
+                    now, self.ids[slot], prepared_generation=after, prepared_digest=digest
+                )
             elif kind == "handoff_done" and m.handoff is not None and not m.handoff.preparing:
                 h = m.handoff
                 done = HandoffOutcome(generation_after=h.generation_after, ok=True)
@@ -214,7 +216,8 @@ def test_a_drain_being_prepared_survives_a_takeover() -> None:
     a, b, spare = ids
     generation = leader.generation
     leader.drain(0.1, a, timeout_s=4.0)
-    leader.heartbeat(0.2, b, prepared_generation=generation + 1)
+    digest = membership_digest([spare, b])
+    leader.heartbeat(0.2, b, prepared_generation=generation + 1, prepared_digest=digest)
     doc = export_state(leader, leases, now=0.3, unix_now=UNIX_ZERO + 0.3)
     successor = _new(2, 2)
     restore_state(doc, successor, leases, now=10.0, unix_now=UNIX_ZERO + 0.5)
@@ -223,5 +226,8 @@ def test_a_drain_being_prepared_survives_a_takeover() -> None:
     assert h.prepare_by == pytest.approx(10.0 + (0.1 + 2.0 - 0.5), abs=1e-3)
     successor.resume(10.0, "took over")
     assert successor.generation == generation
-    assert successor.heartbeat(10.1, spare, prepared_generation=generation + 1).sealed
+    ready = successor.heartbeat(
+        10.1, spare, prepared_generation=generation + 1, prepared_digest=digest
+    )
+    assert ready.sealed
     assert successor.members == (spare, b) and successor.generation == generation + 1

@@ -256,7 +256,7 @@ class RegisterResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_s: _Optional[float] = ..., store_address: _Optional[str] = ..., op_timeout_s: _Optional[float] = ..., lease_secret: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "joined_generation", "busy", "status", "want_reply", "lease_secret", "handoff_result", "handoff_bytes_copied", "prepared_generation")
+    __slots__ = ("worker_id", "joined_generation", "busy", "status", "want_reply", "lease_secret", "handoff_result", "handoff_bytes_copied", "prepared_generation", "prepared_digest")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     JOINED_GENERATION_FIELD_NUMBER: _ClassVar[int]
     BUSY_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +266,7 @@ class HeartbeatRequest(_message.Message):
     HANDOFF_RESULT_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_BYTES_COPIED_FIELD_NUMBER: _ClassVar[int]
     PREPARED_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_DIGEST_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     joined_generation: int
     busy: bool
@@ -275,7 +276,8 @@ class HeartbeatRequest(_message.Message):
     handoff_result: HandoffResult
     handoff_bytes_copied: int
     prepared_generation: int
-    def __init__(self, worker_id: _Optional[str] = ..., joined_generation: _Optional[int] = ..., busy: _Optional[bool] = ..., status: _Optional[_Union[_status_pb2.WorkerStatus, _Mapping]] = ..., want_reply: _Optional[bool] = ..., lease_secret: _Optional[str] = ..., handoff_result: _Optional[_Union[HandoffResult, _Mapping]] = ..., handoff_bytes_copied: _Optional[int] = ..., prepared_generation: _Optional[int] = ...) -> None: ...
+    prepared_digest: str
+    def __init__(self, worker_id: _Optional[str] = ..., joined_generation: _Optional[int] = ..., busy: _Optional[bool] = ..., status: _Optional[_Union[_status_pb2.WorkerStatus, _Mapping]] = ..., want_reply: _Optional[bool] = ..., lease_secret: _Optional[str] = ..., handoff_result: _Optional[_Union[HandoffResult, _Mapping]] = ..., handoff_bytes_copied: _Optional[int] = ..., prepared_generation: _Optional[int] = ..., prepared_digest: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("generation", "version")

@@ -36,6 +36,7 @@ from collectives_server.coordinator.vocabulary import (
     SealedGeneration,
 )
 from collectives_server.coordinator.worker_records import WorkerRecord, plural
+from collectives_server.membership_digest import membership_digest
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -167,14 +168,16 @@ class DrainRules:
             f"with rank {rank} on spare {spare.worker_id}",
         )
 
-    def prepared(self, worker_id: str, generation: int) -> bool:
-        """Notes that ``worker_id`` is ready to switch to ``generation``, the one the
-        pending drain prepares; whether this made every planned member ready."""
+    def prepared(self, worker_id: str, generation: int, digest: str) -> bool:
+        """Notes that ``worker_id`` is ready to switch to ``generation`` of membership
+        ``digest``, the one the pending drain prepares; whether this made every planned
+        member ready."""
         h = self._handoff
         if (
             h is None
             or not h.preparing
             or generation != h.generation_after
+            or digest != membership_digest(h.planned)
             or worker_id not in h.planned
             or worker_id in h.prepared
         ):

@@ -355,13 +355,15 @@ class Membership(DrainRules):
         status_key: bytes | None = None,
         handoff_bytes_copied: int = 0,
         prepared_generation: int = 0,
+        prepared_digest: str = "",
     ) -> Outcome:
         """Renews a lease. Raises :class:`UnknownWorkerError` for unknown or LOST ids.
 
         ``handoff_bytes_copied``: the successor of the pending handoff says how far its
         copy got (shown in the Cluster message; other workers' values are ignored).
-        ``prepared_generation``: a member of the generation a drain prepares is ready
-        to switch to it (the last one ready seals it).
+        ``prepared_generation`` (and its ``prepared_digest``): a member of the
+        generation a drain prepares is ready to switch to it (the last one ready seals
+        it).
 
         ``status`` (with ``status_key``, see the module doc) replaces the worker's
         last reported status; None leaves it as it was.
@@ -396,7 +398,9 @@ class Membership(DrainRules):
         if h is not None and worker_id == h.successor and handoff_bytes_copied > h.bytes_copied:
             self._handoff = dataclasses.replace(h, bytes_copied=handoff_bytes_copied)
             changed = True
-        all_prepared = bool(prepared_generation) and self.prepared(worker_id, prepared_generation)
+        all_prepared = bool(prepared_generation) and self.prepared(
+            worker_id, prepared_generation, prepared_digest
+        )
         if status is not None:
             published, note = w.take_status(now, status, status_key, self.status_refresh_s, changed)
             beat, changed = beat + note, changed or published

@@ -81,6 +81,9 @@ _WATCH_WAKE_S = 5.0
 _CATCH_UP_ATTEMPTS = 3
 # A drain's handoff may take this many op timeouts unless the request says otherwise.
 _DRAIN_TIMEOUT_OP_TIMEOUTS = 4
+# A Cluster message is shared by the reads of one version within this long (its
+# heartbeat ages and uptimes are as old as that at most).
+_SHARED_CLUSTER_S = 0.1
 _DRAIN_REFUSALS = {
     "not_found": grpc.StatusCode.NOT_FOUND,
     "failed_precondition": grpc.StatusCode.FAILED_PRECONDITION,
@@ -112,6 +115,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._clock = clock
         self.guard = guard or ControlGuard()
         self._measured_version = -1  # version of the last Cluster message measured
+        # The last Cluster message built: (its version and leader, when, the message).
+        self._shared_cluster: tuple[tuple[int, str, str], float, coordinator_pb2.Cluster] | None
+        self._shared_cluster = None
         self._max_heartbeat_streams = max_heartbeat_streams
         # Open HeartbeatStream calls -> the worker id of their last request ("" before one).
         self._heartbeat_streams: dict[grpc.ServicerContext, str] = {}
@@ -538,6 +544,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     status_key=key,
                     handoff_bytes_copied=request.handoff_bytes_copied,
                     prepared_generation=request.prepared_generation,
+                    prepared_digest=request.prepared_digest,
                 )
             except UnknownWorkerError as exc:
                 self._notify_if_changed()
@@ -611,8 +618,20 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         ]
 
     def _cluster(self) -> coordinator_pb2.Cluster:
+        """The current Cluster message, shared (read it, never change it): every watcher
+        woken by one change gets the message built once, instead of each building its
+        own under the lock while the last one's workers wait."""
         held = self._replication.held
-        return held if held is not None else self._cluster_of(self._membership)
+        if held is not None:
+            return held
+        key = (self._membership.version, self._replication.leader, self._replication.store)
+        now = time.monotonic()
+        cached = self._shared_cluster
+        if cached is not None and cached[0] == key and now - cached[1] < _SHARED_CLUSTER_S:
+            return cached[2]
+        msg = self._cluster_of(self._membership)
+        self._shared_cluster = (key, now, msg)
+        return msg
 
     def _cluster_of(self, membership: Membership) -> coordinator_pb2.Cluster:
         """The Cluster message of ``membership`` (not yet this servicer's own)."""

@@ -384,7 +384,7 @@ class WorkerDaemon:
                 request.handoff_result.CopyFrom(handoff_result)
             else:
                 request.handoff_bytes_copied = self._drain.bytes_copied
-                request.prepared_generation = self._drain.prepared_generation
+                request.prepared_generation, request.prepared_digest = self._drain.prepared
             try:
                 self._send_heartbeat(request)
                 self.ctx.stats.heartbeat(ok=True)

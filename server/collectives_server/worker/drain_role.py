@@ -83,7 +83,9 @@ class DrainRole:
         self.drained = False  # drained and the handoff completed: this worker stops
         self.ahead = GroupsAhead()  # the next generation's groups, while a drain prepares it
         self._preparing = 0  # the generation a drain prepares, this worker taking part
-        self._prepared_generation = 0  # ready to switch to it (said in the heartbeats)
+        self._preparing_drain: tuple[int, str, str] | None = None  # (it, drained, successor)
+        # Ready to switch to it: (generation, membership digest), said in the heartbeats.
+        self._prepared: tuple[int, str] = (0, "")
         # The successor's copy ahead, until the seal's copy takes what did not change.
         self._ahead_copy: tuple[int, HandoffCopy] | None = None
 
@@ -100,10 +102,11 @@ class DrainRole:
             return self._bytes_copied if self._generation_after or self._preparing else 0
 
     @property
-    def prepared_generation(self) -> int:
-        """The generation a drain prepares that this worker is ready for (0: none)."""
+    def prepared(self) -> tuple[int, str]:
+        """The generation a drain prepares that this worker is ready for, and its
+        membership digest ((0, ""): none)."""
         with self._lock:
-            return self._prepared_generation
+            return self._prepared
 
     def prepare(
         self,
@@ -117,10 +120,12 @@ class DrainRole:
         forms its groups ahead (through ``connect_store`` of the store it meets at),
         the successor also takes the copy ahead; then each says it is ready."""
         generation = handoff.generation_after
+        drain = (generation, handoff.drained_id, handoff.successor_id)
         with self._lock:
-            if self._preparing == generation:
+            if self._preparing_drain == drain:
                 return
-            self._preparing, self._prepared_generation = generation, 0
+            self._preparing, self._preparing_drain = generation, drain
+            self._prepared = (0, "")
         me = self._ctx.worker_id
         if me == handoff.drained_id:
             self._ctx.handoff.offer_ahead(generation, self._ctx.store.contents())
@@ -137,12 +142,12 @@ class DrainRole:
 
         def done(part: str) -> None:
             with self._lock:
-                if self._preparing != generation:
+                if self._preparing_drain != drain:
                     return
                 waiting.discard(part)
                 if waiting:
                     return
-                self._prepared_generation = generation
+                self._prepared = (generation, key.membership_digest)
             log.info("drain: ready for generation %d (prepared ahead)", generation)
             self._wake_heartbeat()
 
@@ -178,8 +183,9 @@ class DrainRole:
         if copied.error:
             log.warning("drain: the copy ahead failed (all moves after the seal): %s", copied.error)
         else:
+            drain = (generation, handoff.drained_id, handoff.successor_id)
             with self._lock:
-                if self._preparing == generation:
+                if self._preparing_drain == drain:
                     self._ahead_copy = (generation, copied)
             log.info(
                 "drain: copied %d tensors (%d bytes) ahead in %.3f s",
@@ -197,7 +203,7 @@ class DrainRole:
         """Starts this worker's part in ``handoff`` (once); ``retired`` is the generation
         it ran until now, whose last op must end before the drained worker's store closes."""
         with self._lock:
-            self._prepared_generation = self._preparing = 0
+            self._preparing, self._preparing_drain, self._prepared = 0, None, (0, "")
             if self._generation_after == handoff.generation_after:
                 return
             self._generation_after = handoff.generation_after
@@ -220,8 +226,8 @@ class DrainRole:
         drained = me is not None and me.state == coordinator_pb2.WORKER_STATE_DRAINING
         with self._lock:
             took_part, self._generation_after, self._result = self._generation_after, 0, None
-            prepared, self._preparing = self._preparing, 0
-            self._bytes_copied = self._prepared_generation = 0
+            prepared, self._preparing, self._preparing_drain = self._preparing, 0, None
+            self._bytes_copied, self._prepared = 0, (0, "")
             staged, self._staged = self._staged, None
             self._ahead_copy = None
         self.ahead.drop()  # (formed for a drain called off while it prepared)
