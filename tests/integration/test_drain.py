@@ -400,3 +400,40 @@ def test_what_changes_while_a_drain_prepares_reaches_the_successor(fresh_cluster
     unchanged = len(held) - 2  # (the one replaced and the one added moved after the seal)
     assert f"{len(held)} tensors ({report.bytes_moved} bytes; {unchanged} kept" in log
     assert "sealed on groups formed ahead; none here" not in log
+
+
+def test_a_worker_stopped_while_its_drain_prepares_waits_for_it(fresh_cluster, gen) -> None:
+    """SIGTERM to a worker whose drain is still being prepared (a supervisor stopping
+    it while an operator's drain runs): the worker waits for that drain, which
+    completes with every tensor on the spare, instead of leaving with them."""
+    local, cluster = fresh_cluster(3, "--spares", "1", "--heartbeat", "0.2", "--lease", "8",
+                                   "--devices", "cpu", "--drain-prepare-s", "6")  # fmt: skip
+    wait_until(lambda: len(_spares(cluster)) == 1, 30, "the spare to be listed")
+    (spare,) = _spares(cluster)
+    held = _resident(gen)
+    for name, t in held.items():
+        cluster.put(name, t, rank=2)
+    drained, leader = cluster.workers()[2], cluster.workers()[0]
+    ended: dict[str, object] = {}
+    os.kill(leader.pid, signal.SIGSTOP)  # (its groups cannot form ahead: the seal waits)
+    try:
+        drain = threading.Thread(target=lambda: ended.update(report=cluster.drain(drained.address)))
+        drain.start()
+        wait_until(
+            lambda: (d := cluster.refresh().drain) is not None and d.preparing,
+            30,
+            "the drain to prepare",
+        )
+        os.kill(drained.pid, signal.SIGTERM)
+        # It stays, waiting for the drain it is part of (a second drain of it is refused).
+        assert cluster.refresh().drain.preparing
+    finally:
+        os.kill(leader.pid, signal.SIGCONT)
+    drain.join(90)
+    assert not drain.is_alive()
+    report = ended["report"]
+    assert report.error == "" and report.successor_id == spare.worker_id, report
+    for name, want in held.items():
+        assert_tensor(cluster.get(name, rank=2), want, what=f"{name} on the successor")
+    log = local.log_path.read_text(errors="replace")
+    assert "this worker is being drained already; waiting for it" in log

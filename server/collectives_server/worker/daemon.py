@@ -287,7 +287,7 @@ class WorkerDaemon:
         cluster = self._cluster
         if timeout_s <= 0 or cluster is None or self.drained.is_set():
             return
-        handoff = pending_handoff(cluster)
+        handoff = pending_handoff(cluster) or preparing_handoff(cluster)
         if handoff is not None and handoff.drained_id == self.worker_id:
             log.info("stopping: this worker is being drained already; waiting for it")
             self.drained.wait(timeout_s)
