@@ -92,7 +92,11 @@ VERBOSE = os.environ.get("COLLECTIVES_MODEL_TEST_VERBOSE") == "1"  # print every
 # Float32 on shards of other shapes than the reference's: rounding only.
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 # How many times the reference's own float32 rounding (float32 against float64 on the
-# same inputs) a gradient may stray where that rounding exceeds TOL.
+# same inputs) a gradient may stray where that rounding exceeds TOL. That rounding is
+# taken per parameter tensor, as its largest element's: an element's own difference
+# is one sample of it, which can fall near zero by chance where another float32
+# computation of the same ill-conditioned element (other shards, another summation
+# order) strays as far as its neighbours do.
 SLACK_FACTOR = 8
 
 KINDS = ("drop", "det", "plain")
@@ -182,9 +186,10 @@ class RefModel:
     batching: collectives.Batching | None
     grads: list[dict[str, Any]] = field(default_factory=list)  # absent key: no gradient
     # Per rank and parameter, how far float32 may stray from ``grads`` where the
-    # computation is ill-conditioned: the difference between the float32 and a float64
-    # reference of the same train_step (batch norm over a 2-row shard whose rows are
-    # nearly equal amplifies rounding far beyond TOL). Empty: TOL alone.
+    # computation is ill-conditioned: the largest difference between the float32 and a
+    # float64 reference of the same train_step over the parameter's elements (batch
+    # norm over a 2-row shard whose rows are nearly equal amplifies rounding far beyond
+    # TOL; see SLACK_FACTOR). Empty: TOL alone.
     grad_slack: list[dict[str, torch.Tensor]] = field(default_factory=list)
     # Unreduced dp-backward gradients on the workers: "clear", "set", or "maybe"
     # (after a publish or reload dropped them; the contract is silent there).
@@ -842,8 +847,8 @@ class ManyClients(RuleBasedStateMachine):
             for pname, p in model.replicas[rank].named_parameters():
                 if p.grad is not None:
                     summed[pname] = summed.get(pname, 0) + p.grad
-                    off = (p.grad.double() - twin[pname]).abs().float()
-                    slack[pname] = slack.get(pname, 0) + off
+                    off = (p.grad.double() - twin[pname]).abs().max().float()
+                    slack[pname] = slack.get(pname, 0) + torch.full_like(p.grad, float(off))
                 p.grad = None
         assert got == pytest.approx(expected_loss, rel=TOL["rtol"], abs=TOL["atol"]), (
             f"{what}: loss {got}, expected {expected_loss} (shards {sizes})"
