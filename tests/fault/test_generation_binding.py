@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 from harness import LEASE_S, OP_TIMEOUT_S, FaultCluster
+from helpers import wait_until
 
 import collectives
 
@@ -73,14 +74,24 @@ def test_an_op_issued_while_a_follower_is_stopped_fails_instead_of_reducing_surv
 def test_an_op_issued_right_after_a_worker_died_fails_instead_of_reducing_survivors(
     fault_cluster, gen, run
 ) -> None:
+    """The op is sent for the generation the worker died in: the coordinator is held
+    (SIGSTOP) from just before the kill until the op is sent, so this client cannot
+    have heard of the survivors' generation yet (the crash is seen in milliseconds).
+    The coordinator then seals that generation while the op fails, which is when a
+    retry onto it would happen."""
     cluster = fault_cluster(2, 1)
     _place_operands(cluster, gen)
     generation = cluster.client.generation
     victim = cluster.daemon_at(cluster.members()[1].address)
-    victim.signal(signal.SIGKILL)
-    started = time.monotonic()
-    with pytest.raises(collectives.CollectiveError) as info:
+    cluster.coordinator.signal(signal.SIGSTOP)
+    try:
+        victim.signal(signal.SIGKILL)
+        started = time.monotonic()
         work = cluster.client.all_reduce("x", out="x_sum", timeout=CALL_TIMEOUT_S, async_op=True)
+        wait_until(lambda: work.generation is not None, 10, "the op to be sent")
+    finally:
+        cluster.coordinator.signal(signal.SIGCONT)
+    with pytest.raises(collectives.CollectiveError) as info:
         work.wait()
     assert work.generation == generation
     _assert_not_committed(cluster, generation, info.value, started, survivors=1)

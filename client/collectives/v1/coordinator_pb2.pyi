@@ -76,7 +76,7 @@ class GenerationRecord(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., sealed_unix_time_s: _Optional[float] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., sealed_by: _Optional[str] = ..., membership_digest: _Optional[str] = ..., carried_over: _Optional[bool] = ...) -> None: ...
 
 class Handoff(_message.Message):
-    __slots__ = ("drained_id", "drained_address", "successor_id", "successor_address", "rank", "generation_before", "generation_after", "started_unix_time_s", "total_tensors", "total_bytes", "bytes_copied", "preparing", "formed_ahead", "store_address")
+    __slots__ = ("drained_id", "drained_address", "successor_id", "successor_address", "rank", "generation_before", "generation_after", "started_unix_time_s", "total_tensors", "total_bytes", "bytes_copied", "preparing", "formed_ahead", "store_address", "drain_id")
     DRAINED_ID_FIELD_NUMBER: _ClassVar[int]
     DRAINED_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SUCCESSOR_ID_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class Handoff(_message.Message):
     PREPARING_FIELD_NUMBER: _ClassVar[int]
     FORMED_AHEAD_FIELD_NUMBER: _ClassVar[int]
     STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_ID_FIELD_NUMBER: _ClassVar[int]
     drained_id: str
     drained_address: str
     successor_id: str
@@ -105,7 +106,8 @@ class Handoff(_message.Message):
     preparing: bool
     formed_ahead: bool
     store_address: str
-    def __init__(self, drained_id: _Optional[str] = ..., drained_address: _Optional[str] = ..., successor_id: _Optional[str] = ..., successor_address: _Optional[str] = ..., rank: _Optional[int] = ..., generation_before: _Optional[int] = ..., generation_after: _Optional[int] = ..., started_unix_time_s: _Optional[float] = ..., total_tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., bytes_copied: _Optional[int] = ..., preparing: _Optional[bool] = ..., formed_ahead: _Optional[bool] = ..., store_address: _Optional[str] = ...) -> None: ...
+    drain_id: str
+    def __init__(self, drained_id: _Optional[str] = ..., drained_address: _Optional[str] = ..., successor_id: _Optional[str] = ..., successor_address: _Optional[str] = ..., rank: _Optional[int] = ..., generation_before: _Optional[int] = ..., generation_after: _Optional[int] = ..., started_unix_time_s: _Optional[float] = ..., total_tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., bytes_copied: _Optional[int] = ..., preparing: _Optional[bool] = ..., formed_ahead: _Optional[bool] = ..., store_address: _Optional[str] = ..., drain_id: _Optional[str] = ...) -> None: ...
 
 class HandoffResult(_message.Message):
     __slots__ = ("generation_after", "ok", "error", "tensors", "bytes", "seconds", "lost", "models")

@@ -187,30 +187,32 @@ class GetTensorBulkResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., inline_data: _Optional[bytes] = ..., ticket: _Optional[bytes] = ..., ticket_ttl_s: _Optional[float] = ...) -> None: ...
 
 class HandoffRequest(_message.Message):
-    __slots__ = ("generation_after", "ahead", "have_ahead")
+    __slots__ = ("generation_after", "ahead", "ahead_snapshot")
     GENERATION_AFTER_FIELD_NUMBER: _ClassVar[int]
     AHEAD_FIELD_NUMBER: _ClassVar[int]
-    HAVE_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     generation_after: int
     ahead: bool
-    have_ahead: bool
-    def __init__(self, generation_after: _Optional[int] = ..., ahead: _Optional[bool] = ..., have_ahead: _Optional[bool] = ...) -> None: ...
+    ahead_snapshot: str
+    def __init__(self, generation_after: _Optional[int] = ..., ahead: _Optional[bool] = ..., ahead_snapshot: _Optional[str] = ...) -> None: ...
 
 class HandoffManifest(_message.Message):
-    __slots__ = ("tensors", "bulk_port", "total_bytes", "models", "gradients", "unchanged")
+    __slots__ = ("tensors", "bulk_port", "total_bytes", "models", "gradients", "unchanged", "ahead_snapshot")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     GRADIENTS_FIELD_NUMBER: _ClassVar[int]
     UNCHANGED_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorHeader]
     bulk_port: int
     total_bytes: int
     models: _containers.RepeatedScalarFieldContainer[str]
     gradients: _containers.RepeatedCompositeFieldContainer[HandoffGradient]
     unchanged: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorHeader, _Mapping]]] = ..., bulk_port: _Optional[int] = ..., total_bytes: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., gradients: _Optional[_Iterable[_Union[HandoffGradient, _Mapping]]] = ..., unchanged: _Optional[_Iterable[str]] = ...) -> None: ...
+    ahead_snapshot: str
+    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorHeader, _Mapping]]] = ..., bulk_port: _Optional[int] = ..., total_bytes: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., gradients: _Optional[_Iterable[_Union[HandoffGradient, _Mapping]]] = ..., unchanged: _Optional[_Iterable[str]] = ..., ahead_snapshot: _Optional[str] = ...) -> None: ...
 
 class HandoffGradient(_message.Message):
     __slots__ = ("model", "header")
@@ -221,14 +223,16 @@ class HandoffGradient(_message.Message):
     def __init__(self, model: _Optional[str] = ..., header: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ...) -> None: ...
 
 class HandoffTensorsRequest(_message.Message):
-    __slots__ = ("generation_after", "items", "ahead")
+    __slots__ = ("generation_after", "items", "ahead", "ahead_snapshot")
     GENERATION_AFTER_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     AHEAD_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     generation_after: int
     items: _containers.RepeatedCompositeFieldContainer[HandoffItem]
     ahead: bool
-    def __init__(self, generation_after: _Optional[int] = ..., items: _Optional[_Iterable[_Union[HandoffItem, _Mapping]]] = ..., ahead: _Optional[bool] = ...) -> None: ...
+    ahead_snapshot: str
+    def __init__(self, generation_after: _Optional[int] = ..., items: _Optional[_Iterable[_Union[HandoffItem, _Mapping]]] = ..., ahead: _Optional[bool] = ..., ahead_snapshot: _Optional[str] = ...) -> None: ...
 
 class HandoffItem(_message.Message):
     __slots__ = ("name", "model")

@@ -107,6 +107,7 @@ def cluster_to_proto(
                 preparing=h.preparing,
                 formed_ahead=h.formed_ahead,
                 store_address=_store_of(view, h.planned[0]) if h.preparing else "",
+                drain_id=h.drain_id,
             )
         )
     for report in view.drains:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import secrets
 from typing import TYPE_CHECKING
 
 from collectives_server.coordinator.vocabulary import (
@@ -141,6 +142,7 @@ class DrainRules:
             deadline=now + timeout_s,
             total_tensors=int(held.tensors_held) if held is not None else 0,
             total_bytes=int(held.bytes_held) if held is not None else 0,
+            drain_id=secrets.token_hex(8),
         )
         planned = list(self._members)
         if spare is None:

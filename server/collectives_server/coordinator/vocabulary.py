@@ -130,6 +130,7 @@ class Handoff:
     prepare_by: float = 0.0  # the membership's clock
     formed_ahead: bool = False  # sealed with every planned member ready
     sealed_at: float | None = None  # the membership's clock; None while preparing
+    drain_id: str = ""  # this drain's own name (another for a drain asked again)
 
     @property
     def shrink(self) -> bool:

@@ -48,7 +48,12 @@ from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.data.replaced_memory import ReplacedMemory, pool_bytes
 from collectives_server.worker.data.shm_segments import WorkerSegments
 from collectives_server.worker.data.store import TensorStore
-from collectives_server.worker.drain_role import DrainRole, pending_handoff, preparing_handoff
+from collectives_server.worker.drain_role import (
+    DrainRole,
+    drain_id,
+    pending_handoff,
+    preparing_handoff,
+)
 from collectives_server.worker.engine.flight_recorder import FlightRecorder
 from collectives_server.worker.engine.generation import (
     Generation,
@@ -559,7 +564,8 @@ class WorkerDaemon:
         it) has not ended, and on the groups formed ahead when it sealed them so."""
         ahead = None
         if handoff is not None and handoff.formed_ahead:
-            ahead = self._drain.ahead.take(AheadKey(generation, digest, rank, world_size))
+            key = AheadKey(generation, digest, rank, world_size, drain_id(handoff))
+            ahead = self._drain.ahead.take(key)
             if ahead is None and self.ctx.device.type == "cpu":
                 log.error("generation %d: sealed on groups formed ahead; none here", generation)
         else:

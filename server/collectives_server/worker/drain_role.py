@@ -32,7 +32,7 @@ from collectives_server.worker.engine.generation import Generation
 from collectives_server.worker.engine.groups_ahead import AheadKey, GroupsAhead
 from collectives_server.worker.transport.handoff import HandoffCopy, copy_from
 
-__all__ = ["DrainRole", "pending_handoff", "preparing_handoff"]
+__all__ = ["DrainRole", "drain_id", "pending_handoff", "preparing_handoff"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,12 @@ def preparing_handoff(cluster: coordinator_pb2.Cluster) -> coordinator_pb2.Hando
     return None
 
 
+def drain_id(handoff: coordinator_pb2.Handoff) -> str:
+    """One drain's name, the same on every worker (a drain called off and asked again is
+    another drain)."""
+    return f"{handoff.generation_after}/{handoff.drained_id}/{handoff.drain_id}"
+
+
 class DrainRole:
     """What this worker does about the drain in progress (called with the daemon's lock)."""
 
@@ -83,7 +89,7 @@ class DrainRole:
         self.drained = False  # drained and the handoff completed: this worker stops
         self.ahead = GroupsAhead()  # the next generation's groups, while a drain prepares it
         self._preparing = 0  # the generation a drain prepares, this worker taking part
-        self._preparing_drain: tuple[int, str, str] | None = None  # (it, drained, successor)
+        self._preparing_drain: str | None = None  # which drain (drain_id)
         # Ready to switch to it: (generation, membership digest), said in the heartbeats.
         self._prepared: tuple[int, str] = (0, "")
         # The successor's copy ahead, until the seal's copy takes what did not change.
@@ -119,16 +125,15 @@ class DrainRole:
         worker offers what it holds to the copy ahead; a member of that generation
         forms its groups ahead (through ``connect_store`` of the store it meets at),
         the successor also takes the copy ahead; then each says it is ready."""
-        generation = handoff.generation_after
-        drain = (generation, handoff.drained_id, handoff.successor_id)
+        generation, drain = handoff.generation_after, drain_id(handoff)
         with self._lock:
             if self._preparing_drain == drain:
                 return
             self._preparing, self._preparing_drain = generation, drain
-            self._prepared = (0, "")
+            self._prepared, self._ahead_copy = (0, ""), None
         me = self._ctx.worker_id
         if me == handoff.drained_id:
-            self._ctx.handoff.offer_ahead(generation, self._ctx.store.contents())
+            self._ctx.handoff.offer_ahead(generation, self._ctx.store.contents(), drain)
             return
         members = sorted((w for w in cluster.workers if w.rank >= 0), key=lambda w: w.rank)
         planned = [w.worker_id for w in members]
@@ -137,7 +142,8 @@ class DrainRole:
         planned[handoff.rank] = handoff.successor_id
         if me not in planned or not handoff.store_address:
             return
-        key = AheadKey(generation, membership_digest(planned), planned.index(me), len(planned))
+        digest = membership_digest(planned)
+        key = AheadKey(generation, digest, planned.index(me), len(planned), drain)
         waiting = {"groups", "copy"} if me == handoff.successor_id else {"groups"}
 
         def done(part: str) -> None:
@@ -183,9 +189,8 @@ class DrainRole:
         if copied.error:
             log.warning("drain: the copy ahead failed (all moves after the seal): %s", copied.error)
         else:
-            drain = (generation, handoff.drained_id, handoff.successor_id)
             with self._lock:
-                if self._preparing_drain == drain:
+                if self._preparing_drain == drain_id(handoff):
                     self._ahead_copy = (generation, copied)
             log.info(
                 "drain: copied %d tensors (%d bytes) ahead in %.3f s",
@@ -329,7 +334,7 @@ class DrainRole:
             self._peer_security,
             _COPY_OP_TIMEOUTS * self._ctx.op_timeout_s,
             on_bytes=self._copied,
-            reuse=ahead[1].tensors if ahead is not None else None,
+            reuse=ahead[1] if ahead is not None else None,
         )
         if ahead is not None and not copied.error:  # the transfer's time: both copies
             copied = dataclasses.replace(copied, seconds=copied.seconds + ahead[1].seconds)

@@ -1,8 +1,9 @@
 """A drain's next groups, formed ahead while the current generation still serves.
 
 While a drain prepares generation g+1 (``Handoff.preparing``), every member of
-g+1 forms its world groups (the gloo group and the control channel) under the
-store prefix ``g{g+1}m{digest}/ahead`` on a thread of its own, then says in its
+g+1 forms its world groups (the gloo group and the control channel) under a store
+prefix of that drain's own (``g{g+1}m{digest}/ahead/...``, never one a generation
+forms at its seal, nor another drain's) on a thread of its own, then says in its
 heartbeats that it is ready. When the coordinator seals g+1 with every member
 ready (``Handoff.formed_ahead``), each member's generation takes these groups
 instead of forming its own, so its first step waits only for the handoff. Sealed
@@ -16,6 +17,7 @@ ranks and hang both; CUDA workers say they are ready at once and form at the sea
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections.abc import Callable
@@ -40,11 +42,13 @@ class AheadKey:
     membership_digest: str
     rank: int
     world_size: int
+    drain: str  # which drain prepares it (see drain_role.drain_id)
 
 
 def ahead_prefix(key: AheadKey) -> str:
-    """The store prefix of groups formed ahead (never one a generation forms at its seal)."""
-    return f"g{key.generation}m{key.membership_digest}/ahead"
+    """The store prefix of groups formed ahead for ``key``'s drain."""
+    drain = hashlib.sha256(key.drain.encode()).hexdigest()[:12]
+    return f"g{key.generation}m{key.membership_digest}/ahead/{drain}"
 
 
 @dataclass(frozen=True)

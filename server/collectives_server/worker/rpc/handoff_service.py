@@ -32,13 +32,21 @@ class HandoffRpcs:
         wait_s = self._ctx.op_timeout_s if remaining is None else min(remaining, _MAX_WAIT_S)
         wait_s -= min(1.0, 0.1 * wait_s)
         source = self._ctx.handoff
-        tensors = source.manifest(r.generation_after, max(wait_s, 0.0), ahead=r.ahead)
+        snapshot = ""
+        if r.ahead:
+            tensors, snapshot = source.ahead_offer(r.generation_after, max(wait_s, 0.0))
+        else:
+            tensors = source.manifest(r.generation_after, max(wait_s, 0.0))
         bulk = self._ctx.bulk
         manifest = worker_pb2.HandoffManifest(
             bulk_port=bulk.port if bulk is not None else 0,
             models=[n for n in self._ctx.models.names() if not n.startswith(FUNCTION_PREFIX)],
         )
-        unchanged = source.unchanged(r.generation_after) if r.have_ahead and not r.ahead else set()
+        unchanged = set()
+        if r.ahead:
+            manifest.ahead_snapshot = snapshot
+        elif r.ahead_snapshot:
+            unchanged = source.unchanged(r.generation_after, r.ahead_snapshot)
         manifest.unchanged.extend(sorted(unchanged))
         for name, tensor in sorted(tensors.items()):
             if name in unchanged:
@@ -72,7 +80,10 @@ class HandoffRpcs:
         response = worker_pb2.HandoffTensorsResponse()
         for item in r.items:
             tensor = self._ctx.handoff.tensor(
-                r.generation_after, item.name, item.model, ahead=r.ahead
+                r.generation_after,
+                item.name,
+                item.model,
+                ahead_snapshot=r.ahead_snapshot if r.ahead else "",
             )
             answer = tensor_answer(item.name, tensor, None, self._ctx.bulk, max(ttl, 0.0))
             response.tensors.append(answer)

@@ -80,23 +80,48 @@ class HandoffSource:
         self._tensors: dict[str, torch.Tensor] = {}
         self._gradients: dict[tuple[str, str], torch.Tensor] = {}
         # What the copy ahead of ``_ahead_generation`` was offered (held until the end,
-        # so that each object's identity still names the bytes the successor copied).
+        # so that each object's identity still names the bytes the successor copied),
+        # and which snapshot that is (one drain's).
         self._ahead_generation = 0
         self._ahead: dict[str, torch.Tensor] = {}
+        self._ahead_snapshot = ""
 
-    def offer_ahead(self, generation_after: int, tensors: dict[str, torch.Tensor]) -> None:
+    def offer_ahead(
+        self, generation_after: int, tensors: dict[str, torch.Tensor], snapshot: str
+    ) -> None:
         """While the drain into ``generation_after`` prepares: ``tensors`` (what this
-        worker holds now, its store still open) are what the copy ahead may take."""
+        worker holds now, its store still open) are what the copy ahead may take, as
+        the snapshot named ``snapshot`` (one per drain)."""
         with self._cond:
             self._ahead_generation = generation_after
             self._ahead = tensors
+            self._ahead_snapshot = snapshot
             self._cond.notify_all()
 
-    def unchanged(self, generation_after: int) -> set[str]:
-        """The names offered to ``generation_after`` that still hold what the copy ahead
-        was offered (see the module)."""
+    def ahead_offer(
+        self, generation_after: int, timeout_s: float
+    ) -> tuple[dict[str, torch.Tensor], str]:
+        """What the copy ahead of ``generation_after`` may take, and its snapshot's name,
+        waiting up to ``timeout_s`` for this worker to offer it.
+
+        Raises:
+            FailedPrecondition: this worker offers nothing to ``generation_after``.
+        """
         with self._cond:
-            if self._ahead_generation != generation_after:
+            self._cond.wait_for(lambda: self._ahead_generation == generation_after, timeout_s)
+            if self._ahead_generation == generation_after:
+                return self._ahead, self._ahead_snapshot
+        raise FailedPrecondition(
+            f"this worker offers no copy ahead for generation {generation_after} "
+            "(it is not being drained into it, or not yet)"
+        )
+
+    def unchanged(self, generation_after: int, snapshot: str) -> set[str]:
+        """The names offered to ``generation_after`` that still hold what the copy ahead
+        named ``snapshot`` was offered (see the module); none when ``snapshot`` is not
+        the one offered (the successor's copy ahead is of another drain)."""
+        with self._cond:
+            if self._ahead_generation != generation_after or self._ahead_snapshot != snapshot:
                 return set()
             return {n for n, t in self._tensors.items() if self._ahead.get(n) is t}
 
@@ -118,7 +143,7 @@ class HandoffSource:
         """The handoff ended (or was called off): nothing is offered any more."""
         with self._cond:
             self._generation_after = self._ahead_generation = 0
-            self._tensors, self._ahead = {}, {}
+            self._tensors, self._ahead, self._ahead_snapshot = {}, {}, ""
             self._gradients = {}
             self._cond.notify_all()
 
@@ -128,38 +153,31 @@ class HandoffSource:
         with self._cond:
             return self._gradients
 
-    def manifest(
-        self, generation_after: int, timeout_s: float, *, ahead: bool = False
-    ) -> dict[str, torch.Tensor]:
-        """The tensors offered to ``generation_after`` (``ahead``: to its copy ahead),
-        waiting up to ``timeout_s`` for this worker to get there (the successor may
-        hear of the drain first).
+    def manifest(self, generation_after: int, timeout_s: float) -> dict[str, torch.Tensor]:
+        """The tensors offered to ``generation_after``, waiting up to ``timeout_s`` for
+        this worker to get there (the successor may hear of the drain first).
 
         Raises:
             FailedPrecondition: this worker offers nothing to ``generation_after``.
         """
         with self._cond:
-            if ahead:
-                self._cond.wait_for(lambda: self._ahead_generation == generation_after, timeout_s)
-                if self._ahead_generation == generation_after:
-                    return self._ahead
-            else:
-                self._cond.wait_for(lambda: self._generation_after == generation_after, timeout_s)
-                if self._generation_after == generation_after:
-                    return self._tensors
-        raise FailedPrecondition(
-            f"this worker has no handoff for generation {generation_after} ready "
-            f"{'to copy ahead ' if ahead else ''}(it is not being drained into it, or not yet)"
-        )
+            self._cond.wait_for(lambda: self._generation_after == generation_after, timeout_s)
+            if self._generation_after != generation_after:
+                raise FailedPrecondition(
+                    f"this worker has no handoff for generation {generation_after} ready "
+                    "(it is not being drained into it, or not yet)"
+                )
+            return self._tensors
 
     def tensor(
-        self, generation_after: int, name: str, model: str = "", *, ahead: bool = False
+        self, generation_after: int, name: str, model: str = "", *, ahead_snapshot: str = ""
     ) -> torch.Tensor:
         """One offered tensor (with ``model``: that model's gradient of parameter ``name``;
-        ``ahead``: one offered to the copy ahead).
+        with ``ahead_snapshot``: one of that snapshot, offered to the copy ahead).
 
         Raises:
-            FailedPrecondition: nothing is offered to ``generation_after``.
+            FailedPrecondition: nothing is offered to ``generation_after`` (or that
+                snapshot is no longer the one offered ahead).
             NotFound: ``name`` is not among the offered tensors.
         """
         if model:
@@ -167,7 +185,14 @@ class HandoffSource:
             if (model, name) not in gradients:
                 raise NotFound(f"no gradient of {model!r}'s {name!r} is part of this handoff")
             return gradients[(model, name)]
-        tensors = self.manifest(generation_after, 0.0, ahead=ahead)
+        if ahead_snapshot:
+            tensors, snapshot = self.ahead_offer(generation_after, 0.0)
+            if snapshot != ahead_snapshot:
+                raise FailedPrecondition(
+                    f"the copy ahead's snapshot {ahead_snapshot!r} is no longer offered"
+                )
+        else:
+            tensors = self.manifest(generation_after, 0.0)
         if name not in tensors:
             raise NotFound(f"tensor {name!r} is not part of this handoff")
         return tensors[name]
@@ -186,6 +211,7 @@ class HandoffCopy:
     # Their gradients on the drained worker, by (model, parameter).
     gradients: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
     kept: int = 0  # of ``tensors``: taken from the copy ahead (unchanged since)
+    snapshot: str = ""  # a copy ahead: the drained worker's snapshot it is of
 
     def result(self, generation_after: int) -> coordinator_pb2.HandoffResult:
         """The heartbeat field that reports it."""
@@ -208,7 +234,7 @@ def copy_from(
     on_bytes: Callable[[int], None] = lambda copied: None,
     *,
     ahead: bool = False,
-    reuse: dict[str, torch.Tensor] | None = None,
+    reuse: HandoffCopy | None = None,
 ) -> HandoffCopy:
     """Copies every tensor the drained worker at ``address`` offers to
     ``generation_after``; all of them or (with ``error`` set) none. ``on_bytes`` hears
@@ -216,7 +242,8 @@ def copy_from(
 
     ``ahead``: the copy ahead, while the drain prepares. ``reuse``: the copy ahead
     this successor took; only what changed since moves, the rest is taken from it
-    (``nbytes`` counts both: what the rank holds)."""
+    (``nbytes`` counts both: what the rank holds), when the drained worker still
+    offers that snapshot (else everything moves)."""
     started = time.monotonic()
     deadline = started + timeout_s
     options = [
@@ -231,15 +258,18 @@ def copy_from(
         stub = worker_pb2_grpc.WorkerStub(channel)
         manifest = stub.Handoff(
             worker_pb2.HandoffRequest(
-                generation_after=generation_after, ahead=ahead, have_ahead=reuse is not None
+                generation_after=generation_after,
+                ahead=ahead,
+                ahead_snapshot=reuse.snapshot if reuse is not None else "",
             ),
             timeout=_left(deadline),
         )
+        kept = reuse.tensors if reuse is not None else {}
         for name in manifest.unchanged:
-            if reuse is None or name not in reuse:
+            if name not in kept:
                 raise ValueError(f"the drained worker counts {name!r} as copied ahead; it was not")
-            tensors[name] = reuse[name]
-            nbytes += reuse[name].numel() * reuse[name].element_size()
+            tensors[name] = kept[name]
+            nbytes += kept[name].numel() * kept[name].element_size()
         # The transfer's time counts from here: the drained worker's wait for its last
         # op to end, before it offers anything, is the handoff's, not the copy's.
         started = time.monotonic()
@@ -249,6 +279,7 @@ def copy_from(
                 generation_after=generation_after,
                 items=[worker_pb2.HandoffItem(model=m, name=n) for m, n in items],
                 ahead=ahead,
+                ahead_snapshot=manifest.ahead_snapshot,
             )
             return stub.HandoffTensors.future(request, timeout=_left(deadline))
 
@@ -289,6 +320,7 @@ def copy_from(
         models=len(manifest.models),
         gradients=gradients,
         kept=len(manifest.unchanged),
+        snapshot=manifest.ahead_snapshot,
     )
 
 
