@@ -49,7 +49,10 @@ class Operations:
 
         With no spare live the drain is refused, unless ``shrink``: then the
         rank leaves, the survivors re-form, and the report lists the tensor names
-        lost with it. A crash is not a drain: ops it breaks fail as before.
+        lost with it. A crash is not a drain: ops it breaks fail as before. A
+        drain of a worker whose drain is already running (asked by another
+        client, a preStop hook, the worker's own SIGTERM) returns that drain's
+        report.
 
         Args:
             worker: the member's address or worker id, as :meth:`workers` lists it.
@@ -68,10 +71,13 @@ class Operations:
             InvalidArgument: ``worker`` is empty, or ``timeout`` is not positive.
             NotFound: no live worker is ``worker``.
             FailedPrecondition: it is not a member, the cluster is not formed,
-                another drain is running, or no spare is live (without ``shrink``).
+                a drain of another worker is running, or no spare is live (without
+                ``shrink``).
             CollectiveError: code ``ABORTED``: the handoff failed or lost a worker
                 it needed (with the drained worker live, its rank went back to it).
-            DeadlineExceeded: the handoff did not end within ``timeout``.
+            DeadlineExceeded: the handoff did not end within ``timeout`` (a drain
+                already running when this call came is left to the call that
+                started it).
         """
         self._session.check_open()
         if timeout is not None:

@@ -132,15 +132,18 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Drain(self, request, context):
-        """Hands a member's rank to a live spare: seals the next generation with the
-        spare in the member's rank (carried_over), the spare copies the member's
-        tensors from it, the members join, and the drained worker exits. Answers
-        once that is done. Errors: NOT_FOUND (no such worker), FAILED_PRECONDITION
-        (not a member, not formed, another drain in progress, or no live spare and
-        not shrink), ABORTED (the handoff failed or a worker it needed was lost;
-        the report's error says which: with the drained worker still live its rank
-        went back to it), DEADLINE_EXCEEDED (the handoff took longer than timeout_s:
-        called off as ABORTED is). Not safe to retry blindly: check Cluster.drains.
+        """Hands a member's rank to a live spare: prepares the next generation with the
+        spare in the member's rank (its groups formed and the tensors copied ahead),
+        seals it (carried_over), the spare copies what changed since, the members
+        join, and the drained worker exits. Answers once that is done; asked for a
+        worker whose drain is in progress, answers that drain. Errors: NOT_FOUND (no
+        such worker), FAILED_PRECONDITION (not a member, not formed, a drain of
+        another worker in progress, or no live spare and not shrink), ABORTED (the
+        handoff failed or a worker it needed was lost; the report's error says which:
+        with the drained worker still live its rank went back to it),
+        DEADLINE_EXCEEDED (the handoff took longer than timeout_s: called off as
+        ABORTED is, unless another call started it). Check Cluster.drains before
+        retrying a drain whose answer was lost.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

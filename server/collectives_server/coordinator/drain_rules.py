@@ -342,6 +342,7 @@ class DrainRules:
                 error=error,
                 copy_seconds=copy_seconds,
                 prepare_seconds=(now if h.sealed_at is None else h.sealed_at) - h.started_at,
+                drain_id=h.drain_id,
             )
         )
         self.events["drains_failed" if error else "drains"] += 1

@@ -393,7 +393,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self, request: coordinator_pb2.DrainRequest, context: grpc.ServicerContext
     ) -> coordinator_pb2.DrainReport:
         """Starts a drain, then answers its report once the handoff ended and the next
-        generation is ready (or, failed, at once; see the proto)."""
+        generation is ready (or, failed, at once; see the proto). A drain asked for a
+        worker whose drain is in progress answers that drain's report (the worker's own
+        SIGTERM, a preStop hook and an operator may all ask for it)."""
         if self._standby():
             return self._replication.forward("Drain", request, context, long=True)
         timeout_s = request.timeout_s or _DRAIN_TIMEOUT_OP_TIMEOUTS * self._op_timeout_s
@@ -404,15 +406,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             )
         with self._cond:
             self._check_open(context)
+            outcome: Outcome | None = None
             try:
                 outcome = self._membership.drain(
                     self._clock(), request.worker, shrink=request.shrink, timeout_s=timeout_s
                 )
             except DrainRefusedError as exc:
-                context.abort(_DRAIN_REFUSALS[exc.code], f"Drain: {exc}")
+                if not self._draining(request.worker):
+                    context.abort(_DRAIN_REFUSALS[exc.code], f"Drain: {exc}")
             handoff = self._membership.handoff
             assert handoff is not None
-            self._apply(outcome)
+            if outcome is not None:
+                self._apply(outcome)
             waited_until = time.monotonic() + timeout_s + self._op_timeout_s
             report: DrainReport | None = None
 
@@ -422,8 +427,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     (
                         r
                         for r in reversed(self._membership.drains)
-                        if r.worker_id == handoff.drained
-                        and r.generation_before == handoff.generation_before
+                        if r.drain_id == handoff.drain_id
                     ),
                     None,
                 )
@@ -431,11 +435,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
             self._cond.wait_for(ended, timeout=max(0.0, waited_until - time.monotonic()))
             pending = self._membership.handoff
-            same = pending is not None and (pending.drained, pending.generation_before) == (
-                handoff.drained,
-                handoff.generation_before,
-            )
+            same = pending is not None and pending.drain_id == handoff.drain_id
             if report is None and not self._closed and same:
+                if outcome is None:  # another call's drain: that call decides its end
+                    context.abort(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"Drain: the drain of {handoff.drained} in progress did not end "
+                        "within this call's timeout",
+                    )
                 why = "the Drain call's own deadline passed first"
                 self._apply(self._membership.call_off_handoff(self._clock(), why))
                 ended()
@@ -456,6 +463,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 timeout=max(0.0, waited_until - time.monotonic()),
             )
         return answer
+
+    def _draining(self, worker: str) -> bool:
+        """Whether ``worker`` (an id or address) is the one the drain in progress drains."""
+        h = self._membership.handoff
+        return h is not None and worker in (h.drained, self._membership.address_of(h.drained))
 
     def GetCluster(
         self, request: coordinator_pb2.GetClusterRequest, context: grpc.ServicerContext

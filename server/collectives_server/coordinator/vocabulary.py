@@ -177,6 +177,7 @@ class DrainReport:
     error: str = ""
     copy_seconds: float = 0.0  # of ``seconds``: the successor's copy alone
     prepare_seconds: float = 0.0  # of ``seconds``: before the seal
+    drain_id: str = ""  # the drain's own name (Handoff.drain_id)
 
 
 @dataclass(frozen=True)
