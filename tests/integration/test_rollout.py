@@ -8,8 +8,9 @@ computes locally. The members are replaced by ``collectives rollout`` (a drain e
 onto the spare that the previous drained worker became), by SIGTERM to each member
 in turn (it drains itself), and in Kubernetes' order (the preStop hook's drain,
 then SIGTERM). Afterwards every resident tensor and the model's version are what
-they were. The test prints each handoff's time and the calls' p99 during the
-change against steady state.
+they were. The test prints each handoff's time (the preparation, while the
+member still served, and the switch) and the calls' p99 during the change
+against steady state.
 """
 
 from __future__ import annotations
@@ -187,11 +188,16 @@ def _check_after(cluster, name, version, resident, keepsakes, originals: set[str
 
 
 def _report(what: str, load: Load, steady: tuple[float, float], change: tuple[float, float],
-            handoffs: list[float]) -> None:  # fmt: skip
+            reports: list[collectives.DrainReport]) -> None:  # fmt: skip
     before, during = load.latencies(*steady), load.latencies(*change)
     print(
-        f"\n{what}: {len(load.calls)} calls, 0 failed; handoffs "
-        + ", ".join(f"{s * 1000:.0f} ms" for s in handoffs)
+        f"\n{what}: {len(load.calls)} calls, 0 failed; handoffs (prepared ahead, then the "
+        "switch) "
+        + ", ".join(
+            f"{r.seconds * 1000:.0f} ms ({r.prepare_seconds * 1000:.0f} + "
+            f"{(r.seconds - r.prepare_seconds) * 1000:.0f})"
+            for r in reports
+        )
         + f"; p99 steady {_p99(before) * 1000:.1f} ms ({len(before)} calls), during "
         f"{_p99(during) * 1000:.1f} ms ({len(during)} calls), ratio "
         f"{_p99(during) / max(_p99(before), 1e-9):.2f}; the slowest during: "
@@ -242,7 +248,7 @@ def test_collectives_rollout_replaces_every_member_under_load(fresh_cluster, gen
     reports = [r for r in cluster.snapshot().drains if not r.error][-WORLD:]
     assert {r.worker_id for r in reports} == originals
     assert all(r.models_moved == 1 and r.tensors_moved >= 2 for r in reports), reports
-    _report("rollout", load, steady, change, [r.seconds for r in reports])
+    _report("rollout", load, steady, change, reports)
 
 
 @pytest.mark.parametrize("order", ["sigterm", "kubernetes"])
@@ -283,4 +289,4 @@ def test_stopping_each_member_drains_it_first(fresh_cluster, gen, order: str) ->
     assert load.failures == [], "\n".join(load.failures)
     _check_after(cluster, name, version, resident, keepsakes, {w.worker_id for w in originals})
     reports = cluster.snapshot().drains[-WORLD:]
-    _report(order, load, steady, change, [r.seconds for r in reports])
+    _report(order, load, steady, change, list(reports))
