@@ -344,19 +344,27 @@ def test_a_collective_issued_during_a_handoff_waits_at_its_leader_and_runs_after
         assert_tensor(got, want, exact=False, what=f"the sum on rank {rank}")
 
 
-def test_what_changes_while_a_drain_prepares_reaches_the_successor(fresh_cluster, gen) -> None:
-    """The successor copies the drained rank ahead, while the cluster still serves;
-    what a client changes on that rank afterwards, before the seal (a tensor replaced,
-    one deleted, one added), is what the successor holds after the drain, and what
-    did not change is kept from the copy ahead. The seal is held back by stopping
-    rank 0, so its groups cannot form ahead, until the changes are made."""
+def _preparing_cluster(fresh_cluster, gen, rank: int):
+    """3 members and a spare, drains prepared for up to 6 s (a lease of 8 s outlasts a
+    member held meanwhile), and ``rank`` holding every kind of tensor: (the launcher,
+    the client, the spare, what ``rank`` holds)."""
     local, cluster = fresh_cluster(3, "--spares", "1", "--heartbeat", "0.2", "--lease", "8",
                                    "--devices", "cpu", "--drain-prepare-s", "6")  # fmt: skip
     wait_until(lambda: len(_spares(cluster)) == 1, 30, "the spare to be listed")
     (spare,) = _spares(cluster)
     held = _resident(gen)
     for name, t in held.items():
-        cluster.put(name, t, rank=1)
+        cluster.put(name, t, rank=rank)
+    return local, cluster, spare, held
+
+
+def test_what_changes_while_a_drain_prepares_reaches_the_successor(fresh_cluster, gen) -> None:
+    """The successor copies the drained rank ahead, while the cluster still serves;
+    what a client changes on that rank afterwards, before the seal (a tensor replaced,
+    one deleted, one added), is what the successor holds after the drain, and what
+    did not change is kept from the copy ahead. The seal is held back by stopping
+    rank 0, so its groups cannot form ahead, until the changes are made."""
+    local, cluster, spare, held = _preparing_cluster(fresh_cluster, gen, rank=1)
     total = sum(t.numel() * t.element_size() for t in held.values())
     drained, leader = cluster.workers()[1], cluster.workers()[0]
     replaced, deleted, added = "drain/large", "drain/t0", "drain/added"
@@ -408,13 +416,7 @@ def test_a_worker_stopped_while_its_drain_prepares_waits_for_it(fresh_cluster, g
     completes with every tensor on the spare, instead of leaving with them. A second
     drain of the same worker asked meanwhile (a preStop hook, another operator)
     answers that same drain's report instead of a refusal."""
-    local, cluster = fresh_cluster(3, "--spares", "1", "--heartbeat", "0.2", "--lease", "8",
-                                   "--devices", "cpu", "--drain-prepare-s", "6")  # fmt: skip
-    wait_until(lambda: len(_spares(cluster)) == 1, 30, "the spare to be listed")
-    (spare,) = _spares(cluster)
-    held = _resident(gen)
-    for name, t in held.items():
-        cluster.put(name, t, rank=2)
+    local, cluster, spare, held = _preparing_cluster(fresh_cluster, gen, rank=2)
     drained, leader = cluster.workers()[2], cluster.workers()[0]
     ended: dict[str, object] = {}
     os.kill(leader.pid, signal.SIGSTOP)  # (its groups cannot form ahead: the seal waits)
