@@ -80,6 +80,8 @@ def test_a_drain_prepares_the_next_generation_then_seals_it_when_all_are_ready()
     outcome = m.heartbeat(1.3, spare, prepared_generation=before + 1, prepared_digest=digest)
     assert outcome.sealed and m.generation == before + 1 and m.members == (a, spare, c)
     assert m.handoff is not None and not m.handoff.preparing and m.handoff.formed_ahead
+    # The record says so, for a worker that never sees the message of the seal.
+    assert m.view(1.3).history[-1].formed_ahead == m.handoff.drain_id != ""
     m.handoff_result(2.0, spare, done(m, spare, tensors=1, bytes=8, seconds=0.5))
     report = m.drains[-1]
     assert (report.seconds, report.prepare_seconds) == pytest.approx((1.0, 0.3))
@@ -97,6 +99,7 @@ def test_a_drain_seals_its_generation_when_preparing_takes_too_long() -> None:
     assert outcome.sealed and m.members == (a, spare, c)
     assert f"not prepared in 2 s: {sorted([a, c])}" in outcome.reason
     assert m.handoff is not None and not m.handoff.preparing and not m.handoff.formed_ahead
+    assert m.view(3.0).history[-1].formed_ahead == ""
 
 
 def test_a_member_lost_while_preparing_calls_the_drain_off_before_any_seal() -> None:

@@ -56,7 +56,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., address: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., devices: _Optional[_Iterable[str]] = ..., joined_generation: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., backend: _Optional[str] = ..., uptime_s: _Optional[float] = ..., version: _Optional[str] = ..., status: _Optional[_Union[_status_pb2.WorkerStatus, _Mapping]] = ...) -> None: ...
 
 class GenerationRecord(_message.Message):
-    __slots__ = ("generation", "sealed_unix_time_s", "world_size", "members", "reason", "sealed_by", "membership_digest", "carried_over")
+    __slots__ = ("generation", "sealed_unix_time_s", "world_size", "members", "reason", "sealed_by", "membership_digest", "carried_over", "formed_ahead")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SEALED_UNIX_TIME_S_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class GenerationRecord(_message.Message):
     SEALED_BY_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_DIGEST_FIELD_NUMBER: _ClassVar[int]
     CARRIED_OVER_FIELD_NUMBER: _ClassVar[int]
+    FORMED_AHEAD_FIELD_NUMBER: _ClassVar[int]
     generation: int
     sealed_unix_time_s: float
     world_size: int
@@ -73,7 +74,8 @@ class GenerationRecord(_message.Message):
     sealed_by: str
     membership_digest: str
     carried_over: bool
-    def __init__(self, generation: _Optional[int] = ..., sealed_unix_time_s: _Optional[float] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., sealed_by: _Optional[str] = ..., membership_digest: _Optional[str] = ..., carried_over: _Optional[bool] = ...) -> None: ...
+    formed_ahead: str
+    def __init__(self, generation: _Optional[int] = ..., sealed_unix_time_s: _Optional[float] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., sealed_by: _Optional[str] = ..., membership_digest: _Optional[str] = ..., carried_over: _Optional[bool] = ..., formed_ahead: _Optional[str] = ...) -> None: ...
 
 class Handoff(_message.Message):
     __slots__ = ("drained_id", "drained_address", "successor_id", "successor_address", "rank", "generation_before", "generation_after", "started_unix_time_s", "total_tensors", "total_bytes", "bytes_copied", "preparing", "formed_ahead", "store_address", "drain_id")

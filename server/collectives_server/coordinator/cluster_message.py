@@ -88,6 +88,7 @@ def cluster_to_proto(
             sealed_by=record.sealed_by,
             membership_digest=record.membership_digest,
             carried_over=record.carried_over,
+            formed_ahead=record.formed_ahead,
         )
     h = view.handoff
     if h is not None:

@@ -77,6 +77,7 @@ class DrainRules:
     _finish: Callable[[float, bool, str], Outcome]
     _live: Callable[[str], WorkerRecord | None]
     _seal: Callable[..., str]
+    _sealed_ahead: str
 
     def _handoff_addresses(self) -> tuple[str, str]:
         h = self._handoff
@@ -201,6 +202,8 @@ class DrainRules:
         )
         decision = self._seal(list(h.planned), why)
         assert self._generation == h.generation_after, "a seal came between (decisions wait)"
+        if complete:
+            self._sealed_ahead = h.drain_id
         self._handoff = dataclasses.replace(
             h, preparing=False, formed_ahead=complete, sealed_at=now
         )

@@ -183,6 +183,7 @@ class Membership(DrainRules):
         # Set by _seal, taken by _finish (which records the generation in the history).
         self._just_sealed = False
         self._sealed_carried_over = False
+        self._sealed_ahead = ""  # the drain whose groups formed ahead the seal takes
         self.drains_completed = 0
         self.drain_bytes_total = 0
         self._status = self._compute_status()
@@ -584,6 +585,7 @@ class Membership(DrainRules):
                     sealed_by=self.sealer,
                     membership_digest=self._digest,
                     carried_over=self._sealed_carried_over,
+                    formed_ahead=self._sealed_ahead,
                 )
             )
         if changed:
@@ -651,6 +653,7 @@ class Membership(DrainRules):
     def _seal(self, candidates: list[str], why: str, *, carried_over: bool = False) -> str:
         self._just_sealed = True
         self._sealed_carried_over = carried_over
+        self._sealed_ahead = ""
         self._generation += 1
         self._members = candidates[: self.max_workers]
         self._formed = True

@@ -104,6 +104,8 @@ class SealedGeneration:
     # Every rank holds what the same rank held in the generation before (a drain's
     # completed handoff, or one called off before any op ran in it).
     carried_over: bool = False
+    # The drain (Handoff.drain_id) whose groups formed ahead its members take; "".
+    formed_ahead: str = ""
 
 
 @dataclass(frozen=True)

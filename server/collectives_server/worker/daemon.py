@@ -48,12 +48,7 @@ from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.data.replaced_memory import ReplacedMemory, pool_bytes
 from collectives_server.worker.data.shm_segments import WorkerSegments
 from collectives_server.worker.data.store import TensorStore
-from collectives_server.worker.drain_role import (
-    DrainRole,
-    drain_id,
-    pending_handoff,
-    preparing_handoff,
-)
+from collectives_server.worker.drain_role import DrainRole, pending_handoff, preparing_handoff
 from collectives_server.worker.engine.flight_recorder import FlightRecorder
 from collectives_server.worker.engine.generation import (
     Generation,
@@ -562,9 +557,13 @@ class WorkerDaemon:
     ) -> Generation:
         """The runtime of ``generation``; gated while ``handoff`` (the drain that sealed
         it) has not ended, and on the groups formed ahead when it sealed them so."""
+        # Whether its members take groups formed ahead is the generation's record's to
+        # say, not the handoff's: a worker may never see the message that sealed it.
+        history = self._cluster.history if self._cluster is not None else ()
+        record = next((r for r in history if r.generation == generation), None)
         ahead = None
-        if handoff is not None and handoff.formed_ahead:
-            key = AheadKey(generation, digest, rank, world_size, drain_id(handoff))
+        if record is not None and record.formed_ahead:
+            key = AheadKey(generation, digest, rank, world_size, record.formed_ahead)
             ahead = self._drain.ahead.take(key)
             if ahead is None and self.ctx.device.type == "cpu":
                 log.error("generation %d: sealed on groups formed ahead; none here", generation)

@@ -143,7 +143,7 @@ class DrainRole:
         if me not in planned or not handoff.store_address:
             return
         digest = membership_digest(planned)
-        key = AheadKey(generation, digest, planned.index(me), len(planned), drain)
+        key = AheadKey(generation, digest, planned.index(me), len(planned), handoff.drain_id)
         waiting = {"groups", "copy"} if me == handoff.successor_id else {"groups"}
 
         def done(part: str) -> None:

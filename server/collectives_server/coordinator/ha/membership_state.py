@@ -114,6 +114,7 @@ def export_state(
                 "sealed_by": r.sealed_by,
                 "membership_digest": r.membership_digest,
                 "carried_over": r.carried_over,
+                "formed_ahead": r.formed_ahead,
             }
             for r in m._history
         ],
@@ -201,6 +202,7 @@ def restore_state(
                 sealed_by=r.get("sealed_by", ""),
                 membership_digest=r.get("membership_digest", ""),
                 carried_over=bool(r.get("carried_over", False)),
+                formed_ahead=str(r.get("formed_ahead", "")),
             )
         )
     handoff = data.get("handoff")

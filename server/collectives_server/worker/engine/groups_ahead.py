@@ -42,7 +42,7 @@ class AheadKey:
     membership_digest: str
     rank: int
     world_size: int
-    drain: str  # which drain prepares it (see drain_role.drain_id)
+    drain: str  # which drain prepares it (Handoff.drain_id)
 
 
 def ahead_prefix(key: AheadKey) -> str:
