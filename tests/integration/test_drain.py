@@ -197,6 +197,64 @@ def test_training_goes_on_across_a_drain_as_one_model(fresh_cluster, gen) -> Non
         assert torch.equal(states[0][key], states[1][key]), f"{key}: the replicas differ"
 
 
+def test_steps_running_while_drains_switch_stay_one_model(fresh_cluster, gen) -> None:
+    """A client trains without pause while another drains each member in turn, the
+    second drain right after the first: the switch meets steps in flight, and the
+    second drain's model exchange meets the first successor still building the model
+    it received (its only other holder). Every step returns the loss torch computes
+    locally for the same step, and afterwards the replicas are bit-identical and equal
+    the local model."""
+    local_cluster, cluster = fresh_cluster(2, "--spares", "1", *FLAGS)
+    wait_until(lambda: len(_spares(cluster)) == 1, 30, "the spare to be listed")
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3))
+    local = copy.deepcopy(model)
+    local_opt = torch.optim.SGD(local.parameters(), lr=0.05, momentum=0.9)
+    cluster.load_model("steps/m", model, example_inputs=(torch.randn(4, 6),))
+    x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
+    cluster.scatter("steps/x", x)
+    cluster.scatter("steps/y", y)
+    losses: list[float] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def train() -> None:
+        hyper = {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9}
+        with collectives.connect(local_cluster.address, timeout=60) as trainer:
+            while not stop.is_set() and len(losses) < 400:
+                try:
+                    losses.append(trainer.train_step("steps/m", "steps/x", "steps/y", **hyper))
+                except BaseException as exc:  # the test's finding
+                    errors.append(exc)
+                    return
+
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+    try:
+        for rank in (1, 0):
+            wait_until(lambda: len(losses) >= 3 or errors, 60, "steps before the drain")
+            wait_until(lambda: len(_spares(cluster)) == 1, 60, "a live spare")
+            member = next(w for w in cluster.workers() if w.rank == rank)
+            after = len(losses) + 3
+            cluster.drain(member.worker_id, timeout=60)
+            wait_until(lambda: len(losses) >= after or errors, 60, "steps after the drain")  # noqa: B023
+    finally:
+        stop.set()
+        thread.join(120)
+    assert not thread.is_alive(), "the training client did not stop"
+    assert errors == [], errors
+    for step, remote in enumerate(losses):
+        local_opt.zero_grad()
+        loss = functional.mse_loss(local(x), y)
+        loss.backward()
+        local_opt.step()
+        assert remote == pytest.approx(float(loss.detach()), rel=1e-3, abs=1e-6), f"step {step}"
+    states = [cluster.state_dict("steps/m", rank=r) for r in range(cluster.world_size)]
+    for key, value in local.state_dict().items():
+        torch.testing.assert_close(states[0][key], value, rtol=1e-3, atol=1e-5)
+        assert torch.equal(states[0][key], states[1][key]), f"{key}: the replicas differ"
+
+
 def test_a_group_made_before_a_drain_works_after_it(fresh_cluster, gen) -> None:
     """The drain carries the generation over rank for rank: the workers rebuild its
     groups under the same ids, so a client's group keeps meaning the same ranks."""

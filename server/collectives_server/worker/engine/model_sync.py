@@ -23,8 +23,11 @@ must build it does so in a background thread, because checking and loading an
 archive (in the load sandbox) can take longer than peers may wait in a
 collective. Until it is hosted, the model is *expected* there: a forward on it
 waits for it (within its deadline), and a publish is refused with UNAVAILABLE,
-which the SDK retries. The archive is checked again by the receiver as any
-upload is (nothing in it is ever unpickled); a factory must be allowed there.
+which the SDK retries. A model still being built when the next generation
+forms is waited for before this rank tells its inventory (within half the op
+timeout): two drains in a row may leave that rank its only other holder. The
+archive is checked again by the receiver as any upload is (nothing in it is
+ever unpickled); a factory must be allowed there.
 
 In a generation a drain sealed, the exchange (steps 1-3) runs while the handoff
 copies the drained rank's tensors, and the hosting once it ended
@@ -71,6 +74,9 @@ __all__ = ["receive_models", "sync_models"]
 
 log = logging.getLogger(__name__)
 
+# Of the op timeout: how long the exchange waits for models still being built here.
+_ARRIVALS_WAIT_SHARE = 0.5
+
 
 @dataclass(frozen=True)
 class _Held:
@@ -115,6 +121,17 @@ def receive_models(
     each rank is behind on, received. Returns the rank's own part, to call later
     (a gated generation: once its drain's handoff ended): hosting what arrived, with
     the successor's gradients as they are then; it returns how many models."""
+    # A model an earlier generation's exchange sent here and that is still being built
+    # is in no inventory until hosted: were this rank its only other holder (two drains
+    # in a row), the new generation would go on without it. So the inventory waits for
+    # it, within a share of the time the peers wait here.
+    arriving = ctx.models.await_arrivals(_ARRIVALS_WAIT_SHARE * ctx.timeout_s)
+    if arriving:
+        log.warning(
+            "models %s are still being built here from an earlier exchange; this "
+            "generation's exchange goes on without them on this rank",
+            arriving,
+        )
     everyone = [
         {name: _Held(**held) for name, held in inventory.items()}
         for inventory in _all_gather_json(ctx, _inventory(ctx))

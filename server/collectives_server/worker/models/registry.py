@@ -501,6 +501,19 @@ class ModelRegistry:
         with self._lock:
             return name in self._pending
 
+    def await_arrivals(self, timeout_s: float) -> list[str]:
+        """Waits up to ``timeout_s`` until no model is on its way here (each hosted or
+        given up); returns the names still on their way then."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                arriving = list(self._pending.values())
+            if not arriving:
+                return []
+            if not arriving[0].wait(max(deadline - time.monotonic(), 0.0)):
+                with self._lock:
+                    return sorted(self._pending)
+
     def get(self, name: str, wait_s: float = 0.0) -> HostedModel:
         """The model; one a peer is still sending is waited for, at most ``wait_s``."""
         with self._lock:
