@@ -200,10 +200,10 @@ def test_training_goes_on_across_a_drain_as_one_model(fresh_cluster, gen) -> Non
 def test_steps_running_while_drains_switch_stay_one_model(fresh_cluster, gen) -> None:
     """A client trains without pause while another drains each member in turn, the
     second drain right after the first: the switch meets steps in flight, and the
-    second drain's model exchange meets the first successor still building the model
-    it received (its only other holder). Every step returns the loss torch computes
-    locally for the same step, and afterwards the replicas are bit-identical and equal
-    the local model."""
+    second drain's model exchange may meet the first successor still hosting the
+    model it received (its only other holder). Every step returns the loss torch
+    computes locally for the same step, and afterwards the replicas are bit-identical
+    and equal the local model."""
     local_cluster, cluster = fresh_cluster(2, "--spares", "1", *FLAGS)
     wait_until(lambda: len(_spares(cluster)) == 1, 30, "the spare to be listed")
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
@@ -253,6 +253,11 @@ def test_steps_running_while_drains_switch_stay_one_model(fresh_cluster, gen) ->
     for key, value in local.state_dict().items():
         torch.testing.assert_close(states[0][key], value, rtol=1e-3, atol=1e-5)
         assert torch.equal(states[0][key], states[1][key]), f"{key}: the replicas differ"
+    # Each successor built the exported model while its drain prepared, and hosted it
+    # with that module at the seal (not in a background build calls wait for).
+    log = local_cluster.log_path.read_text(errors="replace")
+    assert log.count("drain: built models ['steps/m'] ahead") == 2, "not built ahead"
+    assert log.count("hosted model 'steps/m' with the module built ahead") == 2
 
 
 def test_a_group_made_before_a_drain_works_after_it(fresh_cluster, gen) -> None:

@@ -197,7 +197,7 @@ class HandoffRequest(_message.Message):
     def __init__(self, generation_after: _Optional[int] = ..., ahead: _Optional[bool] = ..., ahead_snapshot: _Optional[str] = ...) -> None: ...
 
 class HandoffManifest(_message.Message):
-    __slots__ = ("tensors", "bulk_port", "total_bytes", "models", "gradients", "unchanged", "ahead_snapshot")
+    __slots__ = ("tensors", "bulk_port", "total_bytes", "models", "gradients", "unchanged", "ahead_snapshot", "model_builds")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +205,7 @@ class HandoffManifest(_message.Message):
     GRADIENTS_FIELD_NUMBER: _ClassVar[int]
     UNCHANGED_FIELD_NUMBER: _ClassVar[int]
     AHEAD_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_BUILDS_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorHeader]
     bulk_port: int
     total_bytes: int
@@ -212,7 +213,20 @@ class HandoffManifest(_message.Message):
     gradients: _containers.RepeatedCompositeFieldContainer[HandoffGradient]
     unchanged: _containers.RepeatedScalarFieldContainer[str]
     ahead_snapshot: str
-    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorHeader, _Mapping]]] = ..., bulk_port: _Optional[int] = ..., total_bytes: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., gradients: _Optional[_Iterable[_Union[HandoffGradient, _Mapping]]] = ..., unchanged: _Optional[_Iterable[str]] = ..., ahead_snapshot: _Optional[str] = ...) -> None: ...
+    model_builds: _containers.RepeatedCompositeFieldContainer[HandoffModel]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorHeader, _Mapping]]] = ..., bulk_port: _Optional[int] = ..., total_bytes: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., gradients: _Optional[_Iterable[_Union[HandoffGradient, _Mapping]]] = ..., unchanged: _Optional[_Iterable[str]] = ..., ahead_snapshot: _Optional[str] = ..., model_builds: _Optional[_Iterable[_Union[HandoffModel, _Mapping]]] = ...) -> None: ...
+
+class HandoffModel(_message.Message):
+    __slots__ = ("name", "factory", "kwargs_json", "archive_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FACTORY_FIELD_NUMBER: _ClassVar[int]
+    KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    ARCHIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    factory: str
+    kwargs_json: str
+    archive_bytes: int
+    def __init__(self, name: _Optional[str] = ..., factory: _Optional[str] = ..., kwargs_json: _Optional[str] = ..., archive_bytes: _Optional[int] = ...) -> None: ...
 
 class HandoffGradient(_message.Message):
     __slots__ = ("model", "header")
@@ -235,12 +249,14 @@ class HandoffTensorsRequest(_message.Message):
     def __init__(self, generation_after: _Optional[int] = ..., items: _Optional[_Iterable[_Union[HandoffItem, _Mapping]]] = ..., ahead: _Optional[bool] = ..., ahead_snapshot: _Optional[str] = ...) -> None: ...
 
 class HandoffItem(_message.Message):
-    __slots__ = ("name", "model")
+    __slots__ = ("name", "model", "archive")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    ARCHIVE_FIELD_NUMBER: _ClassVar[int]
     name: str
     model: str
-    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    archive: bool
+    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., archive: _Optional[bool] = ...) -> None: ...
 
 class HandoffTensorsResponse(_message.Message):
     __slots__ = ("tensors",)

@@ -32,6 +32,7 @@ from collectives_server.worker.data.shm_segments import WorkerSegments
 from collectives_server.worker.data.store import TensorStore
 from collectives_server.worker.engine.flight_recorder import FlightRecorder
 from collectives_server.worker.models.archive.upload import ModelUploads
+from collectives_server.worker.models.built_ahead import ModulesBuiltAhead
 from collectives_server.worker.models.registry import ModelRegistry
 from collectives_server.worker.stats import WorkerStats
 from collectives_server.worker.telemetry.forward_load import ForwardLoad
@@ -96,6 +97,8 @@ class WorkerContext:
     # As a drain's successor: the drained rank's gradients by model and parameter, set
     # once each model is hosted here (engine.model_sync takes them).
     handoff_gradients: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    # As a drain's successor: the models' modules built while the drain prepared.
+    built_ahead: ModulesBuiltAhead = field(default_factory=ModulesBuiltAhead)
     # The bulk data plane; None without one (TLS, or --no-bulk) and before start.
     bulk: BulkListener | None = None
     # The data-plane calls in progress (--max-data-streams); None before start.

@@ -599,7 +599,8 @@ class WorkerDaemon:
             on_fused=self.ctx.stats.record_fused,
             on_straggler=self.ctx.stats.record_straggler,
             sync_models=lambda op_ctx: functools.partial(
-                receive_models(op_ctx, self.ctx.uploads), self.ctx.handoff_gradients
+                receive_models(op_ctx, self.ctx.uploads, self.ctx.built_ahead),
+                self.ctx.handoff_gradients,
             ),
         )
         return Generation(spec, hooks).start()

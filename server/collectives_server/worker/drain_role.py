@@ -188,16 +188,32 @@ class DrainRole:
         )
         if copied.error:
             log.warning("drain: the copy ahead failed (all moves after the seal): %s", copied.error)
-        else:
+            done()
+            return
+        this_drain = drain_id(handoff)
+
+        def still_preparing() -> bool:
             with self._lock:
-                if self._preparing_drain == drain_id(handoff):
-                    self._ahead_copy = (generation, copied)
-            log.info(
-                "drain: copied %d tensors (%d bytes) ahead in %.3f s",
-                len(copied.tensors),
-                copied.nbytes,
-                copied.seconds,
-            )
+                return self._preparing_drain == this_drain
+
+        with self._lock:
+            if self._preparing_drain == this_drain:
+                self._ahead_copy = (generation, copied)
+        log.info(
+            "drain: copied %d tensors (%d bytes) ahead in %.3f s",
+            len(copied.tensors),
+            copied.nbytes,
+            copied.seconds,
+        )
+        built = self._ctx.built_ahead.build(
+            copied.model_builds,
+            copied.archives,
+            self._ctx.uploads,
+            self._ctx.models.allowed_factories,
+            still_preparing,
+        )
+        if built:
+            log.info("drain: built models %s ahead", built)
         done()
 
     def _copied(self, nbytes: int) -> None:
@@ -238,6 +254,7 @@ class DrainRole:
         self.ahead.drop()  # (formed for a drain called off while it prepared)
         if prepared and not took_part:  # called off before the seal: the offer goes
             self._ctx.handoff.withdraw()
+            self._ctx.built_ahead.clear()
         if staged is not None:
             self._install_if_completed(cluster, *staged)
         if drained:

@@ -50,7 +50,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from collectives.reduce_ops import ReduceOp
 from collectives.wire.batching import Batching
@@ -64,6 +63,7 @@ from collectives_server.worker.kernels import collective_ops, op_failures
 from collectives_server.worker.models import optimizers
 from collectives_server.worker.models import versions as model_versions
 from collectives_server.worker.models.archive.upload import ModelUploads
+from collectives_server.worker.models.built_ahead import ModulesBuiltAhead
 from collectives_server.worker.models.registry import (
     HostedModel,
     ModelDefinition,
@@ -115,12 +115,13 @@ def sync_models(
 
 
 def receive_models(
-    ctx: OpContext, uploads: ModelUploads
+    ctx: OpContext, uploads: ModelUploads, built_ahead: ModulesBuiltAhead | None = None
 ) -> Callable[[dict[str, dict[str, torch.Tensor]] | None], int]:
     """The collective part of :func:`sync_models`, run by every rank together: what
     each rank is behind on, received. Returns the rank's own part, to call later
     (a gated generation: once its drain's handoff ended): hosting what arrived, with
-    the successor's gradients as they are then; it returns how many models."""
+    the successor's gradients as they are then, each module taken from ``built_ahead``
+    where it holds one of the same definition; it returns how many models."""
     # A model an earlier generation's exchange sent here and that is still being built
     # is in no inventory until hosted: were this rank its only other holder (two drains
     # in a row), the new generation would go on without it. So the inventory waits for
@@ -166,9 +167,11 @@ def receive_models(
             if gradients:
                 arrival.gradients = gradients.pop(arrival.name, {})
             if arrival.rebuild:
-                _build_in_background(ctx, uploads, arrival)
+                _build(ctx, uploads, arrival, built_ahead)
             else:
                 _commit(ctx.models.peek(arrival.name), arrival)
+        if built_ahead is not None:
+            built_ahead.clear()  # (what was built for models that did not come)
         return len(arrivals)
 
     return host
@@ -372,18 +375,32 @@ def _install_optimizer(held: HostedModel, arrival: _Arrival) -> None:
     optimizers.install(held, plan)
 
 
-def _build_in_background(ctx: OpContext, uploads: ModelUploads, arrival: _Arrival) -> None:
+def _build(
+    ctx: OpContext,
+    uploads: ModelUploads,
+    arrival: _Arrival,
+    built_ahead: ModulesBuiltAhead | None,
+) -> None:
+    """Hosts ``arrival``: at once with a module built ahead, else built in a background
+    thread (the model expected meanwhile)."""
     models = ctx.models
     expected = models.expect(arrival.name)
     replacing = models.peek(arrival.name)  # a different model under the same name, or None
     if expected is None and replacing is None:
         return  # already on its way (an earlier generation's sync is building it)
+    src = arrival.src
+    ready = (
+        built_ahead.take(src.factory, src.kwargs_json, arrival.archive)
+        if built_ahead is not None and (src.factory or arrival.archive is not None)
+        else None
+    )
 
     def build() -> None:
         archive: Path | None = None
         try:
-            src = arrival.src
-            if src.factory:
+            if ready is not None:
+                module, archive = ready.module, ready.archive
+            elif src.factory:
                 module = build_from_factory(
                     src.factory,
                     src.kwargs_json,
@@ -391,7 +408,7 @@ def _build_in_background(ctx: OpContext, uploads: ModelUploads, arrival: _Arriva
                     max_bytes=uploads.config.max_bytes,
                 )
             elif arrival.archive is not None:
-                module, archive = _load_archive(uploads, arrival.archive)
+                module, archive = uploads.load_peer_archive(arrival.archive)
             else:
                 raise ValueError("its source holds neither a factory nor an archive for it")
             still_wanted = (
@@ -419,19 +436,8 @@ def _build_in_background(ctx: OpContext, uploads: ModelUploads, arrival: _Arriva
             if expected is not None:
                 models.give_up(arrival.name, expected)  # a no-op once hosted
 
+    if ready is not None:
+        build()
+        log.info("hosted model %r with the module built ahead", arrival.name)
+        return
     threading.Thread(target=build, name=f"model-sync-{arrival.name}", daemon=True).start()
-
-
-def _load_archive(uploads: ModelUploads, archive: torch.Tensor) -> tuple[nn.Module, Path]:
-    """Checks and loads a peer's archive like a client's upload (kept for the next joiner)."""
-    upload = uploads.kept_path(".upload")
-    upload.write_bytes(archive.cpu().numpy().tobytes())  # host bytes already: no copy
-    kept = uploads.kept_path()
-    try:
-        module = uploads.load(upload, keep=kept)
-    except BaseException:
-        kept.unlink(missing_ok=True)
-        raise
-    finally:
-        upload.unlink(missing_ok=True)
-    return module, kept

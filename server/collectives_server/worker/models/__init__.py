@@ -12,4 +12,5 @@ Modules:
 * ``modes``: train and eval mode, and an exported graph's other-mode graph
 * ``versions``: which weights a forward runs, and how a publish commits
 * ``optimizers``: which optimizer a model steps with
+* ``built_ahead``: the modules a drain's spare builds before the seal
 """

@@ -3,7 +3,9 @@ successor (see :mod:`collectives_server.worker.transport.handoff`)."""
 
 from __future__ import annotations
 
-from collectives.errors import InvalidArgument
+import torch
+
+from collectives.errors import InvalidArgument, NotFound
 from collectives.v1 import worker_pb2
 from collectives.wire import codec
 from collectives.wire.names import FUNCTION_PREFIX, validate_name
@@ -45,6 +47,7 @@ class HandoffRpcs:
         unchanged = set()
         if r.ahead:
             manifest.ahead_snapshot = snapshot
+            manifest.model_builds.extend(self._model_builds())
         elif r.ahead_snapshot:
             unchanged = source.unchanged(r.generation_after, r.ahead_snapshot)
         manifest.unchanged.extend(sorted(unchanged))
@@ -62,6 +65,36 @@ class HandoffRpcs:
             manifest.total_bytes += header.nbytes
         return manifest
 
+    def _model_builds(self) -> list[worker_pb2.HandoffModel]:
+        builds = []
+        for model in self._ctx.models.all():
+            d = model.definition
+            if model.name.startswith(FUNCTION_PREFIX):
+                continue
+            kept = d.archive
+            archive = kept.stat().st_size if kept is not None and kept.exists() else 0
+            if d.factory or archive:
+                builds.append(
+                    worker_pb2.HandoffModel(
+                        name=model.name,
+                        factory=d.factory,
+                        kwargs_json=d.kwargs_json,
+                        archive_bytes=archive,
+                    )
+                )
+        return builds
+
+    def _archive(self, model: str) -> torch.Tensor:
+        held = self._ctx.models.peek(model)
+        archive = held.definition.archive if held is not None else None
+        try:
+            data = archive.read_bytes() if archive is not None else None
+        except FileNotFoundError:
+            data = None
+        if data is None:
+            raise NotFound(f"model {model!r} has no archive on this worker")
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
     @_guard
     def HandoffTensors(
         self, r: worker_pb2.HandoffTensorsRequest, context
@@ -73,19 +106,24 @@ class HandoffRpcs:
         for item in r.items:
             if item.model:
                 validate_name(item.model, "model name")
-            else:
+            if item.name or not item.model:
                 validate_name(item.name)
         remaining = context.time_remaining()
         ttl = self._ctx.op_timeout_s if remaining is None else min(remaining, _MAX_WAIT_S)
         response = worker_pb2.HandoffTensorsResponse()
         for item in r.items:
-            tensor = self._ctx.handoff.tensor(
-                r.generation_after,
-                item.name,
-                item.model,
-                ahead_snapshot=r.ahead_snapshot if r.ahead else "",
-            )
-            answer = tensor_answer(item.name, tensor, None, self._ctx.bulk, max(ttl, 0.0))
+            if item.archive:
+                self._ctx.handoff.ahead_offer(r.generation_after, 0.0)  # (being drained)
+                name, tensor = item.model, self._archive(item.model)
+            else:
+                name = item.name
+                tensor = self._ctx.handoff.tensor(
+                    r.generation_after,
+                    item.name,
+                    item.model,
+                    ahead_snapshot=r.ahead_snapshot if r.ahead else "",
+                )
+            answer = tensor_answer(name, tensor, None, self._ctx.bulk, max(ttl, 0.0))
             response.tensors.append(answer)
             self._ctx.stats.add_bytes(sent=answer.header.nbytes)
         return response

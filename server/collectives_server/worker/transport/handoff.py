@@ -32,7 +32,9 @@ same object holds the same bytes; a name gone since is left out of both lists.
 
 Models are not copied here: the successor gets every model, at its newest
 version, from its peers in the next generation's first step
-(``engine.model_sync``), as any worker joining a generation does.
+(``engine.model_sync``), as any worker joining a generation does. The copy ahead
+fetches only how each one is built (an exported model's archive), so that the
+successor builds the modules before the seal (``models.built_ahead``).
 """
 
 from __future__ import annotations
@@ -212,6 +214,10 @@ class HandoffCopy:
     gradients: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
     kept: int = 0  # of ``tensors``: taken from the copy ahead (unchanged since)
     snapshot: str = ""  # a copy ahead: the drained worker's snapshot it is of
+    # A copy ahead: how the drained worker's models are built, and each exported one's
+    # archive by model (models.built_ahead builds them before the seal).
+    model_builds: list[worker_pb2.HandoffModel] = field(default_factory=list)
+    archives: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def result(self, generation_after: int) -> coordinator_pb2.HandoffResult:
         """The heartbeat field that reports it."""
@@ -253,6 +259,7 @@ def copy_from(
     channel = security.open_channel(address, options)
     tensors: dict[str, torch.Tensor] = {}
     gradients: dict[tuple[str, str], torch.Tensor] = {}
+    archives: dict[str, torch.Tensor] = {}
     nbytes = 0
     try:
         stub = worker_pb2_grpc.WorkerStub(channel)
@@ -274,21 +281,25 @@ def copy_from(
         # op to end, before it offers anything, is the handoff's, not the copy's.
         started = time.monotonic()
 
-        def answers_of(items: list[tuple[str, str]]) -> grpc.Future:
+        def answers_of(items: list[worker_pb2.HandoffItem]) -> grpc.Future:
             request = worker_pb2.HandoffTensorsRequest(
                 generation_after=generation_after,
-                items=[worker_pb2.HandoffItem(model=m, name=n) for m, n in items],
+                items=items,
                 ahead=ahead,
                 ahead_snapshot=manifest.ahead_snapshot,
             )
             return stub.HandoffTensors.future(request, timeout=_left(deadline))
 
-        wanted = [("", header.name) for header in manifest.tensors]
-        wanted += [(g.model, g.header.name) for g in manifest.gradients]
+        item_of = worker_pb2.HandoffItem
+        wanted = [item_of(name=header.name) for header in manifest.tensors]
+        wanted += [item_of(model=g.model, name=g.header.name) for g in manifest.gradients]
         sizes = [h.nbytes for h in manifest.tensors] + [g.header.nbytes for g in manifest.gradients]
+        archived = [b for b in manifest.model_builds if b.archive_bytes]
+        wanted += [item_of(model=b.name, archive=True) for b in archived]
+        sizes += [b.archive_bytes for b in archived]
         with _BulkReader(address, manifest.bulk_port, client_context(security)) as reader:
             tickets = _Tickets(sizes, lambda first, end: answers_of(wanted[first:end]))
-            for i, (model, _) in enumerate(wanted):
+            for i, item in enumerate(wanted):
                 answer = tickets.answer(i)
                 meta = codec.check_header(answer.header)
                 if answer.ticket:
@@ -299,8 +310,11 @@ def copy_from(
                 else:
                     tickets.opened = max(tickets.opened, i + 1)
                     got = codec.tensor_from_bytes(answer.inline_data, meta)
-                if model:
-                    gradients[(model, meta.name)] = got
+                if item.archive:
+                    archives[item.model] = got
+                    continue  # (not the rank's: a model's build)
+                if item.model:
+                    gradients[(item.model, meta.name)] = got
                 else:
                     tensors[meta.name] = got
                 nbytes += meta.nbytes
@@ -321,6 +335,8 @@ def copy_from(
         gradients=gradients,
         kept=len(manifest.unchanged),
         snapshot=manifest.ahead_snapshot,
+        model_builds=list(manifest.model_builds),
+        archives=archives,
     )
 
 

@@ -304,6 +304,13 @@ class _Budget:
             )
 
 
+def _entry(name: str) -> zipfile.ZipInfo:
+    """A checked archive's entry: no time of its own, so that checking the same
+    archive anywhere, or a checked one again, writes the same bytes (a drain's
+    successor finds the module it built ahead by them: ``models.built_ahead``)."""
+    return zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+
+
 def _copy_entry(
     src: zipfile.ZipFile,
     info: zipfile.ZipInfo,
@@ -323,7 +330,7 @@ def _copy_entry(
             reader = stack.enter_context(src.open(info))
             writer = None
             if out is not None:
-                writer = stack.enter_context(out.open(info.filename, "w", force_zip64=True))
+                writer = stack.enter_context(out.open(_entry(info.filename), "w", force_zip64=True))
             while True:
                 chunk = reader.read(_CHUNK)
                 if not chunk:
@@ -413,7 +420,7 @@ def _check_and_copy(
                 elif kind == "sample":
                     # torch unpickles sample inputs (falling back to a full unpickle);
                     # an empty entry deserializes to {} without pickle.
-                    out.writestr(info.filename, b"")
+                    out.writestr(_entry(info.filename), b"")
                 elif kind == "small":
                     body = _copy_entry(src, info, rel, out, budget, _MAX_SMALL_ENTRY, True)
                     if not _SMALL[rel].match((body or b"").decode("ascii", "replace").strip()):
@@ -430,7 +437,7 @@ def _check_and_copy(
                     # inputs, which are dropped); written back without them.
                     program["guards_code"] = []
                     del body
-                    out.writestr(info.filename, json.dumps(program).encode())
+                    out.writestr(_entry(info.filename), json.dumps(program).encode())
             for info, rel in payloads:
                 if rel not in named_payloads:
                     raise _refuse(f"{rel!r} is named by no weights/constants config")

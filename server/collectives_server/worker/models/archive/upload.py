@@ -221,6 +221,21 @@ class ModelUploads:
         finally:
             checked.unlink(missing_ok=True)
 
+    def load_peer_archive(self, archive: torch.Tensor) -> tuple[nn.Module, Path]:
+        """A peer's archive (its bytes, uint8) checked and loaded like a client's upload;
+        the module, and where the checked archive is kept for the next joiner."""
+        upload = self.kept_path(".upload")
+        upload.write_bytes(archive.cpu().numpy().tobytes())  # host bytes already: no copy
+        kept = self.kept_path()
+        try:
+            module = self.load(upload, keep=kept)
+        except BaseException:
+            kept.unlink(missing_ok=True)
+            raise
+        finally:
+            upload.unlink(missing_ok=True)
+        return module, kept
+
     def kept_path(self, suffix: str = ".kept.pt2") -> Path:
         """A fresh path in the upload directory (a checked archive to keep, by default)."""
         fd, name = tempfile.mkstemp(suffix=suffix, dir=self.dir)
