@@ -71,8 +71,10 @@ class HandoffRpcs:
             d = model.definition
             if model.name.startswith(FUNCTION_PREFIX):
                 continue
-            kept = d.archive
-            archive = kept.stat().st_size if kept is not None and kept.exists() else 0
+            try:
+                archive = d.archive.stat().st_size if d.archive is not None else 0
+            except FileNotFoundError:  # (the model was removed meanwhile)
+                archive = 0
             if d.factory or archive:
                 builds.append(
                     worker_pb2.HandoffModel(
