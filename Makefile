@@ -53,7 +53,7 @@ $(STAMP): constraints.txt client/pyproject.toml server/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --no-compile $(PIP_ARGS) $(TORCH_INDEX) -c constraints.txt torch==2.13.0 \
 		-e client -e server pytest pytest-timeout pytest-xdist ruff grpcio-tools numpy \
-		selenium pyyaml kubernetes-validate cryptography hypothesis
+		selenium pyyaml kubernetes-validate cryptography hypothesis py-spy
 	@[ -n "$(TORCH_CUDA)" ] || $(VPY) -c 'import sys, torch; sys.exit(0 if torch.version.cuda is None else \
 		"pip installed a CUDA build of torch " + torch.__version__ + "; install the CPU wheel " \
 		"(point PIP_ARGS=\"--index-url URL\" at a CPU-only wheel index)")'

@@ -311,7 +311,14 @@ class Daemon:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, SIGKILL)
         if code is None:
-            proc.wait(timeout=10)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(
+                    f"{self.name} (pid {proc.pid}) did not end within {timeout_s:g} s of SIGTERM "
+                    f"nor 10 s of SIGKILL, or its end was not reported:\n{_stuck(proc.pid)}\n"
+                    f"{self.log_tail()}"
+                ) from None
         return code
 
     def kill(self) -> None:
@@ -321,6 +328,30 @@ class Daemon:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, SIGKILL)
         self.proc.wait(timeout=10)
+
+
+def _stuck(pid: int) -> str:
+    """What a process that did not end is doing, and this test process's zygote (which
+    reports the ends of the processes it forked): their state and Python stacks."""
+    lines = []
+    zygote = _ZYGOTE[0][0].zygote_pid if _ZYGOTE else None
+    spy = Path(sys.executable).with_name("py-spy")
+    for what, p in (("the process", pid), ("the zygote", zygote)):
+        if p is None:
+            continue
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+        except OSError:
+            lines.append(f"{what} (pid {p}): gone")
+            continue
+        state = next((x for x in status.splitlines() if x.startswith("State:")), "State: ?")
+        lines.append(f"{what} (pid {p}): {state}")
+        if spy.exists():
+            dump = subprocess.run(
+                [str(spy), "dump", "--pid", str(p)], capture_output=True, text=True, timeout=20
+            )
+            lines.append(dump.stdout[-6000:] or dump.stderr[-2000:])
+    return "\n".join(lines)
 
 
 def launch(

@@ -286,7 +286,8 @@ class LocalCluster:
         ``timeout_s``."""
         with self._lock:
             self._stopping = True
-        deadline = time.monotonic() + timeout_s
+        began = time.monotonic()
+        deadline = began + timeout_s
         stops = ((self.worker_children, signal.SIGINT),)
         if self.coordinator:
             stops += (([self.coordinator], signal.SIGTERM),)
@@ -301,12 +302,19 @@ class LocalCluster:
                 log.warning("%s (pid %d) ignored SIGTERM; killing it", child.name, child.pid)
                 _signal(child, signal.SIGKILL)
                 child.exited.wait(5.0)
+        stopped = time.monotonic()
         if self._preloaded is not None:
             self._preloaded.close()
         if self._owned_token_file is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self._owned_token_file)
             self._owned_token_file = None
+        log.info(
+            "stopped in %.2f s (the processes %.2f s, the zygote %.2f s)",
+            time.monotonic() - began,
+            stopped - began,
+            time.monotonic() - stopped,
+        )
 
     def _write_worker_token(self) -> str:
         """A fresh worker token in a new file only this user can read; returns its path."""
