@@ -42,10 +42,25 @@ def _all_reduce_equals_torch(client, gen: torch.Generator) -> bool:
     return True
 
 
+def _group_all_reduce_equals_torch(client, group, gen: torch.Generator) -> bool:
+    parts = [torch.randn(17, generator=gen) for _ in range(client.world_size)]
+    for rank, t in enumerate(parts):
+        client.put("rebuild/g", t, rank=rank, timeout=5)
+    client.all_reduce("rebuild/g", out="rebuild/gsum", group=group, timeout=5)
+    want = sum(parts[r] for r in group.ranks)
+    for rank in group.ranks:
+        torch.testing.assert_close(client.get("rebuild/gsum", rank=rank, timeout=5), want)
+    return True
+
+
 def test_ranks_that_failed_seconds_apart_rebuild_one_group(fault_cluster, gen) -> None:
+    """...and the groups a client made before the break work after it, under their ids
+    (a group lasts as long as its generation: the rebuild is the same generation)."""
     cluster = fault_cluster(3, 3, lease_s=LEASE_S, op_timeout_s=OP_TIMEOUT_S)
     client = cluster.client
     assert _all_reduce_equals_torch(client, gen)
+    group = client.new_group([0, 2])
+    assert _group_all_reduce_equals_torch(client, group, gen)
     generation = client.generation
     stopped = cluster.daemon_at(cluster.members()[2].address)
     stopped.signal(signal.SIGSTOP)
@@ -61,6 +76,10 @@ def test_ranks_that_failed_seconds_apart_rebuild_one_group(fault_cluster, gen) -
         "an all_reduce equal to torch's after the group was rebuilt",
     )
     assert client.generation == generation, "a new generation was sealed: nothing was rebuilt"
+    assert _group_all_reduce_equals_torch(client, group, gen)
+    later = client.new_group([1, 2])
+    assert later.id > group.id
+    assert _group_all_reduce_equals_torch(client, later, gen)
     for w in client.workers():
         log = cluster.daemon_at(w.address).log_path.read_text()
         assert "rebuilding the process group (epoch" in log, w.address

@@ -424,6 +424,9 @@ class Generation:
         prefix = f"g{self.generation}m{self.membership_digest}"
         if epoch:
             prefix += f"e{epoch}"
+        # A rebuilt epoch keeps the broken one's sub-groups (carried_groups); until they
+        # are built again they stay listed, so that an op naming one waits in the queue.
+        held = self.held_groups() if epoch else {}
         release_groups(self.groups)  # a broken epoch's groups, before the next ones
         ahead, self._ahead = self._ahead, None  # (only epoch 0 can find it)
         try:
@@ -446,6 +449,8 @@ class Generation:
         except Exception as exc:
             raise GroupBroken(f"could not form the process group: {exc}") from exc
         self.groups = {0: GroupEntry(0, list(range(self.world_size)), handles)}
+        listed = {gid: GroupEntry(gid, list(ranks), None) for gid, ranks in held.items()}
+        self.groups.update(listed)
         ctx = OpContext(
             generation=self.generation,
             rank=self.rank,
@@ -468,10 +473,14 @@ class Generation:
         # the models' exchange and the carried groups; what this rank does with the
         # models it received (the successor's gradients among it) comes after.
         host = self._hooks.sync_models(ctx) if self._hooks.sync_models is not None else None
-        if self._spec.carried_groups is not None:
-            next_id = rebuild_groups(ctx, self._spec.carried_groups)
+        carried = held if epoch else self._spec.carried_groups
+        if carried is not None:
+            next_id = rebuild_groups(ctx, carried, held_by_all=bool(epoch))
             with self._cond:
                 self._next_group_id = max(self._next_group_id, next_id)
+                for gid, entry in listed.items():
+                    if self.groups.get(gid) is entry:  # not held alike by every rank
+                        del self.groups[gid]
         with self._cond:
             patience = _GATE_OP_TIMEOUTS * self._spec.op_timeout_s
             self._cond.wait_for(lambda: self.opened or self._seq.closed, patience)

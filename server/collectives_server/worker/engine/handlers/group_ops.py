@@ -5,8 +5,8 @@ members build their gloo (and NCCL) groups under a store prefix of this
 generation's, non-members record the membership (and, on accelerator workers,
 take part in the split of the world's NCCL communicator), and every rank agrees
 on the outcome before the group becomes usable. Groups live as long as the
-generation (and its epoch) they were made in, or until ``destroy_group``; at most
-``ctx.max_groups``.
+generation they were made in (a group rebuilt in a new epoch keeps them:
+``carried_groups``), or until ``destroy_group``; at most ``ctx.max_groups``.
 
 ``destroy_group`` is sequenced like any op, so every rank drops the group at the
 same point of the op order; the verdict (group 0, an unknown or already destroyed
