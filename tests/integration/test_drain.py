@@ -473,6 +473,41 @@ def test_what_changes_while_a_drain_prepares_reaches_the_successor(fresh_cluster
     assert "sealed on groups formed ahead; none here" not in log
 
 
+def test_members_stopped_together_drain_in_turn(fresh_cluster, gen) -> None:
+    """SIGTERM to two members at once (a supervisor draining a node), with one spare:
+    the first to ask drains onto the spare; the second, refused while that drain
+    runs, waits for it to end and for the drained worker to come back as a spare,
+    then drains onto it. Both ranks keep every tensor they held."""
+    local, cluster = fresh_cluster(3, "--spares", "1", *FLAGS)
+    wait_until(lambda: len(_spares(cluster)) == 1, 30, "the spare to be listed")
+    held = {
+        rank: {f"both/{rank}/{i}": torch.randn(257 * (i + 1), generator=gen) for i in range(3)}
+        for rank in (1, 2)
+    }
+    for rank, tensors in held.items():
+        for name, t in tensors.items():
+            cluster.put(name, t, rank=rank)
+    stopped = [w for w in cluster.workers() if w.rank in held]
+    drains_before = len(cluster.snapshot().drains)
+    for w in stopped:
+        os.kill(w.pid, signal.SIGTERM)
+
+    def both_drained() -> bool:
+        members = {w.worker_id for w in cluster.refresh().members}
+        ended = cluster.snapshot().drains[drains_before:]
+        return len(ended) >= 2 and not members & {w.worker_id for w in stopped}
+
+    wait_until(both_drained, 120, "both stopped members to be drained")
+    reports = cluster.snapshot().drains[drains_before:]
+    assert [r.error for r in reports] == ["", ""], reports
+    assert {r.worker_id for r in reports} == {w.worker_id for w in stopped}
+    for rank, tensors in held.items():
+        for name, want in tensors.items():
+            assert_tensor(cluster.get(name, rank=rank), want, what=f"{name} on rank {rank}")
+    log = local.log_path.read_text(errors="replace")
+    assert "this worker's comes next" in log, "no worker waited for the other's drain"
+
+
 def test_a_worker_stopped_while_its_drain_prepares_waits_for_it(fresh_cluster, gen) -> None:
     """SIGTERM to a worker whose drain is still being prepared (a supervisor stopping
     it while an operator's drain runs): the worker waits for that drain, which

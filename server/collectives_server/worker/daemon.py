@@ -144,6 +144,8 @@ class WorkerDaemon:
         self._heartbeat_s = 1.0
         self._lease_s = 5.0
         self._lock = threading.RLock()
+        # Notified with each Cluster message taken in (drain_before_stop waits on it).
+        self._views = threading.Condition(self._lock)
         self._stop = threading.Event()
         # Set by stop() and by a heartbeat stream that ended: the heartbeat loop acts at once.
         self._beat_wake = threading.Event()
@@ -281,7 +283,9 @@ class WorkerDaemon:
 
     def drain_before_stop(self) -> None:
         """On SIGTERM: a member hands its rank and tensors to a live spare first
-        (``--drain-timeout-s``; 0: not), so that stopping it loses nothing. Without a
+        (``--drain-timeout-s``; 0: not), so that stopping it loses nothing. While
+        another worker's drain runs (a supervisor stopping several at once), it waits
+        for that one to end and a spare to be live, then drains in turn. Without a
         spare, or when the drain fails, it stops anyway (the survivors re-form)."""
         timeout_s = self.config.drain_timeout_s
         cluster = self._cluster
@@ -299,14 +303,20 @@ class WorkerDaemon:
         # not show one that just registered): with none, Drain answers
         # FAILED_PRECONDITION and this worker leaves without a drain.
         log.info("stopping: draining this worker onto a spare first (at most %g s)", timeout_s)
-        try:
-            report = self._coordinator.Drain(
-                coordinator_pb2.DrainRequest(worker=self.worker_id, timeout_s=timeout_s),
-                timeout=timeout_s + self.ctx.op_timeout_s + 5.0,
-            )
-        except grpc.RpcError as err:
-            log.warning("the drain on stopping failed (%s); leaving", err.details())
-            return
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = max(deadline - time.monotonic(), 0.1)
+            try:
+                report = self._coordinator.Drain(
+                    coordinator_pb2.DrainRequest(worker=self.worker_id, timeout_s=left),
+                    timeout=left + self.ctx.op_timeout_s + 5.0,
+                )
+                break
+            except grpc.RpcError as err:
+                refused = err.code() == grpc.StatusCode.FAILED_PRECONDITION
+                if not (refused and self._await_turn_to_drain(deadline)):
+                    log.warning("the drain on stopping failed (%s); leaving", err.details())
+                    return
         log.info(
             "drained onto %s: %d tensors, %d bytes in %.2f s",
             report.successor,
@@ -314,6 +324,34 @@ class WorkerDaemon:
             report.bytes_moved,
             report.seconds,
         )
+
+    def _await_turn_to_drain(self, deadline: float) -> bool:
+        """After a refused drain: whether another worker's drain was in progress (as the
+        coordinator tells it now) and, by ``deadline``, it ended with a spare live
+        again, so this worker may ask once more."""
+        try:
+            now = self._coordinator.GetCluster(
+                coordinator_pb2.GetClusterRequest(),
+                timeout=max(min(deadline - time.monotonic(), 5.0), 0.1),
+                metadata=worker_metadata(self.config.worker_token),
+            )
+        except grpc.RpcError:
+            return False
+        handoff = pending_handoff(now) or preparing_handoff(now)
+        if handoff is None or handoff.drained_id == self.worker_id:
+            return False  # (refused for another reason: no spare, not a member...)
+        log.info("stopping: the drain of %s runs; this worker's comes next", handoff.drained_id)
+
+        def my_turn() -> bool:
+            view = self._cluster
+            if view is None or view.version < now.version:
+                return False
+            busy = pending_handoff(view) or preparing_handoff(view)
+            spare = any(w.state == coordinator_pb2.WORKER_STATE_SPARE for w in view.workers)
+            return busy is None and spare
+
+        with self._views:
+            return self._views.wait_for(my_turn, max(deadline - time.monotonic(), 0.0))
 
     @property
     def address(self) -> str:
@@ -494,6 +532,7 @@ class WorkerDaemon:
     def _on_cluster(self, cluster: coordinator_pb2.Cluster) -> None:
         with self._lock:
             self._cluster = cluster
+            self._views.notify_all()
             self.ctx.cluster_status = cluster.status or ("formed" if cluster.formed else "forming")
             members = [w for w in cluster.workers if w.rank >= 0]
             self.ctx.leader_address = next((w.address for w in members if w.rank == 0), "")
