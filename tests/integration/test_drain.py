@@ -197,6 +197,10 @@ def test_training_goes_on_across_a_drain_as_one_model(fresh_cluster, gen) -> Non
         assert torch.equal(states[0][key], states[1][key]), f"{key}: the replicas differ"
 
 
+# The training client's bound (it stops once both drains have steps after them).
+_MAX_STEPS = 20_000
+
+
 def test_steps_running_while_drains_switch_stay_one_model(fresh_cluster, gen) -> None:
     """A client trains without pause while another drains each member in turn, the
     second drain right after the first: the switch meets steps in flight, and the
@@ -221,7 +225,7 @@ def test_steps_running_while_drains_switch_stay_one_model(fresh_cluster, gen) ->
     def train() -> None:
         hyper = {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9}
         with collectives.connect(local_cluster.address, timeout=60) as trainer:
-            while not stop.is_set() and len(losses) < 400:
+            while not stop.is_set() and len(losses) < _MAX_STEPS:
                 try:
                     losses.append(trainer.train_step("steps/m", "steps/x", "steps/y", **hyper))
                 except BaseException as exc:  # the test's finding
@@ -230,19 +234,27 @@ def test_steps_running_while_drains_switch_stay_one_model(fresh_cluster, gen) ->
 
     thread = threading.Thread(target=train, daemon=True)
     thread.start()
+    wanted: list[int] = []  # the steps each drain needs the client to have taken after it
     try:
         for rank in (1, 0):
             wait_until(lambda: len(losses) >= 3 or errors, 60, "steps before the drain")
             wait_until(lambda: len(_spares(cluster)) == 1, 60, "a live spare")
             member = next(w for w in cluster.workers() if w.rank == rank)
-            after = len(losses) + 3
             cluster.drain(member.worker_id, timeout=60)
-            wait_until(lambda: len(losses) >= after or errors, 60, "steps after the drain")  # noqa: B023
+            wanted.append(len(losses) + 3)
+            wait_until(
+                lambda: len(losses) >= wanted[-1] or errors or not thread.is_alive(),
+                60,
+                "steps after the drain",
+            )
     finally:
         stop.set()
         thread.join(120)
     assert not thread.is_alive(), "the training client did not stop"
     assert errors == [], errors
+    assert len(losses) >= wanted[-1], (
+        f"the client stopped at its bound ({len(losses)} steps) before {wanted[-1]}"
+    )
     for step, remote in enumerate(losses):
         local_opt.zero_grad()
         loss = functional.mse_loss(local(x), y)
