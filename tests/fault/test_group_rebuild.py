@@ -76,6 +76,12 @@ def test_ranks_that_failed_seconds_apart_rebuild_one_group(fault_cluster, gen) -
         "an all_reduce equal to torch's after the group was rebuilt",
     )
     assert client.generation == generation, "a new generation was sealed: nothing was rebuilt"
+    # The stopped worker says, once it runs again, that it was held up (and for how long).
+    wait_until(
+        lambda: "this worker was held up for" in stopped.log_path.read_text(errors="replace"),
+        10,
+        "the stopped worker's note that it was held up",
+    )
     assert _group_all_reduce_equals_torch(client, group, gen)
     later = client.new_group([1, 2])
     assert later.id > group.id

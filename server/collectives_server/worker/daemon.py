@@ -90,6 +90,8 @@ _STREAM_RETRY_BEATS = 10
 _STORE_TIMEOUT_S = 300.0
 # How long stopping waits for a generation being joined (see stop()).
 _STOP_WAIT_S = 2.0
+# A heartbeat thread that wakes this much later than asked says so (the process was held up).
+_HELD_UP_S = 2.0
 # Calls running when the worker stops may finish within this (gRPC's and the lanes').
 _STOP_GRACE_S = 1.0
 
@@ -401,7 +403,14 @@ class WorkerDaemon:
 
     def _heartbeat_loop(self) -> None:
         while True:
+            asleep = time.monotonic()
             self._beat_wake.wait(self._heartbeat_s)  # the interval, or less if the stream ended
+            late = time.monotonic() - asleep - self._heartbeat_s
+            if late > _HELD_UP_S:
+                # This thread could not run: another held the interpreter (a long call
+                # into C that keeps the GIL), or the host did not schedule the process.
+                # Its generation's loop could not either: peers may have timed out on it.
+                log.warning("this worker was held up for %.1f s (its heartbeat woke late)", late)
             self._beat_wake.clear()
             if self._stop.is_set():
                 break
