@@ -75,6 +75,8 @@ def _namedtuple_types(obj: Any, found: dict[str, type] | None = None) -> dict[st
 
 # Whole-call attempts when publishes keep moving the model's version under a forward.
 _VERSION_ATTEMPTS = 8
+# The first pause before a call whose shards ran two loads of the model runs again.
+_RELOAD_PAUSE_S = 0.005
 # Placements a call placed by load gets, each away from the workers that failed it.
 _PLACEMENTS = 4
 
@@ -290,7 +292,7 @@ class _RemoteCall:
             fill_value(request.kwargs, dict(parts_kwargs[i]), add)
             return request
 
-        def outputs_of(i: int, response: worker_pb2.ForwardResponse) -> tuple[Any, int]:
+        def outputs_of(i: int, response: worker_pb2.ForwardResponse) -> tuple[Any, int, str]:
             shard = self.shards[i]
             placement.reported(shard.endpoint.address, response.forwards_in_flight)
             placement.replicas(self.model, response.replicas_may_differ)
@@ -301,7 +303,8 @@ class _RemoteCall:
                 if n not in fetched:
                     fetched[n] = get_tensor(shard.endpoint, n, self._left(), consume=True)
             shard.outputs = [fetched[n] for n in shard.output_names]
-            return from_value(response.output, fetched.__getitem__, types), response.version
+            output = from_value(response.output, fetched.__getitem__, types)
+            return output, response.version, response.load_id
 
         what = f"forward of {self.model!r}"
 
@@ -313,7 +316,7 @@ class _RemoteCall:
             for i in range(len(self.shards))
         ]
 
-        def start(i: int, version: int) -> Start[tuple[Any, int]]:
+        def start(i: int, version: int) -> Start[tuple[Any, int, str]]:
             forward = self.shards[i].endpoint.unary("Forward")
             if inline[i]:
                 return lambda: _Noted(
@@ -350,7 +353,7 @@ class _RemoteCall:
         return replace_tensors(gathered, list(outs))
 
     def _run_one_version(
-        self, start: Callable[[int, int], Start[tuple[Any, int]]]
+        self, start: Callable[[int, int], Start[tuple[Any, int, str]]]
     ) -> dict[int, Any]:
         """Every shard's output, all computed by one model version (then ``self.version``).
 
@@ -359,13 +362,17 @@ class _RemoteCall:
         instant, so shards can straddle it: those behind run again, pinned to the
         newest version seen (their worker waits for that commit, already on its
         way). A worker that meanwhile moved past it (a second publish) refuses
-        with ``Reason.VERSION_MOVED``, and the whole call runs again."""
+        with ``Reason.VERSION_MOVED``, and the whole call runs again. So does a
+        call whose shards ran two loads of the model (``load_model`` by another
+        client, which reaches the workers one by one, not in the op order), after
+        a pause that grows with each attempt: the load is on its way."""
         what = f"data_parallel {self.model!r}"
         shards = range(len(self.shards))
+        pause = _RELOAD_PAUSE_S
         for _ in range(_VERSION_ATTEMPTS):
             try:
                 done = self.session.fan_out(what, {i: start(i, 0) for i in shards})
-                newest = max(v for _, v in done.values())
+                newest = max(v for _, v, _ in done.values())
                 behind = [i for i in shards if done[i][1] != newest]
                 if behind:
                     done.update(self.session.fan_out(what, {i: start(i, newest) for i in behind}))
@@ -373,11 +380,18 @@ class _RemoteCall:
                 if err.reason == Reason.VERSION_MOVED:
                     continue
                 raise
+            if len({load for _, _, load in done.values()}) > 1:
+                if self._left() <= pause:
+                    break
+                threading.Event().wait(pause)  # (the load on its way to the other workers)
+                pause *= 2
+                continue
             self.version = newest
-            return {i: value for i, (value, _) in done.items()}
+            return {i: value for i, (value, _, _) in done.items()}
         raise Unavailable(
-            f"{what}: the model's version changed under every one of {_VERSION_ATTEMPTS} "
-            "attempts (publishes faster than a forward); retry, or publish less often"
+            f"{what}: the model's version or load changed under every one of "
+            f"{_VERSION_ATTEMPTS} attempts (publishes or reloads faster than a forward); "
+            "retry, or publish less often"
         )
 
     def backward(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:

@@ -193,6 +193,7 @@ class Models:
             spec = worker_pb2.ModelSpec(name=name, factory=factory, factory_kwargs_json=kwargs_json)
         if batching is not None:
             spec.batching.CopyFrom(batching.to_proto())
+        spec.load_id = uuid.uuid4().hex  # (one per call: ForwardResponse.load_id)
         responses = self._load_everywhere(f"load_model {name!r}", spec, archive, deadline)
         info = _model_info(responses[min(responses)].model)
         if state_dict is not None:

@@ -533,7 +533,7 @@ class GetStateResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., generation: _Optional[int] = ..., is_leader: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., tensors_held: _Optional[int] = ..., bytes_held: _Optional[int] = ..., ops_completed: _Optional[int] = ..., ops_failed: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., status: _Optional[_Union[_status_pb2.WorkerStatus, _Mapping]] = ..., address: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., world_size: _Optional[int] = ..., membership_digest: _Optional[str] = ..., coordinator: _Optional[str] = ...) -> None: ...
 
 class ModelSpec(_message.Message):
-    __slots__ = ("name", "factory", "factory_kwargs_json", "archive_nbytes", "archive_tensor", "batching", "mode")
+    __slots__ = ("name", "factory", "factory_kwargs_json", "archive_nbytes", "archive_tensor", "batching", "mode", "load_id")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FACTORY_FIELD_NUMBER: _ClassVar[int]
     FACTORY_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -541,6 +541,7 @@ class ModelSpec(_message.Message):
     ARCHIVE_TENSOR_FIELD_NUMBER: _ClassVar[int]
     BATCHING_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_ID_FIELD_NUMBER: _ClassVar[int]
     name: str
     factory: str
     factory_kwargs_json: str
@@ -548,7 +549,8 @@ class ModelSpec(_message.Message):
     archive_tensor: str
     batching: ForwardBatching
     mode: ModelMode
-    def __init__(self, name: _Optional[str] = ..., factory: _Optional[str] = ..., factory_kwargs_json: _Optional[str] = ..., archive_nbytes: _Optional[int] = ..., archive_tensor: _Optional[str] = ..., batching: _Optional[_Union[ForwardBatching, _Mapping]] = ..., mode: _Optional[_Union[ModelMode, str]] = ...) -> None: ...
+    load_id: str
+    def __init__(self, name: _Optional[str] = ..., factory: _Optional[str] = ..., factory_kwargs_json: _Optional[str] = ..., archive_nbytes: _Optional[int] = ..., archive_tensor: _Optional[str] = ..., batching: _Optional[_Union[ForwardBatching, _Mapping]] = ..., mode: _Optional[_Union[ModelMode, str]] = ..., load_id: _Optional[str] = ...) -> None: ...
 
 class ForwardBatching(_message.Message):
     __slots__ = ("max_rows", "max_delay_ms")
@@ -737,18 +739,20 @@ class ForwardRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., call_id: _Optional[str] = ..., args: _Optional[_Union[Value, _Mapping]] = ..., kwargs: _Optional[_Union[Value, _Mapping]] = ..., grad_enabled: _Optional[bool] = ..., input_grad_names: _Optional[_Iterable[str]] = ..., inline_output_bytes: _Optional[int] = ..., version: _Optional[int] = ..., mode: _Optional[_Union[ModelMode, str]] = ..., output_names: _Optional[_Iterable[str]] = ..., routed: _Optional[bool] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
-    __slots__ = ("output", "latency_s", "version", "forwards_in_flight", "replicas_may_differ")
+    __slots__ = ("output", "latency_s", "version", "forwards_in_flight", "replicas_may_differ", "load_id")
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     LATENCY_S_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FORWARDS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_MAY_DIFFER_FIELD_NUMBER: _ClassVar[int]
+    LOAD_ID_FIELD_NUMBER: _ClassVar[int]
     output: Value
     latency_s: float
     version: int
     forwards_in_flight: int
     replicas_may_differ: bool
-    def __init__(self, output: _Optional[_Union[Value, _Mapping]] = ..., latency_s: _Optional[float] = ..., version: _Optional[int] = ..., forwards_in_flight: _Optional[int] = ..., replicas_may_differ: _Optional[bool] = ...) -> None: ...
+    load_id: str
+    def __init__(self, output: _Optional[_Union[Value, _Mapping]] = ..., latency_s: _Optional[float] = ..., version: _Optional[int] = ..., forwards_in_flight: _Optional[int] = ..., replicas_may_differ: _Optional[bool] = ..., load_id: _Optional[str] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
     __slots__ = ("model", "call_id", "output_names", "grad_names", "inline_grads", "inline_output_bytes")

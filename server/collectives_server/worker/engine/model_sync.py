@@ -94,6 +94,8 @@ class _Held:
     training: bool | None = None
     # Its optimizer (see _optimizer_inventory); None: it has none.
     optimizer: dict | None = None
+    # The load_model call it came from (HostedModel.load_id).
+    load_id: str = ""
 
     def batching_policy(self) -> Batching | None:
         if self.batching is None:
@@ -216,6 +218,7 @@ def _inventory(ctx: OpContext) -> dict[str, dict]:
                 else [model.batcher.policy.max_rows, model.batcher.policy.max_delay_ms],
                 "training": model.training,
                 "optimizer": _optimizer_inventory(model),
+                "load_id": model.load_id,
             }
     return out
 
@@ -428,6 +431,7 @@ def _build(
                 definition,
                 batching=src.batching_policy(),
                 training=src.training,
+                load_id=src.load_id,
             )
             _commit(hosted, arrival)
         except Exception as exc:

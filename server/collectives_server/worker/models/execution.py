@@ -219,7 +219,9 @@ def forward(
             stored[name] = t.detach()
             return name
 
-        response = worker_pb2.ForwardResponse(replicas_may_differ=model.replicas_may_differ)
+        response = worker_pb2.ForwardResponse(
+            replicas_may_differ=model.replicas_may_differ, load_id=model.load_id
+        )
         try:
             fill_value(response.output, output, name_leaf if output_names else store_leaf)
         except InvalidArgument as exc:

@@ -201,6 +201,8 @@ class HostedModel:
     steps: int = 0
     # 1 after loading, +1 per committed publish or optimizer step (model_versions).
     version: int = 1
+    # Which load_model call it came from, the same on every worker (ModelSpec.load_id).
+    load_id: str = ""
     definition: ModelDefinition = field(default_factory=ModelDefinition)
     # Merges concurrent no-grad forwards (batching); None: each forward runs alone.
     batcher: Batcher | None = None
@@ -421,10 +423,12 @@ class ModelRegistry:
         definition: ModelDefinition | None = None,
         batching: Batching | None = None,
         training: bool | None = None,
+        load_id: str = "",
     ) -> HostedModel:
         """Hosts ``module`` under ``name`` (replacing any), merging its concurrent
         no-grad forwards by ``batching`` when given, with ``training`` as its recorded
-        mode (None: the module's own, ``model_modes.captured_mode``).
+        mode (None: the module's own, ``model_modes.captured_mode``), from the load
+        ``load_id``.
 
         Raises:
             ResourceExhausted: its parameters and buffers do not fit in the quota.
@@ -445,6 +449,7 @@ class ModelRegistry:
             definition=definition or ModelDefinition(),
             batcher=None if batching is None else Batcher(batching),
             training=training,
+            load_id=load_id,
         )
         with self._lock:
             replaced = self._models.get(name)

@@ -101,6 +101,7 @@ class ModelRpcs:
             definition,
             batching=batching,
             training=model_modes.training_of(spec.mode),
+            load_id=spec.load_id,
         )
         return worker_pb2.LoadModelResponse(model=_model_info(hosted))
 
