@@ -80,6 +80,8 @@ SERVER_PRELOAD = (
 )
 _MAX_MESSAGE = 1 << 20
 _READY, _STARTED, _EXITED = b"R", b"P", b"X"
+# What a launcher stops its workers with (blocked over a fork: _serve_request).
+_STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
 
 
 def available(python: str) -> bool:
@@ -417,9 +419,19 @@ def _serve_request(
     if not message:
         return False
     request = json.loads(message)
-    pid = os.fork()
+    # The zygote ignores SIGINT, and a child inherits that until it sets its own: a
+    # SIGINT or SIGTERM its launcher sends right after the fork (stopping everything
+    # as a restart starts) would be lost, and the worker would run on. Blocked over
+    # the fork, such a signal waits in the child until its own dispositions are set.
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        pid = os.fork()
+    except OSError:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+        raise
     if pid == 0:
         _become_worker(zygote, wake, entry, request, fds)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
     for fd in fds:
         os.close(fd)
     zygote.clients[client].add(pid)
@@ -470,8 +482,10 @@ def _become_worker(
             torch.set_num_threads(int(threads))
         # Until the worker installs its own handlers, SIGINT ends it as SIGTERM does
         # (a launcher stopping everything may send it while a restart still starts),
-        # not with a KeyboardInterrupt traceback from wherever it is.
+        # not with a KeyboardInterrupt traceback from wherever it is. One sent since
+        # the fork is delivered now (see _serve_request).
         signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
         code = entry(args)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

@@ -49,6 +49,25 @@ def test_a_signal_is_a_negative_code_and_close_ends_the_zygote(
     wait_until(lambda: not Path(f"/proc/{zygote}").exists(), 10, "the zygote to be reaped")
 
 
+def test_a_stop_signal_sent_right_after_the_start_is_never_lost(
+    workers: PreloadedWorkers,
+) -> None:
+    """SIGINT or SIGTERM sent the moment the zygote reports a worker started (a launcher
+    stopping everything as it restarts one) ends it. The zygote ignores SIGINT and a
+    forked child inherits that until it sets its own, so a signal in that window was
+    dropped and the worker ran on until it was killed."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    started = []
+    for i in range(12):
+        sig = signal.SIGINT if i % 2 else signal.SIGTERM
+        process = workers.start(["worker", "--coordinator", "127.0.0.1:9", "--port", "0"], env)
+        process.send_signal(sig)
+        started.append((process, sig))
+    for process, sig in started:
+        code = process.wait(30)  # (SIGINT before its handlers: the default action)
+        assert code in (0, -sig), f"pid {process.pid}: exit {code} after {sig.name}"
+
+
 def test_a_listening_zygote_serves_another_launcher_and_ends_what_it_leaves(
     tmp_path: Path,
 ) -> None:
