@@ -3,6 +3,8 @@ successor (see :mod:`collectives_server.worker.transport.handoff`)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from collectives.errors import InvalidArgument, NotFound
@@ -87,15 +89,19 @@ class HandoffRpcs:
         return builds
 
     def _archive(self, model: str) -> torch.Tensor:
+        """Model ``model``'s checked archive, read into one buffer (uint8)."""
         held = self._ctx.models.peek(model)
         archive = held.definition.archive if held is not None else None
         try:
-            data = archive.read_bytes() if archive is not None else None
+            if archive is None:
+                raise FileNotFoundError
+            with archive.open("rb") as f:
+                data = bytearray(os.fstat(f.fileno()).st_size)
+                if f.readinto(data) != len(data) or not data:
+                    raise FileNotFoundError  # (replaced meanwhile)
         except FileNotFoundError:
-            data = None
-        if data is None:
-            raise NotFound(f"model {model!r} has no archive on this worker")
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            raise NotFound(f"model {model!r} has no archive on this worker") from None
+        return torch.frombuffer(data, dtype=torch.uint8)
 
     @_guard
     def HandoffTensors(
