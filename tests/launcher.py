@@ -345,7 +345,15 @@ def _stuck(pid: int) -> str:
             lines.append(f"{what} (pid {p}): gone")
             continue
         state = next((x for x in status.splitlines() if x.startswith("State:")), "State: ?")
-        lines.append(f"{what} (pid {p}): {state}")
+        threads = next((x for x in status.splitlines() if x.startswith("Threads:")), "")
+        lines.append(f"{what} (pid {p}): {state}, {threads}")
+        # Where the kernel has each thread (a process ending in the kernel has no Python).
+        for task in sorted(Path(f"/proc/{p}/task").glob("*"))[:32]:
+            with contextlib.suppress(OSError):
+                stat = (task / "stat").read_text()
+                wchan = (task / "wchan").read_text()
+                stack = (task / "stack").read_text().strip().replace("\n", " < ")
+                lines.append(f"  task {task.name}: {stat[stat.rindex(')') + 2]} {wchan} {stack}")
         if spy.exists():
             dump = subprocess.run(
                 [str(spy), "dump", "--pid", str(p)], capture_output=True, text=True, timeout=20
