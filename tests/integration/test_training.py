@@ -182,9 +182,17 @@ def test_collectives_per_all_reduce_gradients_equal_buckets(
     cluster2.data_parallel(name)(torch.randn(6, 8, generator=gen)).sum().backward()
     before = _counters(cluster2)
     cluster2.all_reduce_gradients(name, op="sum", bucket_bytes=bucket_bytes)
-    after = _counters(cluster2)
     expected = _expected_buckets(model, bucket_bytes or 25 * 1024 * 1024)
     assert expected < 50
+
+    def counted() -> list[tuple[int, int]] | None:
+        # The leader answers once it committed; a follower counts its part a moment
+        # later (its counters are not fenced as its results are).
+        now = _counters(cluster2)
+        done = all(c1 - c0 >= expected for (c0, _), (c1, _) in zip(before, now, strict=True))
+        return now if done else None
+
+    after = wait_until(counted, 10, "every rank to count the op's data collectives")
     for (c0, b0), (c1, b1) in zip(before, after, strict=True):
         assert c1 - c0 == expected  # one data collective per bucket, none per parameter
         assert b1 - b0 == expected
