@@ -29,6 +29,7 @@ from collectives._deadlines import time_left
 from collectives.errors import (
     CollectiveError,
     DeadlineExceeded,
+    FailedPrecondition,
     InvalidArgument,
     NotFound,
     Reason,
@@ -394,6 +395,22 @@ class _RemoteCall:
             "retry, or publish less often"
         )
 
+    def _raise_if_a_graph_left(self, what: str) -> None:
+        """After a backward found a worker unavailable: if a worker that ran this call's
+        forward is no longer a member (drained, or lost), its graph left with it, and
+        only running the forward again helps: say so (FailedPrecondition)."""
+        try:
+            members = {w.address for w in self.session.refresh().members}
+        except CollectiveError:
+            return  # (the coordinator cannot say: the worker's own error stands)
+        gone = [s.endpoint.address for s in self.shards if s.endpoint.address not in members]
+        if gone:
+            raise FailedPrecondition(
+                f"{what}: the forward of this call ran on {', '.join(gone)}, which is no "
+                "longer a member (drained, or lost), and its graph left with it; run the "
+                "forward again"
+            ) from None
+
     def backward(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
         if self.state.finished:
             raise InvalidArgument(
@@ -462,11 +479,13 @@ class _RemoteCall:
 
         try:
             per_worker = self.session.fan_out(what, {i: start(i) for i in range(len(self.shards))})
-        except CollectiveError:
+        except CollectiveError as err:
             # A shard whose backward never ran (its deadline passed first) still holds
             # its graph, which would block publishes until --graph-ttl-s: drop them.
             self.state.finished = False
             _release(self.state)
+            if isinstance(err, Unavailable):
+                self._raise_if_a_graph_left(what)
             raise
         result: list[torch.Tensor | None] = []
         for position, k in enumerate(self.grad_leaf_ids):
@@ -519,8 +538,12 @@ class DataParallel:
     ``dim`` in order. With autograd enabled, ``loss.backward()`` runs backward
     on the workers and accumulates parameter gradients there.
 
-    Every output is computed by one model version on every shard, never a mix
-    (see ``Cluster.publish``); :attr:`last_version` says which, per thread.
+    Every output is computed by one model version on every shard, and by one
+    load of the model, never a mix (see ``Cluster.publish``; a call that met
+    another client's ``load_model`` runs again); :attr:`last_version` says which
+    version, per thread. The remote graph of a forward stays on the workers that
+    ran it: a backward after one of them left the cluster (drained, or lost)
+    raises ``FailedPrecondition``; run the forward again.
     """
 
     def __init__(

@@ -272,6 +272,30 @@ def test_steps_running_while_drains_switch_stay_one_model(fresh_cluster, gen) ->
     assert log.count("hosted model 'steps/m' with the module built ahead") == 2
 
 
+def test_a_backward_whose_forward_ran_on_a_drained_worker_says_to_run_it_again(
+    fresh_cluster, gen
+) -> None:
+    """The graph a forward leaves on a worker is not handed over: a backward after that
+    worker was drained cannot run, and says so (not "failed to connect"); the forward
+    and backward run again, and equal torch's."""
+    _, cluster = fresh_cluster(2, "--spares", "1", *FLAGS)
+    wait_until(lambda: len(_spares(cluster)) == 1, 30, "the spare to be listed")
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    cluster.load_model("bwd/m", model, example_inputs=(torch.randn(2, 4),))
+    dp = cluster.data_parallel("bwd/m")
+    x = torch.randn(4, 4, generator=gen, requires_grad=True)
+    out = dp(x)
+    cluster.drain(cluster.workers()[1].address)
+    with pytest.raises(collectives.FailedPrecondition, match="run the forward again"):
+        out.sum().backward()
+    x.grad = None
+    dp(x).sum().backward()
+    local = x.detach().clone().requires_grad_(True)
+    model(local).sum().backward()
+    torch.testing.assert_close(x.grad, local.grad)
+
+
 def test_a_group_made_before_a_drain_works_after_it(fresh_cluster, gen) -> None:
     """The drain carries the generation over rank for rank: the workers rebuild its
     groups under the same ids, so a client's group keeps meaning the same ranks."""
