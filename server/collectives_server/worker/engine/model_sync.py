@@ -45,7 +45,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -97,11 +97,20 @@ class _Held:
     # The load_model call it came from (HostedModel.load_id).
     load_id: str = ""
 
+    @classmethod
+    def of(cls, told: dict) -> _Held:
+        """A peer's inventory entry; keys this release does not know (a newer peer's)
+        are left out, so that a rolling upgrade's mixed generation can exchange."""
+        return cls(**{k: v for k, v in told.items() if k in _HELD_FIELDS})
+
     def batching_policy(self) -> Batching | None:
         if self.batching is None:
             return None
         max_rows, max_delay_ms = self.batching
         return Batching(max_rows=int(max_rows), max_delay_ms=float(max_delay_ms))
+
+
+_HELD_FIELDS = frozenset(f.name for f in fields(_Held))
 
 
 def sync_models(
@@ -136,7 +145,7 @@ def receive_models(
             arriving,
         )
     everyone = [
-        {name: _Held(**held) for name, held in inventory.items()}
+        {name: _Held.of(held) for name, held in inventory.items()}
         for inventory in _all_gather_json(ctx, _inventory(ctx))
     ]
     arrivals: list[_Arrival] = []
