@@ -331,6 +331,8 @@ class WorkerDaemon:
         """After a refused drain: whether another worker's drain was in progress (as the
         coordinator tells it now) and, by ``deadline``, it ended with a spare live
         again, so this worker may ask once more."""
+        if time.monotonic() >= deadline:
+            return False
         try:
             now = self._coordinator.GetCluster(
                 coordinator_pb2.GetClusterRequest(),
