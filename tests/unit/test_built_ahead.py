@@ -34,7 +34,7 @@ def test_an_archive_built_ahead_is_taken_only_for_the_same_bytes(tmp_path) -> No
     uploads = _uploads(tmp_path)
     tanh, relu = _archive(nn.Tanh()), _archive(nn.ReLU())
     built = ModulesBuiltAhead()
-    model = worker_pb2.HandoffModel(name="m", archive_bytes=tanh.numel())
+    model = worker_pb2.ModelSpec(name="m", archive_nbytes=tanh.numel())
     try:
         assert built.build([model], {"m": tanh}, uploads, (), lambda: True) == ["m"]
         # The same name and parameters, another graph (a client reloaded it meanwhile).
@@ -53,7 +53,7 @@ def test_a_factory_model_is_taken_for_the_same_factory_and_arguments(tmp_path) -
     uploads = _uploads(tmp_path)
     kwargs = json.dumps({"in_features": 4, "hidden": 8, "out_features": 2, "depth": 1})
     other = json.dumps({"in_features": 4, "hidden": 16, "out_features": 2, "depth": 1})
-    model = worker_pb2.HandoffModel(name="f", factory=f"{ZOO}:mlp", kwargs_json=kwargs)
+    model = worker_pb2.ModelSpec(name="f", factory=f"{ZOO}:mlp", factory_kwargs_json=kwargs)
     built = ModulesBuiltAhead()
     try:
         assert built.build([model], {}, uploads, (ZOO,), lambda: True) == ["f"]
@@ -67,8 +67,8 @@ def test_a_factory_model_is_taken_for_the_same_factory_and_arguments(tmp_path) -
 def test_nothing_is_kept_once_the_drain_ended_or_after_clear(tmp_path) -> None:
     uploads = _uploads(tmp_path)
     tanh = _archive(nn.Tanh())
-    model = worker_pb2.HandoffModel(name="m", archive_bytes=tanh.numel())
-    refused = worker_pb2.HandoffModel(name="f", factory="os:getcwd", kwargs_json="{}")
+    model = worker_pb2.ModelSpec(name="m", archive_nbytes=tanh.numel())
+    refused = worker_pb2.ModelSpec(name="f", factory="os:getcwd", factory_kwargs_json="{}")
     built = ModulesBuiltAhead()
     try:
         # Its drain ended while it was built: dropped, its kept archive deleted.

@@ -213,20 +213,8 @@ class HandoffManifest(_message.Message):
     gradients: _containers.RepeatedCompositeFieldContainer[HandoffGradient]
     unchanged: _containers.RepeatedScalarFieldContainer[str]
     ahead_snapshot: str
-    model_builds: _containers.RepeatedCompositeFieldContainer[HandoffModel]
-    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorHeader, _Mapping]]] = ..., bulk_port: _Optional[int] = ..., total_bytes: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., gradients: _Optional[_Iterable[_Union[HandoffGradient, _Mapping]]] = ..., unchanged: _Optional[_Iterable[str]] = ..., ahead_snapshot: _Optional[str] = ..., model_builds: _Optional[_Iterable[_Union[HandoffModel, _Mapping]]] = ...) -> None: ...
-
-class HandoffModel(_message.Message):
-    __slots__ = ("name", "factory", "kwargs_json", "archive_bytes")
-    NAME_FIELD_NUMBER: _ClassVar[int]
-    FACTORY_FIELD_NUMBER: _ClassVar[int]
-    KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
-    ARCHIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
-    name: str
-    factory: str
-    kwargs_json: str
-    archive_bytes: int
-    def __init__(self, name: _Optional[str] = ..., factory: _Optional[str] = ..., kwargs_json: _Optional[str] = ..., archive_bytes: _Optional[int] = ...) -> None: ...
+    model_builds: _containers.RepeatedCompositeFieldContainer[ModelSpec]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorHeader, _Mapping]]] = ..., bulk_port: _Optional[int] = ..., total_bytes: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., gradients: _Optional[_Iterable[_Union[HandoffGradient, _Mapping]]] = ..., unchanged: _Optional[_Iterable[str]] = ..., ahead_snapshot: _Optional[str] = ..., model_builds: _Optional[_Iterable[_Union[ModelSpec, _Mapping]]] = ...) -> None: ...
 
 class HandoffGradient(_message.Message):
     __slots__ = ("model", "header")

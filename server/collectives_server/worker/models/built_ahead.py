@@ -57,7 +57,7 @@ class ModulesBuiltAhead:
 
     def build(
         self,
-        builds: Iterable[worker_pb2.HandoffModel],
+        builds: Iterable[worker_pb2.ModelSpec],
         archives: dict[str, torch.Tensor],
         uploads: ModelUploads,
         allowed_factories: tuple[str, ...],
@@ -75,7 +75,7 @@ class ModulesBuiltAhead:
                 if b.factory:
                     limit = uploads.config.max_bytes
                     module = build_from_factory(
-                        b.factory, b.kwargs_json, allowed_factories, max_bytes=limit
+                        b.factory, b.factory_kwargs_json, allowed_factories, max_bytes=limit
                     )
                     made = BuiltModule(module, None)
                 else:
@@ -86,7 +86,7 @@ class ModulesBuiltAhead:
             if not still_wanted():  # (its drain ended meanwhile)
                 _discard(made)
                 break
-            key = _key(b.factory, b.kwargs_json, None if b.factory else archive)
+            key = _key(b.factory, b.factory_kwargs_json, None if b.factory else archive)
             with self._lock:
                 replaced = self._built.get(key)
                 self._built[key] = made

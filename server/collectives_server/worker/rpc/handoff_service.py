@@ -67,7 +67,7 @@ class HandoffRpcs:
             manifest.total_bytes += header.nbytes
         return manifest
 
-    def _model_builds(self) -> list[worker_pb2.HandoffModel]:
+    def _model_builds(self) -> list[worker_pb2.ModelSpec]:
         builds = []
         for model in self._ctx.models.all():
             d = model.definition
@@ -79,11 +79,11 @@ class HandoffRpcs:
                 archive = 0
             if d.factory or archive:
                 builds.append(
-                    worker_pb2.HandoffModel(
+                    worker_pb2.ModelSpec(
                         name=model.name,
                         factory=d.factory,
-                        kwargs_json=d.kwargs_json,
-                        archive_bytes=archive,
+                        factory_kwargs_json=d.kwargs_json,
+                        archive_nbytes=archive,
                     )
                 )
         return builds

@@ -216,7 +216,7 @@ class HandoffCopy:
     snapshot: str = ""  # a copy ahead: the drained worker's snapshot it is of
     # A copy ahead: how the drained worker's models are built, and each exported one's
     # archive by model (models.built_ahead builds them before the seal).
-    model_builds: list[worker_pb2.HandoffModel] = field(default_factory=list)
+    model_builds: list[worker_pb2.ModelSpec] = field(default_factory=list)
     archives: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def result(self, generation_after: int) -> coordinator_pb2.HandoffResult:
@@ -294,9 +294,9 @@ def copy_from(
         wanted = [item_of(name=header.name) for header in manifest.tensors]
         wanted += [item_of(model=g.model, name=g.header.name) for g in manifest.gradients]
         sizes = [h.nbytes for h in manifest.tensors] + [g.header.nbytes for g in manifest.gradients]
-        archived = [b for b in manifest.model_builds if b.archive_bytes]
+        archived = [b for b in manifest.model_builds if b.archive_nbytes]
         wanted += [item_of(model=b.name, archive=True) for b in archived]
-        sizes += [b.archive_bytes for b in archived]
+        sizes += [b.archive_nbytes for b in archived]
         with _BulkReader(address, manifest.bulk_port, client_context(security)) as reader:
             tickets = _Tickets(sizes, lambda first, end: answers_of(wanted[first:end]))
             for i, item in enumerate(wanted):
