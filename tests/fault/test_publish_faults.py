@@ -200,3 +200,22 @@ def test_a_publish_whose_follower_is_killed_mid_broadcast_never_mixes(fault_clus
     # op timeout, which 256 MiB on a loaded two-core machine may outrun: seen in CI).
     assert client.publish("big", newer, timeout=120) == expected + 1
     assert _check_serving(client, "big", newer, BIG) == expected + 1
+
+
+def test_a_publish_longer_than_two_op_timeouts_waits_as_long_as_its_caller_allows(
+    fault_cluster,
+) -> None:
+    # 256 MiB in 16 MiB buckets, each its own collective well within the op timeout;
+    # the whole publish outlasts two op timeouts, and its caller gave it 120 s.
+    op_timeout_s = 0.25
+    cluster = fault_cluster(
+        2, 2, worker_args=WORKER_ARGS, lease_s=BIG_LEASE_S, op_timeout_s=op_timeout_s
+    )
+    client = cluster.client
+    client.load_model("big", factory=f"{ZOO}:mlp", kwargs=BIG)
+    fresh = _random_state(model_zoo.mlp(**BIG).state_dict(), torch.Generator().manual_seed(11))
+    started = time.monotonic()
+    assert client.publish("big", fresh, timeout=120) == 2
+    took = time.monotonic() - started
+    log.info("the publish took %.1f s against a %.2f s op timeout", took, op_timeout_s)
+    assert _check_serving(client, "big", fresh, BIG) == 2

@@ -26,7 +26,7 @@ from collectives_server.worker.engine.op_context import GroupEntry, OpResult
 if TYPE_CHECKING:
     from collectives_server.worker.engine.generation import Generation
 
-__all__ = ["Leader", "collective_response", "group_of"]
+__all__ = ["Leader", "call_budget", "collective_response", "group_of"]
 
 
 class Leader:
@@ -64,11 +64,7 @@ class Leader:
         """Admits ``desc`` on the leader and waits within the call's deadline."""
         if options.reissued_from:
             self._ctx.stats.op_reissued()
-        budget = self._ctx.op_timeout_s * 2
-        for limit in (context.time_remaining(), options.timeout_s or None):
-            if limit is not None:
-                budget = min(budget, limit)
-        budget = max(budget, 0.0)
+        budget = max(call_budget(context, options, self._ctx.op_timeout_s), 0.0)
         ticket = generation.submit(
             desc,
             budget,
@@ -92,6 +88,15 @@ class Leader:
             raise DeadlineExceeded(
                 f"{what} still running after {budget:.1f}s; it may still complete"
             ) from None
+
+
+def call_budget(context: CallContext, options: worker_pb2.OpOptions, op_timeout_s: float) -> float:
+    """How long the leader waits for an op: as long as its caller allows (the call's
+    deadline, and the request's ``timeout_s``, the shorter), since an op made of
+    several collectives (a publish's buckets) may rightly outlast one op timeout;
+    twice the op timeout only for a call that carries neither."""
+    limits = [t for t in (context.time_remaining(), options.timeout_s or None) if t is not None]
+    return min(limits) if limits else 2 * op_timeout_s
 
 
 def group_of(generation: Generation, group_id: int) -> GroupEntry:
