@@ -197,8 +197,16 @@ class _RemoteCall:
                 # unavailable (it stopped, or was drained: its rank moved) runs again,
                 # placed anew or split over the members the view now has. So does one
                 # that a worker cut short before this call's deadline (a stopping
-                # worker's server cancels the calls it still runs: CANCELLED).
-                if grad_on or not failed or err.reason == Reason.VERSION_MOVED:
+                # worker's server cancels the calls it still runs: CANCELLED). With
+                # autograd, only one that a worker refused before running it (a
+                # drained rank takes no graph), when the shards that ran changed
+                # nothing the rerun would change again (no batch statistics in train
+                # mode); their graphs were released.
+                rerun = not grad_on or (
+                    err.executed is False
+                    and not (self.batch_statistics and self.mode != worker_pb2.MODEL_MODE_EVAL)
+                )
+                if not rerun or not failed or err.reason == Reason.VERSION_MOVED:
                     raise
                 if isinstance(err, DeadlineExceeded) and time.monotonic() >= self.deadline:
                     raise
@@ -229,7 +237,8 @@ class _RemoteCall:
             serving = [w for w in members if w.worker_id not in lacking]
             if serving:
                 return serving, len(serving) < len(members)
-        snapshot = self.session.serving_snapshot(self.deadline)
+        grad_on = torch.is_grad_enabled()
+        snapshot = self.session.serving_snapshot(self.deadline, retains_graphs=grad_on)
         return snapshot.members, False
 
     def _forward_once(

@@ -13,6 +13,7 @@ import threading
 import urllib.request
 from collections.abc import Iterator
 
+import grpc
 import pytest
 import torch
 from helpers import assert_tensor, get_each, put_each, reduce_oracle, wait_until
@@ -22,7 +23,9 @@ from torch import nn
 from torch.nn import functional
 
 import collectives
+from collectives.errors import from_rpc_error
 from collectives.observe.status_tables import format_table
+from collectives.v1 import worker_pb2, worker_pb2_grpc
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -272,13 +275,81 @@ def test_steps_running_while_drains_switch_stay_one_model(fresh_cluster, gen) ->
     assert log.count("hosted model 'steps/m' with the module built ahead") == 2
 
 
-def test_a_backward_whose_forward_ran_on_a_drained_worker_says_to_run_it_again(
+def test_a_client_training_with_backward_goes_on_across_drains(fresh_cluster, gen) -> None:
+    """A client trains as with ``nn.DataParallel`` (``dp(x)``, ``loss.backward()`` on the
+    workers, ``all_reduce_gradients``, ``step``, ``zero_grad``) without pause while
+    another drains each member in turn. A forward's graph stays on the worker that ran
+    it, so the drained worker waits for the backward of each graph it holds before
+    the switch, and the client's next forward waits for the switch: no call fails,
+    and every step's loss equals the one torch computes locally."""
+    local_cluster, cluster = fresh_cluster(2, "--spares", "1", *FLAGS)
+    wait_until(lambda: len(_spares(cluster)) == 1, 30, "the spare to be listed")
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3))
+    local = copy.deepcopy(model)
+    local_opt = torch.optim.SGD(local.parameters(), lr=0.05)
+    cluster.load_model("dpbwd/m", model, example_inputs=(torch.randn(4, 6),))
+    x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
+    losses: list[float] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def train() -> None:
+        with collectives.connect(local_cluster.address, timeout=60) as trainer:
+            dp = trainer.data_parallel("dpbwd/m", timeout=60)
+            while not stop.is_set() and len(losses) < _MAX_STEPS:
+                try:
+                    loss = functional.mse_loss(dp(x), y)
+                    loss.backward()
+                    trainer.all_reduce_gradients("dpbwd/m", timeout=60)
+                    trainer.step("dpbwd/m", optimizer="sgd", lr=0.05, timeout=60)
+                    trainer.zero_grad("dpbwd/m", timeout=60)
+                except BaseException as exc:  # the test's finding
+                    errors.append(exc)
+                    return
+                losses.append(float(loss.detach()))
+
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+    wanted: list[int] = []  # the steps each drain needs the client to have taken after it
+    try:
+        for rank in (1, 0):
+            wait_until(lambda: len(losses) >= 3 or errors, 60, "steps before the drain")
+            wait_until(lambda: len(_spares(cluster)) == 1, 60, "a live spare")
+            member = next(w for w in cluster.workers() if w.rank == rank)
+            cluster.drain(member.worker_id, timeout=60)
+            wanted.append(len(losses) + 3)
+            wait_until(
+                lambda: len(losses) >= wanted[-1] or errors or not thread.is_alive(),
+                60,
+                "steps after the drain",
+            )
+    finally:
+        stop.set()
+        thread.join(120)
+    assert not thread.is_alive(), "the training client did not stop"
+    assert errors == [], errors
+    assert len(losses) >= wanted[-1], f"the client stopped at its bound ({len(losses)} steps)"
+    for step, remote in enumerate(losses):
+        local_opt.zero_grad()
+        loss = functional.mse_loss(local(x), y)
+        loss.backward()
+        local_opt.step()
+        assert remote == pytest.approx(float(loss.detach()), rel=1e-3, abs=1e-6), f"step {step}"
+    states = [cluster.state_dict("dpbwd/m", rank=r) for r in range(cluster.world_size)]
+    for key, value in local.state_dict().items():
+        torch.testing.assert_close(states[0][key], value, rtol=1e-3, atol=1e-5)
+        assert torch.equal(states[0][key], states[1][key]), f"{key}: the replicas differ"
+
+
+def test_a_drain_waits_for_the_backward_of_a_forward_on_the_drained_worker(
     fresh_cluster, gen
 ) -> None:
-    """The graph a forward leaves on a worker is not handed over: a backward after that
-    worker was drained cannot run, and says so (not "failed to connect"); the forward
-    and backward run again, and equal torch's."""
-    _, cluster = fresh_cluster(2, "--spares", "1", *FLAGS)
+    """A forward's graph stays on the worker that ran it and cannot move: the drain of
+    that worker waits for the backward (the current generation serving meanwhile),
+    whose gradients then move with the rank. The backward succeeds, and the reduced
+    gradients and the input's gradient equal torch's full-batch ones."""
+    local_cluster, cluster = fresh_cluster(2, "--spares", "1", *FLAGS)
     wait_until(lambda: len(_spares(cluster)) == 1, 30, "the spare to be listed")
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
@@ -286,7 +357,65 @@ def test_a_backward_whose_forward_ran_on_a_drained_worker_says_to_run_it_again(
     dp = cluster.data_parallel("bwd/m")
     x = torch.randn(4, 4, generator=gen, requires_grad=True)
     out = dp(x)
-    cluster.drain(cluster.workers()[1].address)
+    drained, before = cluster.workers()[1], cluster.refresh().generation
+    reports: list[collectives.DrainReport] = []
+    drainer = threading.Thread(
+        target=lambda: reports.append(cluster.drain(drained.worker_id, timeout=60)), daemon=True
+    )
+    drainer.start()
+    try:
+        wait_until(
+            lambda: (d := cluster.refresh().drain) is not None and d.preparing,
+            30,
+            "the drain to prepare",
+        )
+        log, ready = local_cluster.log_path, f"ready for generation {before + 1} (prepared ahead)"
+        wait_until(
+            lambda: log.read_text(errors="replace").count(ready) == 2,
+            30,
+            "the member and the successor to be ready",
+        )
+        # The graph on the drained worker holds the seal back.
+        assert cluster.refresh().generation == before and cluster.snapshot().drain is not None
+        out.sum().backward()
+    finally:
+        drainer.join(60)
+    assert reports and not reports[0].error and reports[0].worker_id == drained.worker_id
+    cluster.all_reduce_gradients("bwd/m")
+    local = x.detach().clone().requires_grad_(True)
+    model(local).sum().backward()
+    torch.testing.assert_close(x.grad, local.grad)
+    grads = cluster.gradients("bwd/m", rank=1)  # the successor's, now rank 1's
+    for key, param in model.named_parameters():
+        torch.testing.assert_close(grads[key], param.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_backward_held_past_the_drains_preparation_says_to_run_it_again(
+    fresh_cluster, gen
+) -> None:
+    """A client that holds a forward's outputs without a backward does not stop a drain
+    for longer than its preparation may take; the backward after it cannot run on the
+    drained worker, and says so (not "failed to connect"); the forward and backward
+    run again, and equal torch's."""
+    local_cluster, cluster = fresh_cluster(
+        2, "--spares", "1", "--drain-prepare-s", HELD_PREPARE_S, *FLAGS
+    )
+    wait_until(lambda: len(_spares(cluster)) == 1, 30, "the spare to be listed")
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    cluster.load_model("bwd/m", model, example_inputs=(torch.randn(2, 4),))
+    dp = cluster.data_parallel("bwd/m")
+    x = torch.randn(4, 4, generator=gen, requires_grad=True)
+    out = dp(x)
+    drained = cluster.workers()[1]
+    report = cluster.drain(drained.address)
+    assert not report.error
+    late = [
+        line
+        for line in local_cluster.log_path.read_text(errors="replace").splitlines()
+        if f"not prepared in {HELD_PREPARE_S} s" in line
+    ]
+    assert late and drained.worker_id in late[-1], late
     with pytest.raises(collectives.FailedPrecondition, match="run the forward again"):
         out.sum().backward()
     x.grad = None
@@ -409,6 +538,52 @@ def test_forwards_placed_by_load_run_on_the_other_members_while_a_rank_is_handed
     with torch.no_grad():
         x = torch.randn(5, 6, generator=gen)
         torch.testing.assert_close(dp(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_forward_with_autograd_during_a_handoff_runs_after_it_never_on_the_drained_rank(
+    fresh_cluster, gen
+) -> None:
+    """While a drain hands rank 1 over (held open by stopping the spare), the drained
+    worker refuses a forward with autograd before running it (a graph made there could
+    not move; UNAVAILABLE, not executed), and a client's dp(x) with autograd waits for
+    the handoff, then runs on the successor: its backward succeeds and equals torch's."""
+    _, cluster = fresh_cluster(2, "--spares", "1", "--heartbeat", "0.2", "--lease", "8",
+                               "--devices", "cpu", "--drain-prepare-s", HELD_PREPARE_S)  # fmt: skip
+    wait_until(lambda: len(_spares(cluster)) == 1, 30, "the spare to be listed")
+    (spare,) = _spares(cluster)
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2))
+    cluster.load_model("gate/m", model, example_inputs=(torch.randn(2, 5),))
+    dp = cluster.data_parallel("gate/m", timeout=60)
+    x = torch.randn(6, 5, generator=gen, requires_grad=True)
+    drained = cluster.workers()[1]
+    outcome: list[BaseException | None] = []
+
+    def train_once() -> None:
+        try:
+            dp(x).sum().backward()
+            outcome.append(None)
+        except BaseException as exc:  # the test's finding
+            outcome.append(exc)
+
+    with _drain_held_open(cluster, spare, drained.address):
+        with grpc.insecure_channel(drained.address) as channel:
+            request = worker_pb2.ForwardRequest(
+                model="gate/m", call_id="__dp/refused", grad_enabled=True
+            )
+            with pytest.raises(grpc.RpcError) as refused:
+                worker_pb2_grpc.WorkerStub(channel).Forward(request, timeout=10)
+        err = from_rpc_error(refused.value)
+        assert isinstance(err, collectives.Unavailable) and err.executed is False, err
+        assert "drained" in err.message
+        trainer = threading.Thread(target=train_once, daemon=True)
+        trainer.start()
+    trainer.join(60)
+    assert outcome == [None], outcome
+    local = x.detach().clone().requires_grad_(True)
+    model(local).sum().backward()
+    torch.testing.assert_close(x.grad, local.grad)
+    assert drained.worker_id not in {w.worker_id for w in cluster.refresh().members}
 
 
 def test_a_collective_issued_during_a_handoff_waits_at_its_leader_and_runs_after_it(

@@ -34,14 +34,14 @@ def cluster(
 
 
 def drain(m: Membership, now: float, worker: str, **kwargs: object) -> Outcome:
-    """``m.drain``, then every member of the generation it prepares says it is ready
-    (the last one seals it); a shrink is sealed at once."""
+    """``m.drain``, then every member of the generation it prepares and the drained
+    worker say they are ready (the last one seals it); a shrink is sealed at once."""
     outcome = m.drain(now, worker, **kwargs)  # type: ignore[arg-type]
     h = m.handoff
     if h is None or not h.preparing:
         return outcome
     digest = membership_digest(h.planned)
-    for w in h.planned:
+    for w in (h.drained, *h.planned):
         outcome = m.heartbeat(
             now, w, prepared_generation=h.generation_after, prepared_digest=digest
         )
@@ -69,15 +69,19 @@ def test_a_drain_prepares_the_next_generation_then_seals_it_when_all_are_ready()
     assert m.ready, "the current generation serves while the next one is prepared"
     digest = membership_digest(h.planned)
     # Readiness for another generation, for another membership of it (another drain's),
-    # or from a worker not in the plan, counts nothing.
+    # or from a worker neither in the plan nor drained, counts nothing.
     m.heartbeat(1.1, a, prepared_generation=before + 2, prepared_digest=digest)
     m.heartbeat(1.1, a, prepared_generation=before + 1, prepared_digest=membership_digest([a, b]))
-    m.heartbeat(1.1, b, prepared_generation=before + 1, prepared_digest=digest)
+    m.heartbeat(1.1, b, prepared_generation=before + 1, prepared_digest=membership_digest([a]))
     assert m.handoff.prepared == ()
     m.heartbeat(1.1, a, prepared_generation=before + 1, prepared_digest=digest)
     m.heartbeat(1.2, c, prepared_generation=before + 1, prepared_digest=digest)
     assert m.generation == before and m.handoff.prepared == (a, c)
-    outcome = m.heartbeat(1.3, spare, prepared_generation=before + 1, prepared_digest=digest)
+    m.heartbeat(1.25, spare, prepared_generation=before + 1, prepared_digest=digest)
+    # Every planned member is ready; the drained worker is not yet (a forward's graph
+    # there still awaits its backward): no seal until it is.
+    assert m.generation == before and not m.tick(1.26).sealed
+    outcome = m.heartbeat(1.3, b, prepared_generation=before + 1, prepared_digest=digest)
     assert outcome.sealed and m.generation == before + 1 and m.members == (a, spare, c)
     assert m.handoff is not None and not m.handoff.preparing and m.handoff.formed_ahead
     # The record says so, for a worker that never sees the message of the seal.
@@ -97,9 +101,26 @@ def test_a_drain_seals_its_generation_when_preparing_takes_too_long() -> None:
     assert not m.tick(2.9).sealed and m.generation == before
     outcome = m.tick(3.0)
     assert outcome.sealed and m.members == (a, spare, c)
-    assert f"not prepared in 2 s: {sorted([a, c])}" in outcome.reason
+    assert f"not prepared in 2 s: {sorted([a, b, c])}" in outcome.reason
     assert m.handoff is not None and not m.handoff.preparing and not m.handoff.formed_ahead
     assert m.view(3.0).history[-1].formed_ahead == ""
+
+
+def test_a_drained_worker_not_ready_by_the_bound_delays_the_seal_no_further() -> None:
+    """A forward's graph held on the drained worker past the preparation's bound (its
+    client never ran the backward) does not stop the drain: the generation is sealed
+    then, with the groups formed ahead (every planned member was ready)."""
+    m, (a, b, c, spare) = cluster()
+    before = m.generation
+    m.drain(1.0, b, timeout_s=4.0)
+    assert m.handoff is not None
+    digest = membership_digest(m.handoff.planned)
+    for w in (a, c, spare):
+        m.heartbeat(1.1, w, prepared_generation=before + 1, prepared_digest=digest)
+    assert not m.tick(2.9).sealed
+    outcome = m.tick(3.0)
+    assert outcome.sealed and f"not prepared in 2 s: {[b]}" in outcome.reason
+    assert m.handoff is not None and m.handoff.formed_ahead
 
 
 def test_a_member_lost_while_preparing_calls_the_drain_off_before_any_seal() -> None:

@@ -218,11 +218,12 @@ def test_a_drain_being_prepared_survives_a_takeover() -> None:
     leader.drain(0.1, a, timeout_s=4.0)
     digest = membership_digest([spare, b])
     leader.heartbeat(0.2, b, prepared_generation=generation + 1, prepared_digest=digest)
+    leader.heartbeat(0.2, a, prepared_generation=generation + 1, prepared_digest=digest)
     doc = export_state(leader, leases, now=0.3, unix_now=UNIX_ZERO + 0.3)
     successor = _new(2, 2)
     restore_state(doc, successor, leases, now=10.0, unix_now=UNIX_ZERO + 0.5)
     h = successor.handoff
-    assert h is not None and h.preparing and (h.planned, h.prepared) == ((spare, b), (b,))
+    assert h is not None and h.preparing and (h.planned, h.prepared) == ((spare, b), (b, a))
     assert h.prepare_by == pytest.approx(10.0 + (0.1 + 2.0 - 0.5), abs=1e-3)
     successor.resume(10.0, "took over")
     assert successor.generation == generation

@@ -157,9 +157,10 @@ class Session(Protocol):
         """A formed snapshot for sending an op to the leader, preferably a ready one."""
         ...
 
-    def serving_snapshot(self, deadline: float) -> ClusterSnapshot:
+    def serving_snapshot(self, deadline: float, *, retains_graphs: bool = False) -> ClusterSnapshot:
         """A formed snapshot for calls to the members that need what they host (models):
-        after a drain, one whose members have joined (the successor has the models)."""
+        after a drain, one whose members have joined (the successor has the models);
+        with ``retains_graphs`` (a forward with autograd), none while a drain runs."""
         ...
 
     def refresh_after_failure(self, deadline: float) -> None:
@@ -435,7 +436,7 @@ class ClusterSession:
             snapshot = self.formed_snapshot(deadline)
         return snapshot
 
-    def serving_snapshot(self, deadline: float) -> ClusterSnapshot:
+    def serving_snapshot(self, deadline: float, *, retains_graphs: bool = False) -> ClusterSnapshot:
         """A formed snapshot whose members host what the cluster hosts.
 
         While a drain hands a rank over, and until the members have joined the
@@ -443,9 +444,17 @@ class ClusterSession:
         (it gets them from its peers as it joins). So then wait (for at most half
         the time left) until the drain has ended and the members are ready; other
         views are used as they are.
+
+        A forward with autograd (``retains_graphs``) leaves its graph on the workers
+        until its backward, and a graph cannot move with a drained rank: such a
+        forward also waits while a drain prepares, so that the drained worker's
+        graphs end (it waits for their backwards) and no new one is made there.
         """
         snapshot = self.formed_snapshot(deadline)
-        if not snapshot.ready and (snapshot.drain is not None or _drained_into(snapshot)):
+        draining = snapshot.drain is not None
+        if (retains_graphs and draining) or (
+            not snapshot.ready and (draining or _drained_into(snapshot))
+        ):
             self._membership.wait_until(
                 lambda s: s.ready and s.drain is None, READY_WAIT_FRACTION * _left(deadline)
             )

@@ -173,32 +173,34 @@ class DrainRules:
 
     def prepared(self, worker_id: str, generation: int, digest: str) -> bool:
         """Notes that ``worker_id`` is ready to switch to ``generation`` of membership
-        ``digest``, the one the pending drain prepares; whether this made every planned
-        member ready."""
+        ``digest``, the one the pending drain prepares (a planned member: its groups
+        formed ahead; the drained worker: no forward's graph awaits its backward
+        there); whether this made every one of them ready."""
         h = self._handoff
         if (
             h is None
             or not h.preparing
             or generation != h.generation_after
             or digest != membership_digest(h.planned)
-            or worker_id not in h.planned
+            or (worker_id not in h.planned and worker_id != h.drained)
             or worker_id in h.prepared
         ):
             return False
         self._handoff = dataclasses.replace(h, prepared=(*h.prepared, worker_id))
-        return len(self._handoff.prepared) == len(h.planned)
+        return not _not_prepared(self._handoff)
 
     def _seal_prepared(self, now: float) -> str:
-        """Seals the generation the pending drain prepares once every planned member is
-        ready or its bound passed; the decision ("" while it still prepares)."""
+        """Seals the generation the pending drain prepares once every planned member and
+        the drained worker are ready, or its bound passed; the decision ("" while it
+        still prepares)."""
         h = self._handoff
         assert h is not None and h.preparing
-        complete = len(h.prepared) == len(h.planned)
-        if not complete and now < h.prepare_by:
+        late = _not_prepared(h)
+        if late and now < h.prepare_by:
             return ""
-        late = sorted(set(h.planned) - set(h.prepared))
+        complete = set(h.planned) <= set(h.prepared)  # every group formed ahead
         why = f"drain of {h.drained}: rank {h.rank} to spare {h.successor}" + (
-            "" if complete else f" (not prepared in {h.prepare_by - h.started_at:g} s: {late})"
+            f" (not prepared in {h.prepare_by - h.started_at:g} s: {late})" if late else ""
         )
         decision = self._seal(list(h.planned), why)
         assert self._generation == h.generation_after, "a seal came between (decisions wait)"
@@ -364,3 +366,9 @@ class DrainRules:
         if now >= h.deadline:
             return f"the handoff did not end within {h.deadline - h.started_at:g} s"
         return ""
+
+
+def _not_prepared(h: Handoff) -> list[str]:
+    """Who the drain still waits for before its seal: planned members not ready, and
+    the drained worker while forwards' graphs there await their backward."""
+    return sorted({*h.planned, h.drained} - set(h.prepared))

@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 # The successor's copy may take this many op timeouts (the coordinator's own
 # deadline, 4 op timeouts by default, calls the drain off first when shorter).
 _COPY_OP_TIMEOUTS = 4
+# After the seal, the drained worker waits at most this long for the backward of a
+# forward that reached it after it said it was ready.
+_LATE_GRAPH_WAIT_S = 2.0
 
 
 def pending_handoff(cluster: coordinator_pb2.Cluster) -> coordinator_pb2.Handoff | None:
@@ -94,6 +97,9 @@ class DrainRole:
         self._prepared: tuple[int, str] = (0, "")
         # The successor's copy ahead, until the seal's copy takes what did not change.
         self._ahead_copy: tuple[int, HandoffCopy] | None = None
+        # The drained worker: the graphs whose backward it stopped waiting for while
+        # the drain prepared (their clients hold them without a backward).
+        self._graphs_left: frozenset[str] = frozenset()
 
     @property
     def result(self) -> coordinator_pb2.HandoffResult | None:
@@ -122,27 +128,35 @@ class DrainRole:
         host: str | None,
     ) -> None:
         """While ``handoff`` prepares its generation (once per generation): the drained
-        worker offers what it holds to the copy ahead; a member of that generation
-        forms its groups ahead (through ``connect_store`` of the store it meets at),
-        the successor also takes the copy ahead; then each says it is ready."""
+        worker offers what it holds to the copy ahead, and says it is ready once no
+        forward's graph there awaits its backward; a member of that generation forms
+        its groups ahead (through ``connect_store`` of the store it meets at), the
+        successor also takes the copy ahead; then each says it is ready."""
         generation, drain = handoff.generation_after, drain_id(handoff)
         with self._lock:
             if self._preparing_drain == drain:
                 return
             self._preparing, self._preparing_drain = generation, drain
             self._prepared, self._ahead_copy = (0, ""), None
+            self._graphs_left = frozenset()
         me = self._ctx.worker_id
-        if me == handoff.drained_id:
-            self._ctx.handoff.offer_ahead(generation, self._ctx.store.contents(), drain)
-            return
         members = sorted((w for w in cluster.workers if w.rank >= 0), key=lambda w: w.rank)
         planned = [w.worker_id for w in members]
         if not 0 <= handoff.rank < len(planned):
             return
         planned[handoff.rank] = handoff.successor_id
+        digest = membership_digest(planned)
+        if me == handoff.drained_id:
+            self._ctx.handoff.offer_ahead(generation, self._ctx.store.contents(), drain)
+            threading.Thread(
+                target=self._ready_once_graphs_end,
+                args=(generation, drain, digest),
+                name="handoff-graphs",
+                daemon=True,
+            ).start()
+            return
         if me not in planned or not handoff.store_address:
             return
-        digest = membership_digest(planned)
         key = AheadKey(generation, digest, planned.index(me), len(planned), handoff.drain_id)
         waiting = {"groups", "copy"} if me == handoff.successor_id else {"groups"}
 
@@ -216,6 +230,28 @@ class DrainRole:
             log.info("drain: built models %s ahead", built)
         done()
 
+    def _ready_once_graphs_end(self, generation: int, drain: str, digest: str) -> None:
+        """The drained worker, while its drain prepares: ready to switch once no forward's
+        graph here awaits its backward (a graph cannot move; the gradients its backward
+        leaves move with the rank). Clients hold new forwards with autograd while a
+        drain prepares, so the graphs end as their backwards come; one a client holds
+        without a backward delays the seal until the drain's preparation bound."""
+        left = self._ctx.models.await_graphs_ended(self._ctx.op_timeout_s)
+        with self._lock:
+            if self._preparing_drain != drain:
+                return
+            self._prepared = (generation, digest)
+            self._graphs_left = frozenset(left)
+        if left:
+            log.warning(
+                "drain: %d forwards' graphs still await their backward after %g s; "
+                "their backward will fail once the rank is handed over",
+                len(left),
+                self._ctx.op_timeout_s,
+            )
+        log.info("drain: ready for generation %d (no graph awaits its backward)", generation)
+        self._wake_heartbeat()
+
     def _copied(self, nbytes: int) -> None:
         with self._lock:
             self._bytes_copied = nbytes
@@ -249,6 +285,7 @@ class DrainRole:
             took_part, self._generation_after, self._result = self._generation_after, 0, None
             prepared, self._preparing, self._preparing_drain = self._preparing, 0, None
             self._bytes_copied, self._prepared = 0, (0, "")
+            self._graphs_left = frozenset()
             staged, self._staged = self._staged, None
             self._ahead_copy = None
         self.ahead.drop()  # (formed for a drain called off while it prepared)
@@ -299,7 +336,8 @@ class DrainRole:
         )
 
     def _offer(self, handoff: coordinator_pb2.Handoff, retired: Generation | None) -> None:
-        """The drained worker: once its last op ended, close the store and offer it."""
+        """The drained worker: once its last op ended, and the backward of each forward
+        that reached it since it said it was ready, close the store and offer it."""
         wait_s = self._ctx.op_timeout_s
         if retired is not None and not retired.wait_ended(wait_s):
             log.error(
@@ -308,6 +346,18 @@ class DrainRole:
                 wait_s,
             )
             return
+        with self._lock:
+            known = self._graphs_left
+        # (From a client whose view had not shown the drain yet: its backward is a
+        # training step away, and every op of the cluster waits for the switch meanwhile.)
+        late = self._ctx.models.await_graphs_ended(_LATE_GRAPH_WAIT_S, but=known) - known
+        if late:
+            log.warning(
+                "drain: %d forwards that came after the drain prepared still await their "
+                "backward after %g s; handing the rank over without them",
+                len(late),
+                _LATE_GRAPH_WAIT_S,
+            )
         to = handoff.successor_address or "nobody (the cluster shrinks)"
         with self._lock:  # (settle, which ends the handoff, takes it too)
             if self._generation_after != handoff.generation_after:

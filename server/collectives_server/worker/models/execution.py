@@ -259,6 +259,17 @@ def backward(
 ) -> worker_pb2.BackwardResponse:
     started = time.perf_counter()
     model = registry.get(request.model)
+    with registry.backward_running():
+        return _backward(registry, model, store, request, started)
+
+
+def _backward(
+    registry: ModelRegistry,
+    model: HostedModel,
+    store: TensorStore,
+    request: worker_pb2.BackwardRequest,
+    started: float,
+) -> worker_pb2.BackwardResponse:
     call_id = request.call_id
     try:
         with model.lock:
@@ -323,4 +334,7 @@ def release(registry: ModelRegistry, store: TensorStore, model_name: str, call_i
     if model is None:
         return False
     with model.lock:
-        return model.graphs.pop(call_id, None) is not None
+        released = model.graphs.pop(call_id, None) is not None
+    if released:
+        registry.graph_ended()
+    return released

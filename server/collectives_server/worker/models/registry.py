@@ -6,17 +6,22 @@ checked against an allowlist in :mod:`archive` and loaded by
 or are built by a server-side factory that the operator allowed with
 ``--allow-factory pkg.module``. A forward run with autograd keeps its graph
 until the client's backward, an explicit release, or ``graph_ttl_s`` — so a
-client that never calls backward cannot leak a worker's memory.
+client that never calls backward cannot leak a worker's memory. A drained worker
+waits for the graphs it holds to end (:meth:`ModelRegistry.await_graphs_ended`)
+before it hands its rank over: a graph cannot move, the gradients its backward
+leaves can.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
 import importlib
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -414,6 +419,10 @@ class ModelRegistry:
         # Models a peer is sending this rank (model_sync): set once hosted or given up.
         self._pending: dict[str, threading.Event] = {}
         self._lock = threading.Lock()
+        # Notified when a retained graph ends (its backward finished, it was released or
+        # expired, its model went); counts the backwards running.
+        self._graphs_ended = threading.Condition()
+        self._backwards_running = 0
 
     def add(
         self,
@@ -466,6 +475,8 @@ class ModelRegistry:
         if reservation is None:
             for r in held:
                 r.release()
+        if replaced is not None:
+            self.graph_ended()
         return hosted
 
     def _reserve(self, name: str, module: nn.Module) -> Reservation | None:
@@ -542,6 +553,7 @@ class ModelRegistry:
             reservations = self._reservations.pop(name, [])
         if model is not None:
             _retire(model)
+            self.graph_ended()
         for reservation in reservations:
             reservation.release()
         return removed
@@ -556,6 +568,38 @@ class ModelRegistry:
 
     def graphs_retained(self) -> int:
         return sum(len(m.graphs) for m in self.all())
+
+    def graph_ended(self) -> None:
+        """Wakes :meth:`await_graphs_ended`: a graph was released, expired or retired."""
+        with self._graphs_ended:
+            self._graphs_ended.notify_all()
+
+    @contextlib.contextmanager
+    def backward_running(self) -> Iterator[None]:
+        """Counts a backward from taking its graph until its gradients are accumulated
+        (or it failed): until then its graph has not ended."""
+        with self._graphs_ended:
+            self._backwards_running += 1
+        try:
+            yield
+        finally:
+            with self._graphs_ended:
+                self._backwards_running -= 1
+                self._graphs_ended.notify_all()
+
+    def await_graphs_ended(self, timeout_s: float, but: frozenset[str] = frozenset()) -> set[str]:
+        """Waits up to ``timeout_s`` until every forward's graph retained here, the call
+        ids in ``but`` aside, has ended and no backward runs; the call ids still
+        retained then (``but``'s included)."""
+
+        def retained() -> set[str]:
+            return {call_id for m in self.all() for call_id in list(m.graphs)}
+
+        with self._graphs_ended:
+            self._graphs_ended.wait_for(
+                lambda: not self._backwards_running and retained() <= but, timeout_s
+            )
+        return retained()
 
     def expire_graphs(self, now: float | None = None) -> int:
         """Drops graphs whose backward never came within ``graph_ttl_s``."""
@@ -575,4 +619,6 @@ class ModelRegistry:
                     dropped += 1
             finally:
                 model.lock.release()
+        if dropped:
+            self.graph_ended()
         return dropped

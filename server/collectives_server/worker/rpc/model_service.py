@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import grpc
 import torch
 
-from collectives.errors import CollectiveError, InvalidArgument, NotFound
+from collectives.errors import CollectiveError, InvalidArgument, NotFound, Unavailable
 from collectives.reduce_ops import ReduceOp
 from collectives.v1 import worker_pb2
 from collectives.wire import codec, pytree
@@ -137,6 +137,13 @@ class ModelRpcs:
     def Forward(self, request, context) -> worker_pb2.ForwardResponse:
         validate_name(request.model, "model name")
         validate_name(request.call_id, "call id")
+        if request.grad_enabled:
+            # A graph made on a drained rank could not move with it (its gradients do):
+            # refused before it runs, so the client runs the call where the rank is now.
+            try:
+                self._ctx.store.check_open()
+            except Unavailable as err:
+                raise Unavailable(err.message, executed=False) from None
         admitted = time.monotonic()
         runtime = self._ctx.runtime
         slot = self._ctx.recorder.open_call(
