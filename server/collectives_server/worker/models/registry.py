@@ -326,6 +326,12 @@ class HostedModel:
         return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
 
 
+# One factory build at a time on a worker: a factory that seeds torch's generator to
+# build the same weights on every rank (``manual_seed``) draws from the one process-wide
+# stream, and two builds at once (two clients' loads) would draw from each other's.
+_FACTORY_BUILD = threading.Lock()
+
+
 def build_from_factory(
     factory: str, kwargs_json: str, allowed: tuple[str, ...], max_bytes: int | None = None
 ) -> nn.Module:
@@ -335,6 +341,7 @@ def build_from_factory(
     arguments are refused there (``INVALID_ARGUMENT``, with the factory's own
     words), and the weights' total size is known before any memory is taken
     (``RESOURCE_EXHAUSTED`` over ``max_bytes``, the worker's --max-model-bytes).
+    Builds run one at a time (see ``_FACTORY_BUILD``).
 
     Raises:
         InvalidArgument: a malformed factory name or arguments the factory refuses.
@@ -356,6 +363,11 @@ def build_from_factory(
         fn = getattr(importlib.import_module(module_name), fn_name)
     except (ImportError, AttributeError) as exc:
         raise NotFound(f"factory {factory!r} not found on this worker: {exc}") from None
+    with _FACTORY_BUILD:
+        return _build(factory, fn, kwargs, max_bytes)
+
+
+def _build(factory: str, fn: Any, kwargs: dict[str, Any], max_bytes: int | None) -> nn.Module:
     with torch.device("meta"):
         outline = _call_factory(factory, fn, kwargs)
     nbytes = sum(t.numel() * t.element_size() for t in (*outline.parameters(), *outline.buffers()))
