@@ -138,13 +138,15 @@ def test_a_rolling_upgrade_of_the_lane_methods_loses_no_call(fault_cluster) -> N
         _every_kind_of_call(client, step)  # (old, new), then (new, new)
 
     new_calls = [_lane_calls(port) for port in (ports + 2, ports + 3)]
-    # Both new workers serve the added methods.
+    # Both new workers serve the added methods (SetModelMode goes to every rank).
     for calls in new_calls:
-        assert calls["ZeroGrad"] > 0 and calls["SetModelMode"] > 0, calls
+        assert calls["SetModelMode"] > 0, calls
     # Stopping a member (SIGTERM) drains it onto the waiting spare, which takes its
     # rank: the second new worker took rank 0 when the old leader was stopped.
     new_workers = cluster.workers[-2:]
     leader = client.workers()[0].address
     assert [d.address for d in new_workers].index(leader) == 1, (leader, new_workers)
     leader_calls = new_calls[1]
+    # The leader's: the sequenced ones (ZeroGrad too: one op of its order).
     assert leader_calls["Exchange"] > 0 and leader_calls["NewGroup"] > 0, leader_calls
+    assert leader_calls["ZeroGrad"] > 0, leader_calls

@@ -21,15 +21,18 @@ pytestmark = pytest.mark.timeout(180)
 ZOO = "collectives_server.model_zoo:mlp"
 
 
-def _together(*calls: Callable[[], object]) -> list[object]:
-    """Runs ``calls`` at once, one thread each, from one barrier; their results (an
-    exception is the test's finding and is raised)."""
+def _together(*calls: Callable[[], object], lag_s: float = 0.0) -> list[object]:
+    """Runs ``calls`` at once, one thread each, from one barrier (each after the first
+    ``lag_s`` later: where a race's window opens); their results (an exception is the
+    test's finding and is raised)."""
     start = threading.Barrier(len(calls))
     results: list[object] = [None] * len(calls)
     errors: list[BaseException] = []
 
     def run(i: int, call: Callable[[], object]) -> None:
         start.wait(30)
+        if i and lag_s:
+            threading.Event().wait(lag_s)  # the race's timing, not a synchronisation
         try:
             results[i] = call()
         except BaseException as exc:  # raised below
@@ -72,3 +75,104 @@ def test_factories_loaded_at_once_build_their_own_weights_on_every_rank(
                         assert torch.equal(got[key], value), f"{name} {key} on rank {rank}"
     for name in names:
         cluster3.unload_model(name)
+
+
+def _stepped(model: torch.nn.Module, grads: dict[str, torch.Tensor], steps: list[str]):
+    """``model`` after the optimizer steps named in ``steps``, in that order, on
+    ``grads`` (each step keeps them, as a remote step does)."""
+    for key, param in model.named_parameters():
+        param.grad = grads[key].clone()
+    makers = {
+        "sgd": lambda: torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=1.0),
+        "adamw": lambda: torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.5),
+    }
+    for kind in steps:
+        makers[kind]().step()
+    return model.state_dict()
+
+
+def test_two_clients_steps_run_in_one_order_on_every_rank(
+    cluster3, cluster3_address, gen, uname
+) -> None:
+    """Each client's ``step`` is one op of the leader's order: two at once run in the
+    same order on every rank, so the replicas stay identical (one serial order's
+    weights) and each step is one version. Sent to each worker on its own, each rank
+    applied them in the order they arrived there: ranks at one version held different
+    weights, and a forward split over them matched no order."""
+    kwargs = {"in_features": 8, "hidden": 16, "out_features": 4, "depth": 1}
+    name = uname("steps")
+    with collectives.connect(cluster3_address, timeout=60) as other:
+        for trial in range(5):
+            seed = int(torch.randint(0, 2**20, (1,), generator=gen))
+            info = cluster3.load_model(name, factory=ZOO, kwargs={**kwargs, "seed": seed})
+            x, y = torch.randn(12, 8, generator=gen), torch.randn(12, 4, generator=gen)
+            dp = cluster3.data_parallel(name)
+            torch.nn.functional.mse_loss(dp(x), y).backward()
+            cluster3.all_reduce_gradients(name)
+            start, grads = cluster3.state_dict(name), cluster3.gradients(name)
+            _together(
+                lambda: cluster3.step(name, "sgd", lr=0.1, weight_decay=1.0),
+                lambda: other.step(name, "adamw", lr=0.05, weight_decay=0.5),
+            )
+            orders = {}
+            for steps in (["sgd", "adamw"], ["adamw", "sgd"]):
+                local = model_zoo.mlp(**kwargs, seed=seed)
+                local.load_state_dict(start)
+                orders[" then ".join(steps)] = _stepped(local, grads, steps)
+            states = [cluster3.state_dict(name, rank=r) for r in range(cluster3.world_size)]
+            for rank, state in enumerate(states[1:], 1):
+                for key, value in states[0].items():
+                    assert torch.equal(state[key], value), f"trial {trial}: {key} on rank {rank}"
+            matched = [
+                order
+                for order, want in orders.items()
+                if all(
+                    torch.allclose(states[0][k], v, rtol=1e-5, atol=1e-6) for k, v in want.items()
+                )
+            ]
+            assert matched, f"trial {trial}: the weights match no order of the two steps"
+            (model,) = [m for m in cluster3.models() if m.name == name]
+            assert model.version == info.version + 2
+    cluster3.unload_model(name)
+
+
+def test_a_step_and_a_publish_at_once_leave_every_rank_on_one_version(
+    cluster3, cluster3_address, gen, uname
+) -> None:
+    """A publish and another client's step, each a new version: as ops of one order
+    they leave every rank on the same version with the same weights, and a forward
+    runs at once. A step sent to each rank on its own could land between the
+    publish's staging and its commit on one rank only: the ranks' versions split for
+    good and every later forward waited out its deadline for a version that never
+    came."""
+    kwargs = {"in_features": 8, "hidden": 16, "out_features": 4, "depth": 1}
+    name = uname("steppub")
+    with collectives.connect(cluster3_address, timeout=60) as other:
+        for trial in range(16):
+            seed = int(torch.randint(0, 2**20, (1,), generator=gen))
+            info = cluster3.load_model(name, factory=ZOO, kwargs={**kwargs, "seed": seed})
+            x, y = torch.randn(12, 8, generator=gen), torch.randn(12, 4, generator=gen)
+            torch.nn.functional.mse_loss(cluster3.data_parallel(name)(x), y).backward()
+            cluster3.all_reduce_gradients(name)
+            fresh = {
+                k: torch.randn(v.shape, generator=gen)
+                for k, v in model_zoo.mlp(**kwargs).state_dict().items()
+            }
+            # The step sent as the publish stages and commits (its window, on this machine).
+            _together(
+                lambda fresh=fresh: cluster3.publish(name, fresh),
+                lambda: other.step(name, "sgd", lr=0.1),
+                lag_s=0.002 + 0.001 * trial,
+            )
+            versions = {m.version for m in cluster3.models() if m.name == name}
+            assert versions == {info.version + 2}, f"trial {trial}: versions {versions}"
+            states = [cluster3.state_dict(name, rank=r) for r in range(cluster3.world_size)]
+            for rank, state in enumerate(states[1:], 1):
+                for key, value in states[0].items():
+                    assert torch.equal(state[key], value), f"trial {trial}: {key} on rank {rank}"
+            local = model_zoo.mlp(**kwargs)
+            local.load_state_dict(states[0])
+            dp = other.data_parallel(name, timeout=20)
+            with torch.no_grad():
+                torch.testing.assert_close(dp(x), local(x), rtol=1e-5, atol=1e-6)
+    cluster3.unload_model(name)

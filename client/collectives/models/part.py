@@ -495,6 +495,9 @@ class Models:
     ) -> None:
         """Steps the optimizer of model ``name`` on every worker (state kept per worker).
 
+        The step is one op of the leader's order, as ``all_reduce_gradients`` and
+        ``publish`` are: every rank takes it at the same point, so two clients'
+        steps run in one order everywhere and each is one version on every rank.
         A different optimizer kind than before starts fresh state; other
         hyperparameters (``lr`` each step, for a schedule) keep it. The gradients
         are clipped to ``max_grad_norm`` first when given. Each step is a new
@@ -524,10 +527,11 @@ class Models:
             hyper_json=_hyper_json(hyper),
             max_grad_norm=_max_grad_norm(max_grad_norm),
         )
-        self._per_rank(f"step {name!r}", self._session.deadline(timeout), "Step", request)
+        self._sequenced_per_model(f"step {name!r}", "Step", request, timeout)
 
     def zero_grad(self, name: str, timeout: float | None = None) -> None:
-        """Clears every parameter's gradient (sets it to None) on every worker.
+        """Clears every parameter's gradient (sets it to None) on every worker, as one
+        op of the leader's order (with ``all_reduce_gradients``, ``step``, ``train_step``).
 
         Args:
             name: the model.
@@ -540,7 +544,7 @@ class Models:
         """
         validate_name(name, "model name")
         request = worker_pb2.ZeroGradRequest(model=name)
-        self._per_rank(f"zero_grad {name!r}", self._session.deadline(timeout), "ZeroGrad", request)
+        self._sequenced_per_model(f"zero_grad {name!r}", "ZeroGrad", request, timeout)
 
     def gradients(
         self, name: str, rank: int = 0, timeout: float | None = None
@@ -882,6 +886,32 @@ class Models:
             return get_model_tensors(endpoint, name, which, remaining)
 
         return self._session.retry(f"{which} of {name!r}", deadline, attempt, is_retryable_read)
+
+    def _sequenced_per_model(self, what: str, method: str, request: Any, timeout: float | None):
+        """``method`` (Step, ZeroGrad) as one op of the leader's order, on every rank. A
+        leader of the release before runs it on its own rank only (it answers no op
+        id): the other ranks then get it each on its own, as that release did."""
+        deadline = self._session.deadline(timeout)
+
+        def with_options(options: worker_pb2.OpOptions) -> Any:
+            sent = type(request)()
+            sent.CopyFrom(request)
+            sent.options.CopyFrom(options)
+            return sent
+
+        response = self._leader_op(what, method, with_options, deadline, False, lambda r: r)
+        if response.op_id:
+            return
+        leader = self._session.leader_snapshot(deadline).leader_address
+        endpoints = self._member_endpoints(deadline)
+        self._session.fan_out(
+            what,
+            {
+                rank: (lambda e=e: e.unary(method).future(request, self._remaining(deadline), what))
+                for rank, e in endpoints.items()
+                if e.address != leader
+            },
+        )
 
     def _leader_op(self, what: str, method: str, request, deadline: float, async_op: bool, finish):
         binding = GenerationBinding(what)

@@ -40,6 +40,8 @@ class OpKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OP_KIND_ALL_TO_ALL_UNEVEN: _ClassVar[OpKind]
     OP_KIND_PUBLISH_MODEL: _ClassVar[OpKind]
     OP_KIND_REPLICATE: _ClassVar[OpKind]
+    OP_KIND_STEP: _ClassVar[OpKind]
+    OP_KIND_ZERO_GRAD: _ClassVar[OpKind]
 MODEL_MODE_UNSPECIFIED: ModelMode
 MODEL_MODE_TRAIN: ModelMode
 MODEL_MODE_EVAL: ModelMode
@@ -65,6 +67,8 @@ OP_KIND_ALL_GATHER_COALESCED: OpKind
 OP_KIND_ALL_TO_ALL_UNEVEN: OpKind
 OP_KIND_PUBLISH_MODEL: OpKind
 OP_KIND_REPLICATE: OpKind
+OP_KIND_STEP: OpKind
+OP_KIND_ZERO_GRAD: OpKind
 
 class PutTensorRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -783,32 +787,44 @@ class ReleaseGraphResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class ZeroGradRequest(_message.Message):
-    __slots__ = ("model",)
+    __slots__ = ("model", "options")
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
     model: str
-    def __init__(self, model: _Optional[str] = ...) -> None: ...
+    options: OpOptions
+    def __init__(self, model: _Optional[str] = ..., options: _Optional[_Union[OpOptions, _Mapping]] = ...) -> None: ...
 
 class ZeroGradResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("op_id",)
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    op_id: int
+    def __init__(self, op_id: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("model", "optimizer", "hyper_json", "max_grad_norm")
+    __slots__ = ("model", "optimizer", "hyper_json", "max_grad_norm", "options")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     HYPER_JSON_FIELD_NUMBER: _ClassVar[int]
     MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
     model: str
     optimizer: str
     hyper_json: str
     max_grad_norm: float
-    def __init__(self, model: _Optional[str] = ..., optimizer: _Optional[str] = ..., hyper_json: _Optional[str] = ..., max_grad_norm: _Optional[float] = ...) -> None: ...
+    options: OpOptions
+    def __init__(self, model: _Optional[str] = ..., optimizer: _Optional[str] = ..., hyper_json: _Optional[str] = ..., max_grad_norm: _Optional[float] = ..., options: _Optional[_Union[OpOptions, _Mapping]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("steps",)
+    __slots__ = ("steps", "op_id", "generation", "version")
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     steps: int
-    def __init__(self, steps: _Optional[int] = ...) -> None: ...
+    op_id: int
+    generation: int
+    version: int
+    def __init__(self, steps: _Optional[int] = ..., op_id: _Optional[int] = ..., generation: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class ModelTensorsRequest(_message.Message):
     __slots__ = ("model", "which")
@@ -1047,7 +1063,7 @@ class AnnouncedOp(_message.Message):
     def __init__(self, op: _Optional[_Union[OpDescriptor, _Mapping]] = ..., inline_capacity: _Optional[int] = ...) -> None: ...
 
 class OpDescriptor(_message.Message):
-    __slots__ = ("op_id", "generation", "group_id", "timeout_s", "kind", "tensor", "new_group", "gradients", "train_step", "coalesced", "uneven", "exchange", "destroy_group", "publish", "replicate", "membership_digest")
+    __slots__ = ("op_id", "generation", "group_id", "timeout_s", "kind", "tensor", "new_group", "gradients", "train_step", "coalesced", "uneven", "exchange", "destroy_group", "publish", "replicate", "step", "zero_grad", "membership_digest")
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -1063,6 +1079,8 @@ class OpDescriptor(_message.Message):
     DESTROY_GROUP_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_FIELD_NUMBER: _ClassVar[int]
     REPLICATE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ZERO_GRAD_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_DIGEST_FIELD_NUMBER: _ClassVar[int]
     op_id: int
     generation: int
@@ -1079,5 +1097,7 @@ class OpDescriptor(_message.Message):
     destroy_group: DestroyGroupArgs
     publish: PublishArgs
     replicate: TensorOpArgs
+    step: StepRequest
+    zero_grad: ZeroGradRequest
     membership_digest: str
-    def __init__(self, op_id: _Optional[int] = ..., generation: _Optional[int] = ..., group_id: _Optional[int] = ..., timeout_s: _Optional[float] = ..., kind: _Optional[_Union[OpKind, str]] = ..., tensor: _Optional[_Union[TensorOpArgs, _Mapping]] = ..., new_group: _Optional[_Union[NewGroupArgs, _Mapping]] = ..., gradients: _Optional[_Union[GradientsArgs, _Mapping]] = ..., train_step: _Optional[_Union[TrainStepArgs, _Mapping]] = ..., coalesced: _Optional[_Union[CoalescedArgs, _Mapping]] = ..., uneven: _Optional[_Union[UnevenAllToAllArgs, _Mapping]] = ..., exchange: _Optional[_Union[ExchangeArgs, _Mapping]] = ..., destroy_group: _Optional[_Union[DestroyGroupArgs, _Mapping]] = ..., publish: _Optional[_Union[PublishArgs, _Mapping]] = ..., replicate: _Optional[_Union[TensorOpArgs, _Mapping]] = ..., membership_digest: _Optional[str] = ...) -> None: ...
+    def __init__(self, op_id: _Optional[int] = ..., generation: _Optional[int] = ..., group_id: _Optional[int] = ..., timeout_s: _Optional[float] = ..., kind: _Optional[_Union[OpKind, str]] = ..., tensor: _Optional[_Union[TensorOpArgs, _Mapping]] = ..., new_group: _Optional[_Union[NewGroupArgs, _Mapping]] = ..., gradients: _Optional[_Union[GradientsArgs, _Mapping]] = ..., train_step: _Optional[_Union[TrainStepArgs, _Mapping]] = ..., coalesced: _Optional[_Union[CoalescedArgs, _Mapping]] = ..., uneven: _Optional[_Union[UnevenAllToAllArgs, _Mapping]] = ..., exchange: _Optional[_Union[ExchangeArgs, _Mapping]] = ..., destroy_group: _Optional[_Union[DestroyGroupArgs, _Mapping]] = ..., publish: _Optional[_Union[PublishArgs, _Mapping]] = ..., replicate: _Optional[_Union[TensorOpArgs, _Mapping]] = ..., step: _Optional[_Union[StepRequest, _Mapping]] = ..., zero_grad: _Optional[_Union[ZeroGradRequest, _Mapping]] = ..., membership_digest: _Optional[str] = ...) -> None: ...

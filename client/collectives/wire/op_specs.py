@@ -71,6 +71,8 @@ class OpKind(enum.IntEnum):
     ALL_TO_ALL_UNEVEN = worker_pb2.OP_KIND_ALL_TO_ALL_UNEVEN
     PUBLISH_MODEL = worker_pb2.OP_KIND_PUBLISH_MODEL
     REPLICATE = worker_pb2.OP_KIND_REPLICATE
+    STEP = worker_pb2.OP_KIND_STEP
+    ZERO_GRAD = worker_pb2.OP_KIND_ZERO_GRAD
 
 
 class Operand(enum.Enum):
@@ -244,6 +246,8 @@ SPECS: dict[OpKind, OpSpec] = {
         ),
         OpSpec(OpKind.DESTROY_GROUP, "destroy_group", args="destroy_group"),
         OpSpec(OpKind.PUBLISH_MODEL, "publish", args="publish"),
+        OpSpec(OpKind.STEP, "step", args="step"),
+        OpSpec(OpKind.ZERO_GRAD, "zero_grad", args="zero_grad"),
         # put(name, t) on every rank, sent once: the leader's upload (the root's
         # operand) is stored by every member, the root included (it adopts it).
         OpSpec(

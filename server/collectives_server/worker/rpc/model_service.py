@@ -213,6 +213,10 @@ class ModelRpcs:
     @_guard
     @_counted("zero_grad")
     def ZeroGrad(self, request, context) -> worker_pb2.ZeroGradResponse:
+        if request.HasField("options"):  # the leader's: one op of its order, every rank
+            args = worker_pb2.ZeroGradRequest(model=request.model)
+            result = self._model_op(context, OpKind.ZERO_GRAD, request.options, args)
+            return worker_pb2.ZeroGradResponse(op_id=result.op_id)
         self._ctx.store.check_open()  # a drained rank: its models are handed over
         model = self._hosted(request.model, context)
         with model.lock:
@@ -223,10 +227,22 @@ class ModelRpcs:
     @_guard
     @_counted("step")
     def Step(self, request, context) -> worker_pb2.StepResponse:
-        self._ctx.store.check_open()  # a drained rank: its models are handed over
-        model = self._hosted(request.model, context)
         hyper = _json_object(request.hyper_json, "optimizer hyperparameters")
         check_max_grad_norm(request.max_grad_norm)
+        if request.HasField("options"):  # the leader's: one op of its order, every rank
+            args = worker_pb2.StepRequest()
+            args.CopyFrom(request)
+            args.ClearField("options")
+            result = self._model_op(context, OpKind.STEP, request.options, args)
+            return worker_pb2.StepResponse(
+                steps=result.steps,
+                op_id=result.op_id,
+                generation=result.generation,
+                version=result.version,
+            )
+        # A client of the release before sends its step to each rank: run it here, now.
+        self._ctx.store.check_open()  # a drained rank: its models are handed over
+        model = self._hosted(request.model, context)
         with model.lock:
             optimizer = install(model, plan_optimizer(model, request.optimizer, hyper))
             clip_gradients(model, request.max_grad_norm)

@@ -71,6 +71,8 @@ HANDLERS: dict[OpKind, Handler] = {
     OpKind.NEW_GROUP: run_new_group,
     OpKind.ALL_REDUCE_GRADIENTS: run_model_op,
     OpKind.TRAIN_STEP: run_model_op,
+    OpKind.STEP: run_model_op,
+    OpKind.ZERO_GRAD: run_model_op,
     # all_to_all with split_sizes (uneven_ops)
     OpKind.ALL_TO_ALL_UNEVEN: run_uneven_all_to_all,
     # point to point and group teardown

@@ -20,6 +20,12 @@ batch's gradient (``HostedModel.grads_are_shares``): their sum is the batch's
 gradient, and "avg" is refused on them, whichever client asks, until a "sum"
 (after which every rank holds the whole gradient) or a ``zero_grad``.
 
+``step`` and ``zero_grad`` are sequenced too, so that two clients' steps (and a
+step and a publish, each a new version) run in one order on every rank: ``step``
+checks the model on every rank, plans the optimizer and agrees on that plan's
+outcome, then clips and steps without reducing; ``zero_grad`` clears every
+parameter's gradient.
+
 ``train_step`` optimises the loss it returns: the mean over the whole batch,
 as one ``nn.DataParallel`` step computes it. Each rank weighs its shard's loss
 by its share of the batch's rows before its backward, and the gradients are
@@ -77,8 +83,8 @@ _SHARES, _ROWS = 5, 6
 
 @dataclass(frozen=True)
 class ModelArgs:
-    """The arguments of either model op (all_reduce_gradients, train_step), from the
-    descriptor's payload."""
+    """The arguments of a model op (all_reduce_gradients, train_step, step, zero_grad),
+    from the descriptor's payload."""
 
     is_train: bool
     name: str
@@ -90,15 +96,26 @@ class ModelArgs:
     optimizer: str = ""
     hyper_json: str = ""
     max_grad_norm: float = 0.0
+    reduces: bool = True  # the gradients are all-reduced (not by step, zero_grad)
+    zeroes: bool = False  # zero_grad
 
     @classmethod
     def of(cls, desc: worker_pb2.OpDescriptor) -> ModelArgs:
-        if desc.WhichOneof("args") == "train_step":
+        which = desc.WhichOneof("args")
+        if which == "train_step":
             t = desc.train_step
             return cls(
                 True, t.model, 0, t.bucket_bytes, t.inputs, t.targets, t.loss, t.optimizer,
                 t.hyper_json, t.max_grad_norm,
             )  # fmt: skip
+        if which == "step":
+            s = desc.step
+            return cls(
+                False, s.model, optimizer=s.optimizer, hyper_json=s.hyper_json,
+                max_grad_norm=s.max_grad_norm, reduces=False,
+            )  # fmt: skip
+        if which == "zero_grad":
+            return cls(False, desc.zero_grad.model, reduces=False, zeroes=True)
         g = desc.gradients
         return cls(False, g.model, g.op, g.bucket_bytes)
 
@@ -112,6 +129,8 @@ class ModelOpResult:
     loss: float
     rank_losses: list[float]
     latency_s: float
+    steps: int = 0  # the model's optimizer steps so far (a step)
+    version: int = 0  # the model's version after the op
 
 
 def _buckets(params: list[torch.nn.Parameter], active: list[int], bucket_bytes: int):
@@ -358,6 +377,10 @@ def _run_model_op(
     if verdict is not None:
         return verdict
     assert model is not None
+    if args.zeroes:
+        model.module.zero_grad(set_to_none=True)
+        model.grads_are_shares = False
+        return ModelOpResult(op_id, ctx.generation, 0, 0, 0.0, [], 0.0, version=model.version)
     total_rows = sum(row[_ROWS] for row in rows)
     share = rows[ctx.rank][_ROWS] / total_rows if total_rows else 0.0
     restore = model_modes.snapshot_buffers(model.module) if args.is_train else None
@@ -383,18 +406,27 @@ def _run_model_op(
         everywhere = all(e[2] for e in extras)
         if args.is_train:
             global_loss, rank_losses = _weighted_loss(extras)
-    # train_step: every rank's gradient is already weighed by its share of the rows.
-    op = ReduceOp.SUM if args.is_train else ReduceOp.from_wire(args.op)
-    bucket_bytes = args.bucket_bytes or DEFAULT_BUCKET_BYTES
-    buckets, nbytes = reduce_gradients(ctx, model, op, bucket_bytes, _mask(ctx, flags, everywhere))
-    if op is ReduceOp.SUM:
-        model.grads_are_shares = False  # every rank holds the whole gradient now
+    buckets = nbytes = 0
+    if args.reduces:
+        # train_step: every rank's gradient is already weighed by its share of the rows.
+        op = ReduceOp.SUM if args.is_train else ReduceOp.from_wire(args.op)
+        bucket_bytes = args.bucket_bytes or DEFAULT_BUCKET_BYTES
+        mask = _mask(ctx, flags, everywhere)
+        buckets, nbytes = reduce_gradients(ctx, model, op, bucket_bytes, mask)
+        if op is ReduceOp.SUM:
+            model.grads_are_shares = False  # every rank holds the whole gradient now
+    else:
+        # A step of each rank's own gradients (not reduced): the replicas may differ.
+        model.replicas_may_differ = True
     clip_gradients(model, args.max_grad_norm)
     if local.plan is not None:
         install(model, local.plan).step()
         model.steps += 1
         model_versions.bump(model)
-    return ModelOpResult(op_id, ctx.generation, buckets, nbytes, global_loss, rank_losses, 0.0)
+    return ModelOpResult(
+        op_id, ctx.generation, buckets, nbytes, global_loss, rank_losses, 0.0,
+        steps=model.steps, version=model.version,
+    )  # fmt: skip
 
 
 def _decide(args: ModelArgs, rows: list[list[int]]) -> CollectiveError | None:
