@@ -192,7 +192,7 @@ class RefModel:
     # TOL; see SLACK_FACTOR). Empty: TOL alone.
     grad_slack: list[dict[str, torch.Tensor]] = field(default_factory=list)
     # Unreduced dp-backward gradients on the workers: "clear", "set", or "maybe"
-    # (after a publish or reload dropped them; the contract is silent there).
+    # (after a reload dropped them; the contract is silent there).
     whole_batch: str = "clear"
 
     def __post_init__(self) -> None:
@@ -910,11 +910,8 @@ class ManyClients(RuleBasedStateMachine):
                 f"publish {kind}", lambda: cluster.publish(name, state, timeout=TIMEOUT)
             )
         for rep in model.replicas:
-            rep.load_state_dict(state)
+            rep.load_state_dict(state)  # in place: each replica keeps its .grad
         model.version += 1
-        model.reset_grads()  # published parameters start without .grad
-        if model.whole_batch == "set":
-            model.whole_batch = "maybe"
         assert version == model.version, f"publish {kind}: version {version}"
 
     # ---------------------------------------------------------- named tensors

@@ -176,3 +176,39 @@ def test_a_step_and_a_publish_at_once_leave_every_rank_on_one_version(
             with torch.no_grad():
                 torch.testing.assert_close(dp(x), local(x), rtol=1e-5, atol=1e-6)
     cluster3.unload_model(name)
+
+
+def test_gradients_reach_the_model_across_another_clients_publish(
+    cluster3, cluster3_address, gen, uname
+) -> None:
+    """A publish acts as if it assigned the weights in place (``load_state_dict``):
+    the gradients accumulated before it stay, and the backward of a forward that ran
+    on the weights before it (its graph keeps them) accumulates into the model's
+    gradients. The backward used to succeed with its parameter gradients left on
+    weights the model no longer had, and every rank's gradients were empty."""
+    kwargs = {"in_features": 6, "hidden": 12, "out_features": 3, "depth": 1}
+    name = uname("bwdpub")
+    seed = int(torch.randint(0, 2**20, (1,), generator=gen))
+    cluster3.load_model(name, factory=ZOO, kwargs={**kwargs, "seed": seed})
+    dp = cluster3.data_parallel(name)
+    before = model_zoo.mlp(**kwargs, seed=seed)
+    batches = [(torch.randn(9, 6, generator=gen), torch.randn(9, 3, generator=gen)) for _ in "ab"]
+    (xa, ya), (xb, yb) = batches
+    torch.nn.functional.mse_loss(dp(xa), ya).backward()  # accumulated before the publish
+    held = torch.nn.functional.mse_loss(dp(xb), yb)  # its graph holds the weights before
+    fresh = {
+        k: torch.randn(v.shape, generator=gen)
+        for k, v in model_zoo.mlp(**kwargs).state_dict().items()
+    }
+    with collectives.connect(cluster3_address, timeout=60) as other:
+        other.publish(name, fresh)
+    held.backward()
+    cluster3.all_reduce_gradients(name)
+    for x, y in batches:
+        torch.nn.functional.mse_loss(before(x), y).backward()
+    for rank in range(cluster3.world_size):
+        got = cluster3.gradients(name, rank=rank)
+        for key, param in before.named_parameters():
+            torch.testing.assert_close(got[key], param.grad, rtol=1e-4, atol=1e-6)
+    assert cluster3.state_dict(name)["0.weight"].equal(fresh["0.weight"])
+    cluster3.unload_model(name)

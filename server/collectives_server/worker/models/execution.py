@@ -175,6 +175,7 @@ def forward(
         training = model_modes.training_of(request.mode)
         merged = _mergeable(model, request, training, args, kwargs)
         shared = _reads_only(model, request, training)
+        used: dict[str, nn.Parameter] = {}  # a graph's parameters (merged runs keep none)
         if merged is not None:
             rows, company = merged
             output, version = model.batcher.run(
@@ -191,6 +192,7 @@ def forward(
             held = model_versions.serving(model, request.version, deadline, training, shared=shared)
             mode = bool(model.training if training is None else training)
             with held as (version, module):
+                used = dict(model.parameters)  # the version's, as the graph holds them
                 output = _call(
                     model, module, request.model, args, kwargs, request.grad_enabled, mode
                 )
@@ -242,6 +244,7 @@ def forward(
                     inputs={n: leaves[n] for n in wanted if n in leaves},
                     expires_at=time.monotonic() + registry.graph_ttl_s,
                     version=version,
+                    parameters=used,
                 )
         finished = True
     finally:
@@ -309,6 +312,8 @@ def _backward(
                     torch.autograd.backward(tensors, grads)
                 finally:
                     arena.settle(seeded)
+                if graph.version != model.version:  # a publish came since its forward
+                    model_versions.carry_gradients(model, graph.parameters)
                 # A data-parallel backward of a loss over the gathered batch: this
                 # rank holds its shard's part of the batch's gradient.
                 model.grads_are_shares = True

@@ -48,6 +48,8 @@ class RetainedGraph:
     inputs: dict[str, torch.Tensor]  # input name -> leaf tensor whose grad the client wants
     expires_at: float
     version: int = 1  # the model version whose weights the graph holds
+    # Those weights' parameters by name (the graph keeps them alive anyway).
+    parameters: dict[str, nn.Parameter] = field(default_factory=dict)
 
 
 def _zero(t: torch.Tensor) -> None:

@@ -16,7 +16,9 @@ order: the module's parameters and buffers are *replaced* by the staged tensors
   (:func:`older_graphs`), so at most two versions are ever resident;
 * the optimizer, if any, is moved onto the new parameters with its state
   (momentum, moments) kept, as if the parameters had been assigned in place;
-  gradients of the old parameters stay with them.
+  so are the gradients accumulated so far (``load_state_dict`` keeps ``.grad``),
+  and a backward through a graph of an older version adds its parameters'
+  gradients to the model's (:func:`carry_gradients`).
 
 A forward names the version it needs (:func:`serving`): 0 for whatever this
 rank serves, or an exact version. A version another rank already committed is
@@ -49,6 +51,7 @@ from collectives_server.worker.models.registry import HostedModel
 __all__ = [
     "Entry",
     "bump",
+    "carry_gradients",
     "check_entries",
     "commit",
     "drop_reusable",
@@ -230,10 +233,30 @@ def commit(model: HostedModel, staged: dict[str, torch.Tensor], version: int) ->
     moved = {id(before[n]): after[n] for n in before if after.get(n) is not before[n]}
     if model.optimizer is not None and moved:
         _move_optimizer(model.optimizer, moved)
+    for key, old in before.items():
+        new = after.get(key)
+        if new is not None and new is not old and old.grad is not None:
+            new.grad, old.grad = old.grad.detach(), None
     with model.lock:
         model.version = version
         model.lock.notify_all()
     return replaced
+
+
+def carry_gradients(model: HostedModel, used: dict[str, nn.Parameter]) -> None:
+    """After a backward through a graph whose forward ran on the parameters ``used``
+    (by name): those no longer the model's (a publish replaced them) hand the gradients
+    the backward left on them to the model's parameters, added to what these hold (the
+    caller holds the lock)."""
+    current = model.parameters
+    arena = model.grad_arena()
+    for i, (key, param) in enumerate(current):
+        old = used.get(key)
+        if old is None or old is param or old.grad is None:
+            continue
+        arena.adopt(i)
+        param.grad.add_(old.grad.to(param.grad.dtype))
+        old.grad = None
 
 
 def keep_for_reuse(model: HostedModel, replaced: list[torch.Tensor], store: TensorStore) -> None:
