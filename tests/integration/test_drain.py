@@ -452,6 +452,35 @@ def test_a_group_made_before_a_drain_works_after_it(fresh_cluster, gen) -> None:
     cluster.destroy_group(group)
 
 
+def test_a_group_destroyed_before_a_drain_keeps_its_id_for_itself(fresh_cluster, gen) -> None:
+    """Group ids are never given out twice in a cluster's carried-over generations: a
+    group another client destroyed before a drain stays NOT_FOUND for its holder after
+    it, even once a group made after the drain exists. The next id used to be the
+    highest carried one + 1, so the destroyed group's id went to the new group, and
+    the stale handle ran its ops on the new group's ranks."""
+    local_cluster, cluster = fresh_cluster(3, "--spares", "1", *FLAGS)
+    wait_until(lambda: len(_spares(cluster)) == 1, 30, "the spare to be listed")
+    with collectives.connect(local_cluster.address, timeout=60) as holder:
+        kept = cluster.new_group([0, 1])
+        stale = holder.new_group([0, 2])
+        cluster.destroy_group(stale)
+        cluster.drain(next(w for w in cluster.workers() if w.rank == 1).worker_id, timeout=60)
+        assert cluster.history()[-1].carried_over
+        made = cluster.new_group([1, 2])
+        assert made.id not in (kept.id, stale.id), (kept, stale, made)
+        operands = [torch.randn(16, generator=gen) for _ in range(3)]
+        put_each(cluster, "gid/x", operands)
+        holder.refresh(timeout=10)
+        with pytest.raises(collectives.NotFound, match=f"group {stale.id} does not exist"):
+            holder.all_reduce("gid/x", group=stale, timeout=60)
+        for rank, got in enumerate(get_each(cluster, "gid/x")):
+            assert_tensor(got, operands[rank], what=f"rank {rank}, untouched")
+        cluster.all_reduce("gid/x", group=kept, timeout=60)  # the carried one still works
+        want = reduce_oracle("sum", operands[:2])
+        for rank in (0, 1):
+            assert_tensor(cluster.get("gid/x", rank=rank), want, exact=False, what=f"{rank}")
+
+
 def test_gradients_not_yet_reduced_move_with_the_rank(fresh_cluster, gen) -> None:
     """A client's backward leaves each rank its own gradients; a drain before the
     all_reduce_gradients hands the drained rank's to its successor, so the reduction

@@ -68,7 +68,7 @@ from collectives_server.worker.engine.sequencer import EpochEnd, Sequencer, Tick
 from collectives_server.worker.kernels import op_failures
 from collectives_server.worker.models.registry import ModelRegistry
 
-__all__ = ["Generation", "GenerationHooks", "GenerationSpec"]
+__all__ = ["first_group_id", "Generation", "GenerationHooks", "GenerationSpec"]
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,19 @@ def _raise_counter(store: dist.Store, key: str, at_least: int) -> int:
     while current < at_least:
         current = int(store.compare_set(key, str(current), str(at_least)))
     return current
+
+
+# Group ids a generation gives out: its own range, so that an id is never given out
+# twice in a lineage of generations a drain carried over (their groups keep their
+# ids). A group destroyed in one generation must not see its id go to another's new
+# group: a client still holding the destroyed one would run its ops on the new one's
+# ranks, since an op names its group by id alone.
+GROUP_IDS_PER_GENERATION = 1 << 32
+
+
+def first_group_id(generation: int) -> int:
+    """The first sub-group id ``generation`` gives out (group 0 is the world)."""
+    return generation * GROUP_IDS_PER_GENERATION + 1
 
 
 @dataclass(frozen=True)
@@ -189,7 +202,7 @@ class Generation:
             membership_digest=spec.membership_digest,
         )
         self._schedule = RunSchedule(self._seq, self._cond)
-        self._next_group_id = 1
+        self._next_group_id = first_group_id(spec.generation)
         # Leader: the epoch's context while ops may run (a submitter that claimed a
         # small op runs it in this context, see run_claimed).
         self._ctx: OpContext | None = None
