@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -356,10 +357,20 @@ class TensorStore:
         self._touch_staged(name)
         return old
 
-    def replace(self, name: str, t: torch.Tensor) -> torch.Tensor | None:
+    def replace(
+        self, name: str, t: torch.Tensor, read: weakref.ref[torch.Tensor] | None = None
+    ) -> torch.Tensor | None:
         """Commits ``t`` under ``name`` without a quota check (a collective's commit: its
-        quota was judged on every rank before the op); returns the value replaced."""
+        quota was judged on every rank before the op); returns the value replaced.
+
+        ``read``: the value the op read under ``name``; the commit is then skipped if
+        ``name`` holds another value now (or none): a put or delete since is later in
+        the order than the op, whose result it must not be overwritten with."""
         with self._lock:
+            if read is not None:
+                value = read()  # None: no longer stored (else the store would hold it)
+                if value is None or self._tensors.get(name) is not value:
+                    return None
             old = self._set(name, t)
         return old
 

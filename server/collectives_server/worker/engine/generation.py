@@ -701,6 +701,7 @@ class Generation:
     ) -> Outcome:
         started = time.perf_counter()
         ctx.op_started, ctx.synced_at = time.monotonic(), 0.0
+        ctx.reads.clear()
         entry = self.groups.get(desc.group_id)
         ctx.op_ranks = entry.ranks if entry is not None else None
         if slot is not None:
@@ -723,6 +724,7 @@ class Generation:
         started = time.perf_counter()
         ctx.op_started = now = time.monotonic()
         ctx.synced_at = 0.0
+        ctx.reads.clear()
         entry = self.groups.get(items[0][0].group_id)
         ctx.op_ranks = entry.ranks if entry is not None else None
         if self._recorder is not None:

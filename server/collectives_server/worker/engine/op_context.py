@@ -17,6 +17,7 @@ daemon; a test builds one over a fake process group.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,6 +106,10 @@ class OpContext:
     op_started: float = 0.0
     synced_at: float = 0.0
     op_ranks: list[int] | None = None  # the current op's group (None: every rank)
+    # What the current op (or fused run) read, by name (weakly: no reference kept).
+    # A result goes under a name it read only while the name still holds that value:
+    # a put or delete there since is later in the order than the op, and stands.
+    reads: dict[str, weakref.ref[torch.Tensor]] = field(default_factory=dict)
 
     @property
     def is_leader(self) -> bool:
@@ -115,6 +120,8 @@ class OpContext:
         conjugate or negation resolved, so its bytes are its values. ``peek``: the
         executor never waits on a commit fence."""
         t = self.store.peek(name)
+        if t is not None:
+            self.reads[name] = weakref.ref(t)
         if t is not None and (t.is_conj() or t.is_neg()):
             t = t.resolve_conj().resolve_neg()
         return t
@@ -207,7 +214,7 @@ class OpContext:
         function of the operands every rank received in the same exchange)."""
         for target, result in results.items():
             if result is not None:
-                old = self.store.replace(target, result)
+                old = self.store.replace(target, result, read=self.reads.pop(target, None))
                 if old is not None:
                     self.replaced.offer(old)
                 del old

@@ -1,0 +1,112 @@
+"""Two clients on one named tensor: a put or a delete never lost under another
+client's in-place collective.
+
+An in-place collective reads its operand on each rank and later stores its result
+under the same name. A put (or delete) of that name on a rank in between, answered
+before the collective committed there, is later in the order than the collective's
+read: the collective's result must not be stored over it (it used to be, and the
+put was lost, or the deleted tensor came back).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import collectives
+from collectives.errors import Reason
+
+pytestmark = pytest.mark.timeout(180)
+
+# Each race runs this long at most, and this many rounds at most.
+RACE_S = 6.0
+ROUNDS = 400
+
+
+class _Reducing:
+    """Another client all-reducing ``name`` in place (max) without pause until stopped."""
+
+    def __init__(self, address: str, name: str) -> None:
+        self._address, self._name = address, name
+        self._stop = threading.Event()
+        self.ops = self.attempts = 0
+        self.errors: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with collectives.connect(self._address, timeout=60) as client:
+            while not self._stop.is_set():
+                self.attempts += 1
+                try:
+                    client.all_reduce(self._name, op="max", timeout=60)
+                    self.ops += 1
+                except collectives.NotFound:
+                    pass  # deleted on every rank: the race test puts it again
+                except collectives.FailedPrecondition as exc:
+                    if exc.reason != Reason.OPERAND_MISSING:
+                        self.errors.append(exc)
+                        return
+                except BaseException as exc:  # the test's finding
+                    self.errors.append(exc)
+                    return
+
+    def __enter__(self) -> _Reducing:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(60)
+        assert not self._thread.is_alive(), "the reducing client did not stop"
+        assert self.errors == [], self.errors
+
+
+@pytest.mark.parametrize("rank", [0, 1], ids=["leader", "follower"])
+@pytest.mark.parametrize("numel", [16, 300_000], ids=["inline", "data-path"])
+def test_a_put_is_never_lost_under_an_in_place_all_reduce(
+    cluster3, cluster3_address, uname, rank: int, numel: int
+) -> None:
+    """Puts of increasing values on one rank, each read back at once: with max as the
+    reduction, every order of the puts and the all_reduces leaves at least the value
+    put there."""
+    name = uname("lost")
+    cluster3.put(name, torch.zeros(numel))
+    with _Reducing(cluster3_address, name) as reducing:
+        deadline, value = time.monotonic() + RACE_S, 0.0
+        for _ in range(ROUNDS):
+            if time.monotonic() > deadline:
+                break
+            value += 1.0
+            cluster3.put(name, torch.full((numel,), value), rank=rank)
+            got = cluster3.get(name, rank=rank)
+            assert got.min() >= value, (
+                f"put {value} on rank {rank} answered, then the rank held {got.min()}: "
+                f"an all_reduce that read before the put was stored over it "
+                f"({reducing.ops} all_reduces so far)"
+            )
+    assert reducing.ops > 0
+    cluster3.delete(name)
+
+
+@pytest.mark.parametrize("rank", [0, 1], ids=["leader", "follower"])
+def test_a_delete_is_never_undone_by_an_in_place_all_reduce(
+    cluster3, cluster3_address, uname, rank: int
+) -> None:
+    """After ``delete`` on a rank answered, the name is gone there until put again,
+    whatever all_reduce of it ran meanwhile."""
+    name = uname("gone")
+    with _Reducing(cluster3_address, name) as reducing:
+        deadline = time.monotonic() + RACE_S
+        for round_ in range(ROUNDS):
+            if time.monotonic() > deadline:
+                break
+            cluster3.put(name, torch.randn(4))
+            cluster3.delete(name, rank=rank)
+            with pytest.raises(collectives.NotFound):
+                cluster3.get(name, rank=rank)
+                pytest.fail(f"round {round_}: deleted on rank {rank}, then found there again")
+    assert reducing.attempts > 0
+    cluster3.delete(name, missing_ok=True)
