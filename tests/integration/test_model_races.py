@@ -212,3 +212,47 @@ def test_gradients_reach_the_model_across_another_clients_publish(
             torch.testing.assert_close(got[key], param.grad, rtol=1e-4, atol=1e-6)
     assert cluster3.state_dict(name)["0.weight"].equal(fresh["0.weight"])
     cluster3.unload_model(name)
+
+
+def test_a_callable_made_before_another_clients_reload_never_spreads_a_batch_norm_model(
+    cluster3, cluster3_address, gen, uname
+) -> None:
+    """A small forward is placed by load only while its output cannot depend on the
+    worker. A client's callable learned that of an MLP; another client then loads a
+    batch-norm model under the same name and trains it, so each worker's running
+    statistics differ. The first client's identical calls were spread over the
+    workers and answered with each one's statistics; they now all give the answer a
+    split gives (rank 0's replica), as a callable made afresh does."""
+    name = uname("stalebn")
+    cluster3.load_model(
+        name,
+        factory=ZOO,
+        kwargs={"in_features": 8, "hidden": 16, "out_features": 4, "depth": 1, "seed": 3},
+    )
+    dp = cluster3.data_parallel(name)
+    dp.eval()
+    with torch.no_grad():
+        for _ in range(3):
+            dp(torch.randn(1, 8, generator=gen))
+
+    def batch_norm_model() -> torch.nn.Module:
+        return torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4)
+        )
+
+    with collectives.connect(cluster3_address, timeout=60) as other:
+        other.load_model(name, batch_norm_model().eval(), example_inputs=(torch.randn(4, 8),))
+        trainer = other.data_parallel(name)
+        trainer.train()
+        with torch.no_grad():
+            for i in range(3):  # each rank's shard moves its own running statistics
+                trainer(torch.randn(12, 8, generator=gen) * (1 + i) + i)
+        trainer.eval()
+    first = batch_norm_model().eval()
+    first.load_state_dict(cluster3.state_dict(name, rank=0))
+    x = torch.randn(1, 8, generator=gen)
+    with torch.no_grad():
+        want = first(x)
+        for call in range(12):
+            torch.testing.assert_close(dp(x), want, rtol=1e-5, atol=1e-6, msg=f"call {call}")
+    cluster3.unload_model(name)

@@ -75,7 +75,12 @@ def _call(
         try:
             with model_modes.restoring_buffers(model.module, training):
                 reads_only = not grad_enabled and not training
-                return run_on_devices(model, module, args, kwargs, reads_only)
+                output = run_on_devices(model, module, args, kwargs, reads_only)
+            if training and model.batch_statistics:
+                # This rank's running statistics moved with its own shard: the replicas
+                # now answer differently (a forward placed by load runs again split).
+                model.replicas_may_differ = True
+            return output
         except (RuntimeError, TypeError, ValueError, IndexError) as exc:
             raise InvalidArgument(
                 inputs_mismatch(name, args, kwargs, module, model.module)

@@ -273,6 +273,8 @@ def _local_train(
             (loss * share).backward()
     finally:
         arena.settle(seeded)
+    if model.batch_statistics:
+        model.replicas_may_differ = True  # running statistics moved with this shard alone
     return float(loss.detach()), rows
 
 
