@@ -400,8 +400,9 @@ class _RemoteCall:
             return {i: value for i, (value, _, _) in done.items()}
         raise Unavailable(
             f"{what}: the model's version or load changed under every one of "
-            f"{_VERSION_ATTEMPTS} attempts (publishes or reloads faster than a forward); "
-            "retry, or publish less often"
+            f"{_VERSION_ATTEMPTS} attempts (publishes or reloads faster than a forward, "
+            "or the ranks hold different loads of it: two load_model calls of it raced, "
+            "each reaching some ranks last); retry, publish less often, or load it again"
         )
 
     def _raise_if_a_graph_left(self, what: str) -> None:

@@ -256,3 +256,51 @@ def test_a_callable_made_before_another_clients_reload_never_spreads_a_batch_nor
         for call in range(12):
             torch.testing.assert_close(dp(x), want, rtol=1e-5, atol=1e-6, msg=f"call {call}")
     cluster3.unload_model(name)
+
+
+def test_two_loads_of_one_name_at_once_never_train_a_mix(
+    cluster3, cluster3_address, gen, uname
+) -> None:
+    """Two clients load the same name at once: each load reaches the workers one by
+    one, so a rank may end with the other client's. A sequenced model op then either
+    finds every rank on one load and equals torch's on those weights, or refuses,
+    naming the race; it used to train the mix and return a loss of neither."""
+    name = uname("loads")
+
+    def made(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)
+        ).eval()
+
+    seeds = [int(s) for s in torch.randint(0, 2**20, (2,), generator=gen)]
+    modules = [made(s) for s in seeds]
+    example = (torch.randn(4, 8, generator=gen),)
+    x, y = torch.randn(12, 8, generator=gen), torch.randn(12, 4, generator=gen)
+    cluster3.scatter(f"{name}/x", x)
+    cluster3.scatter(f"{name}/y", y)
+    refused = 0
+    with collectives.connect(cluster3_address, timeout=60) as other:
+        for trial in range(8):
+            _together(
+                lambda: cluster3.load_model(name, modules[0], example_inputs=example),
+                lambda: other.load_model(name, modules[1], example_inputs=example),
+            )
+            try:
+                loss = cluster3.train_step(name, f"{name}/x", f"{name}/y", loss="mse")
+            except collectives.FailedPrecondition as exc:
+                assert "load" in exc.message and "raced" in exc.message, exc.message
+                refused += 1
+                continue
+            held = cluster3.state_dict(name, rank=0)
+            (module,) = [
+                m
+                for m in modules
+                if all(torch.equal(held[k], v) for k, v in m.state_dict().items())
+            ] or [None]
+            assert module is not None, f"trial {trial}: rank 0 holds neither load"
+            want = torch.nn.functional.mse_loss(module(x), y).detach()
+            assert loss == pytest.approx(float(want), rel=1e-5), f"trial {trial}"
+    cluster3.unload_model(name)
+    cluster3.delete(f"{name}/x")
+    cluster3.delete(f"{name}/y")

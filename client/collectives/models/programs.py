@@ -102,6 +102,12 @@ def _batch_axis(t: torch.Tensor, dim: int) -> int | None:
     return None
 
 
+# One export at a time in a process: torch.export traces under process-wide dispatch
+# modes, and two threads' exports at once (two clients' load_model) fail ("slot
+# already occupied").
+_EXPORTING = threading.Lock()
+
+
 def export_archive(module: nn.Module, example_inputs: Any, dim: int = 0) -> bytes:
     """A torch.export archive of ``module`` with dimension ``dim`` of every tensor input dynamic.
 
@@ -126,7 +132,8 @@ def export_archive(module: nn.Module, example_inputs: Any, dim: int = 0) -> byte
     if isinstance(module, FunctionModule):
         dynamic = (dynamic,)  # its forward takes them all as one *args parameter
     try:
-        program = torch.export.export(module, example_inputs, dynamic_shapes=dynamic)
+        with _EXPORTING:
+            program = torch.export.export(module, example_inputs, dynamic_shapes=dynamic)
     except Exception as exc:
         raise InvalidArgument(
             f"torch.export could not export {type(module).__name__}: {type(exc).__name__}: "

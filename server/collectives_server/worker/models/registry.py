@@ -323,8 +323,11 @@ class HostedModel:
         return arena
 
     def signature(self) -> int:
-        """A hash of parameter names, dtypes and shapes: equal on every rank that loaded it."""
+        """A hash of parameter names, dtypes and shapes, and of the load that made the
+        model here: equal on every rank that loaded it in one ``load_model`` (two loads
+        of one name at once may reach the ranks in different orders)."""
         text = ";".join(f"{n}:{p.dtype}:{tuple(p.shape)}" for n, p in self.parameters)
+        text += f";load:{self.load_id}"
         return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
 
 

@@ -159,7 +159,9 @@ def presence_error(
     if len(set(signatures)) > 1:
         return error_for_code(
             grpc.StatusCode.FAILED_PRECONDITION,
-            f"model {name!r} has different parameters on different ranks; reload it",
+            f"model {name!r} is not the same on every rank: different parameters, or "
+            "different loads (two load_model calls of it raced, and each reached some "
+            "ranks last); load it again",
         )
     return None
 
