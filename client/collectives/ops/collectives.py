@@ -220,7 +220,10 @@ class Collectives:
                 Defaults to ``None``.
 
         Returns:
-            The reduction as a CPU tensor, or a ``Work`` of it with ``async_op``.
+            The reduction as a CPU tensor, or a ``Work`` of it with ``async_op``: what
+            ``dst`` holds under ``out`` (else ``name``) when the SDK reads it, right
+            after the op; a write of that name by another client in between is what
+            it returns (names are shared: give the result a name of your own).
 
         Raises:
             InvalidArgument: a list of names, a bad name, op or group, or ``dst``
@@ -275,7 +278,8 @@ class Collectives:
 
         Returns:
             The parts as CPU tensors in rank order (for a list of names, one list of
-            parts per name, in order), or a ``Work`` of that with ``async_op``.
+            parts per name, in order), or a ``Work`` of that with ``async_op``; read
+            from a rank holding the result right after the op (see ``reduce``).
 
         Raises:
             InvalidArgument: a bad name, ``out`` or group.
@@ -338,7 +342,8 @@ class Collectives:
                 Defaults to ``None``.
 
         Returns:
-            The parts as CPU tensors in rank order, or a ``Work`` of them with ``async_op``.
+            The parts as CPU tensors in rank order, or a ``Work`` of them with
+            ``async_op``; read from ``dst`` right after the op (see ``reduce``).
 
         Raises:
             InvalidArgument: a list of names, a bad name, ``out`` or group, or
