@@ -101,6 +101,7 @@ class Reason(enum.StrEnum):
     MALFORMED_REQUEST = "MALFORMED_REQUEST"  # the request's bytes do not decode
     VERSION_MOVED = "VERSION_MOVED"  # a forward pinned a model version a rank moved past
     VERSIONS_RESIDENT = "VERSIONS_RESIDENT"  # a publish would keep a third version resident
+    RESULT_REPLACED = "RESULT_REPLACED"  # an op's result was written over before read back
 
 
 # Reasons that mean the op was refused before it started on any rank: every

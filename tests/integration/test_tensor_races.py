@@ -110,3 +110,67 @@ def test_a_delete_is_never_undone_by_an_in_place_all_reduce(
                 pytest.fail(f"round {round_}: deleted on rank {rank}, then found there again")
     assert reducing.attempts > 0
     cluster3.delete(name, missing_ok=True)
+
+
+class _Overwriting:
+    """Another client putting -1s under ``names`` on ``rank`` without pause until stopped."""
+
+    def __init__(self, address: str, names: list[str], rank: int, shapes: list[tuple]) -> None:
+        self._args = address, names, rank, shapes
+        self._stop = threading.Event()
+        self.puts = 0
+        self.errors: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        address, names, rank, shapes = self._args
+        with collectives.connect(address, timeout=60) as client:
+            while not self._stop.is_set():
+                for name, shape in zip(names, shapes, strict=True):
+                    try:
+                        client.put(name, -torch.ones(shape), rank=rank, timeout=60)
+                        self.puts += 1
+                    except BaseException as exc:  # the test's finding
+                        self.errors.append(exc)
+                        return
+
+    def __enter__(self) -> _Overwriting:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(60)
+        assert not self._thread.is_alive(), "the overwriting client did not stop"
+        assert self.errors == [], self.errors
+
+
+def test_reduce_and_gather_return_their_result_or_say_it_was_written_over(
+    cluster3, cluster3_address, gen, uname
+) -> None:
+    """reduce and gather return the result they read back from ``dst`` right after the
+    op. Another client writing the result's name there in between used to be what
+    they returned; now it is refused (RESULT_REPLACED), and every value returned is
+    torch's reduction or gather of the operands."""
+    name, reduced, gathered = uname("x"), uname("y"), uname("z")
+    operands = [torch.randn(4, generator=gen) for _ in range(cluster3.world_size)]
+    for rank, t in enumerate(operands):
+        cluster3.put(name, t, rank=rank)
+    want_sum, want_parts = torch.stack(operands).sum(0), operands
+    returned = refused = 0
+    with _Overwriting(cluster3_address, [reduced, gathered], 1, [(4,), (3, 4)]):
+        deadline = time.monotonic() + RACE_S
+        for _ in range(ROUNDS):
+            if time.monotonic() > deadline:
+                break
+            try:
+                got = cluster3.reduce(name, dst=1, out=reduced)
+                torch.testing.assert_close(got, want_sum, rtol=1e-5, atol=1e-6)
+                parts = cluster3.gather(name, dst=1, out=gathered)
+                for part, want in zip(parts, want_parts, strict=True):
+                    torch.testing.assert_close(part, want, rtol=0, atol=0)
+                returned += 1
+            except collectives.FailedPrecondition as exc:
+                assert exc.reason == Reason.RESULT_REPLACED, exc
+                refused += 1
+    assert returned > 0, f"every read-back was refused ({refused})"

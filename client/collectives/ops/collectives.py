@@ -220,16 +220,18 @@ class Collectives:
                 Defaults to ``None``.
 
         Returns:
-            The reduction as a CPU tensor, or a ``Work`` of it with ``async_op``: what
-            ``dst`` holds under ``out`` (else ``name``) when the SDK reads it, right
-            after the op; a write of that name by another client in between is what
-            it returns (names are shared: give the result a name of your own).
+            The reduction as a CPU tensor, or a ``Work`` of it with ``async_op``. It is
+            read back from ``dst`` right after the op; if another client wrote that
+            name in between, the call raises ``FailedPrecondition`` (reason
+            ``RESULT_REPLACED``) rather than return that value: give the result a
+            name of your own.
 
         Raises:
             InvalidArgument: a list of names, a bad name, op or group, or ``dst``
                 out of range or not in ``group``.
             NotFound: no rank holds ``name``.
-            FailedPrecondition: some ranks lack ``name`` or disagree on dtype/shape.
+            FailedPrecondition: some ranks lack ``name`` or disagree on dtype/shape;
+                or the result was written over before it was read back (``RESULT_REPLACED``).
             Unavailable: a rank was lost, the generation changed, or not formed.
             DeadlineExceeded: not done within ``timeout`` seconds.
             ResourceExhausted: the leader's op queue is full, or over a quota.
@@ -250,7 +252,7 @@ class Collectives:
             group,
             async_op,
             lambda resp, dl: self._data_plane.get_rank(
-                resp.result_name or out_name or name, dst, dl
+                resp.result_name or out_name or name, dst, dl, result_of=_result_of(resp)
             ),
         )
 
@@ -279,12 +281,13 @@ class Collectives:
         Returns:
             The parts as CPU tensors in rank order (for a list of names, one list of
             parts per name, in order), or a ``Work`` of that with ``async_op``; read
-            from a rank holding the result right after the op (see ``reduce``).
+            back from a rank holding the result right after the op (see ``reduce``).
 
         Raises:
             InvalidArgument: a bad name, ``out`` or group.
             NotFound: no rank holds ``name``.
-            FailedPrecondition: some ranks lack ``name`` or disagree on dtype/shape.
+            FailedPrecondition: some ranks lack ``name`` or disagree on dtype/shape;
+                or the result was written over before it was read back (``RESULT_REPLACED``).
             Unavailable: a rank was lost, the generation changed, or not formed.
             DeadlineExceeded: not done within ``timeout`` seconds.
             ResourceExhausted: the leader's op queue is full, or over a quota.
@@ -300,11 +303,9 @@ class Collectives:
 
         def fetch(resp: worker_pb2.CollectiveResponse, dl: float) -> list[torch.Tensor]:
             holder = resp.result_ranks[0] if resp.result_ranks else _first_rank(group)
-            return list(
-                self._data_plane.get_rank(resp.result_name or out_name or name, holder, dl).unbind(
-                    0
-                )
-            )
+            stored = resp.result_name or out_name or name
+            got = self._data_plane.get_rank(stored, holder, dl, result_of=_result_of(resp))
+            return list(got.unbind(0))
 
         return self.run_op(
             f"all_gather {name!r}",
@@ -343,13 +344,14 @@ class Collectives:
 
         Returns:
             The parts as CPU tensors in rank order, or a ``Work`` of them with
-            ``async_op``; read from ``dst`` right after the op (see ``reduce``).
+            ``async_op``; read back from ``dst`` right after the op (see ``reduce``).
 
         Raises:
             InvalidArgument: a list of names, a bad name, ``out`` or group, or
                 ``dst`` out of range or not in ``group``.
             NotFound: no rank holds ``name``.
-            FailedPrecondition: some ranks lack ``name`` or disagree on dtype/shape.
+            FailedPrecondition: some ranks lack ``name`` or disagree on dtype/shape;
+                or the result was written over before it was read back (``RESULT_REPLACED``).
             Unavailable: a rank was lost, the generation changed, or not formed.
             DeadlineExceeded: not done within ``timeout`` seconds.
             ResourceExhausted: the leader's op queue is full, or over a quota.
@@ -361,9 +363,9 @@ class Collectives:
         dst = check_root("gather", dst, self._world(deadline), group)
 
         def fetch(resp: worker_pb2.CollectiveResponse, dl: float) -> list[torch.Tensor]:
-            return list(
-                self._data_plane.get_rank(resp.result_name or out_name or name, dst, dl).unbind(0)
-            )
+            stored = resp.result_name or out_name or name
+            got = self._data_plane.get_rank(stored, dst, dl, result_of=_result_of(resp))
+            return list(got.unbind(0))
 
         return self.run_op(
             f"gather {name!r}",
@@ -639,7 +641,11 @@ class Collectives:
         def fetch(resp: worker_pb2.CollectiveResponse, dl: float) -> list[list[torch.Tensor]]:
             holder = resp.result_ranks[0] if resp.result_ranks else _first_rank(group)
             stored = list(resp.result_names) or outs or checked
-            return [list(self._data_plane.get_rank(name, holder, dl).unbind(0)) for name in stored]
+            of = _result_of(resp)
+            return [
+                list(self._data_plane.get_rank(name, holder, dl, result_of=of).unbind(0))
+                for name in stored
+            ]
 
         return self.run_op(
             _what("all_gather", checked),
@@ -707,6 +713,12 @@ class Collectives:
                 raise annotate(err, f"{what} succeeded but fetching its result failed") from None
 
         return self._session.ordered(what, run, deadline, async_op, record)
+
+
+def _result_of(resp: worker_pb2.CollectiveResponse) -> worker_pb2.ResultOf:
+    """The op whose result a read-back names: the worker refuses any other value (a
+    write by another client in between) instead of returning it."""
+    return worker_pb2.ResultOf(generation=resp.generation, op_id=resp.op_id)
 
 
 def is_coalesced(name: object) -> bool:

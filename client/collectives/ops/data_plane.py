@@ -348,9 +348,15 @@ class DataPlane:
         return [check_rank(rank, world_size)]
 
     def get_rank(
-        self, name: str, rank: int, deadline: float, out: torch.Tensor | None = None
+        self,
+        name: str,
+        rank: int,
+        deadline: float,
+        out: torch.Tensor | None = None,
+        result_of: worker_pb2.ResultOf | None = None,
     ) -> torch.Tensor:
-        """Downloads ``name`` from ``rank`` (retried within ``deadline``); see :meth:`get`."""
+        """Downloads ``name`` from ``rank`` (retried within ``deadline``); see :meth:`get`.
+        ``result_of``: the op whose result this reads back (refused if written over)."""
         what = f"get {name!r}"
 
         def get_on(endpoint: WorkerEndpoint, remaining: float) -> torch.Tensor:
@@ -358,14 +364,24 @@ class DataPlane:
             route = choose_path(endpoint, remaining, nbytes=None, shared_memory=shared)
             if route.path is DataPath.SHM:
                 try:
-                    mapped = get_tensor_shm(endpoint, name, remaining, self._session.shm_pool)
+                    mapped = get_tensor_shm(
+                        endpoint, name, remaining, self._session.shm_pool, result_of=result_of
+                    )
                 except CollectiveError as err:
                     if not self._shm_refused_by(endpoint.address, err):
                         raise
                 else:
                     return mapped if out is None else _copied_out(name, mapped, out)
                 route = choose_path(endpoint, remaining, nbytes=None)  # refused: not shm
-            return get_tensor(endpoint, name, remaining, route=route, progress=bar.start, out=out)
+            return get_tensor(
+                endpoint,
+                name,
+                remaining,
+                route=route,
+                progress=bar.start,
+                out=out,
+                result_of=result_of,
+            )
 
         # A bar once the size is known (shared memory: none, it is one copy).
         with Deferred(what, self._session.progress) as bar:

@@ -360,9 +360,11 @@ def get_tensor_bulk(
     consume: bool = False,
     progress: Callable[[int], codec.Advance] | None = None,
     out: torch.Tensor | None = None,
+    result_of: worker_pb2.ResultOf | None = None,
 ) -> torch.Tensor:
     """Downloads ``name``: inline when small, else over the bulk port into one buffer
-    (``out`` when given: returned, holding the tensor; see ``Cluster.get``).
+    (``out`` when given: returned, holding the tensor; see ``Cluster.get``);
+    ``result_of``: the op whose result this reads back (the worker refuses another).
 
     ``progress(nbytes)``, called once the size is known (not for inline data),
     gives what to advance by the bytes as they arrive.
@@ -375,7 +377,7 @@ def get_tensor_bulk(
     deadline = time.monotonic() + timeout
     try:
         response = endpoint.stub.GetTensorBulk(
-            worker_pb2.GetTensorBulkRequest(name=name, consume=consume),
+            worker_pb2.GetTensorBulkRequest(name=name, consume=consume, result_of=result_of),
             timeout=max(timeout, 0.001),
         )
     except grpc.RpcError as err:

@@ -303,12 +303,14 @@ def get_tensor(
     route: Route | None = None,
     progress: Callable[[int], Progress] | None = None,
     out: torch.Tensor | None = None,
+    result_of: worker_pb2.ResultOf | None = None,
 ) -> torch.Tensor:
     """Downloads the tensor stored under ``name`` into one preallocated CPU buffer
     (``out`` when given, see ``Cluster.get``), through the worker's bulk port or
     streamed over gRPC as ``route`` (default: :func:`choose_path` without shared
     memory) says. ``progress(nbytes)``, called once the size is known, gives what
-    counts the bytes received.
+    counts the bytes received. ``result_of``: the op whose result this reads back
+    (the worker refuses another value; see ``worker.proto``).
 
     Raises:
         NotFound: the worker holds no tensor under ``name``.
@@ -323,7 +325,7 @@ def get_tensor(
         started = time.monotonic()
         try:
             return bulk.get_tensor_bulk(
-                endpoint, route.bulk_port, name, timeout, consume, progress, out
+                endpoint, route.bulk_port, name, timeout, consume, progress, out, result_of
             )
         except bulk.BulkUnreachable:
             endpoint.bulk.suspend()  # full or refusing: the gRPC stream carries it
@@ -334,7 +336,7 @@ def get_tensor(
     what = f"GetTensor {name!r} from {endpoint.address}"
     try:
         call = endpoint.get_raw(
-            worker_pb2.GetTensorRequest(name=name, consume=consume),
+            worker_pb2.GetTensorRequest(name=name, consume=consume, result_of=result_of),
             timeout=_deadline_s(timeout, what),
         )
     except ValueError as err:
@@ -445,8 +447,10 @@ def get_tensor_shm(
     timeout: float,
     pool: SegmentPool,
     consume: bool = False,
+    result_of: worker_pb2.ResultOf | None = None,
 ) -> torch.Tensor:
-    """Downloads ``name`` through shared memory: the worker writes into a free
+    """Downloads ``name`` through shared memory (``result_of``: as :func:`get_tensor`):
+    the worker writes into a free
     segment of ``pool`` when one is large enough, else into a new segment that
     the pool takes over. The tensor returned lies in that segment (no copy),
     which goes back to the pool when the tensor is freed.
@@ -459,7 +463,7 @@ def get_tensor_shm(
     lease = pool.acquire()
     try:
         request = worker_pb2.GetTensorShmRequest(
-            name=name, consume=consume, path=lease.path if lease else ""
+            name=name, consume=consume, path=lease.path if lease else "", result_of=result_of
         )
         try:
             response = endpoint.unary("GetTensorShm")(request, timeout, what)

@@ -90,13 +90,23 @@ class PutTensorResponse(_message.Message):
     returned: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, name: _Optional[str] = ..., nbytes: _Optional[int] = ..., adopted: _Optional[bool] = ..., returned: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class ResultOf(_message.Message):
+    __slots__ = ("generation", "op_id")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    op_id: int
+    def __init__(self, generation: _Optional[int] = ..., op_id: _Optional[int] = ...) -> None: ...
+
 class GetTensorRequest(_message.Message):
-    __slots__ = ("name", "consume")
+    __slots__ = ("name", "consume", "result_of")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONSUME_FIELD_NUMBER: _ClassVar[int]
+    RESULT_OF_FIELD_NUMBER: _ClassVar[int]
     name: str
     consume: bool
-    def __init__(self, name: _Optional[str] = ..., consume: _Optional[bool] = ...) -> None: ...
+    result_of: ResultOf
+    def __init__(self, name: _Optional[str] = ..., consume: _Optional[bool] = ..., result_of: _Optional[_Union[ResultOf, _Mapping]] = ...) -> None: ...
 
 class GetTensorResponse(_message.Message):
     __slots__ = ("header", "chunk")
@@ -121,16 +131,18 @@ class PutTensorShmRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ..., hand_over: _Optional[bool] = ..., lent: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetTensorShmRequest(_message.Message):
-    __slots__ = ("name", "consume", "path", "offset")
+    __slots__ = ("name", "consume", "path", "offset", "result_of")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONSUME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    RESULT_OF_FIELD_NUMBER: _ClassVar[int]
     name: str
     consume: bool
     path: str
     offset: int
-    def __init__(self, name: _Optional[str] = ..., consume: _Optional[bool] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+    result_of: ResultOf
+    def __init__(self, name: _Optional[str] = ..., consume: _Optional[bool] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ..., result_of: _Optional[_Union[ResultOf, _Mapping]] = ...) -> None: ...
 
 class GetTensorShmResponse(_message.Message):
     __slots__ = ("header", "path", "offset")
@@ -171,12 +183,14 @@ class PutTensorBulkRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class GetTensorBulkRequest(_message.Message):
-    __slots__ = ("name", "consume")
+    __slots__ = ("name", "consume", "result_of")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONSUME_FIELD_NUMBER: _ClassVar[int]
+    RESULT_OF_FIELD_NUMBER: _ClassVar[int]
     name: str
     consume: bool
-    def __init__(self, name: _Optional[str] = ..., consume: _Optional[bool] = ...) -> None: ...
+    result_of: ResultOf
+    def __init__(self, name: _Optional[str] = ..., consume: _Optional[bool] = ..., result_of: _Optional[_Union[ResultOf, _Mapping]] = ...) -> None: ...
 
 class GetTensorBulkResponse(_message.Message):
     __slots__ = ("header", "inline_data", "ticket", "ticket_ttl_s")

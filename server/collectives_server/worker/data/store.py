@@ -35,14 +35,22 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from collectives.errors import NotFound, ResourceExhausted, Unavailable
+from collectives.errors import (
+    FailedPrecondition,
+    NotFound,
+    Reason,
+    ResourceExhausted,
+    Unavailable,
+)
 from collectives.wire.names import ARCHIVE_PREFIX, UPLOAD_PREFIX
 
 __all__ = [
     "Fence",
+    "result_of",
     "Reservation",
     "StoredInfo",
     "TensorStore",
@@ -131,6 +139,9 @@ class TensorStore:
         self.device = device
         self.limit_bytes = limit_bytes
         self._tensors: dict[str, torch.Tensor] = {}
+        # Which op committed each name's value (generation, op id), and that value (weakly):
+        # a read-back of the op's result checks it is still the one (get's result_of).
+        self._committed: dict[str, tuple[tuple[int, int], weakref.ref[torch.Tensor]]] = {}
         self._bytes = 0
         # Bytes of transfers being received (puts in progress): counted against
         # the quota from their header on, so concurrent puts cannot overshoot it.
@@ -358,20 +369,27 @@ class TensorStore:
         return old
 
     def replace(
-        self, name: str, t: torch.Tensor, read: weakref.ref[torch.Tensor] | None = None
+        self,
+        name: str,
+        t: torch.Tensor,
+        read: weakref.ref[torch.Tensor] | None = None,
+        op: tuple[int, int] | None = None,
     ) -> torch.Tensor | None:
         """Commits ``t`` under ``name`` without a quota check (a collective's commit: its
         quota was judged on every rank before the op); returns the value replaced.
 
         ``read``: the value the op read under ``name``; the commit is then skipped if
         ``name`` holds another value now (or none): a put or delete since is later in
-        the order than the op, whose result it must not be overwritten with."""
+        the order than the op, whose result it must not be overwritten with. ``op``:
+        the op committing it (generation, op id), for :meth:`get`'s ``result_of``."""
         with self._lock:
             if read is not None:
                 value = read()  # None: no longer stored (else the store would hold it)
                 if value is None or self._tensors.get(name) is not value:
                     return None
             old = self._set(name, t)
+            if op is not None:
+                self._committed[name] = (op, weakref.ref(t))
         return old
 
     def _touch_staged(self, name: str) -> None:
@@ -394,13 +412,29 @@ class TensorStore:
             old = self._set(name, t)
         return old
 
-    def get(self, name: str) -> torch.Tensor:
-        """The committed value of ``name``; waits for a pending write to it (a fence)."""
+    def get(self, name: str, result_of: tuple[int, int] | None = None) -> torch.Tensor:
+        """The committed value of ``name``; waits for a pending write to it (a fence).
+
+        ``result_of``: the op (generation, op id) whose result the caller reads back;
+        FAILED_PRECONDITION (``RESULT_REPLACED``) when ``name`` holds anything else."""
         with self._lock:
             self._check_open()
             if self._fences:
                 self._wait_unfenced(name)
             t = self._tensors.get(name)
+            committed = self._committed.get(name)
+        if result_of is not None and (
+            committed is None or committed[0] != result_of or committed[1]() is not t
+        ):
+            generation, op_id = result_of
+            raise FailedPrecondition(
+                f"the result of op {op_id} (generation {generation}) under {name!r} on this "
+                "worker was written over (or deleted) before it was read back: names are "
+                "shared, another client wrote it in between; give the result a name of "
+                "your own (out=...)",
+                tensor=name,
+                reason=Reason.RESULT_REPLACED,
+            )
         if t is None:
             raise NotFound(f"tensor {name!r} is not stored on this worker")
         return t
@@ -419,6 +453,7 @@ class TensorStore:
             if name.startswith(ARCHIVE_PREFIX):
                 self._uploads.pop(name, None)
             t = self._tensors.pop(name, None)
+            self._committed.pop(name, None)
             if t is None:
                 return False
             self._bytes -= _nbytes(t)
@@ -432,6 +467,7 @@ class TensorStore:
             if name.startswith(ARCHIVE_PREFIX):
                 self._uploads.pop(name, None)
             del self._tensors[name]
+            self._committed.pop(name, None)
             self._bytes -= _nbytes(t)
             return True
 
@@ -442,6 +478,7 @@ class TensorStore:
             doomed = [n for n in self._tensors if n.startswith(prefix)]
             for n in doomed:
                 self._bytes -= _nbytes(self._tensors.pop(n))
+                self._committed.pop(n, None)
             return len(doomed)
 
     def under(self, prefix: str) -> list[tuple[str, torch.Tensor]]:
@@ -477,3 +514,10 @@ def upload_prefix(name: str) -> str:
     """``__publish/<id>/<key>`` -> ``__publish/<id>/``."""
     head, _, rest = name[len(UPLOAD_PREFIX) :].partition("/")
     return f"{UPLOAD_PREFIX}{head}/" if rest else name
+
+
+def result_of(request: Any) -> tuple[int, int] | None:
+    """A get request's ``result_of`` (the op whose result it reads back), if it names one."""
+    if not request.HasField("result_of"):
+        return None
+    return (request.result_of.generation, request.result_of.op_id)

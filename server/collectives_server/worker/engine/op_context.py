@@ -191,6 +191,7 @@ class OpContext:
         message: str,
         results: dict[str, torch.Tensor | None],
         reason: str | None = None,
+        op_id: int = 0,
     ) -> CollectiveError | None:
         """The engine's invariant: :meth:`agree` on the op's outcome, then, only when
         every rank succeeded, store this rank's ``results`` (target name -> value;
@@ -205,16 +206,19 @@ class OpContext:
         before calling this."""
         error = self.agree(code, message, reason)
         if error is None:
-            self.commit(results)
+            self.commit(results, op_id)
         return error
 
-    def commit(self, results: dict[str, torch.Tensor | None]) -> None:
+    def commit(self, results: dict[str, torch.Tensor | None], op_id: int = 0) -> None:
         """The commit half of :meth:`agree_and_commit`, alone: only for an outcome every
         rank already shares without an agreement (an inline op's result is a pure
-        function of the operands every rank received in the same exchange)."""
+        function of the operands every rank received in the same exchange). ``op_id``:
+        the op's, so that a read-back of its result can check it is still there."""
+        op = (self.generation, op_id) if op_id else None
         for target, result in results.items():
             if result is not None:
-                old = self.store.replace(target, result, read=self.reads.pop(target, None))
+                read = self.reads.pop(target, None)
+                old = self.store.replace(target, result, read=read, op=op)
                 if old is not None:
                     self.replaced.offer(old)
                 del old

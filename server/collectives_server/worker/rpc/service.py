@@ -37,6 +37,7 @@ from collectives.wire.op_specs import (
 from collectives_server.rpc.limits import RpcLimits
 from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.data.memory_release import drop_partial
+from collectives_server.worker.data.store import result_of
 from collectives_server.worker.engine.process_groups import check_group_cap, subgroup_count
 from collectives_server.worker.rpc.bulk_answers import tensor_answer
 from collectives_server.worker.rpc.guards import counted as _counted
@@ -127,7 +128,7 @@ class WorkerService:
     @_counted("get")
     def GetTensor(self, request: worker_pb2.GetTensorRequest, context) -> Iterator[bytes]:
         validate_name(request.name)
-        tensor = self._ctx.store.get(request.name)
+        tensor = self._ctx.store.get(request.name, result_of(request))
         nbytes = tensor.numel() * tensor.element_size()
         yield from codec.encode_tensor_stream(request.name, tensor)
         self._ctx.stats.add_bytes(sent=nbytes)
@@ -188,7 +189,7 @@ class WorkerService:
     ) -> worker_pb2.GetTensorBulkResponse:
         bulk = self._bulk()
         validate_name(request.name)
-        tensor = self._ctx.store.get(request.name)
+        tensor = self._ctx.store.get(request.name, result_of(request))
         remaining = _remaining_s(context, self._ctx.op_timeout_s)
         response = tensor_answer(request.name, tensor, self._ctx.store, bulk, remaining)
         header = response.header

@@ -37,6 +37,7 @@ from collectives.wire.names import validate_name
 from collectives_server.worker.context import WorkerContext
 from collectives_server.worker.data.shm_adopt import MIN_ADOPT_BYTES
 from collectives_server.worker.data.shm_segments import ShmLimits, WorkerSegments
+from collectives_server.worker.data.store import result_of
 from collectives_server.worker.transport.peer_identity import loopback_peer_uid
 
 __all__ = ["ShmLimits", "WorkerSegments", "get_tensor_shm", "put_tensor_shm"]
@@ -106,7 +107,7 @@ def get_tensor_shm(
 ) -> worker_pb2.GetTensorShmResponse:
     uid = loopback_peer_uid(peer, ctx.port)
     validate_name(request.name)
-    tensor = ctx.store.get(request.name)
+    tensor = ctx.store.get(request.name, result_of(request))
     wire = tensor.detach()
     if wire.device.type != "cpu":
         wire = wire.cpu()

@@ -180,7 +180,7 @@ def _data_path(
     # op's replaced values can then be kept for the next results (ctx.replaced).
     operands.clear()
     committed = dict(zip(job.targets, results, strict=False))  # targets are distinct
-    error = ctx.agree_and_commit(code, message, committed)
+    error = ctx.agree_and_commit(code, message, committed, op_id=desc.op_id)
     return error or _describe(ctx, desc, job, plans)
 
 

@@ -130,7 +130,7 @@ def run_exchange(
         if receives and not ctx.is_leader:
             fence = ctx.store.fence(target, 2 * ctx.timeout_s)  # the agreement is the last one
         result, code, message = _move(ctx, desc, group, pairs, exchanged.infos, operand)
-        error = ctx.agree_and_commit(code, message, {target: result})
+        error = ctx.agree_and_commit(code, message, {target: result}, op_id=desc.op_id)
         if error is not None:
             return error
         dsts = sorted(d for _, d in pairs)

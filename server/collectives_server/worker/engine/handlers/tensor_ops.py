@@ -161,7 +161,7 @@ def finish(
         if prepared.member and contributors:
             result = _inline_member(ctx, desc, group, exchanged, contributors, reduce_op)
             ctx.count_data_collectives(1)
-            ctx.commit({target: result})  # every rank computed it from the same exchange
+            ctx.commit({target: result}, desc.op_id)  # every rank computed it alike
         return _describe(ctx, desc, group, plan, target)
     if prepared.fence is None and prepared.stores_here:
         prepared.fence = ctx.store.fence(target, 2 * ctx.timeout_s)  # the agreement is last
@@ -199,7 +199,7 @@ def _data_path(
         except Exception as exc:  # local to this rank: the op fails, the group stays
             code, message = op_failures.local_failure(exc, spec(desc.kind).name, dtype)
     held.clear()
-    error = ctx.agree_and_commit(code, message, {target: result})
+    error = ctx.agree_and_commit(code, message, {target: result}, op_id=desc.op_id)
     return error or _describe(ctx, desc, group, plan, target)
 
 

@@ -71,7 +71,7 @@ def run_uneven_all_to_all(
         result, code, message = None, grpc.StatusCode.OK, ""
         if member:
             result, code, message = _member_result(ctx, group, operand, plan)
-        error = ctx.agree_and_commit(code, message, {target: result})
+        error = ctx.agree_and_commit(code, message, {target: result}, op_id=desc.op_id)
         return error or _describe(ctx, desc, group, plan, target)
     finally:
         if fence is not None:
