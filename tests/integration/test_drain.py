@@ -11,7 +11,7 @@ import os
 import signal
 import threading
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
@@ -204,6 +204,41 @@ def test_training_goes_on_across_a_drain_as_one_model(fresh_cluster, gen) -> Non
 _MAX_STEPS = 20_000
 
 
+def _drain_each_member_while(
+    cluster: collectives.Cluster,
+    train: Callable[[], None],
+    losses: list[float],
+    errors: list[BaseException],
+    stop: threading.Event,
+) -> None:
+    """Drains each member of a 2-member cluster in turn (rank 1, then 0) while ``train``
+    runs on a thread of its own, appending a loss per step (or an error, and returning):
+    each drain comes after 3 steps, and the next after 3 steps past it."""
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+    wanted: list[int] = []  # the steps each drain needs the client to have taken after it
+    try:
+        for rank in (1, 0):
+            wait_until(lambda: len(losses) >= 3 or errors, 60, "steps before the drain")
+            wait_until(lambda: len(_spares(cluster)) == 1, 60, "a live spare")
+            member = next(w for w in cluster.workers() if w.rank == rank)
+            cluster.drain(member.worker_id, timeout=60)
+            wanted.append(len(losses) + 3)
+            wait_until(
+                lambda: len(losses) >= wanted[-1] or errors or not thread.is_alive(),
+                60,
+                "steps after the drain",
+            )
+    finally:
+        stop.set()
+        thread.join(120)
+    assert not thread.is_alive(), "the training client did not stop"
+    assert errors == [], errors
+    assert len(losses) >= wanted[-1], (
+        f"the client stopped at its bound ({len(losses)} steps) before {wanted[-1]}"
+    )
+
+
 def test_steps_running_while_drains_switch_stay_one_model(fresh_cluster, gen) -> None:
     """A client trains without pause while another drains each member in turn, the
     second drain right after the first: the switch meets steps in flight, and the
@@ -235,29 +270,7 @@ def test_steps_running_while_drains_switch_stay_one_model(fresh_cluster, gen) ->
                     errors.append(exc)
                     return
 
-    thread = threading.Thread(target=train, daemon=True)
-    thread.start()
-    wanted: list[int] = []  # the steps each drain needs the client to have taken after it
-    try:
-        for rank in (1, 0):
-            wait_until(lambda: len(losses) >= 3 or errors, 60, "steps before the drain")
-            wait_until(lambda: len(_spares(cluster)) == 1, 60, "a live spare")
-            member = next(w for w in cluster.workers() if w.rank == rank)
-            cluster.drain(member.worker_id, timeout=60)
-            wanted.append(len(losses) + 3)
-            wait_until(
-                lambda: len(losses) >= wanted[-1] or errors or not thread.is_alive(),
-                60,
-                "steps after the drain",
-            )
-    finally:
-        stop.set()
-        thread.join(120)
-    assert not thread.is_alive(), "the training client did not stop"
-    assert errors == [], errors
-    assert len(losses) >= wanted[-1], (
-        f"the client stopped at its bound ({len(losses)} steps) before {wanted[-1]}"
-    )
+    _drain_each_member_while(cluster, train, losses, errors, stop)
     for step, remote in enumerate(losses):
         local_opt.zero_grad()
         loss = functional.mse_loss(local(x), y)
@@ -309,27 +322,7 @@ def test_a_client_training_with_backward_goes_on_across_drains(fresh_cluster, ge
                     return
                 losses.append(float(loss.detach()))
 
-    thread = threading.Thread(target=train, daemon=True)
-    thread.start()
-    wanted: list[int] = []  # the steps each drain needs the client to have taken after it
-    try:
-        for rank in (1, 0):
-            wait_until(lambda: len(losses) >= 3 or errors, 60, "steps before the drain")
-            wait_until(lambda: len(_spares(cluster)) == 1, 60, "a live spare")
-            member = next(w for w in cluster.workers() if w.rank == rank)
-            cluster.drain(member.worker_id, timeout=60)
-            wanted.append(len(losses) + 3)
-            wait_until(
-                lambda: len(losses) >= wanted[-1] or errors or not thread.is_alive(),
-                60,
-                "steps after the drain",
-            )
-    finally:
-        stop.set()
-        thread.join(120)
-    assert not thread.is_alive(), "the training client did not stop"
-    assert errors == [], errors
-    assert len(losses) >= wanted[-1], f"the client stopped at its bound ({len(losses)} steps)"
+    _drain_each_member_while(cluster, train, losses, errors, stop)
     for step, remote in enumerate(losses):
         local_opt.zero_grad()
         loss = functional.mse_loss(local(x), y)
