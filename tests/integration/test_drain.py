@@ -204,6 +204,29 @@ def test_training_goes_on_across_a_drain_as_one_model(fresh_cluster, gen) -> Non
 _MAX_STEPS = 20_000
 
 
+def _assert_trained_as_torch(
+    cluster: collectives.Cluster,
+    name: str,
+    losses: list[float],
+    local: nn.Module,
+    local_opt: torch.optim.Optimizer,
+    batch: tuple[torch.Tensor, torch.Tensor],
+) -> None:
+    """Every step's loss equals the local model's for the same step (mse on ``batch``),
+    and afterwards the replicas are bit-identical and equal the local model."""
+    x, y = batch
+    for step, remote in enumerate(losses):
+        local_opt.zero_grad()
+        loss = functional.mse_loss(local(x), y)
+        loss.backward()
+        local_opt.step()
+        assert remote == pytest.approx(float(loss.detach()), rel=1e-3, abs=1e-6), f"step {step}"
+    states = [cluster.state_dict(name, rank=r) for r in range(cluster.world_size)]
+    for key, value in local.state_dict().items():
+        torch.testing.assert_close(states[0][key], value, rtol=1e-3, atol=1e-5)
+        assert torch.equal(states[0][key], states[1][key]), f"{key}: the replicas differ"
+
+
 def _drain_each_member_while(
     cluster: collectives.Cluster,
     train: Callable[[], None],
@@ -271,16 +294,7 @@ def test_steps_running_while_drains_switch_stay_one_model(fresh_cluster, gen) ->
                     return
 
     _drain_each_member_while(cluster, train, losses, errors, stop)
-    for step, remote in enumerate(losses):
-        local_opt.zero_grad()
-        loss = functional.mse_loss(local(x), y)
-        loss.backward()
-        local_opt.step()
-        assert remote == pytest.approx(float(loss.detach()), rel=1e-3, abs=1e-6), f"step {step}"
-    states = [cluster.state_dict("steps/m", rank=r) for r in range(cluster.world_size)]
-    for key, value in local.state_dict().items():
-        torch.testing.assert_close(states[0][key], value, rtol=1e-3, atol=1e-5)
-        assert torch.equal(states[0][key], states[1][key]), f"{key}: the replicas differ"
+    _assert_trained_as_torch(cluster, "steps/m", losses, local, local_opt, (x, y))
     # Each successor built the exported model while its drain prepared, and hosted it
     # with that module at the seal (not in a background build calls wait for).
     log = local_cluster.log_path.read_text(errors="replace")
@@ -323,16 +337,7 @@ def test_a_client_training_with_backward_goes_on_across_drains(fresh_cluster, ge
                 losses.append(float(loss.detach()))
 
     _drain_each_member_while(cluster, train, losses, errors, stop)
-    for step, remote in enumerate(losses):
-        local_opt.zero_grad()
-        loss = functional.mse_loss(local(x), y)
-        loss.backward()
-        local_opt.step()
-        assert remote == pytest.approx(float(loss.detach()), rel=1e-3, abs=1e-6), f"step {step}"
-    states = [cluster.state_dict("dpbwd/m", rank=r) for r in range(cluster.world_size)]
-    for key, value in local.state_dict().items():
-        torch.testing.assert_close(states[0][key], value, rtol=1e-3, atol=1e-5)
-        assert torch.equal(states[0][key], states[1][key]), f"{key}: the replicas differ"
+    _assert_trained_as_torch(cluster, "dpbwd/m", losses, local, local_opt, (x, y))
 
 
 def test_a_drain_waits_for_the_backward_of_a_forward_on_the_drained_worker(
