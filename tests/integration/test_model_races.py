@@ -304,3 +304,50 @@ def test_two_loads_of_one_name_at_once_never_train_a_mix(
     cluster3.unload_model(name)
     cluster3.delete(f"{name}/x")
     cluster3.delete(f"{name}/y")
+
+
+def test_a_factory_load_builds_its_weights_while_another_client_trains_with_dropout(
+    cluster3, cluster3_address, gen, uname
+) -> None:
+    """A factory seeds torch's one process-wide generator; a train-mode forward with
+    dropout on another model of the same worker draws from it. Loads while another
+    client trained used to build weights of no seed on a rank; the
+    build now holds the generator alone."""
+    trained = uname("dropout")
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.Dropout(0.5), torch.nn.Linear(256, 8)
+    )
+    kwargs = {"in_features": 256, "hidden": 256, "out_features": 64, "depth": 4}
+    name = uname("seeded")
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    with collectives.connect(cluster3_address, timeout=60) as other:
+        other.load_model(trained, model, example_inputs=(torch.randn(4, 64),))
+
+        def train() -> None:
+            dp = other.data_parallel(trained)
+            dp.train()
+            try:
+                with torch.no_grad():
+                    while not stop.is_set():
+                        dp(torch.randn(256, 64))
+            except BaseException as exc:  # the test's finding
+                errors.append(exc)
+
+        thread = threading.Thread(target=train, daemon=True)
+        thread.start()
+        try:
+            for trial in range(6):
+                seed = int(torch.randint(0, 2**20, (1,), generator=gen))
+                cluster3.load_model(name, factory=ZOO, kwargs={**kwargs, "seed": seed})
+                want = model_zoo.mlp(**kwargs, seed=seed).state_dict()
+                for rank in range(cluster3.world_size):
+                    got = cluster3.state_dict(name, rank=rank)
+                    for key, value in want.items():
+                        assert torch.equal(got[key], value), f"trial {trial}: {key} on {rank}"
+        finally:
+            stop.set()
+            thread.join(60)
+        assert not thread.is_alive() and errors == [], errors
+        other.unload_model(trained)
+    cluster3.unload_model(name)

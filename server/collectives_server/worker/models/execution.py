@@ -12,6 +12,7 @@ the graph for the client's backward.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -28,7 +29,12 @@ from collectives_server.worker.models import modes as model_modes
 from collectives_server.worker.models import versions as model_versions
 from collectives_server.worker.models.batching import company_of
 from collectives_server.worker.models.inputs_expected import inputs_mismatch
-from collectives_server.worker.models.registry import HostedModel, ModelRegistry, RetainedGraph
+from collectives_server.worker.models.registry import (
+    GENERATOR,
+    HostedModel,
+    ModelRegistry,
+    RetainedGraph,
+)
 
 __all__ = ["forward", "backward", "release", "run_on_devices"]
 
@@ -71,9 +77,10 @@ def _call(
     Raises:
         InvalidArgument: the model failed on them.
     """
+    drawing = GENERATOR.admitted() if training else contextlib.nullcontext()
     with torch.set_grad_enabled(grad_enabled):
         try:
-            with model_modes.restoring_buffers(model.module, training):
+            with model_modes.restoring_buffers(model.module, training), drawing:
                 reads_only = not grad_enabled and not training
                 output = run_on_devices(model, module, args, kwargs, reads_only)
             if training and model.batch_statistics:

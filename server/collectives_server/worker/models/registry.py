@@ -39,7 +39,14 @@ from collectives_server.worker.models.batching import Batcher
 from collectives_server.worker.models.device_replicas import DeviceReplicas
 from collectives_server.worker.models.model_lock import ModelLock
 
-__all__ = ["ModelRegistry", "HostedModel", "ModelDefinition", "RetainedGraph", "GradArena"]
+__all__ = [
+    "GENERATOR",
+    "GradArena",
+    "HostedModel",
+    "ModelDefinition",
+    "ModelRegistry",
+    "RetainedGraph",
+]
 
 
 @dataclass
@@ -331,10 +338,13 @@ class HostedModel:
         return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
 
 
-# One factory build at a time on a worker: a factory that seeds torch's generator to
-# build the same weights on every rank (``manual_seed``) draws from the one process-wide
-# stream, and two builds at once (two clients' loads) would draw from each other's.
-_FACTORY_BUILD = threading.Lock()
+# Torch's default generator is one stream for the whole process. A factory seeds it to
+# build the same weights on every rank (``manual_seed``), so a build holds it alone:
+# two builds at once (two clients' loads), or a forward drawing from it meanwhile
+# (dropout in train mode), would draw from the factory's stream and leave weights of
+# no seed. Whatever may draw from it while models serve (a forward in train mode,
+# train_step) holds it shared: such draws run at once, and a build waits for them.
+GENERATOR = ModelLock()
 
 
 def build_from_factory(
@@ -346,7 +356,7 @@ def build_from_factory(
     arguments are refused there (``INVALID_ARGUMENT``, with the factory's own
     words), and the weights' total size is known before any memory is taken
     (``RESOURCE_EXHAUSTED`` over ``max_bytes``, the worker's --max-model-bytes).
-    Builds run one at a time (see ``_FACTORY_BUILD``).
+    A build holds torch's generator alone (see ``GENERATOR``).
 
     Raises:
         InvalidArgument: a malformed factory name or arguments the factory refuses.
@@ -368,7 +378,7 @@ def build_from_factory(
         fn = getattr(importlib.import_module(module_name), fn_name)
     except (ImportError, AttributeError) as exc:
         raise NotFound(f"factory {factory!r} not found on this worker: {exc}") from None
-    with _FACTORY_BUILD:
+    with GENERATOR:
         return _build(factory, fn, kwargs, max_bytes)
 
 

@@ -68,7 +68,7 @@ from collectives_server.worker.models.optimizers import (
     install,
     plan_optimizer,
 )
-from collectives_server.worker.models.registry import HostedModel
+from collectives_server.worker.models.registry import GENERATOR, HostedModel
 
 __all__ = ["LOSSES", "ModelOpResult", "run_model_op", "ModelArgs", "DEFAULT_BUCKET_BYTES"]
 
@@ -260,7 +260,7 @@ def _local_train(
     arena = model.grad_arena()
     seeded = arena.seed()
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), GENERATOR.admitted():  # (dropout draws from it)
             out = run_on_devices(model, model.runnable(True), (inputs,), {})
             loss = loss_fn(out, targets)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
