@@ -324,23 +324,27 @@ def test_a_factory_load_builds_its_weights_while_another_client_trains_with_drop
     with collectives.connect(cluster3_address, timeout=60) as other:
         other.load_model(trained, model, example_inputs=(torch.randn(4, 64),))
 
+        # The oracle's weights come first, and the trainer draws its inputs from a
+        # generator of its own: this process's default one is a shared stream too.
+        seeds = [int(s) for s in torch.randint(0, 2**20, (6,), generator=gen)]
+        wanted = [model_zoo.mlp(**kwargs, seed=seed).state_dict() for seed in seeds]
+        inputs = torch.Generator().manual_seed(seeds[0])
+
         def train() -> None:
             dp = other.data_parallel(trained)
             dp.train()
             try:
                 with torch.no_grad():
                     while not stop.is_set():
-                        dp(torch.randn(256, 64))
+                        dp(torch.randn(256, 64, generator=inputs))
             except BaseException as exc:  # the test's finding
                 errors.append(exc)
 
         thread = threading.Thread(target=train, daemon=True)
         thread.start()
         try:
-            for trial in range(6):
-                seed = int(torch.randint(0, 2**20, (1,), generator=gen))
+            for trial, (seed, want) in enumerate(zip(seeds, wanted, strict=True)):
                 cluster3.load_model(name, factory=ZOO, kwargs={**kwargs, "seed": seed})
-                want = model_zoo.mlp(**kwargs, seed=seed).state_dict()
                 for rank in range(cluster3.world_size):
                     got = cluster3.state_dict(name, rank=rank)
                     for key, value in want.items():
