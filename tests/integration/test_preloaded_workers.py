@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,30 @@ def test_a_stop_signal_sent_right_after_the_start_is_never_lost(
     for process, sig in started:
         code = process.wait(30)  # (SIGINT before its handlers: the default action)
         assert code in (0, -sig), f"pid {process.pid}: exit {code} after {sig.name}"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_ends_a_worker_still_waiting_for_its_coordinator(
+    workers: PreloadedWorkers, sig: signal.Signals
+) -> None:
+    """A worker whose coordinator accepts its connection and never answers waits for it
+    up to ``--connect-timeout-s``; a stop signal then (its handlers installed, so no
+    default action) ends it at once. The handler only runs on the main thread, which
+    sat in the Register call until the connect timeout: the stop waited it out."""
+    silent = socket.create_server(("127.0.0.1", 0))
+    silent.settimeout(60)
+    try:
+        port = silent.getsockname()[1]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        args = ["worker", "--coordinator", f"127.0.0.1:{port}", "--port", "0"]
+        process = workers.start([*args, "--connect-timeout-s", "600"], env)
+        connection, _ = silent.accept()  # its Register dialled: its handlers are set
+        with connection:
+            process.send_signal(sig)
+            code = process.wait(30)
+        assert code == 0, f"exit {code} after {sig.name}"
+    finally:
+        silent.close()
 
 
 def test_a_listening_zygote_serves_another_launcher_and_ends_what_it_leaves(

@@ -94,6 +94,13 @@ _STOP_WAIT_S = 2.0
 _HELD_UP_S = 2.0
 # Calls running when the worker stops may finish within this (gRPC's and the lanes').
 _STOP_GRACE_S = 1.0
+# How long a stop signal that arrived during start-up waits for start() to end (it
+# ends at once unless blocked outside the coordinator call, e.g. binding a port).
+_ABORT_START_WAIT_S = 10.0
+
+
+class StoppedWhileStarting(Exception):
+    """start() ended early: a stop signal arrived while it was still starting."""
 
 
 def resolve_devices(requested: tuple[str, ...]) -> list[torch.device]:
@@ -157,6 +164,7 @@ class WorkerDaemon:
         self._rendezvous = None  # torch.distributed.TCPStore hosted here (master side)
         self._store_port = 0
         self._server = None
+        self._channel: grpc.Channel | None = None  # to the coordinator, opened by start()
         self._metrics: MetricsServer | None = None
         # Its part in a drain; set when it was drained: the process then stops.
         self.drained = threading.Event()
@@ -219,6 +227,8 @@ class WorkerDaemon:
             self.config.coordinator, GRPC_OPTIONS
         )
         self._coordinator = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        if self._stop.is_set():  # stopped while starting: abort_start() saw no channel
+            raise StoppedWhileStarting
         self._register(self.config.connect_timeout_s)
         threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
         threading.Thread(target=self._watch_loop, name="watch", daemon=True).start()
@@ -239,6 +249,16 @@ class WorkerDaemon:
             limits.ticket_ttl_s,
             limits.idle_s,
         )
+
+    def abort_start(self) -> None:
+        """Ends a :meth:`start` running on another thread (a stop signal arrived while
+        it still waited for the coordinator): its Register ends at once, and
+        :meth:`start` raises (:class:`StoppedWhileStarting`, or the closed channel's
+        error). Call :meth:`stop` once :meth:`start` has returned."""
+        self._stop.set()
+        channel = self._channel
+        if channel is not None:
+            channel.close()
 
     def stop(self) -> None:
         self._stop.set()
@@ -277,7 +297,8 @@ class WorkerDaemon:
         self._rendezvous = None  # the master store stops with its last reference
         self.ctx.uploads.close()
         self.ctx.shm_segments.close()
-        self._channel.close()
+        if self._channel is not None:
+            self._channel.close()
 
     def _drained(self) -> None:
         self.drained.set()
@@ -724,6 +745,39 @@ def membership_refusal(
     return None
 
 
+def _start_unless_stopped(daemon: WorkerDaemon, stop: StopSignal) -> BaseException | None:
+    """Runs ``daemon.start()`` on a helper thread while this (main) thread waits for
+    it or a stop signal, which then ends the start at once (:meth:`WorkerDaemon.
+    abort_start`): the start's Register waits for the coordinator up to
+    ``--connect-timeout-s``, and a signal's handler only runs on the main thread.
+    Returns what ``start()`` raised (None: started, or stopped while starting)."""
+    outcome: list[BaseException | None] = []
+
+    def starting() -> None:
+        try:
+            daemon.start()
+            outcome.append(None)
+        except BaseException as exc:  # handed to the main thread
+            outcome.append(exc)
+        finally:
+            stop.wake()
+
+    thread = threading.Thread(target=starting, name="start", daemon=True)
+    thread.start()
+    while not outcome and not stop.wait(None):
+        pass
+    if not outcome:  # stopped first
+        daemon.abort_start()
+        thread.join(_ABORT_START_WAIT_S)
+        return None
+    failed = outcome[0]
+    if isinstance(failed, StoppedWhileStarting):
+        return None
+    if failed is not None and not isinstance(failed, (ValueError, OSError, grpc.RpcError)):
+        raise failed
+    return failed
+
+
 def run_on_cpus(cpus: frozenset[int]) -> None:
     """Every thread of this process, and those it starts later, on ``cpus`` only; torch's
     intra-op threads as many as ``cpus`` unless ``OMP_NUM_THREADS`` chose."""
@@ -747,19 +801,28 @@ def run_worker(config: WorkerConfig) -> int:
     with StopSignal() as stop:
         try:
             daemon = WorkerDaemon(config)
-            daemon.on_drained = stop.wake
-            daemon.start()
-        except (ValueError, OSError, grpc.RpcError) as exc:
-            detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
-            log.error("worker failed to start: %s", detail)
+        except (ValueError, OSError) as exc:
+            log.error("worker failed to start: %s", exc)
             return 1
-        sys.stdout.write(f"{daemon.address}\n")
-        sys.stdout.flush()
-        heap.settle()
-        while not stop.wait(None) and not daemon.drained.is_set():
-            pass
-        if stop.received == signal.SIGTERM:  # a supervisor's stop; SIGINT stops at once
-            daemon.drain_before_stop()  # (further signals are ignored meanwhile)
+        daemon.on_drained = stop.wake
+        failed = _start_unless_stopped(daemon, stop)
+        if stop.stopping:
+            # A supervisor stopping everything as it starts this worker (or before the
+            # coordinator is up): the signal ends the start, never waits it out.
+            log.info("signal %d while starting", stop.received or 0)
+        elif failed is not None:
+            detail = failed.details() if isinstance(failed, grpc.RpcError) else str(failed)
+            log.error("worker failed to start: %s", detail)
+            daemon.stop()
+            return 1
+        else:
+            sys.stdout.write(f"{daemon.address}\n")
+            sys.stdout.flush()
+            heap.settle()
+            while not stop.wait(None) and not daemon.drained.is_set():
+                pass
+            if stop.received == signal.SIGTERM:  # a supervisor's stop; SIGINT at once
+                daemon.drain_before_stop()  # (further signals are ignored meanwhile)
     log.info("stopping worker %s", daemon.worker_id)
     daemon.stop()
     # A retired generation's thread may still be blocked inside gloo (which
