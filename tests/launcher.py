@@ -307,6 +307,10 @@ class Daemon:
                 code = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 code = None
+                # What it was doing instead of ending, in its log (log_tail shows it).
+                with contextlib.suppress(OSError), open(self.log_path, "a") as log:
+                    log.write(f"--- not ended {timeout_s:g} s after SIGTERM ---\n")
+                    log.write(_stuck(proc.pid) + "\n")
         # Whatever it left behind in its group (it should be nothing).
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, SIGKILL)

@@ -182,7 +182,14 @@ def run(args: argparse.Namespace) -> int:
                 log.info("signal %d: stopping the local cluster", stop.received or 0)
         finally:
             cluster.stop()
-    return code
+    # Every child is stopped and reaped. Leave directly, as the coordinator and the
+    # workers do: the threads still reading children's output and reaping them are
+    # daemon threads, and an interpreter finalizing around them (and around gRPC's
+    # own threads, if a worker's exit was described) is not bounded in time.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def coordinator_config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
