@@ -35,7 +35,7 @@ from collectives.errors import (
     Reason,
     Unavailable,
 )
-from collectives.models.part import Models
+from collectives.models.part import ModelInfo, Models
 from collectives.session.connection import Session, without_models
 from collectives.transport.calls import Call, Job, Mapped, Start
 from collectives.transport.endpoints import WorkerEndpoint, get_tensor, put_tensor
@@ -154,7 +154,7 @@ class _RemoteCall:
         dim: int,
         timeout: float | None,
         training: bool | None = None,
-        batch_statistics: bool = False,
+        info: ModelInfo | None = None,
     ) -> None:
         self.session = session
         self.models = models
@@ -166,9 +166,12 @@ class _RemoteCall:
             True: worker_pb2.MODEL_MODE_TRAIN,
             False: worker_pb2.MODEL_MODE_EVAL,
         }[training]
-        # A model that normalises over the batch keeps running statistics per worker,
-        # so its calls are never placed by load; in train mode no shard has one row.
-        self.batch_statistics = batch_statistics
+        # A model that normalises over the batch (batch norm) gets no one-row shard in
+        # train mode; one that keeps running statistics (batch or instance norm) holds
+        # each worker's own, so its calls are never placed by load, and a shard that
+        # ran in train mode is never run again (its statistics moved once already).
+        batch_statistics = info is not None and info.batch_statistics
+        self.per_worker_state = info is not None and (info.running_statistics or batch_statistics)
         self.min_rows = 2 if training and batch_statistics else 1
         self.deadline = session.deadline(timeout)
         self.call_id = ""
@@ -185,7 +188,7 @@ class _RemoteCall:
         per-worker statistics (batch norm's running ones)."""
         grad_on = torch.is_grad_enabled()
         placement = self.models.placement
-        routable = not grad_on and not self.batch_statistics and placement.may_route(self.model)
+        routable = not grad_on and not self.per_worker_state and placement.may_route(self.model)
         # One more than the placements: the run where a split runs it, after a placed
         # one learned that the replicas may differ.
         for attempt in range(1, _PLACEMENTS + 2):
@@ -204,7 +207,7 @@ class _RemoteCall:
                 # mode); their graphs were released.
                 rerun = not grad_on or (
                     err.executed is False
-                    and not (self.batch_statistics and self.mode != worker_pb2.MODEL_MODE_EVAL)
+                    and not (self.per_worker_state and self.mode != worker_pb2.MODEL_MODE_EVAL)
                 )
                 if not rerun or not failed or err.reason == Reason.VERSION_MOVED:
                     raise
@@ -573,7 +576,7 @@ class DataParallel:
         # This callable's own mode: the model's recorded mode when first needed,
         # then whatever train()/eval() set; every call carries it.
         self._training: bool | None = None
-        self._batch_statistics = False  # the model's ModelInfo.batch_statistics, with it
+        self._info: ModelInfo | None = None  # the model's ModelInfo, read with the mode
 
     @property
     def training(self) -> bool:
@@ -590,7 +593,7 @@ class DataParallel:
             infos = {m.name: m for m in self._models.models(timeout=self.timeout)}
             if self.name not in infos:
                 raise NotFound(f"model {self.name!r} is not loaded; load_model it first")
-            self._batch_statistics = infos[self.name].batch_statistics
+            self._info = infos[self.name]
             self._training = infos[self.name].training
         return self._training
 
@@ -616,7 +619,7 @@ class DataParallel:
                 ``Cluster.set_model_mode``).
         """
         info = self._models.set_model_mode(self.name, bool(mode), timeout=self.timeout)
-        self._batch_statistics = info.batch_statistics
+        self._info = info
         self._training = bool(mode)
         return self
 
@@ -686,7 +689,7 @@ class DataParallel:
             self.dim,
             self.timeout,
             training,
-            self._batch_statistics,
+            self._info,
         )
         output = call.forward(inputs, kwargs)
         self._local.version = call.version

@@ -224,3 +224,57 @@ def test_a_step_by_another_client_never_lets_a_placed_call_answer_from_another_r
         finally:
             for c in clients:
                 c.close()
+
+
+class _InstanceNormed(torch.nn.Module):
+    """Instance norm that tracks running statistics, then a linear layer: train mode
+    moves each worker's running statistics with its own shards, as batch norm does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.InstanceNorm1d(4, track_running_stats=True, momentum=0.5)
+        self.lin = torch.nn.Linear(20, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.norm(x).flatten(1))
+
+
+@pytest.mark.parametrize("training", ["forwards", "train_step"])
+def test_a_model_with_instance_norm_statistics_is_never_placed_by_load(
+    local_cluster, gen, uname, training: str
+) -> None:
+    """Running statistics are each worker's own for instance norm too: after another
+    client trains the model (train-mode forwards, or train_step), one-row eval calls
+    answer what a split gives (rank 0's replica), never another worker's."""
+    workers = 3
+    address = local_cluster(workers, "--allow-model-upload")
+    name = uname("instnorm")
+    torch.manual_seed(int(torch.randint(0, 1 << 30, (1,), generator=gen)))
+    module = _InstanceNormed().train()
+    with connect_ready(address, workers) as trainer, connect_ready(address, workers) as server:
+        info = trainer.load_model(name, module, example_inputs=(torch.randn(4, 4, 5),))
+        assert info.running_statistics and not info.batch_statistics
+        served = server.data_parallel(name).eval()
+        with torch.no_grad():
+            served(torch.randn(1, 4, 5, generator=gen))  # learns that the replicas are equal
+        shift = torch.arange(2 * workers).view(-1, 1, 1).float()
+        if training == "train_step":
+            x = torch.randn(2 * workers, 4, 5, generator=gen) * 3 + shift
+            trainer.scatter(f"{name}/x", x)
+            trainer.scatter(f"{name}/y", torch.randn(2 * workers, 3, generator=gen))
+            for _ in range(3):
+                trainer.train_step(name, f"{name}/x", f"{name}/y", optimizer="sgd", lr=0.01)
+        else:
+            trained = trainer.data_parallel(name).train()
+            with torch.no_grad():
+                for _ in range(3):
+                    trained(torch.randn(2 * workers, 4, 5, generator=gen) * 3 + shift)
+        replicas = [trainer.state_dict(name, rank=r) for r in range(workers)]
+        assert not torch.equal(replicas[0]["norm.running_mean"], replicas[1]["norm.running_mean"])
+        split = _InstanceNormed()
+        split.load_state_dict(replicas[0])
+        split.eval()
+        with torch.no_grad():
+            for i in range(30):
+                x = torch.randn(1, 4, 5, generator=gen)
+                torch.testing.assert_close(served(x), split(x), msg=f"call {i}")

@@ -142,3 +142,45 @@ def test_a_graph_captured_in_eval_mode_counts_batches_in_train_mode() -> None:
     for key, want in module.named_buffers():
         torch.testing.assert_close(got[key], want, rtol=1e-6, atol=1e-7)
     assert int(got["1.num_batches_tracked"]) == 1
+
+
+_PAIRS = nn.Unflatten(1, (2, 3))  # 6 features as 2 channels of 3 (instance norm's input)
+
+
+class _Ema(nn.Module):
+    """A layer that keeps a running average of its input in a buffer (written in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("average", torch.zeros(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.average.mul_(0.9).add_(x.mean(0), alpha=0.1)
+        return x - self.average
+
+
+@pytest.mark.parametrize(
+    ("make", "keeps"),
+    [
+        (lambda: nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6)), True),
+        (lambda: nn.Sequential(nn.BatchNorm1d(6, track_running_stats=False)), False),
+        (lambda: nn.Sequential(_PAIRS, nn.InstanceNorm1d(2, track_running_stats=True)), True),
+        (lambda: nn.Sequential(_PAIRS, nn.InstanceNorm1d(2)), False),
+        (lambda: nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.5)), False),
+    ],
+)
+def test_a_model_that_keeps_running_statistics_is_told_from_one_that_does_not(make, keeps) -> None:
+    """Running statistics (batch or instance norm that tracks them) are each worker's
+    own after a train-mode call: found in a plain module and in its captured graph."""
+    x = torch.randn(8, 6)
+    assert model_modes.keeps_running_statistics(make().train()) is keeps
+    assert model_modes.keeps_running_statistics(_captured(make().train(), x)) is keeps
+    assert model_modes.keeps_running_statistics(_captured(make().eval(), x)) is keeps
+
+
+def test_a_graph_that_writes_a_buffer_in_place_keeps_running_statistics() -> None:
+    """Any buffer a captured graph writes in place moves with the worker's own shards."""
+    x = torch.randn(8, 6)
+    assert model_modes.keeps_running_statistics(_captured(_Ema().train(), x))
+    assert not model_modes.keeps_running_statistics(_captured(_Ema().eval(), x))

@@ -83,6 +83,9 @@ class ModelInfo:
     # Whether train mode normalises over the batch (batch norm): a train-mode
     # DataParallel call then gives no worker a shard of one row.
     batch_statistics: bool = False
+    # Whether train mode writes each worker's buffers (running statistics of a batch
+    # or instance norm): replicas then differ, and no call is placed by load.
+    running_statistics: bool = False
 
 
 class Models:
@@ -1014,6 +1017,7 @@ def _model_info(m: worker_pb2.ModelInfo) -> ModelInfo:
         version=m.version,
         training=m.training,
         batch_statistics=m.batch_statistics,
+        running_statistics=m.running_statistics,
         batching=Batching.from_proto(m.batching) if m.HasField("batching") else None,
         batches=m.batching_stats.batches,
         batched_calls=m.batching_stats.calls,

@@ -587,7 +587,7 @@ class LoadModelRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., archive_chunk: _Optional[bytes] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "parameters", "parameter_bytes", "devices", "source", "optimizer", "graphs_retained", "steps", "version", "training", "batching", "batching_stats", "batch_statistics")
+    __slots__ = ("name", "parameters", "parameter_bytes", "devices", "source", "optimizer", "graphs_retained", "steps", "version", "training", "batching", "batching_stats", "batch_statistics", "running_statistics")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     PARAMETER_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -601,6 +601,7 @@ class ModelInfo(_message.Message):
     BATCHING_FIELD_NUMBER: _ClassVar[int]
     BATCHING_STATS_FIELD_NUMBER: _ClassVar[int]
     BATCH_STATISTICS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_STATISTICS_FIELD_NUMBER: _ClassVar[int]
     name: str
     parameters: int
     parameter_bytes: int
@@ -614,7 +615,8 @@ class ModelInfo(_message.Message):
     batching: ForwardBatching
     batching_stats: BatchingStats
     batch_statistics: bool
-    def __init__(self, name: _Optional[str] = ..., parameters: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., source: _Optional[str] = ..., optimizer: _Optional[str] = ..., graphs_retained: _Optional[int] = ..., steps: _Optional[int] = ..., version: _Optional[int] = ..., training: _Optional[bool] = ..., batching: _Optional[_Union[ForwardBatching, _Mapping]] = ..., batching_stats: _Optional[_Union[BatchingStats, _Mapping]] = ..., batch_statistics: _Optional[bool] = ...) -> None: ...
+    running_statistics: bool
+    def __init__(self, name: _Optional[str] = ..., parameters: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., source: _Optional[str] = ..., optimizer: _Optional[str] = ..., graphs_retained: _Optional[int] = ..., steps: _Optional[int] = ..., version: _Optional[int] = ..., training: _Optional[bool] = ..., batching: _Optional[_Union[ForwardBatching, _Mapping]] = ..., batching_stats: _Optional[_Union[BatchingStats, _Mapping]] = ..., batch_statistics: _Optional[bool] = ..., running_statistics: _Optional[bool] = ...) -> None: ...
 
 class SetModelModeRequest(_message.Message):
     __slots__ = ("name", "mode")

@@ -83,7 +83,7 @@ def _call(
             with model_modes.restoring_buffers(model.module, training), drawing:
                 reads_only = not grad_enabled and not training
                 output = run_on_devices(model, module, args, kwargs, reads_only)
-            if training and model.batch_statistics:
+            if training and model.running_statistics:
                 # This rank's running statistics moved with its own shard: the replicas
                 # now answer differently (a forward placed by load runs again split).
                 model.replicas_may_differ = True

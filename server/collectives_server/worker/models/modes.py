@@ -44,6 +44,7 @@ __all__ = [
     "captured_mode",
     "for_mode",
     "is_graph",
+    "keeps_running_statistics",
     "restoring_buffers",
     "snapshot_buffers",
     "training_of",
@@ -109,6 +110,40 @@ def uses_batch_statistics(module: nn.Module) -> bool:
             for n in module.graph.nodes
         )
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+
+
+def keeps_running_statistics(module: nn.Module) -> bool:
+    """Whether a train-mode call writes ``module``'s buffers on the worker that runs it:
+    running statistics of a batch norm or an instance norm that tracks them, or (in
+    a graph) any buffer an in-place operator writes. Each worker's replica then holds
+    what its own shards moved, so its answers depend on which worker ran them."""
+    if not is_graph(module):
+        return any(
+            isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm))
+            and getattr(m, "running_mean", None) is not None
+            for m in module.modules()
+        )
+    for node in module.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in (_aten.batch_norm.default, _aten.instance_norm.default):
+            if node.args[3] is not None:  # running_mean
+                return True
+        elif _writes_a_buffer(node):
+            return True
+    return False
+
+
+def _writes_a_buffer(node: fx.Node) -> bool:
+    """An in-place operator whose first argument is one of the graph's attributes."""
+    schema = getattr(node.target, "_schema", None)
+    target = node.args[0] if node.args else None
+    return (
+        schema is not None
+        and schema.is_mutable
+        and isinstance(target, fx.Node)
+        and target.op == "get_attr"
+    )
 
 
 def for_mode(module: nn.Module, training: bool, model: str) -> nn.Module:

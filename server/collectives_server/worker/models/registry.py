@@ -240,6 +240,8 @@ class HostedModel:
     replicas_may_differ: bool = False
     # Whether train mode normalises over the batch (model_modes.uses_batch_statistics).
     batch_statistics: bool = field(init=False, default=False)
+    # Whether train mode writes this rank's buffers (model_modes.keeps_running_statistics).
+    running_statistics: bool = field(init=False, default=False)
     # The module to call per mode, and the module, parameters and buffers it was
     # built for (a publish may replace them): model_modes.for_mode's graphs.
     _runnables: dict[bool, tuple[tuple[int, ...], nn.Module]] = field(default_factory=dict)
@@ -252,6 +254,7 @@ class HostedModel:
         if self.training is None:
             self.training = model_modes.captured_mode(self.module)
         self.batch_statistics = model_modes.uses_batch_statistics(self.module)
+        self.running_statistics = model_modes.keeps_running_statistics(self.module)
         if len(self.devices) > 1 and all(d.type == "cuda" for d in self.devices):
             self.replicas = DeviceReplicas([d.index for d in self.devices])
 

@@ -415,6 +415,7 @@ def _model_info(model) -> worker_pb2.ModelInfo:
         version=model.version,
         training=bool(model.training),
         batch_statistics=model.batch_statistics,
+        running_statistics=model.running_statistics,
     )
 
 

@@ -273,7 +273,7 @@ def _local_train(
             (loss * share).backward()
     finally:
         arena.settle(seeded)
-    if model.batch_statistics:
+    if model.running_statistics:
         model.replicas_may_differ = True  # running statistics moved with this shard alone
     return float(loss.detach()), rows
 
