@@ -214,6 +214,38 @@ def test_gradients_reach_the_model_across_another_clients_publish(
     cluster3.unload_model(name)
 
 
+def test_a_step_between_a_forward_and_its_backward_is_refused_as_torch_refuses_it(
+    cluster3, cluster3_address, gen, uname
+) -> None:
+    """A step writes the weights in place, so the forward's saved weights are gone: torch
+    refuses the backward locally ("modified by an inplace operation"). Another client's
+    step in that window made the backward fail with an opaque INTERNAL; it is now a
+    FailedPrecondition that says so, and a forward run again trains on."""
+    kwargs = {"in_features": 4, "hidden": 8, "out_features": 3, "depth": 1}
+    name = uname("stepmid")
+    seed = int(torch.randint(0, 2**20, (1,), generator=gen))
+    cluster3.load_model(name, factory=ZOO, kwargs={**kwargs, "seed": seed})
+    dp = cluster3.data_parallel(name)
+    local = model_zoo.mlp(**kwargs, seed=seed)
+    x = torch.randn(6, 4, generator=gen)
+    held = dp(x).sum()
+    torch.testing.assert_close(held, local(x).sum(), rtol=1e-5, atol=1e-5)
+    with collectives.connect(cluster3_address, timeout=60) as other:
+        other.step(name, optimizer="sgd", lr=0.1)  # no gradients yet: the weights stay
+        dp(x).sum().backward()
+        cluster3.all_reduce_gradients(name)
+        other.step(name, optimizer="sgd", lr=0.1)
+    with pytest.raises(collectives.FailedPrecondition, match="changed in place"):
+        held.backward()
+    local(x).sum().backward()
+    with torch.no_grad():
+        for param in local.parameters():
+            param -= 0.1 * param.grad
+    again = dp(x).sum()
+    torch.testing.assert_close(again, local(x).sum(), rtol=1e-5, atol=1e-5)
+    cluster3.unload_model(name)
+
+
 def test_a_callable_made_before_another_clients_reload_never_spreads_a_batch_norm_model(
     cluster3, cluster3_address, gen, uname
 ) -> None:

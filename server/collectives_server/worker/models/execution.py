@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from collectives.errors import InvalidArgument, NotFound
+from collectives.errors import FailedPrecondition, InvalidArgument, NotFound
 from collectives.v1 import worker_pb2
 from collectives.wire.names import reserved_prefix, validate_name
 from collectives.wire.pytree import InlineLeaf, fill_value, from_value
@@ -269,6 +269,10 @@ def forward(
     return response
 
 
+# What torch's autograd says of a saved tensor written in place after the forward.
+_IN_PLACE_CHANGE = "modified by an inplace operation"
+
+
 def backward(
     registry: ModelRegistry, store: TensorStore, request: worker_pb2.BackwardRequest
 ) -> worker_pb2.BackwardResponse:
@@ -322,6 +326,16 @@ def _backward(
                 seeded = arena.seed()
                 try:
                     torch.autograd.backward(tensors, grads)
+                except RuntimeError as exc:
+                    if _IN_PLACE_CHANGE not in str(exc):
+                        raise
+                    raise FailedPrecondition(
+                        f"backward of call {call_id!r} of model {request.model!r}: a tensor "
+                        "its forward saved was changed in place since (an optimizer step, "
+                        "e.g. another client's step(), writes the weights in place); torch "
+                        "refuses such a backward too. Run the forward again. "
+                        f"({backend_message(exc)})"
+                    ) from None
                 finally:
                     arena.settle(seeded)
                 if graph.version != model.version:  # a publish came since its forward
