@@ -184,3 +184,21 @@ def test_a_graph_that_writes_a_buffer_in_place_keeps_running_statistics() -> Non
     x = torch.randn(8, 6)
     assert model_modes.keeps_running_statistics(_captured(_Ema().train(), x))
     assert not model_modes.keeps_running_statistics(_captured(_Ema().eval(), x))
+
+
+def test_a_cumulative_average_batch_norm_captured_in_eval_mode_is_not_trained_wrong() -> None:
+    """``BatchNorm(momentum=None)`` updates with 1/batches seen, but in eval mode its
+    call holds momentum 0.0: switched to train mode it updated nothing. Such a graph
+    is refused in train mode; one with a momentum trains as torch does."""
+    x = torch.randn(10, 6)
+    cumulative = nn.Sequential(nn.BatchNorm1d(6, momentum=None), nn.Linear(6, 3)).eval()
+    with pytest.raises(FailedPrecondition, match="momentum is None"):
+        model_modes.for_mode(_captured(cumulative, x), True, "m")
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.BatchNorm1d(6, momentum=0.3), nn.Linear(6, 3)).eval()
+    training = model_modes.for_mode(_captured(module, x), True, "m")
+    training(x)
+    module.train()(x)
+    torch.testing.assert_close(
+        dict(training.named_buffers())["0.running_mean"], module[0].running_mean
+    )

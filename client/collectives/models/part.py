@@ -316,7 +316,9 @@ class Models:
         Raises:
             NotFound: the model is not loaded.
             FailedPrecondition: the model's exported graph holds a mode-dependent
-                operator that cannot be switched (export it in the mode to run).
+                operator that cannot be switched (export it in the mode to run), or
+                (train mode) a batch norm exported in eval mode whose momentum is
+                None, a cumulative average its graph cannot tell from 0.0.
             DeadlineExceeded: not done within ``timeout`` seconds.
         """
         validate_name(name, "model name")

@@ -61,6 +61,8 @@ _MODE_ARG: dict[Any, int] = {
     _aten.rrelu.default: 3,
     _aten.batch_norm.default: 5,
 }
+# aten.batch_norm's momentum argument.
+_MOMENTUM_ARG = 6
 # Mode-dependent operators whose switch is not written here.
 _UNHANDLED = {
     _aten.native_dropout.default,
@@ -199,6 +201,7 @@ def _switch(owner: nn.Module, graph: fx.Graph, node: fx.Node, training: bool, mo
         node.kwargs = {k: v for k, v in node.kwargs.items() if k not in positional}
         node.args = tuple(args)
         if training and node.target is _aten.batch_norm.default:
+            _refuse_a_cumulative_average(node, model)
             _count_batches(owner, graph, node)
     elif node.target is _aten.instance_norm.default and node.args[3] is not None:
         args = list(node.args)
@@ -207,6 +210,21 @@ def _switch(owner: nn.Module, graph: fx.Graph, node: fx.Node, training: bool, mo
     elif not training and _counts_batches(node):
         node.replace_all_uses_with(node.args[0])
         graph.erase_node(node)
+
+
+def _refuse_a_cumulative_average(batch_norm: fx.Node, model: str) -> None:
+    """A batch norm captured in eval mode holds momentum 0.0 both when its module's
+    momentum was 0.0 and when it was None (a cumulative average, whose factor
+    changes with each batch): the graph cannot tell which to update with in train
+    mode, so it is not trained here rather than trained wrong."""
+    momentum = _full_args(batch_norm, _MOMENTUM_ARG)[_MOMENTUM_ARG]
+    if batch_norm.args[3] is not None and momentum == 0.0:
+        raise FailedPrecondition(
+            f"model {model!r} cannot run in train mode: it was exported in eval mode with "
+            "a batch norm whose momentum is None (a cumulative average) or 0.0, which its "
+            "graph does not tell apart; load it with a factory, or give the batch norm a "
+            "momentum, to train it on the workers"
+        )
 
 
 def _needs_check(node: fx.Node) -> bool:
@@ -274,12 +292,13 @@ def _on(module: nn.Module, hook: Any, with_kwargs: bool) -> Any:
     return lambda _switched, args: hook(module, args)
 
 
-def _full_args(node: fx.Node) -> list[Any]:
-    """The node's positional arguments through its mode argument, keyword and
-    default ones filled in from the operator's schema."""
+def _full_args(node: fx.Node, through: int | None = None) -> list[Any]:
+    """The node's positional arguments through its mode argument (or index
+    ``through``), keyword and default ones filled in from the operator's schema."""
     schema = node.target._schema  # type: ignore[union-attr]
     args = list(node.args)
-    for argument in schema.arguments[len(args) : _MODE_ARG[node.target] + 1]:
+    last = _MODE_ARG[node.target] if through is None else through
+    for argument in schema.arguments[len(args) : last + 1]:
         if argument.name in node.kwargs:
             args.append(node.kwargs[argument.name])
         else:
