@@ -155,6 +155,7 @@ class _RemoteCall:
         timeout: float | None,
         training: bool | None = None,
         info: ModelInfo | None = None,
+        deadline: float | None = None,
     ) -> None:
         self.session = session
         self.models = models
@@ -173,7 +174,13 @@ class _RemoteCall:
         batch_statistics = info is not None and info.batch_statistics
         self.per_worker_state = info is not None and (info.running_statistics or batch_statistics)
         self.min_rows = 2 if training and batch_statistics else 1
-        self.deadline = session.deadline(timeout)
+        # The load those rules are of: a worker holding another load refuses the call.
+        self.load_id = info.load_id if info is not None else ""
+        # Train mode moves each worker's statistics: a shard that ran once (in
+        # ``counted``) runs again without moving them twice (statistics_counted).
+        self.moves_statistics = bool(training) and self.per_worker_state
+        self.counted: set[int] = set()
+        self.deadline = session.deadline(timeout) if deadline is None else deadline
         self.call_id = ""
         self.version = 0  # the model version that computed the outputs, once known
         self.routed = False  # the parts were placed by load (_placement), not by rank
@@ -196,19 +203,19 @@ class _RemoteCall:
             try:
                 output = self._forward_once(inputs, kwargs, grad_on, routable, failed)
             except (Unavailable, DeadlineExceeded) as err:
-                # Without autograd a forward has no side effect: one whose worker was
-                # unavailable (it stopped, or was drained: its rank moved) runs again,
-                # placed anew or split over the members the view now has. So does one
-                # that a worker cut short before this call's deadline (a stopping
-                # worker's server cancels the calls it still runs: CANCELLED). With
-                # autograd, only one that a worker refused before running it (a
-                # drained rank takes no graph), when the shards that ran changed
-                # nothing the rerun would change again (no batch statistics in train
-                # mode); their graphs were released.
-                rerun = not grad_on or (
-                    err.executed is False
-                    and not (self.per_worker_state and self.mode != worker_pb2.MODEL_MODE_EVAL)
-                )
+                # Without autograd an eval-mode forward has no side effect: one whose
+                # worker was unavailable (it stopped, or was drained: its rank moved)
+                # runs again, placed anew or split over the members the view now has.
+                # So does one that a worker cut short before this call's deadline (a
+                # stopping worker's server cancels the calls it still runs: CANCELLED).
+                # With autograd, only one that a worker refused before running it (a
+                # drained rank takes no graph); their graphs were released. A shard
+                # that ran in train mode moved its worker's running statistics, so a
+                # call that moves them runs again only if none of its shards ran.
+                if self.moves_statistics:
+                    rerun = err.executed is False and not self.counted
+                else:
+                    rerun = not grad_on or err.executed is False
                 if not rerun or not failed or err.reason == Reason.VERSION_MOVED:
                     raise
                 if isinstance(err, DeadlineExceeded) and time.monotonic() >= self.deadline:
@@ -255,6 +262,7 @@ class _RemoteCall:
         """One attempt of :meth:`forward`; the shards whose call failed go in ``failed``."""
         self.call_id = f"__dp/{uuid.uuid4().hex}"
         self.replicas_differed = False
+        self.counted = set()
         members, narrowed = self._serving_members(routable)
         parts_args, parts_kwargs = scatter_kwargs(
             inputs, kwargs, len(members), self.dim, self.min_rows
@@ -300,12 +308,15 @@ class _RemoteCall:
                 version=version,
                 mode=self.mode,
                 routed=self.routed,
+                load_id=self.load_id,
+                statistics_counted=self.moves_statistics and i in self.counted,
             )
             fill_value(request.args, tuple(parts_args[i]), add)
             fill_value(request.kwargs, dict(parts_kwargs[i]), add)
             return request
 
         def outputs_of(i: int, response: worker_pb2.ForwardResponse) -> tuple[Any, int, str]:
+            self.counted.add(i)
             shard = self.shards[i]
             placement.reported(shard.endpoint.address, response.forwards_in_flight)
             placement.replicas(self.model, response.replicas_may_differ)
@@ -590,12 +601,20 @@ class DataParallel:
             NotFound: the model is not loaded.
         """
         if self._training is None:
-            infos = {m.name: m for m in self._models.models(timeout=self.timeout)}
-            if self.name not in infos:
-                raise NotFound(f"model {self.name!r} is not loaded; load_model it first")
-            self._info = infos[self.name]
-            self._training = infos[self.name].training
+            self._info = self._read_info()
+            self._training = self._info.training
         return self._training
+
+    def _read_info(self) -> ModelInfo:
+        """The model's ModelInfo as the cluster holds it now.
+
+        Raises:
+            NotFound: the model is not loaded.
+        """
+        infos = {m.name: m for m in self._models.models(timeout=self.timeout)}
+        if self.name not in infos:
+            raise NotFound(f"model {self.name!r} is not loaded; load_model it first")
+        return infos[self.name]
 
     def train(self, mode: bool = True) -> DataParallel:
         """Switches this callable to train mode (``mode=False``: eval mode), and the
@@ -682,18 +701,37 @@ class DataParallel:
             CollectiveError: a worker failed or the call timed out.
         """
         training = self.training
-        call = _RemoteCall(
-            self._session,
-            self._models,
-            self.name,
-            self.dim,
-            self.timeout,
-            training,
-            self._info,
-        )
-        output = call.forward(inputs, kwargs)
-        self._local.version = call.version
-        return output
+        deadline = self._session.deadline(self.timeout)
+        pause = _RELOAD_PAUSE_S
+        for attempt in range(1, _VERSION_ATTEMPTS + 1):
+            call = _RemoteCall(
+                self._session,
+                self._models,
+                self.name,
+                self.dim,
+                self.timeout,
+                training,
+                self._info,
+                deadline,
+            )
+            try:
+                output = call.forward(inputs, kwargs)
+            except FailedPrecondition as err:
+                # Another client loaded the name again since this callable read how to
+                # cut and place its calls (batch norm or not): a worker holding the new
+                # load refused the call before running it. Read the model again; the
+                # load may still be on its way to some workers.
+                if err.reason != Reason.MODEL_RELOADED or attempt == _VERSION_ATTEMPTS:
+                    raise
+                if deadline - time.monotonic() <= pause:
+                    raise
+                threading.Event().wait(pause)  # (the load on its way to the other workers)
+                pause *= 2
+                self._info = self._read_info()
+                continue
+            self._local.version = call.version
+            return output
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def __repr__(self) -> str:
         return f"DataParallel(model={self.name!r}, dim={self.dim})"

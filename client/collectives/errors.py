@@ -102,6 +102,7 @@ class Reason(enum.StrEnum):
     VERSION_MOVED = "VERSION_MOVED"  # a forward pinned a model version a rank moved past
     VERSIONS_RESIDENT = "VERSIONS_RESIDENT"  # a publish would keep a third version resident
     RESULT_REPLACED = "RESULT_REPLACED"  # an op's result was written over before read back
+    MODEL_RELOADED = "MODEL_RELOADED"  # a forward was cut for another load of its model
 
 
 # Reasons that mean the op was refused before it started on any rank: every
@@ -117,6 +118,7 @@ NEVER_STARTED = frozenset(
         Reason.MALFORMED_REQUEST,
         Reason.VERSION_MOVED,
         Reason.VERSIONS_RESIDENT,
+        Reason.MODEL_RELOADED,
     }
 )
 

@@ -7,6 +7,7 @@ with a local torch oracle (the factory's own weights, the optimizer's own steps)
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Callable
 
@@ -287,6 +288,136 @@ def test_a_callable_made_before_another_clients_reload_never_spreads_a_batch_nor
         want = first(x)
         for call in range(12):
             torch.testing.assert_close(dp(x), want, rtol=1e-5, atol=1e-6, msg=f"call {call}")
+    cluster3.unload_model(name)
+
+
+def _reload_with_batch_norm(
+    address: str, name: str, example: torch.Tensor
+) -> tuple[collectives.Cluster, torch.nn.Module]:
+    """Another client's connection, after it loaded ``name`` again as a batch-norm model."""
+    other = collectives.connect(address, timeout=60)
+    module = torch.nn.Sequential(
+        torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4, momentum=0.9), torch.nn.Linear(4, 2)
+    ).eval()
+    other.load_model(name, module, example_inputs=(example,))
+    return other, module
+
+
+def test_a_callable_made_before_a_reload_answers_from_the_replica_a_split_uses(
+    cluster3, cluster3_address, gen, uname
+) -> None:
+    """A callable read its model's rules (no batch norm: placed by load) before another
+    client loaded the name again with batch norm and moved rank 0's statistics alone
+    (a two-row train-mode call is one shard). The other workers still said their
+    replicas were equal, so the old callable's one-row calls were answered by them; a
+    worker now refuses a call cut for another load, and the callable reads the model
+    again, as a fresh one would."""
+    name = uname("staleroute")
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).eval()
+    cluster3.load_model(name, plain, example_inputs=(torch.randn(3, 4, generator=gen),))
+    served = cluster3.data_parallel(name).eval()
+    with torch.no_grad():
+        for _ in range(2):
+            served(torch.randn(1, 4, generator=gen))
+    other, module = _reload_with_batch_norm(
+        cluster3_address, name, torch.randn(3, 4, generator=gen)
+    )
+    with other, torch.no_grad():
+        other.data_parallel(name).train()(torch.randn(2, 4, generator=gen) * 5 + 3)
+        module.load_state_dict(other.state_dict(name, rank=0))
+    with torch.no_grad():
+        for call in range(20):
+            x = torch.randn(1, 4, generator=gen)
+            torch.testing.assert_close(served(x), module(x), msg=f"call {call}")
+    cluster3.unload_model(name)
+
+
+def test_a_callable_made_before_a_reload_cuts_a_train_mode_batch_for_batch_norm(
+    cluster3, cluster3_address, gen, uname
+) -> None:
+    """The old callable cut 5 rows 2/2/1 in train mode, as for a model without batch
+    norm: the one-row shard was refused, but the two others had already moved their
+    workers' running statistics. It now reads the model again before anything runs
+    and cuts as a fresh callable does (3/2), and each worker's statistics move once,
+    as torch's on that worker's shard."""
+    name = uname("stalecut")
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).train()
+    cluster3.load_model(name, plain, example_inputs=(torch.randn(3, 4, generator=gen),))
+    trained = cluster3.data_parallel(name)
+    with torch.no_grad():
+        trained(torch.randn(5, 4, generator=gen))
+    other, module = _reload_with_batch_norm(
+        cluster3_address, name, torch.randn(3, 4, generator=gen)
+    )
+    with other:
+        replicas = [other.state_dict(name, rank=r) for r in range(3)]
+    x = torch.randn(5, 4, generator=gen)
+    with torch.no_grad():
+        got = trained(x)
+    expected = []
+    for rank, shard in enumerate(torch.chunk(x, 2)):  # 3 and 2 rows: no shard of one
+        replica = copy.deepcopy(module).train()
+        replica.load_state_dict(replicas[rank])
+        with torch.no_grad():
+            expected.append(replica(shard))
+        after = cluster3.state_dict(name, rank=rank)
+        torch.testing.assert_close(after["1.running_mean"], replica[1].running_mean)
+    torch.testing.assert_close(got, torch.cat(expected))
+    assert torch.equal(
+        cluster3.state_dict(name, rank=2)["1.running_mean"], replicas[2]["1.running_mean"]
+    )
+    cluster3.unload_model(name)
+
+
+def test_train_mode_calls_that_straddle_publishes_move_each_workers_statistics_once(
+    cluster3, cluster3_address, gen, uname
+) -> None:
+    """A data-parallel call whose shards straddle another client's publish runs the late
+    shards again at the newest version. In train mode each run moved its worker's running
+    statistics, so a straddled call counted twice there (315 batches after 300 calls
+    in the hunt). A shard run again now leaves the statistics as its first run left
+    them: every worker's equal torch's over its own shards, one update per call."""
+    name = uname("bnrerun")
+    calls = 120
+
+    def made() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.BatchNorm1d(4, momentum=0.1), torch.nn.Linear(4, 3))
+
+    cluster3.load_model(name, made().train(), example_inputs=(torch.randn(4, 4, generator=gen),))
+    inputs = [torch.randn(6, 4, generator=gen) * 2 + 1 for _ in range(calls)]
+    weights = [
+        {"1.weight": torch.randn(3, 4, generator=gen), "1.bias": torch.randn(3, generator=gen)}
+        for _ in range(calls)
+    ]
+    finished = threading.Event()
+
+    def train() -> None:
+        dp = cluster3.data_parallel(name).train()
+        try:
+            with torch.no_grad():
+                for x in inputs:
+                    dp(x)
+        finally:
+            finished.set()
+
+    def publish() -> int:
+        with collectives.connect(cluster3_address, timeout=60) as other:
+            for count, state in enumerate(weights):
+                if finished.is_set():
+                    return count
+                other.publish(name, state, strict=False)
+        return len(weights)
+
+    _together(train, publish)
+    for rank in range(3):
+        local = torch.nn.BatchNorm1d(4, momentum=0.1).train()
+        with torch.no_grad():
+            for x in inputs:
+                local(x[2 * rank : 2 * rank + 2])  # rank r's shard of each call
+        held = cluster3.state_dict(name, rank=rank)
+        assert int(held["0.num_batches_tracked"]) == calls, rank
+        torch.testing.assert_close(held["0.running_mean"], local.running_mean, msg=f"rank {rank}")
+        torch.testing.assert_close(held["0.running_var"], local.running_var, msg=f"rank {rank}")
     cluster3.unload_model(name)
 
 

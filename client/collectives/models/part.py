@@ -86,6 +86,8 @@ class ModelInfo:
     # Whether train mode writes each worker's buffers (running statistics of a batch
     # or instance norm): replicas then differ, and no call is placed by load.
     running_statistics: bool = False
+    # Which load_model call of the name this is: a new load of the name changes it.
+    load_id: str = ""
 
 
 class Models:
@@ -1020,6 +1022,7 @@ def _model_info(m: worker_pb2.ModelInfo) -> ModelInfo:
         training=m.training,
         batch_statistics=m.batch_statistics,
         running_statistics=m.running_statistics,
+        load_id=m.load_id,
         batching=Batching.from_proto(m.batching) if m.HasField("batching") else None,
         batches=m.batching_stats.batches,
         batched_calls=m.batching_stats.calls,

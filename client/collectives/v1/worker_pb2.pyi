@@ -587,7 +587,7 @@ class LoadModelRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., archive_chunk: _Optional[bytes] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "parameters", "parameter_bytes", "devices", "source", "optimizer", "graphs_retained", "steps", "version", "training", "batching", "batching_stats", "batch_statistics", "running_statistics")
+    __slots__ = ("name", "parameters", "parameter_bytes", "devices", "source", "optimizer", "graphs_retained", "steps", "version", "training", "batching", "batching_stats", "batch_statistics", "running_statistics", "load_id")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     PARAMETER_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -602,6 +602,7 @@ class ModelInfo(_message.Message):
     BATCHING_STATS_FIELD_NUMBER: _ClassVar[int]
     BATCH_STATISTICS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_STATISTICS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_ID_FIELD_NUMBER: _ClassVar[int]
     name: str
     parameters: int
     parameter_bytes: int
@@ -616,7 +617,8 @@ class ModelInfo(_message.Message):
     batching_stats: BatchingStats
     batch_statistics: bool
     running_statistics: bool
-    def __init__(self, name: _Optional[str] = ..., parameters: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., source: _Optional[str] = ..., optimizer: _Optional[str] = ..., graphs_retained: _Optional[int] = ..., steps: _Optional[int] = ..., version: _Optional[int] = ..., training: _Optional[bool] = ..., batching: _Optional[_Union[ForwardBatching, _Mapping]] = ..., batching_stats: _Optional[_Union[BatchingStats, _Mapping]] = ..., batch_statistics: _Optional[bool] = ..., running_statistics: _Optional[bool] = ...) -> None: ...
+    load_id: str
+    def __init__(self, name: _Optional[str] = ..., parameters: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., source: _Optional[str] = ..., optimizer: _Optional[str] = ..., graphs_retained: _Optional[int] = ..., steps: _Optional[int] = ..., version: _Optional[int] = ..., training: _Optional[bool] = ..., batching: _Optional[_Union[ForwardBatching, _Mapping]] = ..., batching_stats: _Optional[_Union[BatchingStats, _Mapping]] = ..., batch_statistics: _Optional[bool] = ..., running_statistics: _Optional[bool] = ..., load_id: _Optional[str] = ...) -> None: ...
 
 class SetModelModeRequest(_message.Message):
     __slots__ = ("name", "mode")
@@ -721,7 +723,7 @@ class NamedTupleValue(_message.Message):
     def __init__(self, type_name: _Optional[str] = ..., fields: _Optional[_Iterable[str]] = ..., values: _Optional[_Iterable[_Union[Value, _Mapping]]] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("model", "call_id", "args", "kwargs", "grad_enabled", "input_grad_names", "inline_output_bytes", "version", "mode", "output_names", "routed")
+    __slots__ = ("model", "call_id", "args", "kwargs", "grad_enabled", "input_grad_names", "inline_output_bytes", "version", "mode", "output_names", "routed", "load_id", "statistics_counted")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     ARGS_FIELD_NUMBER: _ClassVar[int]
@@ -733,6 +735,8 @@ class ForwardRequest(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_NAMES_FIELD_NUMBER: _ClassVar[int]
     ROUTED_FIELD_NUMBER: _ClassVar[int]
+    LOAD_ID_FIELD_NUMBER: _ClassVar[int]
+    STATISTICS_COUNTED_FIELD_NUMBER: _ClassVar[int]
     model: str
     call_id: str
     args: Value
@@ -744,7 +748,9 @@ class ForwardRequest(_message.Message):
     mode: ModelMode
     output_names: _containers.RepeatedScalarFieldContainer[str]
     routed: bool
-    def __init__(self, model: _Optional[str] = ..., call_id: _Optional[str] = ..., args: _Optional[_Union[Value, _Mapping]] = ..., kwargs: _Optional[_Union[Value, _Mapping]] = ..., grad_enabled: _Optional[bool] = ..., input_grad_names: _Optional[_Iterable[str]] = ..., inline_output_bytes: _Optional[int] = ..., version: _Optional[int] = ..., mode: _Optional[_Union[ModelMode, str]] = ..., output_names: _Optional[_Iterable[str]] = ..., routed: _Optional[bool] = ...) -> None: ...
+    load_id: str
+    statistics_counted: bool
+    def __init__(self, model: _Optional[str] = ..., call_id: _Optional[str] = ..., args: _Optional[_Union[Value, _Mapping]] = ..., kwargs: _Optional[_Union[Value, _Mapping]] = ..., grad_enabled: _Optional[bool] = ..., input_grad_names: _Optional[_Iterable[str]] = ..., inline_output_bytes: _Optional[int] = ..., version: _Optional[int] = ..., mode: _Optional[_Union[ModelMode, str]] = ..., output_names: _Optional[_Iterable[str]] = ..., routed: _Optional[bool] = ..., load_id: _Optional[str] = ..., statistics_counted: _Optional[bool] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
     __slots__ = ("output", "latency_s", "version", "forwards_in_flight", "replicas_may_differ", "load_id")

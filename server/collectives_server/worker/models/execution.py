@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from collectives.errors import FailedPrecondition, InvalidArgument, NotFound
+from collectives.errors import FailedPrecondition, InvalidArgument, NotFound, Reason
 from collectives.v1 import worker_pb2
 from collectives.wire.names import reserved_prefix, validate_name
 from collectives.wire.pytree import InlineLeaf, fill_value, from_value
@@ -70,9 +70,11 @@ def _call(
     kwargs: dict,
     grad_enabled: bool,
     training: bool = False,
+    keep_buffers: bool = False,
 ) -> Any:
     """The output of ``module`` (the model held at a version, in ``training`` mode) on
-    these inputs. A train-mode call that fails leaves the model's buffers as they were.
+    these inputs. A train-mode call that fails leaves the model's buffers as they were,
+    and so does one with ``keep_buffers`` (a shard run again whose statistics counted).
 
     Raises:
         InvalidArgument: the model failed on them.
@@ -80,7 +82,8 @@ def _call(
     drawing = GENERATOR.admitted() if training else contextlib.nullcontext()
     with torch.set_grad_enabled(grad_enabled):
         try:
-            with model_modes.restoring_buffers(model.module, training), drawing:
+            kept = model_modes.restoring_buffers(model.module, training, always=keep_buffers)
+            with kept, drawing:
                 reads_only = not grad_enabled and not training
                 output = run_on_devices(model, module, args, kwargs, reads_only)
             if training and model.running_statistics:
@@ -150,6 +153,12 @@ def forward(
     ``inline``: the request's inline inputs by name (looked up before the store)."""
     started = time.perf_counter()
     model = registry.get(request.model, wait_s=timeout_s)  # a peer may still be sending it
+    if request.load_id and request.load_id != model.load_id:
+        raise FailedPrecondition(
+            f"model {request.model!r} was loaded again (another load_model of the name) "
+            "since this call was cut for it; read the model again and rerun",
+            reason=Reason.MODEL_RELOADED,
+        )
     registry.expire_graphs()
     call_id = request.call_id
     if not call_id:
@@ -206,7 +215,14 @@ def forward(
             with held as (version, module):
                 used = dict(model.parameters)  # the version's, as the graph holds them
                 output = _call(
-                    model, module, request.model, args, kwargs, request.grad_enabled, mode
+                    model,
+                    module,
+                    request.model,
+                    args,
+                    kwargs,
+                    request.grad_enabled,
+                    mode,
+                    keep_buffers=request.statistics_counted,
                 )
         stored: dict[str, torch.Tensor] = {}
         # Output leaves travel in the response, depth first, while they fit in the

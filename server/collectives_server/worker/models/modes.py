@@ -259,10 +259,11 @@ def _verify_spatial(x: torch.Tensor) -> None:
 
 
 @contextlib.contextmanager
-def restoring_buffers(module: nn.Module, training: bool) -> Iterator[None]:
-    """Runs the body; if it raises in ``training`` mode, the module's buffers (batch
-    norm's running statistics and batch count) are put back as they were, so a
-    refused train-mode call leaves no trace. Eval mode changes no buffer: no copy."""
+def restoring_buffers(module: nn.Module, training: bool, always: bool = False) -> Iterator[None]:
+    """Runs the body; if it raises in ``training`` mode (or ends at all, ``always``), the
+    module's buffers (batch norm's running statistics and batch count) are put back as
+    they were, so a refused train-mode call leaves no trace. Eval mode changes no
+    buffer: no copy."""
     if not training:
         yield
         return
@@ -272,6 +273,8 @@ def restoring_buffers(module: nn.Module, training: bool) -> Iterator[None]:
     except BaseException:
         restore()
         raise
+    if always:
+        restore()
 
 
 def snapshot_buffers(module: nn.Module) -> Callable[[], None]:

@@ -416,6 +416,7 @@ def _model_info(model) -> worker_pb2.ModelInfo:
         training=bool(model.training),
         batch_statistics=model.batch_statistics,
         running_statistics=model.running_statistics,
+        load_id=model.load_id,
     )
 
 
