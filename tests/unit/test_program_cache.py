@@ -65,3 +65,40 @@ def test_the_batch_dim_is_the_dynamic_one_and_part_of_the_key() -> None:
     assert cache.archive(model, (torch.randn(5, 4, 3),), 0) is not first
     with pytest.raises(InvalidArgument, match="batch_dim must be an int"):
         cache.archive(model, (torch.randn(5, 4, 3),), "1")  # type: ignore[arg-type]
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scale
+
+
+def test_a_module_changed_without_its_weights_exports_again() -> None:
+    """A swapped activation, a plain attribute, a dropout rate or a hook changes what
+    the module computes with no weight changing: the client used to send the old
+    program again (the cluster kept running Tanh after ``m[1] = nn.ReLU()``)."""
+    cache = ProgramCache()
+    x = (torch.randn(4, 3),)
+    stack = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2))
+    first = cache.archive(stack, x)
+    assert cache.archive(stack, x) is first
+    stack[1] = nn.ReLU()
+    swapped = cache.archive(stack, x)
+    assert swapped is not first
+    handle = stack.register_forward_hook(lambda _m, _i, out: out * 2)
+    hooked = cache.archive(stack, x)
+    assert hooked is not swapped
+    handle.remove()
+    assert cache.archive(stack, x) is not hooked
+    scaled = _Scaled()
+    before = cache.archive(scaled, x)
+    scaled.scale = 3.0
+    assert cache.archive(scaled, x) is not before
+    dropping = nn.Sequential(nn.Linear(3, 2), nn.Dropout(0.5))
+    rate = cache.archive(dropping, x)
+    dropping[1].p = 0.1
+    assert cache.archive(dropping, x) is not rate

@@ -171,6 +171,37 @@ def _weights_version(module: nn.Module) -> tuple[Any, ...]:
     return (module.training, *((id(t), t._version, t.data_ptr()) for t in tensors))
 
 
+# A module's own tensors, children and mode: in the key already (_weights_version) or
+# walked as modules themselves (_structure).
+_WALKED = frozenset({"_parameters", "_buffers", "_modules", "training"})
+
+
+def _structure(module: nn.Module) -> tuple[Any, ...]:
+    """Changes whenever what the module computes may change with no weight changing: a
+    submodule added, removed or replaced (``m[1] = nn.ReLU()``), a plain attribute
+    set (``self.scale = 3.0``, ``Dropout.p``), a hook added or removed."""
+    return tuple(
+        (name, type(m), tuple((k, _fingerprint(v)) for k, v in vars(m).items() if k not in _WALKED))
+        for name, m in module.named_modules(remove_duplicate=False)
+    )
+
+
+def _fingerprint(value: Any) -> Any:
+    """A value as the key holds it: plain values themselves, containers by their items,
+    tensors as the weights are, anything else by identity (a replaced object differs)."""
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        return value
+    if isinstance(value, torch.Tensor):
+        return (id(value), value._version, value.data_ptr())
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(_fingerprint(v) for v in value))
+    if isinstance(value, (set, frozenset)):
+        return (type(value), frozenset(_fingerprint(v) for v in value))
+    if isinstance(value, dict):  # hooks, by handle id and function
+        return (type(value), tuple((k, _fingerprint(v)) for k, v in value.items()))
+    return (type(value), id(value))
+
+
 class ProgramCache:
     """Archives this client exported, and the workers each program is loaded on.
 
@@ -186,9 +217,15 @@ class ProgramCache:
 
     def archive(self, module: nn.Module, example_inputs: Any, dim: int = 0) -> bytes:
         """``module``'s archive, exported now only if this client has not exported it
-        for these input signatures and these weights before."""
+        for these input signatures, these weights and this structure (submodules,
+        plain attributes, hooks) before."""
         dim = checked_batch_dim(dim)
-        key = (id(module), _signature(example_inputs, dim), _weights_version(module))
+        key = (
+            id(module),
+            _signature(example_inputs, dim),
+            _weights_version(module),
+            _structure(module),
+        )
         with self._lock:
             hit = self._archives.get(key)
         if hit is not None and hit[0] is module:
