@@ -1,11 +1,11 @@
 """Two clients on one named tensor: a put or a delete never lost under another
-client's in-place collective.
+client's collective that writes it.
 
-An in-place collective reads its operand on each rank and later stores its result
-under the same name. A put (or delete) of that name on a rank in between, answered
-before the collective committed there, is later in the order than the collective's
-read: the collective's result must not be stored over it (it used to be, and the
-put was lost, or the deleted tensor came back).
+A collective reads its operand on each rank and later stores its result, under the
+same name (in place) or under ``out``. A put (or delete) of that name on a rank in
+between, answered before the collective committed there, is later in the order
+than the collective's start: the collective's result must not be stored over it
+(it used to be, and the put was lost, or the deleted tensor came back).
 """
 
 from __future__ import annotations
@@ -110,6 +110,69 @@ def test_a_delete_is_never_undone_by_an_in_place_all_reduce(
                 pytest.fail(f"round {round_}: deleted on rank {rank}, then found there again")
     assert reducing.attempts > 0
     cluster3.delete(name, missing_ok=True)
+
+
+class _ReducingInto:
+    """Another client all-reducing ``source`` into ``target`` (max, out=) without pause."""
+
+    def __init__(self, address: str, source: str, target: str) -> None:
+        self._args = address, source, target
+        self._stop = threading.Event()
+        self.ops = 0
+        self.errors: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        address, source, target = self._args
+        with collectives.connect(address, timeout=60) as client:
+            while not self._stop.is_set():
+                try:
+                    client.all_reduce(source, op="max", out=target, timeout=60)
+                    self.ops += 1
+                except BaseException as exc:  # the test's finding
+                    self.errors.append(exc)
+                    return
+
+    def __enter__(self) -> _ReducingInto:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(60)
+        assert not self._thread.is_alive(), "the reducing client did not stop"
+        assert self.errors == [], self.errors
+
+
+@pytest.mark.parametrize("rank", [0, 1], ids=["leader", "follower"])
+@pytest.mark.parametrize("numel", [16, 300_000], ids=["inline", "data-path"])
+def test_a_put_is_never_lost_under_a_collective_that_writes_it_out_of_place(
+    cluster3, cluster3_address, uname, rank: int, numel: int
+) -> None:
+    """One client puts ``a`` then ``b`` on a rank, each answered, then reads ``b``;
+    another all-reduces ``a`` into ``b`` (max) meanwhile. Each order of the three
+    leaves ``b`` either as put or the max over the new ``a``; an all_reduce that read
+    the old ``a`` and stored its result over the later put of ``b`` fits no order
+    (on the leader, 2 to 11 of 40 rounds in the hunt)."""
+    source, target = uname("src"), uname("dst")
+    cluster3.put(source, torch.zeros(numel))
+    cluster3.put(target, torch.zeros(numel))
+    with _ReducingInto(cluster3_address, source, target) as reducing:
+        deadline = time.monotonic() + RACE_S
+        for k in range(1, ROUNDS):
+            if time.monotonic() > deadline:
+                break
+            cluster3.put(source, torch.full((numel,), float(k)), rank=rank)
+            cluster3.put(target, torch.full((numel,), -float(k)), rank=rank)
+            got = cluster3.get(target, rank=rank)
+            assert got.min() == got.max() and float(got[0]) in (-k, k), (
+                f"round {k}: rank {rank} holds {float(got[0])} under the target: an "
+                f"all_reduce of the source before its put {k} was stored over the later "
+                f"put of the target ({reducing.ops} all_reduces so far)"
+            )
+    assert reducing.ops > 0
+    cluster3.delete(source)
+    cluster3.delete(target)
 
 
 class _Overwriting:

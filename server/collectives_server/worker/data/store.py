@@ -49,6 +49,7 @@ from collectives.errors import (
 from collectives.wire.names import ARCHIVE_PREFIX, UPLOAD_PREFIX
 
 __all__ = [
+    "ABSENT",
     "Fence",
     "result_of",
     "Reservation",
@@ -68,6 +69,15 @@ UPLOAD_IDLE_S = 300.0
 # (then refuses it, and the SDK retries), and this many calls at once.
 HANDOFF_HOLD_S = 2.0
 MAX_HELD_CALLS = 8
+
+
+class Absent:
+    """What an op saw under a name that held nothing as it began (:meth:`TensorStore.replace`)."""
+
+    __slots__ = ()
+
+
+ABSENT = Absent()
 
 
 @dataclass(frozen=True)
@@ -372,18 +382,22 @@ class TensorStore:
         self,
         name: str,
         t: torch.Tensor,
-        read: weakref.ref[torch.Tensor] | None = None,
+        read: weakref.ref[torch.Tensor] | Absent | None = None,
         op: tuple[int, int] | None = None,
     ) -> torch.Tensor | None:
         """Commits ``t`` under ``name`` without a quota check (a collective's commit: its
         quota was judged on every rank before the op); returns the value replaced.
 
-        ``read``: the value the op read under ``name``; the commit is then skipped if
-        ``name`` holds another value now (or none): a put or delete since is later in
-        the order than the op, whose result it must not be overwritten with. ``op``:
-        the op committing it (generation, op id), for :meth:`get`'s ``result_of``."""
+        ``read``: what ``name`` held as the op began (:data:`ABSENT`: nothing); the
+        commit is then skipped if ``name`` holds anything else now: a put or delete
+        since is later in the order than the op, whose result it must not be
+        overwritten with. ``op``: the op committing it (generation, op id), for
+        :meth:`get`'s ``result_of``."""
         with self._lock:
-            if read is not None:
+            if isinstance(read, Absent):
+                if name in self._tensors:
+                    return None
+            elif read is not None:
                 value = read()  # None: no longer stored (else the store would hold it)
                 if value is None or self._tensors.get(name) is not value:
                     return None

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from collectives.errors import CollectiveError, error_for_code
 from collectives_server.worker.data.replaced_memory import ReplacedMemory
-from collectives_server.worker.data.store import TensorStore
+from collectives_server.worker.data.store import ABSENT, Absent, TensorStore
 from collectives_server.worker.engine import agreement
 from collectives_server.worker.engine.agreement import RankOutcome
 from collectives_server.worker.engine.control_channel import ControlChannel
@@ -106,14 +106,22 @@ class OpContext:
     op_started: float = 0.0
     synced_at: float = 0.0
     op_ranks: list[int] | None = None  # the current op's group (None: every rank)
-    # What the current op (or fused run) read, by name (weakly: no reference kept).
-    # A result goes under a name it read only while the name still holds that value:
-    # a put or delete there since is later in the order than the op, and stands.
-    reads: dict[str, weakref.ref[torch.Tensor]] = field(default_factory=dict)
+    # What the current op (or fused run) read, or found as it began under a name it
+    # writes (weakly: no reference kept; ABSENT: nothing). A result goes under such a
+    # name only while it still holds that: a put or delete there since is later in
+    # the order than the op, and stands.
+    reads: dict[str, weakref.ref[torch.Tensor] | Absent] = field(default_factory=dict)
 
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
+
+    def expect(self, target: str) -> None:
+        """Notes what ``target``, a name the op writes, holds as it begins: its result
+        goes there only while that stays (see :attr:`reads`)."""
+        if target not in self.reads:
+            t = self.store.peek(target)
+            self.reads[target] = ABSENT if t is None else weakref.ref(t)
 
     def operand(self, name: str) -> torch.Tensor | None:
         """This rank's stored ``name`` as an op reads it (None if absent): with any lazy

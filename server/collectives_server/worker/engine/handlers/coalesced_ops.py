@@ -100,6 +100,9 @@ def run_coalesced(
 ) -> OpResult | CollectiveError:
     job = _Op.of(ctx, desc)
     member = ctx.rank in job.group.ranks
+    if member and job.base.stores_on(ctx.rank, job.root):
+        for target in job.targets:
+            ctx.expect(target)
     operands = [ctx.operand(n) if member else None for n in job.names]
     rows = _rows(ctx, job, member, operands)
     infos = ctx.call(agreement.exchange_rows, ctx.control, ctx.world_size, rows, ann.pending)

@@ -113,6 +113,8 @@ def prepare(ctx: OpContext, desc: worker_pb2.OpDescriptor, inline: int | None) -
     member = ctx.rank in group.ranks
     target = args.out or args.name
     stores_here = member and op.stores is not Stores.NONE and not ctx.is_leader
+    if member and op.stores is not Stores.NONE:
+        ctx.expect(target)
     operand = ctx.operand(args.name) if member and op.operand is not Operand.NONE else None
     quota = ctx.store.quota_state(target) if member else (0, -1)
     values = validation.info_values(operand, member, quota)

@@ -52,6 +52,8 @@ def run_uneven_all_to_all(
     group = ctx.groups[desc.group_id]
     member = ctx.rank in group.ranks
     target = args.out or args.name
+    if member:
+        ctx.expect(target)
     operand = ctx.operand(args.name) if member else None
     quota = ctx.store.quota_state(target) if member else (0, -1)
     values = validation.info_values(operand, member, quota)
