@@ -286,7 +286,9 @@ class DataPlane:
         Raises:
             InvalidArgument: bad name, tensor, ``dim``, or ``chunk_sizes`` whose
                 length is not ``n`` or whose sum is not ``t.shape[dim]``.
-            NotFound: ``group`` was destroyed.
+            NotFound: this client destroyed ``group`` (scatter is this client's puts
+                to the group's ranks: a group another client destroyed is not
+                asked of the cluster, and its ranks get their parts).
             ResourceExhausted: a worker's tensor store is over its quota.
             Unavailable: a worker stayed unreachable (retried until the deadline), or
                 ``group`` belongs to an older generation.
