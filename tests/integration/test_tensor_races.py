@@ -175,6 +175,35 @@ def test_a_put_is_never_lost_under_a_collective_that_writes_it_out_of_place(
     cluster3.delete(target)
 
 
+@pytest.mark.parametrize("rank", [0, 1], ids=["leader", "follower"])
+def test_a_delete_is_never_undone_by_a_collective_that_writes_it_out_of_place(
+    cluster3, cluster3_address, uname, rank: int
+) -> None:
+    """After ``delete`` of the target on a rank answered, the name is gone there until
+    written again by an all_reduce that began after the delete (its result then holds
+    the newest source), never by one that read the source before."""
+    source, target = uname("src"), uname("dst")
+    cluster3.put(source, torch.zeros(300_000))
+    with _ReducingInto(cluster3_address, source, target) as reducing:
+        deadline = time.monotonic() + RACE_S
+        for k in range(1, ROUNDS):
+            if time.monotonic() > deadline:
+                break
+            cluster3.put(source, torch.full((300_000,), float(k)), rank=rank)
+            cluster3.delete(target, rank=rank, missing_ok=True)
+            try:
+                got = float(cluster3.get(target, rank=rank)[0])
+            except collectives.NotFound:
+                continue
+            assert got == k, (
+                f"round {k}: deleted on rank {rank}, then found holding {got}: an "
+                "all_reduce of the source before its put stored its result there again"
+            )
+    assert reducing.ops > 0
+    cluster3.delete(source)
+    cluster3.delete(target, missing_ok=True)
+
+
 class _Overwriting:
     """Another client putting -1s under ``names`` on ``rank`` without pause until stopped."""
 

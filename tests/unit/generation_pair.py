@@ -40,13 +40,13 @@ class GatedStore(TensorStore):
         self.held = threading.Event()
         self.release = threading.Event()
 
-    def replace(self, name: str, tensor: torch.Tensor, read=None, op=None):
+    def replace(self, name: str, tensor: torch.Tensor, watch=None, op=None):
         if self.hold_commits:
             self.held.set()
             assert self.release.wait(TIMEOUT_S)
         if name == self.fail_commits_of:
             raise RuntimeError(f"test: the commit of {name!r} fails")
-        return super().replace(name, tensor, read=read, op=op)
+        return super().replace(name, tensor, watch=watch, op=op)
 
 
 def descriptor(kind: str, **args) -> worker_pb2.OpDescriptor:

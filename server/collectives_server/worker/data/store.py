@@ -49,12 +49,12 @@ from collectives.errors import (
 from collectives.wire.names import ARCHIVE_PREFIX, UPLOAD_PREFIX
 
 __all__ = [
-    "ABSENT",
     "Fence",
     "result_of",
     "Reservation",
     "StoredInfo",
     "TensorStore",
+    "WriteWatch",
     "UPLOAD_PREFIX",
     "UPLOAD_IDLE_S",
     "quota_message",
@@ -71,13 +71,17 @@ HANDOFF_HOLD_S = 2.0
 MAX_HELD_CALLS = 8
 
 
-class Absent:
-    """What an op saw under a name that held nothing as it began (:meth:`TensorStore.replace`)."""
+class WriteWatch:
+    """The names a running op reads or writes (:meth:`TensorStore.watch_name`), and those a
+    client's put or delete wrote since the op began watching them: such a write is
+    later in the order than the op, so the op's result must not be stored over it
+    (:meth:`TensorStore.replace`)."""
 
-    __slots__ = ()
+    __slots__ = ("names", "written")
 
-
-ABSENT = Absent()
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+        self.written: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -161,6 +165,7 @@ class TensorStore:
         self._fences: dict[str, list[Fence]] = {}
         self._waiting = 0
         self._uploads: dict[str, float] = {}  # upload prefix -> time of its latest put
+        self._watches: list[WriteWatch] = []  # the running ops' (one per generation's executor)
         # Why clients are refused (a drain's handoff in progress); None: open.
         self._closed_why: str | None = None
         # Whether calls wait for the store to open (a successor's) rather than being
@@ -221,6 +226,8 @@ class TensorStore:
         """
         with self._lock:
             self._check_fits(tensors)
+            for watch in self._watches:  # every name may have changed
+                watch.written |= watch.names
             self._tensors = dict(tensors)
             self._bytes = sum(_nbytes(t) for t in tensors.values())
             self._uploads.clear()
@@ -354,6 +361,7 @@ class TensorStore:
             if self._fences:
                 self._wait_unfenced(name)  # after a pending commit, not under it
             self.check_quota(name, _nbytes(t))
+            self._note_write(name)
             return self._set(name, t)
 
     def put_many(self, tensors: dict[str, torch.Tensor], enforce_quota: bool = True) -> None:
@@ -366,6 +374,7 @@ class TensorStore:
                 if enforce_quota:
                     self.check_quota(name, _nbytes(t))
             for name, t in tensors.items():
+                self._note_write(name)
                 self._set(name, t)
 
     def _set(self, name: str, t: torch.Tensor) -> torch.Tensor | None:
@@ -382,29 +391,47 @@ class TensorStore:
         self,
         name: str,
         t: torch.Tensor,
-        read: weakref.ref[torch.Tensor] | Absent | None = None,
+        watch: WriteWatch | None = None,
         op: tuple[int, int] | None = None,
     ) -> torch.Tensor | None:
         """Commits ``t`` under ``name`` without a quota check (a collective's commit: its
         quota was judged on every rank before the op); returns the value replaced.
 
-        ``read``: what ``name`` held as the op began (:data:`ABSENT`: nothing); the
-        commit is then skipped if ``name`` holds anything else now: a put or delete
-        since is later in the order than the op, whose result it must not be
-        overwritten with. ``op``: the op committing it (generation, op id), for
+        ``watch``: the op's; the commit is skipped if a put or delete of ``name`` came
+        since the op began watching it (even a delete of a name that was absent):
+        that write is later in the order than the op, and its result must not be
+        stored over it. ``op``: the op committing it (generation, op id), for
         :meth:`get`'s ``result_of``."""
         with self._lock:
-            if isinstance(read, Absent):
-                if name in self._tensors:
-                    return None
-            elif read is not None:
-                value = read()  # None: no longer stored (else the store would hold it)
-                if value is None or self._tensors.get(name) is not value:
-                    return None
+            if watch is not None and name in watch.written:
+                return None
             old = self._set(name, t)
             if op is not None:
                 self._committed[name] = (op, weakref.ref(t))
         return old
+
+    def watch(self) -> WriteWatch:
+        """A new watch of client writes, for an op about to run (see :class:`WriteWatch`)."""
+        watch = WriteWatch()
+        with self._lock:
+            self._watches.append(watch)
+        return watch
+
+    def unwatch(self, watch: WriteWatch) -> None:
+        with self._lock:
+            if watch in self._watches:
+                self._watches.remove(watch)
+
+    def watch_name(self, watch: WriteWatch, name: str) -> None:
+        """From now on a put or delete of ``name`` is noted in ``watch``."""
+        with self._lock:
+            watch.names.add(name)
+
+    def _note_write(self, name: str) -> None:
+        """Under the lock: a client wrote or deleted ``name`` (the watches note it)."""
+        for watch in self._watches:
+            if name in watch.names:
+                watch.written.add(name)
 
     def _touch_staged(self, name: str) -> None:
         """Under the lock: a publish upload or a staged model archive expires once
@@ -453,9 +480,12 @@ class TensorStore:
             raise NotFound(f"tensor {name!r} is not stored on this worker")
         return t
 
-    def peek(self, name: str) -> torch.Tensor | None:
-        """The value of ``name`` or None, without waiting for fences (the executor's look-up)."""
+    def peek(self, name: str, watch: WriteWatch | None = None) -> torch.Tensor | None:
+        """The value of ``name`` or None, without waiting for fences (the executor's
+        look-up); with ``watch``, ``name`` is watched from this read on, in one step."""
         with self._lock:
+            if watch is not None:
+                watch.names.add(name)
             return self._tensors.get(name)
 
     def delete(self, name: str) -> bool:
@@ -464,6 +494,7 @@ class TensorStore:
             self._check_open()
             if self._fences:
                 self._wait_unfenced(name)
+            self._note_write(name)  # absent or not: a running op's result stays out
             if name.startswith(ARCHIVE_PREFIX):
                 self._uploads.pop(name, None)
             t = self._tensors.pop(name, None)
@@ -478,6 +509,7 @@ class TensorStore:
         with self._lock:
             if self._tensors.get(name) is not t:
                 return False
+            self._note_write(name)
             if name.startswith(ARCHIVE_PREFIX):
                 self._uploads.pop(name, None)
             del self._tensors[name]
@@ -491,6 +523,7 @@ class TensorStore:
             self._uploads.pop(prefix, None)
             doomed = [n for n in self._tensors if n.startswith(prefix)]
             for n in doomed:
+                self._note_write(n)
                 self._bytes -= _nbytes(self._tensors.pop(n))
                 self._committed.pop(n, None)
             return len(doomed)

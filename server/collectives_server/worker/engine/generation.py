@@ -595,6 +595,8 @@ class Generation:
         finally:
             set_outcomes(unanswered)
             with self._cond:
+                if self._ctx is not None:
+                    self._ctx.end_ops()
                 self._ctx = None
                 self._seq.close_epoch()
             # Peers blocked on this rank learn at once that its group is gone.
@@ -701,7 +703,7 @@ class Generation:
     ) -> Outcome:
         started = time.perf_counter()
         ctx.op_started, ctx.synced_at = time.monotonic(), 0.0
-        ctx.reads.clear()
+        ctx.begin_op()
         entry = self.groups.get(desc.group_id)
         ctx.op_ranks = entry.ranks if entry is not None else None
         if slot is not None:
@@ -724,7 +726,7 @@ class Generation:
         started = time.perf_counter()
         ctx.op_started = now = time.monotonic()
         ctx.synced_at = 0.0
-        ctx.reads.clear()
+        ctx.begin_op()
         entry = self.groups.get(items[0][0].group_id)
         ctx.op_ranks = entry.ranks if entry is not None else None
         if self._recorder is not None:

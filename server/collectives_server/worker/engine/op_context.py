@@ -17,7 +17,6 @@ daemon; a test builds one over a fake process group.
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +27,7 @@ import torch.distributed as dist
 
 from collectives.errors import CollectiveError, error_for_code
 from collectives_server.worker.data.replaced_memory import ReplacedMemory
-from collectives_server.worker.data.store import ABSENT, Absent, TensorStore
+from collectives_server.worker.data.store import TensorStore, WriteWatch
 from collectives_server.worker.engine import agreement
 from collectives_server.worker.engine.agreement import RankOutcome
 from collectives_server.worker.engine.control_channel import ControlChannel
@@ -106,30 +105,37 @@ class OpContext:
     op_started: float = 0.0
     synced_at: float = 0.0
     op_ranks: list[int] | None = None  # the current op's group (None: every rank)
-    # What the current op (or fused run) read, or found as it began under a name it
-    # writes (weakly: no reference kept; ABSENT: nothing). A result goes under such a
-    # name only while it still holds that: a put or delete there since is later in
-    # the order than the op, and stands.
-    reads: dict[str, weakref.ref[torch.Tensor] | Absent] = field(default_factory=dict)
+    # The names the current op (or fused run) reads and writes, and which of them a
+    # client wrote since it began (begin_op): a result goes under such a name only if
+    # none did, for a put or delete there since is later in the order, and stands.
+    writes: WriteWatch | None = None
 
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
 
+    def begin_op(self) -> None:
+        """A new op (or fused run) begins on this rank: a new watch of client writes."""
+        if self.writes is not None:
+            self.store.unwatch(self.writes)
+        self.writes = self.store.watch()
+
+    def end_ops(self) -> None:
+        """This executor runs no more ops (its generation ended)."""
+        if self.writes is not None:
+            self.store.unwatch(self.writes)
+            self.writes = None
+
     def expect(self, target: str) -> None:
-        """Notes what ``target``, a name the op writes, holds as it begins: its result
-        goes there only while that stays (see :attr:`reads`)."""
-        if target not in self.reads:
-            t = self.store.peek(target)
-            self.reads[target] = ABSENT if t is None else weakref.ref(t)
+        """Watches ``target``, a name the op writes, from now on (see :attr:`writes`)."""
+        if self.writes is not None:
+            self.store.watch_name(self.writes, target)
 
     def operand(self, name: str) -> torch.Tensor | None:
         """This rank's stored ``name`` as an op reads it (None if absent): with any lazy
         conjugate or negation resolved, so its bytes are its values. ``peek``: the
         executor never waits on a commit fence."""
-        t = self.store.peek(name)
-        if t is not None:
-            self.reads[name] = weakref.ref(t)
+        t = self.store.peek(name, self.writes)  # watched from this read on
         if t is not None and (t.is_conj() or t.is_neg()):
             t = t.resolve_conj().resolve_neg()
         return t
@@ -225,8 +231,7 @@ class OpContext:
         op = (self.generation, op_id) if op_id else None
         for target, result in results.items():
             if result is not None:
-                read = self.reads.pop(target, None)
-                old = self.store.replace(target, result, read=read, op=op)
+                old = self.store.replace(target, result, watch=self.writes, op=op)
                 if old is not None:
                     self.replaced.offer(old)
                 del old
