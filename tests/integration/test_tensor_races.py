@@ -27,10 +27,11 @@ ROUNDS = 400
 
 
 class _Reducing:
-    """Another client all-reducing ``name`` in place (max) without pause until stopped."""
+    """Another client all-reducing ``name`` (max) without pause until stopped, in place
+    or into ``out``."""
 
-    def __init__(self, address: str, name: str) -> None:
-        self._address, self._name = address, name
+    def __init__(self, address: str, name: str, out: str | None = None) -> None:
+        self._address, self._name, self._out = address, name, out
         self._stop = threading.Event()
         self.ops = self.attempts = 0
         self.errors: list[BaseException] = []
@@ -41,7 +42,7 @@ class _Reducing:
             while not self._stop.is_set():
                 self.attempts += 1
                 try:
-                    client.all_reduce(self._name, op="max", timeout=60)
+                    client.all_reduce(self._name, op="max", out=self._out, timeout=60)
                     self.ops += 1
                 except collectives.NotFound:
                     pass  # deleted on every rank: the race test puts it again
@@ -112,38 +113,6 @@ def test_a_delete_is_never_undone_by_an_in_place_all_reduce(
     cluster3.delete(name, missing_ok=True)
 
 
-class _ReducingInto:
-    """Another client all-reducing ``source`` into ``target`` (max, out=) without pause."""
-
-    def __init__(self, address: str, source: str, target: str) -> None:
-        self._args = address, source, target
-        self._stop = threading.Event()
-        self.ops = 0
-        self.errors: list[BaseException] = []
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        address, source, target = self._args
-        with collectives.connect(address, timeout=60) as client:
-            while not self._stop.is_set():
-                try:
-                    client.all_reduce(source, op="max", out=target, timeout=60)
-                    self.ops += 1
-                except BaseException as exc:  # the test's finding
-                    self.errors.append(exc)
-                    return
-
-    def __enter__(self) -> _ReducingInto:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(60)
-        assert not self._thread.is_alive(), "the reducing client did not stop"
-        assert self.errors == [], self.errors
-
-
 @pytest.mark.parametrize("rank", [0, 1], ids=["leader", "follower"])
 @pytest.mark.parametrize("numel", [16, 300_000], ids=["inline", "data-path"])
 def test_a_put_is_never_lost_under_a_collective_that_writes_it_out_of_place(
@@ -157,7 +126,7 @@ def test_a_put_is_never_lost_under_a_collective_that_writes_it_out_of_place(
     source, target = uname("src"), uname("dst")
     cluster3.put(source, torch.zeros(numel))
     cluster3.put(target, torch.zeros(numel))
-    with _ReducingInto(cluster3_address, source, target) as reducing:
+    with _Reducing(cluster3_address, source, target) as reducing:
         deadline = time.monotonic() + RACE_S
         for k in range(1, ROUNDS):
             if time.monotonic() > deadline:
@@ -184,7 +153,7 @@ def test_a_delete_is_never_undone_by_a_collective_that_writes_it_out_of_place(
     the newest source), never by one that read the source before."""
     source, target = uname("src"), uname("dst")
     cluster3.put(source, torch.zeros(300_000))
-    with _ReducingInto(cluster3_address, source, target) as reducing:
+    with _Reducing(cluster3_address, source, target) as reducing:
         deadline = time.monotonic() + RACE_S
         for k in range(1, ROUNDS):
             if time.monotonic() > deadline:
