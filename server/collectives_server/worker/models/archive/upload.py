@@ -66,16 +66,27 @@ class ModelUploads:
         self.device = device
         self._lock = threading.Lock()
         self._owned = config.upload_dir is None
-        if config.upload_dir is None:
-            self.dir = Path(tempfile.mkdtemp(prefix="collectives-models-"))
-        else:
-            self.dir = Path(config.upload_dir)
-            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self.dir, 0o700)
+        self._dir: Path | None = None
+        if config.upload_dir is not None:
+            self._dir = Path(config.upload_dir)
+            self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(self._dir, 0o700)
+
+    @property
+    def dir(self) -> Path:
+        """Where archives are checked and kept: ``--model-upload-dir``, or a private
+        temporary directory made with the first archive (a worker that never gets
+        one, or is killed, leaves none behind)."""
+        with self._lock:
+            if self._dir is None:
+                self._dir = Path(tempfile.mkdtemp(prefix="collectives-models-"))  # mode 0700
+            return self._dir
 
     def close(self) -> None:
-        if self._owned:
-            shutil.rmtree(self.dir, ignore_errors=True)
+        with self._lock:
+            made, self._dir = self._dir, None
+        if self._owned and made is not None:
+            shutil.rmtree(made, ignore_errors=True)
 
     def _refuse_if_off(self) -> None:
         if not self.config.allow:
