@@ -17,7 +17,7 @@ daemon; a test builds one over a fake process group.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,10 +126,16 @@ class OpContext:
             self.store.unwatch(self.writes)
             self.writes = None
 
-    def expect(self, target: str) -> None:
-        """Watches ``target``, a name the op writes, from now on (see :attr:`writes`)."""
-        if self.writes is not None:
-            self.store.watch_name(self.writes, target)
+    def expect(self, targets: Iterable[str], read: Iterable[str] = ()) -> None:
+        """Watches from now on the names the op writes (see :attr:`writes`), before it
+        reads anything; a name it also ``read``s is watched from that read on
+        (:meth:`operand`), so that a put just before the read counts as earlier."""
+        if self.writes is None:
+            return
+        skipped = set(read)
+        for target in targets:
+            if target not in skipped:
+                self.store.watch_name(self.writes, target)
 
     def operand(self, name: str) -> torch.Tensor | None:
         """This rank's stored ``name`` as an op reads it (None if absent): with any lazy

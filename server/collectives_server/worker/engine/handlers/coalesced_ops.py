@@ -101,8 +101,7 @@ def run_coalesced(
     job = _Op.of(ctx, desc)
     member = ctx.rank in job.group.ranks
     if member and job.base.stores_on(ctx.rank, job.root):
-        for target in job.targets:
-            ctx.expect(target)
+        ctx.expect(job.targets, read=job.names)
     operands = [ctx.operand(n) if member else None for n in job.names]
     rows = _rows(ctx, job, member, operands)
     infos = ctx.call(agreement.exchange_rows, ctx.control, ctx.world_size, rows, ann.pending)

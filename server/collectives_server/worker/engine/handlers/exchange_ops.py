@@ -115,9 +115,10 @@ def run_exchange(
     pairs: Pairs = list(zip(args.srcs, args.dsts, strict=True))
     target = args.out or args.name
     receives = any(d == ctx.rank for _, d in pairs)
+    sends = any(s == ctx.rank for s, _ in pairs)
     if receives:
-        ctx.expect(target)
-    operand = ctx.operand(args.name) if any(s == ctx.rank for s, _ in pairs) else None
+        ctx.expect([target], read=[args.name] if sends else [])
+    operand = ctx.operand(args.name) if sends else None
     quota = ctx.store.quota_state(target) if receives else (0, -1)
     values = validation.info_values(operand, ctx.rank in group.ranks, quota)
     fence: Fence | None = None

@@ -113,9 +113,10 @@ def prepare(ctx: OpContext, desc: worker_pb2.OpDescriptor, inline: int | None) -
     member = ctx.rank in group.ranks
     target = args.out or args.name
     stores_here = member and op.stores is not Stores.NONE and not ctx.is_leader
+    reads = member and op.operand is not Operand.NONE
     if member and op.stores is not Stores.NONE:
-        ctx.expect(target)
-    operand = ctx.operand(args.name) if member and op.operand is not Operand.NONE else None
+        ctx.expect([target], read=[args.name] if reads else [])
+    operand = ctx.operand(args.name) if reads else None
     quota = ctx.store.quota_state(target) if member else (0, -1)
     values = validation.info_values(operand, member, quota)
     prepared = Prepared(desc, inline, group, member, target, stores_here, operand, values)

@@ -53,7 +53,7 @@ def run_uneven_all_to_all(
     member = ctx.rank in group.ranks
     target = args.out or args.name
     if member:
-        ctx.expect(target)
+        ctx.expect([target], read=[args.name])
     operand = ctx.operand(args.name) if member else None
     quota = ctx.store.quota_state(target) if member else (0, -1)
     values = validation.info_values(operand, member, quota)
