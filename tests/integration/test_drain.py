@@ -26,8 +26,11 @@ import collectives
 from collectives.errors import from_rpc_error
 from collectives.observe.status_tables import format_table
 from collectives.v1 import worker_pb2, worker_pb2_grpc
+from collectives_server import model_zoo
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+ZOO = "collectives_server.model_zoo"
 
 FLAGS = ("--heartbeat", "0.2", "--lease", "3", "--devices", "cpu")
 # How long the tests that hold a handoff open let a drain prepare (see _drain_held_open).
@@ -300,6 +303,41 @@ def test_steps_running_while_drains_switch_stay_one_model(fresh_cluster, gen) ->
     log = local_cluster.log_path.read_text(errors="replace")
     assert log.count("drain: built models ['steps/m'] ahead") == 2, "not built ahead"
     assert log.count("hosted model 'steps/m' with the module built ahead") == 2
+
+
+def test_loads_running_while_drains_switch_reach_every_rank(fresh_cluster, gen) -> None:
+    """A client loads a model again and again (each load another seed) while another
+    drains each member in turn: a load that reached the drained worker after its store
+    closed failed ("this worker was drained ... retry"), and a rank was left on the
+    previous load. Every load now succeeds, loaded again where the rank went, and
+    afterwards every rank holds the last load's weights."""
+    local_cluster, cluster = fresh_cluster(2, "--spares", "1", "--allow-factory", ZOO, *FLAGS)
+    wait_until(lambda: len(_spares(cluster)) == 1, 30, "the spare to be listed")
+    kwargs = {"in_features": 4, "hidden": 8, "out_features": 2, "depth": 1}
+    seeds = [int(s) for s in torch.randint(0, 2**20, (_MAX_STEPS,), generator=gen)]
+    loaded: list[float] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        with collectives.connect(local_cluster.address, timeout=60) as loader:
+            for seed in seeds:
+                if stop.is_set():
+                    return
+                try:
+                    seeded = {**kwargs, "seed": seed}
+                    loader.load_model("loads/m", factory=f"{ZOO}:mlp", kwargs=seeded)
+                except BaseException as exc:  # the test's finding
+                    errors.append(exc)
+                    return
+                loaded.append(float(seed))
+
+    _drain_each_member_while(cluster, load, loaded, errors, stop)
+    want = model_zoo.mlp(**kwargs, seed=int(loaded[-1])).state_dict()
+    for rank in range(cluster.world_size):
+        held = cluster.state_dict("loads/m", rank=rank)
+        for key, value in want.items():
+            torch.testing.assert_close(held[key], value, msg=f"rank {rank} {key}")
 
 
 def test_a_client_training_with_backward_goes_on_across_drains(fresh_cluster, gen) -> None:

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import torch
 from torch import nn
 
@@ -88,6 +89,11 @@ class ModelInfo:
     running_statistics: bool = False
     # Which load_model call of the name this is: a new load of the name changes it.
     load_id: str = ""
+
+
+def _never_ran(err: CollectiveError) -> bool:
+    """A worker refused the call before doing anything (e.g. it was drained)."""
+    return err.code == grpc.StatusCode.UNAVAILABLE and err.executed is False
 
 
 class Models:
@@ -162,6 +168,10 @@ class Models:
                 from the end); a factory's model is not exported and takes any.
                 Defaults to ``0``.
 
+        A worker that refuses it before loading because it was drained (its rank
+        went to a spare meanwhile) does not fail the call: the model is loaded
+        again, on every rank as the cluster is then, within ``timeout``.
+
         Returns:
             The ``ModelInfo`` rank 0 reports.
 
@@ -199,7 +209,16 @@ class Models:
         if batching is not None:
             spec.batching.CopyFrom(batching.to_proto())
         spec.load_id = uuid.uuid4().hex  # (one per call: ForwardResponse.load_id)
-        responses = self._load_everywhere(f"load_model {name!r}", spec, archive, deadline)
+        what = f"load_model {name!r}"
+        # A rank refused before loading (its worker was drained: the rank moved to a
+        # successor) is loaded again where the rank is now, with every other, within
+        # the deadline; the same load id, so a rank loaded twice holds one load.
+        responses = self._session.retry(
+            what,
+            deadline,
+            lambda _left: self._load_everywhere(what, spec, archive, deadline),
+            _never_ran,
+        )
         info = _model_info(responses[min(responses)].model)
         if state_dict is not None:
             version = self.load_state_dict(name, state_dict, timeout=self._remaining(deadline))

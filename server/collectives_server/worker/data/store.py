@@ -266,9 +266,10 @@ class TensorStore:
             if self._closed_why is None:
                 raise Unavailable(
                     "the handoff this worker was receiving was called off: the rank stays "
-                    "where it was; retry"
+                    "where it was; retry",
+                    executed=False,
                 )
-        raise Unavailable(self._closed_why)
+        raise Unavailable(self._closed_why, executed=False)  # refused before it ran
 
     def check_quota(self, name: str, incoming: int) -> None:
         """Raises ResourceExhausted if ``incoming`` bytes under ``name`` would exceed the limit

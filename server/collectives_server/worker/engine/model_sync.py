@@ -5,10 +5,12 @@ publish might (in a narrow window) have missed a commit its peers made. Before
 a rank reports itself joined, every rank of the new generation exchanges its
 model inventory (name, version, signature, how to build it, its entries) and,
 for each model some rank lacks or holds at an older version, the lowest rank
-holding the newest version sends it to the others over the process group:
+holding the newest version sends it to the others over the process group (a
+rank holding another load of the name is left to that load: see
+:func:`plan_sync`):
 
-  1. an exported model's checked archive, to ranks that lack the model or hold
-     a different one (a factory model travels as its factory's name);
+  1. an exported model's checked archive, to ranks that lack the model (a
+     factory model travels as its factory's name);
   2. the weights, broadcast in buckets (``coalesced_buckets``);
   3. its optimizer, when the source has one: kind, hyperparameters, param groups
      and per-parameter state (momentum buffers, Adam's moments and step counts),
@@ -70,7 +72,7 @@ from collectives_server.worker.models.registry import (
     build_from_factory,
 )
 
-__all__ = ["receive_models", "sync_models"]
+__all__ = ["HeldModel", "SyncPlan", "plan_sync", "receive_models", "sync_models"]
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +81,7 @@ _ARRIVALS_WAIT_SHARE = 0.5
 
 
 @dataclass(frozen=True)
-class _Held:
+class HeldModel:
     """One rank's copy of one model, as the inventory tells it."""
 
     version: int
@@ -98,7 +100,7 @@ class _Held:
     load_id: str = ""
 
     @classmethod
-    def of(cls, told: dict) -> _Held:
+    def of(cls, told: dict) -> HeldModel:
         """A peer's inventory entry; keys this release does not know (a newer peer's)
         are left out, so that a rolling upgrade's mixed generation can exchange."""
         return cls(**{k: v for k, v in told.items() if k in _HELD_FIELDS})
@@ -110,7 +112,40 @@ class _Held:
         return Batching(max_rows=int(max_rows), max_delay_ms=float(max_delay_ms))
 
 
-_HELD_FIELDS = frozenset(f.name for f in fields(_Held))
+_HELD_FIELDS = frozenset(f.name for f in fields(HeldModel))
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    """What one model's exchange sends: from ``source`` (the lowest rank holding its
+    newest version) to the ranks ``behind``, of which ``rebuild`` lack the model."""
+
+    name: str
+    source: int
+    behind: list[int]
+    rebuild: list[int]
+
+
+def plan_sync(everyone: list[dict[str, HeldModel]]) -> list[SyncPlan]:
+    """Each model's exchange, from every rank's inventory (by rank), by name.
+
+    A rank behind lacks the model, or holds the same load of it (same signature) at
+    an older version. A rank holding another load of the name is left as it is:
+    loads are not in the op order, so two ranks' loads cannot say which is newer (a
+    ``load_model`` on its way to the ranks while a drain seals a generation), and
+    the load still on its way, or the client's next one, brings every rank to one.
+    Sequenced ops refuse a model held as different loads meanwhile."""
+    plans = []
+    for name in sorted({n for inventory in everyone for n in inventory}):
+        holders = {r: inv[name] for r, inv in enumerate(everyone) if name in inv}
+        newest = max(h.version for h in holders.values())
+        source = min(r for r, h in holders.items() if h.version == newest)
+        signature = holders[source].signature
+        rebuild = [r for r in range(len(everyone)) if r not in holders]
+        stale = [r for r, h in holders.items() if h.signature == signature and h.version != newest]
+        if rebuild or stale:
+            plans.append(SyncPlan(name, source, sorted(rebuild + stale), rebuild))
+    return plans
 
 
 def sync_models(
@@ -145,24 +180,14 @@ def receive_models(
             arriving,
         )
     everyone = [
-        {name: _Held.of(held) for name, held in inventory.items()}
+        {name: HeldModel.of(held) for name, held in inventory.items()}
         for inventory in _all_gather_json(ctx, _inventory(ctx))
     ]
     arrivals: list[_Arrival] = []
-    for name in sorted({n for inventory in everyone for n in inventory}):
-        holders = {r: inv[name] for r, inv in enumerate(everyone) if name in inv}
-        newest = max(h.version for h in holders.values())
-        source = min(r for r, h in holders.items() if h.version == newest)
-        src = holders[source]
-        behind = [
-            r
-            for r in range(ctx.world_size)
-            if r not in holders
-            or (holders[r].version, holders[r].signature) != (newest, src.signature)
-        ]
-        if not behind:
-            continue
-        rebuild = [r for r in behind if r not in holders or holders[r].signature != src.signature]
+    for plan in plan_sync(everyone):
+        name, source, behind, rebuild = plan.name, plan.source, plan.behind, plan.rebuild
+        src = everyone[source][name]
+        newest = src.version
         archive = None
         if src.archive_bytes and rebuild:
             archive = _broadcast_archive(ctx, name, src, source)
@@ -193,7 +218,7 @@ class _Arrival:
     """A model this rank is behind on, as received: its weights (and archive)."""
 
     name: str
-    src: _Held
+    src: HeldModel
     version: int
     weights: dict[str, torch.Tensor]
     archive: torch.Tensor | None
@@ -270,7 +295,7 @@ def _all_gather_json(ctx: OpContext, value: object) -> list:
     return agreement.all_gather_json(ctx.call, ctx.control, ctx.world_size, value)
 
 
-def _broadcast_archive(ctx: OpContext, name: str, src: _Held, source: int) -> torch.Tensor:
+def _broadcast_archive(ctx: OpContext, name: str, src: HeldModel, source: int) -> torch.Tensor:
     """The source's archive bytes, on every rank: a CPU tensor, so it travels on the
     control group (gloo) whatever the data group is (NCCL takes device tensors only;
     the archive is read from and written to files on the host anyway)."""
@@ -290,14 +315,14 @@ def _broadcast_archive(ctx: OpContext, name: str, src: _Held, source: int) -> to
 
 
 def _broadcast_weights(
-    ctx: OpContext, name: str, src: _Held, source: int
+    ctx: OpContext, name: str, src: HeldModel, source: int
 ) -> dict[str, torch.Tensor]:
     """The source's weights, on every rank (the source's own: its live tensors)."""
     return _broadcast_tensors(ctx, name, src.entries, source, lambda held: held.module.state_dict())
 
 
 def _broadcast_optimizer(
-    ctx: OpContext, name: str, src: _Held, source: int
+    ctx: OpContext, name: str, src: HeldModel, source: int
 ) -> dict[str, torch.Tensor]:
     """The source's optimizer state tensors, on every rank."""
     assert src.optimizer is not None
