@@ -340,6 +340,37 @@ def test_loads_running_while_drains_switch_reach_every_rank(fresh_cluster, gen) 
             torch.testing.assert_close(held[key], value, msg=f"rank {rank} {key}")
 
 
+def test_a_drained_ranks_running_statistics_move_with_it(fresh_cluster, gen) -> None:
+    """Batch norm's running statistics are each rank's own (its shards moved them): the
+    successor takes the drained rank's, not those of the lowest peer that sent it the
+    model's weights, and train-mode calls after the drain move them on as torch would."""
+    _, cluster = fresh_cluster(2, "--spares", "1", *FLAGS)
+    wait_until(lambda: len(_spares(cluster)) == 1, 30, "the spare to be listed")
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = nn.Sequential(nn.BatchNorm1d(4, momentum=0.3), nn.Linear(4, 2)).train()
+    cluster.load_model("stats/m", model, example_inputs=(torch.randn(4, 4),))
+    dp = cluster.data_parallel("stats/m").train()
+    replicas = [copy.deepcopy(model[0]) for _ in range(2)]
+    batches = [torch.randn(6, 4, generator=gen) * 3 + torch.arange(6).view(-1, 1) for _ in range(6)]
+
+    def train(xs: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for x in xs:
+                dp(x)
+                for replica, shard in zip(replicas, torch.chunk(x, 2), strict=True):
+                    replica(shard)  # each rank's statistics move with its own shard
+
+    train(batches[:3])
+    drained = next(w for w in cluster.workers() if w.rank == 1)
+    cluster.drain(drained.worker_id, timeout=60)
+    train(batches[3:])
+    for rank, replica in enumerate(replicas):
+        held = cluster.state_dict("stats/m", rank=rank)
+        for key in ("running_mean", "running_var", "num_batches_tracked"):
+            torch.testing.assert_close(held[f"0.{key}"], getattr(replica, key), msg=f"{rank} {key}")
+    assert next(w for w in cluster.workers() if w.rank == 1).worker_id != drained.worker_id
+
+
 def test_a_client_training_with_backward_goes_on_across_drains(fresh_cluster, gen) -> None:
     """A client trains as with ``nn.DataParallel`` (``dp(x)``, ``loss.backward()`` on the
     workers, ``all_reduce_gradients``, ``step``, ``zero_grad``) without pause while

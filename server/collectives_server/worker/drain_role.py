@@ -321,8 +321,9 @@ class DrainRole:
             log.warning("drain: called off; the copied tensors are dropped")
             return
         self._ctx.store.install(copied.tensors)
-        # The models come from the peers as this worker joins; their gradients, the
-        # drained rank's own, are set once each is hosted (engine.model_sync).
+        # The models come from the peers as this worker joins; their gradients and
+        # running statistics, the drained rank's own, are set once each is hosted
+        # (engine.model_sync).
         pending: dict[str, dict[str, torch.Tensor]] = {}
         for (model, key), grad in copied.gradients.items():
             pending.setdefault(model, {})[key] = grad
@@ -366,7 +367,7 @@ class DrainRole:
                 f"this worker was drained: rank {handoff.rank} now belongs to {to}; retry"
             )
             tensors = self._ctx.store.contents()
-            self._ctx.handoff.offer(handoff.generation_after, tensors, self._gradients())
+            self._ctx.handoff.offer(handoff.generation_after, tensors, self._rank_state())
         log.info("drain: offering %d tensors to %s", len(tensors), to)
         if not handoff.successor_id:
             self._report(
@@ -375,9 +376,11 @@ class DrainRole:
                 )
             )
 
-    def _gradients(self) -> dict[tuple[str, str], torch.Tensor]:
-        """A copy of every hosted model's gradients, by (model, parameter): this rank's
-        own until a reduction (a client's backward not yet all-reduced)."""
+    def _rank_state(self) -> dict[tuple[str, str], torch.Tensor]:
+        """A copy of what of every hosted model is this rank's own, by (model, key): its
+        parameters' gradients until a reduction (a client's backward not yet
+        all-reduced), and the buffers of a model that keeps running statistics (each
+        rank's train-mode calls move its own). The peers send the rest."""
         out = {}
         for model in self._ctx.models.all():
             if model.name.startswith(FUNCTION_PREFIX):
@@ -386,6 +389,9 @@ class DrainRole:
                 for key, param in model.parameters:
                     if param.grad is not None:
                         out[(model.name, key)] = param.grad.detach().clone()
+                if model.running_statistics:
+                    for key, buffer in model.module.named_buffers():
+                        out[(model.name, key)] = buffer.detach().clone()
         return out
 
     def _copy(self, handoff: coordinator_pb2.Handoff, retired: Generation | None) -> None:

@@ -390,12 +390,18 @@ def _commit(held: HostedModel | None, arrival: _Arrival) -> bool:
 
 
 def _set_gradients(held: HostedModel, gradients: dict[str, torch.Tensor]) -> None:
-    """The drained rank's gradients as this model's (the caller holds its lock): a
-    parameter's whose shape and dtype match; the arena adopts them at its next use."""
+    """The drained rank's own state as this model's (the caller holds its lock): its
+    parameters' gradients, and its buffers (running statistics), each where the
+    shape and dtype match; the gradient arena adopts the gradients at its next use."""
     for key, param in held.parameters:
         grad = gradients.get(key)
         if grad is not None and grad.shape == param.shape and grad.dtype == param.dtype:
             param.grad = grad.to(param.device)
+    with torch.no_grad():
+        for key, buffer in held.module.named_buffers():
+            value = gradients.get(key)
+            if value is not None and value.shape == buffer.shape and value.dtype == buffer.dtype:
+                buffer.copy_(value)
 
 
 def _install_optimizer(held: HostedModel, arrival: _Arrival) -> None:
