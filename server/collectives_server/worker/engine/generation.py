@@ -82,6 +82,8 @@ _UNFINISHED = "did not finish here: the process group broke or the generation en
 # tries the next; it looks at the rendezvous store every _REBUILD_POLL_S meanwhile.
 _REBUILD_WAIT_OP_TIMEOUTS = 6
 _REBUILD_POLL_S = 0.05
+# ... and at most this often while the store's host does not answer.
+_REBUILD_POLL_MAX_S = 1.0
 # A gated generation waits for its drain's handoff at most this many op timeouts
 # (the coordinator's own deadline for a handoff is 4 by default).
 _GATE_OP_TIMEOUTS = 8
@@ -410,6 +412,7 @@ class Generation:
         patience = _REBUILD_WAIT_OP_TIMEOUTS * self._spec.op_timeout_s
         epoch, arrived_at = failed + 1, -1
         deadline = time.monotonic() + patience
+        poll_s = _REBUILD_POLL_S
         while True:
             try:
                 store = self._rendezvous()
@@ -420,14 +423,19 @@ class Generation:
                     arrived_at, deadline = epoch, time.monotonic() + patience
                 if store.add(arrived, 0) >= self.world_size:
                     return epoch
+                poll_s = _REBUILD_POLL_S
             except (RuntimeError, dist.DistError) as exc:  # the store's host is gone: wait
                 log.debug("generation %d: rendezvous store: %s", self.generation, exc)
+                # Less often while it stays gone (a killed host: the coordinator seals
+                # a generation without it, which ends this wait at once): torch logs
+                # each failed call with its C++ stack.
+                poll_s = min(2 * poll_s, _REBUILD_POLL_MAX_S)
             if time.monotonic() > deadline:
                 epoch += 1
             with self._cond:
                 if self._seq.closed:
                     return None
-                self._cond.wait(_REBUILD_POLL_S)
+                self._cond.wait(poll_s)
                 if self._seq.closed:
                     return None
 
