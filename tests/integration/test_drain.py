@@ -340,6 +340,36 @@ def test_loads_running_while_drains_switch_reach_every_rank(fresh_cluster, gen) 
             torch.testing.assert_close(held[key], value, msg=f"rank {rank} {key}")
 
 
+def test_unloads_running_while_drains_switch_leave_no_rank_holding_the_model(
+    fresh_cluster, gen
+) -> None:
+    """A client loads and unloads a model again and again while another drains each
+    member in turn: an unload refused by the drained worker is sent again where the rank
+    went, so every call succeeds and, after the last unload, no rank holds the model."""
+    local_cluster, cluster = fresh_cluster(2, "--spares", "1", "--allow-factory", ZOO, *FLAGS)
+    wait_until(lambda: len(_spares(cluster)) == 1, 30, "the spare to be listed")
+    kwargs = {"in_features": 4, "hidden": 8, "out_features": 2, "depth": 1}
+    cycles: list[float] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def cycle() -> None:
+        with collectives.connect(local_cluster.address, timeout=60) as loader:
+            while not stop.is_set() and len(cycles) < _MAX_STEPS:
+                try:
+                    loader.load_model("unloads/m", factory=f"{ZOO}:mlp", kwargs=kwargs)
+                    loader.unload_model("unloads/m")
+                except BaseException as exc:  # the test's finding
+                    errors.append(exc)
+                    return
+                cycles.append(float(len(cycles)))
+
+    _drain_each_member_while(cluster, cycle, cycles, errors, stop)
+    for rank in range(cluster.world_size):
+        with pytest.raises(collectives.NotFound):
+            cluster.state_dict("unloads/m", rank=rank)
+
+
 def test_a_drained_ranks_running_statistics_move_with_it(fresh_cluster, gen) -> None:
     """Batch norm's running statistics are each rank's own (its shards moved them): the
     successor takes the drained rank's, not those of the lowest peer that sent it the

@@ -885,15 +885,23 @@ class Models:
         return {w.rank: self._session.endpoint(w.address) for w in snapshot.workers if w.rank >= 0}
 
     def _per_rank(self, what: str, deadline: float, method: str, request: Any) -> dict[int, Any]:
-        """The Worker RPC ``method`` with ``request`` on every member, answers by rank."""
-        endpoints = self._member_endpoints(deadline)
-        return self._session.fan_out(
-            what,
-            {
-                rank: (lambda e=e: e.unary(method).future(request, self._remaining(deadline), what))
-                for rank, e in endpoints.items()
-            },
-        )
+        """The Worker RPC ``method`` (idempotent: UnloadModel, SetModelMode) with
+        ``request`` on every member, answers by rank; sent to every member again, as
+        the cluster is then, when one refused it before doing anything (drained)."""
+
+        def attempt(_left: float) -> dict[int, Any]:
+            endpoints = self._member_endpoints(deadline)
+            return self._session.fan_out(
+                what,
+                {
+                    rank: (
+                        lambda e=e: e.unary(method).future(request, self._remaining(deadline), what)
+                    )
+                    for rank, e in endpoints.items()
+                },
+            )
+
+        return self._session.retry(what, deadline, attempt, _never_ran)
 
     def _model_tensors(
         self, name: str, which: str, rank: int, timeout: float | None
