@@ -192,7 +192,7 @@ class _RemoteCall:
         (``_placement``), and is placed again, away from a worker that failed it with
         ``UNAVAILABLE``, within its deadline, when its output cannot depend on the
         worker: the replicas are known to be the same, and the model keeps no
-        per-worker statistics (batch norm's running ones)."""
+        per-worker running statistics (a batch or instance norm's)."""
         grad_on = torch.is_grad_enabled()
         placement = self.models.placement
         routable = not grad_on and not self.per_worker_state and placement.may_route(self.model)

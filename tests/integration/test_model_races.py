@@ -374,9 +374,9 @@ def test_train_mode_calls_that_straddle_publishes_move_each_workers_statistics_o
 ) -> None:
     """A data-parallel call whose shards straddle another client's publish runs the late
     shards again at the newest version. In train mode each run moved its worker's running
-    statistics, so a straddled call counted twice there (315 batches after 300 calls
-    in the hunt). A shard run again now leaves the statistics as its first run left
-    them: every worker's equal torch's over its own shards, one update per call."""
+    statistics, so a straddled call counted twice there. A shard run again now leaves
+    the statistics as its first run left them: every worker's equal torch's over its
+    own shards, one update per call."""
     name = uname("bnrerun")
     calls = 120
 

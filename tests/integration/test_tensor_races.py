@@ -122,7 +122,7 @@ def test_a_put_is_never_lost_under_a_collective_that_writes_it_out_of_place(
     another all-reduces ``a`` into ``b`` (max) meanwhile. Each order of the three
     leaves ``b`` either as put or the max over the new ``a``; an all_reduce that read
     the old ``a`` and stored its result over the later put of ``b`` fits no order
-    (on the leader, 2 to 11 of 40 rounds in the hunt)."""
+    (it happened on the leader)."""
     source, target = uname("src"), uname("dst")
     cluster3.put(source, torch.zeros(numel))
     cluster3.put(target, torch.zeros(numel))

@@ -30,7 +30,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import torch
 from torch import nn
 
@@ -44,7 +43,7 @@ from collectives.models.programs import ProgramCache, as_module, example_like, p
 from collectives.ops.data_plane import DataPlane
 from collectives.reduce_ops import ReduceOp, parse_reduce_op
 from collectives.session.connection import Session, server_timeout_s, without_models
-from collectives.session.generation_binding import GenerationBinding
+from collectives.session.generation_binding import GenerationBinding, is_not_executed
 from collectives.transport.calls import Call, Job
 from collectives.transport.endpoints import WorkerEndpoint, is_retryable_read
 from collectives.transport.model_streams import get_model_tensors, load_model_on
@@ -89,11 +88,6 @@ class ModelInfo:
     running_statistics: bool = False
     # Which load_model call of the name this is: a new load of the name changes it.
     load_id: str = ""
-
-
-def _never_ran(err: CollectiveError) -> bool:
-    """A worker refused the call before doing anything (e.g. it was drained)."""
-    return err.code == grpc.StatusCode.UNAVAILABLE and err.executed is False
 
 
 class Models:
@@ -217,7 +211,7 @@ class Models:
             what,
             deadline,
             lambda _left: self._load_everywhere(what, spec, archive, deadline),
-            _never_ran,
+            is_not_executed,
         )
         info = _model_info(responses[min(responses)].model)
         if state_dict is not None:
@@ -901,7 +895,7 @@ class Models:
                 },
             )
 
-        return self._session.retry(what, deadline, attempt, _never_ran)
+        return self._session.retry(what, deadline, attempt, is_not_executed)
 
     def _model_tensors(
         self, name: str, which: str, rank: int, timeout: float | None

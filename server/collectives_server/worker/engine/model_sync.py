@@ -381,7 +381,7 @@ def _commit(held: HostedModel | None, arrival: _Arrival) -> bool:
             model_versions.commit(held, staged, arrival.version)
             if arrival.optimizer is not None:
                 _install_optimizer(held, arrival)
-            _set_gradients(held, arrival.gradients)
+            _set_rank_state(held, arrival.gradients)
     except Exception as exc:
         log.error("cannot take model %r at version %d: %s", arrival.name, arrival.version, exc)
         return False
@@ -389,7 +389,7 @@ def _commit(held: HostedModel | None, arrival: _Arrival) -> bool:
     return True
 
 
-def _set_gradients(held: HostedModel, gradients: dict[str, torch.Tensor]) -> None:
+def _set_rank_state(held: HostedModel, gradients: dict[str, torch.Tensor]) -> None:
     """The drained rank's own state as this model's (the caller holds its lock): its
     parameters' gradients, and its buffers (running statistics), each where the
     shape and dtype match; the gradient arena adopts the gradients at its next use."""
